@@ -1,0 +1,76 @@
+"""The aggregator interface.
+
+An aggregator holds settings; its state goes in and comes back (the optax
+pattern)::
+
+    state = agg.init(layout)
+    direction, state, metrics = agg(updates, weights, state, info=info)
+
+``updates`` is ``[m, d]`` (one pseudo-gradient ``g_k = w − w_k`` per row),
+``weights`` is ``[m]`` (``n_k``; rules normalise them as they need), and the
+returned direction is applied by the server optimizer as ``w ← w − η_g·opt(direction)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from fedloom.params import Layout
+
+__all__ = ["Aggregator", "CohortInfo", "make_aggregator"]
+
+
+@dataclass(frozen=True)
+class CohortInfo:
+    """What some rules need beyond the updates (all rows aligned with ``updates``)."""
+
+    clients: torch.Tensor                 # client ids, int64 [m]
+    round: int
+    num_clients: int                      # N, the population size
+    losses: torch.Tensor | None = None    # local training loss per client
+    steps: torch.Tensor | None = None     # local steps per client
+    lr: float | None = None               # client learning rate this round
+
+
+class Aggregator(Protocol):
+    def init(self, layout: Layout) -> Any: ...
+
+    def __call__(
+        self,
+        updates: torch.Tensor,
+        weights: torch.Tensor,
+        state: Any,
+        *,
+        info: CohortInfo | None = None,
+    ) -> tuple[torch.Tensor, Any, Mapping[str, float]]: ...
+
+
+def make_aggregator(name: str, **options: Any) -> Aggregator:
+    """Build a registered aggregator; unknown options raise a ``ValueError`` naming them."""
+    import inspect
+
+    from fedloom.registry import get
+
+    factory = get("aggregator", name)
+    params = inspect.signature(factory).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(options) - set(params))
+        if unknown:
+            raise ValueError(
+                f"aggregator.options.{unknown[0]}: unknown option for {name!r} "
+                f"(expected one of: {', '.join(sorted(params)) or 'none'})"
+            )
+    return factory(**options)
+
+
+def normalise_weights(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``p_k = n_k / Σ n_j``."""
+    w = weights.to(dtype)
+    total = w.sum()
+    if not torch.isfinite(total) or total <= 0:
+        raise ValueError("aggregator: weights must be finite with a positive sum")
+    return w / total

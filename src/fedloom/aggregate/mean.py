@@ -1,0 +1,49 @@
+"""FedAvg: the sample-weighted mean of the client updates.
+
+``agg = Σ_k p_k g_k`` with ``p_k = n_k / Σ_{j∈S_t} n_j`` (McMahan et al.,
+"Communication-Efficient Learning of Deep Networks from Decentralized Data",
+AISTATS 2017). With the server optimizer ``sgd`` and ``η_g = 1`` this is
+exactly ``w ← Σ p_k w_k``. ``weighted=False`` gives the plain mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from fedloom.aggregate.base import CohortInfo, normalise_weights
+from fedloom.params import Layout
+from fedloom.registry import register
+
+__all__ = ["FedAvg"]
+
+
+class FedAvg:
+    def __init__(self, weighted: bool = True) -> None:
+        self.weighted = weighted
+
+    def init(self, layout: Layout) -> None:
+        return None
+
+    def __call__(
+        self,
+        updates: torch.Tensor,
+        weights: torch.Tensor,
+        state: None,
+        *,
+        info: CohortInfo | None = None,
+    ) -> tuple[torch.Tensor, None, Mapping[str, float]]:
+        if updates.ndim != 2 or updates.shape[0] != weights.shape[0]:
+            raise ValueError(
+                f"fedavg: updates {tuple(updates.shape)} and weights {tuple(weights.shape)} "
+                "do not align"
+            )
+        w = weights if self.weighted else torch.ones_like(weights)
+        p = normalise_weights(w, updates.dtype)
+        return p @ updates, state, {}
+
+
+@register("aggregator", "fedavg")
+def _fedavg(weighted: bool = True) -> FedAvg:
+    return FedAvg(weighted=weighted)

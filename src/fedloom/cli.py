@@ -1,0 +1,131 @@
+"""The command line: ``fedloom run | datasets``.
+
+Errors in what the user gave (config, overrides, data, run directory) print one
+line ``fedloom: error: …`` and exit with status 2; nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"  # pragma: no cover
+
+
+def _default_out(config: str, name: str | None) -> Path:
+    stem = name or Path(config).stem
+    return Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from fedloom.config import load_config
+    from fedloom.engine.loop import run
+
+    cfg = load_config(args.config, args.overrides)
+    out = Path(args.out) if args.out else _default_out(args.config, cfg.name)
+    if args.resume and not args.out:
+        raise ValueError("--resume needs --out DIR (the run directory to continue)")
+    bar = tqdm(total=cfg.rounds, desc="rounds", unit="rd", file=sys.stderr,
+               disable=args.quiet, dynamic_ncols=True)
+    last_acc: list[float] = []
+
+    def progress(state: Any, m: dict[str, Any]) -> None:
+        if bar.n == 0 and state.next_round > 1:
+            bar.update(state.next_round - 1)  # resumed
+        if "test_acc" in m:
+            last_acc[:] = [m["test_acc"]]
+        post = {"acc": f"{last_acc[0]:.4f}" if last_acc else "-",
+                "up": _fmt_bytes(m["uplink_bytes_total"]),
+                "down": _fmt_bytes(m["downlink_bytes_total"])}
+        bar.set_postfix(post, refresh=False)
+        bar.update(1)
+
+    try:
+        result = run(cfg, out=out, resume=args.resume, callbacks=[progress])
+    finally:
+        bar.close()
+    s = result.summary
+    rows = [
+        ("rounds", f"{s['rounds']}"),
+        ("test accuracy", f"{s.get('test_acc', float('nan')):.4f}"),
+        ("test loss", f"{s.get('test_loss', float('nan')):.4f}"),
+        ("client acc mean ± std", f"{s.get('client_acc_mean', float('nan')):.4f} ± "
+                                  f"{s.get('client_acc_std', float('nan')):.4f}"),
+        ("client acc worst 10 %", f"{s.get('client_acc_worst10', float('nan')):.4f}"),
+        ("uplink total", _fmt_bytes(s["uplink_bytes_total"])),
+        ("downlink total", _fmt_bytes(s["downlink_bytes_total"])),
+        ("rejected updates", f"{s['rejected_updates_total']}"),
+        ("wall time", f"{s['wall_s_total']:.1f} s"),
+        ("model sha256", s["model_sha256"][:16] + "…"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print(f"\n{'metric':<{width}}  value\n{'-' * width}  {'-' * 24}")
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print(f"\nrun directory: {result.run_dir}")
+    return 0
+
+
+def _cmd_datasets(args: argparse.Namespace) -> int:
+    from fedloom.data.sources import sources
+
+    rows = [(s.name, "yes" if s.available() else "no", s.description,
+             "" if s.available() else s.install) for s in sources()]
+    w0 = max(len(r[0]) for r in rows)
+    print(f"{'dataset':<{w0}}  here  description / install command")
+    for name, here, desc, inst in rows:
+        print(f"{name:<{w0}}  {here:<4}  {desc}")
+        if inst:
+            print(f"{'':<{w0}}        install: {inst}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedloom", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run an experiment from a YAML config")
+    r.add_argument("config", help="YAML config file")
+    r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. client.lr=0.05")
+    r.add_argument("--out", help="run directory (default: runs/NAME-TIMESTAMP)")
+    r.add_argument("--resume", action="store_true", help="continue the run in --out")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.set_defaults(func=_cmd_run)
+    d = sub.add_parser("datasets", help="list datasets, whether they are here, how to install")
+    d.set_defaults(func=_cmd_datasets)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fedloom.config import ConfigError
+    from fedloom.data.partition import PartitionError
+    from fedloom.data.sources import DatasetUnavailable
+
+    logging.basicConfig(level=logging.WARNING, format="fedloom: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ConfigError, DatasetUnavailable, PartitionError, ValueError) as e:
+        print(f"fedloom: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+              file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fedloom: interrupted (continue with --resume --out DIR)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

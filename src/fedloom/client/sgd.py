@@ -1,0 +1,133 @@
+"""Local SGD on the flat parameter vector.
+
+The client minimises ``F_k(w') + (μ/2)‖w' − w‖²`` (FedProx, Li et al. 2020;
+μ = 0 is FedAvg's local solver) with SGD, momentum and weight decay exactly as
+``torch.optim.SGD`` (dampening 0, no Nesterov):
+
+    d = ∇f(w') + wd·w' (+ μ(w' − w)),   b ← m·b + d (b = d on the first step),
+    w' ← w' − η·b.
+
+Gradients are taken with respect to the flat vector itself: the module runs
+with ``functional_call`` on views of ``w'``, so one backward gives ``∇_w' f``
+as one vector and the update is one fused vector operation.
+
+Batch order comes from a generator derived from ``(seed, round, client,
+"batch")``: each epoch is a fresh permutation, the last batch may be short.
+With ``steps`` set, epochs are chained until that many steps are done.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fedloom.config import ScheduleConfig
+from fedloom.params import Layout, functional_forward
+
+__all__ = ["ClientJob", "ClientResult", "LocalSGD", "lr_at_round"]
+
+
+def lr_at_round(base: float, sched: ScheduleConfig, round: int, rounds: int) -> float:
+    """The client learning rate of round ``round`` (0-based) out of ``rounds``.
+
+    - constant: ``η``;
+    - exp: ``η γ^t`` (CRAFT's code: γ = 0.999);
+    - cosine: linear warm-up ``η (t+1)/W`` for ``t < W``, then
+      ``η_min + ½(η − η_min)(1 + cos(π (t − W)/(T − 1 − W)))`` (SA-PEF's code:
+      W = 5, η 0.1 → 0.003).
+    """
+    if sched.name == "constant":
+        return base
+    if sched.name == "exp":
+        return base * sched.gamma**round
+    w = sched.warmup
+    if round < w:
+        return base * (round + 1) / w
+    span = max(1, rounds - 1 - w)
+    frac = min(1.0, (round - w) / span)
+    return sched.final_lr + 0.5 * (base - sched.final_lr) * (1 + math.cos(math.pi * frac))
+
+
+@dataclass(frozen=True)
+class ClientJob:
+    """One client's work in one round."""
+
+    client: int
+    round: int
+    w: torch.Tensor          # the global model the client received
+    lr: float
+    x: torch.Tensor          # the client's training samples
+    y: torch.Tensor
+    gen_seed: int            # seed of the batch-order generator
+
+
+@dataclass
+class ClientResult:
+    """What comes back: the pseudo-gradient ``g = w − w_k`` and statistics."""
+
+    client: int
+    update: torch.Tensor
+    num_samples: int
+    loss: float              # mean training loss over the local steps
+    steps: int
+
+
+@dataclass(frozen=True)
+class LocalSGD:
+    """Settings of local training (no state: momentum restarts every round)."""
+
+    module: nn.Module
+    layout: Layout
+    batch_size: int = 32
+    epochs: int = 1
+    steps: int | None = None
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    prox_mu: float = 0.0
+
+    def num_steps(self, n: int) -> int:
+        if self.steps is not None:
+            return self.steps
+        return self.epochs * math.ceil(n / self.batch_size)
+
+    def batch_indices(self, n: int, gen: torch.Generator) -> list[torch.Tensor]:
+        """The index batches of one round: permutations chained epoch after epoch."""
+        total = self.num_steps(n)
+        out: list[torch.Tensor] = []
+        while len(out) < total:
+            perm = torch.randperm(n, generator=gen)
+            for s in range(0, n, self.batch_size):
+                out.append(perm[s : s + self.batch_size])
+                if len(out) == total:
+                    break
+        return out
+
+    def run(self, job: ClientJob) -> ClientResult:
+        gen = torch.Generator()
+        gen.manual_seed(job.gen_seed)
+        n = int(job.y.shape[0])
+        w_global = job.w
+        w = w_global.detach().clone().requires_grad_(True)
+        buf: torch.Tensor | None = None
+        loss_sum = 0.0
+        batches = self.batch_indices(n, gen)
+        for idx in batches:
+            logits = functional_forward(self.module, self.layout, w, job.x[idx])
+            loss = F.cross_entropy(logits, job.y[idx])
+            (grad,) = torch.autograd.grad(loss, w)
+            loss_sum += float(loss.detach())
+            with torch.no_grad():
+                if self.weight_decay:
+                    grad = grad.add(w, alpha=self.weight_decay)
+                if self.prox_mu:
+                    grad = grad.add(w - w_global, alpha=self.prox_mu)
+                if self.momentum:
+                    buf = grad.clone() if buf is None else buf.mul_(self.momentum).add_(grad)
+                    grad = buf
+                w.sub_(grad, alpha=job.lr)
+        update = (w_global - w.detach()).contiguous()
+        return ClientResult(job.client, update, n, loss_sum / max(1, len(batches)), len(batches))

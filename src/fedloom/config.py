@@ -1,0 +1,362 @@
+"""The typed experiment schema: YAML in, validated dataclasses out.
+
+A config is a tree of dataclasses. Loading checks every field: an unknown key,
+a wrong type or an out-of-range value raises :class:`ConfigError` whose message
+is one line naming the dotted field (``client.lr: must be > 0, got -1``).
+Overrides use the same dotted names (``fedloom run cfg.yaml client.lr=0.05``);
+their values are parsed as YAML scalars/lists.
+
+Config stays at the edge: the engine turns a validated :class:`Config` into
+typed objects, and core code never sees dicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "apply_overrides",
+    "config_from_dict",
+    "config_to_dict",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A config problem; ``str(err)`` is one line naming the field."""
+
+
+def _rng(**bounds: float) -> dict[str, Any]:
+    return {"bounds": bounds}
+
+
+def _f(default: Any, **bounds: float) -> Any:
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=_rng(**bounds))
+    return field(default=default, metadata=_rng(**bounds))
+
+
+@dataclass
+class SyntheticConfig:
+    """Synthetic(α, β) of FedProx / q-FFL: α controls how much local models
+    differ, β how much local feature distributions differ."""
+
+    alpha: float = _f(1.0, ge=0)
+    beta: float = _f(1.0, ge=0)
+    dim: int = _f(60, ge=1)
+    classes: int = _f(10, ge=2)
+
+
+@dataclass
+class PartitionConfig:
+    name: Literal["iid", "dirichlet", "shards", "natural"] = "dirichlet"
+    alpha: float = _f(0.5, gt=0)
+    min_samples: int = _f(10, ge=1)
+    shards_per_client: int = _f(2, ge=1)
+    max_tries: int = _f(1000, ge=1)
+
+
+@dataclass
+class DataConfig:
+    name: str = "mnist"
+    num_clients: int = _f(100, ge=1)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    test_fraction: float = _f(0.2, ge=0, lt=1)
+    # Use only the first N training samples of the source (0 = all): small tests.
+    max_samples: int = _f(0, ge=0)
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "mlp"
+    hidden: list[int] = _f([200, 200])
+
+
+@dataclass
+class CohortConfig:
+    size: int = _f(10, ge=1)
+
+
+@dataclass
+class ScheduleConfig:
+    """Per-round client learning rate ``lr_t``.
+
+    constant: ``lr``; exp: ``lr · gamma^t``; cosine: linear warm-up over
+    ``warmup`` rounds, then cosine from ``lr`` to ``final_lr`` at the last round.
+    """
+
+    name: Literal["constant", "exp", "cosine"] = "constant"
+    gamma: float = _f(0.999, gt=0, le=1)
+    warmup: int = _f(0, ge=0)
+    final_lr: float = _f(0.0, ge=0)
+
+
+@dataclass
+class ClientConfig:
+    lr: float = _f(0.01, gt=0)
+    momentum: float = _f(0.0, ge=0, lt=1)
+    weight_decay: float = _f(0.0, ge=0)
+    batch_size: int = _f(32, ge=1)
+    epochs: int = _f(1, ge=1)
+    # A fixed number of local steps; when set it replaces `epochs`.
+    steps: int | None = _f(None, ge=1)
+    prox_mu: float = _f(0.0, ge=0)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+
+@dataclass
+class ServerConfig:
+    """Server step ``w ← w − lr · opt(agg)`` (Reddi et al. 2021, FedOpt)."""
+
+    optimizer: Literal["sgd", "momentum", "adam", "yogi", "adagrad"] = "sgd"
+    lr: float = _f(1.0, gt=0)
+    momentum: float = _f(0.9, ge=0, lt=1)
+    beta1: float = _f(0.9, ge=0, lt=1)
+    beta2: float = _f(0.99, ge=0, lt=1)
+    eps: float = _f(1e-3, gt=0)
+
+
+@dataclass
+class AggregatorConfig:
+    name: str = "fedavg"
+    options: dict[str, Any] = _f({})
+
+
+@dataclass
+class EvalConfig:
+    every: int = _f(1, ge=1)
+    batch_size: int = _f(2048, ge=1)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = _f(10, ge=0)  # 0 disables checkpoints
+
+
+@dataclass
+class StateConfig:
+    """Per-client state storage: ``auto`` picks dense below ``memmap_above_mb``."""
+
+    storage: Literal["auto", "dense", "memmap"] = "auto"
+    dtype: Literal["float32", "float16"] = "float32"
+    memmap_above_mb: float = _f(1024.0, gt=0)
+
+
+@dataclass
+class Config:
+    name: str = "experiment"
+    seed: int = 0
+    rounds: int = _f(30, ge=1)
+    backend: str = "sequential"
+    dtype: Literal["float32", "float64"] = "float32"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cohort: CohortConfig = field(default_factory=CohortConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    aggregator: AggregatorConfig = field(default_factory=AggregatorConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    state: StateConfig = field(default_factory=StateConfig)
+
+
+# --------------------------------------------------------------------------- parsing
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{path}: must be {_type_name(tp)}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _convert(value, arg, path)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{path}: must be {_type_name(tp)}, got {value!r}")
+    if tp is type(None):
+        if value is not None:
+            raise ConfigError(f"{path}: must be null, got {value!r}")
+        return None
+    if origin is list:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: must be {_type_name(tp)}, got {value!r}")
+        (inner,) = typing.get_args(tp)
+        return [_convert(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: must be a mapping, got {value!r}")
+        return {str(k): v for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: must be a mapping, got {value!r}")
+        return _build(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: must be a number, got {value!r}")
+        value = float(value)
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(f"{path}: must be finite, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: must be a string, got {value!r}")
+        return value
+    if tp is Any:
+        return value
+    raise TypeError(f"config schema: unsupported type {tp!r} at {path}")  # pragma: no cover
+
+
+def _check_bounds(value: Any, bounds: Mapping[str, float], path: str) -> None:
+    if value is None:
+        return
+    values = value if isinstance(value, list) else [value]
+    for v in values:
+        for op, b in bounds.items():
+            ok = {"ge": v >= b, "gt": v > b, "le": v <= b, "lt": v < b}[op]
+            if not ok:
+                sym = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}[op]
+                raise ConfigError(f"{path}: must be {sym} {b:g}, got {v!r}")
+
+
+def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            where = f"{path}.{key}" if path else str(key)
+            raise ConfigError(
+                f"{where}: unknown key (expected one of: {', '.join(sorted(fields))})"
+            )
+    kwargs = {}
+    for name, f in fields.items():
+        where = f"{path}.{name}" if path else name
+        if name in data:
+            value = _convert(data[name], hints[name], where)
+            _check_bounds(value, f.metadata.get("bounds", {}), where)
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """Validate a plain mapping into a :class:`Config` (raises :class:`ConfigError`)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config: must be a mapping at the top level, got {type(data).__name__}")
+    cfg = _build(Config, data, "")
+    _check_cross_fields(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _check_cross_fields(cfg: Config) -> None:
+    # Imported here: the registry imports component modules, which import this one.
+    from fedloom.registry import check_name
+
+    check_name("data.name", "dataset", cfg.data.name)
+    check_name("model.name", "model", cfg.model.name)
+    check_name("aggregator.name", "aggregator", cfg.aggregator.name)
+    check_name("backend", "backend", cfg.backend)
+    if cfg.cohort.size > cfg.data.num_clients:
+        raise ConfigError(
+            f"cohort.size: must be <= data.num_clients ({cfg.data.num_clients}), "
+            f"got {cfg.cohort.size}"
+        )
+    if cfg.client.schedule.name == "cosine" and cfg.client.schedule.warmup >= cfg.rounds:
+        raise ConfigError(
+            f"client.schedule.warmup: must be < rounds ({cfg.rounds}), "
+            f"got {cfg.client.schedule.warmup}"
+        )
+
+
+# ------------------------------------------------------------------- YAML + overrides
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides to a nested mapping (a copy is returned)."""
+    import copy
+
+    out = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE with a dotted key")
+        parts = key.split(".")
+        node: dict[str, Any] = out
+        for i, part in enumerate(parts[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"{'.'.join(parts[: i + 1])}: is not a section, cannot set {key}")
+            node = nxt
+        node[parts[-1]] = _parse_value(raw)
+    return out
+
+
+def load_config(
+    source: str | Path | Mapping[str, Any] | Config, overrides: Sequence[str] = ()
+) -> Config:
+    """Load a config from a YAML file, a mapping or a :class:`Config`, then apply overrides."""
+    if isinstance(source, Config):
+        data = config_to_dict(source)
+    elif isinstance(source, Mapping):
+        data = dict(source)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1})" if mark is not None else ""
+            raise ConfigError(f"{path}: not valid YAML{where}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: must hold a mapping at the top level")
+        data.setdefault("name", path.stem)
+    return config_from_dict(apply_overrides(data, overrides))

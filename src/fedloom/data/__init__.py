@@ -1,0 +1,19 @@
+"""Datasets, partitioners and the federated view of a dataset."""
+
+from fedloom.data.federated import FederatedData, build_federated
+from fedloom.data.partition import PartitionError, dirichlet, iid, natural, shards
+from fedloom.data.sources import Dataset, DatasetUnavailable, load_dataset, sources
+
+__all__ = [
+    "Dataset",
+    "DatasetUnavailable",
+    "FederatedData",
+    "PartitionError",
+    "build_federated",
+    "dirichlet",
+    "iid",
+    "load_dataset",
+    "natural",
+    "shards",
+    "sources",
+]

@@ -1,0 +1,98 @@
+"""FederatedData: a dataset partitioned over clients, each with a train/test split."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedloom.config import DataConfig
+from fedloom.data.partition import PartitionError
+from fedloom.data.sources import Dataset
+from fedloom.registry import get
+from fedloom.rng import Purpose, numpy_gen
+
+__all__ = ["FederatedData", "build_federated", "partition_indices", "split_train_test"]
+
+
+@dataclass
+class FederatedData:
+    """Per-client index views into one :class:`Dataset`.
+
+    Attributes:
+        train: ``train[k]`` are client k's training sample indices (into ``dataset.x``).
+        test: ``test[k]`` its own test split (possibly empty).
+        x_test, y_test: the global test set (the source's, or the union of the
+            clients' test splits when the source has none).
+    """
+
+    dataset: Dataset
+    train: list[np.ndarray]
+    test: list[np.ndarray]
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.train)
+
+    @property
+    def num_classes(self) -> int:
+        return self.dataset.num_classes
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return self.dataset.input_shape
+
+    def num_train(self) -> np.ndarray:
+        """``n_k``, the training-set size of every client."""
+        return np.array([len(t) for t in self.train], dtype=np.int64)
+
+
+def partition_indices(ds: Dataset, cfg: DataConfig, seed: int) -> list[np.ndarray]:
+    """Run the configured partitioner with its derived generator."""
+    p = cfg.partition
+    rng = numpy_gen(seed, -1, -1, Purpose.PARTITION)
+    labels = ds.y.numpy()
+    fn = get("partitioner", p.name)
+    if p.name == "dirichlet":
+        return fn(labels, cfg.num_clients, rng=rng, alpha=p.alpha, min_samples=p.min_samples,
+                  max_tries=p.max_tries)
+    if p.name == "shards":
+        return fn(labels, cfg.num_clients, rng=rng, shards_per_client=p.shards_per_client)
+    if p.name == "natural":
+        return fn(labels, cfg.num_clients, rng=rng, groups=ds.groups)
+    return fn(labels, cfg.num_clients, rng=rng)
+
+
+def split_train_test(
+    idx: np.ndarray, test_fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Shuffle one client's indices; the last ``ceil(f·n)`` go to its test split.
+
+    ``ceil`` matches scikit-learn's ``train_test_split`` used by CRAFT's code.
+    """
+    perm = rng.permutation(idx)
+    n_test = math.ceil(test_fraction * len(idx)) if test_fraction > 0 else 0
+    n_test = min(n_test, len(idx) - 1)  # every client keeps >= 1 training sample
+    return np.sort(perm[: len(idx) - n_test]), np.sort(perm[len(idx) - n_test :])
+
+
+def build_federated(ds: Dataset, cfg: DataConfig, seed: int) -> FederatedData:
+    """Partition ``ds`` and split each client's part into train/test."""
+    if cfg.partition.name != "natural" and ds.groups is not None and cfg.name == "synthetic":
+        raise PartitionError("data.partition.name: synthetic data is split by user; use 'natural'")
+    parts = partition_indices(ds, cfg, seed)
+    train, test = [], []
+    for k, idx in enumerate(parts):
+        tr, te = split_train_test(idx, cfg.test_fraction, numpy_gen(seed, -1, k, Purpose.SPLIT))
+        train.append(tr)
+        test.append(te)
+    if ds.x_test is not None and ds.y_test is not None:
+        x_test, y_test = ds.x_test, ds.y_test
+    else:
+        all_test = np.concatenate(test) if any(len(t) for t in test) else np.concatenate(train)
+        x_test, y_test = ds.x[all_test], ds.y[all_test]
+    return FederatedData(ds, train, test, x_test, y_test)

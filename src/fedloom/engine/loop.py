@@ -1,0 +1,383 @@
+"""The round loop.
+
+One round, in order (DESIGN.md): sample the cohort → gather its per-client
+state → train the cohort (backend) → uplink: encode → decode and stack →
+reject non-finite rows (reported) → aggregate → server optimizer step →
+scatter per-client state back → evaluate (on schedule) → log → checkpoint (on
+schedule). The engine holds no math; each step is one call.
+
+:func:`run` is the entry point of both the CLI and notebooks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from fedloom.aggregate.base import CohortInfo, make_aggregator
+from fedloom.aggregate.server_opt import ServerOptimizer
+from fedloom.client.sgd import ClientJob, LocalSGD, lr_at_round
+from fedloom.compress.identity import Identity
+from fedloom.config import Config, ConfigError, config_to_dict, load_config
+from fedloom.data.federated import FederatedData, build_federated
+from fedloom.data.sources import load_dataset
+from fedloom.engine.checkpoint import (
+    atomic_write_bytes,
+    atomic_write_json,
+    load_checkpoint,
+    save_checkpoint,
+)
+from fedloom.metrics import accuracy_stats, conflict_rate, evaluate, evaluate_clients
+from fedloom.models import build_model
+from fedloom.params import Layout
+from fedloom.registry import get
+from fedloom.rng import Purpose, derive_seed, numpy_gen
+from fedloom.state import ClientStateStore
+
+__all__ = ["Experiment", "Result", "RunState", "model_sha256", "run"]
+
+log = logging.getLogger("fedloom")
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def model_sha256(w: torch.Tensor) -> str:
+    """SHA-256 of the flat parameter vector's bytes (its own dtype, C order)."""
+    return hashlib.sha256(w.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
+
+
+@dataclass
+class RunState:
+    """Everything a round changes; a checkpoint is this plus the state store."""
+
+    next_round: int
+    w: torch.Tensor
+    opt_state: dict[str, torch.Tensor]
+    agg_state: Any
+    totals: dict[str, int] = field(
+        default_factory=lambda: {"uplink_bytes": 0, "downlink_bytes": 0, "rejected_updates": 0}
+    )
+
+
+@dataclass
+class Result:
+    """What :func:`run` returns."""
+
+    config: Config
+    w: torch.Tensor
+    layout: Layout
+    model: torch.nn.Module
+    metrics: list[dict[str, Any]]
+    summary: dict[str, Any]
+    run_dir: Path | None
+
+
+class Experiment:
+    """A config turned into typed objects: data, model, trainer, aggregator, server.
+
+    Building it validates everything that needs the data or the model (e.g. an
+    aggregator option), so a bad run fails before any file is written.
+    """
+
+    def __init__(self, cfg: Config, *, state_dir: Path | None = None) -> None:
+        self.cfg = cfg
+        self.dtype = _DTYPES[cfg.dtype]
+        ds = load_dataset(cfg.data, cfg.seed)
+        self.fed: FederatedData = build_federated(ds, cfg.data, cfg.seed)
+        self.x = ds.x.to(self.dtype)
+        self.y = ds.y
+        try:
+            self.module = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.seed,
+                                      self.dtype)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.module.eval()  # no dropout / batch statistics: training is functional
+        self.layout = Layout.from_module(self.module)
+        c = cfg.client
+        self.trainer = LocalSGD(
+            self.module, self.layout, batch_size=c.batch_size, epochs=c.epochs, steps=c.steps,
+            momentum=c.momentum, weight_decay=c.weight_decay, prox_mu=c.prox_mu,
+        )
+        self.backend = get("backend", cfg.backend)(self.trainer)
+        try:
+            self.aggregator = make_aggregator(cfg.aggregator.name, **cfg.aggregator.options)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
+        s = cfg.server
+        self.server = ServerOptimizer(s.optimizer, lr=s.lr, momentum=s.momentum,
+                                      beta1=s.beta1, beta2=s.beta2, eps=s.eps)
+        self.uplink = Identity()
+        self.downlink = Identity()
+        self.store = ClientStateStore(
+            self.fed.num_clients, {}, storage=cfg.state.storage, dtype=cfg.state.dtype,
+            directory=state_dir, memmap_above_mb=cfg.state.memmap_above_mb,
+            compute_dtype=self.dtype,
+        )
+        self.n_train = torch.from_numpy(self.fed.num_train())
+        # All clients' test samples in one tensor, with the owner of each, so the
+        # per-client evaluation is one pass of the model.
+        test_idx = [t for t in self.fed.test]
+        self.client_test_idx = torch.from_numpy(np.concatenate(test_idx)).long()
+        self.client_test_owner = torch.from_numpy(
+            np.concatenate([np.full(len(t), k) for k, t in enumerate(test_idx)])
+        ).long()
+        self.x_test = self.fed.x_test.to(self.dtype)
+        self.y_test = self.fed.y_test
+
+    # ------------------------------------------------------------------ rounds
+    def initial_state(self) -> RunState:
+        w = self.layout.flatten(self.module).to(self.dtype)
+        return RunState(0, w, self.server.init(w), self.aggregator.init(self.layout))
+
+    def sample_cohort(self, r: int) -> torch.Tensor:
+        """``cohort.size`` distinct clients, uniformly, from the round's own generator."""
+        gen = numpy_gen(self.cfg.seed, r, -1, Purpose.COHORT)
+        ids = gen.choice(self.fed.num_clients, self.cfg.cohort.size, replace=False)
+        return torch.from_numpy(np.sort(ids)).long()
+
+    def lr(self, r: int) -> float:
+        return lr_at_round(self.cfg.client.lr, self.cfg.client.schedule, r, self.cfg.rounds)
+
+    def round(self, st: RunState) -> tuple[RunState, dict[str, Any]]:
+        """Run round ``st.next_round``; return the new state and its metrics."""
+        r = st.next_round
+        t0 = time.perf_counter()
+        cohort = self.sample_cohort(r)
+        lr = self.lr(r)
+        w = st.w
+        jobs = []
+        for k in cohort.tolist():
+            idx = torch.from_numpy(self.fed.train[k])
+            jobs.append(ClientJob(k, r, w, lr, self.x[idx], self.y[idx],
+                                  derive_seed(self.cfg.seed, r, k, Purpose.BATCH)))
+        down_bytes = len(self.downlink.encode(w)) * len(jobs)
+        results = self.backend.train_cohort(jobs)
+        t_train = time.perf_counter() - t0
+
+        # Uplink: what the server receives is decode(encode(g_k)), as bytes.
+        payloads = [self.uplink.encode(res.update) for res in results]
+        up_bytes = sum(len(p) for p in payloads)
+        rows = torch.stack([self.uplink.decode(p) for p in payloads]).to(self.dtype)
+        finite = torch.isfinite(rows).all(dim=1)
+        rejected = [int(c) for c, ok in zip(cohort.tolist(), finite.tolist(), strict=True)
+                    if not ok]
+        if rejected:
+            log.warning("round %d: rejected non-finite updates from clients %s", r + 1, rejected)
+        weights = torch.tensor([res.num_samples for res in results], dtype=self.dtype)
+        losses = torch.tensor([res.loss for res in results], dtype=torch.float64)
+
+        t1 = time.perf_counter()
+        agg_metrics: dict[str, Any] = {}
+        new_w, opt_state, agg_state = w, st.opt_state, st.agg_state
+        conflicts = 0.0
+        if bool(finite.any()):
+            ok = finite
+            info = CohortInfo(
+                clients=cohort[ok], round=r, num_clients=self.fed.num_clients,
+                losses=losses[ok], steps=torch.tensor([res.steps for res in results])[ok], lr=lr,
+            )
+            agg, agg_state, agg_metrics = self.aggregator(rows[ok], weights[ok], st.agg_state,
+                                                          info=info)
+            conflicts = conflict_rate(rows[ok], agg)
+            new_w, opt_state = self.server.step(w, agg, st.opt_state)
+        t_agg = time.perf_counter() - t1
+
+        totals = dict(st.totals)
+        totals["uplink_bytes"] += up_bytes
+        totals["downlink_bytes"] += down_bytes
+        totals["rejected_updates"] += len(rejected)
+        ok_loss = losses[finite & torch.isfinite(losses)]
+        ok_w = weights[finite & torch.isfinite(losses)].double()
+        train_loss = float((ok_loss * ok_w).sum() / ok_w.sum()) if ok_w.numel() else float("nan")
+        metrics: dict[str, Any] = {
+            "round": r + 1,
+            "lr": lr,
+            "cohort_size": len(jobs),
+            "train_loss": train_loss,
+            "uplink_bytes": up_bytes,
+            "downlink_bytes": down_bytes,
+            "uplink_bytes_total": totals["uplink_bytes"],
+            "downlink_bytes_total": totals["downlink_bytes"],
+            "rejected_updates": len(rejected),
+            "rejected_updates_total": totals["rejected_updates"],
+            "conflict_rate": conflicts,
+            **{k: float(v) for k, v in agg_metrics.items()},
+        }
+        if rejected:
+            metrics["rejected_clients"] = rejected
+        if (r + 1) % self.cfg.eval.every == 0 or r + 1 == self.cfg.rounds:
+            metrics.update(self.evaluate(new_w))
+        metrics["train_s"] = t_train
+        metrics["agg_s"] = t_agg
+        metrics["wall_s"] = time.perf_counter() - t0
+        return RunState(r + 1, new_w, opt_state, agg_state, totals), metrics
+
+    def evaluate(self, w: torch.Tensor) -> dict[str, float]:
+        """Global test accuracy/loss and per-client accuracy statistics of ``w``."""
+        bs = self.cfg.eval.batch_size
+        acc, loss = evaluate(self.module, self.layout, w, self.x_test, self.y_test, bs)
+        out = {"test_acc": acc, "test_loss": loss}
+        if self.client_test_idx.numel():
+            per_client = evaluate_clients(
+                self.module, self.layout, w, self.x[self.client_test_idx],
+                self.y[self.client_test_idx], self.client_test_owner, self.fed.num_clients, bs,
+            )
+            out.update(accuracy_stats(per_client))
+        return out
+
+    # ------------------------------------------------------------- checkpoints
+    def checkpoint_state(self, st: RunState) -> dict[str, Any]:
+        return {
+            "format": 1,
+            "next_round": st.next_round,
+            "w": st.w,
+            "opt_state": st.opt_state,
+            "agg_state": st.agg_state,
+            "totals": st.totals,
+            "store": self.store.state_dict(),
+            "config": config_to_dict(self.cfg),
+        }
+
+    def restore(self, ckpt: dict[str, Any]) -> RunState:
+        self.store.load_state_dict(ckpt["store"])
+        return RunState(ckpt["next_round"], ckpt["w"], ckpt["opt_state"], ckpt["agg_state"],
+                        dict(ckpt["totals"]))
+
+
+# ---------------------------------------------------------------------- run dir
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+CHECKPOINT_FILE = "checkpoints/last.pt"
+MODEL_FILE = "model.pt"
+
+Callback = Callable[[RunState, dict[str, Any]], None]
+
+
+def _read_metrics(path: Path, before_round: int) -> list[dict[str, Any]]:
+    """Lines of a metrics file with ``round <= before_round`` (a torn last line is dropped)."""
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if obj.get("round", 0) <= before_round:
+            out.append(obj)
+    return out
+
+
+def _summary(exp: Experiment, st: RunState, history: list[dict[str, Any]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {"rounds": st.next_round, "model_sha256": model_sha256(st.w),
+                               "num_parameters": exp.layout.size}
+    for m in history:  # final value of each metric (eval metrics from the last eval round)
+        summary.update({k: v for k, v in m.items() if k != "rejected_clients"})
+    summary["rejected_updates_total"] = st.totals["rejected_updates"]
+    summary["wall_s_total"] = float(sum(m.get("wall_s", 0.0) for m in history))
+    return summary
+
+
+def run(
+    config: str | Path | dict[str, Any] | Config,
+    overrides: Sequence[str] = (),
+    *,
+    out: str | Path | None = None,
+    resume: bool = False,
+    callbacks: Sequence[Callback] = (),
+) -> Result:
+    """Run an experiment; return the final model, metrics and summary.
+
+    Args:
+        config: a YAML path, a mapping or a :class:`Config`.
+        overrides: dotted ``key=value`` overrides.
+        out: the run directory. ``None`` runs in memory (no files, no checkpoints).
+            A directory that holds a run is never overwritten unless ``resume``.
+        resume: continue from ``out``'s last checkpoint; the config must match
+            the one saved there. The result is bit-identical to an uninterrupted run.
+        callbacks: called as ``cb(state, metrics)`` after each round is logged
+            and checkpointed.
+    """
+    cfg = load_config(config, overrides)
+    run_dir = Path(out) if out is not None else None
+    resolved = config_to_dict(cfg)
+    if run_dir is not None:
+        saved = run_dir / CONFIG_FILE
+        if resume:
+            if saved.exists() and yaml.safe_load(saved.read_text()) != resolved:
+                raise ConfigError(
+                    f"{saved}: the config differs from the one given; resume needs the same "
+                    "config and overrides"
+                )
+        elif run_dir.exists() and any(run_dir.iterdir()):
+            raise ConfigError(f"{run_dir}: run directory exists and is not empty "
+                              "(use --resume to continue it, or another --out)")
+    created = run_dir is not None and not run_dir.exists()
+    exp = Experiment(cfg, state_dir=(run_dir / "state") if run_dir is not None else None)
+    try:
+        return _loop(exp, cfg, resolved, run_dir, resume, callbacks)
+    except BaseException:
+        # A run dir made by this call that holds no checkpoint has nothing worth
+        # keeping; one with a checkpoint stays so that --resume can continue it.
+        if created and run_dir is not None and not (run_dir / CHECKPOINT_FILE).exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def _loop(
+    exp: Experiment, cfg: Config, resolved: dict[str, Any], run_dir: Path | None,
+    resume: bool, callbacks: Sequence[Callback],
+) -> Result:
+    st = exp.initial_state()
+    history: list[dict[str, Any]] = []
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt_path = run_dir / CHECKPOINT_FILE
+        if resume and ckpt_path.exists():
+            st = exp.restore(load_checkpoint(ckpt_path))
+        history = _read_metrics(run_dir / METRICS_FILE, st.next_round) if resume else []
+        atomic_write_bytes(run_dir / CONFIG_FILE,
+                           yaml.safe_dump(resolved, sort_keys=False).encode())
+        # Rewrite the metrics file to the rounds the state reflects (drops rounds
+        # run after the last checkpoint by a killed run; they are run again).
+        atomic_write_bytes(run_dir / METRICS_FILE,
+                           "".join(json.dumps(m) + "\n" for m in history).encode())
+    metrics_f = open(run_dir / METRICS_FILE, "a") if run_dir is not None else None  # noqa: SIM115
+    try:
+        while st.next_round < cfg.rounds:
+            st, m = exp.round(st)
+            history.append(m)
+            if metrics_f is not None:
+                metrics_f.write(json.dumps(m) + "\n")
+                metrics_f.flush()
+            if (run_dir is not None and cfg.checkpoint.every
+                    and (st.next_round % cfg.checkpoint.every == 0 or st.next_round == cfg.rounds)):
+                save_checkpoint(run_dir / CHECKPOINT_FILE, exp.checkpoint_state(st))
+            for cb in callbacks:
+                cb(st, m)
+    finally:
+        if metrics_f is not None:
+            metrics_f.close()
+    exp.layout.load_into(exp.module, st.w)
+    summary = _summary(exp, st, history)
+    if run_dir is not None:
+        import io
+
+        buf = io.BytesIO()
+        torch.save({"state_dict": exp.module.state_dict(), "w": st.w,
+                    "names": exp.layout.names}, buf)
+        atomic_write_bytes(run_dir / MODEL_FILE, buf.getvalue())
+        atomic_write_json(run_dir / SUMMARY_FILE, summary)
+    return Result(cfg, st.w, exp.layout, exp.module, history, summary, run_dir)

@@ -1,0 +1,89 @@
+"""Metrics: per-client accuracy statistics, fairness, conflicts, evaluation."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fedloom.params import Layout, functional_forward
+
+__all__ = ["accuracy_stats", "conflict_rate", "evaluate", "evaluate_clients"]
+
+
+def accuracy_stats(acc: np.ndarray, prefix: str = "client_acc") -> dict[str, float]:
+    """Statistics of per-client accuracies over **all** clients (CRAFT's metrics).
+
+    - ``mean``; ``std``: population std (``ddof=0``);
+    - ``worst10`` / ``best10``: mean of the lowest / highest ``⌈0.1 N⌉`` values;
+    - ``jain``: Jain's fairness index ``(Σa)² / (N Σa²)`` (1 = perfectly even;
+      defined as 1 when every accuracy is 0).
+    """
+    a = np.asarray(acc, dtype=np.float64)
+    a = a[~np.isnan(a)]  # clients without a test split do not count
+    if a.size == 0:
+        return {}
+    k = max(1, math.ceil(0.1 * a.size))
+    s = np.sort(a)
+    sq = float((a * a).sum())
+    return {
+        f"{prefix}_mean": float(a.mean()),
+        f"{prefix}_std": float(a.std()),
+        f"{prefix}_worst10": float(s[:k].mean()),
+        f"{prefix}_best10": float(s[-k:].mean()),
+        f"{prefix}_jain": float(a.sum() ** 2 / (a.size * sq)) if sq > 0 else 1.0,
+    }
+
+
+def conflict_rate(updates: torch.Tensor, agg: torch.Tensor) -> float:
+    """Fraction of rows ``g_i`` with ``⟨g_i, agg⟩ < 0``."""
+    if updates.shape[0] == 0:
+        return 0.0
+    dots = updates.to(torch.float64) @ agg.to(torch.float64)
+    return float((dots < 0).double().mean())
+
+
+@torch.no_grad()
+def _predict(
+    module: nn.Module, layout: Layout, w: torch.Tensor, x: torch.Tensor, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample loss-ready logits, in batches: returns (logits argmax, per-sample CE)."""
+    preds, logits_all = [], []
+    for s in range(0, x.shape[0], batch_size):
+        logits = functional_forward(module, layout, w, x[s : s + batch_size])
+        logits_all.append(logits)
+        preds.append(logits.argmax(1))
+    return torch.cat(preds), torch.cat(logits_all)
+
+
+@torch.no_grad()
+def evaluate(
+    module: nn.Module, layout: Layout, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+    batch_size: int = 2048,
+) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy of the model ``w`` on ``(x, y)``."""
+    if x.shape[0] == 0:
+        return float("nan"), float("nan")
+    pred, logits = _predict(module, layout, w, x, batch_size)
+    loss = F.cross_entropy(logits.to(torch.float64), y, reduction="mean")
+    return float((pred == y).double().mean()), float(loss)
+
+
+@torch.no_grad()
+def evaluate_clients(
+    module: nn.Module, layout: Layout, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+    owner: torch.Tensor, num_clients: int, batch_size: int = 2048,
+) -> np.ndarray:
+    """Per-client accuracy of one model on every client's own test split.
+
+    ``x, y`` hold all clients' test samples, ``owner`` the client of each, so the
+    model runs once over all of them. A client with no test sample gets NaN.
+    """
+    pred, _ = _predict(module, layout, w, x, batch_size)
+    correct = torch.bincount(owner, weights=(pred == y).double(), minlength=num_clients)
+    total = torch.bincount(owner, minlength=num_clients).double()
+    acc = correct / total
+    return acc.numpy()

@@ -1,0 +1,138 @@
+"""Models, built without touching any global RNG.
+
+Modules are constructed on the ``meta`` device (no parameter is drawn), moved
+to CPU with :meth:`torch.nn.Module.to_empty`, then initialised from a
+generator derived from ``(seed, purpose=init)``. The initialisation
+distributions are PyTorch's defaults (Kaiming-uniform with a = √5 for weights,
+``U(±1/√fan_in)`` for biases, ones/zeros for norm layers), so results compare
+with code that uses the defaults.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from fedloom.config import ModelConfig
+from fedloom.registry import get, register
+from fedloom.rng import Purpose, torch_gen
+
+__all__ = ["CNN", "MLP", "build_model", "init_parameters"]
+
+
+class MLP(nn.Module):
+    """Flatten → [Linear → ReLU] × len(hidden) → Linear (CRAFT's code: 2 × 200)."""
+
+    def __init__(self, in_features: int, hidden: list[int], num_classes: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Flatten()]
+        width = in_features
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class CNN(nn.Module):
+    """The two-conv CNN of McMahan et al. (2017) and LEAF.
+
+    conv5×5(32, same) → ReLU → maxpool2 → conv5×5(64, same) → ReLU → maxpool2 →
+    fc(512) → ReLU → fc(classes). On 28×28 inputs this is LEAF's FEMNIST CNN.
+    """
+
+    def __init__(self, in_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        if len(in_shape) != 3:
+            raise ValueError(f"model.name: cnn needs image inputs [C, H, W], got {in_shape}")
+        c, h, w = in_shape
+        self.features = nn.Sequential(
+            nn.Conv2d(c, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+        )
+        flat = 64 * (h // 4) * (w // 4)
+        if flat == 0:
+            raise ValueError(f"model.name: cnn needs images of at least 4x4, got {h}x{w}")
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(flat, 512), nn.ReLU(), nn.Linear(512, num_classes)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+@register("model", "mlp")
+def _mlp(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return MLP(math.prod(in_shape), list(cfg.hidden), num_classes)
+
+
+@register("model", "cnn")
+def _cnn(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return CNN(in_shape, num_classes)
+
+
+def init_parameters(module: nn.Module, gen: torch.Generator) -> None:
+    """(Re)initialise every parameter of ``module`` from ``gen`` (PyTorch's defaults).
+
+    Modules are visited in ``named_modules`` order, so the draw order, and hence
+    the result, depends only on the architecture and the generator.
+    """
+    with torch.no_grad():
+        for mod in module.modules():
+            own = dict(mod.named_parameters(recurse=False))
+            if not own:
+                continue
+            weight, bias = own.get("weight"), own.get("bias")
+            if isinstance(mod, nn.modules.batchnorm._NormBase | nn.GroupNorm | nn.LayerNorm):
+                if weight is not None:
+                    weight.fill_(1.0)
+                if bias is not None:
+                    bias.zero_()
+                continue
+            if isinstance(mod, nn.RNNBase):
+                bound = 1.0 / math.sqrt(mod.hidden_size)
+                for p in own.values():
+                    p.uniform_(-bound, bound, generator=gen)
+                continue
+            if isinstance(mod, nn.Embedding):
+                weight.normal_(0.0, 1.0, generator=gen)  # type: ignore[union-attr]
+                continue
+            fan_in = None
+            for name, p in own.items():
+                if name == "bias":
+                    continue
+                if p.ndim >= 2:
+                    nn.init.kaiming_uniform_(p, a=math.sqrt(5), generator=gen)
+                    fan_in = nn.init._calculate_fan_in_and_fan_out(p)[0]
+                else:
+                    p.uniform_(-1.0, 1.0, generator=gen).mul_(1.0 / math.sqrt(max(1, p.numel())))
+            if bias is not None:
+                bound = 1.0 / math.sqrt(fan_in) if fan_in else 1.0 / math.sqrt(bias.numel())
+                bias.uniform_(-bound, bound, generator=gen)
+
+
+def build_model(
+    cfg: ModelConfig | Callable[[], nn.Module] | nn.Module,
+    in_shape: tuple[int, ...],
+    num_classes: int,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """Build a registered model (by ``cfg.name``) and initialise it from ``seed``."""
+    if isinstance(cfg, ModelConfig):
+        factory = get("model", cfg.name)
+        with torch.device("meta"):
+            module = factory(cfg, in_shape, num_classes)
+        module = module.to_empty(device="cpu")
+        init_parameters(module, torch_gen(seed, -1, -1, Purpose.INIT))
+    elif isinstance(cfg, nn.Module):
+        module = cfg
+    else:
+        module = cfg()
+    return module.to(dtype)

@@ -1,0 +1,255 @@
+"""Model parameters as one flat vector.
+
+Every method in fedloom works on a model's trainable parameters flattened into
+one vector ``w ∈ R^d``. A :class:`Layout` records where each named tensor lives
+in that vector and how tensors form **layer groups** (the unit of CRAFT's
+per-layer correction, ALGORITHMS.md §1).
+
+Layer groups: the parameters owned directly by one module form a group (weight
+and bias together); a normalisation layer's parameters join the group of the
+module registered just before it under the same parent (a conv followed by its
+GroupNorm is one group), as in CRAFT's public code where a block's norm layer
+is treated as part of the preceding convolution.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+__all__ = ["Group", "Layout", "TensorSpec", "functional_forward"]
+
+_NORM_TYPES: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._NormBase,
+    nn.GroupNorm,
+    nn.LayerNorm,
+    nn.LocalResponseNorm,
+)
+if hasattr(nn, "RMSNorm"):
+    _NORM_TYPES = (*_NORM_TYPES, nn.RMSNorm)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One named tensor inside the flat vector: ``w[offset : offset + numel]``."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def slice(self) -> slice:
+        return slice(self.offset, self.offset + self.numel)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A layer group: consecutive tensors ``[start, stop)`` of the flat vector."""
+
+    name: str
+    tensors: tuple[str, ...]
+    start: int
+    stop: int
+
+    @property
+    def slice(self) -> slice:
+        return slice(self.start, self.stop)
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+class Layout:
+    """Named tensors and layer groups over one flat float vector.
+
+    Args:
+        specs: ``(name, shape)`` pairs in flattening order.
+        groups: lists of tensor names; each list must be a run of consecutive
+            tensors, and together they must cover every tensor exactly once.
+            ``None`` puts every tensor in its own group.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[tuple[str, Sequence[int]]],
+        groups: Sequence[Sequence[str]] | None = None,
+    ) -> None:
+        tensors: list[TensorSpec] = []
+        offset = 0
+        seen: set[str] = set()
+        for name, shape in specs:
+            if name in seen:
+                raise ValueError(f"Layout: duplicate tensor name {name!r}")
+            seen.add(name)
+            spec = TensorSpec(name, tuple(int(s) for s in shape), offset)
+            tensors.append(spec)
+            offset += spec.numel
+        self.tensors: tuple[TensorSpec, ...] = tuple(tensors)
+        self.size: int = offset
+        self._by_name = {t.name: t for t in self.tensors}
+        if groups is None:
+            groups = [[t.name] for t in self.tensors]
+        self.groups: tuple[Group, ...] = self._make_groups(groups)
+
+    def _make_groups(self, groups: Sequence[Sequence[str]]) -> tuple[Group, ...]:
+        order = [t.name for t in self.tensors]
+        flat = [n for g in groups for n in g]
+        if flat != order:
+            raise ValueError(
+                "Layout: groups must list every tensor once, in flattening order"
+            )
+        out = []
+        for names in groups:
+            if not names:
+                raise ValueError("Layout: empty layer group")
+            first, last = self._by_name[names[0]], self._by_name[names[-1]]
+            gname = _common_prefix(names)
+            out.append(Group(gname, tuple(names), first.offset, last.offset + last.numel))
+        return tuple(out)
+
+    # ----------------------------------------------------------------- builders
+    @classmethod
+    def flat(cls, d: int, name: str = "w") -> Layout:
+        """A one-tensor layout of size ``d`` (raw vectors, tests)."""
+        if d <= 0:
+            raise ValueError(f"Layout.flat: d must be positive, got {d}")
+        return cls([(name, (d,))])
+
+    @classmethod
+    def from_module(cls, module: nn.Module) -> Layout:
+        """The layout of ``module``'s trainable parameters, with layer groups.
+
+        Tensors are ordered as ``module.named_parameters()``. Each module that
+        owns parameters directly starts a group, except a normalisation layer
+        whose previous sibling (same parent) owns parameters: it joins that group.
+        """
+        specs: list[tuple[str, tuple[int, ...]]] = []
+        groups: list[list[str]] = []
+        last_parent: dict[str, int] = {}  # parent path -> index of its last group
+        trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+        for mod_name, mod in module.named_modules():
+            own = [
+                (f"{mod_name}.{n}" if mod_name else n, p)
+                for n, p in mod.named_parameters(recurse=False)
+            ]
+            own = [(n, p) for n, p in own if n in trainable]
+            if not own:
+                continue
+            for n, p in own:
+                specs.append((n, tuple(p.shape)))
+            names = [n for n, _ in own]
+            parent = mod_name.rpartition(".")[0]
+            prev = last_parent.get(parent)
+            if isinstance(mod, _NORM_TYPES) and prev is not None and prev == len(groups) - 1:
+                groups[prev].extend(names)
+            else:
+                groups.append(names)
+            last_parent[parent] = len(groups) - 1
+        if not specs:
+            raise ValueError("Layout.from_module: the module has no trainable parameters")
+        order = [n for n, p in module.named_parameters() if p.requires_grad]
+        if [n for g in groups for n in g] != order:
+            # Shared or re-registered parameters: fall back to per-tensor groups
+            # in named_parameters() order, which is always consistent.
+            shapes = dict((n, tuple(p.shape)) for n, p in module.named_parameters())
+            return cls([(n, shapes[n]) for n in order])
+        return cls(specs, groups)
+
+    def regroup(self, mode: str) -> Layout:
+        """``"layer"`` keeps the layer groups; ``"global"`` makes one group."""
+        if mode == "layer":
+            return self
+        if mode == "global":
+            return Layout([(t.name, t.shape) for t in self.tensors], [self.names])
+        raise ValueError(f"Layout.regroup: unknown mode {mode!r} (expected 'layer' or 'global')")
+
+    # ---------------------------------------------------------------- accessors
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tensors]
+
+    def __getitem__(self, name: str) -> TensorSpec:
+        return self._by_name[name]
+
+    def __iter__(self) -> Iterator[TensorSpec]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Layout)
+            and self.tensors == other.tensors
+            and self.groups == other.groups
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.tensors, self.groups))
+
+    def __repr__(self) -> str:
+        return f"Layout(d={self.size}, tensors={len(self.tensors)}, groups={len(self.groups)})"
+
+    # ----------------------------------------------------------- (un)flattening
+    def flatten(self, tensors: Mapping[str, torch.Tensor] | nn.Module) -> torch.Tensor:
+        """Concatenate named tensors (or a module's parameters) into one vector."""
+        if isinstance(tensors, nn.Module):
+            tensors = dict(tensors.named_parameters())
+        missing = [n for n in self.names if n not in tensors]
+        if missing:
+            raise KeyError(f"Layout.flatten: missing tensors {missing}")
+        for t in self.tensors:
+            if tuple(tensors[t.name].shape) != t.shape:
+                raise ValueError(
+                    f"Layout.flatten: {t.name} has shape {tuple(tensors[t.name].shape)}, "
+                    f"expected {t.shape}"
+                )
+        return torch.cat([tensors[n].detach().reshape(-1) for n in self.names])
+
+    def unflatten(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of ``w`` shaped as the named tensors (gradients flow into ``w``)."""
+        if w.ndim != 1 or w.shape[0] != self.size:
+            raise ValueError(f"Layout.unflatten: expected a vector of size {self.size}, "
+                             f"got shape {tuple(w.shape)}")
+        return {t.name: w[t.slice].view(t.shape) for t in self.tensors}
+
+    def load_into(self, module: nn.Module, w: torch.Tensor) -> None:
+        """Copy ``w`` into ``module``'s parameters in place."""
+        params = dict(module.named_parameters())
+        with torch.no_grad():
+            for name, view in self.unflatten(w).items():
+                params[name].copy_(view)
+
+
+def functional_forward(
+    module: nn.Module, layout: Layout, w: torch.Tensor, *args: torch.Tensor
+) -> torch.Tensor:
+    """Run ``module`` with its parameters taken from the flat vector ``w``.
+
+    Uses :func:`torch.func.functional_call`; autograd flows into ``w``, so one
+    backward pass gives the flat gradient ``∇_w f`` directly.
+    """
+    return functional_call(module, layout.unflatten(w), args)
+
+
+def _common_prefix(names: Sequence[str]) -> str:
+    if len(names) == 1:
+        return names[0].rpartition(".")[0] or names[0]
+    parts = [n.split(".") for n in names]
+    prefix: list[str] = []
+    for level in zip(*parts, strict=False):
+        if all(p == level[0] for p in level):
+            prefix.append(level[0])
+        else:
+            break
+    return ".".join(prefix) or names[0]

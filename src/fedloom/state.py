@@ -1,0 +1,144 @@
+"""Per-client state: one ``[N, d]`` buffer per field.
+
+Error-feedback residuals, FLARE accumulators, SCAFFOLD control variates and
+Ditto's personal models are rows of such buffers (DESIGN.md, "Per-client state
+at scale"): no per-client Python objects. A buffer is
+
+- ``dense``: a tensor in RAM;
+- ``memmap``: a file mapped into memory (sparse on disk; only touched pages
+  count towards resident memory), for ``N·d`` too large for RAM.
+
+``auto`` picks memmap when the buffer exceeds ``memmap_above_mb``. Storage may
+be float16 to halve the footprint; rows are always gathered as the compute
+dtype. Rows never written read as zeros. Only the rows of the cohort are
+gathered and scattered each round; a client that is not sampled keeps its row
+untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+__all__ = ["ClientStateStore", "FieldSpec"]
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One per-client field of ``size`` entries (usually ``d``)."""
+
+    size: int
+
+
+_NP = {"float32": np.float32, "float16": np.float16}
+
+
+class ClientStateStore:
+    """``fields[name]`` is an ``[N, size]`` buffer.
+
+    Args:
+        num_clients: N.
+        fields: name → :class:`FieldSpec`.
+        storage: ``dense``, ``memmap`` or ``auto``.
+        dtype: storage dtype, ``float32`` or ``float16``.
+        directory: where memmap files go (required for memmap).
+        memmap_above_mb: threshold of ``auto``.
+        compute_dtype: the dtype rows are gathered as.
+    """
+
+    def __init__(
+        self,
+        num_clients: int,
+        fields: Mapping[str, FieldSpec],
+        *,
+        storage: Literal["auto", "dense", "memmap"] = "auto",
+        dtype: Literal["float32", "float16"] = "float32",
+        directory: str | Path | None = None,
+        memmap_above_mb: float = 1024.0,
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.num_clients = num_clients
+        self.specs = dict(fields)
+        self.dtype = dtype
+        self.compute_dtype = compute_dtype
+        self.directory = Path(directory) if directory is not None else None
+        self._buf: dict[str, np.ndarray] = {}
+        self.kinds: dict[str, str] = {}
+        itemsize = np.dtype(_NP[dtype]).itemsize
+        for name, spec in self.specs.items():
+            nbytes = num_clients * spec.size * itemsize
+            kind = storage
+            if kind == "auto":
+                kind = "memmap" if nbytes > memmap_above_mb * 2**20 else "dense"
+            if kind == "memmap" and self.directory is None:
+                # No run directory (an in-memory run): fall back to a temporary file.
+                import tempfile
+
+                self.directory = Path(tempfile.mkdtemp(prefix="fedloom-state-"))
+            self.kinds[name] = kind
+            shape = (num_clients, spec.size)
+            if kind == "dense":
+                self._buf[name] = np.zeros(shape, dtype=_NP[dtype])
+            else:
+                assert self.directory is not None
+                self.directory.mkdir(parents=True, exist_ok=True)
+                path = self.directory / f"state-{name}.bin"
+                # w+ creates a sparse file: untouched rows cost no disk or RAM and read 0.
+                self._buf[name] = np.memmap(path, dtype=_NP[dtype], mode="w+", shape=shape)
+
+    @property
+    def fields(self) -> list[str]:
+        return list(self.specs)
+
+    def _check(self, name: str, ids: torch.Tensor | Iterable[int]) -> np.ndarray:
+        if name not in self._buf:
+            raise KeyError(f"state store: no field {name!r} (fields: {self.fields})")
+        idx = np.asarray(ids.tolist() if isinstance(ids, torch.Tensor) else list(ids), dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.num_clients):
+            raise IndexError(f"state store: client id out of range [0, {self.num_clients})")
+        return idx
+
+    def gather(self, name: str, ids: torch.Tensor | Iterable[int]) -> torch.Tensor:
+        """Rows of ``ids`` as a fresh ``[m, size]`` tensor of the compute dtype."""
+        idx = self._check(name, ids)
+        rows = np.asarray(self._buf[name][idx])
+        return torch.from_numpy(rows).to(self.compute_dtype)
+
+    def scatter(self, name: str, ids: torch.Tensor | Iterable[int], rows: torch.Tensor) -> None:
+        """Write ``rows`` to the clients ``ids``; other rows stay untouched."""
+        idx = self._check(name, ids)
+        if tuple(rows.shape) != (idx.size, self.specs[name].size):
+            raise ValueError(
+                f"state store: rows of shape {tuple(rows.shape)} for {idx.size} clients of "
+                f"field {name!r} (size {self.specs[name].size})"
+            )
+        self._buf[name][idx] = rows.detach().cpu().numpy().astype(_NP[self.dtype])
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._buf.values())
+
+    def flush(self) -> None:
+        for b in self._buf.values():
+            if isinstance(b, np.memmap):
+                b.flush()
+
+    # ----------------------------------------------------------- checkpointing
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """A snapshot copy of every buffer (memmaps included, so a resume is exact)."""
+        return {name: np.array(b, copy=True) for name, b in self._buf.items()}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        if set(state) != set(self._buf):
+            raise ValueError(
+                f"state store: checkpoint holds fields {sorted(state)}, expected {self.fields}"
+            )
+        for name, arr in state.items():
+            if arr.shape != self._buf[name].shape:
+                raise ValueError(f"state store: field {name!r} has shape {arr.shape} in the "
+                                 f"checkpoint, expected {self._buf[name].shape}")
+            self._buf[name][...] = arr
