@@ -81,10 +81,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_datasets(args: argparse.Namespace) -> int:
-    from fedloom.data.sources import sources
+    from fedloom.data.sources import list_sources
 
     rows = [(s.name, "yes" if s.available() else "no", s.description,
-             "" if s.available() else s.install) for s in sources()]
+             "" if s.available() else s.install) for s in list_sources()]
     w0 = max(len(r[0]) for r in rows)
     print(f"{'dataset':<{w0}}  here  description / install command")
     for name, here, desc, inst in rows:

@@ -13,6 +13,7 @@ typed objects, and core code never sees dicts.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -80,7 +81,7 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = "mlp"
-    hidden: list[int] = _f([200, 200])
+    hidden: list[int] = _f([200, 200], ge=1)
 
 
 @dataclass
@@ -308,9 +309,31 @@ def _check_cross_fields(cfg: Config) -> None:
 
 
 # ------------------------------------------------------------------- YAML + overrides
+class _Loader(yaml.SafeLoader):
+    """YAML with 1.2-style floats: ``1e-3`` is a number, not the string "1e-3"."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
 def _parse_value(text: str) -> Any:
     try:
-        return yaml.safe_load(text) if text != "" else ""
+        return yaml_load(text) if text != "" else ""
     except yaml.YAMLError:
         return text
 
@@ -351,7 +374,7 @@ def load_config(
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" (line {mark.line + 1})" if mark is not None else ""

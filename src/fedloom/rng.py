@@ -49,6 +49,8 @@ def torch_gen(seed: int, round: int = -1, client: int = -1, purpose: str = "") -
     return g
 
 
-def numpy_gen(seed: int, round: int = -1, client: int = -1, purpose: str = "") -> np.random.Generator:
+def numpy_gen(
+    seed: int, round: int = -1, client: int = -1, purpose: str = ""
+) -> np.random.Generator:
     """A NumPy ``Generator`` (PCG64) seeded from the derived seed."""
     return np.random.default_rng(derive_seed(seed, round, client, purpose))

@@ -98,7 +98,8 @@ class ClientStateStore:
     def _check(self, name: str, ids: torch.Tensor | Iterable[int]) -> np.ndarray:
         if name not in self._buf:
             raise KeyError(f"state store: no field {name!r} (fields: {self.fields})")
-        idx = np.asarray(ids.tolist() if isinstance(ids, torch.Tensor) else list(ids), dtype=np.int64)
+        raw = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        idx = np.asarray(raw, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= self.num_clients):
             raise IndexError(f"state store: client id out of range [0, {self.num_clients})")
         return idx

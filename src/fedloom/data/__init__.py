@@ -2,7 +2,7 @@
 
 from fedloom.data.federated import FederatedData, build_federated
 from fedloom.data.partition import PartitionError, dirichlet, iid, natural, shards
-from fedloom.data.sources import Dataset, DatasetUnavailable, load_dataset, sources
+from fedloom.data.sources import Dataset, DatasetUnavailable, list_sources, load_dataset
 
 __all__ = [
     "Dataset",
@@ -12,8 +12,8 @@ __all__ = [
     "build_federated",
     "dirichlet",
     "iid",
+    "list_sources",
     "load_dataset",
     "natural",
     "shards",
-    "sources",
 ]

@@ -126,7 +126,11 @@ def shards(
 
 @register("partitioner", "natural")
 def natural(
-    labels: np.ndarray, num_clients: int, *, rng: np.random.Generator, groups: np.ndarray | None = None
+    labels: np.ndarray,
+    num_clients: int,
+    *,
+    rng: np.random.Generator,
+    groups: np.ndarray | None = None,
 ) -> list[np.ndarray]:
     """One client per natural group; ``num_clients`` must equal the number of groups."""
     if groups is None:

@@ -32,7 +32,7 @@ from fedloom.config import DataConfig
 from fedloom.registry import register
 from fedloom.rng import Purpose, numpy_gen
 
-__all__ = ["Dataset", "DatasetUnavailable", "SourceInfo", "load_dataset", "sources"]
+__all__ = ["Dataset", "DatasetUnavailable", "SourceInfo", "list_sources", "load_dataset"]
 
 
 class DatasetUnavailable(RuntimeError):
@@ -92,7 +92,7 @@ def _source(name: str, description: str, available: Callable[[], bool], install:
     return deco
 
 
-def sources() -> list[SourceInfo]:
+def list_sources() -> list[SourceInfo]:
     """All known sources, in a stable order."""
     return list(_SOURCES.values())
 
@@ -165,7 +165,8 @@ def synthetic(cfg: DataConfig, seed: int) -> Dataset:
 
 # ----------------------------------------------------------------------------- digits
 @_source("digits", "scikit-learn's bundled 8x8 digits (1797 samples, 10 classes)",
-         lambda: _has_module("sklearn"), "pip install scikit-learn  (or: pip install 'fedloom[data]')")
+         lambda: _has_module("sklearn"),
+         "pip install scikit-learn  (or: pip install 'fedloom[data]')")
 def digits(cfg: DataConfig, seed: int) -> Dataset:
     from sklearn.datasets import load_digits
 

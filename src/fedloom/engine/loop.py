@@ -354,7 +354,7 @@ def _loop(
         # run after the last checkpoint by a killed run; they are run again).
         atomic_write_bytes(run_dir / METRICS_FILE,
                            "".join(json.dumps(m) + "\n" for m in history).encode())
-    metrics_f = open(run_dir / METRICS_FILE, "a") if run_dir is not None else None  # noqa: SIM115
+    metrics_f = open(run_dir / METRICS_FILE, "a") if run_dir is not None else None
     try:
         while st.next_round < cfg.rounds:
             st, m = exp.round(st)

@@ -1,0 +1,37 @@
+# fedloom: `make run` and `make test` each create .venv when needed.
+# torch is installed first and pinned to the CPU wheel (a looser pin pulls a
+# multi-GB CUDA build); the package and its extras come after.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH  := torch==2.13.0
+
+.PHONY: run test lint bench clean data
+
+$(VENV)/.torch:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH)
+	touch $@
+
+$(VENV)/.run: $(VENV)/.torch pyproject.toml
+	$(PIP) install -q -e '.[data]'
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.torch pyproject.toml
+	$(PIP) install -q -e '.[data,dev]'
+	touch $@ $(VENV)/.run
+
+run: $(VENV)/.run
+	$(VENV)/bin/fedloom run configs/quickstart.yaml
+
+test: $(VENV)/.dev
+	$(VENV)/bin/ruff check src tests
+	$(PY) -m pytest
+
+lint: $(VENV)/.dev
+	$(VENV)/bin/ruff check src tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

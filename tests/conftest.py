@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+# A tiny experiment: digits (1797 samples), 10 clients, 3 rounds, a small MLP.
+TINY: dict[str, Any] = {
+    "name": "tiny",
+    "seed": 3,
+    "rounds": 3,
+    "data": {
+        "name": "digits",
+        "num_clients": 10,
+        "partition": {"name": "dirichlet", "alpha": 0.5, "min_samples": 20},
+    },
+    "model": {"name": "mlp", "hidden": [16]},
+    "cohort": {"size": 4},
+    "client": {"lr": 0.1, "batch_size": 16, "epochs": 1},
+    "eval": {"every": 1},
+    "checkpoint": {"every": 1},
+}
+
+
+@pytest.fixture
+def tiny() -> dict[str, Any]:
+    return copy.deepcopy(TINY)

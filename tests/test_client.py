@@ -1,0 +1,70 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from fedloom import Layout
+from fedloom.client import ClientJob, LocalSGD, lr_at_round
+from fedloom.config import ScheduleConfig
+from fedloom.models import MLP
+
+
+@pytest.mark.parametrize("momentum,wd", [(0.0, 0.0), (0.9, 5e-4)])
+def test_local_sgd_matches_torch_optim_sgd(momentum, wd):
+    torch.manual_seed(0)
+    model = MLP(8, [6], 3).double()
+    layout = Layout.from_module(model)
+    x = torch.randn(40, 8, dtype=torch.float64)
+    y = torch.randint(0, 3, (40,))
+    w0 = layout.flatten(model)
+    trainer = LocalSGD(model, layout, batch_size=16, epochs=2, momentum=momentum, weight_decay=wd)
+    res = trainer.run(ClientJob(0, 0, w0, 0.1, x, y, gen_seed=7))
+    # Reference: torch.optim.SGD over the same batches.
+    ref = MLP(8, [6], 3).double()
+    layout.load_into(ref, w0)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=momentum, weight_decay=wd)
+    gen = torch.Generator().manual_seed(7)
+    for idx in trainer.batch_indices(40, gen):
+        opt.zero_grad()
+        nn.functional.cross_entropy(ref(x[idx]), y[idx]).backward()
+        opt.step()
+    assert res.steps == 2 * math.ceil(40 / 16) == 6
+    assert torch.allclose(res.update, w0 - layout.flatten(ref), atol=1e-12)
+
+
+def test_fixed_steps_and_prox_pulls_towards_global():
+    torch.manual_seed(0)
+    model = MLP(4, [4], 2)
+    layout = Layout.from_module(model)
+    x, y = torch.randn(10, 4), torch.randint(0, 2, (10,))
+    w0 = layout.flatten(model)
+    plain = LocalSGD(model, layout, batch_size=4, steps=7).run(ClientJob(0, 0, w0, 0.5, x, y, 1))
+    prox = LocalSGD(model, layout, batch_size=4, steps=7, prox_mu=1.0).run(
+        ClientJob(0, 0, w0, 0.5, x, y, 1))
+    assert plain.steps == prox.steps == 7
+    assert prox.update.norm() < plain.update.norm()
+
+
+def test_batches_cover_each_epoch_once():
+    trainer = LocalSGD(nn.Linear(1, 1), Layout.flat(2), batch_size=3, epochs=2)
+    b = trainer.batch_indices(10, torch.Generator().manual_seed(0))
+    assert [len(i) for i in b] == [3, 3, 3, 1, 3, 3, 3, 1]
+    assert sorted(torch.cat(b[:4]).tolist()) == list(range(10))
+    assert sorted(torch.cat(b[4:]).tolist()) == list(range(10))
+
+
+def test_lr_schedules_golden():
+    const = ScheduleConfig("constant")
+    assert lr_at_round(0.1, const, 50, 100) == 0.1
+    exp = ScheduleConfig("exp", gamma=0.999)
+    assert lr_at_round(0.01, exp, 0, 500) == 0.01
+    assert lr_at_round(0.01, exp, 100, 500) == pytest.approx(0.01 * 0.999**100)
+    cos = ScheduleConfig("cosine", warmup=5, final_lr=0.003)
+    # warm-up: 0.1·(t+1)/5; then cosine from 0.1 (t = 5) to 0.003 (t = 199)
+    assert lr_at_round(0.1, cos, 0, 200) == pytest.approx(0.02)
+    assert lr_at_round(0.1, cos, 4, 200) == pytest.approx(0.1)
+    assert lr_at_round(0.1, cos, 5, 200) == pytest.approx(0.1)
+    assert lr_at_round(0.1, cos, 199, 200) == pytest.approx(0.003)
+    mid = 5 + (199 - 5) / 2
+    assert lr_at_round(0.1, cos, int(mid), 200) == pytest.approx(0.0515, abs=1e-12)

@@ -1,0 +1,43 @@
+import numpy as np
+import pytest
+import torch
+
+from fedloom import ClientStateStore, FieldSpec
+
+
+@pytest.mark.parametrize("storage", ["dense", "memmap"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_store_gather_scatter_zero_default_and_untouched_rows(tmp_path, storage, dtype):
+    store = ClientStateStore(6, {"e": FieldSpec(5)}, storage=storage, dtype=dtype,
+                             directory=tmp_path)
+    assert store.kinds["e"] == storage
+    assert torch.equal(store.gather("e", [0, 5]), torch.zeros(2, 5))
+    rows = torch.tensor([[1.0, 2, 3, 4, 5], [-1, -2, -3, -4, -0.5]])
+    store.scatter("e", [1, 3], rows)
+    assert torch.equal(store.gather("e", [3, 1]), rows.flip(0))
+    assert torch.equal(store.gather("e", [0, 2, 4, 5]), torch.zeros(4, 5))
+    snap = store.state_dict()
+    store.scatter("e", [1], torch.full((1, 5), 9.0))
+    store.load_state_dict(snap)
+    assert torch.equal(store.gather("e", [1]), rows[:1])
+
+
+def test_store_auto_picks_memmap_above_threshold(tmp_path):
+    store = ClientStateStore(1000, {"big": FieldSpec(1000), "small": FieldSpec(1)},
+                             storage="auto", memmap_above_mb=1.0, directory=tmp_path)
+    assert store.kinds == {"big": "memmap", "small": "dense"}
+    assert (tmp_path / "state-big.bin").exists()
+
+
+def test_store_fp16_rounds_and_errors():
+    store = ClientStateStore(2, {"e": FieldSpec(2)}, storage="dense", dtype="float16")
+    store.scatter("e", [0], torch.tensor([[1 / 3, 1000.1]]))
+    got = store.gather("e", [0])
+    assert got.dtype == torch.float32
+    assert np.allclose(got.numpy(), [[1 / 3, 1000.1]], rtol=1e-3)
+    with pytest.raises(IndexError):
+        store.gather("e", [2])
+    with pytest.raises(KeyError):
+        store.gather("x", [0])
+    with pytest.raises(ValueError, match="shape"):
+        store.scatter("e", [0, 1], torch.zeros(1, 2))
