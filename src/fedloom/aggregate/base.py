@@ -34,9 +34,14 @@ class CohortInfo:
     losses: torch.Tensor | None = None    # local training loss per client
     steps: torch.Tensor | None = None     # local steps per client
     lr: float | None = None               # client learning rate this round
+    momentum: float = 0.0                 # client SGD momentum
+    start_losses: torch.Tensor | None = None  # F_k(w): loss at the received model (before training)
 
 
 class Aggregator(Protocol):
+    """``requires`` names the optional :class:`CohortInfo` fields the rule reads;
+    the engine computes the costly ones (``start_losses``) only when asked."""
+
     def init(self, layout: Layout) -> Any: ...
 
     def __call__(

@@ -63,6 +63,7 @@ class ClientJob:
     x: torch.Tensor          # the client's training samples
     y: torch.Tensor
     gen_seed: int            # seed of the batch-order generator
+    start_loss: bool = False  # also report F_k(w), the loss of w on the client's data
 
 
 @dataclass
@@ -74,6 +75,7 @@ class ClientResult:
     num_samples: int
     loss: float              # mean training loss over the local steps
     steps: int
+    start_loss: float | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class LocalSGD:
         gen.manual_seed(job.gen_seed)
         n = int(job.y.shape[0])
         w_global = job.w
+        start_loss = self.full_loss(w_global, job.x, job.y) if job.start_loss else None
         w = w_global.detach().clone().requires_grad_(True)
         buf: torch.Tensor | None = None
         loss_sum = 0.0
@@ -130,4 +133,15 @@ class LocalSGD:
                     grad = buf
                 w.sub_(grad, alpha=job.lr)
         update = (w_global - w.detach()).contiguous()
-        return ClientResult(job.client, update, n, loss_sum / max(1, len(batches)), len(batches))
+        return ClientResult(job.client, update, n, loss_sum / max(1, len(batches)), len(batches),
+                            start_loss)
+
+    @torch.no_grad()
+    def full_loss(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                  batch: int = 4096) -> float:
+        """Mean cross-entropy of ``w`` over all of ``(x, y)``."""
+        total = 0.0
+        for s in range(0, x.shape[0], batch):
+            logits = functional_forward(self.module, self.layout, w, x[s : s + batch])
+            total += float(F.cross_entropy(logits, y[s : s + batch], reduction="sum"))
+        return total / max(1, x.shape[0])

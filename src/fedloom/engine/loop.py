@@ -117,6 +117,7 @@ class Experiment:
         s = cfg.server
         self.server = ServerOptimizer(s.optimizer, lr=s.lr, momentum=s.momentum,
                                       beta1=s.beta1, beta2=s.beta2, eps=s.eps)
+        self.requires = frozenset(getattr(self.aggregator, "requires", frozenset()))
         self.uplink = Identity()
         self.downlink = Identity()
         self.store = ClientStateStore(
@@ -160,7 +161,8 @@ class Experiment:
         for k in cohort.tolist():
             idx = torch.from_numpy(self.fed.train[k])
             jobs.append(ClientJob(k, r, w, lr, self.x[idx], self.y[idx],
-                                  derive_seed(self.cfg.seed, r, k, Purpose.BATCH)))
+                                  derive_seed(self.cfg.seed, r, k, Purpose.BATCH),
+                                  start_loss="start_losses" in self.requires))
         down_bytes = len(self.downlink.encode(w)) * len(jobs)
         results = self.backend.train_cohort(jobs)
         t_train = time.perf_counter() - t0
@@ -183,9 +185,13 @@ class Experiment:
         conflicts = 0.0
         if bool(finite.any()):
             ok = finite
+            start = None
+            if "start_losses" in self.requires:
+                start = torch.tensor([res.start_loss for res in results], dtype=torch.float64)[ok]
             info = CohortInfo(
                 clients=cohort[ok], round=r, num_clients=self.fed.num_clients,
                 losses=losses[ok], steps=torch.tensor([res.steps for res in results])[ok], lr=lr,
+                momentum=self.cfg.client.momentum, start_losses=start,
             )
             agg, agg_state, agg_metrics = self.aggregator(rows[ok], weights[ok], st.agg_state,
                                                           info=info)
