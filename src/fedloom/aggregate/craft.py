@@ -199,10 +199,15 @@ class CRAFT:
         Ru = R[usable]
         if Ru.shape[0] == 1:
             return GroupSolve(Ru[0].clone(), nan, nan, False)
-        w = weights[usable].to(R.dtype)
-        rho = w / w.sum() if float(w.sum()) > 0 else torch.full_like(w, 1.0 / w.numel())
+        # Weights are normalised over the cohort, then again over the usable
+        # clients, all in the input dtype, exactly as the public code does.
+        rho = _normalise(_normalise(weights.to(R.dtype))[usable])
         U = torch.nan_to_num(Ru / norms[usable].unsqueeze(1), nan=0.0, posinf=0.0, neginf=0.0)
-        ref = _unit(prev, R.dtype) if prev is not None else R.new_zeros(dq)
+        ref = R.new_zeros(dq)
+        if prev is not None:
+            pn = torch.linalg.vector_norm(prev)
+            if bool(pn > 0):
+                ref = prev / pn
         g = ref + torch.linalg.pinv(U) @ (rho - U @ ref)
         Ug = (U.double() @ g.double())
         viol = float((Ug - rho.double()).abs().max())

@@ -46,10 +46,11 @@ class FedLF:
         loss = info.start_losses.to(torch.float64)
         p = torch.full((m,), m**-0.5, dtype=torch.float64)
         ln = torch.linalg.vector_norm(loss)
+        h = torch.zeros(m, dtype=torch.float64)
         if ln > 0:
             h = ((loss @ p) * loss / ln - p * ln) / ln**2
-        else:
-            h = torch.zeros(m, dtype=torch.float64)
+            if float(torch.linalg.vector_norm(h) * ln) < 1e-12:
+                h.zero_()  # equal losses: no fairness direction (not rounding noise)
         out = torch.zeros(updates.shape[1], dtype=updates.dtype)
         for start, stop in state:
             R = updates[:, start:stop]
