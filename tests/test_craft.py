@@ -71,7 +71,7 @@ def test_zero_rows_are_dropped_and_rho_renormalised():
     R[2] = 0
     n = torch.tensor([1.0, 1.0, 5.0, 2.0], dtype=torch.float64)
     agg = CRAFT(groups="global")
-    g, _, m = agg(R, n, agg.init(Layout.flat(10)))
+    g, _, _ = agg(R, n, agg.init(Layout.flat(10)))
     keep = [0, 1, 3]
     rho = n[keep] / n[keep].sum()  # the zero row's share is redistributed
     assert torch.allclose(_unit(R[keep]) @ g, rho, atol=1e-10)

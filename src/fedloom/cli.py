@@ -66,6 +66,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ("client acc mean ± std", f"{s.get('client_acc_mean', float('nan')):.4f} ± "
                                   f"{s.get('client_acc_std', float('nan')):.4f}"),
         ("client acc worst 10 %", f"{s.get('client_acc_worst10', float('nan')):.4f}"),
+        *([("personal acc mean ± std", f"{s['personal_acc_mean']:.4f} ± "
+                                       f"{s['personal_acc_std']:.4f}"),
+           ("personal acc worst 10 %", f"{s['personal_acc_worst10']:.4f}")]
+          if "personal_acc_mean" in s else []),
         ("uplink total", _fmt_bytes(s["uplink_bytes_total"])),
         ("downlink total", _fmt_bytes(s["downlink_bytes_total"])),
         ("rejected updates", f"{s['rejected_updates_total']}"),

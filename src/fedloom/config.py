@@ -114,6 +114,9 @@ class ClientConfig:
     steps: int | None = _f(None, ge=1)
     prox_mu: float = _f(0.0, ge=0)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    # Local method: sgd (FedAvg/FedProx), scaffold, ditto; options go to its factory.
+    method: str = "sgd"
+    method_options: dict[str, Any] = _f({})
 
 
 @dataclass
@@ -138,6 +141,8 @@ class AggregatorConfig:
 class EvalConfig:
     every: int = _f(1, ge=1)
     batch_size: int = _f(2048, ge=1)
+    # Evaluate the running average of the global iterates (AFL reports it).
+    average_iterates: bool = False
 
 
 @dataclass
@@ -296,6 +301,7 @@ def _check_cross_fields(cfg: Config) -> None:
     check_name("model.name", "model", cfg.model.name)
     check_name("aggregator.name", "aggregator", cfg.aggregator.name)
     check_name("backend", "backend", cfg.backend)
+    check_name("client.method", "method", cfg.client.method)
     if cfg.cohort.size > cfg.data.num_clients:
         raise ConfigError(
             f"cohort.size: must be <= data.num_clients ({cfg.data.num_clients}), "

@@ -10,10 +10,10 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["available", "check_name", "get", "register"]
+__all__ = ["available", "build", "check_name", "get", "register"]
 
 _KINDS = ("dataset", "model", "aggregator", "backend", "partitioner", "server_optimizer",
-          "compressor")
+          "compressor", "method")
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {k: {} for k in _KINDS}
 
 # Modules whose import registers components.
@@ -28,6 +28,10 @@ _MODULES = (
     "fedloom.aggregate.fedfv",
     "fedloom.aggregate.conflict_free",
     "fedloom.aggregate.fedlf",
+    "fedloom.aggregate.afl",
+    "fedloom.client.methods",
+    "fedloom.client.scaffold",
+    "fedloom.client.ditto",
     "fedloom.aggregate.server_opt",
     "fedloom.engine.backends",
     "fedloom.compress.identity",
@@ -80,3 +84,23 @@ def check_name(field: str, kind: str, name: str) -> None:
         raise ConfigError(
             f"{field}: unknown {kind} {name!r} (available: {', '.join(available(kind))})"
         )
+
+
+def build(kind: str, name: str, options: dict[str, Any], field: str) -> Any:
+    """Call the factory of ``name`` with ``options``; an unknown option raises a
+    one-line ``ValueError`` naming ``field.option``."""
+    import inspect
+
+    factory = get(kind, name)
+    params = inspect.signature(factory).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(options) - set(params))
+        if unknown:
+            raise ValueError(
+                f"{field}.{unknown[0]}: unknown option for {kind} {name!r} "
+                f"(expected one of: {', '.join(sorted(params)) or 'none'})"
+            )
+    try:
+        return factory(**options)
+    except TypeError as e:
+        raise ValueError(f"{field}: {e}") from None

@@ -56,20 +56,9 @@ class Aggregator(Protocol):
 
 def make_aggregator(name: str, **options: Any) -> Aggregator:
     """Build a registered aggregator; unknown options raise a ``ValueError`` naming them."""
-    import inspect
+    from fedloom.registry import build
 
-    from fedloom.registry import get
-
-    factory = get("aggregator", name)
-    params = inspect.signature(factory).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        unknown = sorted(set(options) - set(params))
-        if unknown:
-            raise ValueError(
-                f"aggregator.options.{unknown[0]}: unknown option for {name!r} "
-                f"(expected one of: {', '.join(sorted(params)) or 'none'})"
-            )
-    return factory(**options)
+    return build("aggregator", name, options, "aggregator.options")
 
 
 def normalise_weights(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -19,7 +19,7 @@ With ``steps`` set, epochs are chained until that many steps are done.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -64,6 +64,9 @@ class ClientJob:
     y: torch.Tensor
     gen_seed: int            # seed of the batch-order generator
     start_loss: bool = False  # also report F_k(w), the loss of w on the client's data
+    start: torch.Tensor | None = None       # where local SGD starts (default: w)
+    grad_shift: torch.Tensor | None = None  # added to every gradient (SCAFFOLD's c − c_k)
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # per-client state rows
 
 
 @dataclass
@@ -76,6 +79,8 @@ class ClientResult:
     loss: float              # mean training loss over the local steps
     steps: int
     start_loss: float | None = None
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # new per-client state rows
+    extra: dict[str, float] = field(default_factory=dict)         # per-client metrics
 
 
 @dataclass(frozen=True)
@@ -108,33 +113,56 @@ class LocalSGD:
                     break
         return out
 
-    def run(self, job: ClientJob) -> ClientResult:
-        gen = torch.Generator()
-        gen.manual_seed(job.gen_seed)
-        n = int(job.y.shape[0])
-        w_global = job.w
-        start_loss = self.full_loss(w_global, job.x, job.y) if job.start_loss else None
-        w = w_global.detach().clone().requires_grad_(True)
+    def descend(
+        self,
+        x0: torch.Tensor,
+        anchor: torch.Tensor,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        lr: float,
+        gen: torch.Generator,
+        *,
+        prox_mu: float | None = None,
+        grad_shift: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, float, int]:
+        """Local SGD from ``x0``; the prox term pulls towards ``anchor``.
+
+        Returns the final parameters, the mean batch loss and the number of steps.
+        """
+        mu = self.prox_mu if prox_mu is None else prox_mu
+        w = x0.detach().clone().requires_grad_(True)
         buf: torch.Tensor | None = None
         loss_sum = 0.0
-        batches = self.batch_indices(n, gen)
+        batches = self.batch_indices(int(y.shape[0]), gen)
         for idx in batches:
-            logits = functional_forward(self.module, self.layout, w, job.x[idx])
-            loss = F.cross_entropy(logits, job.y[idx])
+            logits = functional_forward(self.module, self.layout, w, x[idx])
+            loss = F.cross_entropy(logits, y[idx])
             (grad,) = torch.autograd.grad(loss, w)
             loss_sum += float(loss.detach())
             with torch.no_grad():
+                if grad_shift is not None:
+                    grad = grad + grad_shift
                 if self.weight_decay:
                     grad = grad.add(w, alpha=self.weight_decay)
-                if self.prox_mu:
-                    grad = grad.add(w - w_global, alpha=self.prox_mu)
+                if mu:
+                    grad = grad.add(w - anchor, alpha=mu)
                 if self.momentum:
                     buf = grad.clone() if buf is None else buf.mul_(self.momentum).add_(grad)
                     grad = buf
-                w.sub_(grad, alpha=job.lr)
-        update = (w_global - w.detach()).contiguous()
-        return ClientResult(job.client, update, n, loss_sum / max(1, len(batches)), len(batches),
-                            start_loss)
+                w.sub_(grad, alpha=lr)
+        return w.detach(), loss_sum / max(1, len(batches)), len(batches)
+
+    def run(self, job: ClientJob) -> ClientResult:
+        """Train from ``job.start`` (default ``w``); the update is measured from ``w``."""
+        gen = torch.Generator()
+        gen.manual_seed(job.gen_seed)
+        w_global = job.w
+        start_loss = self.full_loss(w_global, job.x, job.y) if job.start_loss else None
+        x0 = job.start if job.start is not None else w_global
+        w_k, loss, steps = self.descend(x0, w_global, job.x, job.y, job.lr, gen,
+                                        grad_shift=job.grad_shift)
+        update = (w_global - w_k).contiguous()
+        return ClientResult(job.client, update, int(job.y.shape[0]), loss, steps, start_loss)
 
     @torch.no_grad()
     def full_loss(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.registry import register
 
@@ -29,13 +30,14 @@ class SequentialBackend:
 
     name = "sequential"
 
-    def __init__(self, trainer: LocalSGD) -> None:
+    def __init__(self, trainer: LocalSGD, method: LocalMethod) -> None:
         self.trainer = trainer
+        self.method = method
 
     def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult]:
-        return [self.trainer.run(job) for job in jobs]
+        return [self.method.run(self.trainer, job) for job in jobs]
 
 
 @register("backend", "sequential")
-def _sequential(trainer: LocalSGD) -> SequentialBackend:
-    return SequentialBackend(trainer)
+def _sequential(trainer: LocalSGD, method: LocalMethod) -> SequentialBackend:
+    return SequentialBackend(trainer, method)

@@ -41,7 +41,7 @@ from fedloom.engine.checkpoint import (
 from fedloom.metrics import accuracy_stats, conflict_rate, evaluate, evaluate_clients
 from fedloom.models import build_model
 from fedloom.params import Layout
-from fedloom.registry import get
+from fedloom.registry import build, get
 from fedloom.rng import Purpose, derive_seed, numpy_gen
 from fedloom.state import ClientStateStore
 
@@ -65,6 +65,8 @@ class RunState:
     w: torch.Tensor
     opt_state: dict[str, torch.Tensor]
     agg_state: Any
+    method_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    w_avg: torch.Tensor | None = None  # running mean of the iterates (eval.average_iterates)
     totals: dict[str, int] = field(
         default_factory=lambda: {"uplink_bytes": 0, "downlink_bytes": 0, "rejected_updates": 0}
     )
@@ -109,11 +111,19 @@ class Experiment:
             self.module, self.layout, batch_size=c.batch_size, epochs=c.epochs, steps=c.steps,
             momentum=c.momentum, weight_decay=c.weight_decay, prox_mu=c.prox_mu,
         )
-        self.backend = get("backend", cfg.backend)(self.trainer)
         try:
             self.aggregator = make_aggregator(cfg.aggregator.name, **cfg.aggregator.options)
+            self.method = build("method", c.method, c.method_options, "client.method_options")
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e).splitlines()[0]) from None
+        if getattr(self.aggregator, "full_participation", False) and (
+            cfg.cohort.size != self.fed.num_clients
+        ):
+            raise ConfigError(
+                f"cohort.size: {cfg.aggregator.name} needs every client in every round; set "
+                f"cohort.size={self.fed.num_clients}"
+            )
+        self.backend = get("backend", cfg.backend)(self.trainer, self.method)
         s = cfg.server
         self.server = ServerOptimizer(s.optimizer, lr=s.lr, momentum=s.momentum,
                                       beta1=s.beta1, beta2=s.beta2, eps=s.eps)
@@ -121,8 +131,9 @@ class Experiment:
         self.uplink = Identity()
         self.downlink = Identity()
         self.store = ClientStateStore(
-            self.fed.num_clients, {}, storage=cfg.state.storage, dtype=cfg.state.dtype,
-            directory=state_dir, memmap_above_mb=cfg.state.memmap_above_mb,
+            self.fed.num_clients, self.method.fields(self.layout.size),
+            storage=cfg.state.storage, dtype=cfg.state.dtype, directory=state_dir,
+            memmap_above_mb=cfg.state.memmap_above_mb,
             compute_dtype=self.dtype,
         )
         self.n_train = torch.from_numpy(self.fed.num_train())
@@ -139,7 +150,9 @@ class Experiment:
     # ------------------------------------------------------------------ rounds
     def initial_state(self) -> RunState:
         w = self.layout.flatten(self.module).to(self.dtype)
-        return RunState(0, w, self.server.init(w), self.aggregator.init(self.layout))
+        return RunState(0, w, self.server.init(w), self.aggregator.init(self.layout),
+                        self.method.init_server(w),
+                        w.clone() if self.cfg.eval.average_iterates else None)
 
     def sample_cohort(self, r: int) -> torch.Tensor:
         """``cohort.size`` distinct clients, uniformly, from the round's own generator."""
@@ -157,12 +170,15 @@ class Experiment:
         cohort = self.sample_cohort(r)
         lr = self.lr(r)
         w = st.w
+        old_rows = {f: self.store.gather(f, cohort) for f in self.store.fields}
         jobs = []
-        for k in cohort.tolist():
+        for i, k in enumerate(cohort.tolist()):
             idx = torch.from_numpy(self.fed.train[k])
-            jobs.append(ClientJob(k, r, w, lr, self.x[idx], self.y[idx],
-                                  derive_seed(self.cfg.seed, r, k, Purpose.BATCH),
-                                  start_loss="start_losses" in self.requires))
+            job = ClientJob(k, r, w, lr, self.x[idx], self.y[idx],
+                            derive_seed(self.cfg.seed, r, k, Purpose.BATCH),
+                            start_loss="start_losses" in self.requires,
+                            state={f: rows[i] for f, rows in old_rows.items()})
+            jobs.append(self.method.prepare(job, st.method_state))
         down_bytes = len(self.downlink.encode(w)) * len(jobs)
         results = self.backend.train_cohort(jobs)
         t_train = time.perf_counter() - t0
@@ -172,6 +188,9 @@ class Experiment:
         up_bytes = sum(len(p) for p in payloads)
         rows = torch.stack([self.uplink.decode(p) for p in payloads]).to(self.dtype)
         finite = torch.isfinite(rows).all(dim=1)
+        for i, res in enumerate(results):  # a non-finite state row is rejected too
+            if any(not bool(torch.isfinite(v).all()) for v in res.state.values()):
+                finite[i] = False
         rejected = [int(c) for c, ok in zip(cohort.tolist(), finite.tolist(), strict=True)
                     if not ok]
         if rejected:
@@ -197,7 +216,21 @@ class Experiment:
                                                           info=info)
             conflicts = conflict_rate(rows[ok], agg)
             new_w, opt_state = self.server.step(w, agg, st.opt_state)
+        method_state = st.method_state
+        if self.store.fields and bool(finite.any()):
+            ok_pos = finite.nonzero().squeeze(1)
+            ok_ids = cohort[ok_pos]
+            new_rows = {f: torch.stack([results[i].state[f] for i in ok_pos.tolist()])
+                        for f in self.store.fields}
+            for f, rows_f in new_rows.items():
+                self.store.scatter(f, ok_ids, rows_f)
+            method_state = self.method.server_update(
+                st.method_state, {f: v[ok_pos] for f, v in old_rows.items()}, new_rows,
+                self.fed.num_clients)
         t_agg = time.perf_counter() - t1
+        w_avg = st.w_avg
+        if w_avg is not None:  # mean of w_0 … w_{r+1}
+            w_avg = w_avg + (new_w - w_avg) / (r + 2)
 
         totals = dict(st.totals)
         totals["uplink_bytes"] += up_bytes
@@ -222,12 +255,17 @@ class Experiment:
         }
         if rejected:
             metrics["rejected_clients"] = rejected
+        extras = [res.extra for res, ok in zip(results, finite.tolist(), strict=True) if ok]
+        for key in sorted({k for e in extras for k in e}):
+            metrics[key] = float(np.mean([e[key] for e in extras if key in e]))
         if (r + 1) % self.cfg.eval.every == 0 or r + 1 == self.cfg.rounds:
-            metrics.update(self.evaluate(new_w))
+            metrics.update(self.evaluate(w_avg if w_avg is not None else new_w))
+            if self.method.personal:
+                metrics.update(self.evaluate_personal(new_w))
         metrics["train_s"] = t_train
         metrics["agg_s"] = t_agg
         metrics["wall_s"] = time.perf_counter() - t0
-        return RunState(r + 1, new_w, opt_state, agg_state, totals), metrics
+        return RunState(r + 1, new_w, opt_state, agg_state, method_state, w_avg, totals), metrics
 
     def evaluate(self, w: torch.Tensor) -> dict[str, float]:
         """Global test accuracy/loss and per-client accuracy statistics of ``w``."""
@@ -242,6 +280,23 @@ class Experiment:
             out.update(accuracy_stats(per_client))
         return out
 
+    def evaluate_personal(self, w: torch.Tensor, chunk: int = 64) -> dict[str, float]:
+        """Per-client accuracy of the personal models (``w`` where none exists yet)."""
+        acc = np.full(self.fed.num_clients, np.nan)
+        bs = self.cfg.eval.batch_size
+        for s in range(0, self.fed.num_clients, chunk):
+            ids = list(range(s, min(s + chunk, self.fed.num_clients)))
+            models = self.store.gather("personal", ids)
+            have = self.store.gather("personal_set", ids)[:, 0] > 0
+            for j, k in enumerate(ids):
+                te = self.fed.test[k]
+                if len(te) == 0:
+                    continue
+                v = models[j] if bool(have[j]) else w
+                idx = torch.from_numpy(te)
+                acc[k], _ = evaluate(self.module, self.layout, v, self.x[idx], self.y[idx], bs)
+        return accuracy_stats(acc, prefix="personal_acc")
+
     # ------------------------------------------------------------- checkpoints
     def checkpoint_state(self, st: RunState) -> dict[str, Any]:
         return {
@@ -250,6 +305,8 @@ class Experiment:
             "w": st.w,
             "opt_state": st.opt_state,
             "agg_state": st.agg_state,
+            "method_state": st.method_state,
+            "w_avg": st.w_avg,
             "totals": st.totals,
             "store": self.store.state_dict(),
             "config": config_to_dict(self.cfg),
@@ -258,7 +315,7 @@ class Experiment:
     def restore(self, ckpt: dict[str, Any]) -> RunState:
         self.store.load_state_dict(ckpt["store"])
         return RunState(ckpt["next_round"], ckpt["w"], ckpt["opt_state"], ckpt["agg_state"],
-                        dict(ckpt["totals"]))
+                        ckpt["method_state"], ckpt["w_avg"], dict(ckpt["totals"]))
 
 
 # ---------------------------------------------------------------------- run dir

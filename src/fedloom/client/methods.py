@@ -1,0 +1,56 @@
+"""Local methods: how a client trains and what state it keeps across rounds.
+
+A method holds settings; its state lives in the per-client store (``fields``,
+one ``[N, size]`` buffer each) and in a small server-side dict. Each round the
+engine gathers the cohort's rows into ``job.state``, calls :meth:`prepare`
+(server side, cheap), runs :meth:`run` in the backend, scatters the returned
+rows of the **accepted** clients back, and calls :meth:`server_update`. A
+client that is not sampled, or whose update was rejected, keeps its rows.
+
+``sgd`` is plain local SGD (FedAvg's and FedProx's local solver); SCAFFOLD and
+Ditto live in their own files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
+from fedloom.registry import register
+from fedloom.state import FieldSpec
+
+__all__ = ["LocalMethod"]
+
+
+class LocalMethod:
+    name = "sgd"
+    personal = False  # True when clients keep personal models to evaluate
+
+    def fields(self, d: int) -> dict[str, FieldSpec]:
+        return {}
+
+    def init_server(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {}
+
+    def prepare(self, job: ClientJob, server: Mapping[str, torch.Tensor]) -> ClientJob:
+        return job
+
+    def run(self, trainer: LocalSGD, job: ClientJob) -> ClientResult:
+        return trainer.run(job)
+
+    def server_update(
+        self,
+        server: dict[str, torch.Tensor],
+        old: Mapping[str, torch.Tensor],
+        new: Mapping[str, torch.Tensor],
+        num_clients: int,
+    ) -> dict[str, torch.Tensor]:
+        """``old``/``new``: the accepted clients' rows before and after the round."""
+        return server
+
+
+@register("method", "sgd")
+def _sgd() -> LocalMethod:
+    return LocalMethod()

@@ -1,0 +1,63 @@
+"""SCAFFOLD: stochastic controlled averaging (option II).
+
+Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated
+Learning" (ICML 2020), Algorithm 1 with control-variate option II::
+
+    local steps   y ← y − η_l (∇f_k(y) − c_k + c)
+    client        c_k⁺ = c_k − c + g_k / (K η_l)        (g_k = w − y_K)
+    server        c ← c + (m/N) · mean_k (c_k⁺ − c_k)
+
+The model step is the configured aggregator (the paper: the mean of the
+updates with a global step η_g). ``c_k`` lives in the per-client store (field
+``control``); ``c`` in the server state. Momentum and weight decay, if set,
+act on the corrected gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from fedloom.client.methods import LocalMethod
+from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
+from fedloom.registry import register
+from fedloom.state import FieldSpec
+
+__all__ = ["Scaffold"]
+
+
+class Scaffold(LocalMethod):
+    name = "scaffold"
+
+    def fields(self, d: int) -> dict[str, FieldSpec]:
+        return {"control": FieldSpec(d)}
+
+    def init_server(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"c": torch.zeros_like(w)}
+
+    def prepare(self, job: ClientJob, server: Mapping[str, torch.Tensor]) -> ClientJob:
+        return dataclasses.replace(job, grad_shift=server["c"] - job.state["control"])
+
+    def run(self, trainer: LocalSGD, job: ClientJob) -> ClientResult:
+        res = trainer.run(job)
+        assert job.grad_shift is not None
+        # c_k⁺ = c_k − c + g/(Kη) and grad_shift = c − c_k
+        res.state = {"control": res.update / (res.steps * job.lr) - job.grad_shift}
+        return res
+
+    def server_update(
+        self, server: dict[str, torch.Tensor], old: Mapping[str, torch.Tensor],
+        new: Mapping[str, torch.Tensor], num_clients: int,
+    ) -> dict[str, torch.Tensor]:
+        delta = new["control"] - old["control"]
+        if delta.shape[0] == 0:
+            return server
+        m = delta.shape[0]
+        return {"c": server["c"] + (m / num_clients) * delta.mean(0)}
+
+
+@register("method", "scaffold")
+def _scaffold() -> Scaffold:
+    return Scaffold()
