@@ -81,7 +81,9 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = "mlp"
-    hidden: list[int] = _f([200, 200], ge=1)
+    hidden: list[int] = _f([200, 200], ge=1)   # mlp
+    depth: int = _f(20, ge=8)                   # resnet: 6n + 2
+    width: int = _f(16, ge=4)                   # resnet: channels of the first stage
 
 
 @dataclass

@@ -72,6 +72,13 @@ def _mlp(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Mo
     return MLP(math.prod(in_shape), list(cfg.hidden), num_classes)
 
 
+@register("model", "resnet")
+def _resnet(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    from fedloom.models.resnet import ResNetGN
+
+    return ResNetGN(in_shape, num_classes, depth=cfg.depth, width=cfg.width)
+
+
 @register("model", "cnn")
 def _cnn(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return CNN(in_shape, num_classes)
@@ -83,6 +90,7 @@ def init_parameters(module: nn.Module, gen: torch.Generator) -> None:
     Modules are visited in ``named_modules`` order, so the draw order, and hence
     the result, depends only on the architecture and the generator.
     """
+    kaiming_normal = getattr(module, "fedloom_init", "") == "kaiming_normal"
     with torch.no_grad():
         for mod in module.modules():
             own = dict(mod.named_parameters(recurse=False))
@@ -107,7 +115,10 @@ def init_parameters(module: nn.Module, gen: torch.Generator) -> None:
             for name, p in own.items():
                 if name == "bias":
                     continue
-                if p.ndim >= 2:
+                if p.ndim >= 2 and kaiming_normal:  # He et al. (2015), as CRAFT's ResNet
+                    nn.init.kaiming_normal_(p, generator=gen)
+                    fan_in = nn.init._calculate_fan_in_and_fan_out(p)[0]
+                elif p.ndim >= 2:
                     nn.init.kaiming_uniform_(p, a=math.sqrt(5), generator=gen)
                     fan_in = nn.init._calculate_fan_in_and_fan_out(p)[0]
                 else:
