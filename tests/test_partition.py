@@ -93,3 +93,19 @@ def test_natural_keeps_groups_together():
     groups = np.array([2, 0, 2, 1, 0, 1, 1])
     parts = natural(np.zeros(7), 3, rng=np.random.default_rng(0), groups=groups)
     assert [p.tolist() for p in parts] == [[1, 4], [3, 5, 6], [0, 2]]
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(500, 3000), clients=st.integers(5, 60), seed=st.integers(0, 2**31),
+       balance=st.booleans())
+def test_dirichlet_move_policy_always_meets_minimum(n, clients, seed, balance):
+    """CRAFT's code: keep the best draw, move samples from the largest clients, balance."""
+    labels = _labels(n, 10, seed)
+    min_samples = max(1, min(20, n // clients // 2))
+    parts = dirichlet(labels, clients, rng=np.random.default_rng(seed), alpha=0.05,
+                      min_samples=min_samples, max_tries=3, min_policy="move", balance=balance)
+    _check_partition(parts, n)
+    sizes = [len(p) for p in parts]
+    assert min(sizes) >= min_samples
+    if balance:  # every client ends with ⌊n/N⌋ or ⌊n/N⌋ + 1 samples
+        assert set(sizes) <= {n // clients, n // clients + 1}

@@ -65,6 +65,9 @@ class PartitionConfig:
     min_samples: int = _f(10, ge=1)
     shards_per_client: int = _f(2, ge=1)
     max_tries: int = _f(1000, ge=1)
+    # dirichlet: how the minimum is met (see fedloom.data.partition.dirichlet)
+    min_policy: Literal["resample", "move"] = "resample"
+    balance: bool = False
 
 
 @dataclass
@@ -75,6 +78,9 @@ class DataConfig:
     test_fraction: float = _f(0.2, ge=0, lt=1)
     # Use only the first N training samples of the source (0 = all): small tests.
     max_samples: int = _f(0, ge=0)
+    # "all" merges the source's own test set into the pool before partitioning
+    # (CRAFT's code); the global test set is then the union of the client splits.
+    pool: Literal["train", "all"] = "train"
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
 

@@ -59,7 +59,7 @@ def partition_indices(ds: Dataset, cfg: DataConfig, seed: int) -> list[np.ndarra
     fn = get("partitioner", p.name)
     if p.name == "dirichlet":
         return fn(labels, cfg.num_clients, rng=rng, alpha=p.alpha, min_samples=p.min_samples,
-                  max_tries=p.max_tries)
+                  max_tries=p.max_tries, min_policy=p.min_policy, balance=p.balance)
     if p.name == "shards":
         return fn(labels, cfg.num_clients, rng=rng, shards_per_client=p.shards_per_client)
     if p.name == "natural":

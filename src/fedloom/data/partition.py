@@ -62,13 +62,24 @@ def dirichlet(
     alpha: float = 0.5,
     min_samples: int = 10,
     max_tries: int = 1000,
+    min_policy: str = "resample",
+    balance: bool = False,
 ) -> list[np.ndarray]:
     """Label-skewed split with ``p_c ~ Dir(α)`` per class ``c``.
 
     Args:
         alpha: concentration; small α → each client sees few classes.
         min_samples: every client must end with at least this many samples.
-        max_tries: redraws before giving up with :class:`PartitionError`.
+        max_tries: redraws before giving up (``resample``) or keeping the best
+            draw (``move``).
+        min_policy: ``resample`` redraws until the minimum holds and raises
+            :class:`PartitionError` after ``max_tries``; ``move`` keeps the draw
+            with the largest minimum and then moves samples from the largest
+            clients to the small ones (CRAFT's code), which always succeeds
+            when ``N · min_samples <= n``.
+        balance: afterwards trim every client to ``⌊n/N⌋`` samples and hand the
+            surplus to clients below it (CRAFT's code, ``balance=True``): equal
+            sizes, with the label skew of the draw diluted by the surplus.
     """
     _check(labels, num_clients)
     if alpha <= 0:
@@ -79,9 +90,14 @@ def dirichlet(
             f"dirichlet: {num_clients} clients x min_samples {min_samples} = "
             f"{num_clients * min_samples} exceeds the {n} samples"
         )
+    if min_policy not in ("resample", "move"):
+        raise PartitionError(
+            f"dirichlet: min_policy must be 'resample' or 'move', got {min_policy!r}"
+        )
     classes = np.unique(labels)
     by_class = [np.flatnonzero(labels == c) for c in classes]
     best = 0
+    best_parts: list[np.ndarray] | None = None
     for _ in range(max_tries):
         parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
         sizes = np.zeros(num_clients, dtype=np.int64)
@@ -96,14 +112,58 @@ def dirichlet(
             for k, chunk in enumerate(np.split(idx, cuts)):
                 parts[k].append(chunk)
                 sizes[k] += len(chunk)
-        best = max(best, int(sizes.min()))
+        if best_parts is None or int(sizes.min()) > best:
+            best = int(sizes.min())
+            best_parts = [np.concatenate(p) for p in parts]
         if sizes.min() >= min_samples:
-            return [np.sort(np.concatenate(p)) for p in parts]
+            break
+    assert best_parts is not None
+    if best >= min_samples or min_policy == "move":
+        out = best_parts if best >= min_samples else _move_to_minimum(best_parts, min_samples, rng)
+        if balance:
+            out = _balance(out, n // num_clients, rng)
+        return [np.sort(p) for p in out]
     raise PartitionError(
         f"dirichlet(alpha={alpha}): no split in {max_tries} tries gives every one of "
         f"{num_clients} clients >= {min_samples} samples (best minimum: {best}); "
         "lower min_samples or num_clients, or raise alpha"
     )
+
+
+def _move_to_minimum(
+    parts: list[np.ndarray], min_samples: int, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Give every client ``min_samples`` by taking samples from the largest clients."""
+    buckets = [list(rng.permutation(p)) for p in parts]
+    for k in range(len(buckets)):
+        while len(buckets[k]) < min_samples:
+            donor = max(range(len(buckets)), key=lambda j: len(buckets[j]))
+            take = min(min_samples - len(buckets[k]), len(buckets[donor]) - min_samples)
+            if take <= 0:  # pragma: no cover (excluded by the N·min <= n check)
+                raise PartitionError("dirichlet: cannot move samples to meet min_samples")
+            buckets[k].extend(buckets[donor][-take:])
+            del buckets[donor][-take:]
+    return [np.asarray(b, dtype=np.int64) for b in buckets]
+
+
+def _balance(parts: list[np.ndarray], target: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Trim clients above ``target``; hand the surplus to those below, then one each."""
+    kept, surplus = [], []
+    for p in parts:
+        p = rng.permutation(p)
+        kept.append(list(p[:target]))
+        surplus.extend(p[target:].tolist())
+    surplus = list(rng.permutation(np.asarray(surplus, dtype=np.int64)))
+    for k in range(len(kept)):
+        need = target - len(kept[k])
+        if need > 0:
+            kept[k].extend(surplus[:need])
+            surplus = surplus[need:]
+    for k in range(len(kept)):
+        if not surplus:
+            break
+        kept[k].append(surplus.pop())
+    return [np.asarray(b, dtype=np.int64) for b in kept]
 
 
 @register("partitioner", "shards")

@@ -108,6 +108,10 @@ def load_dataset(cfg: DataConfig, seed: int) -> Dataset:
         raise DatasetUnavailable(f"dataset {cfg.name!r} is not installed; install it with: "
                                  f"{info.install}")
     ds = info.loader(cfg, seed)
+    if cfg.pool == "all" and ds.x_test is not None and ds.y_test is not None:
+        ds.x = torch.cat([ds.x, ds.x_test])
+        ds.y = torch.cat([ds.y, ds.y_test])
+        ds.x_test = ds.y_test = None
     if cfg.max_samples and cfg.max_samples < len(ds):
         n = cfg.max_samples
         ds.x, ds.y = ds.x[:n], ds.y[:n]

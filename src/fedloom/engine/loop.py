@@ -146,6 +146,9 @@ class Experiment:
         ).long()
         self.x_test = self.fed.x_test.to(self.dtype)
         self.y_test = self.fed.y_test
+        # per-client accuracies of the last evaluation (written to client_acc.json)
+        self.last_client_acc: np.ndarray | None = None
+        self.last_personal_acc: np.ndarray | None = None
 
     # ------------------------------------------------------------------ rounds
     def initial_state(self) -> RunState:
@@ -278,6 +281,7 @@ class Experiment:
                 self.y[self.client_test_idx], self.client_test_owner, self.fed.num_clients, bs,
             )
             out.update(accuracy_stats(per_client))
+            self.last_client_acc = per_client
         return out
 
     def evaluate_personal(self, w: torch.Tensor, chunk: int = 64) -> dict[str, float]:
@@ -295,6 +299,7 @@ class Experiment:
                 v = models[j] if bool(have[j]) else w
                 idx = torch.from_numpy(te)
                 acc[k], _ = evaluate(self.module, self.layout, v, self.x[idx], self.y[idx], bs)
+        self.last_personal_acc = acc
         return accuracy_stats(acc, prefix="personal_acc")
 
     # ------------------------------------------------------------- checkpoints
@@ -324,6 +329,7 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 CHECKPOINT_FILE = "checkpoints/last.pt"
 MODEL_FILE = "model.pt"
+CLIENT_ACC_FILE = "client_acc.json"
 
 Callback = Callable[[RunState, dict[str, Any]], None]
 
@@ -443,4 +449,9 @@ def _loop(
                     "names": exp.layout.names}, buf)
         atomic_write_bytes(run_dir / MODEL_FILE, buf.getvalue())
         atomic_write_json(run_dir / SUMMARY_FILE, summary)
+        per_client = {name: [None if np.isnan(a) else float(a) for a in arr]
+                      for name, arr in (("client_acc", exp.last_client_acc),
+                                        ("personal_acc", exp.last_personal_acc))
+                      if arr is not None}
+        atomic_write_json(run_dir / CLIENT_ACC_FILE, per_client)
     return Result(cfg, st.w, exp.layout, exp.module, history, summary, run_dir)
