@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 
-.PHONY: run test lint bench clean data
+.PHONY: run test lint bench clean repro-craft
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,15 @@ test: $(VENV)/.dev
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check src tests
+
+$(VENV)/.report: $(VENV)/.torch pyproject.toml
+	$(PIP) install -q -e '.[data,report]'
+	touch $@
+
+# Reproductions (long: about an hour each on 2 cores; finished runs are reused).
+repro-craft: $(VENV)/.report
+	@[ -d /usr/share/datasets/fashion-mnist ] || apt-get install -y -qq dataset-fashion-mnist
+	$(VENV)/bin/fedloom sweep configs/craft/suite.yaml --workers 2
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -98,6 +98,16 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from fedloom.sweep import run_suite
+
+    suite = run_suite(args.suite, workers=args.workers,
+                      log=lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", flush=True))
+    if suite.doc is not None:
+        print(f"report: {suite.doc}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedloom", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -108,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true", help="continue the run in --out")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(func=_cmd_run)
+    s = sub.add_parser("sweep", help="run a suite of settings x methods x seeds, then report")
+    s.add_argument("suite", help="suite YAML (see fedloom.sweep)")
+    s.add_argument("--workers", type=int, default=2, help="parallel single-thread runs")
+    s.set_defaults(func=_cmd_sweep)
     d = sub.add_parser("datasets", help="list datasets, whether they are here, how to install")
     d.set_defaults(func=_cmd_datasets)
     return p

@@ -42,7 +42,8 @@ def conflict_rate(updates: torch.Tensor, agg: torch.Tensor) -> float:
     """Fraction of rows ``g_i`` with ``⟨g_i, agg⟩ < 0``."""
     if updates.shape[0] == 0:
         return 0.0
-    dots = updates.to(torch.float64) @ agg.to(torch.float64)
+    # A sign test: the updates' own dtype is enough (no float64 copy of [m, d]).
+    dots = updates @ agg.to(updates.dtype)
     return float((dots < 0).double().mean())
 
 

@@ -1,0 +1,211 @@
+"""Sweeps: settings × methods × seeds, run in parallel, resumable, then reported.
+
+A suite file (YAML) names the experiment grid::
+
+    name: craft
+    out: runs/craft                   # one run directory per (setting, method, seed)
+    doc: docs/results/craft.md        # the report this suite regenerates
+    seeds: [1, 2, 3]
+    tune_seed: 0                      # tuning runs use their own seed
+    tune_metric: client_acc_mean
+    settings:
+      mnist: {config: configs/craft/mnist.yaml, overrides: [rounds=60]}
+    methods:
+      FedAvg: []
+      CRAFT-layer: [aggregator.name=craft, server.lr=$TUNE]
+    tune:
+      CRAFT-layer: {key: server.lr, grid: [0.1, 0.3, 1.0]}
+    share_tuning: {Ditto+CRAFT: CRAFT-layer}   # reuse another method's tuned value
+
+Each run is ``fedloom run CONFIG OVERRIDES seed=S --out DIR`` in a subprocess
+with one thread (``OMP_NUM_THREADS=1``), ``workers`` at a time. A run whose
+``summary.json`` exists is not run again, so a stopped sweep continues where
+it stopped. ``$TUNE`` is replaced by the value the tuning runs chose: the grid
+value with the best ``tune_metric`` on ``tune_seed``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedloom.config import ConfigError, yaml_load
+
+__all__ = ["RunSpec", "Suite", "load_suite", "run_suite"]
+
+TUNE = "$TUNE"
+
+
+@dataclass
+class Suite:
+    name: str
+    out: Path
+    doc: Path | None
+    seeds: list[int]
+    settings: dict[str, dict[str, Any]]
+    methods: dict[str, list[str]]
+    tune: dict[str, dict[str, Any]] = field(default_factory=dict)
+    share_tuning: dict[str, str] = field(default_factory=dict)
+    tune_seed: int = 0
+    tune_metric: str = "client_acc_mean"
+    report: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    setting: str
+    method: str
+    seed: int
+    config: str
+    overrides: tuple[str, ...]
+    out: Path
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "fedloom.cli", "run", self.config, *self.overrides,
+                f"seed={self.seed}", "--out", str(self.out), "--quiet"]
+
+    @property
+    def done(self) -> bool:
+        return (self.out / "summary.json").exists()
+
+
+def load_suite(path: str | Path) -> Suite:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: suite file not found")
+    raw = yaml_load(p.read_text()) or {}
+    known = {"name", "out", "doc", "seeds", "settings", "methods", "tune", "share_tuning",
+             "tune_seed", "tune_metric", "report"}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(
+                f"{p}: {key}: unknown key (expected one of: {', '.join(sorted(known))})"
+            )
+    for key in ("name", "seeds", "settings", "methods"):
+        if key not in raw:
+            raise ConfigError(f"{p}: {key}: missing")
+    for m in raw.get("tune", {}):
+        if m not in raw["methods"]:
+            raise ConfigError(f"{p}: tune.{m}: not a method of this suite")
+    return Suite(
+        name=raw["name"], out=Path(raw.get("out", f"runs/{raw['name']}")),
+        doc=Path(raw["doc"]) if raw.get("doc") else None, seeds=[int(s) for s in raw["seeds"]],
+        settings=raw["settings"], methods={k: list(v or []) for k, v in raw["methods"].items()},
+        tune=raw.get("tune", {}) or {}, share_tuning=raw.get("share_tuning", {}) or {},
+        tune_seed=int(raw.get("tune_seed", 0)), tune_metric=raw.get("tune_metric",
+                                                                     "client_acc_mean"),
+        report=raw.get("report", {}) or {}, path=p,
+    )
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def _spec(suite: Suite, setting: str, method: str, seed: int, overrides: list[str],
+          tag: str = "") -> RunSpec:
+    s = suite.settings[setting]
+    out = suite.out / setting / (_slug(method) + tag) / f"seed{seed}"
+    return RunSpec(setting, method, seed, s["config"],
+                   (*s.get("overrides", []), *overrides), out)
+
+
+def _run_all(specs: list[RunSpec], workers: int, log: Callable[[str], None]) -> None:
+    todo = [s for s in specs if not s.done]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+    def one(spec: RunSpec) -> None:
+        if spec.out.exists() and not spec.done:
+            # A run stopped mid-way: continue it from its checkpoint if it has one.
+            cmd = [*spec.command(), "--resume"]
+        else:
+            cmd = spec.command()
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"{spec.setting}/{spec.method}/seed{spec.seed} failed: "
+                               f"{(p.stderr.strip().splitlines() or ['?'])[-1]}")
+        log(f"done {spec.setting}/{spec.out.parent.name}/seed{spec.seed} "
+            f"in {time.perf_counter() - t0:.0f} s")
+
+    log(f"{len(todo)} of {len(specs)} runs to do, {workers} at a time")
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for f in [pool.submit(one, s) for s in todo]:
+            f.result()
+
+
+def read_summary(out: Path) -> dict[str, Any]:
+    return json.loads((out / "summary.json").read_text())
+
+
+def tuned_values(
+    suite: Suite, workers: int, log: Callable[[str], None]
+) -> dict[tuple[str, str], Any]:
+    """Run the tuning grids; return {(setting, method): chosen value}."""
+    specs: dict[tuple[str, str, Any], RunSpec] = {}
+    for setting in suite.settings:
+        for method, t in suite.tune.items():
+            for value in t["grid"]:
+                ov = [o.replace(TUNE, str(value)) for o in suite.methods[method]]
+                specs[(setting, method, value)] = _spec(suite, setting, method, suite.tune_seed,
+                                                        ov, tag=f"@tune={value}")
+    _run_all(list(specs.values()), workers, log)
+    chosen: dict[tuple[str, str], Any] = {}
+    for setting in suite.settings:
+        for method, t in suite.tune.items():
+            scores = {v: read_summary(specs[(setting, method, v)].out).get(suite.tune_metric,
+                                                                            float("-inf"))
+                      for v in t["grid"]}
+            scores = {v: (s if s == s else float("-inf")) for v, s in scores.items()}  # NaN
+            chosen[(setting, method)] = max(scores, key=lambda v: scores[v])
+        for method, source in suite.share_tuning.items():
+            chosen[(setting, method)] = chosen[(setting, source)]
+    return chosen
+
+
+def main_specs(suite: Suite, chosen: dict[tuple[str, str], Any]) -> list[RunSpec]:
+    specs = []
+    for setting in suite.settings:
+        for method, ov in suite.methods.items():
+            value = chosen.get((setting, method))
+            if any(TUNE in o for o in ov) and value is None:
+                raise ConfigError(f"methods.{method}: uses {TUNE} but has no tune entry")
+            ov2 = [o.replace(TUNE, str(value)) for o in ov]
+            for seed in suite.seeds:
+                specs.append(_spec(suite, setting, method, seed, ov2))
+    return specs
+
+
+def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = print) -> Suite:
+    """Run (or continue) a suite, then write its report."""
+    from fedloom.report.sweep import write_report
+
+    suite = load_suite(path)
+    t0 = time.perf_counter()
+    chosen = tuned_values(suite, workers, log)
+    specs = main_specs(suite, chosen)
+    _run_all(specs, workers, log)
+    elapsed = time.perf_counter() - t0
+    state = suite.out / "sweep.json"
+    prior = json.loads(state.read_text()) if state.exists() else {}
+    # Wall time of the whole sweep: the sum over continued invocations.
+    total = float(prior.get("elapsed_s", 0.0)) + elapsed
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"elapsed_s": total, "workers": workers}, indent=2))
+    write_report(suite, chosen, specs, total, workers)
+    return suite
+
+
+def dump_yaml(obj: Any) -> str:
+    return yaml.safe_dump(obj, sort_keys=False)
