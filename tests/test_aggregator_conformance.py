@@ -10,7 +10,7 @@ D = 30
 LAYOUT = Layout([("a.weight", (4, 5)), ("a.bias", (4,)), ("b.weight", (6,))],
                 [["a.weight", "a.bias"], ["b.weight"]])
 # Rules whose output for m identical updates is that update.
-MEAN_LIKE = {"fedavg", "fednova", "fedfv", "config", "fedlf"}
+MEAN_LIKE = {"fedavg", "fednova", "fedfv", "config", "fedlf", "coordmean"}
 
 
 def _cohort(m=6, seed=0):

@@ -146,6 +146,24 @@ class AggregatorConfig:
 
 
 @dataclass
+class CompressionConfig:
+    """Uplink compression and error feedback (ALGORITHMS.md §2, §5)."""
+
+    name: str = "identity"
+    options: dict[str, Any] = _f({})
+    feedback: Literal["none", "ef", "saef", "sapef", "ef21"] = "none"
+    alpha: float = _f(0.85, ge=0, le=1)          # SA-PEF step-ahead coefficient
+    alpha_schedule: Literal["constant", "theory"] = "constant"
+
+
+@dataclass
+class MetricsConfig:
+    # SA-PEF's gradient mismatch ‖∇f(w) − ∇f(w − α_p e_k)‖² (costs two gradients a client).
+    mismatch: bool = False
+    mismatch_alpha: float = _f(1.0, ge=0, le=1)
+
+
+@dataclass
 class EvalConfig:
     every: int = _f(1, ge=1)
     batch_size: int = _f(2048, ge=1)
@@ -180,6 +198,8 @@ class Config:
     client: ClientConfig = field(default_factory=ClientConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     aggregator: AggregatorConfig = field(default_factory=AggregatorConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     state: StateConfig = field(default_factory=StateConfig)
@@ -310,6 +330,7 @@ def _check_cross_fields(cfg: Config) -> None:
     check_name("aggregator.name", "aggregator", cfg.aggregator.name)
     check_name("backend", "backend", cfg.backend)
     check_name("client.method", "method", cfg.client.method)
+    check_name("compression.name", "compressor", cfg.compression.name)
     if cfg.cohort.size > cfg.data.num_clients:
         raise ConfigError(
             f"cohort.size: must be <= data.num_clients ({cfg.data.num_clients}), "

@@ -29,12 +29,15 @@ _MODULES = (
     "fedloom.aggregate.conflict_free",
     "fedloom.aggregate.fedlf",
     "fedloom.aggregate.afl",
+    "fedloom.aggregate.coordmean",
     "fedloom.client.methods",
     "fedloom.client.scaffold",
     "fedloom.client.ditto",
     "fedloom.aggregate.server_opt",
     "fedloom.engine.backends",
     "fedloom.compress.identity",
+    "fedloom.compress.sparse",
+    "fedloom.compress.quant",
 )
 _loaded = False
 

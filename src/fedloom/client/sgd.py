@@ -67,6 +67,7 @@ class ClientJob:
     start: torch.Tensor | None = None       # where local SGD starts (default: w)
     grad_shift: torch.Tensor | None = None  # added to every gradient (SCAFFOLD's c − c_k)
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # per-client state rows
+    probe_smoothness: bool = False  # report a secant estimate of L after the first step
 
 
 @dataclass
@@ -129,16 +130,35 @@ class LocalSGD:
 
         Returns the final parameters, the mean batch loss and the number of steps.
         """
+        w, loss, steps, _ = self._descend(x0, anchor, x, y, lr, gen, prox_mu=prox_mu,
+                                          grad_shift=grad_shift, probe=False)
+        return w, loss, steps
+
+    def _descend(
+        self, x0: torch.Tensor, anchor: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+        lr: float, gen: torch.Generator, *, prox_mu: float | None,
+        grad_shift: torch.Tensor | None, probe: bool,
+    ) -> tuple[torch.Tensor, float, int, float | None]:
         mu = self.prox_mu if prox_mu is None else prox_mu
         w = x0.detach().clone().requires_grad_(True)
         buf: torch.Tensor | None = None
         loss_sum = 0.0
+        smooth: float | None = None
+        first_grad: torch.Tensor | None = None
         batches = self.batch_indices(int(y.shape[0]), gen)
-        for idx in batches:
+        for step, idx in enumerate(batches):
             logits = functional_forward(self.module, self.layout, w, x[idx])
             loss = F.cross_entropy(logits, y[idx])
             (grad,) = torch.autograd.grad(loss, w)
             loss_sum += float(loss.detach())
+            if probe and step == 1 and first_grad is not None:
+                # Secant estimate of L on batch 0 between the start and the first step.
+                g1 = self.grad(w.detach(), x[batches[0]], y[batches[0]])
+                dx = float(torch.linalg.vector_norm(w.detach() - x0))
+                if dx > 0:
+                    smooth = float(torch.linalg.vector_norm(g1 - first_grad)) / dx
+            if probe and step == 0:
+                first_grad = grad.detach().clone()
             with torch.no_grad():
                 if grad_shift is not None:
                     grad = grad + grad_shift
@@ -150,7 +170,14 @@ class LocalSGD:
                     buf = grad.clone() if buf is None else buf.mul_(self.momentum).add_(grad)
                     grad = buf
                 w.sub_(grad, alpha=lr)
-        return w.detach(), loss_sum / max(1, len(batches)), len(batches)
+        return w.detach(), loss_sum / max(1, len(batches)), len(batches), smooth
+
+    def grad(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``∇f(w)`` of the mean cross-entropy on ``(x, y)`` (no regularisers)."""
+        wg = w.detach().clone().requires_grad_(True)
+        loss = F.cross_entropy(functional_forward(self.module, self.layout, wg, x), y)
+        (g,) = torch.autograd.grad(loss, wg)
+        return g
 
     def run(self, job: ClientJob) -> ClientResult:
         """Train from ``job.start`` (default ``w``); the update is measured from ``w``."""
@@ -159,10 +186,14 @@ class LocalSGD:
         w_global = job.w
         start_loss = self.full_loss(w_global, job.x, job.y) if job.start_loss else None
         x0 = job.start if job.start is not None else w_global
-        w_k, loss, steps = self.descend(x0, w_global, job.x, job.y, job.lr, gen,
-                                        grad_shift=job.grad_shift)
+        w_k, loss, steps, smooth = self._descend(x0, w_global, job.x, job.y, job.lr, gen,
+                                                 prox_mu=None, grad_shift=job.grad_shift,
+                                                 probe=job.probe_smoothness)
         update = (w_global - w_k).contiguous()
-        return ClientResult(job.client, update, int(job.y.shape[0]), loss, steps, start_loss)
+        res = ClientResult(job.client, update, int(job.y.shape[0]), loss, steps, start_loss)
+        if smooth is not None:
+            res.extra["smoothness"] = smooth
+        return res
 
     @torch.no_grad()
     def full_loss(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,

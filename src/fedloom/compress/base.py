@@ -38,8 +38,10 @@ def pack_header(codec: int, d: int) -> bytes:
     return HEADER.pack(MAGIC, VERSION, codec, d)
 
 
-def unpack_header(payload: bytes, codec: int) -> tuple[int, memoryview]:
-    """Check the header; return ``d`` and a view of the body."""
+def unpack_header(
+    payload: bytes, codec: int, expected_d: int | None = None
+) -> tuple[int, memoryview]:
+    """Check the header (and ``d`` against ``expected_d``); return ``d`` and the body."""
     if not isinstance(payload, bytes | bytearray | memoryview):
         raise PayloadError(f"payload: expected bytes, got {type(payload).__name__}")
     if len(payload) < HEADER.size:
@@ -51,6 +53,8 @@ def unpack_header(payload: bytes, codec: int) -> tuple[int, memoryview]:
         raise PayloadError(f"payload: unsupported version {version}")
     if got_codec != codec:
         raise PayloadError(f"payload: codec id {got_codec}, this decoder reads {codec}")
+    if expected_d is not None and d != expected_d:
+        raise PayloadError(f"payload: holds a vector of size {d}, expected {expected_d}")
     return d, memoryview(payload)[HEADER.size :]
 
 
@@ -61,4 +65,6 @@ class Compressor(Protocol):
 
     def encode(self, x: torch.Tensor, *, gen: torch.Generator | None = None) -> bytes: ...
 
-    def decode(self, payload: bytes) -> torch.Tensor: ...
+    def decode(self, payload: bytes, d: int | None = None) -> torch.Tensor:
+        """Validate and decode; ``d``, when given, must match the payload's size."""
+        ...

@@ -25,13 +25,13 @@ class Identity:
         body = x.detach().to(torch.float32).contiguous().numpy().astype("<f4", copy=False)
         return pack_header(CODEC_IDENTITY, x.shape[0]) + body.tobytes()
 
-    def decode(self, payload: bytes) -> torch.Tensor:
-        d, body = unpack_header(payload, CODEC_IDENTITY)
+    def decode(self, payload: bytes, d: int | None = None) -> torch.Tensor:
+        d, body = unpack_header(payload, CODEC_IDENTITY, d)
         if len(body) != 4 * d:
             raise PayloadError(f"identity payload: body has {len(body)} bytes, expected {4 * d}")
         return torch.from_numpy(np.frombuffer(body, dtype="<f4").astype(np.float32))
 
 
 @register("compressor", "identity")
-def _identity() -> Identity:
+def _identity(layout: object | None = None) -> Identity:
     return Identity()

@@ -28,6 +28,8 @@ import yaml
 from fedloom.aggregate.base import CohortInfo, make_aggregator
 from fedloom.aggregate.server_opt import ServerOptimizer
 from fedloom.client.sgd import ClientJob, LocalSGD, lr_at_round
+from fedloom.compress import coordinates_sent, make_compressor
+from fedloom.compress.feedback import make_feedback
 from fedloom.compress.identity import Identity
 from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.data.federated import FederatedData, build_federated
@@ -42,7 +44,7 @@ from fedloom.metrics import accuracy_stats, conflict_rate, evaluate, evaluate_cl
 from fedloom.models import build_model
 from fedloom.params import Layout
 from fedloom.registry import build, get
-from fedloom.rng import Purpose, derive_seed, numpy_gen
+from fedloom.rng import Purpose, derive_seed, numpy_gen, torch_gen
 from fedloom.state import ClientStateStore
 
 __all__ = ["Experiment", "Result", "RunState", "model_sha256", "run"]
@@ -66,6 +68,7 @@ class RunState:
     opt_state: dict[str, torch.Tensor]
     agg_state: Any
     method_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    feedback_state: dict[str, float] = field(default_factory=dict)  # e.g. SA-PEF's L̂
     w_avg: torch.Tensor | None = None  # running mean of the iterates (eval.average_iterates)
     totals: dict[str, int] = field(
         default_factory=lambda: {"uplink_bytes": 0, "downlink_bytes": 0, "rejected_updates": 0}
@@ -128,10 +131,21 @@ class Experiment:
         self.server = ServerOptimizer(s.optimizer, lr=s.lr, momentum=s.momentum,
                                       beta1=s.beta1, beta2=s.beta2, eps=s.eps)
         self.requires = frozenset(getattr(self.aggregator, "requires", frozenset()))
-        self.uplink = Identity()
+        comp = cfg.compression
+        try:
+            self.uplink = make_compressor(comp.name, layout=self.layout, **comp.options)
+            self.feedback = make_feedback(comp.feedback, comp.alpha, comp.alpha_schedule)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
         self.downlink = Identity()
+        method_fields = self.method.fields(self.layout.size)
+        fb_fields = {f"fb.{k}": v for k, v in self.feedback.fields(self.layout.size).items()}
+        if set(method_fields) & set(fb_fields):  # pragma: no cover (prefix keeps them apart)
+            raise ConfigError("client.method and compression.feedback share a state field")
+        self.method_fields = list(method_fields)
+        self.fb_fields = list(fb_fields)
         self.store = ClientStateStore(
-            self.fed.num_clients, self.method.fields(self.layout.size),
+            self.fed.num_clients, {**method_fields, **fb_fields},
             storage=cfg.state.storage, dtype=cfg.state.dtype, directory=state_dir,
             memmap_above_mb=cfg.state.memmap_above_mb,
             compute_dtype=self.dtype,
@@ -154,8 +168,8 @@ class Experiment:
     def initial_state(self) -> RunState:
         w = self.layout.flatten(self.module).to(self.dtype)
         return RunState(0, w, self.server.init(w), self.aggregator.init(self.layout),
-                        self.method.init_server(w),
-                        w.clone() if self.cfg.eval.average_iterates else None)
+                        method_state=self.method.init_server(w),
+                        w_avg=w.clone() if self.cfg.eval.average_iterates else None)
 
     def sample_cohort(self, r: int) -> torch.Tensor:
         """``cohort.size`` distinct clients, uniformly, from the round's own generator."""
@@ -174,25 +188,44 @@ class Experiment:
         lr = self.lr(r)
         w = st.w
         old_rows = {f: self.store.gather(f, cohort) for f in self.store.fields}
-        jobs = []
+        fb = self.feedback
+        if "lipschitz" in st.feedback_state:
+            fb.lipschitz = st.feedback_state["lipschitz"]  # type: ignore[attr-defined]
+        theory = getattr(fb, "schedule", "constant") == "theory"
+        jobs, alphas, fb_rows = [], [], []
+        mismatch: list[tuple[float, float, float, int]] = []
         for i, k in enumerate(cohort.tolist()):
             idx = torch.from_numpy(self.fed.train[k])
+            fb_state = {f[3:]: old_rows[f][i] for f in self.fb_fields}
+            alpha = fb.alpha(lr, self.trainer.num_steps(len(idx)))
+            if self.cfg.metrics.mismatch and "residual" in fb_state:
+                mismatch.append(self._mismatch(w, fb_state["residual"], k, len(idx)))
             job = ClientJob(k, r, w, lr, self.x[idx], self.y[idx],
                             derive_seed(self.cfg.seed, r, k, Purpose.BATCH),
                             start_loss="start_losses" in self.requires,
-                            state={f: rows[i] for f, rows in old_rows.items()})
+                            state={f: old_rows[f][i] for f in self.method_fields},
+                            start=fb.start_point(w, fb_state, alpha),
+                            probe_smoothness=theory)
             jobs.append(self.method.prepare(job, st.method_state))
+            alphas.append(alpha)
+            fb_rows.append(fb_state)
         down_bytes = len(self.downlink.encode(w)) * len(jobs)
         results = self.backend.train_cohort(jobs)
         t_train = time.perf_counter() - t0
 
-        # Uplink: what the server receives is decode(encode(g_k)), as bytes.
-        payloads = [self.uplink.encode(res.update) for res in results]
-        up_bytes = sum(len(p) for p in payloads)
-        rows = torch.stack([self.uplink.decode(p) for p in payloads]).to(self.dtype)
+        # Uplink: feedback + compressor; the server sees decode(payload), as bytes.
+        ups = []
+        for i, res in enumerate(results):
+            gen = torch_gen(self.cfg.seed, r, res.client, Purpose.COMPRESS)
+            ups.append(fb.uplink(res.update, fb_rows[i], self.uplink, gen, alphas[i]))
+        up_bytes = sum(len(u.payload) for u in ups)
+        density = float(np.mean([coordinates_sent(u.payload) for u in ups])) / self.layout.size
+        rows = torch.stack([fb.server_row(u, fb_rows[i]) for i, u in enumerate(ups)])
+        rows = rows.to(self.dtype)
         finite = torch.isfinite(rows).all(dim=1)
         for i, res in enumerate(results):  # a non-finite state row is rejected too
-            if any(not bool(torch.isfinite(v).all()) for v in res.state.values()):
+            states = [*res.state.values(), *ups[i].state.values()]
+            if any(not bool(torch.isfinite(v).all()) for v in states):
                 finite[i] = False
         rejected = [int(c) for c, ok in zip(cohort.tolist(), finite.tolist(), strict=True)
                     if not ok]
@@ -224,12 +257,22 @@ class Experiment:
             ok_pos = finite.nonzero().squeeze(1)
             ok_ids = cohort[ok_pos]
             new_rows = {f: torch.stack([results[i].state[f] for i in ok_pos.tolist()])
-                        for f in self.store.fields}
+                        for f in self.method_fields}
+            for f in self.fb_fields:
+                new_rows[f] = torch.stack([ups[i].state[f[3:]] for i in ok_pos.tolist()])
             for f, rows_f in new_rows.items():
                 self.store.scatter(f, ok_ids, rows_f)
-            method_state = self.method.server_update(
-                st.method_state, {f: v[ok_pos] for f, v in old_rows.items()}, new_rows,
-                self.fed.num_clients)
+            if self.method_fields:
+                method_state = self.method.server_update(
+                    st.method_state, {f: old_rows[f][ok_pos] for f in self.method_fields},
+                    {f: new_rows[f] for f in self.method_fields}, self.fed.num_clients)
+        feedback_state = dict(st.feedback_state)
+        probes = [res.extra["smoothness"] for res, ok in zip(results, finite.tolist(),
+                                                             strict=True)
+                  if ok and "smoothness" in res.extra]
+        if probes:  # L̂: running max of the cohort median (see compress/feedback.py)
+            feedback_state["lipschitz"] = max(feedback_state.get("lipschitz", 0.0),
+                                              float(np.median(probes)))
         t_agg = time.perf_counter() - t1
         w_avg = st.w_avg
         if w_avg is not None:  # mean of w_0 … w_{r+1}
@@ -254,8 +297,20 @@ class Experiment:
             "rejected_updates": len(rejected),
             "rejected_updates_total": totals["rejected_updates"],
             "conflict_rate": conflicts,
+            "density": density,
             **{k: float(v) for k, v in agg_metrics.items()},
         }
+        if self.fb_fields:
+            ok_list = finite.tolist()
+            norms = [u.residual_norm for u, ok in zip(ups, ok_list, strict=True) if ok]
+            metrics["residual_norm"] = float(np.mean(norms)) if norms else float("nan")
+            metrics["alpha"] = float(np.mean(alphas))
+            if "lipschitz" in feedback_state:
+                metrics["lipschitz_estimate"] = feedback_state["lipschitz"]
+        if mismatch:
+            nk = np.array([m[3] for m in mismatch], dtype=float)
+            for j, key in enumerate(("grad_mismatch", "residual_sq", "grad_sq")):
+                metrics[key] = float(np.average([m[j] for m in mismatch], weights=nk))
         if rejected:
             metrics["rejected_clients"] = rejected
         extras = [res.extra for res, ok in zip(results, finite.tolist(), strict=True) if ok]
@@ -268,7 +323,19 @@ class Experiment:
         metrics["train_s"] = t_train
         metrics["agg_s"] = t_agg
         metrics["wall_s"] = time.perf_counter() - t0
-        return RunState(r + 1, new_w, opt_state, agg_state, method_state, w_avg, totals), metrics
+        return RunState(r + 1, new_w, opt_state, agg_state, method_state, feedback_state, w_avg,
+                        totals), metrics
+
+    def _mismatch(self, w: torch.Tensor, e: torch.Tensor, k: int,
+                  n: int) -> tuple[float, float, float, int]:
+        """SA-PEF's diagnostic on the first batch of client k's validation split:
+        ``‖∇f(w) − ∇f(w − α_p e_k)‖²``, ``‖e_k‖²``, ``‖∇f(w)‖²``."""
+        val = self.fed.test[k] if len(self.fed.test[k]) else self.fed.train[k]
+        idx = torch.from_numpy(val[: self.cfg.client.batch_size])
+        xb, yb = self.x[idx], self.y[idx]
+        g0 = self.trainer.grad(w, xb, yb)
+        g1 = self.trainer.grad(w - self.cfg.metrics.mismatch_alpha * e, xb, yb)
+        return (float(((g0 - g1) ** 2).sum()), float((e * e).sum()), float((g0 * g0).sum()), n)
 
     def evaluate(self, w: torch.Tensor) -> dict[str, float]:
         """Global test accuracy/loss and per-client accuracy statistics of ``w``."""
@@ -311,6 +378,7 @@ class Experiment:
             "opt_state": st.opt_state,
             "agg_state": st.agg_state,
             "method_state": st.method_state,
+            "feedback_state": st.feedback_state,
             "w_avg": st.w_avg,
             "totals": st.totals,
             "store": self.store.state_dict(),
@@ -320,7 +388,8 @@ class Experiment:
     def restore(self, ckpt: dict[str, Any]) -> RunState:
         self.store.load_state_dict(ckpt["store"])
         return RunState(ckpt["next_round"], ckpt["w"], ckpt["opt_state"], ckpt["agg_state"],
-                        ckpt["method_state"], ckpt["w_avg"], dict(ckpt["totals"]))
+                        ckpt["method_state"], ckpt["feedback_state"], ckpt["w_avg"],
+                        dict(ckpt["totals"]))
 
 
 # ---------------------------------------------------------------------- run dir
