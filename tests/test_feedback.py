@@ -60,7 +60,7 @@ def test_theory_alpha_schedule():
     fb.lipschitz = 2.0
     s = 0.1 * 2.0 * 5
     assert fb.alpha(0.1, 5) == pytest.approx(1 / (1 + 12 * s * s))
-    with pytest.raises(ValueError, match="compression.feedback"):
+    with pytest.raises(ValueError, match=r"compression\.feedback"):
         make_feedback("bogus")
 
 

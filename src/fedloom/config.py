@@ -82,6 +82,14 @@ class DataConfig:
     # (CRAFT's code); the global test set is then the union of the client splits.
     pool: Literal["train", "all"] = "train"
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    # Your own data (name: npz or csv): the file, the label and client columns (csv).
+    path: str = ""
+    label: str = "label"
+    client: str = ""
+    # Standardise every feature with the mean/std of the clients' training parts.
+    standardize: bool = False
+    # Every client needs at least this many samples (checked for natural splits).
+    min_samples: int = _f(1, ge=1)
 
 
 @dataclass
@@ -331,7 +339,8 @@ def _check_cross_fields(cfg: Config) -> None:
     check_name("backend", "backend", cfg.backend)
     check_name("client.method", "method", cfg.client.method)
     check_name("compression.name", "compressor", cfg.compression.name)
-    if cfg.cohort.size > cfg.data.num_clients:
+    natural = cfg.data.partition.name == "natural" or bool(cfg.data.client)
+    if not natural and cfg.cohort.size > cfg.data.num_clients:
         raise ConfigError(
             f"cohort.size: must be <= data.num_clients ({cfg.data.num_clients}), "
             f"got {cfg.cohort.size}"

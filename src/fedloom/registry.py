@@ -19,6 +19,7 @@ _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {k: {} for k in _KINDS}
 # Modules whose import registers components.
 _MODULES = (
     "fedloom.data.sources",
+    "fedloom.data.user",
     "fedloom.data.partition",
     "fedloom.models",
     "fedloom.aggregate.mean",

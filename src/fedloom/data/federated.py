@@ -14,7 +14,8 @@ from fedloom.data.sources import Dataset
 from fedloom.registry import get
 from fedloom.rng import Purpose, numpy_gen
 
-__all__ = ["FederatedData", "build_federated", "partition_indices", "split_train_test"]
+__all__ = ["FederatedData", "build_federated", "partition_indices", "split_train_test",
+           "standardize", "uses_natural_split"]
 
 
 @dataclass
@@ -56,6 +57,18 @@ def partition_indices(ds: Dataset, cfg: DataConfig, seed: int) -> list[np.ndarra
     p = cfg.partition
     rng = numpy_gen(seed, -1, -1, Purpose.PARTITION)
     labels = ds.y.numpy()
+    if uses_natural_split(ds, cfg):
+        assert ds.groups is not None
+        parts = get("partitioner", "natural")(labels, len(np.unique(ds.groups)), rng=rng,
+                                              groups=ds.groups)
+        ids = np.unique(ds.groups)
+        for k, part in enumerate(parts):
+            if len(part) < cfg.min_samples:
+                raise PartitionError(
+                    f"data.min_samples: client {int(ids[k])} has {len(part)} samples, "
+                    f"fewer than {cfg.min_samples}"
+                )
+        return parts
     fn = get("partitioner", p.name)
     if p.name == "dirichlet":
         return fn(labels, cfg.num_clients, rng=rng, alpha=p.alpha, min_samples=p.min_samples,
@@ -65,6 +78,14 @@ def partition_indices(ds: Dataset, cfg: DataConfig, seed: int) -> list[np.ndarra
     if p.name == "natural":
         return fn(labels, cfg.num_clients, rng=rng, groups=ds.groups)
     return fn(labels, cfg.num_clients, rng=rng)
+
+
+def uses_natural_split(ds: Dataset, cfg: DataConfig) -> bool:
+    """User data with client ids is split naturally, whatever the partitioner says."""
+    if ds.groups is None:
+        return False
+    return ds.name in ("npz", "csv", "arrays") or (cfg.partition.name == "natural"
+                                                   and ds.name != "synthetic")
 
 
 def split_train_test(
@@ -80,6 +101,23 @@ def split_train_test(
     return np.sort(perm[: len(idx) - n_test]), np.sort(perm[len(idx) - n_test :])
 
 
+def standardize(ds: Dataset, train_idx: np.ndarray) -> Dataset:
+    """Per-feature ``(x − μ)/σ`` with μ, σ from the training samples only (σ = 0 → 1)."""
+    xt = ds.x[torch.from_numpy(train_idx)].to(torch.float64)
+    mu = xt.mean(0)
+    sd = xt.std(0, unbiased=False)
+    sd = torch.where(sd > 0, sd, torch.ones_like(sd))
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        return ((x.to(torch.float64) - mu) / sd).to(x.dtype)
+
+    import dataclasses
+
+    return dataclasses.replace(
+        ds, x=apply(ds.x), x_test=apply(ds.x_test) if ds.x_test is not None else None
+    )
+
+
 def build_federated(ds: Dataset, cfg: DataConfig, seed: int) -> FederatedData:
     """Partition ``ds`` and split each client's part into train/test."""
     if cfg.partition.name != "natural" and ds.groups is not None and cfg.name == "synthetic":
@@ -90,6 +128,8 @@ def build_federated(ds: Dataset, cfg: DataConfig, seed: int) -> FederatedData:
         tr, te = split_train_test(idx, cfg.test_fraction, numpy_gen(seed, -1, k, Purpose.SPLIT))
         train.append(tr)
         test.append(te)
+    if cfg.standardize:
+        ds = standardize(ds, np.concatenate(train))
     if ds.x_test is not None and ds.y_test is not None:
         x_test, y_test = ds.x_test, ds.y_test
     else:

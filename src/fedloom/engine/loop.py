@@ -11,6 +11,7 @@ schedule). The engine holds no math; each step is one call.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -33,7 +34,7 @@ from fedloom.compress.feedback import make_feedback
 from fedloom.compress.identity import Identity
 from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.data.federated import FederatedData, build_federated
-from fedloom.data.sources import load_dataset
+from fedloom.data.sources import Dataset, load_dataset
 from fedloom.engine.checkpoint import (
     atomic_write_bytes,
     atomic_write_json,
@@ -52,6 +53,19 @@ __all__ = ["Experiment", "Result", "RunState", "model_sha256", "run"]
 log = logging.getLogger("fedloom")
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def _check_output(module: torch.nn.Module, x: torch.Tensor, num_classes: int) -> None:
+    try:
+        with torch.no_grad():
+            out = module(x)
+    except Exception as e:  # the user's forward failed on one sample of the data
+        raise ValueError(f"model: forward on one sample of shape {tuple(x.shape[1:])} failed: "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                         ) from None
+    if out.ndim != 2 or out.shape[1] != num_classes:
+        raise ValueError(f"model: outputs shape {tuple(out.shape[1:])} per sample, the data has "
+                         f"{num_classes} classes")
 
 
 def model_sha256(w: torch.Tensor) -> str:
@@ -95,18 +109,36 @@ class Experiment:
     aggregator option), so a bad run fails before any file is written.
     """
 
-    def __init__(self, cfg: Config, *, state_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        state_dir: Path | None = None,
+        data: Dataset | None = None,
+        model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.dtype = _DTYPES[cfg.dtype]
-        ds = load_dataset(cfg.data, cfg.seed)
+        ds = data if data is not None else load_dataset(cfg.data, cfg.seed)
         self.fed: FederatedData = build_federated(ds, cfg.data, cfg.seed)
+        if cfg.cohort.size > self.fed.num_clients:
+            raise ConfigError(f"cohort.size: must be <= the number of clients "
+                              f"({self.fed.num_clients}), got {cfg.cohort.size}")
+        ds = self.fed.dataset
         self.x = ds.x.to(self.dtype)
         self.y = ds.y
         try:
-            self.module = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.seed,
-                                      self.dtype)
+            if model is None:
+                self.module = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.seed,
+                                          self.dtype)
+            else:
+                user = copy.deepcopy(model) if isinstance(model, torch.nn.Module) else model()
+                if not isinstance(user, torch.nn.Module):
+                    raise ValueError("model: the factory must return a torch.nn.Module")
+                self.module = user.to(self.dtype)
+                _check_output(self.module, self.x[:1], ds.num_classes)
         except ValueError as e:
-            raise ConfigError(str(e)) from None
+            raise ConfigError(str(e).splitlines()[0]) from None
         self.module.eval()  # no dropout / batch statistics: training is functional
         self.layout = Layout.from_module(self.module)
         c = cfg.client
@@ -435,6 +467,8 @@ def run(
     out: str | Path | None = None,
     resume: bool = False,
     callbacks: Sequence[Callback] = (),
+    data: Dataset | None = None,
+    model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
 ) -> Result:
     """Run an experiment; return the final model, metrics and summary.
 
@@ -447,6 +481,10 @@ def run(
             the one saved there. The result is bit-identical to an uninterrupted run.
         callbacks: called as ``cb(state, metrics)`` after each round is logged
             and checkpointed.
+        data: your own dataset (:func:`fedloom.data.from_arrays`) instead of ``data.name``.
+        model: your own ``torch.nn.Module`` (its current weights are ``w_0``) or a
+            factory returning one, instead of ``model.name``. Layer groups are
+            derived from it, so CRAFT's per-layer mode works on it.
     """
     cfg = load_config(config, overrides)
     run_dir = Path(out) if out is not None else None
@@ -463,8 +501,9 @@ def run(
             raise ConfigError(f"{run_dir}: run directory exists and is not empty "
                               "(use --resume to continue it, or another --out)")
     created = run_dir is not None and not run_dir.exists()
-    exp = Experiment(cfg, state_dir=(run_dir / "state") if run_dir is not None else None)
     try:
+        exp = Experiment(cfg, state_dir=(run_dir / "state") if run_dir is not None else None,
+                         data=data, model=model)
         return _loop(exp, cfg, resolved, run_dir, resume, callbacks)
     except BaseException:
         # A run dir made by this call that holds no checkpoint has nothing worth

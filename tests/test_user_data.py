@@ -1,0 +1,166 @@
+"""Your own data and model: arrays, .npz, CSV, validation, user modules."""
+
+import csv
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from torch import nn
+
+import fedloom
+from fedloom.config import load_config
+from fedloom.data import from_arrays
+from fedloom.engine.loop import Experiment
+
+CFG = {"name": "user", "seed": 1, "rounds": 2, "data": {"num_clients": 6, "partition":
+       {"name": "dirichlet", "alpha": 1.0, "min_samples": 5}},
+       "model": {"name": "mlp", "hidden": [8]}, "cohort": {"size": 3},
+       "client": {"lr": 0.1, "batch_size": 8}, "checkpoint": {"every": 0}}
+
+
+def _arrays(n=240, d=5, classes=3, seed=0, clients=None):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, d)).astype(np.float32)
+    y = (X[:, 0] > 0).astype(np.int64) + (X[:, 1] > 1).astype(np.int64)
+    y[:classes] = np.arange(classes)
+    c = None if clients is None else rng.integers(0, clients, n)
+    return X, y, c
+
+
+def _write_csv(path, X, y, c=None):
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([f"f{i}" for i in range(X.shape[1])] + ["label"] + (["who"] if c is not None
+                                                                        else []))
+        for i in range(len(y)):
+            w.writerow([repr(float(v)) for v in X[i]] + [int(y[i])] +
+                       ([int(c[i])] if c is not None else []))
+
+
+@pytest.mark.parametrize("natural", [False, True])
+def test_arrays_npz_csv_give_the_same_partition_and_model(tmp_path, natural):
+    X, y, c = _arrays(clients=4 if natural else None)
+    ref = fedloom.run(CFG, data=from_arrays(X, y, client=c))
+    np.savez(tmp_path / "d.npz", X=X, y=y, **({"client": c} if natural else {}))
+    via_npz = fedloom.run(CFG, ["data.name=npz", f"data.path={tmp_path / 'd.npz'}"])
+    _write_csv(tmp_path / "d.csv", X, y, c)
+    ov = ["data.name=csv", f"data.path={tmp_path / 'd.csv'}", "data.label=label"]
+    if natural:
+        ov.append("data.client=who")
+    via_csv = fedloom.run(CFG, ov)
+    assert ref.summary["model_sha256"] == via_npz.summary["model_sha256"] == \
+        via_csv.summary["model_sha256"]
+    e1 = Experiment(load_config(CFG), data=from_arrays(X, y, client=c))
+    e2 = Experiment(load_config(CFG, ["data.name=npz", f"data.path={tmp_path / 'd.npz'}"]))
+    assert all(np.array_equal(a, b) for a, b in zip(e1.fed.train, e2.fed.train, strict=True))
+    if natural:
+        assert e1.fed.num_clients == 4  # one client per id, whatever data.num_clients says
+        for k in range(4):
+            owner = c[np.concatenate([e1.fed.train[k], e1.fed.test[k]])]
+            assert len(set(owner.tolist())) == 1  # a client's samples stay together
+
+
+def test_global_test_set_and_standardize():
+    X, y, _ = _arrays()
+    X = X * 10 + 3
+    Xt, yt, _ = _arrays(n=50, seed=1)
+    exp = Experiment(load_config(CFG, ["data.standardize=true"]),
+                     data=from_arrays(X, y, X_test=Xt, y_test=yt))
+    train = np.concatenate(exp.fed.train)
+    xs = exp.x[torch.from_numpy(train)].double()
+    assert torch.allclose(xs.mean(0), torch.zeros(5, dtype=torch.float64), atol=1e-5)
+    assert torch.allclose(xs.std(0, unbiased=False), torch.ones(5, dtype=torch.float64),
+                          atol=1e-4)
+    assert exp.x_test.shape[0] == 50  # the given global test set, standardised alike
+    mu = torch.from_numpy(X[train]).double().mean(0)
+    sd = torch.from_numpy(X[train]).double().std(0, unbiased=False)
+    expected = ((torch.from_numpy(Xt).double() - mu) / sd).float()
+    assert torch.allclose(exp.x_test, expected, atol=1e-5)
+
+
+class NormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(5, 16)
+        self.norm = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.norm(self.fc1(x))))
+
+
+def test_user_module_with_norm_layer_gets_layer_groups_and_runs_craft():
+    X, y, _ = _arrays()
+    layout = fedloom.Layout.from_module(NormNet())
+    assert [g.tensors for g in layout.groups] == [
+        ("fc1.weight", "fc1.bias", "norm.weight", "norm.bias"), ("fc2.weight", "fc2.bias")]
+    res = fedloom.run(CFG, ["aggregator.name=craft", "dtype=float64"],
+                      data=from_arrays(X, y), model=NormNet)
+    assert res.layout == layout
+    assert res.metrics[-1]["craft_max_violation"] < 1e-8
+    inst = NormNet()
+    w0 = fedloom.Layout.from_module(inst).flatten(inst)
+    again = fedloom.run(CFG, ["rounds=1"], data=from_arrays(X, y), model=inst)
+    assert torch.equal(fedloom.Layout.from_module(inst).flatten(inst), w0)  # not mutated
+    assert again.w.shape == w0.shape
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing_y", "missing array 'y'"),
+    ("length", "X has 240 samples but y has 239"),
+    ("float_labels", "labels must be integers"),
+    ("negative", "labels must be >= 0"),
+    ("nan", "NaN or Inf in sample 7"),
+    ("client_len", "client has 10 entries for 240 samples"),
+    ("min_samples", "data.min_samples: client 5 has 2 samples"),
+])
+def test_bad_npz_inputs_exit_2_with_one_line(tmp_path, case, message):
+    X, y, _ = _arrays()
+    arrays = {"X": X, "y": y}
+    if case == "missing_y":
+        del arrays["y"]
+    elif case == "length":
+        arrays["y"] = y[:-1]
+    elif case == "float_labels":
+        arrays["y"] = y + 0.5
+    elif case == "negative":
+        arrays["y"] = y - 1
+    elif case == "nan":
+        arrays["X"] = X.copy()
+        arrays["X"][7, 2] = np.nan
+    elif case == "client_len":
+        arrays["client"] = np.zeros(10, dtype=np.int64)
+    elif case == "min_samples":
+        cl = np.zeros(240, dtype=np.int64)
+        cl[:2] = 5
+        arrays["client"] = cl
+    np.savez(tmp_path / "bad.npz", **arrays)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(CFG))
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "fedloom.cli", "run", str(cfg), "data.name=npz",
+                        f"data.path={tmp_path / 'bad.npz'}", "data.min_samples=3", "--out",
+                        str(out), "--quiet"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not out.exists()
+
+
+def test_bad_inputs_from_python_raise_value_error(tmp_path):
+    X, y, _ = _arrays()
+    with pytest.raises(ValueError, match="file not found"):
+        fedloom.run(CFG, ["data.name=npz", f"data.path={tmp_path / 'nope.npz'}"])
+    with pytest.raises(ValueError, match="X has 240 samples but y has 10"):
+        from_arrays(X, y[:10])
+    with pytest.raises(ValueError, match=r"model: outputs shape \(7,\) per sample"):
+        fedloom.run(CFG, data=from_arrays(X, y), model=lambda: nn.Linear(5, 7))
+    bad = tmp_path / "t.csv"
+    bad.write_text("a,label\n1.0,0\nxyz,1\n")
+    with pytest.raises(ValueError, match="line 3, column 'a'"):
+        fedloom.run(CFG, ["data.name=csv", f"data.path={bad}"])
+    with pytest.raises(ValueError, match="no label column 'target'"):
+        fedloom.run(CFG, ["data.name=csv", f"data.path={bad}", "data.label=target"])
