@@ -5,12 +5,16 @@ import torch
 
 import fedloom
 from fedloom.compress import make_compressor
-from fedloom.compress.feedback import EF21, ErrorFeedback, make_feedback
+from fedloom.compress.feedback import EF21, ErrorFeedback, UplinkContext, make_feedback
 from fedloom.config import load_config
 from fedloom.engine.loop import Experiment
 
 EXACT = [("topk", {"ratio": 0.05}), ("topk", {"ratio": 0.05, "values": "float16"}),
          ("randk", {"ratio": 0.1, "scaled": False}), ("fp16", {}), ("identity", {})]
+
+
+def _ctx(seed=0, alpha=0.0):
+    return UplinkContext(0, 0.1, 5, alpha, torch.Generator().manual_seed(seed))
 
 
 def _vec(seed, d=500):
@@ -27,7 +31,7 @@ def test_ef_identity_is_exact(name, opts, alpha):
     for r in range(5):
         g = _vec(r)
         u = g + (1 - alpha) * e
-        out = fb.uplink(g, {"residual": e}, comp, torch.Generator().manual_seed(r), alpha)
+        out = fb.uplink(g, {"residual": e}, comp, _ctx(r, alpha), {})
         assert torch.equal(out.sent, comp.decode(out.payload))
         assert torch.equal(out.sent + out.state["residual"], u)
         e = out.state["residual"]
@@ -39,7 +43,7 @@ def test_ef_identity_for_quantisers_to_rounding(name, opts):
     comp = make_compressor(name, **opts)
     fb = ErrorFeedback(0.0)
     g = _vec(1)
-    out = fb.uplink(g, {"residual": torch.zeros(500)}, comp, torch.Generator().manual_seed(0), 0)
+    out = fb.uplink(g, {"residual": torch.zeros(500)}, comp, _ctx(), {})
     assert torch.allclose(out.sent + out.state["residual"], g, rtol=0, atol=1e-6)
 
 
@@ -48,18 +52,21 @@ def test_ef21_keeps_h_plus_c():
     fb = EF21()
     h = _vec(7) * 0.1
     g = _vec(8)
-    out = fb.uplink(g, {"h": h}, comp, torch.Generator(), 0.0)
+    out = fb.uplink(g, {"h": h}, comp, _ctx(), {})
     assert torch.equal(out.sent, comp.decode(comp.encode(g - h)))
     assert torch.equal(out.state["h"], h + out.sent)
-    assert torch.equal(fb.server_row(out, {"h": h}), h + out.sent)
+    assert torch.equal(fb.server_row(out, {"h": h}, {}), h + out.sent)
 
 
 def test_theory_alpha_schedule():
     fb = make_feedback("sapef", alpha=0.85, schedule="theory")
-    assert fb.alpha(0.1, 5) == 0.85  # no L̂ yet: the constant
-    fb.lipschitz = 2.0
+    assert fb.alpha(0.1, 5, {}) == 0.85  # no L̂ yet: the constant
     s = 0.1 * 2.0 * 5
-    assert fb.alpha(0.1, 5) == pytest.approx(1 / (1 + 12 * s * s))
+    assert fb.alpha(0.1, 5, {"lipschitz": 2.0}) == pytest.approx(1 / (1 + 12 * s * s))
+    # L̂ is the running max of the cohort median
+    end = fb.end_round([], {"lipschitz": 2.0}, 10, [1.0, 3.0, 2.5])
+    assert end.server["lipschitz"] == 2.5
+    assert fb.end_round([], end.server, 10, [0.1]).server["lipschitz"] == 2.5
     with pytest.raises(ValueError, match=r"compression\.feedback"):
         make_feedback("bogus")
 
@@ -156,3 +163,49 @@ def test_mismatch_and_theory_schedule_metrics(tiny):
     assert last["grad_mismatch"] >= 0 and last["residual_sq"] > 0 and last["grad_sq"] > 0
     assert last["lipschitz_estimate"] > 0 and 0 < last["alpha"] < 1
     assert res.metrics[0]["alpha"] == 0.85  # before any estimate
+
+
+def test_cser_resets_residuals_every_period(tiny):
+    ov = ["compression.name=topk", "compression.options.ratio=0.05", "compression.feedback=cser",
+          "compression.period=2", "rounds=4", "dtype=float64"]
+    res = fedloom.run(tiny, ov)
+    up = [m["uplink_bytes"] for m in res.metrics]
+    down = [m["downlink_bytes"] for m in res.metrics]
+    # rounds 2 and 4 also carry the residual tops (uplink) and the dense ē (downlink)
+    assert up[1] > up[0] and up[3] > up[2]
+    assert down[1] > down[0] and down[3] == down[1]
+    # unit: after a reset every client's residual is e − ē
+    comp = make_compressor("topk", ratio=0.05)
+    fb = make_feedback("cser", period=1)
+    ups = [fb.uplink(_vec(s), {"residual": _vec(s + 10)}, comp, _ctx(s), {}) for s in range(3)]
+    before = [u.state["residual"].clone() for u in ups]
+    e_bar = torch.stack([u.extra_sent for u in ups]).mean(0)
+    end = fb.end_round(ups, {}, 10, [])
+    assert torch.equal(end.w_shift, e_bar)
+    for u, b in zip(ups, before, strict=True):
+        assert torch.equal(u.state["residual"], b - e_bar)
+
+
+def test_scafcom_updates_controls_as_specified():
+    comp = make_compressor("topk", ratio=0.2)
+    fb = make_feedback("scafcom", beta=0.2)
+    c = _vec(1) * 0.1
+    ck, vk, g = _vec(2) * 0.1, _vec(3) * 0.1, _vec(4)
+    ctx = UplinkContext(0, 0.05, 4, 0.0, torch.Generator())
+    assert torch.equal(fb.grad_shift({"c": ck, "v": vk}, {"c": c}), c - ck)
+    out = fb.uplink(g, {"c": ck, "v": vk}, comp, ctx, {"c": c})
+    v = 0.8 * vk + 0.2 * (g / (0.05 * 4) + ck - c)
+    assert torch.allclose(out.state["v"], v)
+    assert torch.equal(out.sent, comp.decode(comp.encode(v - ck)))
+    assert torch.equal(out.state["c"], ck + out.sent)
+    assert torch.equal(fb.server_row(out, {}, {"c": c}), out.sent + c)
+    end = fb.end_round([out], {"c": c}, 10, [])
+    assert torch.allclose(end.server["c"], c + 0.1 * out.sent)
+
+
+def test_scafcom_and_ef21_run_end_to_end(tiny):
+    for fbname in ("scafcom", "ef21"):
+        res = fedloom.run(tiny, ["compression.name=topk", "compression.options.ratio=0.1",
+                                 f"compression.feedback={fbname}", "rounds=3"])
+        assert all(m["rejected_updates"] == 0 for m in res.metrics)
+        assert res.metrics[-1]["test_acc"] > 0.1

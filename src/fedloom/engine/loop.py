@@ -30,7 +30,7 @@ from fedloom.aggregate.base import CohortInfo, make_aggregator
 from fedloom.aggregate.server_opt import ServerOptimizer
 from fedloom.client.sgd import ClientJob, LocalSGD, lr_at_round
 from fedloom.compress import coordinates_sent, make_compressor
-from fedloom.compress.feedback import make_feedback
+from fedloom.compress.feedback import UplinkContext, make_feedback
 from fedloom.compress.identity import Identity
 from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.data.federated import FederatedData, build_federated
@@ -82,7 +82,7 @@ class RunState:
     opt_state: dict[str, torch.Tensor]
     agg_state: Any
     method_state: dict[str, torch.Tensor] = field(default_factory=dict)
-    feedback_state: dict[str, float] = field(default_factory=dict)  # e.g. SA-PEF's L̂
+    feedback_state: dict[str, Any] = field(default_factory=dict)  # SA-PEF's L̂, SCAFCOM's c
     w_avg: torch.Tensor | None = None  # running mean of the iterates (eval.average_iterates)
     totals: dict[str, int] = field(
         default_factory=lambda: {"uplink_bytes": 0, "downlink_bytes": 0, "rejected_updates": 0}
@@ -166,7 +166,8 @@ class Experiment:
         comp = cfg.compression
         try:
             self.uplink = make_compressor(comp.name, layout=self.layout, **comp.options)
-            self.feedback = make_feedback(comp.feedback, comp.alpha, comp.alpha_schedule)
+            self.feedback = make_feedback(comp.feedback, comp.alpha, comp.alpha_schedule,
+                                          comp.period, comp.reset_ratio, comp.beta)
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e).splitlines()[0]) from None
         self.downlink = Identity()
@@ -201,6 +202,7 @@ class Experiment:
         w = self.layout.flatten(self.module).to(self.dtype)
         return RunState(0, w, self.server.init(w), self.aggregator.init(self.layout),
                         method_state=self.method.init_server(w),
+                        feedback_state=self.feedback.init_server(w),
                         w_avg=w.clone() if self.cfg.eval.average_iterates else None)
 
     def sample_cohort(self, r: int) -> torch.Tensor:
@@ -221,15 +223,14 @@ class Experiment:
         w = st.w
         old_rows = {f: self.store.gather(f, cohort) for f in self.store.fields}
         fb = self.feedback
-        if "lipschitz" in st.feedback_state:
-            fb.lipschitz = st.feedback_state["lipschitz"]  # type: ignore[attr-defined]
-        theory = getattr(fb, "schedule", "constant") == "theory"
-        jobs, alphas, fb_rows = [], [], []
+        theory = fb.schedule == "theory"
+        jobs, alphas, fb_rows, steps = [], [], [], []
         mismatch: list[tuple[float, float, float, int]] = []
         for i, k in enumerate(cohort.tolist()):
             idx = torch.from_numpy(self.fed.train[k])
             fb_state = {f[3:]: old_rows[f][i] for f in self.fb_fields}
-            alpha = fb.alpha(lr, self.trainer.num_steps(len(idx)))
+            steps.append(self.trainer.num_steps(len(idx)))
+            alpha = fb.alpha(lr, steps[-1], st.feedback_state)
             if self.cfg.metrics.mismatch and "residual" in fb_state:
                 mismatch.append(self._mismatch(w, fb_state["residual"], k, len(idx)))
             job = ClientJob(k, r, w, lr, self.x[idx], self.y[idx],
@@ -237,6 +238,7 @@ class Experiment:
                             start_loss="start_losses" in self.requires,
                             state={f: old_rows[f][i] for f in self.method_fields},
                             start=fb.start_point(w, fb_state, alpha),
+                            grad_shift=fb.grad_shift(fb_state, st.feedback_state),
                             probe_smoothness=theory)
             jobs.append(self.method.prepare(job, st.method_state))
             alphas.append(alpha)
@@ -248,11 +250,13 @@ class Experiment:
         # Uplink: feedback + compressor; the server sees decode(payload), as bytes.
         ups = []
         for i, res in enumerate(results):
-            gen = torch_gen(self.cfg.seed, r, res.client, Purpose.COMPRESS)
-            ups.append(fb.uplink(res.update, fb_rows[i], self.uplink, gen, alphas[i]))
-        up_bytes = sum(len(u.payload) for u in ups)
+            ctx = UplinkContext(r, lr, res.steps, alphas[i],
+                                torch_gen(self.cfg.seed, r, res.client, Purpose.COMPRESS))
+            ups.append(fb.uplink(res.update, fb_rows[i], self.uplink, ctx, st.feedback_state))
+        up_bytes = sum(len(u.payload) + sum(len(x) for x in u.extra_payloads) for u in ups)
         density = float(np.mean([coordinates_sent(u.payload) for u in ups])) / self.layout.size
-        rows = torch.stack([fb.server_row(u, fb_rows[i]) for i, u in enumerate(ups)])
+        rows = torch.stack([fb.server_row(u, fb_rows[i], st.feedback_state)
+                            for i, u in enumerate(ups)])
         rows = rows.to(self.dtype)
         finite = torch.isfinite(rows).all(dim=1)
         for i, res in enumerate(results):  # a non-finite state row is rejected too
@@ -284,6 +288,15 @@ class Experiment:
                                                           info=info)
             conflicts = conflict_rate(rows[ok], agg)
             new_w, opt_state = self.server.step(w, agg, st.opt_state)
+        ok_list = finite.tolist()
+        probes = [res.extra["smoothness"] for res, ok in zip(results, ok_list, strict=True)
+                  if ok and "smoothness" in res.extra]
+        end = fb.end_round([u for u, ok in zip(ups, ok_list, strict=True) if ok],
+                           st.feedback_state, self.fed.num_clients, probes)
+        feedback_state = end.server
+        if end.w_shift is not None:
+            new_w = new_w - end.w_shift.to(new_w.dtype)
+        down_bytes += end.downlink_bytes
         method_state = st.method_state
         if self.store.fields and bool(finite.any()):
             ok_pos = finite.nonzero().squeeze(1)
@@ -298,13 +311,6 @@ class Experiment:
                 method_state = self.method.server_update(
                     st.method_state, {f: old_rows[f][ok_pos] for f in self.method_fields},
                     {f: new_rows[f] for f in self.method_fields}, self.fed.num_clients)
-        feedback_state = dict(st.feedback_state)
-        probes = [res.extra["smoothness"] for res, ok in zip(results, finite.tolist(),
-                                                             strict=True)
-                  if ok and "smoothness" in res.extra]
-        if probes:  # L̂: running max of the cohort median (see compress/feedback.py)
-            feedback_state["lipschitz"] = max(feedback_state.get("lipschitz", 0.0),
-                                              float(np.median(probes)))
         t_agg = time.perf_counter() - t1
         w_avg = st.w_avg
         if w_avg is not None:  # mean of w_0 … w_{r+1}
