@@ -198,7 +198,7 @@ def test_scafcom_updates_controls_as_specified():
     assert torch.allclose(out.state["v"], v)
     assert torch.equal(out.sent, comp.decode(comp.encode(v - ck)))
     assert torch.equal(out.state["c"], ck + out.sent)
-    assert torch.equal(fb.server_row(out, {}, {"c": c}), out.sent + c)
+    assert torch.allclose(fb.server_row(out, {}, {"c": c}), 0.05 * 4 * (out.sent + c))
     end = fb.end_round([out], {"c": c}, 10, [])
     assert torch.allclose(end.server["c"], c + 0.1 * out.sent)
 

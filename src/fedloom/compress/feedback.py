@@ -26,9 +26,12 @@ the pseudo-gradient sign ``g_k = w − w_k``.
   and broadcasts it; each client's residual becomes ``e − ē``.
 - ``scafcom`` (Huang et al. 2023): SCAFFOLD local steps with ``c − c_k``;
   ``v_k ← (1−β)v_k + β(g_k/(η_l K) + c_k − c)``, ``δ_k = v_k − c_k``, send
-  ``C(δ_k)``, ``c_k ← c_k + C(δ_k)``; the aggregator sees ``C(δ_k) + c`` (so
-  FedAvg gives ``mean C(δ_k) + c``; use ``server.lr = γ``, public γ = 3), and
-  ``c ← c + (m/N) mean C(δ_k)``.
+  ``C(δ_k)``, ``c_k ← c_k + C(δ_k)``, and ``c ← c + (m/N) mean C(δ_k)``. The
+  server step is ``w ← w − γ η_l K (mean C(δ_k) + c)``: the aggregator sees
+  ``η_l K (C(δ_k) + c)``. Departure: the ``η_l K`` factor puts the rows in
+  pseudo-gradient units (``v_k`` estimates a gradient), so ``server.lr = γ``
+  composes with every aggregator and server optimizer like the other
+  policies; γ = 1 is then FedAvg's step length.
 
 Every policy keeps ``u == decode(payload) + e_new`` (the residual is computed
 from the decoded payload, so float16 values or quantisation error stay in the
@@ -77,6 +80,7 @@ class UplinkResult:
     residual_norm: float = 0.0
     extra_payloads: list[bytes] = field(default_factory=list)  # sent besides (CSER resets)
     extra_sent: torch.Tensor | None = None
+    row_scale: float = 1.0             # SCAFCOM: gradient units → pseudo-gradient units
 
 
 @dataclass
@@ -253,11 +257,12 @@ class SCAFCOM(NoFeedback):
         p = comp.encode(delta, gen=ctx.gen)
         sent = comp.decode(p, g.numel()).to(g.dtype)
         return UplinkResult(p, sent, {"c": c_k + sent, "v": v},
-                            float(torch.linalg.vector_norm(delta - sent)))
+                            float(torch.linalg.vector_norm(delta - sent)),
+                            row_scale=ctx.lr * ctx.steps)
 
     def server_row(self, up: UplinkResult, state: dict[str, torch.Tensor],
                    server: ServerState) -> torch.Tensor:
-        return up.sent + server["c"].to(up.sent.dtype)
+        return up.row_scale * (up.sent + server["c"].to(up.sent.dtype))
 
     def end_round(self, ups: Sequence[UplinkResult], server: ServerState, num_clients: int,
                   probes: Sequence[float]) -> RoundEnd:
