@@ -13,6 +13,7 @@ A suite file (YAML) names the experiment grid::
     methods:
       FedAvg: []
       CRAFT-layer: [aggregator.name=craft, server.lr=$TUNE]
+      SA-PEF(0.5): {overrides: [compression.alpha=0.5], settings: [mnist]}  # some settings only
     tune:
       CRAFT-layer: {key: server.lr, grid: [0.1, 0.3, 1.0]}
     share_tuning: {Ditto+CRAFT: CRAFT-layer}   # reuse another method's tuned value
@@ -60,6 +61,7 @@ class Suite:
     tune_metric: str = "client_acc_mean"
     report: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
+    method_settings: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -98,10 +100,22 @@ def load_suite(path: str | Path) -> Suite:
     for m in raw.get("tune", {}):
         if m not in raw["methods"]:
             raise ConfigError(f"{p}: tune.{m}: not a method of this suite")
+    methods: dict[str, list[str]] = {}
+    only: dict[str, list[str]] = {}
+    for m, v in raw["methods"].items():
+        if isinstance(v, dict):
+            methods[m] = list(v.get("overrides", []) or [])
+            if v.get("settings"):
+                bad = [s for s in v["settings"] if s not in raw["settings"]]
+                if bad:
+                    raise ConfigError(f"{p}: methods.{m}.settings: unknown setting {bad[0]!r}")
+                only[m] = list(v["settings"])
+        else:
+            methods[m] = list(v or [])
     return Suite(
         name=raw["name"], out=Path(raw.get("out", f"runs/{raw['name']}")),
         doc=Path(raw["doc"]) if raw.get("doc") else None, seeds=[int(s) for s in raw["seeds"]],
-        settings=raw["settings"], methods={k: list(v or []) for k, v in raw["methods"].items()},
+        settings=raw["settings"], methods=methods, method_settings=only,
         tune=raw.get("tune", {}) or {}, share_tuning=raw.get("share_tuning", {}) or {},
         tune_seed=int(raw.get("tune_seed", 0)), tune_metric=raw.get("tune_metric",
                                                                      "client_acc_mean"),
@@ -178,6 +192,8 @@ def main_specs(suite: Suite, chosen: dict[tuple[str, str], Any]) -> list[RunSpec
     specs = []
     for setting in suite.settings:
         for method, ov in suite.methods.items():
+            if method in suite.method_settings and setting not in suite.method_settings[method]:
+                continue
             value = chosen.get((setting, method))
             if any(TUNE in o for o in ov) and value is None:
                 raise ConfigError(f"methods.{method}: uses {TUNE} but has no tune entry")

@@ -30,9 +30,14 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
 
 def _run_stats(out: Path) -> dict[str, Any]:
     summary = json.loads((out / "summary.json").read_text())
-    rates = [json.loads(line).get("conflict_rate", float("nan"))
-             for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    summary["conflict_rate_mean"] = float(np.nanmean(rates)) if rates else float("nan")
+    ms = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+          if line.strip()]
+    for key in ("conflict_rate", "grad_mismatch", "density", "residual_norm"):
+        vals = [m[key] for m in ms if key in m]
+        summary[f"{key}_mean"] = float(np.nanmean(vals)) if vals else float("nan")
+    summary["uplink_mb_total"] = ms[-1]["uplink_bytes_total"] / 1e6 if ms else float("nan")
+    summary["_curve"] = [(m["round"], m["test_acc"], m["uplink_bytes_total"] / 1e6)
+                         for m in ms if "test_acc" in m]
     acc_file = out / "client_acc.json"
     summary["_client_acc"] = json.loads(acc_file.read_text()) if acc_file.exists() else {}
     return summary
@@ -58,7 +63,84 @@ def _fmt(ms: tuple[float, float] | None, pct: bool = True) -> str:
     if ms is None or math.isnan(ms[0]):
         return "–"
     scale = 100.0 if pct else 1.0
+    if not pct and abs(ms[0]) < 0.1:
+        return f"{ms[0]:.3g} ± {ms[1]:.2g}"
     return f"{ms[0] * scale:.1f} ± {ms[1] * scale:.1f}"
+
+
+def _to_target(runs: list[dict[str, Any]], target: float) -> tuple[str, str]:
+    """Mean rounds and uplink MB to first reach ``target`` test accuracy, over the seeds
+    that reach it (with the count when some do not)."""
+    hits = []
+    for r in runs:
+        hit = next(((rd, mb) for rd, acc, mb in r["_curve"] if acc >= target), None)
+        if hit is not None:
+            hits.append(hit)
+    if not hits:
+        return "not reached", "–"
+    suffix = "" if len(hits) == len(runs) else f" ({len(hits)}/{len(runs)} seeds)"
+    return (f"{np.mean([h[0] for h in hits]):.0f}{suffix}",
+            f"{np.mean([h[1] for h in hits]):.1f}{suffix}")
+
+
+def _curves_plot(path: Path, setting: str, rows: dict[str, dict[str, Any]],
+                 methods: list[str], target: float | None) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), dpi=120)
+    for m in methods:
+        if m not in rows:
+            continue
+        curves = [r["_curve"] for r in rows[m]["runs"]]
+        n = min(len(c) for c in curves)
+        if n == 0:
+            continue
+        rounds = [c[0] for c in curves[0][:n]]
+        acc = np.mean([[c[i][1] for i in range(n)] for c in curves], axis=0) * 100
+        mb = np.mean([[c[i][2] for i in range(n)] for c in curves], axis=0)
+        axes[0].plot(rounds, acc, label=m)
+        axes[1].plot(mb, acc, label=m)
+    for ax, xl in zip(axes, ("round", "cumulative uplink (MB)"), strict=True):
+        ax.set_xlabel(xl)
+        ax.set_ylabel("test accuracy (%)")
+        ax.grid(alpha=0.3)
+        if target is not None:
+            ax.axhline(target * 100, color="grey", ls=":", lw=1)
+    axes[1].set_xscale("log")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{setting}: mean over seeds")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def _sweep_plot(path: Path, title: str, xs: list[float], ys: list[tuple[float, float]],
+                xlabel: str, ylabel: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
+    ax.errorbar(xs, [y[0] * 100 for y in ys], yerr=[y[1] * 100 for y in ys], marker="o",
+                capsize=3)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
 
 
 def _cdf_plot(path: Path, setting: str, rows: dict[str, dict[str, Any]],
@@ -124,6 +206,7 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
     if chosen:
         lines += ["## Tuning", "", f"Tuned on seed {suite.tune_seed} (not one of the reported "
                   f"seeds {suite.seeds}) by the best `{suite.tune_metric}`:", ""]
+
         def key(m: str) -> str:
             return suite.tune[m if m in suite.tune else suite.share_tuning[m]]["key"]
 
@@ -139,16 +222,31 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
               "accuracy is over all clients on their own test split; `std` is the population "
               "std across clients; `conflict rate` is the mean over rounds of the fraction of "
               "the cohort whose update has a negative inner product with the aggregate.", ""]
+    columns = [(c[0], c[1], c[2] if len(c) > 2 else "pct") for c in rep.get("columns", [])] \
+        or [(k, label, "pct") for k, label in COLUMNS]
+    target_cfg = rep.get("target")
     for setting, rows in table.items():
         desc = suite.settings[setting].get("describe", "")
         lines += [f"### {setting}", ""] + ([desc.strip(), ""] if desc else [])
-        lines.append("| method | " + " | ".join(c[1] for c in COLUMNS) + " | wall s / run |")
-        lines.append("|---|" + "---|" * (len(COLUMNS) + 1))
+        target = None
+        if target_cfg and target_cfg["baseline"] in rows:
+            base = rows[target_cfg["baseline"]].get(target_cfg.get("metric", "test_acc"))
+            if base is not None:
+                target = target_cfg.get("fraction", 0.9) * base[0]
+                lines += [f"Target: {target * 100:.1f} % test accuracy "
+                          f"({target_cfg.get('fraction', 0.9):g} × {target_cfg['baseline']}'s "
+                          "final accuracy).", ""]
+        extra = ["rounds to target", "uplink MB to target"] if target is not None else []
+        lines.append("| method | " + " | ".join([c[1] for c in columns] + extra) +
+                     " | wall s / run |")
+        lines.append("|---|" + "---|" * (len(columns) + len(extra) + 1))
         for method in suite.methods:
             if method not in rows:
                 continue
             r = rows[method]
-            cells = [_fmt(r.get(k)) for k, _ in COLUMNS]
+            cells = [_fmt(r.get(k), kind == "pct") for k, _, kind in columns]
+            if target is not None:
+                cells += list(_to_target(r["runs"], target))
             wall = r.get("wall_s_total")
             wall_cell = f"{wall[0]:.1f}" if wall else "–"
             lines.append(f"| {method} | " + " | ".join(cells) + f" | {wall_cell} |")
@@ -156,13 +254,34 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
                 pm = [_fmt(r.get(f"personal_acc_{k}")) for k in ("mean", "std", "worst10",
                                                                   "best10")]
                 lines.append(f"| {method} (personal models) | " + " | ".join(pm) +
-                             " | – | – | – |")
+                             " |" + " – |" * (len(columns) + len(extra) - 4 + 1))
         lines.append("")
+        curves = rep.get("curves")
+        if curves:
+            png = doc.parent / f"{suite.name}-{setting}-curves.png"
+            if _curves_plot(png, setting, rows, list(curves), target):
+                lines += [f"![accuracy vs round and vs uplink, {setting}]({png.name})", ""]
         cdf = rep.get("cdf")
         if cdf:
             png = doc.parent / f"{suite.name}-{setting}-cdf.png"
             if _cdf_plot(png, setting, rows, list(cdf), "client_acc"):
                 lines += [f"![per-client accuracy CDF, {setting}]({png.name})", ""]
+    sp = rep.get("sweep_plot")
+    if sp and sp["setting"] in table:
+        rows = table[sp["setting"]]
+        metric = sp.get("metric", "test_acc")
+        pts = [(x, rows[m][metric]) for x, m in zip(sp["x"], sp["methods"], strict=True)
+               if m in rows and metric in rows[m]]
+        if pts:
+            lines += [f"## {sp.get('title', 'Sweep')}", "",
+                      f"Setting `{sp['setting']}`; final `{metric}`, mean ± sd over seeds.", "",
+                      f"| {sp.get('xlabel', 'x')} | " + " | ".join(f"{x:g}" for x, _ in pts)
+                      + " |", "|---|" + "---|" * len(pts),
+                      "| " + metric + " | " + " | ".join(_fmt(v) for _, v in pts) + " |", ""]
+            png = doc.parent / f"{suite.name}-sweep.png"
+            if _sweep_plot(png, sp.get("title", "Sweep"), [x for x, _ in pts],
+                           [v for _, v in pts], sp.get("xlabel", "x"), f"{metric} (%)"):
+                lines += [f"![{sp.get('title', 'sweep')}]({png.name})", ""]
     comp = rep.get("compare")
     if comp:
         lines += ["## Comparisons", "",
