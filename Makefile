@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 
-.PHONY: run test lint bench clean repro-craft
+.PHONY: run test lint bench clean repro-craft repro-sapef
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ $(VENV)/.report: $(VENV)/.torch pyproject.toml
 repro-craft: $(VENV)/.report
 	@[ -d /usr/share/datasets/fashion-mnist ] || apt-get install -y -qq dataset-fashion-mnist
 	$(VENV)/bin/fedloom sweep configs/craft/suite.yaml --workers 2
+
+repro-sapef: $(VENV)/.report
+	@[ -d /usr/share/datasets/fashion-mnist ] || apt-get install -y -qq dataset-fashion-mnist
+	$(VENV)/bin/fedloom sweep configs/sapef/suite.yaml --workers 2
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
