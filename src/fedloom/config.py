@@ -159,12 +159,17 @@ class CompressionConfig:
 
     name: str = "identity"
     options: dict[str, Any] = _f({})
-    feedback: Literal["none", "ef", "saef", "sapef", "ef21", "cser", "scafcom"] = "none"
+    feedback: Literal["none", "ef", "saef", "sapef", "ef21", "cser", "scafcom", "flare",
+                      "ec_prox"] = "none"
     alpha: float = _f(0.85, ge=0, le=1)          # SA-PEF step-ahead coefficient
     alpha_schedule: Literal["constant", "theory"] = "constant"
     period: int = _f(5, ge=1)                     # CSER: reset every H rounds
     reset_ratio: float = _f(0.1, gt=0, le=1)      # CSER: top fraction of e sent at a reset
     beta: float = _f(0.2, gt=0, le=1)             # SCAFCOM momentum
+    tau: float = _f(0.05, ge=0)                   # FLARE / EC+prox: τ_r = tau / tau_decay^(r+1)
+    tau_decay: float = _f(1.1, gt=0)
+    penalty_steps: int = _f(1, ge=0)              # FLARE: penalised local steps p
+    penalty: Literal["l1", "l2"] = "l1"
 
 
 @dataclass

@@ -28,7 +28,7 @@ from torch.nn import functional as F
 from fedloom.config import ScheduleConfig
 from fedloom.params import Layout, functional_forward
 
-__all__ = ["ClientJob", "ClientResult", "LocalSGD", "lr_at_round"]
+__all__ = ["ClientJob", "ClientResult", "LocalSGD", "Penalty", "lr_at_round"]
 
 
 def lr_at_round(base: float, sched: ScheduleConfig, round: int, rounds: int) -> float:
@@ -53,6 +53,29 @@ def lr_at_round(base: float, sched: ScheduleConfig, round: int, rounds: int) -> 
 
 
 @dataclass(frozen=True)
+class Penalty:
+    """A regulariser on the first ``steps`` local steps (FLARE, EC+prox).
+
+    ``l1``: ``τ Σ_j m_j |w_j − t_j|`` (subgradient ``τ m sign(w − t)``);
+    ``l2``: ``τ Σ_j m_j (w_j − t_j)²`` (gradient ``2τ m (w − t)``).
+    ``mask=None`` means every coordinate.
+    """
+
+    target: torch.Tensor
+    tau: float
+    steps: int
+    kind: str = "l1"
+    mask: torch.Tensor | None = None
+
+    def grad(self, w: torch.Tensor) -> torch.Tensor:
+        diff = w - self.target
+        g = torch.sign(diff) if self.kind == "l1" else 2.0 * diff
+        if self.mask is not None:
+            g = g * self.mask
+        return self.tau * g
+
+
+@dataclass(frozen=True)
 class ClientJob:
     """One client's work in one round."""
 
@@ -68,6 +91,7 @@ class ClientJob:
     grad_shift: torch.Tensor | None = None  # added to every gradient (SCAFFOLD's c − c_k)
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # per-client state rows
     probe_smoothness: bool = False  # report a secant estimate of L after the first step
+    penalty: Penalty | None = None  # a regulariser on the first local steps (FLARE)
 
 
 @dataclass
@@ -137,7 +161,7 @@ class LocalSGD:
     def _descend(
         self, x0: torch.Tensor, anchor: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
         lr: float, gen: torch.Generator, *, prox_mu: float | None,
-        grad_shift: torch.Tensor | None, probe: bool,
+        grad_shift: torch.Tensor | None, probe: bool, penalty: Penalty | None = None,
     ) -> tuple[torch.Tensor, float, int, float | None]:
         mu = self.prox_mu if prox_mu is None else prox_mu
         w = x0.detach().clone().requires_grad_(True)
@@ -162,6 +186,8 @@ class LocalSGD:
             with torch.no_grad():
                 if grad_shift is not None:
                     grad = grad + grad_shift
+                if penalty is not None and step < penalty.steps:
+                    grad = grad + penalty.grad(w)
                 if self.weight_decay:
                     grad = grad.add(w, alpha=self.weight_decay)
                 if mu:
@@ -188,7 +214,8 @@ class LocalSGD:
         x0 = job.start if job.start is not None else w_global
         w_k, loss, steps, smooth = self._descend(x0, w_global, job.x, job.y, job.lr, gen,
                                                  prox_mu=None, grad_shift=job.grad_shift,
-                                                 probe=job.probe_smoothness)
+                                                 probe=job.probe_smoothness,
+                                                 penalty=job.penalty)
         update = (w_global - w_k).contiguous()
         res = ClientResult(job.client, update, int(job.y.shape[0]), loss, steps, start_loss)
         if smooth is not None:

@@ -24,6 +24,7 @@ the pseudo-gradient sign ``g_k = w − w_k``.
   ``H`` rounds each client also sends the top ``reset_ratio`` of its residual;
   the server subtracts their mean ``ē`` from the model (pseudo-gradient sign)
   and broadcasts it; each client's residual becomes ``e − ē``.
+- ``flare`` and ``ec_prox``: see :mod:`fedloom.compress.flare`.
 - ``scafcom`` (Huang et al. 2023): SCAFFOLD local steps with ``c − c_k``;
   ``v_k ← (1−β)v_k + β(g_k/(η_l K) + c_k − c)``, ``δ_k = v_k − c_k``, send
   ``C(δ_k)``, ``c_k ← c_k + C(δ_k)``, and ``c ← c + (m/N) mean C(δ_k)``. The
@@ -111,6 +112,10 @@ class NoFeedback:
 
     def grad_shift(self, state: dict[str, torch.Tensor],
                    server: ServerState) -> torch.Tensor | None:
+        return None
+
+    def penalty(self, w: torch.Tensor, state: dict[str, torch.Tensor], round: int) -> Any:
+        """A :class:`~fedloom.client.sgd.Penalty` for the first local steps (FLARE)."""
         return None
 
     def uplink(self, g: torch.Tensor, state: dict[str, torch.Tensor], comp: Compressor,
@@ -275,7 +280,9 @@ class SCAFCOM(NoFeedback):
 
 def make_feedback(name: str, alpha: float = 0.85,
                   schedule: Literal["constant", "theory"] = "constant", period: int = 5,
-                  reset_ratio: float = 0.1, beta: float = 0.2) -> NoFeedback:
+                  reset_ratio: float = 0.1, beta: float = 0.2, layout: Any = None,
+                  tau: float = 0.05, tau_decay: float = 1.1, penalty_steps: int = 1,
+                  penalty: str = "l1") -> NoFeedback:
     if name == "none":
         return NoFeedback()
     if name == "ef":
@@ -290,5 +297,11 @@ def make_feedback(name: str, alpha: float = 0.85,
         return CSER(period, reset_ratio)
     if name == "scafcom":
         return SCAFCOM(beta)
+    if name in ("flare", "ec_prox"):
+        from fedloom.compress.flare import FLARE, ECProx
+
+        if name == "ec_prox":
+            return ECProx(tau, tau_decay)
+        return FLARE(layout, tau, tau_decay, penalty_steps, penalty)  # type: ignore[arg-type]
     raise ValueError(f"compression.feedback: unknown policy {name!r} "
-                     "(expected none, ef, saef, sapef, ef21, cser, scafcom)")
+                     "(expected none, ef, saef, sapef, ef21, cser, scafcom, flare, ec_prox)")

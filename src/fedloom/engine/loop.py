@@ -167,7 +167,9 @@ class Experiment:
         try:
             self.uplink = make_compressor(comp.name, layout=self.layout, **comp.options)
             self.feedback = make_feedback(comp.feedback, comp.alpha, comp.alpha_schedule,
-                                          comp.period, comp.reset_ratio, comp.beta)
+                                          comp.period, comp.reset_ratio, comp.beta,
+                                          self.layout, comp.tau, comp.tau_decay,
+                                          comp.penalty_steps, comp.penalty)
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e).splitlines()[0]) from None
         self.downlink = Identity()
@@ -239,6 +241,7 @@ class Experiment:
                             state={f: old_rows[f][i] for f in self.method_fields},
                             start=fb.start_point(w, fb_state, alpha),
                             grad_shift=fb.grad_shift(fb_state, st.feedback_state),
+                            penalty=fb.penalty(w, fb_state, r),
                             probe_smoothness=theory)
             jobs.append(self.method.prepare(job, st.method_state))
             alphas.append(alpha)

@@ -1,0 +1,88 @@
+"""FLARE: the penalty's reach, τ's decay, the accumulator, TAU = 0 equals EC."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import fedloom
+from fedloom import Layout
+from fedloom.client.sgd import LocalSGD, Penalty
+from fedloom.compress import make_compressor
+from fedloom.compress.feedback import UplinkContext, make_feedback
+from fedloom.compress.flare import FLARE, flare_mask
+from fedloom.models import MLP
+from fedloom.params import functional_forward
+
+
+def test_tau_decays_as_specified():
+    fl = FLARE(Layout.flat(4), tau=0.05, decay=1.1, steps=1)
+    assert fl.tau_at(0) == pytest.approx(0.05 / 1.1)
+    assert fl.tau_at(9) == pytest.approx(0.05 / 1.1**10)
+
+
+def test_mask_is_top_half_of_accumulator_per_tensor():
+    layout = Layout([("a", (4,)), ("b", (3,))])
+    acc = torch.tensor([0.1, -5.0, 0.3, 2.0, 1.0, -3.0, 0.0])
+    # a: |A| = [.1, 5, .3, 2], median (lower) .3 → [0, 1, 0, 1]; b: [1, 3, 0], median 1 → [0,1,0]
+    assert flare_mask(acc, layout).tolist() == [0, 1, 0, 1, 0, 1, 0]
+
+
+def test_penalty_only_on_first_p_steps_and_only_where_masked():
+    torch.manual_seed(0)
+    model = MLP(4, [3], 2).double()
+    layout = Layout.from_module(model)
+    x = torch.randn(12, 4, dtype=torch.float64)
+    y = torch.randint(0, 2, (12,))
+    w0 = layout.flatten(model)
+    target = w0 + torch.randn(layout.size, dtype=torch.float64)
+    mask = (torch.arange(layout.size) % 2).double()
+    pen = Penalty(target, 0.3, 1, "l1", mask)
+    trainer = LocalSGD(model, layout, batch_size=4, steps=3)
+    gen = torch.Generator().manual_seed(5)
+    got, _, _, _ = trainer._descend(w0, w0, x, y, 0.1, gen, prox_mu=None, grad_shift=None,
+                                    probe=False, penalty=pen)
+    # by hand: step 0 adds τ m sign(w − t); steps 1 and 2 are plain SGD
+    batches = trainer.batch_indices(12, torch.Generator().manual_seed(5))
+    w = w0.clone()
+    for s, idx in enumerate(batches):
+        wg = w.clone().requires_grad_(True)
+        loss = F.cross_entropy(functional_forward(model, layout, wg, x[idx]), y[idx])
+        (g,) = torch.autograd.grad(loss, wg)
+        if s == 0:
+            g = g + 0.3 * mask * torch.sign(w - target)
+        w = w - 0.1 * g
+    assert torch.allclose(got, w, atol=1e-12)
+
+
+def test_accumulator_identity_and_tiny_uplink_at_99_999_sparsity():
+    layout = Layout([("fc1.weight", (1000, 1000)), ("fc1.bias", (1000,)),
+                     ("fc2.weight", (10, 1000)), ("fc2.bias", (10,))])  # 1.011M parameters
+    comp = make_compressor("topk", ratio=1e-5, scope="tensor", layout=layout)
+    fb = make_feedback("flare", layout=layout)
+    g = torch.randn(layout.size, generator=torch.Generator().manual_seed(0))
+    acc = torch.randn(layout.size, generator=torch.Generator().manual_seed(1)) * 0.01
+    out = fb.uplink(g, {"residual": acc}, comp, UplinkContext(0, 0.1, 1, 0.0, torch.Generator()),
+                    {})
+    assert torch.equal(out.sent + out.state["residual"], g + acc)  # u == sent + A_new
+    assert int((out.sent != 0).sum()) == 10 + 1 + 1 + 1  # max(1, round(n_l · 1e-5)) per tensor
+    assert len(out.payload) < 150  # a few hundred bytes at most, not a dense vector
+
+
+def test_flare_with_tau_zero_equals_ec_step_for_step(tiny):
+    base = ["compression.name=topk", "compression.options.ratio=0.02",
+            "compression.options.scope=tensor", "aggregator.options.weighted=false",
+            "rounds=3", "dtype=float64"]
+    ec = fedloom.run(tiny, [*base, "compression.feedback=ef"])
+    fl0 = fedloom.run(tiny, [*base, "compression.feedback=flare", "compression.tau=0"])
+    fl = fedloom.run(tiny, [*base, "compression.feedback=flare", "compression.tau=0.5"])
+    assert fl0.summary["model_sha256"] == ec.summary["model_sha256"]
+    assert fl.summary["model_sha256"] != ec.summary["model_sha256"]
+    prox = fedloom.run(tiny, [*base, "compression.feedback=ec_prox", "compression.tau=0.5"])
+    assert prox.summary["model_sha256"] != ec.summary["model_sha256"]
+
+
+def test_craft_over_flare_payloads_keeps_constraints(tiny):
+    res = fedloom.run(tiny, ["aggregator.name=craft", "compression.name=topk",
+                             "compression.options.ratio=0.3", "compression.options.scope=tensor",
+                             "compression.feedback=flare", "dtype=float64", "rounds=2"])
+    assert all(m["craft_max_violation"] < 1e-8 for m in res.metrics)
