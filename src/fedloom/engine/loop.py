@@ -125,7 +125,8 @@ class Experiment:
             raise ConfigError(f"cohort.size: must be <= the number of clients "
                               f"({self.fed.num_clients}), got {cfg.cohort.size}")
         ds = self.fed.dataset
-        self.x = ds.x.to(self.dtype)
+        # Index inputs (characters) stay integers; features take the run's dtype.
+        self.x = ds.x.to(self.dtype) if ds.x.is_floating_point() else ds.x
         self.y = ds.y
         try:
             if model is None:
@@ -193,7 +194,8 @@ class Experiment:
         self.client_test_owner = torch.from_numpy(
             np.concatenate([np.full(len(t), k) for k, t in enumerate(test_idx)])
         ).long()
-        self.x_test = self.fed.x_test.to(self.dtype)
+        xt = self.fed.x_test
+        self.x_test = xt.to(self.dtype) if xt.is_floating_point() else xt
         self.y_test = self.fed.y_test
         # per-client accuracies of the last evaluation (written to client_acc.json)
         self.last_client_acc: np.ndarray | None = None

