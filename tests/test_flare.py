@@ -86,3 +86,25 @@ def test_craft_over_flare_payloads_keeps_constraints(tiny):
                              "compression.options.ratio=0.3", "compression.options.scope=tensor",
                              "compression.feedback=flare", "dtype=float64", "rounds=2"])
     assert all(m["craft_max_violation"] < 1e-8 for m in res.metrics)
+
+
+def test_ffl_schedule_follows_the_test_loss(tiny):
+    from fedloom.config import load_config
+    from fedloom.engine.loop import Experiment
+
+    cfg = load_config(tiny, ["compression.name=topk", "compression.options.ratio=0.01",
+                             "compression.feedback=ef", "compression.adaptive=ffl",
+                             "client.epochs=4"])
+    exp = Experiment(cfg)
+    st = exp.initial_state()
+    _, e0, info0 = exp._ffl(st.w, st)
+    assert info0["ffl_ratio"] == 0.01 and e0 == 4  # L_t = L_0 at the start
+    # pretend the initial loss was 8x the current one: R_t = 2R, E_t = round(4/2) = 2
+    loss = info0["ffl_loss0"]
+    st.feedback_state["ffl_loss0"] = 8 * loss
+    comp, e, info = exp._ffl(st.w, st)
+    assert info["ffl_ratio"] == pytest.approx(0.02) and e == 2
+    assert comp.ratio == pytest.approx(0.02)
+    res = fedloom.run(tiny, ["compression.name=topk", "compression.options.ratio=0.01",
+                             "compression.feedback=ef", "compression.adaptive=ffl", "rounds=3"])
+    assert "ffl_ratio" in res.metrics[-1]

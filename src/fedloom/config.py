@@ -182,6 +182,9 @@ class CompressionConfig:
     tau_decay: float = _f(1.1, gt=0)
     penalty_steps: int = _f(1, ge=0)              # FLARE: penalised local steps p
     penalty: Literal["l1", "l2"] = "l1"
+    # FFL (Nori et al.): rate R_t = R (L_0/L_t)^(1/3) and local epochs
+    # E_t = max(1, round(E (L_t/L_0)^(1/3))) from the global test loss L_t.
+    adaptive: Literal["none", "ffl"] = "none"
 
 
 @dataclass

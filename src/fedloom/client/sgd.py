@@ -92,6 +92,7 @@ class ClientJob:
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # per-client state rows
     probe_smoothness: bool = False  # report a secant estimate of L after the first step
     penalty: Penalty | None = None  # a regulariser on the first local steps (FLARE)
+    epochs: int | None = None       # overrides the trainer's local epochs (FFL)
 
 
 @dataclass
@@ -121,14 +122,15 @@ class LocalSGD:
     weight_decay: float = 0.0
     prox_mu: float = 0.0
 
-    def num_steps(self, n: int) -> int:
+    def num_steps(self, n: int, epochs: int | None = None) -> int:
         if self.steps is not None:
             return self.steps
-        return self.epochs * math.ceil(n / self.batch_size)
+        return (epochs or self.epochs) * math.ceil(n / self.batch_size)
 
-    def batch_indices(self, n: int, gen: torch.Generator) -> list[torch.Tensor]:
+    def batch_indices(self, n: int, gen: torch.Generator,
+                      epochs: int | None = None) -> list[torch.Tensor]:
         """The index batches of one round: permutations chained epoch after epoch."""
-        total = self.num_steps(n)
+        total = self.num_steps(n, epochs)
         out: list[torch.Tensor] = []
         while len(out) < total:
             perm = torch.randperm(n, generator=gen)
@@ -162,6 +164,7 @@ class LocalSGD:
         self, x0: torch.Tensor, anchor: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
         lr: float, gen: torch.Generator, *, prox_mu: float | None,
         grad_shift: torch.Tensor | None, probe: bool, penalty: Penalty | None = None,
+        epochs: int | None = None,
     ) -> tuple[torch.Tensor, float, int, float | None]:
         mu = self.prox_mu if prox_mu is None else prox_mu
         w = x0.detach().clone().requires_grad_(True)
@@ -169,7 +172,7 @@ class LocalSGD:
         loss_sum = 0.0
         smooth: float | None = None
         first_grad: torch.Tensor | None = None
-        batches = self.batch_indices(int(y.shape[0]), gen)
+        batches = self.batch_indices(int(y.shape[0]), gen, epochs)
         for step, idx in enumerate(batches):
             logits = functional_forward(self.module, self.layout, w, x[idx])
             loss = F.cross_entropy(logits, y[idx])
@@ -215,7 +218,7 @@ class LocalSGD:
         w_k, loss, steps, smooth = self._descend(x0, w_global, job.x, job.y, job.lr, gen,
                                                  prox_mu=None, grad_shift=job.grad_shift,
                                                  probe=job.probe_smoothness,
-                                                 penalty=job.penalty)
+                                                 penalty=job.penalty, epochs=job.epochs)
         update = (w_global - w_k).contiguous()
         res = ClientResult(job.client, update, int(job.y.shape[0]), loss, steps, start_loss)
         if smooth is not None:

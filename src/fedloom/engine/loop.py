@@ -228,12 +228,15 @@ class Experiment:
         old_rows = {f: self.store.gather(f, cohort) for f in self.store.fields}
         fb = self.feedback
         theory = fb.schedule == "theory"
+        comp, epochs, ffl = self.uplink, None, {}
+        if self.cfg.compression.adaptive == "ffl":
+            comp, epochs, ffl = self._ffl(w, st)
         jobs, alphas, fb_rows, steps = [], [], [], []
         mismatch: list[tuple[float, float, float, int]] = []
         for i, k in enumerate(cohort.tolist()):
             idx = torch.from_numpy(self.fed.train[k])
             fb_state = {f[3:]: old_rows[f][i] for f in self.fb_fields}
-            steps.append(self.trainer.num_steps(len(idx)))
+            steps.append(self.trainer.num_steps(len(idx), epochs))
             alpha = fb.alpha(lr, steps[-1], st.feedback_state)
             if self.cfg.metrics.mismatch and "residual" in fb_state:
                 mismatch.append(self._mismatch(w, fb_state["residual"], k, len(idx)))
@@ -243,7 +246,7 @@ class Experiment:
                             state={f: old_rows[f][i] for f in self.method_fields},
                             start=fb.start_point(w, fb_state, alpha),
                             grad_shift=fb.grad_shift(fb_state, st.feedback_state),
-                            penalty=fb.penalty(w, fb_state, r),
+                            penalty=fb.penalty(w, fb_state, r), epochs=epochs,
                             probe_smoothness=theory)
             jobs.append(self.method.prepare(job, st.method_state))
             alphas.append(alpha)
@@ -257,7 +260,7 @@ class Experiment:
         for i, res in enumerate(results):
             ctx = UplinkContext(r, lr, res.steps, alphas[i],
                                 torch_gen(self.cfg.seed, r, res.client, Purpose.COMPRESS))
-            ups.append(fb.uplink(res.update, fb_rows[i], self.uplink, ctx, st.feedback_state))
+            ups.append(fb.uplink(res.update, fb_rows[i], comp, ctx, st.feedback_state))
         up_bytes = sum(len(u.payload) + sum(len(x) for x in u.extra_payloads) for u in ups)
         density = float(np.mean([coordinates_sent(u.payload) for u in ups])) / self.layout.size
         rows = torch.stack([fb.server_row(u, fb_rows[i], st.feedback_state)
@@ -299,6 +302,8 @@ class Experiment:
         end = fb.end_round([u for u, ok in zip(ups, ok_list, strict=True) if ok],
                            st.feedback_state, self.fed.num_clients, probes)
         feedback_state = end.server
+        if "ffl_loss0" in ffl:
+            feedback_state = {**feedback_state, "ffl_loss0": ffl["ffl_loss0"]}
         if end.w_shift is not None:
             new_w = new_w - end.w_shift.to(new_w.dtype)
         down_bytes += end.downlink_bytes
@@ -341,6 +346,7 @@ class Experiment:
             "rejected_updates_total": totals["rejected_updates"],
             "conflict_rate": conflicts,
             "density": density,
+            **{k: v for k, v in ffl.items() if k != "ffl_loss0"},
             **{k: float(v) for k, v in agg_metrics.items()},
         }
         if self.fb_fields:
@@ -368,6 +374,19 @@ class Experiment:
         metrics["wall_s"] = time.perf_counter() - t0
         return RunState(r + 1, new_w, opt_state, agg_state, method_state, feedback_state, w_avg,
                         totals), metrics
+
+    def _ffl(self, w: torch.Tensor, st: RunState) -> tuple[Any, int, dict[str, float]]:
+        """FFL's schedule from the global test loss: ``R_t = R (L_0/L_t)^(1/3)``,
+        ``E_t = max(1, round(E (L_t/L_0)^(1/3)))`` (Nori et al. 2021, as in FLARE)."""
+        _, loss = evaluate(self.module, self.layout, w, self.x_test, self.y_test,
+                           self.cfg.eval.batch_size)
+        loss0 = float(st.feedback_state.get("ffl_loss0", loss))
+        ratio0 = float(self.cfg.compression.options.get("ratio", 0.01))
+        ratio = min(1.0, ratio0 * (loss0 / loss) ** (1 / 3))
+        epochs = max(1, round(self.cfg.client.epochs * (loss / loss0) ** (1 / 3)))
+        opts = {**self.cfg.compression.options, "ratio": ratio}
+        comp = make_compressor(self.cfg.compression.name, layout=self.layout, **opts)
+        return comp, epochs, {"ffl_loss0": loss0, "ffl_ratio": ratio, "ffl_epochs": epochs}
 
     def _mismatch(self, w: torch.Tensor, e: torch.Tensor, k: int,
                   n: int) -> tuple[float, float, float, int]:
