@@ -26,3 +26,19 @@ TINY: dict[str, Any] = {
 @pytest.fixture
 def tiny() -> dict[str, Any]:
     return copy.deepcopy(TINY)
+
+
+def stop_and_resume(config, overrides, out, stop_after=2):
+    """Run, stop after round ``stop_after`` (a KeyboardInterrupt from a callback), resume;
+    return (uninterrupted result, resumed result)."""
+    import fedloom
+
+    ref = fedloom.run(config, overrides)
+
+    def stop(state, metrics):
+        if state.next_round == stop_after:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fedloom.run(config, overrides, out=out, callbacks=[stop])
+    return ref, fedloom.run(config, overrides, out=out, resume=True)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fedloom
+from conftest import stop_and_resume
 from fedloom import CohortInfo, Layout, make_aggregator
 from fedloom.aggregate.fednova import nova_norm
 from fedloom.config import ConfigError, load_config
@@ -143,15 +144,7 @@ def test_ditto_with_huge_lambda_keeps_personal_near_global(tiny):
 @pytest.mark.parametrize("method", ["scaffold", "ditto"])
 def test_resume_with_client_state_is_bit_identical(tiny, tmp_path, method):
     ov = ["rounds=4", "checkpoint.every=1", f"client.method={method}"]
-    ref = fedloom.run(tiny, ov)
-
-    def stop(state, m):
-        if state.next_round == 2:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        fedloom.run(tiny, ov, out=tmp_path / "r", callbacks=[stop])
-    res = fedloom.run(tiny, ov, out=tmp_path / "r", resume=True)
+    ref, res = stop_and_resume(tiny, ov, tmp_path / "r")
     assert res.summary["model_sha256"] == ref.summary["model_sha256"]
     assert res.summary["personal_acc_mean" if method == "ditto" else "test_acc"] == \
         ref.summary["personal_acc_mean" if method == "ditto" else "test_acc"]

@@ -7,6 +7,7 @@ import torch
 import yaml
 
 import fedloom
+from conftest import stop_and_resume
 from fedloom.aggregate.base import CohortInfo
 from fedloom.config import ConfigError, load_config
 from fedloom.engine.loop import Experiment
@@ -103,15 +104,7 @@ def test_resume_after_stop_is_bit_identical(tiny, tmp_path):
 def test_resume_with_momentum_server_and_prox(tiny, tmp_path):
     ov = ["rounds=4", "checkpoint.every=1", "server.optimizer=adam", "server.lr=0.01",
           "client.prox_mu=0.1", "client.momentum=0.9", "client.schedule.name=exp"]
-    ref = fedloom.run(tiny, ov)
-
-    def stop(state, m):
-        if state.next_round == 2:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        fedloom.run(tiny, ov, out=tmp_path / "r", callbacks=[stop])
-    res = fedloom.run(tiny, ov, out=tmp_path / "r", resume=True)
+    ref, res = stop_and_resume(tiny, ov, tmp_path / "r")
     assert res.summary["model_sha256"] == ref.summary["model_sha256"]
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fedloom
+from conftest import stop_and_resume
 from fedloom.compress import make_compressor
 from fedloom.compress.feedback import EF21, ErrorFeedback, UplinkContext, make_feedback
 from fedloom.config import load_config
@@ -129,21 +130,13 @@ def test_non_sampled_clients_keep_their_residual(tiny):
 def test_topk_uplink_bytes_and_resume_with_residuals(tiny, tmp_path):
     ov = ["compression.name=topk", "compression.options.ratio=0.01", "compression.feedback=sapef",
           "rounds=4", "checkpoint.every=1"]
-    ref = fedloom.run(tiny, ov)
+    ref, res = stop_and_resume(tiny, ov, tmp_path / "r")
     d = ref.layout.size
     for m in ref.metrics:
         # header 8 + sparse header 10 + ~k varint bytes + 4k value bytes, per client
         k = round(0.01 * d)
         assert m["cohort_size"] * (18 + 5 * k) <= m["uplink_bytes"] <= m["cohort_size"] * (
             18 + 9 * k)
-
-    def stop(state, m):
-        if state.next_round == 2:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        fedloom.run(tiny, ov, out=tmp_path / "r", callbacks=[stop])
-    res = fedloom.run(tiny, ov, out=tmp_path / "r", resume=True)
     assert res.summary["model_sha256"] == ref.summary["model_sha256"]
 
 

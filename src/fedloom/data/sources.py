@@ -233,15 +233,22 @@ def mnist(cfg: DataConfig, seed: int) -> Dataset:
     path = _mnist_zip_path()
     assert path is not None
     arrs = read_zarr_zip(path, ["train_images", "train_labels", "test_images", "test_labels"])
+    return _image_dataset("mnist", "MNIST", arrs, _MNIST_TRAIN_COUNTS, _MNIST_TEST_COUNTS,
+                          _MNIST_MEAN, _MNIST_STD, path)
+
+
+def _image_dataset(name: str, title: str, arrs: dict[str, np.ndarray], train_counts: list[int],
+                   test_counts: list[int], mean: float, std: float, path: Path) -> Dataset:
+    """A 10-class image source from its four arrays, class counts checked."""
     ytr, yte = arrs["train_labels"].astype(np.int64), arrs["test_labels"].astype(np.int64)
-    _check_counts("MNIST", "train", ytr, _MNIST_TRAIN_COUNTS, path)
-    _check_counts("MNIST", "test", yte, _MNIST_TEST_COUNTS, path)
+    _check_counts(title, "train", ytr, train_counts, path)
+    _check_counts(title, "test", yte, test_counts, path)
     return Dataset(
-        "mnist",
-        _normalise_images(arrs["train_images"], _MNIST_MEAN, _MNIST_STD),
+        name,
+        _normalise_images(arrs["train_images"], mean, std),
         torch.from_numpy(ytr),
         10,
-        x_test=_normalise_images(arrs["test_images"], _MNIST_MEAN, _MNIST_STD),
+        x_test=_normalise_images(arrs["test_images"], mean, std),
         y_test=torch.from_numpy(yte),
     )
 
@@ -292,15 +299,5 @@ def _fashion_available() -> bool:
          _fashion_available, "apt-get install dataset-fashion-mnist")
 def fashion_mnist(cfg: DataConfig, seed: int) -> Dataset:
     arrs = {k: read_idx(_find_idx(FASHION_DIR, s)) for k, s in _FASHION_FILES.items()}  # type: ignore[arg-type]
-    ytr = arrs["train_labels"].astype(np.int64)
-    yte = arrs["test_labels"].astype(np.int64)
-    _check_counts("Fashion-MNIST", "train", ytr, [6000] * 10, FASHION_DIR)
-    _check_counts("Fashion-MNIST", "test", yte, [1000] * 10, FASHION_DIR)
-    return Dataset(
-        "fashion-mnist",
-        _normalise_images(arrs["train_images"], _FASHION_MEAN, _FASHION_STD),
-        torch.from_numpy(ytr),
-        10,
-        x_test=_normalise_images(arrs["test_images"], _FASHION_MEAN, _FASHION_STD),
-        y_test=torch.from_numpy(yte),
-    )
+    return _image_dataset("fashion-mnist", "Fashion-MNIST", arrs, [6000] * 10, [1000] * 10,
+                          _FASHION_MEAN, _FASHION_STD, FASHION_DIR)
