@@ -202,3 +202,20 @@ def test_scafcom_and_ef21_run_end_to_end(tiny):
                                  f"compression.feedback={fbname}", "rounds=3"])
         assert all(m["rejected_updates"] == 0 for m in res.metrics)
         assert res.metrics[-1]["test_acc"] > 0.1
+
+
+def test_reported_uplink_bytes_are_the_payload_lengths(tiny):
+    cfg = load_config(tiny, ["compression.name=qsgd", "compression.options.levels=3",
+                             "compression.feedback=ef"])
+    exp = Experiment(cfg)
+    sizes = []
+    encode = exp.uplink.encode
+
+    def spy(x, *, gen=None):
+        p = encode(x, gen=gen)
+        sizes.append(len(p))
+        return p
+
+    exp.uplink.encode = spy
+    _, m = exp.round(exp.initial_state())
+    assert len(sizes) == m["cohort_size"] and m["uplink_bytes"] == sum(sizes)
