@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedloom.data.sources import DatasetUnavailable
 
     logging.basicConfig(level=logging.WARNING, format="fedloom: %(message)s")
+    logging.getLogger("fedloom").setLevel(logging.INFO)
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

@@ -37,6 +37,7 @@ _MODULES = (
     "fedloom.client.ditto",
     "fedloom.aggregate.server_opt",
     "fedloom.engine.backends",
+    "fedloom.engine.vmap",
     "fedloom.compress.identity",
     "fedloom.compress.sparse",
     "fedloom.compress.quant",
