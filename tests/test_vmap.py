@@ -43,8 +43,13 @@ def test_vmap_float32_tolerance_and_chunks():
     assert torch.allclose(st.w, st2.w, rtol=0, atol=1e-12)
 
 
-def test_auto_backend_picks_and_falls_back(tiny):
-    exp = Experiment(load_config(SYN, ["backend=auto"]))
-    assert exp.backend.name == "vmap"
+def test_auto_backend_measures_then_keeps_the_faster(tiny):
+    exp = Experiment(load_config(SYN, ["backend=auto", "dtype=float64"]))
+    assert exp.backend.name == "auto"
+    st, _ = exp.round(exp.initial_state())
+    assert exp.backend.name in ("sequential", "vmap")
+    ref = Experiment(load_config(SYN, ["dtype=float64"]))
+    st2, _ = ref.round(ref.initial_state())
+    assert torch.equal(st.w, st2.w)  # the first cohort's results are the sequential ones
     ditto = Experiment(load_config(tiny, ["backend=auto", "client.method=ditto"]))
     assert ditto.backend.name == "sequential"  # Ditto's personal step runs sequentially

@@ -150,17 +150,42 @@ def _vmap(trainer: LocalSGD, method: LocalMethod) -> VmapBackend:
     return VmapBackend(trainer, method)
 
 
+class AutoBackend:
+    """Times the first cohort on both backends and keeps the faster one.
+
+    The first cohort's results come from the sequential backend; the vmap run of
+    the same jobs only measures. Where vmap does not apply (see
+    :class:`VmapBackend`) the choice is sequential without a measurement. The
+    choice is logged and kept in :attr:`name`.
+    """
+
+    def __init__(self, trainer: LocalSGD, method: LocalMethod) -> None:
+        from fedloom.engine.backends import SequentialBackend
+
+        self.seq = SequentialBackend(trainer, method)
+        self.vmap = VmapBackend(trainer, method)
+        self.chosen: object | None = None if self.vmap.enabled else self.seq
+        self.name = "auto" if self.chosen is None else "sequential"
+
+    def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult]:
+        import logging
+        import time
+
+        if self.chosen is not None:
+            return self.chosen.train_cohort(jobs)  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
+        out = self.seq.train_cohort(jobs)
+        t1 = time.perf_counter()
+        self.vmap.train_cohort(jobs)
+        t2 = time.perf_counter()
+        self.chosen = self.vmap if t2 - t1 < t1 - t0 else self.seq
+        self.name = self.chosen.name  # type: ignore[attr-defined]
+        logging.getLogger("fedloom").info(
+            "backend auto: using %s (first cohort: sequential %.3f s, vmap %.3f s)",
+            self.name, t1 - t0, t2 - t1)
+        return out
+
+
 @register("backend", "auto")
-def _auto(trainer: LocalSGD, method: LocalMethod) -> object:
-    """vmap when it applies to the model and the local method, else sequential."""
-    import logging
-
-    from fedloom.engine.backends import SequentialBackend
-
-    backend = VmapBackend(trainer, method)
-    if backend.enabled:
-        choice: object = backend
-    else:
-        choice = SequentialBackend(trainer, method)
-    logging.getLogger("fedloom").info("backend auto: using %s", choice.name)  # type: ignore[attr-defined]
-    return choice
+def _auto(trainer: LocalSGD, method: LocalMethod) -> AutoBackend:
+    return AutoBackend(trainer, method)
