@@ -112,7 +112,7 @@ def test_run_dir_guards(tiny, tmp_path):
     out = tmp_path / "r"
     fedloom.run(tiny, ["rounds=1"], out=out)
     for name in ["config.yaml", "metrics.jsonl", "summary.json", "model.pt",
-                 "checkpoints/last.pt"]:
+                 "checkpoints/last.pt", "client_acc.json", "curves.png"]:
         assert (out / name).exists(), name
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["model_sha256"]) == 64

@@ -592,4 +592,7 @@ def _loop(
                                         ("personal_acc", exp.last_personal_acc))
                       if arr is not None}
         atomic_write_json(run_dir / CLIENT_ACC_FILE, per_client)
+        from fedloom.report.plots import write_run_plots
+
+        write_run_plots(run_dir, history)
     return Result(cfg, st.w, exp.layout, exp.module, history, summary, run_dir)
