@@ -168,8 +168,13 @@ def tuned_values(
 ) -> dict[tuple[str, str], Any]:
     """Run the tuning grids; return {(setting, method): chosen value}."""
     specs: dict[tuple[str, str, Any], RunSpec] = {}
+    def applies(method: str, setting: str) -> bool:
+        return method not in suite.method_settings or setting in suite.method_settings[method]
+
     for setting in suite.settings:
         for method, t in suite.tune.items():
+            if not applies(method, setting):
+                continue
             for value in t["grid"]:
                 ov = [o.replace(TUNE, str(value)) for o in suite.methods[method]]
                 specs[(setting, method, value)] = _spec(suite, setting, method, suite.tune_seed,
@@ -178,13 +183,16 @@ def tuned_values(
     chosen: dict[tuple[str, str], Any] = {}
     for setting in suite.settings:
         for method, t in suite.tune.items():
+            if not applies(method, setting):
+                continue
             scores = {v: read_summary(specs[(setting, method, v)].out).get(suite.tune_metric,
                                                                             float("-inf"))
                       for v in t["grid"]}
             scores = {v: (s if s == s else float("-inf")) for v, s in scores.items()}  # NaN
             chosen[(setting, method)] = max(scores, key=lambda v: scores[v])
         for method, source in suite.share_tuning.items():
-            chosen[(setting, method)] = chosen[(setting, source)]
+            if applies(method, setting) and (setting, source) in chosen:
+                chosen[(setting, method)] = chosen[(setting, source)]
     return chosen
 
 
