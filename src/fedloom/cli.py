@@ -102,7 +102,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from fedloom.sweep import run_suite
 
     suite = run_suite(args.suite, workers=args.workers,
-                      log=lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", flush=True))
+                      log=lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", flush=True),
+                      report_only=args.report_only)
     if suite.doc is not None:
         print(f"report: {suite.doc}")
     return 0
@@ -121,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sweep", help="run a suite of settings x methods x seeds, then report")
     s.add_argument("suite", help="suite YAML (see fedloom.sweep)")
     s.add_argument("--workers", type=int, default=2, help="parallel single-thread runs")
+    s.add_argument("--report-only", action="store_true",
+                   help="write the report from the runs that finished; run nothing")
     s.set_defaults(func=_cmd_sweep)
     d = sub.add_parser("datasets", help="list datasets, whether they are here, how to install")
     d.set_defaults(func=_cmd_datasets)

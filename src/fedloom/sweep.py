@@ -137,6 +137,10 @@ def _spec(suite: Suite, setting: str, method: str, seed: int, overrides: list[st
 
 def _run_all(specs: list[RunSpec], workers: int, log: Callable[[str], None]) -> None:
     todo = [s for s in specs if not s.done]
+    if workers <= 0:  # report only: run nothing
+        if todo:
+            raise FileNotFoundError(f"{len(todo)} runs have not finished")
+        return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
     def one(spec: RunSpec) -> None:
@@ -211,12 +215,24 @@ def main_specs(suite: Suite, chosen: dict[tuple[str, str], Any]) -> list[RunSpec
     return specs
 
 
-def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = print) -> Suite:
-    """Run (or continue) a suite, then write its report."""
+def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = print,
+              report_only: bool = False) -> Suite:
+    """Run (or continue) a suite, then write its report (``report_only``: from the runs
+    that have finished, running nothing)."""
     from fedloom.report.sweep import write_report
 
     suite = load_suite(path)
     t0 = time.perf_counter()
+    if report_only:
+        state = suite.out / "sweep.json"
+        prior = json.loads(state.read_text()) if state.exists() else {}
+        try:
+            chosen = tuned_values(suite, 0, log)
+        except (FileNotFoundError, ValueError):
+            chosen = {}
+        specs = main_specs(suite, chosen) if chosen or not suite.tune else []
+        write_report(suite, chosen, specs, float(prior.get("elapsed_s", 0.0)), workers)
+        return suite
     chosen = tuned_values(suite, workers, log)
     specs = main_specs(suite, chosen)
     _run_all(specs, workers, log)

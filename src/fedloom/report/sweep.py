@@ -51,6 +51,8 @@ def aggregate_runs(specs: list[Any]) -> dict[str, dict[str, dict[str, Any]]]:
     """{setting: {method: {"runs": [...], metric: (mean, sd)}}}."""
     table: dict[str, dict[str, dict[str, Any]]] = {}
     for spec in specs:
+        if not (spec.out / "summary.json").exists():
+            continue  # not run (yet): the report says how many are missing
         row = table.setdefault(spec.setting, {}).setdefault(spec.method, {"runs": []})
         row["runs"].append(_run_stats(spec.out))
     for methods in table.values():
@@ -299,6 +301,11 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
         lines.append("")
     if rep.get("notes"):
         lines += ["## Notes", "", rep["notes"].strip(), ""]
+    missing = sum(1 for s in specs if not (s.out / "summary.json").exists())
+    if missing:
+        lines += ["## Incomplete", "",
+                  f"{missing} of {len(specs)} runs have not finished; the tables above hold "
+                  "only the finished ones. Run the command again to complete them.", ""]
     lines += ["## Cost", "",
               f"Sweep wall time {elapsed_s / 60:.1f} min with {workers} single-thread workers "
               f"(sum of the reported runs' own wall time: {run_time / 60:.1f} min; tuning runs "
