@@ -185,8 +185,11 @@ def _compare(setting: str, rows: dict[str, dict[str, Any]], base: str,
         return None
     b, c = rows[base], rows[cand]
     parts = []
-    for key, label, better in (("client_acc_mean", "mean", 1), ("client_acc_std", "std", -1),
-                               ("client_acc_worst10", "worst 10 %", 1)):
+    keys = (("client_acc_mean", "mean", 1), ("client_acc_std", "std", -1),
+            ("client_acc_worst10", "worst 10 %", 1))
+    if "client_acc_mean" not in b or "client_acc_mean" not in c:
+        keys = (("test_acc", "test acc", 1), ("test_acc_peak", "peak test acc", 1))
+    for key, label, better in keys:
         if key not in b or key not in c:
             continue
         d = (c[key][0] - b[key][0]) * 100
@@ -219,7 +222,8 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
         for setting in suite.settings:
             picks = [f"{m}: `{key(m)}` = {chosen[(setting, m)]}"
                      for (s, m) in chosen if s == setting]
-            lines.append(f"- {setting}: " + ", ".join(picks))
+            if picks:
+                lines.append(f"- {setting}: " + ", ".join(picks))
         lines.append("")
     run_time = sum(r.get("wall_s_total", (0.0, 0.0))[0] * len(r["runs"])
                    for rows in table.values() for r in rows.values())
