@@ -21,7 +21,7 @@ import torch
 
 from fedloom.params import Layout
 
-__all__ = ["Aggregator", "CohortInfo", "make_aggregator"]
+__all__ = ["Aggregator", "CohortInfo", "Stateless", "make_aggregator"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,13 @@ class Aggregator(Protocol):
         *,
         info: CohortInfo | None = None,
     ) -> tuple[torch.Tensor, Any, Mapping[str, float]]: ...
+
+
+class Stateless:
+    """Base of the rules that keep no state between rounds (``init`` gives ``None``)."""
+
+    def init(self, layout: Layout) -> None:
+        return None
 
 
 def make_aggregator(name: str, **options: Any) -> Aggregator:

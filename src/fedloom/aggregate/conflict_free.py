@@ -22,23 +22,20 @@ from typing import Literal
 
 import torch
 
-from fedloom.aggregate.base import CohortInfo
+from fedloom.aggregate.base import CohortInfo, Stateless
 from fedloom.aggregate.gram import Precision, gram, pinv_solve
-from fedloom.params import Layout
 from fedloom.registry import register
 
 __all__ = ["ConFIG"]
 
 
-class ConFIG:
+class ConFIG(Stateless):
     def __init__(self, length: Literal["mean", "sum"] = "mean", rtol: float = 1e-6,
                  precision: Precision = "float64") -> None:
         if length not in ("mean", "sum"):
             raise ValueError(f"aggregator.options.length: must be 'mean' or 'sum', got {length!r}")
         self.length, self.rtol, self.precision = length, rtol, precision
 
-    def init(self, layout: Layout) -> None:
-        return None
 
     def __call__(
         self, updates: torch.Tensor, weights: torch.Tensor, state: None, *,

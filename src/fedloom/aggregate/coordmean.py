@@ -16,16 +16,13 @@ from collections.abc import Mapping
 
 import torch
 
-from fedloom.aggregate.base import CohortInfo
-from fedloom.params import Layout
+from fedloom.aggregate.base import CohortInfo, Stateless
 from fedloom.registry import register
 
 __all__ = ["CoordinateMean"]
 
 
-class CoordinateMean:
-    def init(self, layout: Layout) -> None:
-        return None
+class CoordinateMean(Stateless):
 
     def __call__(
         self, updates: torch.Tensor, weights: torch.Tensor, state: None, *,

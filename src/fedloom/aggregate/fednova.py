@@ -17,8 +17,7 @@ from collections.abc import Mapping
 
 import torch
 
-from fedloom.aggregate.base import CohortInfo, normalise_weights
-from fedloom.params import Layout
+from fedloom.aggregate.base import CohortInfo, Stateless, normalise_weights
 from fedloom.registry import register
 
 __all__ = ["FedNova", "nova_norm"]
@@ -33,11 +32,9 @@ def nova_norm(steps: torch.Tensor, momentum: float) -> torch.Tensor:
     return (tau - b * (1 - b**tau) / (1 - b)) / (1 - b)
 
 
-class FedNova:
+class FedNova(Stateless):
     requires = frozenset({"steps"})
 
-    def init(self, layout: Layout) -> None:
-        return None
 
     def __call__(
         self, updates: torch.Tensor, weights: torch.Tensor, state: None, *,

@@ -12,19 +12,16 @@ from collections.abc import Mapping
 
 import torch
 
-from fedloom.aggregate.base import CohortInfo, normalise_weights
-from fedloom.params import Layout
+from fedloom.aggregate.base import CohortInfo, Stateless, normalise_weights
 from fedloom.registry import register
 
 __all__ = ["FedAvg"]
 
 
-class FedAvg:
+class FedAvg(Stateless):
     def __init__(self, weighted: bool = True) -> None:
         self.weighted = weighted
 
-    def init(self, layout: Layout) -> None:
-        return None
 
     def __call__(
         self,

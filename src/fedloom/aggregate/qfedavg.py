@@ -18,14 +18,13 @@ from collections.abc import Mapping
 
 import torch
 
-from fedloom.aggregate.base import CohortInfo
-from fedloom.params import Layout
+from fedloom.aggregate.base import CohortInfo, Stateless
 from fedloom.registry import register
 
 __all__ = ["QFedAvg"]
 
 
-class QFedAvg:
+class QFedAvg(Stateless):
     requires = frozenset({"start_losses", "lr"})
 
     def __init__(self, q: float = 1.0, lipschitz: float | None = None) -> None:
@@ -34,8 +33,6 @@ class QFedAvg:
         self.q = q
         self.lipschitz = lipschitz
 
-    def init(self, layout: Layout) -> None:
-        return None
 
     def __call__(
         self, updates: torch.Tensor, weights: torch.Tensor, state: None, *,
