@@ -59,6 +59,5 @@ class AFL:
                                 "afl_worst_loss": float(info.start_losses.max())}
 
 
-@register("aggregator", "afl")
-def _afl(gamma_lambda: float = 0.1) -> AFL:
-    return AFL(gamma_lambda=gamma_lambda)
+# The class is its own factory: its constructor arguments are the config options.
+register("aggregator", "afl")(AFL)

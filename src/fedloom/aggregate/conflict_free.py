@@ -59,7 +59,5 @@ class ConFIG(Stateless):
         return coef.to(updates.dtype) @ updates[idx], state, {"config_length": float(length)}
 
 
-@register("aggregator", "config")
-def _config(length: Literal["mean", "sum"] = "mean", rtol: float = 1e-6,
-            precision: Precision = "float64") -> ConFIG:
-    return ConFIG(length=length, rtol=rtol, precision=precision)
+# The class is its own factory: its constructor arguments are the config options.
+register("aggregator", "config")(ConFIG)

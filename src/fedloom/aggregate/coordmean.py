@@ -36,6 +36,5 @@ class CoordinateMean(Stateless):
         return out, state, {"coord_coverage": float((den > 0).double().mean())}
 
 
-@register("aggregator", "coordmean")
-def _coordmean() -> CoordinateMean:
-    return CoordinateMean()
+# The class is its own factory: its constructor arguments are the config options.
+register("aggregator", "coordmean")(CoordinateMean)

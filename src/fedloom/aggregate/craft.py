@@ -229,13 +229,5 @@ def _unit(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (v.to(torch.float64) / n).to(dtype)
 
 
-@register("aggregator", "craft")
-def _craft(
-    groups: Literal["layer", "global"] = "layer",
-    rtol: float = 1e-6,
-    precision: Precision = "float64",
-    chunk: int = 1 << 15,
-    match_reference: bool = False,
-) -> CRAFT:
-    return CRAFT(groups=groups, rtol=rtol, precision=precision, chunk=chunk,
-                 match_reference=match_reference)
+# The class is its own factory: its constructor arguments are the config options.
+register("aggregator", "craft")(CRAFT)

@@ -81,6 +81,5 @@ class FedFV:
         return g, new_state, {"fedfv_projections": float(conflicts)}
 
 
-@register("aggregator", "fedfv")
-def _fedfv(alpha: float = 0.1, tau: int = 1) -> FedFV:
-    return FedFV(alpha=alpha, tau=tau)
+# The class is its own factory: its constructor arguments are the config options.
+register("aggregator", "fedfv")(FedFV)

@@ -82,6 +82,5 @@ class FedLF:
         return out, state, {}
 
 
-@register("aggregator", "fedlf")
-def _fedlf() -> FedLF:
-    return FedLF()
+# The class is its own factory: its constructor arguments are the config options.
+register("aggregator", "fedlf")(FedLF)

@@ -51,6 +51,5 @@ class FedNova(Stateless):
         return coef @ updates, state, {"fednova_tau_eff": tau_eff}
 
 
-@register("aggregator", "fednova")
-def _fednova() -> FedNova:
-    return FedNova()
+# The class is its own factory: its constructor arguments are the config options.
+register("aggregator", "fednova")(FedNova)

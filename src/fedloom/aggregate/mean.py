@@ -41,6 +41,5 @@ class FedAvg(Stateless):
         return p @ updates, state, {}
 
 
-@register("aggregator", "fedavg")
-def _fedavg(weighted: bool = True) -> FedAvg:
-    return FedAvg(weighted=weighted)
+# The class is its own factory: its constructor arguments are the config options.
+register("aggregator", "fedavg")(FedAvg)

@@ -49,6 +49,5 @@ class QFedAvg(Stateless):
         return coef @ updates, state, {"qfedavg_h_sum": float(h.sum())}
 
 
-@register("aggregator", "qfedavg")
-def _qfedavg(q: float = 1.0, lipschitz: float | None = None) -> QFedAvg:
-    return QFedAvg(q=q, lipschitz=lipschitz)
+# The class is its own factory: its constructor arguments are the config options.
+register("aggregator", "qfedavg")(QFedAvg)

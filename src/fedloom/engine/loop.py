@@ -174,6 +174,8 @@ class Experiment:
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e).splitlines()[0]) from None
         self.downlink = Identity()
+        # The dense broadcast's size depends on d only: measure it once, not every round.
+        self.downlink_size = len(self.downlink.encode(torch.zeros(self.layout.size)))
         method_fields = self.method.fields(self.layout.size)
         fb_fields = {f"fb.{k}": v for k, v in self.feedback.fields(self.layout.size).items()}
         if set(method_fields) & set(fb_fields):  # pragma: no cover (prefix keeps them apart)
@@ -251,7 +253,7 @@ class Experiment:
             jobs.append(self.method.prepare(job, st.method_state))
             alphas.append(alpha)
             fb_rows.append(fb_state)
-        down_bytes = len(self.downlink.encode(w)) * len(jobs)
+        down_bytes = self.downlink_size * len(jobs)
         results = self.backend.train_cohort(jobs)
         t_train = time.perf_counter() - t0
 
