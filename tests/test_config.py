@@ -14,7 +14,7 @@ def test_required_keys_exist_and_override():
     cfg = load_config({}, ["seed=7", "rounds=4", "cohort.size=3", "client.lr=0.5",
                            "eval.every=2", "checkpoint.every=0", "backend=sequential"])
     assert (cfg.seed, cfg.rounds, cfg.cohort.size, cfg.client.lr) == (7, 4, 3, 0.5)
-    assert (cfg.eval.every, cfg.checkpoint.every, cfg.backend) == (2, 0, "sequential")
+    assert (cfg.eval.every, cfg.checkpoint.every, cfg.backend.name) == (2, 0, "sequential")
 
 
 def test_overrides_parse_yaml_values_and_nest():
@@ -36,7 +36,7 @@ def test_overrides_parse_yaml_values_and_nest():
         ("rounds=0", "rounds: must be >= 1"),
         ("data.partition.name=random", "data.partition.name: must be one of"),
         ("model.hidden=[8, -1]", "model.hidden: must be >= 1"),
-        ("backend=gpu", "backend: unknown backend 'gpu'"),
+        ("backend=gpu", "backend.name: unknown backend 'gpu'"),
         ("data.name=imagenet", "data.name: unknown dataset 'imagenet'"),
         ("aggregator.name=nope", "aggregator.name: unknown aggregator"),
         ("cohort.size=1000", "cohort.size: must be <= data.num_clients"),

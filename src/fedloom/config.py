@@ -220,11 +220,34 @@ class StateConfig:
 
 
 @dataclass
+class BackendConfig:
+    """Where client training runs. ``backend: NAME`` is short for ``backend: {name: NAME}``.
+
+    - ``sequential``: one client after another in this process;
+    - ``vmap``: a cohort in lock-step with ``torch.func`` (chunks of ``chunk`` clients);
+    - ``auto``: times the first cohort on sequential and vmap, keeps the faster;
+    - ``process``: ``workers`` single-thread processes on this machine, each running
+      ``inner`` (sequential or vmap) on its share of the cohort;
+    - ``ray``: Ray tasks (``address`` joins a cluster; empty starts a local one); a
+      task whose worker dies is retried up to ``max_retries`` times
+      (``on_failure: retry``) or its clients are dropped for the round (``drop``).
+    """
+
+    name: str = "sequential"
+    workers: int = _f(0, ge=0)        # process / ray: parallel workers (0 = every core)
+    inner: Literal["sequential", "vmap"] = "sequential"
+    chunk: int = _f(0, ge=0)          # vmap: clients per lock-step chunk (0 = cache-sized)
+    address: str = ""                 # ray: cluster address ("" = start a local instance)
+    on_failure: Literal["retry", "drop"] = "retry"
+    max_retries: int = _f(2, ge=0)    # ray: retries of a task whose worker died
+
+
+@dataclass
 class Config:
     name: str = "experiment"
     seed: int = 0
     rounds: int = _f(30, ge=1)
-    backend: str = "sequential"
+    backend: BackendConfig = field(default_factory=BackendConfig)
     dtype: Literal["float32", "float64"] = "float32"
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -346,9 +369,16 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     """Validate a plain mapping into a :class:`Config` (raises :class:`ConfigError`)."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"config: must be a mapping at the top level, got {type(data).__name__}")
-    cfg = _build(Config, data, "")
+    cfg = _build(Config, _shorthands(data), "")
     _check_cross_fields(cfg)
     return cfg
+
+
+def _shorthands(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``backend: NAME`` → ``backend: {name: NAME}``."""
+    if isinstance(data.get("backend"), str):
+        return {**data, "backend": {"name": data["backend"]}}
+    return data
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
@@ -362,7 +392,7 @@ def _check_cross_fields(cfg: Config) -> None:
     check_name("data.name", "dataset", cfg.data.name)
     check_name("model.name", "model", cfg.model.name)
     check_name("aggregator.name", "aggregator", cfg.aggregator.name)
-    check_name("backend", "backend", cfg.backend)
+    check_name("backend.name", "backend", cfg.backend.name)
     check_name("client.method", "method", cfg.client.method)
     check_name("compression.name", "compressor", cfg.compression.name)
     natural = cfg.data.partition.name == "natural" or bool(cfg.data.client)
@@ -419,6 +449,8 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected KEY=VALUE with a dotted key")
         parts = key.split(".")
+        if parts[0] == "backend" and len(parts) > 1 and isinstance(out.get("backend"), str):
+            out["backend"] = {"name": out["backend"]}
         node: dict[str, Any] = out
         for i, part in enumerate(parts[:-1]):
             nxt = node.get(part)
@@ -427,7 +459,12 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             if not isinstance(nxt, dict):
                 raise ConfigError(f"{'.'.join(parts[: i + 1])}: is not a section, cannot set {key}")
             node = nxt
-        node[parts[-1]] = _parse_value(raw)
+        value = _parse_value(raw)
+        if key == "backend" and isinstance(value, str):
+            # the shorthand ``backend=NAME`` keeps the section's other keys
+            old = node.get("backend")
+            value = {**(old if isinstance(old, dict) else {}), "name": value}
+        node[parts[-1]] = value
     return out
 
 

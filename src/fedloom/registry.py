@@ -38,6 +38,8 @@ _MODULES = (
     "fedloom.aggregate.server_opt",
     "fedloom.engine.backends",
     "fedloom.engine.vmap",
+    "fedloom.engine.parallel",
+    "fedloom.engine.ray_backend",
     "fedloom.compress.identity",
     "fedloom.compress.sparse",
     "fedloom.compress.quant",

@@ -93,6 +93,9 @@ class ClientJob:
     probe_smoothness: bool = False  # report a secant estimate of L after the first step
     penalty: Penalty | None = None  # a regulariser on the first local steps (FLARE)
     epochs: int | None = None       # overrides the trainer's local epochs (FFL)
+    # Positions of x, y in the run's training data: backends that run elsewhere
+    # ship these instead of the samples (the data is sent to each worker once).
+    data_index: torch.Tensor | None = None
 
 
 @dataclass

@@ -2,27 +2,39 @@
 
 A backend receives fully specified :class:`~fedloom.client.ClientJob` objects
 (start model, learning rate, data, generator seed) and returns one
-:class:`~fedloom.client.ClientResult` per job, in job order. Since every
-random stream is derived from ``(seed, round, client, purpose)``, the order in
-which a backend runs the jobs cannot change the results.
+:class:`~fedloom.client.ClientResult` per job, in job order, or ``None`` for a
+job whose client was dropped (a worker died and ``backend.on_failure`` is
+``drop``). Since every random stream is derived from ``(seed, round, client,
+purpose)``, the order in which a backend runs the jobs, or where, cannot
+change the results.
+
+A factory registered under kind ``backend`` is called as
+``factory(trainer, method, cfg, x, y)`` with the run's
+:class:`~fedloom.config.BackendConfig` and the whole training data; backends
+that ship work to other processes send ``x`` and ``y`` once and each job's
+``data_index`` instead of its samples.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
+import torch
+
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
+from fedloom.config import BackendConfig
 from fedloom.registry import register
 
-__all__ = ["Backend", "SequentialBackend"]
+__all__ = ["Backend", "SequentialBackend", "balanced_groups", "light_job", "with_data"]
 
 
 class Backend(Protocol):
     name: str
 
-    def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult]: ...
+    def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]: ...
 
 
 class SequentialBackend:
@@ -34,10 +46,46 @@ class SequentialBackend:
         self.trainer = trainer
         self.method = method
 
-    def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult]:
+    def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
         return [self.method.run(self.trainer, job) for job in jobs]
 
 
 @register("backend", "sequential")
-def _sequential(trainer: LocalSGD, method: LocalMethod) -> SequentialBackend:
+def _sequential(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig | None = None,
+                x: torch.Tensor | None = None,
+                y: torch.Tensor | None = None) -> SequentialBackend:
     return SequentialBackend(trainer, method)
+
+
+# ------------------------------------------------------------ shipping helpers
+_EMPTY = torch.empty(0)
+
+
+def light_job(job: ClientJob) -> ClientJob:
+    """The job without its samples (``data_index`` names them) for shipping."""
+    if job.data_index is None:
+        return job
+    return dataclasses.replace(job, x=_EMPTY, y=_EMPTY)
+
+
+def with_data(job: ClientJob, x: torch.Tensor, y: torch.Tensor) -> ClientJob:
+    """The shipped job with its samples gathered again from the whole data."""
+    if job.data_index is None:
+        return job
+    return dataclasses.replace(job, x=x[job.data_index], y=y[job.data_index])
+
+
+def balanced_groups(jobs: Sequence[ClientJob], n: int) -> list[list[int]]:
+    """Split job positions into ≤ ``n`` groups of similar total work (samples ×
+    epochs), largest first onto the least loaded group (LPT); positions within
+    a group stay in job order."""
+    n = max(1, min(n, len(jobs)))
+    load = [0] * n
+    groups: list[list[int]] = [[] for _ in range(n)]
+    sizes = [(int(j.y.shape[0]) if j.data_index is None else int(j.data_index.numel()))
+             * (j.epochs or 1) for j in jobs]
+    for i in sorted(range(len(jobs)), key=lambda i: -sizes[i]):
+        g = min(range(n), key=load.__getitem__)
+        groups[g].append(i)
+        load[g] += sizes[i]
+    return [sorted(g) for g in groups if g]

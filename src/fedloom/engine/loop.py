@@ -159,7 +159,8 @@ class Experiment:
                 f"cohort.size: {cfg.aggregator.name} needs every client in every round; set "
                 f"cohort.size={self.fed.num_clients}"
             )
-        self.backend = get("backend", cfg.backend)(self.trainer, self.method)
+        self.backend = get("backend", cfg.backend.name)(self.trainer, self.method, cfg.backend,
+                                                        self.x, self.y)
         s = cfg.server
         self.server = ServerOptimizer(s.optimizer, lr=s.lr, momentum=s.momentum,
                                       beta1=s.beta1, beta2=s.beta2, eps=s.eps)
@@ -249,13 +250,25 @@ class Experiment:
                             start=fb.start_point(w, fb_state, alpha),
                             grad_shift=fb.grad_shift(fb_state, st.feedback_state),
                             penalty=fb.penalty(w, fb_state, r), epochs=epochs,
-                            probe_smoothness=theory)
+                            probe_smoothness=theory, data_index=idx)
             jobs.append(self.method.prepare(job, st.method_state))
             alphas.append(alpha)
             fb_rows.append(fb_state)
         down_bytes = self.downlink_size * len(jobs)
-        results = self.backend.train_cohort(jobs)
+        raw = self.backend.train_cohort(jobs)
         t_train = time.perf_counter() - t0
+        # A client whose worker died (backend.on_failure=drop) is dropped for the
+        # round: nothing of it is aggregated and its state rows stay as they were.
+        kept = [i for i, res in enumerate(raw) if res is not None]
+        dropped = [int(cohort[i]) for i, res in enumerate(raw) if res is None]
+        if dropped:
+            log.warning("round %d: dropped clients %s (their worker failed)", r + 1, dropped)
+            pos = torch.tensor(kept, dtype=torch.long)
+            cohort = cohort[pos]
+            old_rows = {f: v[pos] for f, v in old_rows.items()}
+            alphas = [alphas[i] for i in kept]
+            fb_rows = [fb_rows[i] for i in kept]
+        results = [res for res in raw if res is not None]
 
         # Uplink: feedback + compressor; the server sees decode(payload), as bytes.
         ups = []
@@ -264,10 +277,11 @@ class Experiment:
                                 torch_gen(self.cfg.seed, r, res.client, Purpose.COMPRESS))
             ups.append(fb.uplink(res.update, fb_rows[i], comp, ctx, st.feedback_state))
         up_bytes = sum(len(u.payload) + sum(len(x) for x in u.extra_payloads) for u in ups)
-        density = float(np.mean([coordinates_sent(u.payload) for u in ups])) / self.layout.size
-        rows = torch.stack([fb.server_row(u, fb_rows[i], st.feedback_state)
-                            for i, u in enumerate(ups)])
-        rows = rows.to(self.dtype)
+        density = (float(np.mean([coordinates_sent(u.payload) for u in ups])) / self.layout.size
+                   if ups else float("nan"))
+        row_list = [fb.server_row(u, fb_rows[i], st.feedback_state) for i, u in enumerate(ups)]
+        rows = (torch.stack(row_list) if row_list
+                else torch.empty((0, self.layout.size))).to(self.dtype)
         finite = torch.isfinite(rows).all(dim=1)
         for i, res in enumerate(results):  # a non-finite state row is rejected too
             states = [*res.state.values(), *ups[i].state.values()]
@@ -277,7 +291,7 @@ class Experiment:
                     if not ok]
         if rejected:
             log.warning("round %d: rejected non-finite updates from clients %s", r + 1, rejected)
-        weights = torch.tensor([res.num_samples for res in results], dtype=self.dtype)
+        weights = torch.tensor([res.num_samples for res in results], dtype=self.dtype).reshape(-1)
         losses = torch.tensor([res.loss for res in results], dtype=torch.float64)
 
         t1 = time.perf_counter()
@@ -346,6 +360,7 @@ class Experiment:
             "downlink_bytes_total": totals["downlink_bytes"],
             "rejected_updates": len(rejected),
             "rejected_updates_total": totals["rejected_updates"],
+            "dropped_clients": len(dropped),
             "conflict_rate": conflicts,
             "density": density,
             **{k: v for k, v in ffl.items() if k != "ffl_loss0"},
@@ -364,6 +379,8 @@ class Experiment:
                 metrics[key] = float(np.average([m[j] for m in mismatch], weights=nk))
         if rejected:
             metrics["rejected_clients"] = rejected
+        if dropped:
+            metrics["dropped_client_ids"] = dropped
         extras = [res.extra for res, ok in zip(results, finite.tolist(), strict=True) if ok]
         for key in sorted({k for e in extras for k in e}):
             metrics[key] = float(np.mean([e[key] for e in extras if key in e]))
@@ -433,6 +450,12 @@ class Experiment:
         self.last_personal_acc = acc
         return accuracy_stats(acc, prefix="personal_acc")
 
+    def close(self) -> None:
+        """Stop the backend's workers, if it has any."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
+
     # ------------------------------------------------------------- checkpoints
     def checkpoint_state(self, st: RunState) -> dict[str, Any]:
         return {
@@ -486,7 +509,8 @@ def _summary(exp: Experiment, st: RunState, history: list[dict[str, Any]]) -> di
     summary: dict[str, Any] = {"rounds": st.next_round, "model_sha256": model_sha256(st.w),
                                "num_parameters": exp.layout.size}
     for m in history:  # final value of each metric (eval metrics from the last eval round)
-        summary.update({k: v for k, v in m.items() if k != "rejected_clients"})
+        summary.update({k: v for k, v in m.items()
+                        if k not in ("rejected_clients", "dropped_client_ids")})
     summary["rejected_updates_total"] = st.totals["rejected_updates"]
     summary["wall_s_total"] = float(sum(m.get("wall_s", 0.0) for m in history))
     return summary
@@ -536,7 +560,10 @@ def run(
     try:
         exp = Experiment(cfg, state_dir=(run_dir / "state") if run_dir is not None else None,
                          data=data, model=model)
-        return _loop(exp, cfg, resolved, run_dir, resume, callbacks)
+        try:
+            return _loop(exp, cfg, resolved, run_dir, resume, callbacks)
+        finally:
+            exp.close()
     except BaseException:
         # A run dir made by this call that holds no checkpoint has nothing worth
         # keeping; one with a checkpoint stays so that --resume can continue it.

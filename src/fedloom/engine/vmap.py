@@ -36,6 +36,7 @@ from torch.nn import functional as F
 
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
+from fedloom.config import BackendConfig
 from fedloom.registry import register
 
 __all__ = ["VmapBackend", "vmap_supported"]
@@ -56,10 +57,10 @@ class VmapBackend:
         self.chunk = chunk or max(1, (8 << 20) // (4 * d))
         self.enabled = type(method) is LocalMethod and vmap_supported(trainer.module)
 
-    def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult]:
+    def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
         if not self.enabled:
             return [self.method.run(self.trainer, j) for j in jobs]
-        out: list[ClientResult] = []
+        out: list[ClientResult | None] = []
         for s in range(0, len(jobs), self.chunk):
             part = list(jobs[s : s + self.chunk])
             if any(j.probe_smoothness for j in part):
@@ -146,8 +147,9 @@ class VmapBackend:
 
 
 @register("backend", "vmap")
-def _vmap(trainer: LocalSGD, method: LocalMethod) -> VmapBackend:
-    return VmapBackend(trainer, method)
+def _vmap(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig | None = None,
+          x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> VmapBackend:
+    return VmapBackend(trainer, method, chunk=cfg.chunk if cfg is not None else None)
 
 
 class AutoBackend:
@@ -167,7 +169,7 @@ class AutoBackend:
         self.chosen: object | None = None if self.vmap.enabled else self.seq
         self.name = "auto" if self.chosen is None else "sequential"
 
-    def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult]:
+    def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
         import logging
         import time
 
@@ -187,5 +189,6 @@ class AutoBackend:
 
 
 @register("backend", "auto")
-def _auto(trainer: LocalSGD, method: LocalMethod) -> AutoBackend:
+def _auto(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig | None = None,
+          x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> AutoBackend:
     return AutoBackend(trainer, method)

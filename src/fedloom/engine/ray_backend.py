@@ -1,0 +1,126 @@
+"""The ``ray`` backend: a cohort's training spread over Ray workers.
+
+``ray.init()`` starts a local instance unless ``backend.address`` names a
+cluster to join (or Ray is already initialised in this process, e.g. by a
+test fixture or a notebook). The training data, the trainer and the local
+method are put in the object store once per run; a round submits one task
+per group of clients (:func:`~fedloom.engine.backends.balanced_groups`, as
+many groups as ``backend.workers`` or the cluster's CPUs) carrying only the
+jobs — start model, state rows, generator seeds and sample positions — and
+the server step stays on the driver.
+
+Failures: a task whose worker process dies is re-run by Ray up to
+``backend.max_retries`` times (``on_failure: retry``; the re-run uses the
+same jobs and seeds, so its result is the one the first attempt would have
+given), or, with ``on_failure: drop``, its clients are reported as dropped
+(``None``) and the round goes on without them. A half-finished update never
+reaches the server: a task returns whole results or nothing.
+
+Fault injection for tests: with ``FEDLOOM_RAY_KILL_ONCE=<client>:<marker
+file>`` in the driver's environment when the backend is built, the first
+task that holds that client kills its own worker process (SIGKILL) unless
+the marker file exists, and creates it first — so exactly one worker dies.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fedloom.client.methods import LocalMethod
+from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
+from fedloom.config import BackendConfig, ConfigError
+from fedloom.engine.backends import balanced_groups, light_job
+from fedloom.registry import register
+
+__all__ = ["RayBackend"]
+
+_KILL_ENV = "FEDLOOM_RAY_KILL_ONCE"
+
+
+def _maybe_die(spec: str | None, jobs: Sequence[ClientJob]) -> None:
+    if not spec:
+        return
+    client, _, marker = spec.partition(":")
+    if any(j.client == int(client) for j in jobs) and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), 9)
+
+
+def _train_group(setup: dict[str, Any], x: torch.Tensor, y: torch.Tensor,
+                 jobs: list[ClientJob]) -> list[ClientResult | None]:
+    from fedloom.engine.parallel import make_inner, run_group
+
+    torch.set_num_threads(1)
+    _maybe_die(setup.get("kill_once"), jobs)
+    backend = make_inner(setup["trainer"], setup["method"], setup["inner"], setup["chunk"])
+    return run_group(backend, x, y, jobs)
+
+
+class RayBackend:
+    """Client training in Ray tasks; see the module docstring."""
+
+    name = "ray"
+
+    def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
+                 cfg: BackendConfig) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise ConfigError("backend.name: 'ray' needs Ray: pip install 'fedloom[ray]'") from None
+        self.ray = ray
+        self.started = False
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+            if cfg.address:
+                kwargs["address"] = cfg.address
+            else:
+                kwargs["num_cpus"] = cfg.workers or os.cpu_count() or 1
+            try:
+                ray.init(**kwargs)
+            except ConnectionError as e:
+                raise ConfigError(f"backend.address: cannot join the Ray cluster at "
+                                  f"{cfg.address!r}: {str(e).splitlines()[0]}") from None
+            self.started = True
+        self.workers = cfg.workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+        retries = cfg.max_retries if cfg.on_failure == "retry" else 0
+        self.on_failure = cfg.on_failure
+        # Put once: every task refers to these objects instead of carrying them.
+        self._setup = ray.put({"trainer": trainer, "method": method, "inner": cfg.inner,
+                               "chunk": cfg.chunk, "kill_once": os.environ.get(_KILL_ENV)})
+        self._x = ray.put(x)
+        self._y = ray.put(y)
+        self._task = ray.remote(num_cpus=1, max_retries=retries,
+                                retry_exceptions=False)(_train_group)
+
+    def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
+        ray = self.ray
+        groups = balanced_groups(jobs, self.workers)
+        refs = [self._task.remote(self._setup, self._x, self._y,
+                                  [light_job(jobs[i]) for i in g]) for g in groups]
+        out: list[ClientResult | None] = [None] * len(jobs)
+        for g, ref in zip(groups, refs, strict=True):
+            try:
+                results = ray.get(ref)
+            except (ray.exceptions.WorkerCrashedError, ray.exceptions.RayTaskError,
+                    ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError) as e:
+                if self.on_failure == "retry":
+                    raise RuntimeError(f"backend: a Ray task failed after "
+                                       f"{type(e).__name__}; retries exhausted") from e
+                continue  # its clients are dropped for this round
+            for i, res in zip(g, results, strict=True):
+                out[i] = res
+        return out
+
+    def close(self) -> None:
+        if self.started and self.ray.is_initialized():
+            self.ray.shutdown()
+
+
+@register("backend", "ray")
+def _ray(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig,
+         x: torch.Tensor, y: torch.Tensor) -> RayBackend:
+    return RayBackend(trainer, method, x, y, cfg)

@@ -1,0 +1,64 @@
+"""The Ray backend: same bits as sequential, and a worker that dies mid-round.
+
+A local Ray instance (2 CPUs, loopback) is started for this module and shut
+down after it; the tests skip where Ray is not installed (``fedloom[ray]``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import fedloom
+from conftest import TINY
+
+ray = pytest.importorskip("ray")
+
+EF = ["compression.name=topk", "compression.options.ratio=0.1", "compression.feedback=sapef"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    import os
+
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sequential():
+    return fedloom.run(TINY, ["dtype=float64", *EF])
+
+
+def test_ray_same_model_sha256(sequential):
+    res = fedloom.run(TINY, ["dtype=float64", "backend=ray", "backend.workers=2", *EF])
+    assert res.summary["model_sha256"] == sequential.summary["model_sha256"]
+    assert ray.is_initialized()  # joined the fixture's instance, left it running
+
+
+def test_dead_worker_is_retried(sequential, tmp_path, monkeypatch):
+    marker = tmp_path / "killed"
+    client = 4  # in round 1's cohort of TINY only
+    monkeypatch.setenv("FEDLOOM_RAY_KILL_ONCE", f"{client}:{marker}")
+    res = fedloom.run(TINY, ["dtype=float64", "backend=ray", "backend.workers=2",
+                             "backend.on_failure=retry", *EF])
+    assert marker.exists()  # a worker really was killed
+    assert res.summary["model_sha256"] == sequential.summary["model_sha256"]
+    assert all(m["dropped_clients"] == 0 for m in res.metrics)
+
+
+def test_dead_worker_clients_are_dropped(sequential, tmp_path, monkeypatch):
+    marker = tmp_path / "killed"
+    monkeypatch.setenv("FEDLOOM_RAY_KILL_ONCE", f"4:{marker}")
+    res = fedloom.run(TINY, ["dtype=float64", "backend=ray", "backend.workers=2",
+                             "backend.on_failure=drop", *EF])
+    assert marker.exists()
+    dropped = [m.get("dropped_client_ids", []) for m in res.metrics]
+    assert 4 in dropped[0] and 0 < len(dropped[0]) < 4  # the killed task's group only
+    assert dropped[1:] == [[], []]
+    assert res.metrics[0]["cohort_size"] == 4
+    assert res.summary["model_sha256"] != sequential.summary["model_sha256"]
+    # nothing of the dropped clients was aggregated; the run finished every round
+    assert len(res.metrics) == TINY["rounds"]
