@@ -28,11 +28,11 @@ run: $(VENV)/.run
 	$(VENV)/bin/fedloom run configs/quickstart.yaml
 
 test: $(VENV)/.dev
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest
 
 lint: $(VENV)/.dev
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests benchmarks
 
 $(VENV)/.report: $(VENV)/.torch pyproject.toml
 	$(PIP) install -q -e '.[data,report]'
@@ -53,3 +53,7 @@ repro-flare: $(VENV)/.report
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+
+# Speed and memory (benchmarks/results.json + results.md); about 30 min on 2 cores.
+bench: $(VENV)/.dev
+	$(PY) benchmarks/bench.py

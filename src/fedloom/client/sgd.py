@@ -18,6 +18,7 @@ With ``steps`` set, epochs are chained until that many steps are done.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -112,6 +113,32 @@ class ClientResult:
     extra: dict[str, float] = field(default_factory=dict)         # per-client metrics
 
 
+class _FlatModule:
+    """A copy of the model whose parameters are views of one flat vector ``w``
+    and whose ``.grad`` are views of one flat vector ``g``.
+
+    ``loss.backward()`` then accumulates every parameter's gradient straight into
+    ``g`` (autograd adds in place into an existing ``.grad``), so a step needs
+    neither ``functional_call``'s parameter swap nor a concatenation, and an
+    in-place update of ``w`` is an update of the model. The arithmetic is the
+    same as differentiating through views of ``w``: the results are the same bits.
+    """
+
+    def __init__(self, module: nn.Module, layout: Layout) -> None:
+        self.module = copy.deepcopy(module)
+        params = dict(self.module.named_parameters())
+        dtype = next(iter(params.values())).dtype
+        self.w = torch.zeros(layout.size, dtype=dtype)
+        self.g = torch.zeros(layout.size, dtype=dtype)
+        for spec in layout.tensors:
+            p = params[spec.name]
+            p.data = self.w[spec.slice].view(spec.shape)
+            p.grad = self.g[spec.slice].view(spec.shape)
+        for name, p in params.items():
+            if name not in layout._by_name:  # frozen parameters are not trained
+                p.requires_grad_(False)
+
+
 @dataclass(frozen=True)
 class LocalSGD:
     """Settings of local training (no state: momentum restarts every round)."""
@@ -170,16 +197,20 @@ class LocalSGD:
         epochs: int | None = None,
     ) -> tuple[torch.Tensor, float, int, float | None]:
         mu = self.prox_mu if prox_mu is None else prox_mu
-        w = x0.detach().clone().requires_grad_(True)
+        fm = self._flat_module()
+        w = fm.w
+        with torch.no_grad():
+            w.copy_(x0)
         buf: torch.Tensor | None = None
         loss_sum = 0.0
         smooth: float | None = None
         first_grad: torch.Tensor | None = None
         batches = self.batch_indices(int(y.shape[0]), gen, epochs)
         for step, idx in enumerate(batches):
-            logits = functional_forward(self.module, self.layout, w, x[idx])
-            loss = F.cross_entropy(logits, y[idx])
-            (grad,) = torch.autograd.grad(loss, w)
+            fm.g.zero_()
+            loss = F.cross_entropy(fm.module(x[idx]), y[idx])
+            loss.backward()  # accumulates into fm.g through the parameters' .grad views
+            grad = fm.g
             loss_sum += float(loss.detach())
             if probe and step == 1 and first_grad is not None:
                 # Secant estimate of L on batch 0 between the start and the first step.
@@ -202,7 +233,21 @@ class LocalSGD:
                     buf = grad.clone() if buf is None else buf.mul_(self.momentum).add_(grad)
                     grad = buf
                 w.sub_(grad, alpha=lr)
-        return w.detach(), loss_sum / max(1, len(batches)), len(batches), smooth
+        return w.detach().clone(), loss_sum / max(1, len(batches)), len(batches), smooth
+
+    def _flat_module(self) -> _FlatModule:
+        # Built once per trainer (and per worker process, after unpickling).
+        fm = self.__dict__.get("_fm")
+        if fm is None:
+            fm = _FlatModule(self.module, self.layout)
+            object.__setattr__(self, "_fm", fm)
+        return fm
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_fm"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
     def grad(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``∇f(w)`` of the mean cross-entropy on ``(x, y)`` (no regularisers)."""

@@ -28,9 +28,9 @@ import yaml
 
 from fedloom.aggregate.base import CohortInfo, make_aggregator
 from fedloom.aggregate.server_opt import ServerOptimizer
-from fedloom.client.sgd import ClientJob, LocalSGD, lr_at_round
+from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD, lr_at_round
 from fedloom.compress import coordinates_sent, make_compressor
-from fedloom.compress.feedback import UplinkContext, make_feedback
+from fedloom.compress.feedback import UplinkContext, UplinkResult, make_feedback
 from fedloom.compress.identity import Identity
 from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.data.federated import FederatedData, build_federated
@@ -87,6 +87,23 @@ class RunState:
     totals: dict[str, int] = field(
         default_factory=lambda: {"uplink_bytes": 0, "downlink_bytes": 0, "rejected_updates": 0}
     )
+
+
+@dataclass
+class RoundPlan:
+    """A round's cohort and jobs, and what the server keeps of them until the end."""
+
+    round: int
+    cohort: torch.Tensor
+    lr: float
+    jobs: list[ClientJob]
+    alphas: list[float]
+    fb_rows: list[dict[str, torch.Tensor]]
+    old_rows: dict[str, torch.Tensor]
+    comp: Any
+    ffl: dict[str, float]
+    mismatch: list[tuple[float, float, float, int]]
+    dropped: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -223,8 +240,17 @@ class Experiment:
 
     def round(self, st: RunState) -> tuple[RunState, dict[str, Any]]:
         """Run round ``st.next_round``; return the new state and its metrics."""
-        r = st.next_round
         t0 = time.perf_counter()
+        plan = self.plan_round(st)
+        raw = self.backend.train_cohort(plan.jobs)
+        t_train = time.perf_counter() - t0
+        results, ups = self.uplink_round(st, plan, raw)
+        return self.finish_round(st, plan, results, ups, t0=t0, t_train=t_train)
+
+    def plan_round(self, st: RunState) -> RoundPlan:
+        """The round's cohort and fully specified client jobs (the client state rows
+        they need are gathered from the store)."""
+        r = st.next_round
         cohort = self.sample_cohort(r)
         lr = self.lr(r)
         w = st.w
@@ -254,9 +280,13 @@ class Experiment:
             jobs.append(self.method.prepare(job, st.method_state))
             alphas.append(alpha)
             fb_rows.append(fb_state)
-        down_bytes = self.downlink_size * len(jobs)
-        raw = self.backend.train_cohort(jobs)
-        t_train = time.perf_counter() - t0
+        return RoundPlan(r, cohort, lr, jobs, alphas, fb_rows, old_rows, comp, ffl, mismatch)
+
+    def uplink_round(self, st: RunState, plan: RoundPlan, raw: Sequence[ClientResult | None]
+                     ) -> tuple[list[ClientResult], list[UplinkResult]]:
+        """Drop the clients whose training failed (``None``), then run each kept
+        client's feedback policy and compressor: what it sends and its new state."""
+        r, cohort, fb = plan.round, plan.cohort, self.feedback
         # A client whose worker died (backend.on_failure=drop) is dropped for the
         # round: nothing of it is aggregated and its state rows stay as they were.
         kept = [i for i, res in enumerate(raw) if res is not None]
@@ -264,18 +294,32 @@ class Experiment:
         if dropped:
             log.warning("round %d: dropped clients %s (their worker failed)", r + 1, dropped)
             pos = torch.tensor(kept, dtype=torch.long)
-            cohort = cohort[pos]
-            old_rows = {f: v[pos] for f, v in old_rows.items()}
-            alphas = [alphas[i] for i in kept]
-            fb_rows = [fb_rows[i] for i in kept]
+            plan.cohort = cohort[pos]
+            plan.old_rows = {f: v[pos] for f, v in plan.old_rows.items()}
+            plan.alphas = [plan.alphas[i] for i in kept]
+            plan.fb_rows = [plan.fb_rows[i] for i in kept]
+            plan.dropped = dropped
         results = [res for res in raw if res is not None]
 
         # Uplink: feedback + compressor; the server sees decode(payload), as bytes.
         ups = []
         for i, res in enumerate(results):
-            ctx = UplinkContext(r, lr, res.steps, alphas[i],
+            ctx = UplinkContext(r, plan.lr, res.steps, plan.alphas[i],
                                 torch_gen(self.cfg.seed, r, res.client, Purpose.COMPRESS))
-            ups.append(fb.uplink(res.update, fb_rows[i], comp, ctx, st.feedback_state))
+            ups.append(fb.uplink(res.update, plan.fb_rows[i], plan.comp, ctx,
+                                 st.feedback_state))
+        return results, ups
+
+    def finish_round(self, st: RunState, plan: RoundPlan, results: Sequence[ClientResult],
+                     ups: Sequence[UplinkResult], *, t0: float, t_train: float,
+                     client_state: bool = True) -> tuple[RunState, dict[str, Any]]:
+        """The server's half of a round, from what the kept clients sent: reject
+        non-finite rows, aggregate, step, scatter client state (unless the
+        clients keep it themselves: ``client_state=False``), evaluate, log."""
+        r, cohort, lr, w = plan.round, plan.cohort, plan.lr, st.w
+        fb, alphas, fb_rows, old_rows = self.feedback, plan.alphas, plan.fb_rows, plan.old_rows
+        ffl, mismatch, dropped = plan.ffl, plan.mismatch, plan.dropped
+        down_bytes = self.downlink_size * len(plan.jobs)
         up_bytes = sum(len(u.payload) + sum(len(x) for x in u.extra_payloads) for u in ups)
         density = (float(np.mean([coordinates_sent(u.payload) for u in ups])) / self.layout.size
                    if ups else float("nan"))
@@ -324,7 +368,7 @@ class Experiment:
             new_w = new_w - end.w_shift.to(new_w.dtype)
         down_bytes += end.downlink_bytes
         method_state = st.method_state
-        if self.store.fields and bool(finite.any()):
+        if client_state and self.store.fields and bool(finite.any()):
             ok_pos = finite.nonzero().squeeze(1)
             ok_ids = cohort[ok_pos]
             new_rows = {f: torch.stack([results[i].state[f] for i in ok_pos.tolist()])
@@ -352,7 +396,7 @@ class Experiment:
         metrics: dict[str, Any] = {
             "round": r + 1,
             "lr": lr,
-            "cohort_size": len(jobs),
+            "cohort_size": len(plan.jobs),
             "train_loss": train_loss,
             "uplink_bytes": up_bytes,
             "downlink_bytes": down_bytes,

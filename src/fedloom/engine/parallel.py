@@ -19,6 +19,7 @@ already changes in a matrix product's summation order.
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
@@ -58,8 +59,13 @@ def run_group(backend: Any, x: torch.Tensor, y: torch.Tensor,
     return backend.train_cohort([with_data(j, x, y) for j in jobs])
 
 
-def _train_group(jobs: list[ClientJob]) -> list[ClientResult | None]:
-    return run_group(_WORKER["backend"], _WORKER["x"], _WORKER["y"], jobs)
+def _train_group(blob: bytes) -> bytes:
+    # Jobs and results travel as plain pickles: a tensor's bytes go through the
+    # pipe in one copy, which is cheaper than one shared-memory file per tensor
+    # (torch's multiprocessing reducers) for vectors of this size.
+    jobs = pickle.loads(blob)
+    return pickle.dumps(run_group(_WORKER["backend"], _WORKER["x"], _WORKER["y"], jobs),
+                        protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class ProcessBackend:
@@ -79,11 +85,11 @@ class ProcessBackend:
 
     def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
         groups = balanced_groups(jobs, self.workers)
-        futures = [self._pool.submit(_train_group, [light_job(jobs[i]) for i in g])
-                   for g in groups]
+        futures = [self._pool.submit(_train_group, pickle.dumps(
+            [light_job(jobs[i]) for i in g], protocol=pickle.HIGHEST_PROTOCOL)) for g in groups]
         out: list[ClientResult | None] = [None] * len(jobs)
         for g, fut in zip(groups, futures, strict=True):
-            for i, res in zip(g, fut.result(), strict=True):
+            for i, res in zip(g, pickle.loads(fut.result()), strict=True):
                 out[i] = res
         return out
 

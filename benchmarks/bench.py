@@ -1,0 +1,447 @@
+"""``make bench``: speed and memory of fedloom, each against a baseline of the same run.
+
+    python benchmarks/bench.py [--quick] [--out DIR] [--repeats N] [--only SECTION ...]
+
+writes ``DIR/results.json`` and ``DIR/results.md`` (default ``benchmarks/``;
+``--quick`` runs every section at toy sizes, for the test that keeps this
+script from rotting, and writes ``results-quick.*``). Every time is the
+median of ``--repeats`` runs (default 3); every speed is also given as a ratio
+to a baseline measured in the same run, never as an absolute goal.
+
+Sections:
+
+1. ``round_time``: the reference workload (:mod:`workload`) at 10 and 100
+   clients per round: fedloom's sequential, vmap, process (and process+vmap)
+   and ray backends, plain PyTorch (the in-process floor) and Flower's
+   simulation (skipped with a message where ``flwr[simulation]`` is missing).
+2. ``first_round``: seconds from launching ``fedloom run configs/quickstart.yaml``
+   to the end of its round 1 (first line of metrics.jsonl), and its peak RSS.
+3. ``aggregation``: FedAvg, CRAFT and ConFIG at d = 1M / 11M, m = 10 / 100 on
+   random updates, and CRAFT's constraint error.
+4. ``topk``: exact top-k at d = 11M (k = 0.001 %, 1 %, 10 %), ours against
+   ``torch.topk``.
+5. ``memory``: peak RSS of a 1000-client EF run with a 1M-parameter model
+   (memory-mapped state, 4 GB of residuals) against the same run's dense state.
+6. ``fp16_state``: final accuracy with the error-feedback state stored in float16
+   against float32 (MNIST, Top-1 % + EF).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+import workload  # noqa: E402
+
+PY = sys.executable
+SECTIONS = ("round_time", "first_round", "aggregation", "topk", "memory", "fp16_state")
+
+
+def median_time(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def peak_rss_mb(cmd: list[str], env: dict[str, str] | None = None,
+                timeout: float = 1800) -> tuple[float, float, int]:
+    """Run ``cmd`` in a fresh wrapper process; return (peak RSS of its largest
+    process in MB, wall seconds, exit code). The wrapper keeps earlier children's
+    peaks out of the figure."""
+    code = ("import resource, subprocess, sys, time, json;"
+            "t = time.perf_counter(); rc = subprocess.call(sys.argv[1:]);"
+            "print(json.dumps([resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,"
+            " time.perf_counter() - t, rc]))")
+    out = subprocess.run([PY, "-c", code, *cmd], capture_output=True, text=True,
+                         env=env, timeout=timeout, check=False)
+    rss, wall, rc = json.loads(out.stdout.strip().splitlines()[-1])
+    if rc != 0:
+        print(out.stderr[-2000:], file=sys.stderr)
+    return float(rss), float(wall), int(rc)
+
+
+# ------------------------------------------------------------------ 1. round time
+def round_time(quick: bool, repeats: int) -> dict[str, Any]:
+    from fedloom.config import load_config
+    from fedloom.engine.loop import Experiment
+
+    clients, n = (20, 60) if quick else (workload.CLIENTS, workload.SAMPLES)
+    per_rounds = (2, 20) if quick else (10, 100)
+    data = workload.fedloom_data(clients, n)
+    backends: list[tuple[str, list[str]]] = [
+        ("sequential", ["backend=sequential"]),
+        ("vmap", ["backend=vmap"]),
+        ("process", ["backend=process", "backend.workers=2"]),
+        ("process+vmap", ["backend=process", "backend.workers=2", "backend.inner=vmap"]),
+    ]
+    try:
+        import ray
+
+        if not quick:
+            backends.append(("ray", ["backend=ray", "backend.workers=2"]))
+    except ImportError:
+        print("round_time: ray not installed, its figure is skipped", file=sys.stderr)
+    out: dict[str, Any] = {"clients": clients, "samples": n, "per_round": {}}
+    for m in per_rounds:
+        row: dict[str, Any] = {}
+        base = workload.fedloom_config(m, clients)
+        for name, over in backends:
+            t0 = time.perf_counter()
+            exp = Experiment(load_config(base, over), data=data)
+            st = exp.initial_state()
+            st, _ = exp.round(st)  # warm-up (worker start, first-touch allocations)
+            startup = time.perf_counter() - t0
+            holder = {"st": st}
+
+            def one(exp=exp, holder=holder) -> None:
+                holder["st"], _ = exp.round(holder["st"])
+
+            row[name] = median_time(one, repeats)
+            if name == "ray":
+                row["ray_startup_s"] = startup
+            exp.close()
+            if name == "ray":
+                import ray
+
+                ray.shutdown()
+        # plain PyTorch: the same data and model, no framework
+        torch_data = [workload.client_arrays(k, n) for k in range(m)]
+        model = workload.reference_mlp()
+        workload.plain_torch_round(m, torch_data, model)  # warm-up
+        row["plain_torch"] = median_time(
+            lambda m=m, data=torch_data, model=model: workload.plain_torch_round(m, data, model),
+            repeats)
+        fl = flower_round(m, clients, repeats) if not quick else None
+        if fl is not None:
+            row["flower"] = fl["round_s"]
+            row["flower_start_s"] = fl["start_s"]
+        out["per_round"][str(m)] = row
+    return out
+
+
+def flower_round(m: int, clients: int, repeats: int) -> dict[str, float] | None:
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        print("round_time: flwr[simulation] not installed (pip install 'fedloom[bench]'); "
+              "Flower's figure is skipped", file=sys.stderr)
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "flower.json"
+        cmd = [PY, str(HERE / "flower_baseline.py"), "--per-round", str(m), "--rounds",
+               str(repeats + 1), "--clients", str(clients), "--out", str(path)]
+        env = {**os.environ, "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800,
+                             check=False)
+        if res.returncode != 0 or not path.exists():
+            print(f"round_time: Flower's run failed:\n{res.stderr[-2000:]}", file=sys.stderr)
+            return None
+        got = json.loads(path.read_text())
+    # round 1 includes Flower's actor start-up: it counts in start_s, not the median
+    return {"round_s": statistics.median(got["rounds_s"][1:]), "start_s": got["start_s"]}
+
+
+# --------------------------------------------------------------- 2. first round
+def first_round(quick: bool, repeats: int) -> dict[str, Any]:
+    exe = str(Path(PY).with_name("fedloom"))
+    starts, rss = [], []
+    for _ in range(1 if quick else repeats):
+        with tempfile.TemporaryDirectory() as d:
+            out = Path(d) / "run"
+            cmd = [exe, "run", str(ROOT / "configs/quickstart.yaml"),
+                   "rounds=2" if quick else "rounds=3", "--quiet", "--out"]
+            t0 = time.perf_counter()
+            proc = subprocess.Popen([*cmd, str(out)], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE)
+            metrics = out / "metrics.jsonl"
+            t_first = None
+            while proc.poll() is None:
+                if t_first is None and metrics.exists() and metrics.stat().st_size > 0:
+                    t_first = time.perf_counter() - t0
+                time.sleep(0.005)
+            if proc.returncode != 0:
+                raise RuntimeError(f"first_round: fedloom run failed: "
+                                   f"{proc.stderr.read().decode()[-500:] if proc.stderr else ''}")
+            if t_first is None:
+                t_first = time.perf_counter() - t0
+            starts.append(t_first)
+            r, _, _ = peak_rss_mb([*cmd, str(Path(d) / "again")])
+            rss.append(r)
+    return {"seconds_to_end_of_round_1": statistics.median(starts),
+            "peak_rss_mb": statistics.median(rss)}
+
+
+# ---------------------------------------------------------------- 3. aggregation
+def _layout_for(d: int):
+    """A real model layout of about ``d`` parameters (CRAFT solves per layer)."""
+    from fedloom.params import Layout
+
+    if d >= 5_000_000:  # a ResNet-20 (GroupNorm) of width 103: about 11M, 59 tensors
+        from fedloom.config import ModelConfig
+        from fedloom.models import build_model
+
+        mod = build_model(ModelConfig(name="resnet", depth=20, width=103), (3, 32, 32), 10, 0,
+                          torch.float32)
+    else:
+        width = max(8, d // 1000)
+        mod = torch.nn.Sequential(torch.nn.Linear(784, width), torch.nn.ReLU(),
+                                  torch.nn.Linear(width, 200), torch.nn.ReLU(),
+                                  torch.nn.Linear(200, 10))
+    return Layout.from_module(mod)
+
+
+def aggregation(quick: bool, repeats: int) -> dict[str, Any]:
+    from fedloom.aggregate.base import make_aggregator
+
+    sizes = (20_000, 200_000) if quick else (1_000_000, 11_000_000)
+    ms = (10, 100)
+    out: dict[str, Any] = {}
+    for d_target in sizes:
+        layout = _layout_for(d_target)
+        d = layout.size
+        for m in ms:
+            gen = torch.Generator().manual_seed(m)
+            # correlated client updates (a shared direction plus noise), like real rounds
+            base = torch.randn(d, generator=gen)
+            rows = base + 2.0 * torch.randn(m, d, generator=gen)
+            weights = torch.rand(m, generator=gen) + 0.5
+            row: dict[str, Any] = {"d": d, "m": m}
+            for name, opts in (("fedavg", {}), ("craft", {}),
+                               ("craft_global", {"groups": "global"}), ("config", {})):
+                agg = make_aggregator(name.split("_")[0], **opts)
+                state = agg.init(layout)
+                last: dict[str, Any] = {}
+
+                def call(agg=agg, state=state, last=last, rows=rows, weights=weights) -> None:
+                    _, _, met = agg(rows, weights, state)
+                    last.update(met)
+
+                call()  # warm-up
+                row[name] = median_time(call, repeats)
+                if name.startswith("craft"):
+                    row[f"{name}_max_violation"] = last.get("craft_max_violation")
+            out[f"d={d}/m={m}"] = row
+    return out
+
+
+# ----------------------------------------------------------------------- 4. top-k
+def topk(quick: bool, repeats: int) -> dict[str, Any]:
+    from fedloom.compress.sparse import topk_indices
+
+    d = 200_000 if quick else 11_000_000
+    x = torch.randn(d, generator=torch.Generator().manual_seed(0))
+    out: dict[str, Any] = {"d": d}
+    for ratio in (1e-5, 1e-2, 1e-1):
+        k = max(1, int(d * ratio))
+        ours = median_time(lambda k=k: topk_indices(x, k), repeats)
+        ref = median_time(lambda k=k: torch.topk(x.abs(), k, sorted=False), repeats)
+        same = bool(torch.equal(topk_indices(x, k),
+                                torch.topk(x.abs(), k, sorted=False).indices.sort().values))
+        out[f"{ratio:g}"] = {"k": k, "ours": ours, "torch_topk": ref, "same_indices": same}
+    return out
+
+
+# ------------------------------------------------------------------------ 5. memory
+def _ef_config(clients: int, hidden: list[int], rounds: int) -> list[str]:
+    return ["data.name=mnist", f"data.num_clients={clients}", "data.partition.name=iid",
+            f"model.hidden={json.dumps(hidden)}", "cohort.size=10", f"rounds={rounds}",
+            "compression.name=topk", "compression.options.ratio=0.01",
+            "compression.feedback=ef", "checkpoint.every=0", "eval.every=1000"]
+
+
+def memory(quick: bool, repeats: int) -> dict[str, Any]:
+    exe = str(Path(PY).with_name("fedloom"))
+    clients, hidden = (50, [64]) if quick else (1000, [1024, 200])
+    out: dict[str, Any] = {"clients": clients}
+    for storage in ("memmap", "dense"):
+        with tempfile.TemporaryDirectory(dir=ROOT / "runs" if (ROOT / "runs").exists()
+                                         else None) as d:
+            cmd = [exe, "run", str(ROOT / "configs/quickstart.yaml"),
+                   *_ef_config(clients, hidden, 2 if quick else 3),
+                   f"state.storage={storage}", "--quiet", "--out", f"{d}/run"]
+            rss, wall, rc = peak_rss_mb(cmd)
+            if rc != 0:
+                raise RuntimeError(f"memory: the {storage} run failed (exit {rc})")
+            summary = json.loads((Path(d) / "run/summary.json").read_text())
+            out[storage] = {"peak_rss_mb": rss, "wall_s": wall,
+                            "num_parameters": summary["num_parameters"],
+                            "state_mb": clients * summary["num_parameters"] * 4 / 2**20}
+    return out
+
+
+# -------------------------------------------------------------------- 6. fp16 state
+def fp16_state(quick: bool, repeats: int) -> dict[str, Any]:
+    import fedloom
+
+    base = ["data.name=mnist", "data.num_clients=100", "data.partition.name=dirichlet",
+            "data.partition.alpha=0.3", "cohort.size=10", "checkpoint.every=0",
+            "compression.name=topk", "compression.options.ratio=0.01",
+            "compression.feedback=ef", f"rounds={3 if quick else 50}",
+            f"eval.every={3 if quick else 50}"]
+    if quick:
+        base += ["data.max_samples=3000", "data.num_clients=20"]
+    out: dict[str, Any] = {}
+    seeds = (0,) if quick else (0, 1, 2)
+    for dtype in ("float32", "float16"):
+        accs = [fedloom.run(ROOT / "configs/quickstart.yaml",
+                            [*base, f"state.dtype={dtype}", f"seed={s}"]).summary["test_acc"]
+                for s in seeds]
+        out[dtype] = {"test_acc": accs, "mean": statistics.fmean(accs)}
+    out["difference_pp"] = 100 * (out["float16"]["mean"] - out["float32"]["mean"])
+    return out
+
+
+# ---------------------------------------------------------------------- report
+def _fmt(x: Any, unit: str = "") -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:.3g}{unit}"
+    return f"{x}{unit}"
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = ["# Benchmarks", "",
+             f"Generated by `{res['command']}` on {res['machine']['cpus']} cores "
+             f"({res['machine']['processor']}), torch {res['machine']['torch']}. "
+             "Times are medians of "
+             f"{res['repeats']} runs; ratios compare figures of the same run.", ""]
+    s = res["sections"]
+    if "round_time" in s:
+        rt = s["round_time"]
+        lines += ["## 1. Round time, reference workload",
+                  f"{rt['clients']} clients × {rt['samples']} samples × 784 features, MLP "
+                  "784-200-10, 1 epoch of batch 32, FedAvg. Seconds per round (after one "
+                  "warm-up round); speed-up = Flower's time / ours.", "",
+                  "| clients/round | backend | s/round | × plain PyTorch | speed-up vs Flower |",
+                  "|---|---|---|---|---|"]
+        for m, row in rt["per_round"].items():
+            fl = row.get("flower")
+            for name in ("plain_torch", "sequential", "vmap", "process", "process+vmap", "ray",
+                         "flower"):
+                if name not in row:
+                    continue
+                t = row[name]
+                sp = f"{fl / t:.2f}×" if fl and name != "flower" else "—"
+                lines.append(f"| {m} | {name} | {t:.3f} | {t / row['plain_torch']:.2f} | {sp} |")
+            if "flower_start_s" in row:
+                lines.append(f"| {m} | Flower: launch → end of round 1 | "
+                             f"{row['flower_start_s']:.1f} | | |")
+            if "ray_startup_s" in row:
+                lines.append(f"| {m} | ray: build + ray.init + round 1 | "
+                             f"{row['ray_startup_s']:.1f} | | |")
+        lines.append("")
+    if "first_round" in s:
+        fr = s["first_round"]
+        lines += ["## 2. Start-up", "",
+                  f"`fedloom run configs/quickstart.yaml`: {fr['seconds_to_end_of_round_1']:.2f} s "
+                  f"from launch to the end of round 1; peak RSS {fr['peak_rss_mb']:.0f} MB.", ""]
+    if "aggregation" in s:
+        lines += ["## 3. Aggregation", "",
+                  "Seconds per call on random correlated updates (float32); ratio = / FedAvg; "
+                  "violation = CRAFT's max |⟨u_i, g⟩ − ρ_i|.", "",
+                  "| d | m | FedAvg | CRAFT (layer) | ratio | violation | CRAFT (global) | "
+                  "ratio | violation | ConFIG | ratio |", "|---|---|---|---|---|---|---|---|---|"
+                  "---|---|"]
+        for row in s["aggregation"].values():
+            f = row["fedavg"]
+            lines.append(
+                f"| {row['d']:,} | {row['m']} | {f:.4f} | {row['craft']:.4f} | "
+                f"{row['craft'] / f:.1f} | {_fmt(row['craft_max_violation'])} | "
+                f"{row['craft_global']:.4f} | {row['craft_global'] / f:.1f} | "
+                f"{_fmt(row['craft_global_max_violation'])} | {row['config']:.4f} | "
+                f"{row['config'] / f:.1f} |")
+        lines.append("")
+    if "topk" in s:
+        tk = s["topk"]
+        lines += ["## 4. Top-k", "", f"d = {tk['d']:,}; seconds; speed-up = torch.topk / ours.",
+                  "", "| k/d | k | ours | torch.topk | speed-up | same indices |",
+                  "|---|---|---|---|---|---|"]
+        for ratio, row in tk.items():
+            if ratio == "d":
+                continue
+            lines.append(f"| {ratio} | {row['k']:,} | {row['ours']:.4f} | "
+                         f"{row['torch_topk']:.4f} | {row['torch_topk'] / row['ours']:.1f}× | "
+                         f"{row['same_indices']} |")
+        lines.append("")
+    if "memory" in s:
+        mm = s["memory"]
+        lines += ["## 5. Memory", "",
+                  f"{mm['clients']} clients, EF with Top-1 %, "
+                  f"{mm['memmap']['num_parameters']:,} parameters: "
+                  f"{mm['memmap']['state_mb']:.0f} MB of residuals.", "",
+                  "| state storage | peak RSS (MB) | wall (s) |", "|---|---|---|"]
+        for k in ("memmap", "dense"):
+            lines.append(f"| {k} | {mm[k]['peak_rss_mb']:.0f} | {mm[k]['wall_s']:.1f} |")
+        lines.append("")
+    if "fp16_state" in s:
+        fp = s["fp16_state"]
+        lines += ["## 6. fp16 client state", "",
+                  "MNIST, 100 clients Dir(0.3), 10/round, Top-1 % + EF; final test accuracy "
+                  "per seed.", "", "| state dtype | test acc | mean |", "|---|---|---|"]
+        for k in ("float32", "float16"):
+            accs = ", ".join(f"{a:.4f}" for a in fp[k]["test_acc"])
+            lines.append(f"| {k} | {accs} | {fp[k]['mean']:.4f} |")
+        lines += ["", f"Difference (fp16 − fp32): {fp['difference_pp']:+.2f} pp.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="toy sizes (a smoke test)")
+    p.add_argument("--out", default=str(HERE), help="directory for results.json / results.md")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--only", nargs="*", choices=SECTIONS, default=None)
+    args = p.parse_args(argv)
+    repeats = args.repeats or (1 if args.quick else 3)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "results-quick" if args.quick else "results"
+    json_path = out / f"{stem}.json"
+    # --only refreshes some sections and keeps the others of an earlier run
+    res: dict[str, Any] = json.loads(json_path.read_text()) if (
+        args.only and json_path.exists()) else {"sections": {}}
+    res.update({
+        "command": "python benchmarks/bench.py" + (" --quick" if args.quick else ""),
+        "repeats": repeats, "quick": args.quick,
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or
+                    platform.machine(), "torch": torch.__version__,
+                    "python": platform.python_version()},
+    })
+    for name in args.only or SECTIONS:
+        t = time.perf_counter()
+        print(f"bench: {name} …", file=sys.stderr, flush=True)
+        res["sections"][name] = globals()[name](args.quick, repeats)
+        print(f"bench: {name} done in {time.perf_counter() - t:.0f} s", file=sys.stderr,
+              flush=True)
+        # written after every section: a long run that stops keeps what it measured
+        tmp = json_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(res, indent=1))
+        os.replace(tmp, json_path)
+        md = out / f"{stem}.md"
+        md.with_suffix(".tmp").write_text(markdown(res))
+        os.replace(md.with_suffix(".tmp"), md)
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,34 @@
+"""``make bench --quick``: every section runs at toy sizes and the report is written,
+so the benchmark script cannot rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_bench_quick_writes_every_section(tmp_path):
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench.py"), "--quick",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads((tmp_path / "results-quick.json").read_text())
+    s = got["sections"]
+    assert set(s) == {"round_time", "first_round", "aggregation", "topk", "memory",
+                      "fp16_state"}
+    for row in s["round_time"]["per_round"].values():
+        assert {"sequential", "vmap", "process", "plain_torch"} <= set(row)
+        assert all(v > 0 for v in row.values())
+    for row in s["aggregation"].values():
+        assert row["craft_max_violation"] <= 1e-6  # CRAFT's constraints hold
+    assert all(v["same_indices"] for k, v in s["topk"].items() if k != "d")
+    assert s["first_round"]["seconds_to_end_of_round_1"] > 0
+    md = (tmp_path / "results-quick.md").read_text()
+    assert "## 1. Round time" in md and "## 6. fp16 client state" in md
