@@ -41,6 +41,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# Ray (backend=ray, Flower's simulation) on loopback only; read when ray is imported.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
@@ -148,8 +151,7 @@ def flower_round(m: int, clients: int, repeats: int) -> dict[str, float] | None:
         path = Path(d) / "flower.json"
         cmd = [PY, str(HERE / "flower_baseline.py"), "--per-round", str(m), "--rounds",
                str(repeats + 1), "--clients", str(clients), "--out", str(path)]
-        env = {**os.environ, "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800,
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                              check=False)
         if res.returncode != 0 or not path.exists():
             print(f"round_time: Flower's run failed:\n{res.stderr[-2000:]}", file=sys.stderr)

@@ -1,7 +1,13 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
+
+# Ray (backend=ray, Flower's simulation) on loopback only: without this Ray
+# advertises the machine's first non-loopback address. Set before ray is imported.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 
 import pytest
 

@@ -18,11 +18,8 @@ EF = ["compression.name=topk", "compression.options.ratio=0.1", "compression.fee
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    import os
-
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
     yield
     ray.shutdown()
 

@@ -25,6 +25,7 @@ the marker file exists, and creates it first — so exactly one worker dies.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,6 +68,10 @@ class RayBackend:
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
                  cfg: BackendConfig) -> None:
+        if not cfg.address and "ray" not in sys.modules:
+            # A local instance talks over loopback (Ray otherwise advertises the
+            # machine's first non-loopback address); read when ray is imported.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         try:
             import ray
         except ImportError:

@@ -1,0 +1,423 @@
+"""Deploying fedloom on Flower (Message API, ``flwr >= 1.21``; extra ``[flower]``).
+
+Three pieces, each usable alone:
+
+- :class:`FedloomStrategy` — a Flower server strategy that runs fedloom's
+  server half of a round: it samples the cohort with fedloom's derived
+  generator, sends each sampled client the model and its round settings,
+  **decodes** the fedloom payloads it gets back (Flower's own averaging never
+  sees an encoded payload: the replies carry no ``ArrayRecord``, so a stock
+  strategy fails loudly instead of averaging indices as numbers), rejects
+  non-finite or malformed updates, and aggregates with any fedloom aggregator
+  (CRAFT included) and server optimizer — the same
+  :meth:`~fedloom.engine.loop.Experiment.finish_round` the in-process engine
+  runs.
+- :class:`FedloomMod` — a ClientApp mod that applies a fedloom compressor and
+  error-feedback policy to the outgoing update ``g = w − w_k``. Its
+  per-client state (EF residual, SA-PEF's residual) lives in Flower's
+  ``Context.state`` across rounds; for SA-PEF it also moves the model the
+  client starts from to ``w − α e``. It works with any ClientApp whose train
+  handler replies with the trained weights under ``"arrays"`` (the names of
+  the model's parameters) and ``"metrics"`` (``num-examples``; optionally
+  ``num-steps`` and ``train-loss``).
+- :func:`client_app` / :func:`server_app` — build both apps from a fedloom
+  config: the ClientApp trains with fedloom's local SGD on client ``k``'s
+  partition of the config's data (the same generators as the engine), so a
+  Flower run reproduces ``fedloom run`` on the same config.
+
+Which client a SuperNode is: ``node_config["client-id"]``, else
+``node_config["partition-id"]`` (set by Flower's simulation and by
+``flower-supernode --node-config "partition-id=K"``). Before round 1 the
+strategy asks every node (a ``query`` message the mod answers) and keeps the
+client → node map. The question travels as a ``train`` message that the
+mod answers itself (every training ClientApp has a train handler, not every
+one a query handler).
+
+Scope: feedback policies whose client part is a start point and an uplink
+(``none``, ``ef``, ``saef``, ``sapef`` with a constant α); local method
+``sgd``; aggregators that do not need the clients' start losses. Others
+raise a one-line ``ConfigError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedloom.client.sgd import ClientResult
+from fedloom.compress import make_compressor
+from fedloom.compress.base import PayloadError
+from fedloom.compress.feedback import UplinkContext, UplinkResult, make_feedback
+from fedloom.config import Config, ConfigError, config_to_dict, load_config
+from fedloom.engine.loop import Experiment, RunState, model_sha256
+from fedloom.params import Layout
+from fedloom.rng import Purpose, derive_seed, torch_gen
+
+try:
+    from flwr.app import (
+        ArrayRecord,
+        ConfigRecord,
+        Context,
+        Message,
+        MessageType,
+        MetricRecord,
+        RecordDict,
+    )
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.serverapp.strategy import Strategy
+except ImportError as e:  # pragma: no cover (the extra is missing)
+    raise ImportError("fedloom.integrations.flower needs Flower: pip install 'fedloom[flower]'"
+                      ) from e
+
+__all__ = ["FedloomMod", "FedloomStrategy", "client_app", "from_arrays", "server_app",
+           "to_arrays"]
+
+log = logging.getLogger("fedloom")
+
+SUPPORTED_FEEDBACK = ("none", "ef", "saef", "sapef")
+STATE_KEY = "fedloom.feedback"   # Context.state record of the mod
+REPLY_KEY = "fedloom"            # ConfigRecord of a reply: payload, client-id, residual-norm
+HELLO_KEY = "fedloom.hello"      # ConfigRecord of the discovery query
+
+ConfigSource = str | Path | Mapping[str, Any] | Config
+
+
+# --------------------------------------------------------------------- arrays
+def to_arrays(layout: Layout, w: torch.Tensor) -> ArrayRecord:
+    """The flat vector as an ArrayRecord of the model's named tensors."""
+    return ArrayRecord(OrderedDict((k, v.detach().clone()) for k, v in layout.unflatten(w).items()))
+
+
+def from_arrays(layout: Layout, rec: ArrayRecord) -> torch.Tensor:
+    """An ArrayRecord of named tensors as the flat vector (missing or misshapen
+    tensors raise a one-line ``ValueError`` naming the tensor)."""
+    sd = rec.to_torch_state_dict()
+    for spec in layout.tensors:
+        if spec.name not in sd:
+            raise ValueError(f"arrays: no tensor {spec.name!r} in the message")
+        if tuple(sd[spec.name].shape) != spec.shape:
+            raise ValueError(f"arrays: tensor {spec.name!r} has shape "
+                             f"{tuple(sd[spec.name].shape)}, the model has {spec.shape}")
+    return layout.flatten(sd)
+
+
+def content_bytes(obj: Any) -> int:
+    """Serialized size of a Flower object and everything under it (what its
+    transport carries, before gRPC's own framing)."""
+    children = getattr(obj, "children", None) or {}
+    return len(obj.deflate()) + sum(content_bytes(c) for c in children.values())
+
+
+def _client_id(context: Context) -> int:
+    cfg = context.node_config
+    for key in ("client-id", "partition-id"):
+        if key in cfg:
+            return int(cfg[key])
+    raise ValueError("node_config: set client-id or partition-id for this SuperNode")
+
+
+def _check_scope(cfg: Config) -> None:
+    fb = cfg.compression.feedback
+    if fb not in SUPPORTED_FEEDBACK:
+        raise ConfigError(f"compression.feedback: {fb!r} changes local training or needs "
+                          f"server-side client state; on Flower use one of "
+                          f"{', '.join(SUPPORTED_FEEDBACK)}")
+    if cfg.compression.alpha_schedule != "constant":
+        raise ConfigError("compression.alpha_schedule: only 'constant' on Flower")
+    if cfg.compression.adaptive != "none":
+        raise ConfigError("compression.adaptive: not supported on Flower")
+    if cfg.client.method != "sgd":
+        raise ConfigError(f"client.method: {cfg.client.method!r} is not supported on Flower "
+                          "(use sgd)")
+
+
+_EXPERIMENTS: dict[str, Experiment] = {}
+
+
+def _experiment(cfg: Config) -> Experiment:
+    """One Experiment per config and process (a SuperNode loads the data once)."""
+    import json
+
+    key = json.dumps(config_to_dict(cfg), sort_keys=True)
+    if key not in _EXPERIMENTS:
+        _EXPERIMENTS[key] = Experiment(cfg)
+    return _EXPERIMENTS[key]
+
+
+# ------------------------------------------------------------------ client mod
+class FedloomMod:
+    """Compressor + error feedback on a ClientApp's outgoing update (see module doc).
+
+    Args:
+        config: the fedloom config (its ``compression`` section and ``seed`` are used).
+        layout: the model's :class:`~fedloom.params.Layout`; by default built from
+            the config's model and data, as fedloom's own engine does.
+    """
+
+    def __init__(self, config: ConfigSource, overrides: Sequence[str] = (), *,
+                 layout: Layout | None = None) -> None:
+        self.cfg = load_config(config, overrides)
+        _check_scope(self.cfg)
+        self._layout = layout
+        self._parts: tuple[Layout, Any, Any] | None = None
+        # Kept in the precision the engine's state store uses (state.dtype), so a
+        # Flower run and `fedloom run` round the residual alike.
+        self.state_dtype = {"float32": torch.float32, "float16": torch.float16}[
+            self.cfg.state.dtype]
+
+    def parts(self) -> tuple[Layout, Any, Any]:
+        if self._parts is None:
+            layout = self._layout or _experiment(self.cfg).layout
+            c = self.cfg.compression
+            comp = make_compressor(c.name, layout=layout, **c.options)
+            fb = make_feedback(c.feedback, c.alpha, c.alpha_schedule, c.period, c.reset_ratio,
+                               c.beta, layout, c.tau, c.tau_decay, c.penalty_steps, c.penalty)
+            self._parts = (layout, comp, fb)
+        return self._parts
+
+    def __call__(self, msg: Message, context: Context, call_next: Any) -> Message:
+        mtype = msg.metadata.message_type
+        if not mtype.startswith(MessageType.TRAIN):
+            return call_next(msg, context)
+        if HELLO_KEY in msg.content:  # the strategy's discovery, answered here
+            return Message(RecordDict({HELLO_KEY: ConfigRecord(
+                {"client-id": _client_id(context)})}), reply_to=msg)
+        layout, comp, fb = self.parts()
+        conf = msg.content["config"]
+        k = int(conf["client-id"]) if "client-id" in conf else _client_id(context)
+        r = int(conf["fedloom-round"]) if "fedloom-round" in conf else int(
+            conf["server-round"]) - 1
+        lr = float(conf["lr"]) if "lr" in conf else self.cfg.client.lr
+        w = from_arrays(layout, msg.content["arrays"])
+        state = self._load_state(context, fb, layout.size, w.dtype)
+        alpha = fb.alpha(lr, 1, {})
+        start = fb.start_point(w, state, alpha)
+        if start is not None:  # SA-PEF: the client trains from w − α e
+            msg.content["arrays"] = to_arrays(layout, start)
+        reply = call_next(msg, context)
+        if reply.has_error():
+            return reply
+        w_k = from_arrays(layout, reply.content["arrays"]).to(w.dtype)
+        metrics = reply.content["metrics"]
+        steps = int(metrics["num-steps"]) if "num-steps" in metrics else 1
+        g = (w - w_k).contiguous()
+        ctx = UplinkContext(r, lr, steps, alpha,
+                            torch_gen(self.cfg.seed, r, k, Purpose.COMPRESS))
+        up = fb.uplink(g, state, comp, ctx, {})
+        # A non-finite update is rejected by the server; the state stays as it was,
+        # as the engine does for a rejected client.
+        if bool(torch.isfinite(up.sent).all()) and all(
+                bool(torch.isfinite(v).all()) for v in up.state.values()):
+            self._save_state(context, up.state, self.state_dtype)
+        return Message(RecordDict({
+            REPLY_KEY: ConfigRecord({"payload": up.payload, "client-id": k,
+                                     "residual-norm": float(up.residual_norm)}),
+            "metrics": metrics,
+        }), reply_to=msg)
+
+    @staticmethod
+    def _load_state(context: Context, fb: Any, d: int,
+                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        fields = fb.fields(d)
+        if STATE_KEY in context.state:
+            rec = context.state[STATE_KEY].to_torch_state_dict()
+            return {f: rec[f].to(dtype) for f in fields}
+        return {f: torch.zeros(d, dtype=dtype) for f in fields}
+
+    @staticmethod
+    def _save_state(context: Context, state: Mapping[str, torch.Tensor],
+                    dtype: torch.dtype) -> None:
+        if state:
+            context.state[STATE_KEY] = ArrayRecord(
+                OrderedDict((k, v.detach().to(dtype).clone()) for k, v in state.items()))
+
+
+class _Trainer:
+    """The train handler of :func:`client_app`: fedloom's local SGD on client k's data."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    def __call__(self, msg: Message, context: Context) -> Message:
+        exp = _experiment(self.cfg)
+        conf = msg.content["config"]
+        k = int(conf["client-id"]) if "client-id" in conf else _client_id(context)
+        r = int(conf["fedloom-round"]) if "fedloom-round" in conf else int(
+            conf["server-round"]) - 1
+        lr = float(conf["lr"]) if "lr" in conf else self.cfg.client.lr
+        if not 0 <= k < exp.fed.num_clients:
+            raise ValueError(f"client-id: {k} is not a client of this config "
+                             f"(0..{exp.fed.num_clients - 1})")
+        w = from_arrays(exp.layout, msg.content["arrays"]).to(exp.dtype)
+        idx = torch.from_numpy(exp.fed.train[k])
+        gen = torch.Generator()
+        gen.manual_seed(derive_seed(self.cfg.seed, r, k, Purpose.BATCH))
+        # The prox anchor is the model received (SA-PEF's start point when shifted).
+        w_k, loss, steps = exp.trainer.descend(w, w, exp.x[idx], exp.y[idx], lr, gen)
+        return Message(RecordDict({
+            "arrays": to_arrays(exp.layout, w_k),
+            "metrics": MetricRecord({"num-examples": len(idx), "num-steps": steps,
+                                     "train-loss": float(loss)}),
+        }), reply_to=msg)
+
+
+def client_app(config: ConfigSource, overrides: Sequence[str] = ()) -> ClientApp:
+    """A ClientApp that trains with fedloom's local SGD and uplinks through :class:`FedloomMod`."""
+    cfg = load_config(config, overrides)
+    _check_scope(cfg)
+    app = ClientApp(mods=[FedloomMod(cfg)])
+    app.train()(_Trainer(cfg))
+    return app
+
+
+# -------------------------------------------------------------------- strategy
+class FedloomStrategy(Strategy):
+    """fedloom's server half of a round as a Flower strategy (see module doc).
+
+    After (or during) a run: :attr:`state` is the engine's
+    :class:`~fedloom.engine.loop.RunState`, :attr:`history` the per-round
+    metrics (the engine's, plus ``flower_bytes``: the serialized size of the
+    replies' content), :meth:`model_sha256` the final model's hash.
+    """
+
+    def __init__(self, config: ConfigSource, overrides: Sequence[str] = (), *,
+                 experiment: Experiment | None = None, node_timeout: float = 120.0) -> None:
+        self.exp = experiment or Experiment(load_config(config, overrides))
+        cfg = self.exp.cfg
+        _check_scope(cfg)
+        if "start_losses" in self.exp.requires:
+            raise ConfigError(f"aggregator.name: {cfg.aggregator.name} needs the clients' "
+                              "start losses, which the Flower path does not send")
+        self.state: RunState = self.exp.initial_state()
+        self.nodes: dict[int, int] = {}
+        self.history: list[dict[str, Any]] = []
+        self.node_timeout = node_timeout
+        self._plan: Any = None
+        self._t0 = 0.0
+
+    def initial_arrays(self) -> ArrayRecord:
+        return to_arrays(self.exp.layout, self.state.w)
+
+    def model_sha256(self) -> str:
+        return model_sha256(self.state.w)
+
+    def summary(self) -> None:
+        c = self.exp.cfg
+        log.info("fedloom strategy: aggregator %s, compression %s + %s, %d clients, %d/round",
+                 c.aggregator.name, c.compression.name, c.compression.feedback,
+                 self.exp.fed.num_clients, c.cohort.size)
+
+    def _discover(self, grid: Grid) -> None:
+        n = self.exp.fed.num_clients
+        deadline = time.monotonic() + self.node_timeout
+        while len(ids := list(grid.get_node_ids())) < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"flower: {len(ids)} of {n} SuperNodes connected after "
+                                   f"{self.node_timeout:g} s")
+            time.sleep(0.2)
+        hello = [Message(RecordDict({HELLO_KEY: ConfigRecord({"ask": "client-id"})}),
+                         dst_node_id=i, message_type=MessageType.TRAIN) for i in ids]
+        for rep in grid.send_and_receive(hello, timeout=self.node_timeout):
+            if rep.has_error():
+                log.warning("flower: node %d did not say its client id: %s",
+                            rep.metadata.src_node_id, rep.error.reason)
+                continue
+            k = int(rep.content[HELLO_KEY]["client-id"])
+            if k in self.nodes:
+                raise RuntimeError(f"flower: two SuperNodes claim client {k}")
+            self.nodes[k] = rep.metadata.src_node_id
+        missing = sorted(set(range(n)) - set(self.nodes))
+        if missing:
+            raise RuntimeError(f"flower: no SuperNode for clients {missing[:10]}")
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        if not self.nodes:
+            self._discover(grid)
+        if server_round - 1 != self.state.next_round:
+            raise RuntimeError(f"flower: server round {server_round} does not follow fedloom "
+                               f"round {self.state.next_round}")
+        self._t0 = time.perf_counter()
+        plan = self._plan = self.exp.plan_round(self.state)
+        rec = to_arrays(self.exp.layout, self.state.w)
+        out = []
+        for k in plan.cohort.tolist():
+            conf = ConfigRecord({"server-round": server_round, "fedloom-round": plan.round,
+                                 "client-id": int(k), "lr": float(plan.lr)})
+            out.append(Message(RecordDict({"arrays": rec, "config": conf}),
+                               dst_node_id=self.nodes[int(k)], message_type=MessageType.TRAIN))
+        return out
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        exp, plan = self.exp, self._plan
+        d = exp.layout.size
+        t_train = time.perf_counter() - self._t0
+        got: dict[int, tuple[ClientResult, UplinkResult]] = {}
+        moved = 0
+        for rep in replies:
+            if rep.has_error():
+                log.warning("flower: round %d: node %d failed: %s", server_round,
+                            rep.metadata.src_node_id, rep.error.reason)
+                continue
+            moved += content_bytes(rep.content)
+            try:
+                c = rep.content[REPLY_KEY]
+                k = int(c["client-id"])
+                payload = bytes(c["payload"])
+                sent = exp.uplink.decode(payload, d).to(exp.dtype)
+                met = rep.content["metrics"]
+                res = ClientResult(k, torch.empty(0), int(met["num-examples"]),
+                                   float(met.get("train-loss", float("nan"))),
+                                   int(met.get("num-steps", 1)))
+            except (KeyError, ValueError, PayloadError) as e:
+                log.warning("flower: round %d: rejected a malformed reply from node %d: %s",
+                            server_round, rep.metadata.src_node_id, str(e).splitlines()[0])
+                continue
+            got[k] = (res, UplinkResult(payload, sent, {}, float(c["residual-norm"])))
+        raw = [got.get(int(k)) for k in plan.cohort.tolist()]
+        kept = [i for i, x in enumerate(raw) if x is not None]
+        dropped = [int(plan.cohort[i]) for i, x in enumerate(raw) if x is None]
+        if dropped:
+            pos = torch.tensor(kept, dtype=torch.long)
+            plan.cohort = plan.cohort[pos]
+            plan.old_rows = {f: v[pos] for f, v in plan.old_rows.items()}
+            plan.alphas = [plan.alphas[i] for i in kept]
+            plan.fb_rows = [plan.fb_rows[i] for i in kept]
+            plan.dropped = dropped
+        results = [raw[i][0] for i in kept]  # type: ignore[index]
+        ups = [raw[i][1] for i in kept]      # type: ignore[index]
+        self.state, metrics = exp.finish_round(self.state, plan, results, ups, t0=self._t0,
+                                               t_train=t_train, client_state=False)
+        metrics["flower_bytes"] = moved
+        self.history.append(metrics)
+        scalars = {k: v for k, v in metrics.items()
+                   if isinstance(v, int | float) and not isinstance(v, bool) and v == v}
+        return to_arrays(exp.layout, self.state.w), MetricRecord(scalars)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return []  # evaluation is the server's (the engine's metrics, on its schedule)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
+                           ) -> MetricRecord | None:
+        return None
+
+
+def server_app(strategy: FedloomStrategy, num_rounds: int | None = None) -> ServerApp:
+    """A ServerApp that runs ``strategy`` for ``num_rounds`` (default: the config's rounds)."""
+    app = ServerApp()
+    rounds = num_rounds or strategy.exp.cfg.rounds
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy.start(grid=grid, initial_arrays=strategy.initial_arrays(), num_rounds=rounds)
+
+    return app

@@ -1,0 +1,86 @@
+"""Flower deployment path: a federation on Flower's simulation runtime (Ray on
+loopback) with CRAFT + SA-PEF Top-k gives fedloom's own engine's model, and
+Flower moves fedloom's payload bytes plus a small, stated framing overhead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fedloom
+
+flwr = pytest.importorskip("flwr")
+pytest.importorskip("ray")
+
+from fedloom.integrations.flower import (  # noqa: E402
+    FedloomStrategy,
+    client_app,
+    from_arrays,
+    server_app,
+    to_arrays,
+)
+
+CFG = {"name": "flower", "seed": 4, "rounds": 3, "dtype": "float64",
+       "data": {"name": "synthetic", "num_clients": 6, "partition": {"name": "natural"},
+                "max_samples": 4000},
+       "model": {"name": "mlp", "hidden": [10]}, "cohort": {"size": 3},
+       "client": {"lr": 0.05, "batch_size": 16, "epochs": 1},
+       "aggregator": {"name": "craft"}, "server": {"lr": 0.5},
+       "compression": {"name": "topk", "options": {"ratio": 0.1}, "feedback": "sapef",
+                       "alpha": 0.5},
+       "checkpoint": {"every": 0}}
+
+# Per reply, what Flower adds around fedloom's payload: the ConfigRecord's keys
+# and the MetricRecord (serialized records), measured below to stay under this.
+FRAMING_BYTES_PER_REPLY = 600
+
+
+def _simulate(cfg, n):
+    from flwr.simulation import run_simulation
+
+    strategy = FedloomStrategy(cfg)
+    run_simulation(server_app=server_app(strategy), client_app=client_app(cfg),
+                   num_supernodes=n,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    return strategy
+
+
+@pytest.mark.slow
+def test_flower_federation_matches_the_engine():
+    ref = fedloom.run(CFG)
+    strategy = _simulate(CFG, 6)
+    assert len(strategy.history) == CFG["rounds"]
+    # float32 tolerance is what the issue asks; in float64 the two agree far closer
+    assert torch.allclose(strategy.state.w, ref.w, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(strategy.state.w, ref.w, rtol=0, atol=1e-12)
+    overheads = []
+    for got, want in zip(strategy.history, ref.metrics, strict=True):
+        assert got["uplink_bytes"] == want["uplink_bytes"]
+        assert got["craft_max_violation"] <= 1e-6
+        overheads.append((got["flower_bytes"] - got["uplink_bytes"]) / got["cohort_size"])
+    print("framing bytes per reply:", overheads)
+    assert all(0 < o <= FRAMING_BYTES_PER_REPLY for o in overheads)
+
+
+def test_arrays_round_trip_and_errors():
+    from fedloom.config import load_config
+    from fedloom.engine.loop import Experiment
+
+    exp = Experiment(load_config(CFG))
+    w = torch.randn(exp.layout.size, dtype=torch.float64)
+    assert torch.equal(from_arrays(exp.layout, to_arrays(exp.layout, w)), w)
+    other = Experiment(load_config(CFG, ["model.hidden=[11]"]))
+    with pytest.raises(ValueError, match="arrays: tensor .* has shape"):
+        from_arrays(exp.layout, to_arrays(other.layout, torch.zeros(other.layout.size)))
+
+
+def test_unsupported_feedback_is_a_config_error():
+    from fedloom.config import ConfigError
+
+    with pytest.raises(ConfigError, match="compression.feedback: 'scafcom'"):
+        FedloomStrategy(CFG, ["compression.feedback=scafcom"])
