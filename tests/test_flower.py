@@ -75,12 +75,48 @@ def test_arrays_round_trip_and_errors():
     w = torch.randn(exp.layout.size, dtype=torch.float64)
     assert torch.equal(from_arrays(exp.layout, to_arrays(exp.layout, w)), w)
     other = Experiment(load_config(CFG, ["model.hidden=[11]"]))
-    with pytest.raises(ValueError, match="arrays: tensor .* has shape"):
+    with pytest.raises(ValueError, match=r"arrays: tensor .* has shape"):
         from_arrays(exp.layout, to_arrays(other.layout, torch.zeros(other.layout.size)))
 
 
 def test_unsupported_feedback_is_a_config_error():
     from fedloom.config import ConfigError
 
-    with pytest.raises(ConfigError, match="compression.feedback: 'scafcom'"):
+    with pytest.raises(ConfigError, match=r"compression\.feedback: .scafcom."):
         FedloomStrategy(CFG, ["compression.feedback=scafcom"])
+
+
+def test_strategy_rejects_malformed_and_non_finite_replies(monkeypatch):
+    """Replies built by hand: a truncated payload is dropped (reported), a NaN
+    update is rejected, and neither reaches the model."""
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    # outside a Flower runtime: the identity a ServerApp process would have
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+
+    strategy = FedloomStrategy(CFG, ["compression.feedback=none"])
+    exp = strategy.exp
+    strategy.nodes = {k: 100 + k for k in range(exp.fed.num_clients)}
+    msgs = list(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), None))
+    d = exp.layout.size
+    replies = []
+    for i, msg in enumerate(msgs):
+        k = int(msg.content["config"]["client-id"])
+        g = torch.full((d,), float("nan")) if i == 1 else 0.01 * torch.ones(d)
+        payload = exp.uplink.encode(g.double())
+        if i == 0:
+            payload = payload[: len(payload) // 2]  # truncated in transit
+        content = RecordDict({
+            "fedloom": ConfigRecord({"payload": payload, "client-id": k, "residual-norm": 0.0}),
+            "metrics": MetricRecord({"num-examples": 10, "num-steps": 1, "train-loss": 1.0}),
+        })
+        replies.append(Message(content, reply_to=msg))
+    w0 = strategy.state.w.clone()
+    strategy.aggregate_train(1, replies)
+    m = strategy.history[-1]
+    assert m["dropped_clients"] == 1 and m["rejected_updates"] == 1
+    assert torch.isfinite(strategy.state.w).all()
+    assert not torch.equal(strategy.state.w, w0)  # the third client's update was applied
