@@ -41,3 +41,34 @@ def test_store_fp16_rounds_and_errors():
         store.gather("x", [0])
     with pytest.raises(ValueError, match="shape"):
         store.scatter("e", [0, 1], torch.zeros(1, 2))
+
+
+def test_memmap_snapshot_files_are_sparse_and_restore(tmp_path):
+    store = ClientStateStore(64, {"e": FieldSpec(100_000)}, storage="memmap",
+                             directory=tmp_path / "live")
+    rows = torch.randn(2, 100_000)
+    store.scatter("e", [3, 60], rows)
+    snap = store.state_dict(tmp_path / "ckpt", tag="r1")
+    assert snap == {"e": {"file": "state-e-r1.bin"}}
+    f = tmp_path / "ckpt" / "state-e-r1.bin"
+    assert f.stat().st_size == 64 * 100_000 * 4
+    assert f.stat().st_blocks * 512 < f.stat().st_size / 4  # the untouched rows are holes
+    store.scatter("e", [3], torch.zeros(1, 100_000))
+    store.load_state_dict(snap, tmp_path / "ckpt")
+    assert torch.equal(store.gather("e", [3, 60]), rows)
+    assert torch.equal(store.gather("e", [0, 63]), torch.zeros(2, 100_000))
+    with pytest.raises(ValueError, match="snapshot missing"):
+        store.load_state_dict({"e": {"file": "nope.bin"}}, tmp_path / "ckpt")
+
+
+def test_memmap_store_survives_a_resume(tmp_path):
+    """An EF run with memmap state, stopped after round 2 and resumed, gives the
+    uninterrupted run's bits; only the latest snapshot file is kept."""
+    from conftest import TINY, stop_and_resume
+
+    over = ["compression.name=topk", "compression.options.ratio=0.1",
+            "compression.feedback=ef", "state.storage=memmap", "rounds=4"]
+    ref, res = stop_and_resume(TINY, over, tmp_path / "run")
+    assert res.summary["model_sha256"] == ref.summary["model_sha256"]
+    snaps = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("state-*.bin"))
+    assert snaps == ["state-fb.residual-r4.bin"]

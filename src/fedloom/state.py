@@ -129,17 +129,73 @@ class ClientStateStore:
                 b.flush()
 
     # ----------------------------------------------------------- checkpointing
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """A snapshot copy of every buffer (memmaps included, so a resume is exact)."""
-        return {name: np.array(b, copy=True) for name, b in self._buf.items()}
+    def state_dict(self, snapshot_dir: Path | None = None,
+                   tag: str = "") -> dict[str, np.ndarray | dict[str, str]]:
+        """A snapshot of every buffer, so that a resume is exact.
 
-    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        Dense buffers are copied into the dict. A memmap buffer is copied, when
+        ``snapshot_dir`` is given, to the file ``snapshot_dir/state-NAME-TAG.bin``
+        and the dict holds ``{"file": name}``: the copy streams through the file
+        (1 MB chunks read with ``read``, all-zero chunks left as holes), so a
+        4 GB store is checkpointed without 4 GB of resident memory.
+        """
+        out: dict[str, np.ndarray | dict[str, str]] = {}
+        for name, b in self._buf.items():
+            if isinstance(b, np.memmap) and snapshot_dir is not None:
+                b.flush()
+                dst = Path(snapshot_dir) / f"state-{name}-{tag}.bin"
+                _sparse_copy(Path(b.filename), dst)
+                out[name] = {"file": dst.name}
+            else:
+                out[name] = np.array(b, copy=True)
+        return out
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray | dict[str, str]],
+                        snapshot_dir: Path | None = None) -> None:
         if set(state) != set(self._buf):
             raise ValueError(
                 f"state store: checkpoint holds fields {sorted(state)}, expected {self.fields}"
             )
         for name, arr in state.items():
-            if arr.shape != self._buf[name].shape:
+            buf = self._buf[name]
+            if isinstance(arr, dict):
+                if snapshot_dir is None:
+                    raise ValueError(f"state store: field {name!r} is in a snapshot file; "
+                                     "give its directory")
+                src = Path(snapshot_dir) / arr["file"]
+                want = buf.size * buf.itemsize
+                if not src.is_file() or src.stat().st_size != want:
+                    raise ValueError(f"{src}: state snapshot missing or not {want} bytes")
+                rows_per = max(1, (64 << 20) // max(1, buf.shape[1] * buf.itemsize))
+                snap = np.memmap(src, dtype=buf.dtype, mode="r", shape=buf.shape)
+                for s in range(0, buf.shape[0], rows_per):
+                    buf[s : s + rows_per] = snap[s : s + rows_per]
+                del snap
+                continue
+            if arr.shape != buf.shape:
                 raise ValueError(f"state store: field {name!r} has shape {arr.shape} in the "
-                                 f"checkpoint, expected {self._buf[name].shape}")
-            self._buf[name][...] = arr
+                                 f"checkpoint, expected {buf.shape}")
+            buf[...] = arr
+
+
+def _sparse_copy(src: Path, dst: Path, chunk: int = 1 << 20) -> None:
+    """Copy ``src`` to ``dst`` (written to a temporary name, fsynced, renamed),
+    leaving all-zero chunks as holes."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    size = src.stat().st_size
+    with open(src, "rb") as fi, open(tmp, "wb") as fo:
+        while True:
+            block = fi.read(chunk)
+            if not block:
+                break
+            if block.count(0) == len(block):
+                fo.seek(len(block), 1)
+            else:
+                fo.write(block)
+        fo.truncate(size)
+        fo.flush()
+        import os
+
+        os.fsync(fo.fileno())
+    tmp.replace(dst)

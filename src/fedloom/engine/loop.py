@@ -501,7 +501,10 @@ class Experiment:
             close()
 
     # ------------------------------------------------------------- checkpoints
-    def checkpoint_state(self, st: RunState) -> dict[str, Any]:
+    def checkpoint_state(self, st: RunState, snapshot_dir: Path | None = None
+                         ) -> dict[str, Any]:
+        """The checkpoint of ``st``; memmap state fields are copied to files in
+        ``snapshot_dir`` (tagged with the round) instead of into the dict."""
         return {
             "format": 1,
             "next_round": st.next_round,
@@ -512,12 +515,12 @@ class Experiment:
             "feedback_state": st.feedback_state,
             "w_avg": st.w_avg,
             "totals": st.totals,
-            "store": self.store.state_dict(),
+            "store": self.store.state_dict(snapshot_dir, tag=f"r{st.next_round}"),
             "config": config_to_dict(self.cfg),
         }
 
-    def restore(self, ckpt: dict[str, Any]) -> RunState:
-        self.store.load_state_dict(ckpt["store"])
+    def restore(self, ckpt: dict[str, Any], snapshot_dir: Path | None = None) -> RunState:
+        self.store.load_state_dict(ckpt["store"], snapshot_dir)
         return RunState(ckpt["next_round"], ckpt["w"], ckpt["opt_state"], ckpt["agg_state"],
                         ckpt["method_state"], ckpt["feedback_state"], ckpt["w_avg"],
                         dict(ckpt["totals"]))
@@ -616,6 +619,16 @@ def run(
         raise
 
 
+def _save(path: Path, state: dict[str, Any]) -> None:
+    """Write the checkpoint, then drop the state snapshot files it no longer names
+    (the new snapshot files were complete before the checkpoint named them)."""
+    save_checkpoint(path, state)
+    keep = {v["file"] for v in state["store"].values() if isinstance(v, dict)}
+    for f in path.parent.glob("state-*.bin"):
+        if f.name not in keep:
+            f.unlink(missing_ok=True)
+
+
 def _loop(
     exp: Experiment, cfg: Config, resolved: dict[str, Any], run_dir: Path | None,
     resume: bool, callbacks: Sequence[Callback],
@@ -626,7 +639,7 @@ def _loop(
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt_path = run_dir / CHECKPOINT_FILE
         if resume and ckpt_path.exists():
-            st = exp.restore(load_checkpoint(ckpt_path))
+            st = exp.restore(load_checkpoint(ckpt_path), ckpt_path.parent)
         history = _read_metrics(run_dir / METRICS_FILE, st.next_round) if resume else []
         atomic_write_bytes(run_dir / CONFIG_FILE,
                            yaml.safe_dump(resolved, sort_keys=False).encode())
@@ -644,7 +657,8 @@ def _loop(
                 metrics_f.flush()
             if (run_dir is not None and cfg.checkpoint.every
                     and (st.next_round % cfg.checkpoint.every == 0 or st.next_round == cfg.rounds)):
-                save_checkpoint(run_dir / CHECKPOINT_FILE, exp.checkpoint_state(st))
+                _save(run_dir / CHECKPOINT_FILE, exp.checkpoint_state(
+                    st, (run_dir / CHECKPOINT_FILE).parent))
             for cb in callbacks:
                 cb(st, m)
     finally:
