@@ -196,11 +196,11 @@ def _layout_for(d: int):
     """A real model layout of about ``d`` parameters (CRAFT solves per layer)."""
     from fedloom.params import Layout
 
-    if d >= 5_000_000:  # a ResNet-20 (GroupNorm) of width 103: about 11M, 59 tensors
+    if d >= 5_000_000:  # a ResNet-20 (GroupNorm) of width 104: 11.3M, 59 tensors
         from fedloom.config import ModelConfig
         from fedloom.models import build_model
 
-        mod = build_model(ModelConfig(name="resnet", depth=20, width=103), (3, 32, 32), 10, 0,
+        mod = build_model(ModelConfig(name="resnet", depth=20, width=104), (3, 32, 32), 10, 0,
                           torch.float32)
     else:
         width = max(8, d // 1000)

@@ -31,7 +31,7 @@ __all__ = ["ConFIG"]
 
 class ConFIG(Stateless):
     def __init__(self, length: Literal["mean", "sum"] = "mean", rtol: float = 1e-6,
-                 precision: Precision = "float64") -> None:
+                 precision: Precision = "mixed") -> None:
         if length not in ("mean", "sum"):
             raise ValueError(f"aggregator.options.length: must be 'mean' or 'sum', got {length!r}")
         self.length, self.rtol, self.precision = length, rtol, precision

@@ -8,9 +8,13 @@ float64 accumulator over chunks keeps the error at the level of one chunk.
 ``precision``:
 
 - ``"float64"``: each chunk is converted to float64 before its product, so the
-  Gram is exact to float64 rounding (the default);
-- ``"mixed"``: chunk products in the input dtype (fast sgemm), accumulated in
-  float64 (about 1e-6 relative error for float32 input).
+  Gram is exact to float64 rounding (about 2× the time of ``mixed``);
+- ``"mixed"``: chunk products in the input dtype (sgemm), accumulated in
+  float64 (about 1e-7 relative error for float32 input); the default of CRAFT
+  and ConFIG, whose per-round constraint metrics show what it costs.
+
+At m = 100 the Gram is ``m² d`` flops and runs at the sgemm peak: it, not
+memory traffic, bounds the rules that need it (benchmarks/results.md).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Precision", "gram", "matvec", "min_norm_simplex", "pinv_solve", "project_simplex"]
+__all__ = ["Precision", "combine", "gram", "matvec", "min_norm_simplex", "pinv_solve",
+           "project_simplex"]
 
 Precision = Literal["float64", "mixed"]
 
@@ -58,6 +63,33 @@ def matvec(
             c, v = c.to(torch.float64), v.to(torch.float64)
         out += (c @ v.to(c.dtype)).to(torch.float64)
     return out
+
+
+def combine(
+    rows: torch.Tensor, coef: torch.Tensor, base: torch.Tensor | None = None, *,
+    chunk: int = 1 << 15, precision: Precision = "float64",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g = base + Rᵀc`` (in the rows' dtype) and ``R g`` (float64) in one pass.
+
+    Each column chunk of ``R`` is read once: its part of ``g`` is formed and
+    immediately multiplied back while the chunk is in cache, so checking the
+    constraints ``R g`` costs no second pass over the m × d updates.
+    """
+    m, d = rows.shape
+    g = torch.empty(d, dtype=rows.dtype)
+    Rg = torch.zeros(m, dtype=torch.float64)
+    c_in = coef.to(rows.dtype)
+    for s in range(0, d, chunk):
+        c = rows[:, s : s + chunk]
+        gc = c_in @ c
+        if base is not None:
+            gc = gc + base[s : s + chunk]
+        g[s : s + chunk] = gc
+        if precision == "float64":
+            Rg += c.to(torch.float64) @ gc.to(torch.float64)
+        else:
+            Rg += (c @ gc).to(torch.float64)
+    return g, Rg
 
 
 def pinv_solve(
