@@ -175,3 +175,13 @@ def test_bad_options():
     with pytest.raises(ValueError, match="generator"):
         make_compressor("qsgd").encode(_x())
     assert math.isfinite(make_compressor("topk", ratio=0.5).contraction(10))
+
+
+@pytest.mark.parametrize("ratio", [1e-5, 1e-3, 0.1, 0.5, 0.9])
+def test_topk_indices_sampled_path_is_exact(ratio):
+    # d above 4 × the probe size takes the sampled-threshold path, at every k
+    d = 300_000
+    x = torch.randn(d, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    k = max(1, int(d * ratio))
+    want = torch.topk(x.abs(), k, sorted=False).indices.sort().values
+    assert torch.equal(topk_indices(x, k), want)

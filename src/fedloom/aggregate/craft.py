@@ -25,7 +25,8 @@ Departures from the public code, each on purpose:
   constraint error ≤ 2e-7 at d = 11M, see benchmarks/results.md;
   ``precision="float64"`` converts each chunk first, about 1.8× slower) and the
   m × m system is solved in float64 with an explicit tolerance ``rtol`` on the
-  singular values of ``U`` (default 1e-6). The public code calls ``torch.linalg.pinv(U)`` in float32, whose
+  singular values of ``U`` (default 1e-6). The public code calls
+  ``torch.linalg.pinv(U)`` in float32, whose
   default ``rtol = max(m, d)·eps`` drops almost every singular value at large
   ``d`` when client updates are similar, so its constraints silently fail.
   ``match_reference=True`` reproduces that path exactly, for comparison.
