@@ -84,6 +84,8 @@ def uses_natural_split(ds: Dataset, cfg: DataConfig) -> bool:
     """User data with client ids is split naturally, whatever the partitioner says."""
     if ds.groups is None:
         return False
+    if ds.natural:
+        return True
     return ds.name in ("npz", "csv", "arrays", "shakespeare") or (cfg.partition.name == "natural"
                                                    and ds.name != "synthetic")
 

@@ -59,6 +59,8 @@ class Dataset:
     groups: np.ndarray | None = None
     x_test: torch.Tensor | None = None
     y_test: torch.Tensor | None = None
+    # The groups are the split, whatever the partitioner says (user data with ids).
+    natural: bool = False
 
     @property
     def input_shape(self) -> tuple[int, ...]:

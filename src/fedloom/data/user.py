@@ -102,7 +102,7 @@ def from_arrays(
     return Dataset(
         name, torch.from_numpy(xs), torch.from_numpy(ys), num_classes, groups=groups,
         x_test=torch.from_numpy(xt) if xt is not None else None,
-        y_test=torch.from_numpy(yt) if yt is not None else None,
+        y_test=torch.from_numpy(yt) if yt is not None else None, natural=groups is not None,
     )
 
 

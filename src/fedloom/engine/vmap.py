@@ -50,9 +50,13 @@ def vmap_supported(module: nn.Module) -> bool:
 class VmapBackend:
     name = "vmap"
 
-    def __init__(self, trainer: LocalSGD, method: LocalMethod, chunk: int | None = None) -> None:
+    def __init__(self, trainer: LocalSGD, method: LocalMethod, chunk: int | None = None,
+                 x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> None:
         self.trainer = trainer
         self.method = method
+        # The whole training data, when given: batches are then gathered from it in
+        # one indexing op per step (jobs carry ``data_index``).
+        self.x, self.y = x, y
         d = trainer.layout.size
         self.chunk = chunk or max(1, (8 << 20) // (4 * d))
         self.enabled = type(method) is LocalMethod and vmap_supported(trainer.module)
@@ -84,6 +88,24 @@ class VmapBackend:
         steps = [len(b) for b in batches]
         T = max(steps)
         B = max(len(i) for b in batches for i in b)
+        # Every step's batch of every client as rows of one source tensor: the
+        # whole data (positions via data_index) or the chunk's samples stacked.
+        if self.x is not None and all(j.data_index is not None for j in jobs):
+            src_x, src_y = self.x, self.y
+            owners = [j.data_index for j in jobs]
+        else:
+            src_x = torch.cat([j.x for j in jobs])
+            src_y = torch.cat([j.y for j in jobs])
+            offs = torch.tensor([0, *[int(j.y.shape[0]) for j in jobs]]).cumsum(0)
+            owners = [torch.arange(int(offs[k]), int(offs[k + 1])) for k in range(m)]
+        local = torch.full((m, T, B), -1, dtype=torch.long)
+        for k, b in enumerate(batches):
+            for t, idx in enumerate(b):
+                local[k, t, : len(idx)] = idx
+        mask_all = local >= 0
+        gidx = torch.stack([owners[k][local[k].clamp_min(0)] for k in range(m)])  # [m, T, B]
+        active_all = torch.tensor([[1.0 if t < steps[k] else 0.0 for t in range(T)]
+                                   for k in range(m)])
         shift = None
         if any(j.grad_shift is not None for j in jobs):
             shift = torch.stack([j.grad_shift if j.grad_shift is not None
@@ -104,19 +126,12 @@ class VmapBackend:
         step_fn = vmap(grad_and_value(loss_fn))
         buf: torch.Tensor | None = None
         loss_sum = torch.zeros(m, dtype=torch.float64)
-        x_shape = jobs[0].x.shape[1:]
+        lr = torch.tensor([j.lr for j in jobs], dtype=W.dtype)
         for t in range(T):
-            X = torch.zeros((m, B, *x_shape), dtype=jobs[0].x.dtype)
-            Y = torch.zeros((m, B), dtype=jobs[0].y.dtype)
-            M = torch.zeros((m, B), dtype=W.dtype)
-            active = torch.zeros(m, dtype=W.dtype)
-            for k, j in enumerate(jobs):
-                if t < steps[k]:
-                    idx = batches[k][t]
-                    X[k, : len(idx)] = j.x[idx]
-                    Y[k, : len(idx)] = j.y[idx]
-                    M[k, : len(idx)] = 1
-                    active[k] = 1
+            It = gidx[:, t]
+            X, Y = src_x[It], src_y[It]  # padding rows gather a real sample, masked out
+            M = mask_all[:, t].to(W.dtype)
+            active = active_all[:, t].to(W.dtype)
             G, L = step_fn(W, X, Y, M)
             loss_sum += L.detach().to(torch.float64) * active.to(torch.float64)
             with torch.no_grad():
@@ -133,10 +148,10 @@ class VmapBackend:
                     # A client's buffer starts at its first gradient (torch.optim.SGD).
                     buf = G.clone() if buf is None else buf * tr.momentum + G
                     G = buf
-                lr = torch.tensor([j.lr for j in jobs], dtype=W.dtype)
                 # A finished client is masked out of the update (its buffer is never used
                 # again, so it need not be frozen).
-                W = W - (lr * active)[:, None] * G
+                # In place: a fresh [m, d] tensor every step costs page faults.
+                W.addcmul_((lr * active)[:, None], G, value=-1.0)
         results = []
         for k, j in enumerate(jobs):
             update = (j.w - W[k]).contiguous()
@@ -149,7 +164,8 @@ class VmapBackend:
 @register("backend", "vmap")
 def _vmap(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig | None = None,
           x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> VmapBackend:
-    return VmapBackend(trainer, method, chunk=cfg.chunk if cfg is not None else None)
+    return VmapBackend(trainer, method, chunk=(cfg.chunk or None) if cfg is not None else None,
+                       x=x, y=y)
 
 
 class AutoBackend:
@@ -161,11 +177,12 @@ class AutoBackend:
     choice is logged and kept in :attr:`name`.
     """
 
-    def __init__(self, trainer: LocalSGD, method: LocalMethod) -> None:
+    def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor | None = None,
+                 y: torch.Tensor | None = None) -> None:
         from fedloom.engine.backends import SequentialBackend
 
         self.seq = SequentialBackend(trainer, method)
-        self.vmap = VmapBackend(trainer, method)
+        self.vmap = VmapBackend(trainer, method, x=x, y=y)
         self.chosen: object | None = None if self.vmap.enabled else self.seq
         self.name = "auto" if self.chosen is None else "sequential"
 
@@ -191,4 +208,4 @@ class AutoBackend:
 @register("backend", "auto")
 def _auto(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig | None = None,
           x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> AutoBackend:
-    return AutoBackend(trainer, method)
+    return AutoBackend(trainer, method, x, y)
