@@ -28,11 +28,11 @@ run: $(VENV)/.run
 	$(VENV)/bin/fedloom run configs/quickstart.yaml
 
 test: $(VENV)/.dev
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(PY) -m pytest
 
 lint: $(VENV)/.dev
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
 
 $(VENV)/.report: $(VENV)/.torch pyproject.toml
 	$(PIP) install -q -e '.[data,report]'

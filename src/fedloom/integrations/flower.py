@@ -76,8 +76,8 @@ except ImportError as e:  # pragma: no cover (the extra is missing)
     raise ImportError("fedloom.integrations.flower needs Flower: pip install 'fedloom[flower]'"
                       ) from e
 
-__all__ = ["FedloomMod", "FedloomStrategy", "client_app", "from_arrays", "server_app",
-           "to_arrays"]
+__all__ = ["FedloomMod", "FedloomStrategy", "FedloomTrainer", "client_app", "from_arrays",
+           "server_app", "to_arrays"]
 
 log = logging.getLogger("fedloom")
 
@@ -239,7 +239,7 @@ class FedloomMod:
                 OrderedDict((k, v.detach().to(dtype).clone()) for k, v in state.items()))
 
 
-class _Trainer:
+class FedloomTrainer:
     """The train handler of :func:`client_app`: fedloom's local SGD on client k's data."""
 
     def __init__(self, cfg: Config) -> None:
@@ -273,7 +273,7 @@ def client_app(config: ConfigSource, overrides: Sequence[str] = ()) -> ClientApp
     cfg = load_config(config, overrides)
     _check_scope(cfg)
     app = ClientApp(mods=[FedloomMod(cfg)])
-    app.train()(_Trainer(cfg))
+    app.train()(FedloomTrainer(cfg))
     return app
 
 

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# A Flower federation on this machine, over loopback: one SuperLink, N SuperNodes
+# (one fedloom client each), then `flwr run` of the app in this folder.
+#
+#   examples/flower/run_local.sh [N] [--run-config 'overrides="rounds=2"']
+#
+# Needs fedloom installed with the [flower] and [data] extras in the active
+# environment (make run / make test create .venv with them). Logs go to
+# $WORK (default: a new temporary folder); every process is stopped at the end.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+N="${1:-4}"; shift || true
+PORT="${FLOWER_PORT:-9093}"
+WORK="${WORK:-$(mktemp -d)}"
+export FLWR_HOME="$WORK/flwr-home"
+mkdir -p "$FLWR_HOME"
+cat > "$FLWR_HOME/config.toml" <<TOML
+[superlink]
+default = "local-deployment"
+
+[superlink.local-deployment]
+address = "127.0.0.1:$PORT"
+insecure = true
+TOML
+PIDS=()
+trap 'kill "${PIDS[@]}" 2>/dev/null || true' EXIT
+# --insecure: no TLS, no node authentication (loopback only; see docs/deploy.md).
+flower-superlink --insecure --host 127.0.0.1 --port "$PORT" \
+  --disable-runtime-dependency-installation --database :flwr-in-memory: \
+  > "$WORK/superlink.log" 2>&1 &
+PIDS+=($!)
+sleep 3
+for ((k = 0; k < N; k++)); do
+  flower-supernode --insecure --superlink "127.0.0.1:$PORT" --port $((PORT + 100 + k)) \
+    --node-config "partition-id=$k" > "$WORK/supernode-$k.log" 2>&1 &
+  PIDS+=($!)
+done
+sleep 3
+flwr run "$HERE" local-deployment --stream "$@" | tee "$WORK/run.log"
