@@ -5,8 +5,12 @@ Ditto's personal models are rows of such buffers (DESIGN.md, "Per-client state
 at scale"): no per-client Python objects. A buffer is
 
 - ``dense``: a tensor in RAM;
-- ``memmap``: a file mapped into memory (sparse on disk; only touched pages
-  count towards resident memory), for ``N·d`` too large for RAM.
+- ``memmap``: a file on disk, for ``N·d`` too large for RAM. Rows are read
+  and written with positional I/O (``pread``/``pwrite``), not through a
+  mapping: the operating system's page cache holds what it can, but none of
+  it counts as the process's resident memory, so a 4 GB store runs in the
+  resident memory of one cohort's rows (benchmarks/results.md). The file is
+  sparse: rows never written cost no disk and read as zeros.
 
 ``auto`` picks memmap when the buffer exceeds ``memmap_above_mb``. Storage may
 be float16 to halve the footprint; rows are always gathered as the compute
@@ -17,6 +21,7 @@ untouched.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +72,7 @@ class ClientStateStore:
         self.dtype = dtype
         self.compute_dtype = compute_dtype
         self.directory = Path(directory) if directory is not None else None
-        self._buf: dict[str, np.ndarray] = {}
+        self._buf: dict[str, np.ndarray | _RowFile] = {}
         self.kinds: dict[str, str] = {}
         itemsize = np.dtype(_NP[dtype]).itemsize
         for name, spec in self.specs.items():
@@ -88,8 +93,7 @@ class ClientStateStore:
                 assert self.directory is not None
                 self.directory.mkdir(parents=True, exist_ok=True)
                 path = self.directory / f"state-{name}.bin"
-                # w+ creates a sparse file: untouched rows cost no disk or RAM and read 0.
-                self._buf[name] = np.memmap(path, dtype=_NP[dtype], mode="w+", shape=shape)
+                self._buf[name] = _RowFile(path, shape, np.dtype(_NP[dtype]))
 
     @property
     def fields(self) -> list[str]:
@@ -107,7 +111,8 @@ class ClientStateStore:
     def gather(self, name: str, ids: torch.Tensor | Iterable[int]) -> torch.Tensor:
         """Rows of ``ids`` as a fresh ``[m, size]`` tensor of the compute dtype."""
         idx = self._check(name, ids)
-        rows = np.asarray(self._buf[name][idx])
+        buf = self._buf[name]
+        rows = buf.get(idx) if isinstance(buf, _RowFile) else np.asarray(buf[idx])
         return torch.from_numpy(rows).to(self.compute_dtype)
 
     def scatter(self, name: str, ids: torch.Tensor | Iterable[int], rows: torch.Tensor) -> None:
@@ -118,14 +123,19 @@ class ClientStateStore:
                 f"state store: rows of shape {tuple(rows.shape)} for {idx.size} clients of "
                 f"field {name!r} (size {self.specs[name].size})"
             )
-        self._buf[name][idx] = rows.detach().cpu().numpy().astype(_NP[self.dtype])
+        arr = rows.detach().cpu().numpy().astype(_NP[self.dtype])
+        buf = self._buf[name]
+        if isinstance(buf, _RowFile):
+            buf.set(idx, arr)
+        else:
+            buf[idx] = arr
 
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self._buf.values())
 
     def flush(self) -> None:
         for b in self._buf.values():
-            if isinstance(b, np.memmap):
+            if isinstance(b, _RowFile):
                 b.flush()
 
     # ----------------------------------------------------------- checkpointing
@@ -141,11 +151,13 @@ class ClientStateStore:
         """
         out: dict[str, np.ndarray | dict[str, str]] = {}
         for name, b in self._buf.items():
-            if isinstance(b, np.memmap) and snapshot_dir is not None:
+            if isinstance(b, _RowFile) and snapshot_dir is not None:
                 b.flush()
                 dst = Path(snapshot_dir) / f"state-{name}-{tag}.bin"
-                _sparse_copy(Path(b.filename), dst)
+                _sparse_copy(b.path, dst)
                 out[name] = {"file": dst.name}
+            elif isinstance(b, _RowFile):
+                out[name] = b.get(np.arange(b.shape[0]))
             else:
                 out[name] = np.array(b, copy=True)
         return out
@@ -163,19 +175,23 @@ class ClientStateStore:
                     raise ValueError(f"state store: field {name!r} is in a snapshot file; "
                                      "give its directory")
                 src = Path(snapshot_dir) / arr["file"]
-                want = buf.size * buf.itemsize
+                want = buf.nbytes
                 if not src.is_file() or src.stat().st_size != want:
                     raise ValueError(f"{src}: state snapshot missing or not {want} bytes")
-                rows_per = max(1, (64 << 20) // max(1, buf.shape[1] * buf.itemsize))
-                snap = np.memmap(src, dtype=buf.dtype, mode="r", shape=buf.shape)
-                for s in range(0, buf.shape[0], rows_per):
-                    buf[s : s + rows_per] = snap[s : s + rows_per]
-                del snap
+                if isinstance(buf, _RowFile):
+                    buf.flush()
+                    _sparse_copy(src, buf.path)
+                    buf.reopen()
+                else:
+                    buf[...] = np.fromfile(src, dtype=buf.dtype).reshape(buf.shape)
                 continue
             if arr.shape != buf.shape:
                 raise ValueError(f"state store: field {name!r} has shape {arr.shape} in the "
                                  f"checkpoint, expected {buf.shape}")
-            buf[...] = arr
+            if isinstance(buf, _RowFile):
+                buf.set(np.arange(buf.shape[0]), arr)
+            else:
+                buf[...] = arr
 
 
 def _sparse_copy(src: Path, dst: Path, chunk: int = 1 << 20) -> None:
@@ -195,7 +211,54 @@ def _sparse_copy(src: Path, dst: Path, chunk: int = 1 << 20) -> None:
                 fo.write(block)
         fo.truncate(size)
         fo.flush()
-        import os
 
         os.fsync(fo.fileno())
     tmp.replace(dst)
+
+
+class _RowFile:
+    """An ``[N, size]`` array in a (sparse) file, read and written row by row with
+    positional I/O; never mapped, so none of it is the process's resident memory."""
+
+    def __init__(self, path: Path, shape: tuple[int, int], dtype: np.dtype) -> None:
+        self.path = Path(path)
+        self.shape = shape
+        self.dtype = dtype
+        self.itemsize = dtype.itemsize
+        self.row_bytes = shape[1] * dtype.itemsize
+        self.nbytes = shape[0] * self.row_bytes
+        with open(self.path, "wb") as f:  # a sparse file of the full size: rows read 0
+            f.truncate(self.nbytes)
+        self.reopen()
+
+    def reopen(self) -> None:
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+        self.fd = os.open(self.path, os.O_RDWR)
+
+    def get(self, idx: np.ndarray) -> np.ndarray:
+        out = np.empty((len(idx), self.shape[1]), dtype=self.dtype)
+        for j, i in enumerate(idx.tolist()):
+            view = memoryview(out[j]).cast("B")
+            got = os.preadv(self.fd, [view], int(i) * self.row_bytes)
+            if got != self.row_bytes:
+                raise OSError(f"{self.path}: short read of row {i}")
+        return out
+
+    def set(self, idx: np.ndarray, rows: np.ndarray) -> None:
+        rows = np.ascontiguousarray(rows, dtype=self.dtype)
+        for j, i in enumerate(idx.tolist()):
+            data = memoryview(rows[j]).cast("B")
+            if os.pwrite(self.fd, data, int(i) * self.row_bytes) != self.row_bytes:
+                raise OSError(f"{self.path}: short write of row {i}")
+
+    def flush(self) -> None:
+        os.fsync(self.fd)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "fd", None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:  # pragma: no cover
+                pass

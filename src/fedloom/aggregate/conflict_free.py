@@ -36,7 +36,6 @@ class ConFIG(Stateless):
             raise ValueError(f"aggregator.options.length: must be 'mean' or 'sum', got {length!r}")
         self.length, self.rtol, self.precision = length, rtol, precision
 
-
     def __call__(
         self, updates: torch.Tensor, weights: torch.Tensor, state: None, *,
         info: CohortInfo | None = None,
@@ -55,8 +54,9 @@ class ConFIG(Stateless):
         proj = norms * (G @ lam) / gu_norm            # ⟨g_i, ĝ⟩
         length = proj.sum() if self.length == "sum" else proj.mean()
         # g = length · ĝ = length/‖g_u‖ · Σ λ_i u_i = Σ (length λ_i / (‖g_u‖ ‖g_i‖)) g_i
-        coef = (float(length) / gu_norm) * lam / norms
-        return coef.to(updates.dtype) @ updates[idx], state, {"config_length": float(length)}
+        coef = torch.zeros(updates.shape[0], dtype=torch.float64)
+        coef[idx] = (float(length) / gu_norm) * lam / norms  # zero rows are not copied out
+        return coef.to(updates.dtype) @ updates, state, {"config_length": float(length)}
 
 
 # The class is its own factory: its constructor arguments are the config options.
