@@ -308,6 +308,9 @@ class Experiment:
                                 torch_gen(self.cfg.seed, r, res.client, Purpose.COMPRESS))
             ups.append(fb.uplink(res.update, plan.fb_rows[i], plan.comp, ctx,
                                  st.feedback_state))
+            # The dense update is not needed past its uplink: free it now, so a
+            # round holds one m × d copy less at its peak.
+            res.update = res.update.new_empty(0)
         return results, ups
 
     def finish_round(self, st: RunState, plan: RoundPlan, results: Sequence[ClientResult],
