@@ -29,6 +29,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedloom.client.methods import LocalMethod
@@ -51,12 +52,19 @@ def _maybe_die(spec: str | None, jobs: Sequence[ClientJob]) -> None:
         os.kill(os.getpid(), 9)
 
 
-def _train_group(setup: dict[str, Any], x: torch.Tensor, y: torch.Tensor,
+def _train_group(setup: dict[str, Any], x_np: np.ndarray, y_np: np.ndarray,
                  jobs: list[ClientJob]) -> list[ClientResult | None]:
+    import warnings
+
     from fedloom.engine.parallel import make_inner, run_group
 
     torch.set_num_threads(1)
     _maybe_die(setup.get("kill_once"), jobs)
+    with warnings.catch_warnings():
+        # The arrays are read-only views of Ray's shared object store (no copy);
+        # batches are gathered from them, never written.
+        warnings.simplefilter("ignore", UserWarning)
+        x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
     backend = make_inner(setup["trainer"], setup["method"], setup["inner"], setup["chunk"])
     return run_group(backend, x, y, jobs)
 
@@ -96,8 +104,10 @@ class RayBackend:
         # Put once: every task refers to these objects instead of carrying them.
         self._setup = ray.put({"trainer": trainer, "method": method, "inner": cfg.inner,
                                "chunk": cfg.chunk, "kill_once": os.environ.get(_KILL_ENV)})
-        self._x = ray.put(x)
-        self._y = ray.put(y)
+        # NumPy arrays: a task reads them from the shared object store without a copy
+        # (a pickled tensor would be copied into every task).
+        self._x = ray.put(x.numpy())
+        self._y = ray.put(y.numpy())
         self._task = ray.remote(num_cpus=1, max_retries=retries,
                                 retry_exceptions=False)(_train_group)
 
