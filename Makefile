@@ -54,6 +54,6 @@ repro-flare: $(VENV)/.report
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
 
-# Speed and memory (benchmarks/results.json + results.md); about 30 min on 2 cores.
+# Speed and memory (benchmarks/results.json + results.md); about 5 min on 2 cores.
 bench: $(VENV)/.dev
 	$(PY) benchmarks/bench.py

@@ -409,7 +409,62 @@ def markdown(res: dict[str, Any]) -> str:
             accs = ", ".join(f"{a:.4f}" for a in fp[k]["test_acc"])
             lines.append(f"| {k} | {accs} | {fp[k]['mean']:.4f} |")
         lines += ["", f"Difference (fp16 − fp32): {fp['difference_pp']:+.2f} pp.", ""]
+    lines += goals(res)
     return "\n".join(lines)
+
+
+def goals(res: dict[str, Any]) -> list[str]:
+    """The issue's goals against this run's figures, and why where one is missed."""
+    s = res["sections"]
+    rows: list[tuple[str, str, bool, str]] = []
+    rt = s.get("round_time", {}).get("per_round", {})
+    for m, want in (("100", 4.0), ("10", 5.0)):
+        row = rt.get(m, {})
+        if "flower" in row:
+            best = min(row[k] for k in ("sequential", "vmap", "process", "process+vmap")
+                       if k in row)
+            got = row["flower"] / best
+            rows.append((f"round time at {m}/round ≥ {want:g}× Flower", f"{got:.1f}×",
+                         got >= want,
+                         f"our best round is {best / row['plain_torch']:.2f}× plain PyTorch "
+                         f"and Flower is {row['flower'] / row['plain_torch']:.2f}× it: the goal "
+                         "needs a round faster than plain PyTorch on the same two cores. "
+                         "One process already runs its matrix products on both cores, so two "
+                         "single-thread workers gain little; vmap's batched products are not "
+                         "faster than per-client ones for this model on this CPU."))
+    if "first_round" in s:
+        t = s["first_round"]["seconds_to_end_of_round_1"]
+        rows.append(("launch → end of round 1 ≤ 2 s", f"{t:.2f} s", t <= 2.0,
+                     "importing torch and reading MNIST take most of it"))
+    for row in s.get("aggregation", {}).values():
+        if row["d"] < 5_000_000:
+            continue
+        want = 6.0 if row["m"] == 100 else 2.0
+        got = row["craft"] / row["fedavg"]
+        rows.append((f"CRAFT ≤ {want:g}× FedAvg at d = {row['d']:,}, m = {row['m']}",
+                     f"{got:.1f}×", got <= want,
+                     "the Gram matrix is m²·d multiply-adds, already at this machine's sgemm "
+                     "rate, against FedAvg's single memory pass; then one more pass forms g "
+                     "and checks the constraints (fused), and each layer group is solved"))
+        v = row["craft_max_violation"]
+        rows.append((f"CRAFT constraint error ≤ 1e-6 (m = {row['m']})", f"{v:.1e}", v <= 1e-6,
+                     ""))
+    for ratio, row in s.get("topk", {}).items():
+        if ratio == "d":
+            continue
+        got = row["torch_topk"] / row["ours"]
+        rows.append((f"top-k ≥ 5× torch.topk at k/d = {ratio}", f"{got:.1f}×", got >= 5.0,
+                     "at k = 10 % the exact selection among ~1.1 k candidates dominates"))
+    if "memory" in s:
+        r = s["memory"]["memmap"]["peak_rss_mb"]
+        rows.append(("1000 clients × 1M parameters of EF state: peak RSS < 2 GB", f"{r:.0f} MB",
+                     r < 2048, ""))
+    if not rows:
+        return []
+    out = ["## Goals", "", "| goal | this run | met | why not |", "|---|---|---|---|"]
+    for name, got, ok, why in rows:
+        out.append(f"| {name} | {got} | {'yes' if ok else 'no'} | {'' if ok else why} |")
+    return [*out, ""]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -418,12 +473,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(HERE), help="directory for results.json / results.md")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--only", nargs="*", choices=SECTIONS, default=None)
+    p.add_argument("--report-only", action="store_true",
+                   help="rewrite the markdown from the existing results.json")
     args = p.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 3)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "results-quick" if args.quick else "results"
     json_path = out / f"{stem}.json"
+    if args.report_only:
+        (out / f"{stem}.md").write_text(markdown(json.loads(json_path.read_text())))
+        return 0
     # --only refreshes some sections and keeps the others of an earlier run
     res: dict[str, Any] = json.loads(json_path.read_text()) if (
         args.only and json_path.exists()) else {"sections": {}}
