@@ -59,3 +59,19 @@ def test_dead_worker_clients_are_dropped(sequential, tmp_path, monkeypatch):
     assert res.summary["model_sha256"] != sequential.summary["model_sha256"]
     # nothing of the dropped clients was aggregated; the run finished every round
     assert len(res.metrics) == TINY["rounds"]
+
+
+def test_ray_float32_is_single_thread_sequential():
+    """Ray's workers run one thread each: a float32 run has the bits of the
+    sequential backend at one thread (and differs from two threads only by
+    what the thread count changes)."""
+    import torch
+
+    res = fedloom.run(TINY, ["backend=ray", "backend.workers=2", *EF])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fedloom.run(TINY, EF)
+    finally:
+        torch.set_num_threads(threads)
+    assert res.summary["model_sha256"] == one.summary["model_sha256"]
