@@ -233,3 +233,14 @@ def test_cli_resume_and_missing_dataset(tiny, tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install scikit-learn" in err[0]
     assert not out2.exists()
+
+
+def test_finite_rows_exact_with_overflowing_sums():
+    from fedloom.engine.loop import _finite_rows
+
+    rows = torch.zeros(5, 4)
+    rows[1, 2] = float("nan")
+    rows[2, 0] = float("inf")
+    rows[3, :2] = 3e38   # finite entries whose sum overflows: still a finite row
+    rows[4, 0], rows[4, 1] = float("inf"), float("-inf")
+    assert _finite_rows(rows).tolist() == [True, False, False, True, False]

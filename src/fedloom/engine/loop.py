@@ -68,6 +68,16 @@ def _check_output(module: torch.nn.Module, x: torch.Tensor, num_classes: int) ->
                          f"{num_classes} classes")
 
 
+def _finite_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Which rows hold only finite numbers. A row sum is NaN or ±inf when the row
+    holds one (one pass, no m × d mask); only rows whose sum is not finite — a
+    non-finite entry or a finite overflow — are checked entry by entry."""
+    ok = torch.isfinite(rows.sum(dim=1))
+    for i in (~ok).nonzero().flatten().tolist():
+        ok[i] = bool(torch.isfinite(rows[i]).all())
+    return ok
+
+
 def model_sha256(w: torch.Tensor) -> str:
     """SHA-256 of the flat parameter vector's bytes (its own dtype, C order)."""
     return hashlib.sha256(w.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
@@ -329,10 +339,10 @@ class Experiment:
         row_list = [fb.server_row(u, fb_rows[i], st.feedback_state) for i, u in enumerate(ups)]
         rows = (torch.stack(row_list) if row_list
                 else torch.empty((0, self.layout.size))).to(self.dtype)
-        finite = torch.isfinite(rows).all(dim=1)
+        finite = _finite_rows(rows)
         for i, res in enumerate(results):  # a non-finite state row is rejected too
             states = [*res.state.values(), *ups[i].state.values()]
-            if any(not bool(torch.isfinite(v).all()) for v in states):
+            if any(not bool(_finite_rows(v.reshape(1, -1))[0]) for v in states):
                 finite[i] = False
         rejected = [int(c) for c, ok in zip(cohort.tolist(), finite.tolist(), strict=True)
                     if not ok]
@@ -346,7 +356,8 @@ class Experiment:
         new_w, opt_state, agg_state = w, st.opt_state, st.agg_state
         conflicts = 0.0
         if bool(finite.any()):
-            ok = finite
+            # boolean indexing copies m × d: only when some row was rejected
+            ok = finite if not bool(finite.all()) else slice(None)
             start = None
             if "start_losses" in self.requires:
                 start = torch.tensor([res.start_loss for res in results], dtype=torch.float64)[ok]
