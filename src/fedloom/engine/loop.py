@@ -115,6 +115,18 @@ class RoundPlan:
     mismatch: list[tuple[float, float, float, int]]
     dropped: list[int] = field(default_factory=list)
 
+    def keep(self, kept: Sequence[int]) -> None:
+        """Keep the cohort positions ``kept``; the others are dropped clients."""
+        if len(kept) == len(self.cohort):
+            return
+        pos = torch.tensor(kept, dtype=torch.long)
+        gone = sorted(set(range(len(self.cohort))) - set(kept))
+        self.dropped = [int(self.cohort[i]) for i in gone]
+        self.cohort = self.cohort[pos]
+        self.old_rows = {f: v[pos] for f, v in self.old_rows.items()}
+        self.alphas = [self.alphas[i] for i in kept]
+        self.fb_rows = [self.fb_rows[i] for i in kept]
+
 
 @dataclass
 class Result:
@@ -296,19 +308,13 @@ class Experiment:
                      ) -> tuple[list[ClientResult], list[UplinkResult]]:
         """Drop the clients whose training failed (``None``), then run each kept
         client's feedback policy and compressor: what it sends and its new state."""
-        r, cohort, fb = plan.round, plan.cohort, self.feedback
+        r, fb = plan.round, self.feedback
         # A client whose worker died (backend.on_failure=drop) is dropped for the
         # round: nothing of it is aggregated and its state rows stay as they were.
-        kept = [i for i, res in enumerate(raw) if res is not None]
-        dropped = [int(cohort[i]) for i, res in enumerate(raw) if res is None]
-        if dropped:
-            log.warning("round %d: dropped clients %s (their worker failed)", r + 1, dropped)
-            pos = torch.tensor(kept, dtype=torch.long)
-            plan.cohort = cohort[pos]
-            plan.old_rows = {f: v[pos] for f, v in plan.old_rows.items()}
-            plan.alphas = [plan.alphas[i] for i in kept]
-            plan.fb_rows = [plan.fb_rows[i] for i in kept]
-            plan.dropped = dropped
+        plan.keep([i for i, res in enumerate(raw) if res is not None])
+        if plan.dropped:
+            log.warning("round %d: dropped clients %s (their worker failed)", r + 1,
+                        plan.dropped)
         results = [res for res in raw if res is not None]
 
         # Uplink: feedback + compressor; the server sees decode(payload), as bytes.

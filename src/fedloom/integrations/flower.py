@@ -384,14 +384,7 @@ class FedloomStrategy(Strategy):
             got[k] = (res, UplinkResult(payload, sent, {}, float(c["residual-norm"])))
         raw = [got.get(int(k)) for k in plan.cohort.tolist()]
         kept = [i for i, x in enumerate(raw) if x is not None]
-        dropped = [int(plan.cohort[i]) for i, x in enumerate(raw) if x is None]
-        if dropped:
-            pos = torch.tensor(kept, dtype=torch.long)
-            plan.cohort = plan.cohort[pos]
-            plan.old_rows = {f: v[pos] for f, v in plan.old_rows.items()}
-            plan.alphas = [plan.alphas[i] for i in kept]
-            plan.fb_rows = [plan.fb_rows[i] for i in kept]
-            plan.dropped = dropped
+        plan.keep(kept)
         results = [raw[i][0] for i in kept]  # type: ignore[index]
         ups = [raw[i][1] for i in kept]      # type: ignore[index]
         self.state, metrics = exp.finish_round(self.state, plan, results, ups, t0=self._t0,
