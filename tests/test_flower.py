@@ -51,6 +51,21 @@ def _simulate(cfg, n):
 
 
 @pytest.mark.slow
+def test_flare_on_flower_matches_the_engine():
+    """FLARE's penalty is applied by FedloomTrainer from the mod's accumulator."""
+    over = ["compression.feedback=flare", "compression.tau=0.5", "compression.options.ratio=0.02",
+            "rounds=3"]
+    from fedloom.config import config_to_dict, load_config
+
+    cfg = config_to_dict(load_config(CFG, over))
+    ref = fedloom.run(cfg)
+    strategy = _simulate(cfg, 6)
+    assert torch.allclose(strategy.state.w, ref.w, rtol=0, atol=1e-12)
+    plain = fedloom.run(CFG, ["compression.feedback=ef", "compression.options.ratio=0.02"])
+    assert not torch.allclose(ref.w, plain.w)  # the penalty changed training
+
+
+@pytest.mark.slow
 def test_flower_federation_matches_the_engine():
     ref = fedloom.run(CFG)
     strategy = _simulate(CFG, 6)

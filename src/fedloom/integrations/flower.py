@@ -33,10 +33,13 @@ client → node map. The question travels as a ``train`` message that the
 mod answers itself (every training ClientApp has a train handler, not every
 one a query handler).
 
-Scope: feedback policies whose client part is a start point and an uplink
-(``none``, ``ef``, ``saef``, ``sapef`` with a constant α); local method
-``sgd``; aggregators that do not need the clients' start losses. Others
-raise a one-line ``ConfigError`` naming the field.
+Scope: feedback policies whose client part is a start point, a penalty on
+the first local steps and an uplink (``none``, ``ef``, ``saef``, ``sapef``
+with a constant α; ``flare`` and ``ec_prox``, whose penalty needs
+:class:`FedloomTrainer` as the train handler); local method ``sgd``;
+aggregators that do not need the clients' start losses. Others (SCAFCOM's
+shift needs the server's control variate, EF21 and CSER need server-side
+copies of client state) raise a one-line ``ConfigError`` naming the field.
 """
 
 from __future__ import annotations
@@ -81,7 +84,10 @@ __all__ = ["FedloomMod", "FedloomStrategy", "FedloomTrainer", "client_app", "fro
 
 log = logging.getLogger("fedloom")
 
-SUPPORTED_FEEDBACK = ("none", "ef", "saef", "sapef")
+SUPPORTED_FEEDBACK = ("none", "ef", "saef", "sapef", "flare", "ec_prox")
+# Their penalty on the first local steps is part of local training: it needs
+# FedloomTrainer (which reads the mod's state), not any train handler.
+PENALTY_FEEDBACK = ("flare", "ec_prox")
 STATE_KEY = "fedloom.feedback"   # Context.state record of the mod
 REPLY_KEY = "fedloom"            # ConfigRecord of a reply: payload, client-id, residual-norm
 HELLO_KEY = "fedloom.hello"      # ConfigRecord of the discovery query
@@ -259,8 +265,16 @@ class FedloomTrainer:
         idx = torch.from_numpy(exp.fed.train[k])
         gen = torch.Generator()
         gen.manual_seed(derive_seed(self.cfg.seed, r, k, Purpose.BATCH))
+        penalty = None
+        if self.cfg.compression.feedback in PENALTY_FEEDBACK:
+            # FLARE / EC+prox: the regulariser comes from the client's accumulator,
+            # which the mod keeps in Context.state (read here, written by the mod).
+            state = FedloomMod._load_state(context, exp.feedback, exp.layout.size, w.dtype)
+            penalty = exp.feedback.penalty(w, state, r)
         # The prox anchor is the model received (SA-PEF's start point when shifted).
-        w_k, loss, steps = exp.trainer.descend(w, w, exp.x[idx], exp.y[idx], lr, gen)
+        w_k, loss, steps, _ = exp.trainer._descend(w, w, exp.x[idx], exp.y[idx], lr, gen,
+                                                   prox_mu=None, grad_shift=None, probe=False,
+                                                   penalty=penalty)
         return Message(RecordDict({
             "arrays": to_arrays(exp.layout, w_k),
             "metrics": MetricRecord({"num-examples": len(idx), "num-steps": steps,
