@@ -44,12 +44,20 @@ def test_vmap_float32_tolerance_and_chunks():
 
 
 def test_auto_backend_measures_then_keeps_the_faster(tiny):
-    exp = Experiment(load_config(SYN, ["backend=auto", "dtype=float64"]))
+    exp = Experiment(load_config(SYN, ["backend=auto", "backend.workers=2", "dtype=float64"]))
     assert exp.backend.name == "auto"
     st, _ = exp.round(exp.initial_state())
-    assert exp.backend.name in ("sequential", "vmap")
+    # a cohort of 4 on 2 workers: sequential, vmap and process were all timed
+    assert set(exp.backend.times) == {"sequential", "vmap", "process"}
+    assert exp.backend.name == min(exp.backend.times, key=exp.backend.times.get)
     ref = Experiment(load_config(SYN, ["dtype=float64"]))
     st2, _ = ref.round(ref.initial_state())
     assert torch.equal(st.w, st2.w)  # the first cohort's results are the sequential ones
-    ditto = Experiment(load_config(tiny, ["backend=auto", "client.method=ditto"]))
-    assert ditto.backend.name == "sequential"  # Ditto's personal step runs sequentially
+    st, _ = exp.round(st)  # the chosen backend runs on
+    st2, _ = ref.round(st2)
+    assert torch.allclose(st.w, st2.w, rtol=0, atol=1e-12)
+    exp.close()
+    ditto = Experiment(load_config(tiny, ["backend=auto", "backend.workers=1",
+                                          "client.method=ditto"]))
+    ditto.round(ditto.initial_state())
+    assert ditto.backend.name == "sequential"  # no vmap for Ditto, one worker: no process

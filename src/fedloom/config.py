@@ -225,7 +225,8 @@ class BackendConfig:
 
     - ``sequential``: one client after another in this process;
     - ``vmap``: a cohort in lock-step with ``torch.func`` (chunks of ``chunk`` clients);
-    - ``auto``: times the first cohort on sequential and vmap, keeps the faster;
+    - ``auto``: times the first cohort on sequential, vmap and process (where they
+      apply), keeps the fastest and logs the times;
     - ``process``: ``workers`` single-thread processes on this machine, each running
       ``inner`` (sequential or vmap) on its share of the cohort;
     - ``ray``: Ray tasks (``address`` joins a cluster; empty starts a local one); a

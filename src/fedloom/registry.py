@@ -39,6 +39,7 @@ _MODULES = (
     "fedloom.engine.backends",
     "fedloom.engine.vmap",
     "fedloom.engine.parallel",
+    "fedloom.engine.auto",
     "fedloom.engine.ray_backend",
     "fedloom.compress.identity",
     "fedloom.compress.sparse",
