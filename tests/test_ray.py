@@ -75,3 +75,12 @@ def test_ray_float32_is_single_thread_sequential():
     finally:
         torch.set_num_threads(threads)
     assert res.summary["model_sha256"] == one.summary["model_sha256"]
+
+
+def test_unreachable_cluster_is_a_one_line_config_error():
+    from fedloom.config import ConfigError
+
+    for address, msg in (("127.0.0.1:1", "cannot reach the Ray cluster at 127.0.0.1:1"),
+                         ("nonsense", "expected HOST:PORT")):
+        with pytest.raises(ConfigError, match=msg):
+            fedloom.run(TINY, ["backend=ray", f"backend.address={address}"])

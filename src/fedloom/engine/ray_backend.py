@@ -69,6 +69,26 @@ def _train_group(setup: dict[str, Any], x_np: np.ndarray, y_np: np.ndarray,
     return run_group(backend, x, y, jobs)
 
 
+def _check_address(address: str) -> str:
+    """The host of ``backend.address`` ("" for a local instance, "auto" as is),
+    after checking that something listens there (Ray itself retries for minutes)."""
+    if address in ("", "auto"):
+        return address
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"backend.address: expected HOST:PORT, ray://HOST:PORT or auto, "
+                          f"got {address!r}")
+    import socket
+
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ConfigError(f"backend.address: cannot reach the Ray cluster at {hostport} "
+                          f"({e.strerror or e})") from None
+    return host
+
+
 class RayBackend:
     """Client training in Ray tasks; see the module docstring."""
 
@@ -76,9 +96,10 @@ class RayBackend:
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
                  cfg: BackendConfig) -> None:
-        if not cfg.address and "ray" not in sys.modules:
-            # A local instance talks over loopback (Ray otherwise advertises the
-            # machine's first non-loopback address); read when ray is imported.
+        host = _check_address(cfg.address)
+        if host in ("", "127.0.0.1", "localhost", "::1") and "ray" not in sys.modules:
+            # A local instance (or one on loopback) stays on loopback: Ray otherwise
+            # advertises the machine's first non-loopback address. Read at import.
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         try:
             import ray
