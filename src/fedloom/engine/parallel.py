@@ -62,13 +62,20 @@ def run_group(backend: Any, x: torch.Tensor, y: torch.Tensor,
     return backend.train_cohort([with_data(j, x, y) for j in jobs])
 
 
-def _train_group(blob: bytes) -> bytes:
-    # Jobs and results travel as plain pickles: a tensor's bytes go through the
-    # pipe in one copy, which is cheaper than one shared-memory file per tensor
-    # (torch's multiprocessing reducers) for vectors of this size.
+def _train_group(blob: bytes, out: torch.Tensor, rows: list[int]) -> bytes:
+    # Jobs and the small part of the results travel as plain pickles; the dense
+    # updates are written into ``out``, a tensor in shared memory that the parent
+    # allocated (one handle per task instead of one pickled copy per update).
     jobs = pickle.loads(blob)
-    return pickle.dumps(run_group(_WORKER["backend"], _WORKER["x"], _WORKER["y"], jobs),
-                        protocol=pickle.HIGHEST_PROTOCOL)
+    results = run_group(_WORKER["backend"], _WORKER["x"], _WORKER["y"], jobs)
+    for row, res in zip(rows, results, strict=True):
+        if res is not None and res.update.shape == out.shape[1:]:
+            out[row].copy_(res.update)
+            res.update = _IN_SHARED
+    return pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+_IN_SHARED = torch.empty(0)  # marks an update that was written to the shared buffer
 
 
 class ProcessBackend:
@@ -80,6 +87,9 @@ class ProcessBackend:
                  workers: int = 0, inner: str = "sequential", chunk: int = 0) -> None:
         self.workers = workers or os.cpu_count() or 1
         self.inner = inner
+        self.d = trainer.layout.size
+        self.dtype = next(trainer.module.parameters()).dtype
+        self._out: torch.Tensor | None = None
         # Tensors sent at start-up go through shared memory (torch's reducers).
         self._pool = ProcessPoolExecutor(
             max_workers=self.workers, mp_context=tmp.get_context("spawn"),
@@ -88,11 +98,17 @@ class ProcessBackend:
 
     def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
         groups = balanced_groups(jobs, self.workers)
+        if self._out is None or self._out.shape[0] < len(jobs):
+            self._out = torch.empty((len(jobs), self.d), dtype=self.dtype).share_memory_()
+        buf = self._out
         futures = [self._pool.submit(_train_group, pickle.dumps(
-            [light_job(jobs[i]) for i in g], protocol=pickle.HIGHEST_PROTOCOL)) for g in groups]
+            [light_job(jobs[i]) for i in g], protocol=pickle.HIGHEST_PROTOCOL), buf, g)
+            for g in groups]
         out: list[ClientResult | None] = [None] * len(jobs)
         for g, fut in zip(groups, futures, strict=True):
             for i, res in zip(g, pickle.loads(fut.result()), strict=True):
+                if res is not None and res.update.numel() == 0 and self.d > 0:
+                    res.update = buf[i].clone()  # the buffer is reused next round
                 out[i] = res
         return out
 
