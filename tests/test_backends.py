@@ -64,3 +64,23 @@ def test_backend_section_shorthand():
     assert (cfg.backend.name, cfg.backend.chunk) == ("vmap", 5)
     cfg = load_config(TINY, ["backend.workers=2", "backend=ray"])
     assert (cfg.backend.name, cfg.backend.workers) == ("ray", 2)
+
+
+@pytest.mark.parametrize("policy", ["retry", "drop"])
+def test_process_worker_death(tmp_path, monkeypatch, policy):
+    """A worker killed (SIGKILL) in round 1: retried, the run is the sequential one;
+    dropped, round 1 goes on without the unfinished clients and the run finishes."""
+    marker = tmp_path / "killed"
+    monkeypatch.setenv("FEDLOOM_KILL_ONCE", f"4:{marker}")  # client 4: round 1 only
+    over = ["dtype=float64", "backend=process", "backend.workers=2",
+            f"backend.on_failure={policy}", *EF]
+    res = fedloom.run(TINY, over)
+    assert marker.exists()
+    ref = fedloom.run(TINY, ["dtype=float64", *EF])
+    dropped = [m.get("dropped_client_ids", []) for m in res.metrics]
+    if policy == "retry":
+        assert res.summary["model_sha256"] == ref.summary["model_sha256"]
+        assert dropped == [[], [], []]
+    else:
+        assert 4 in dropped[0] and dropped[1:] == [[], []]
+        assert len(res.metrics) == TINY["rounds"]

@@ -38,7 +38,7 @@ def test_ray_same_model_sha256(sequential):
 def test_dead_worker_is_retried(sequential, tmp_path, monkeypatch):
     marker = tmp_path / "killed"
     client = 4  # in round 1's cohort of TINY only
-    monkeypatch.setenv("FEDLOOM_RAY_KILL_ONCE", f"{client}:{marker}")
+    monkeypatch.setenv("FEDLOOM_KILL_ONCE", f"{client}:{marker}")
     res = fedloom.run(TINY, ["dtype=float64", "backend=ray", "backend.workers=2",
                              "backend.on_failure=retry", *EF])
     assert marker.exists()  # a worker really was killed
@@ -48,7 +48,7 @@ def test_dead_worker_is_retried(sequential, tmp_path, monkeypatch):
 
 def test_dead_worker_clients_are_dropped(sequential, tmp_path, monkeypatch):
     marker = tmp_path / "killed"
-    monkeypatch.setenv("FEDLOOM_RAY_KILL_ONCE", f"4:{marker}")
+    monkeypatch.setenv("FEDLOOM_KILL_ONCE", f"4:{marker}")
     res = fedloom.run(TINY, ["dtype=float64", "backend=ray", "backend.workers=2",
                              "backend.on_failure=drop", *EF])
     assert marker.exists()

@@ -229,9 +229,13 @@ class BackendConfig:
       apply), keeps the fastest and logs the times;
     - ``process``: ``workers`` single-thread processes on this machine, each running
       ``inner`` (sequential or vmap) on its share of the cohort;
-    - ``ray``: Ray tasks (``address`` joins a cluster; empty starts a local one); a
-      task whose worker dies is retried up to ``max_retries`` times
-      (``on_failure: retry``) or its clients are dropped for the round (``drop``).
+    - ``ray``: Ray tasks (``address`` joins a cluster; empty starts a local one).
+
+    ``process`` and ``ray``: work whose worker process dies is run again up to
+    ``max_retries`` times (``on_failure: retry``; then the run stops with an
+    error) or its clients are dropped for the round (``drop``). A dead process
+    worker breaks its whole pool: every group not finished by then is retried or
+    dropped, and a new pool is started.
     """
 
     name: str = "sequential"
@@ -240,7 +244,7 @@ class BackendConfig:
     chunk: int = _f(0, ge=0)          # vmap: clients per lock-step chunk (0 = cache-sized)
     address: str = ""                 # ray: cluster address ("" = start a local instance)
     on_failure: Literal["retry", "drop"] = "retry"
-    max_retries: int = _f(2, ge=0)    # ray: retries of a task whose worker died
+    max_retries: int = _f(2, ge=0)    # process / ray: reruns of work whose worker died
 
 
 @dataclass

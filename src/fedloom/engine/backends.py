@@ -28,7 +28,26 @@ from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig
 from fedloom.registry import register
 
-__all__ = ["Backend", "SequentialBackend", "balanced_groups", "light_job", "with_data"]
+__all__ = ["KILL_ENV", "Backend", "SequentialBackend", "balanced_groups", "light_job",
+           "maybe_die", "with_data"]
+
+# Fault injection for tests of worker death (process and ray backends): with
+# ``FEDLOOM_KILL_ONCE=<client>:<marker file>`` in the environment when the backend
+# is built, the first worker task that holds that client kills its own process
+# (SIGKILL) unless the marker file exists, and creates it first — so exactly one
+# worker dies.
+KILL_ENV = "FEDLOOM_KILL_ONCE"
+
+
+def maybe_die(spec: str | None, jobs: Sequence[ClientJob]) -> None:
+    if not spec:
+        return
+    import os
+
+    client, _, marker = spec.partition(":")
+    if any(j.client == int(client) for j in jobs) and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), 9)
 
 
 class Backend(Protocol):

@@ -25,6 +25,7 @@ import pickle
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 import torch
@@ -33,7 +34,14 @@ import torch.multiprocessing as tmp
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig
-from fedloom.engine.backends import SequentialBackend, balanced_groups, light_job, with_data
+from fedloom.engine.backends import (
+    KILL_ENV,
+    SequentialBackend,
+    balanced_groups,
+    light_job,
+    maybe_die,
+    with_data,
+)
 from fedloom.registry import register
 
 __all__ = ["ProcessBackend", "make_inner", "run_group"]
@@ -51,9 +59,10 @@ def make_inner(trainer: LocalSGD, method: LocalMethod, inner: str, chunk: int = 
 
 
 def _init_worker(trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
-                 inner: str, chunk: int) -> None:
+                 inner: str, chunk: int, kill_once: str | None) -> None:
     torch.set_num_threads(1)
-    _WORKER.update(backend=make_inner(trainer, method, inner, chunk), x=x, y=y)
+    _WORKER.update(backend=make_inner(trainer, method, inner, chunk), x=x, y=y,
+                   kill_once=kill_once)
 
 
 def run_group(backend: Any, x: torch.Tensor, y: torch.Tensor,
@@ -67,6 +76,7 @@ def _train_group(blob: bytes, out: torch.Tensor, rows: list[int]) -> bytes:
     # updates are written into ``out``, a tensor in shared memory that the parent
     # allocated (one handle per task instead of one pickled copy per update).
     jobs = pickle.loads(blob)
+    maybe_die(_WORKER.get("kill_once"), jobs)
     results = run_group(_WORKER["backend"], _WORKER["x"], _WORKER["y"], jobs)
     for row, res in zip(rows, results, strict=True):
         if res is not None and res.update.shape == out.shape[1:]:
@@ -84,32 +94,55 @@ class ProcessBackend:
     name = "process"
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
-                 workers: int = 0, inner: str = "sequential", chunk: int = 0) -> None:
+                 workers: int = 0, inner: str = "sequential", chunk: int = 0,
+                 on_failure: str = "retry", max_retries: int = 2) -> None:
         self.workers = workers or os.cpu_count() or 1
         self.inner = inner
+        self.on_failure, self.max_retries = on_failure, max_retries
         self.d = trainer.layout.size
         self.dtype = next(trainer.module.parameters()).dtype
         self._out: torch.Tensor | None = None
         # Tensors sent at start-up go through shared memory (torch's reducers).
-        self._pool = ProcessPoolExecutor(
-            max_workers=self.workers, mp_context=tmp.get_context("spawn"),
-            initializer=_init_worker, initargs=(trainer, method, x, y, inner, chunk),
-        )
+        self._initargs = (trainer, method, x, y, inner, chunk, os.environ.get(KILL_ENV))
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(max_workers=self.workers, mp_context=tmp.get_context("spawn"),
+                                   initializer=_init_worker, initargs=self._initargs)
 
     def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
         groups = balanced_groups(jobs, self.workers)
         if self._out is None or self._out.shape[0] < len(jobs):
             self._out = torch.empty((len(jobs), self.d), dtype=self.dtype).share_memory_()
         buf = self._out
-        futures = [self._pool.submit(_train_group, pickle.dumps(
-            [light_job(jobs[i]) for i in g], protocol=pickle.HIGHEST_PROTOCOL), buf, g)
-            for g in groups]
         out: list[ClientResult | None] = [None] * len(jobs)
-        for g, fut in zip(groups, futures, strict=True):
-            for i, res in zip(g, pickle.loads(fut.result()), strict=True):
-                if res is not None and res.update.numel() == 0 and self.d > 0:
-                    res.update = buf[i].clone()  # the buffer is reused next round
-                out[i] = res
+        pending, attempt = groups, 0
+        while pending:
+            futures = [self._pool.submit(_train_group, pickle.dumps(
+                [light_job(jobs[i]) for i in g], protocol=pickle.HIGHEST_PROTOCOL), buf, g)
+                for g in pending]
+            failed = []
+            for g, fut in zip(pending, futures, strict=True):
+                try:
+                    got = pickle.loads(fut.result())
+                except BrokenProcessPool:
+                    failed.append(g)  # a worker died: the whole pool is gone
+                    continue
+                for i, res in zip(g, got, strict=True):
+                    if res is not None and res.update.numel() == 0 and self.d > 0:
+                        res.update = buf[i].clone()  # the buffer is reused next round
+                    out[i] = res
+            if not failed:
+                break
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = self._new_pool()
+            attempt += 1
+            if self.on_failure == "drop" or attempt > self.max_retries:
+                if self.on_failure == "retry":
+                    raise RuntimeError(f"backend: a worker process died; {self.max_retries} "
+                                       "retries exhausted")
+                break  # the failed groups' clients stay None: dropped for the round
+            pending = failed
         return out
 
     def warm_up(self) -> None:
@@ -130,4 +163,5 @@ class ProcessBackend:
 def _process(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig,
              x: torch.Tensor, y: torch.Tensor) -> ProcessBackend:
     return ProcessBackend(trainer, method, x, y, workers=cfg.workers, inner=cfg.inner,
-                          chunk=cfg.chunk)
+                          chunk=cfg.chunk, on_failure=cfg.on_failure,
+                          max_retries=cfg.max_retries)

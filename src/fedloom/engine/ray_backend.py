@@ -16,10 +16,9 @@ given), or, with ``on_failure: drop``, its clients are reported as dropped
 (``None``) and the round goes on without them. A half-finished update never
 reaches the server: a task returns whole results or nothing.
 
-Fault injection for tests: with ``FEDLOOM_RAY_KILL_ONCE=<client>:<marker
-file>`` in the driver's environment when the backend is built, the first
-task that holds that client kills its own worker process (SIGKILL) unless
-the marker file exists, and creates it first — so exactly one worker dies.
+Fault injection for tests: ``FEDLOOM_KILL_ONCE`` (see
+:data:`fedloom.engine.backends.KILL_ENV`), read from the driver's environment
+when the backend is built.
 """
 
 from __future__ import annotations
@@ -35,22 +34,10 @@ import torch
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig, ConfigError
-from fedloom.engine.backends import balanced_groups, light_job
+from fedloom.engine.backends import KILL_ENV, balanced_groups, light_job, maybe_die
 from fedloom.registry import register
 
 __all__ = ["RayBackend"]
-
-_KILL_ENV = "FEDLOOM_RAY_KILL_ONCE"
-
-
-def _maybe_die(spec: str | None, jobs: Sequence[ClientJob]) -> None:
-    if not spec:
-        return
-    client, _, marker = spec.partition(":")
-    if any(j.client == int(client) for j in jobs) and not os.path.exists(marker):
-        open(marker, "w").close()
-        os.kill(os.getpid(), 9)
-
 
 def _train_group(setup: dict[str, Any], x_np: np.ndarray, y_np: np.ndarray,
                  jobs: list[ClientJob]) -> list[ClientResult | None]:
@@ -59,7 +46,7 @@ def _train_group(setup: dict[str, Any], x_np: np.ndarray, y_np: np.ndarray,
     from fedloom.engine.parallel import make_inner, run_group
 
     torch.set_num_threads(1)
-    _maybe_die(setup.get("kill_once"), jobs)
+    maybe_die(setup.get("kill_once"), jobs)
     with warnings.catch_warnings():
         # The arrays are read-only views of Ray's shared object store (no copy);
         # batches are gathered from them, never written.
@@ -124,7 +111,7 @@ class RayBackend:
         self.on_failure = cfg.on_failure
         # Put once: every task refers to these objects instead of carrying them.
         self._setup = ray.put({"trainer": trainer, "method": method, "inner": cfg.inner,
-                               "chunk": cfg.chunk, "kill_once": os.environ.get(_KILL_ENV)})
+                               "chunk": cfg.chunk, "kill_once": os.environ.get(KILL_ENV)})
         # NumPy arrays: a task reads them from the shared object store without a copy
         # (a pickled tensor would be copied into every task).
         self._x = ray.put(x.numpy())
