@@ -17,7 +17,8 @@ from fedloom.engine.backends import balanced_groups
 EF = ["compression.name=topk", "compression.options.ratio=0.1", "compression.feedback=ef"]
 
 
-@pytest.mark.parametrize("extra", [[], EF], ids=["plain", "topk_ef"])
+@pytest.mark.parametrize("extra", [[], EF, ["client.method=scaffold"]],
+                         ids=["plain", "topk_ef", "scaffold"])
 @pytest.mark.parametrize("inner", ["sequential", "vmap"])
 def test_process_backend_same_bits(extra, inner):
     """Workers running ``inner`` give ``backend=inner``'s bits (vmap's own agreement

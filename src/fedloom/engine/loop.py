@@ -53,6 +53,7 @@ __all__ = ["Experiment", "Result", "RunState", "model_sha256", "run"]
 log = logging.getLogger("fedloom")
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_NO_DATA = torch.empty(0)
 
 
 def _check_output(module: torch.nn.Module, x: torch.Tensor, num_classes: int) -> None:
@@ -283,6 +284,7 @@ class Experiment:
         if self.cfg.compression.adaptive == "ffl":
             comp, epochs, ffl = self._ffl(w, st)
         jobs, alphas, fb_rows, steps = [], [], [], []
+        ships = getattr(self.backend, "ships_indices", False)
         mismatch: list[tuple[float, float, float, int]] = []
         for i, k in enumerate(cohort.tolist()):
             idx = torch.from_numpy(self.fed.train[k])
@@ -291,7 +293,10 @@ class Experiment:
             alpha = fb.alpha(lr, steps[-1], st.feedback_state)
             if self.cfg.metrics.mismatch and "residual" in fb_state:
                 mismatch.append(self._mismatch(w, fb_state["residual"], k, len(idx)))
-            job = ClientJob(k, r, w, lr, self.x[idx], self.y[idx],
+            # A backend that ships sample positions gathers the samples where it
+            # trains: no copy of the cohort's data here.
+            xk, yk = (_NO_DATA, _NO_DATA) if ships else (self.x[idx], self.y[idx])
+            job = ClientJob(k, r, w, lr, xk, yk,
                             derive_seed(self.cfg.seed, r, k, Purpose.BATCH),
                             start_loss="start_losses" in self.requires,
                             state={f: old_rows[f][i] for f in self.method_fields},

@@ -92,6 +92,7 @@ class ProcessBackend:
     """``workers`` single-thread processes, each training a share of the cohort."""
 
     name = "process"
+    ships_indices = True  # jobs carry data_index; workers hold the data
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
                  workers: int = 0, inner: str = "sequential", chunk: int = 0,

@@ -80,6 +80,7 @@ class RayBackend:
     """Client training in Ray tasks; see the module docstring."""
 
     name = "ray"
+    ships_indices = True  # jobs carry data_index; workers hold the data
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
                  cfg: BackendConfig) -> None:
