@@ -29,11 +29,15 @@ flower-superlink --insecure --host 127.0.0.1 --port "$PORT" \
   --disable-runtime-dependency-installation --database :flwr-in-memory: \
   > "$WORK/superlink.log" 2>&1 &
 PIDS+=($!)
-sleep 3
+# wait (up to 60 s) until the SuperLink accepts connections
+for ((i = 0; i < 120; i++)); do
+  (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null && break
+  sleep 0.5
+done
 for ((k = 0; k < N; k++)); do
   flower-supernode --insecure --superlink "127.0.0.1:$PORT" --port $((PORT + 100 + k)) \
     --node-config "partition-id=$k" > "$WORK/supernode-$k.log" 2>&1 &
   PIDS+=($!)
 done
-sleep 3
+# the ServerApp waits for all N SuperNodes before round 1 (FedloomStrategy.node_timeout)
 flwr run "$HERE" local-deployment --stream "$@" | tee "$WORK/run.log"
