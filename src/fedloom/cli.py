@@ -73,6 +73,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ("uplink total", _fmt_bytes(s["uplink_bytes_total"])),
         ("downlink total", _fmt_bytes(s["downlink_bytes_total"])),
         ("rejected updates", f"{s['rejected_updates_total']}"),
+        ("backend", f"{s.get('backend', '')}"),
         ("wall time", f"{s['wall_s_total']:.1f} s"),
         ("model sha256", s["model_sha256"][:16] + "…"),
     ]

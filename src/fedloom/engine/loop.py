@@ -579,7 +579,8 @@ def _read_metrics(path: Path, before_round: int) -> list[dict[str, Any]]:
 
 def _summary(exp: Experiment, st: RunState, history: list[dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, Any] = {"rounds": st.next_round, "model_sha256": model_sha256(st.w),
-                               "num_parameters": exp.layout.size}
+                               "num_parameters": exp.layout.size,
+                               "backend": getattr(exp.backend, "name", exp.cfg.backend.name)}
     for m in history:  # final value of each metric (eval metrics from the last eval round)
         summary.update({k: v for k, v in m.items()
                         if k not in ("rejected_clients", "dropped_client_ids")})
