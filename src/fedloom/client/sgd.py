@@ -181,13 +181,15 @@ class LocalSGD:
         *,
         prox_mu: float | None = None,
         grad_shift: torch.Tensor | None = None,
+        penalty: Penalty | None = None,
     ) -> tuple[torch.Tensor, float, int]:
-        """Local SGD from ``x0``; the prox term pulls towards ``anchor``.
+        """Local SGD from ``x0``; the prox term pulls towards ``anchor``; ``penalty``
+        regularises the first local steps (FLARE).
 
         Returns the final parameters, the mean batch loss and the number of steps.
         """
         w, loss, steps, _ = self._descend(x0, anchor, x, y, lr, gen, prox_mu=prox_mu,
-                                          grad_shift=grad_shift, probe=False)
+                                          grad_shift=grad_shift, probe=False, penalty=penalty)
         return w, loss, steps
 
     def _descend(

@@ -129,6 +129,16 @@ def _client_id(context: Context) -> int:
     raise ValueError("node_config: set client-id or partition-id for this SuperNode")
 
 
+def _round_settings(msg: Message, context: Context, cfg: Config) -> tuple[int, int, float]:
+    """(client, 0-based round, learning rate) of a train message: what the strategy
+    sent, else the node's client id, Flower's server round and the config's lr."""
+    conf = msg.content["config"]
+    k = int(conf["client-id"]) if "client-id" in conf else _client_id(context)
+    r = int(conf["fedloom-round"]) if "fedloom-round" in conf else int(conf["server-round"]) - 1
+    lr = float(conf["lr"]) if "lr" in conf else cfg.client.lr
+    return k, r, lr
+
+
 def _check_scope(cfg: Config) -> None:
     fb = cfg.compression.feedback
     if fb not in SUPPORTED_FEEDBACK:
@@ -196,11 +206,7 @@ class FedloomMod:
             return Message(RecordDict({HELLO_KEY: ConfigRecord(
                 {"client-id": _client_id(context)})}), reply_to=msg)
         layout, comp, fb = self.parts()
-        conf = msg.content["config"]
-        k = int(conf["client-id"]) if "client-id" in conf else _client_id(context)
-        r = int(conf["fedloom-round"]) if "fedloom-round" in conf else int(
-            conf["server-round"]) - 1
-        lr = float(conf["lr"]) if "lr" in conf else self.cfg.client.lr
+        k, r, lr = _round_settings(msg, context, self.cfg)
         w = from_arrays(layout, msg.content["arrays"])
         state = self._load_state(context, fb, layout.size, w.dtype)
         alpha = fb.alpha(lr, 1, {})
@@ -253,11 +259,7 @@ class FedloomTrainer:
 
     def __call__(self, msg: Message, context: Context) -> Message:
         exp = _experiment(self.cfg)
-        conf = msg.content["config"]
-        k = int(conf["client-id"]) if "client-id" in conf else _client_id(context)
-        r = int(conf["fedloom-round"]) if "fedloom-round" in conf else int(
-            conf["server-round"]) - 1
-        lr = float(conf["lr"]) if "lr" in conf else self.cfg.client.lr
+        k, r, lr = _round_settings(msg, context, self.cfg)
         if not 0 <= k < exp.fed.num_clients:
             raise ValueError(f"client-id: {k} is not a client of this config "
                              f"(0..{exp.fed.num_clients - 1})")
@@ -272,9 +274,8 @@ class FedloomTrainer:
             state = FedloomMod._load_state(context, exp.feedback, exp.layout.size, w.dtype)
             penalty = exp.feedback.penalty(w, state, r)
         # The prox anchor is the model received (SA-PEF's start point when shifted).
-        w_k, loss, steps, _ = exp.trainer._descend(w, w, exp.x[idx], exp.y[idx], lr, gen,
-                                                   prox_mu=None, grad_shift=None, probe=False,
-                                                   penalty=penalty)
+        w_k, loss, steps = exp.trainer.descend(w, w, exp.x[idx], exp.y[idx], lr, gen,
+                                               penalty=penalty)
         return Message(RecordDict({
             "arrays": to_arrays(exp.layout, w_k),
             "metrics": MetricRecord({"num-examples": len(idx), "num-steps": steps,
