@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import struct
 from typing import Literal
 
@@ -89,8 +90,12 @@ class QSGD:
     codec = CODEC_QSGD
 
     def __init__(self, levels: int = 16) -> None:
-        if not 1 <= levels < 2**16:
-            raise ValueError(f"compression.options.levels: must be in [1, 65535], got {levels}")
+        # An integer: ``s`` travels as a u16 and sets the bit width of a level.
+        if (isinstance(levels, bool) or not isinstance(levels, numbers.Integral)
+                or not 1 <= levels < 2**16):
+            raise ValueError(f"compression.options.levels: must be an integer in [1, 65535], "
+                             f"got {levels!r}")
+        levels = int(levels)
         self.levels = levels
 
     @staticmethod

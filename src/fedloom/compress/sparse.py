@@ -24,6 +24,7 @@ entries pass the threshold it is lowered, finally to a full ``torch.topk``.
 from __future__ import annotations
 
 import math
+import numbers
 import struct
 from typing import Literal
 
@@ -124,6 +125,22 @@ def _densify(d: int, idx: np.ndarray, vals: np.ndarray) -> torch.Tensor:
     return out
 
 
+def _check_options(ratio: object, count: object, values: object) -> None:
+    """One-line errors naming the option, before anything is computed with it: a
+    ``count`` of 0 would divide by zero in Rand-k's ``d/k``, a string ``ratio``
+    would fail deep inside a comparison."""
+    if count is not None:
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+            raise ValueError(f"compression.options.count: must be an integer >= 1, "
+                             f"got {count!r}")
+    elif (ratio is None or isinstance(ratio, bool) or not isinstance(ratio, numbers.Real)
+          or not 0 < ratio <= 1):
+        raise ValueError(f"compression.options.ratio: must be a number in (0, 1], got {ratio!r}")
+    if values not in ("float32", "float16"):
+        raise ValueError(f"compression.options.values: must be float32 or float16, "
+                         f"got {values!r}")
+
+
 def _budget(n: int, ratio: float | None, count: int | None) -> int:
     if count is not None:
         return min(n, count)
@@ -147,22 +164,16 @@ class TopK:
     def __init__(self, ratio: float | None = 0.01, count: int | None = None,
                  scope: Literal["global", "tensor", "group"] = "global",
                  values: ValueDtype = "float32", layout: Layout | None = None) -> None:
+        _check_options(ratio, count, values)
         if count is not None:
             ratio = None
-            if count < 1:
-                raise ValueError(f"compression.options.count: must be >= 1, got {count}")
             if scope != "global":
                 raise ValueError("compression.options.count: only with scope 'global'")
-        elif ratio is None or not 0 < ratio <= 1:
-            raise ValueError(f"compression.options.ratio: must be in (0, 1], got {ratio}")
         if scope not in ("global", "tensor", "group"):
             raise ValueError(f"compression.options.scope: must be global, tensor or group, "
                              f"got {scope!r}")
         if scope != "global" and layout is None:
             raise ValueError(f"topk: scope {scope!r} needs the model's layout")
-        if values not in ("float32", "float16"):
-            raise ValueError(f"compression.options.values: must be float32 or float16, "
-                             f"got {values!r}")
         self.ratio, self.count, self.scope, self.values = ratio, count, scope, values
         self.layout = layout
 
@@ -205,8 +216,9 @@ class RandK:
 
     def __init__(self, ratio: float | None = 0.01, count: int | None = None,
                  scaled: bool = True, values: ValueDtype = "float32") -> None:
-        if count is None and (ratio is None or not 0 < ratio <= 1):
-            raise ValueError(f"compression.options.ratio: must be in (0, 1], got {ratio}")
+        _check_options(ratio, count, values)
+        if not isinstance(scaled, bool):
+            raise ValueError(f"compression.options.scaled: must be true or false, got {scaled!r}")
         self.ratio, self.count, self.scaled, self.values = ratio, count, scaled, values
 
     def encode(self, x: torch.Tensor, *, gen: torch.Generator | None = None) -> bytes:
