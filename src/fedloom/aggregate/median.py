@@ -1,0 +1,90 @@
+"""Coordinate-wise median: a Byzantine-robust aggregation rule.
+
+Yin, Chen, Ramchandran, Bartlett, "Byzantine-Robust Distributed Learning:
+Towards Optimal Statistical Rates" (ICML 2018), Option I of Algorithm 1::
+
+    agg[j] = med{ g_1[j], …, g_m[j] }
+
+the median of each coordinate over the cohort, taken independently per
+coordinate. For even ``m`` it is the mean of the two middle values (the
+usual sample median; ``torch.median`` would return the lower one, which is
+not symmetric under ``g ↦ −g``). The paper's guarantee holds while fewer than
+half of the cohort's values of a coordinate are Byzantine; each output
+coordinate lies between the smallest and the largest value sent for it.
+
+Public code: none by the authors. Flower's ``FedMedian``
+(flwr.server.strategy, ``aggregate_median``) computes ``np.median`` over the
+client arrays, the same rule (mean of the two middle values for even ``m``).
+Measured against flwr 1.42's ``aggregate_median`` on 300 random float64
+cohorts (m = 2…12, d = 50): identical (max abs difference 0).
+
+Choices, stated:
+
+- Unweighted, as in the paper: every client is one vote whatever its sample
+  count ``n_k``. A weighted median would let a Byzantine client buy the
+  majority by claiming a large ``n_k``; ``weights`` are ignored.
+- Columns are processed in chunks (``chunk`` columns at a time), so the sort's
+  extra memory is ``m × chunk`` instead of ``m × d``. The two middle values
+  are averaged in float64 and the result cast back to the updates' dtype, so
+  ``m`` equal rows give that row bit for bit and no overflow is possible.
+- Rows are expected to be finite: the engine rejects non-finite updates
+  before any aggregator runs.
+
+Cost ``O(m log m · d)``; no state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from fedloom.aggregate.base import CohortInfo, Stateless
+from fedloom.registry import register
+
+__all__ = ["CoordinateMedian", "coordinate_median"]
+
+
+def coordinate_median(updates: torch.Tensor, chunk: int = 1 << 15) -> torch.Tensor:
+    """The coordinate-wise median of the rows of ``updates`` (``[m, d]`` → ``[d]``)."""
+    m, d = updates.shape
+    if m == 0:
+        raise ValueError("median: the cohort is empty")
+    out = torch.empty(d, dtype=updates.dtype)
+    lo, hi = (m - 1) // 2, m // 2  # the middle positions (equal for odd m)
+    for s in range(0, d, chunk):
+        srt = torch.sort(updates[:, s : s + chunk], dim=0).values
+        if lo == hi:
+            out[s : s + chunk] = srt[lo]
+        else:
+            mid = (srt[lo].to(torch.float64) + srt[hi].to(torch.float64)) * 0.5
+            out[s : s + chunk] = mid.to(updates.dtype)
+    return out
+
+
+class CoordinateMedian(Stateless):
+    """Coordinate-wise median (Yin et al. 2018).
+
+    Args:
+        chunk: columns sorted at a time (memory ``m × chunk``).
+    """
+
+    def __init__(self, chunk: int = 1 << 15) -> None:
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+            raise ValueError(f"aggregator.options.chunk: must be an integer >= 1, got {chunk!r}")
+        self.chunk = chunk
+
+    def __call__(
+        self, updates: torch.Tensor, weights: torch.Tensor, state: None, *,
+        info: CohortInfo | None = None,
+    ) -> tuple[torch.Tensor, None, Mapping[str, float]]:
+        if updates.ndim != 2 or updates.shape[0] != weights.shape[0]:
+            raise ValueError(
+                f"median: updates {tuple(updates.shape)} and weights {tuple(weights.shape)} "
+                "do not align"
+            )
+        return coordinate_median(updates, self.chunk), state, {}
+
+
+# The class is its own factory: its constructor arguments are the config options.
+register("aggregator", "median")(CoordinateMedian)
