@@ -29,6 +29,51 @@ def _default_out(config: str, name: str | None) -> Path:
     return Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _first_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (``exists()`` is False under a file)."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _check_out(out: Path) -> Path:
+    """Refuse an ``--out`` that cannot become a run directory, before any data is
+    loaded; return the nearest ancestor that exists (see :func:`_remove_new_dirs`).
+
+    Permissions alone do not tell (root may write anywhere, yet ``mkdir`` in
+    ``/proc`` fails), so a probe directory is made next to where the run
+    directory will be and removed at once.
+    """
+    import os
+    import tempfile
+
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a directory")
+    base = _first_existing(out)
+    if not base.is_dir():
+        raise ValueError(f"--out {out}: {base} is a file, not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".fedloom-probe-", dir=base))
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot create a directory in {base} "
+                         f"({e.strerror or type(e).__name__})") from None
+    return base
+
+
+def _remove_new_dirs(out: Path, base: Path) -> None:
+    """After a failed start, remove the empty parents of ``out`` this run created
+    (``run`` removes ``out`` itself unless it holds a checkpoint)."""
+    import os
+
+    for p in out.parents:
+        if p == base or not p.is_relative_to(base):
+            break
+        try:
+            os.rmdir(p)  # only if empty: never what another run or the user put there
+        except OSError:
+            break
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -39,6 +84,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else _default_out(args.config, cfg.name)
     if args.resume and not args.out:
         raise ValueError("--resume needs --out DIR (the run directory to continue)")
+    base = _check_out(out)
     bar = tqdm(total=cfg.rounds, desc="rounds", unit="rd", file=sys.stderr,
                disable=args.quiet, dynamic_ncols=True)
     last_acc: list[float] = []
@@ -56,6 +102,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     try:
         result = run(cfg, out=out, resume=args.resume, callbacks=[progress])
+    except BaseException:
+        _remove_new_dirs(out, base)
+        raise
     finally:
         bar.close()
     s = result.summary
@@ -117,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("config", help="YAML config file")
     r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. client.lr=0.05")
     r.add_argument("--out", help="run directory (default: runs/NAME-TIMESTAMP)")
-    r.add_argument("--resume", action="store_true", help="continue the run in --out")
+    r.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest intact checkpoint "
+                        "(checkpoints/last.pt, else prev.pt: a warning says which)")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(func=_cmd_run)
     s = sub.add_parser("sweep", help="run a suite of settings x methods x seeds, then report")

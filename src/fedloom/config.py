@@ -160,6 +160,13 @@ class ServerConfig:
     beta1: float = _f(0.9, ge=0, lt=1)
     beta2: float = _f(0.99, ge=0, lt=1)
     eps: float = _f(1e-3, gt=0)
+    # Screening of client updates before any aggregator (fedloom.engine.loop.screen_updates):
+    # reject an update whose L2 norm exceeds `max_update_norm` (null = no bound) or
+    # `max_norm_ratio` × the cohort's lower median norm (null = off), then clip each
+    # accepted one to `clip_norm` (norm bounding, Sun et al. 2019; null = off).
+    max_update_norm: float | None = _f(None, gt=0)
+    max_norm_ratio: float | None = _f(1e4, gt=1)
+    clip_norm: float | None = _f(None, gt=0)
 
 
 @dataclass
@@ -181,6 +188,9 @@ class CompressionConfig:
     period: int = _f(5, ge=1)                     # CSER: reset every H rounds
     reset_ratio: float = _f(0.1, gt=0, le=1)      # CSER: top fraction of e sent at a reset
     beta: float = _f(0.2, gt=0, le=1)             # SCAFCOM momentum
+    # EF21 under partial participation: step along the mean of all N clients' h_k
+    # (EF21-PP, the published rule) or of the sampled clients' h_k only.
+    ef21_mean: Literal["all", "sampled"] = "all"
     tau: float = _f(0.05, ge=0)                   # FLARE / EC+prox: τ_r = tau / tau_decay^(r+1)
     tau_decay: float = _f(1.1, gt=0)
     penalty_steps: int = _f(1, ge=0)              # FLARE: penalised local steps p
@@ -400,6 +410,12 @@ def _check_cross_fields(cfg: Config) -> None:
     check_name("backend.name", "backend", cfg.backend.name)
     check_name("client.method", "method", cfg.client.method)
     check_name("compression.name", "compressor", cfg.compression.name)
+    # Every compressor takes it (the payload's CRC-32C trailer): checked here, not
+    # first when the experiment builds its compressor.
+    checksum = cfg.compression.options.get("checksum", True)
+    if not isinstance(checksum, bool):
+        raise ConfigError(f"compression.options.checksum: must be true or false, "
+                          f"got {checksum!r}")
     natural = cfg.data.partition.name == "natural" or bool(cfg.data.client)
     if not natural and cfg.cohort.size > cfg.data.num_clients:
         raise ConfigError(
@@ -486,7 +502,16 @@ def load_config(
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
         try:
-            data = yaml_load(path.read_text()) or {}
+            # utf-8-sig: a byte-order mark is skipped; other encodings are refused,
+            # never guessed from the locale.
+            text = path.read_bytes().decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a UTF-8 text file (byte 0x{e.object[e.start]:02x} "
+                              f"at offset {e.start})") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config ({e.strerror or e})") from None
+        try:
+            data = yaml_load(text) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" (line {mark.line + 1})" if mark is not None else ""

@@ -69,6 +69,19 @@ def partition_indices(ds: Dataset, cfg: DataConfig, seed: int) -> list[np.ndarra
                     f"fewer than {cfg.min_samples}"
                 )
         return parts
+    # The feasibility checks of the partitioners, worded with the config's fields.
+    if len(labels) < cfg.num_clients:
+        raise PartitionError(f"data.num_clients: {cfg.num_clients} clients need a sample each; "
+                             f"the data has {len(labels)} samples")
+    if p.name == "dirichlet" and cfg.num_clients * p.min_samples > len(labels):
+        raise PartitionError(
+            f"data.partition.min_samples: {cfg.num_clients} clients (data.num_clients) x "
+            f"{p.min_samples} = {cfg.num_clients * p.min_samples} exceeds the "
+            f"{len(labels)} samples")
+    if p.name == "shards" and cfg.num_clients * p.shards_per_client > len(labels):
+        raise PartitionError(
+            f"data.partition.shards_per_client: {cfg.num_clients} clients (data.num_clients) "
+            f"x {p.shards_per_client} shards exceed the {len(labels)} samples")
     fn = get("partitioner", p.name)
     if p.name == "dirichlet":
         return fn(labels, cfg.num_clients, rng=rng, alpha=p.alpha, min_samples=p.min_samples,
@@ -122,7 +135,9 @@ def standardize(ds: Dataset, train_idx: np.ndarray) -> Dataset:
 
 def build_federated(ds: Dataset, cfg: DataConfig, seed: int) -> FederatedData:
     """Partition ``ds`` and split each client's part into train/test."""
-    if cfg.partition.name != "natural" and ds.groups is not None and cfg.name == "synthetic":
+    # The dataset's own name, not data.name: arrays given to ``run(data=...)``
+    # replace the configured source, whatever data.name still says.
+    if cfg.partition.name != "natural" and ds.groups is not None and ds.name == "synthetic":
         raise PartitionError("data.partition.name: synthetic data is split by user; use 'natural'")
     parts = partition_indices(ds, cfg, seed)
     train, test = [], []

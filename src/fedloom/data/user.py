@@ -15,11 +15,28 @@ From the command line: ``data.name=npz data.path=FILE.npz`` (arrays ``X``,
 data.path=FILE.csv data.label=COLUMN [data.client=COLUMN]`` (every other
 column is a numeric feature). Every problem raises :class:`DataError`, one
 line naming the file or field.
+
+What is refused, and why:
+
+- labels are class indices: the model gets ``max(y) + 1`` outputs, so a label
+  must be below the number of samples (train and test together). A label of
+  10⁹ would otherwise size a 10⁹-wide output layer (tens of GB). Labels that
+  are ids rather than indices are not remapped silently — the model's output
+  ``k`` must mean the user's class ``k`` — remap them yourself, e.g.
+  ``numpy.unique(y, return_inverse=True)``;
+- ``.npz`` files are read with ``allow_pickle=False``: an object array (which
+  would need unpickling, i.e. running code from the file) is refused, as is
+  an empty, truncated or otherwise unreadable archive;
+- CSV files are UTF-8 (a byte-order mark is skipped); any other encoding is
+  refused rather than guessed, since a guessed header may not match
+  ``data.label``.
 """
 
 from __future__ import annotations
 
 import csv
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +63,30 @@ def _labels(y: Any, where: str) -> np.ndarray:
             raise DataError(f"{where}: labels must be integers, found non-integer values")
     elif arr.dtype.kind not in "iub":
         raise DataError(f"{where}: labels must be integers, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64)
+    # Range first, in the array's own dtype: a cast of 1e30 or of a uint64 above
+    # 2^63 to int64 would wrap around.
+    def show(v: Any) -> str:
+        return str(int(v)) if arr.dtype.kind in "iub" else f"{float(v):g}"
+
     if arr.size and arr.min() < 0:
-        raise DataError(f"{where}: labels must be >= 0, found {int(arr.min())}")
-    return arr
+        raise DataError(f"{where}: labels must be >= 0, found {show(arr.min())}")
+    if arr.size and arr.max() >= 2**62:
+        raise DataError(f"{where}: labels must be class indices, found {show(arr.max())}")
+    return arr.astype(np.int64)
+
+
+def _check_classes(ys: np.ndarray, yt: np.ndarray | None, source: str) -> int:
+    """The number of classes, ``max label + 1``, bounded by the number of samples
+    (see the module docstring: labels are class indices, not ids)."""
+    n = ys.size + (yt.size if yt is not None else 0)
+    for name, arr in (("y", ys), ("y_test", yt)):
+        if arr is not None and arr.size and int(arr.max()) >= n:
+            raise DataError(
+                f"{source}: {name}: label {int(arr.max())} is not a class index below the "
+                f"number of samples ({n}); remap labels to 0..C-1, e.g. with "
+                "numpy.unique(y, return_inverse=True)"
+            )
+    return int(max(ys.max(), yt.max() if yt is not None and yt.size else 0)) + 1
 
 
 def _features(x: Any, where: str) -> np.ndarray:
@@ -96,7 +133,7 @@ def from_arrays(
         if xt.shape[1:] != xs.shape[1:]:
             raise DataError(f"{source}: X_test samples have shape {xt.shape[1:]}, X samples "
                             f"{xs.shape[1:]}")
-    num_classes = int(max(ys.max(), yt.max() if yt is not None else 0)) + 1
+    num_classes = _check_classes(ys, yt, source)
     if num_classes < 2:
         raise DataError(f"{source}: y holds a single class; classification needs two or more")
     return Dataset(
@@ -115,24 +152,61 @@ def _path(cfg: DataConfig) -> Path:
     return p
 
 
+# What numpy raises on a damaged archive: an empty file (EOFError), a truncated
+# or non-zip one (BadZipFile), a bad member (zlib.error, BadZipFile "Bad CRC"),
+# a bad .npy header (ValueError), an unreadable file (OSError).
+_NPZ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def load_npz(cfg: DataConfig, seed: int) -> Dataset:
     p = _path(cfg)
+    if p.stat().st_size == 0:
+        raise DataError(f"{p}: empty file, not an .npz archive (data.path)")
     try:
         z = np.load(p, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise DataError(f"{p}: not a readable .npz file ({str(e).splitlines()[0]})") from None
+    except _NPZ_ERRORS as e:
+        raise DataError(f"{p}: not a readable .npz file ({_reason(e)})") from None
+    if not isinstance(z, np.lib.npyio.NpzFile):  # a single .npy array
+        raise DataError(f"{p}: holds one array (.npy), not an .npz archive of X, y, ...")
     with z:
         for key in ("X", "y"):
             if key not in z.files:
                 raise DataError(f"{p}: missing array {key!r} (found: {', '.join(z.files)})")
-        get = {k: z[k] for k in z.files}
+        get = {}
+        for k in z.files:
+            try:
+                get[k] = z[k]
+            except ValueError as e:
+                if "allow_pickle" in str(e):  # allow_pickle stays False: no code from files
+                    raise DataError(f"{p}: array {k!r} holds Python objects; save numeric "
+                                    "arrays (object arrays are not loaded)") from None
+                raise DataError(f"{p}: array {k!r} is unreadable ({_reason(e)})") from None
+            except _NPZ_ERRORS as e:
+                raise DataError(f"{p}: array {k!r} is unreadable ({_reason(e)})") from None
     return from_arrays(get["X"], get["y"], get.get("client"), get.get("X_test"),
                        get.get("y_test"), name="npz", source=str(p))
 
 
 def load_csv(cfg: DataConfig, seed: int) -> Dataset:
     p = _path(cfg)
-    with p.open(newline="") as f:
+    try:
+        return _read_csv(p, cfg)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                        f"{e.start}); save the file as UTF-8") from None
+    except csv.Error as e:
+        raise DataError(f"{p}: not a readable CSV file ({_reason(e)})") from None
+
+
+def _read_csv(p: Path, cfg: DataConfig) -> Dataset:
+    # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8") is not part of the
+    # first column's name; the locale's encoding is never guessed.
+    with p.open(newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
         try:
             header = next(reader)
