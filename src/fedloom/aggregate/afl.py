@@ -1,15 +1,31 @@
 """AFL: agnostic federated learning (stochastic mirror-descent form).
 
 Mohri, Sivek, Suresh, "Agnostic Federated Learning" (ICML 2019). The model
-minimises the worst mixture of client losses, ``min_w max_{λ∈Δ} Σ λ_k F_k(w)``:
+minimises the worst mixture of client losses, ``min_w max_{λ∈Δ} Σ λ_k F_k(w)``,
+by alternating a descent step on ``w`` and an ascent step on ``λ``:
 
-    direction = Σ_k λ_k g_k / η_l          (g_k/η_l estimates ∇F_k(w))
-    λ ← Proj_Δ(λ + γ_λ F(w))               (after the model step)
+    w ← w − γ_w Σ_k λ_k ĝ_k          ĝ_k = g_k/η_l estimates ∇F_k(w)
+    λ ← Proj_Δ(λ + γ_λ F(w))          (after the model step, with the old λ's step)
 
-with ``F(w)`` the clients' losses at the received model. Every client takes
-part in every round (``cohort.size = data.num_clients``); the server step
-``w ← w − γ·direction`` uses ``server.lr`` as γ. The paper reports the average
-of the iterates: set ``eval.average_iterates=true``.
+with ``g_k = w − w_k`` the client updates, ``F(w)`` the clients' losses at the
+received model and ``λ`` starting uniform. As in the public code (easyFL's
+``afl.py``, which follows the fair_flearn code), ``γ_λ = 0.01`` and ``γ_w`` is
+the client learning rate ``η_l`` of the round. fedloom returns the direction
+``Σ_k λ_k g_k = η_l Σ_k λ_k ĝ_k``, so the server step ``w ← w − server.lr ·
+direction`` is ``γ_w = server.lr · η_l``: the default ``server.lr = 1`` is the
+public step (and follows a client-lr schedule, as the public code's does).
+
+Every client takes part in every round (``cohort.size = data.num_clients``).
+The paper and the public code report the running average of the iterates: set
+``eval.average_iterates=true``.
+
+Checked against the public rule: tests/test_baselines_public.py replays two
+rounds of the public update (direction and λ, NumPy) and compares to 1e-12.
+Before, the defaults were ``γ_λ = 0.1`` and the direction ``Σ λ_k ĝ_k`` (a
+model step of ``server.lr/η_l`` times the public one at the default
+``server.lr = 1``). Departure: a client whose update is rejected this round
+drops out of this round's model step (the others' λ renormalised) and gets no
+loss term in this round's λ step; the public code has no rejected updates.
 """
 
 from __future__ import annotations
@@ -27,11 +43,17 @@ __all__ = ["AFL"]
 
 
 class AFL:
-    requires = frozenset({"start_losses", "lr"})
+    """AFL with the public step sizes.
+
+    Args:
+        gamma_lambda: the ascent step ``γ_λ`` on the mixture weights (public: 0.01).
+    """
+
+    requires = frozenset({"start_losses"})
     full_participation = True
 
-    def __init__(self, gamma_lambda: float = 0.1) -> None:
-        if gamma_lambda <= 0:
+    def __init__(self, gamma_lambda: float = 0.01) -> None:
+        if not gamma_lambda > 0:
             raise ValueError(f"aggregator.options.gamma_lambda: must be > 0, got {gamma_lambda}")
         self.gamma_lambda = gamma_lambda
 
@@ -42,18 +64,16 @@ class AFL:
         self, updates: torch.Tensor, weights: torch.Tensor, state: torch.Tensor | None, *,
         info: CohortInfo | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Mapping[str, float]]:
-        if info is None or info.start_losses is None or info.lr is None:
-            raise ValueError("afl: needs the start losses and the client lr (info)")
+        if info is None or info.start_losses is None:
+            raise ValueError("afl: needs the clients' losses (info.start_losses)")
         N = info.num_clients
         lam = state if state is not None else torch.full((N,), 1.0 / N, dtype=torch.float64)
         ids = info.clients
         # Rows missing this round (rejected updates) drop out of this step only.
         coef = lam[ids] / lam[ids].sum()
-        direction = (coef / info.lr).to(updates.dtype) @ updates
-        losses = torch.zeros(N, dtype=torch.float64)
-        losses[ids] = info.start_losses.to(torch.float64)
+        direction = coef.to(updates.dtype) @ updates
         new = lam.clone()
-        new[ids] = lam[ids] + self.gamma_lambda * losses[ids]
+        new[ids] = lam[ids] + self.gamma_lambda * info.start_losses.to(torch.float64)
         new = project_simplex(new)
         return direction, new, {"afl_lambda_max": float(new.max()),
                                 "afl_worst_loss": float(info.start_losses.max())}

@@ -1,58 +1,137 @@
 """FedFV: federated fair averaging by mitigating gradient conflicts.
 
-Wang et al., "Federated Learning with Fair Averaging" (IJCAI 2021):
+Wang et al., "Federated Learning with Fair Averaging" (IJCAI 2021), Algorithm 1,
+as in the authors' public code (github.com/WwZzz/easyFL, ``fedfv.py``). Round
+``t = 1, 2, …`` (``info.round + 1``), cohort of ``m`` updates ``g_k = w − w_k``
+with losses ``F_k`` at the received model:
 
-1. Sort the cohort by loss ``F_k`` (at the received model). The fraction ``α``
-   with the highest loss keep their update unchanged.
-2. Every other ``g_i'`` (starting from ``g_i``) is projected, for each ``j``
-   in ascending-loss order (so the highest-loss clients act last), whenever
-   ``⟨g_j, g_i'⟩ < 0``: ``g_i' ← g_i' − ⟨g_j, g_i'⟩/‖g_j‖² g_j``.
-3. Average (uniformly, as the paper), then remove conflicts with the
-   aggregates of the last ``τ`` rounds the same way.
-4. Rescale to ``‖mean_k g_k‖``.
+1. **Internal conflicts.** Sort the cohort by loss, ascending (ties in cohort
+   order). The clients at sorted positions ``⌈(m − 1)(1 − α)⌉ … m − 1`` (the
+   highest losses; ``m − ⌈(m − 1)(1 − α)⌉`` of them, none when ``α = 0``) keep
+   their update. Every other ``g_i'`` (starting from ``g_i``) is projected, for
+   each ``j ≠ i`` in ascending-loss order (so the highest-loss clients act last),
+   whenever ``⟨g_j, g_i'⟩ < 0``: ``g_i' ← g_i' − ⟨g_j, g_i'⟩/‖g_j‖² g_j``.
+2. ``g = (1/m) Σ_i g_i'`` (uniform, as the paper and the public code).
+3. **External conflicts** (only when ``t ≥ τ``, as the public code). For
+   ``s = t − τ + 1, …, t`` (oldest first; ``s = t`` is the current round): of the
+   clients whose latest update was sent in round ``s``, sum those with
+   ``⟨g, g_k⟩ < 0`` into ``g_con``; if ``⟨g, g_con⟩ < 0``,
+   ``g ← g − ⟨g, g_con⟩/‖g_con‖² g_con``. A client seen again later counts only
+   in its latest round.
+4. Rescale: ``g ← g · ‖(1/m) Σ_k g_k‖ / ‖g‖``.
 
-Each ``g_i'`` is kept as coefficients over the original rows, so step 2 runs
-on the m × m Gram matrix.
+Step 1 keeps each ``g_i'`` as coefficients over the original rows, so it runs on
+the m × m Gram matrix; steps 2–4 run on the d-vector in float64. The state holds
+the updates of the clients last seen in rounds ``t − τ + 2 … t`` (at most
+``(τ − 1)·m`` rows of d; nothing at ``τ = 1``).
+
+Checked against the public rule: tests/test_baselines_public.py re-derives the
+algorithm in NumPy; on float64 Gaussian cohorts (m = 2 … 14, d = 16, α ∈ {0,
+0.1, 0.3, 0.5, 1}, τ ∈ {0, 1, 2, 3}, five rounds with recurring clients) the
+max difference is 6.7e-16 (steps of norm ≈ 2). The rule this module implemented
+before (keep ``⌈αm⌉`` clients; project against its own last τ aggregates)
+differed in round 1 at τ = 1 by up to 0.44 / 0.72 (max abs entry, α = 0.1 /
+0.3, independent cohorts, d = 5, m ∈ {4, 7, 10, 14}), 0.50 / 0.34 at d = 10,
+0.05 / 0.15 at d = 50; on local-SGD updates of a digits MLP (m = 7, six rounds)
+by 2.5–8.4 % (relative L2) at α = 0.3 and not at all at α = 0.1.
+
+Departures (robustness only): a zero ``g`` is returned as zero instead of the
+public code's 0/0; rows with ``‖g_j‖ = 0`` never project (their dot is 0, so
+the public code skips them too).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import TypedDict
 
 import torch
 
 from fedloom.aggregate.base import CohortInfo
-from fedloom.aggregate.gram import gram
+from fedloom.aggregate.gram import gram, matvec
 from fedloom.params import Layout
 from fedloom.registry import register
 
-__all__ = ["FedFV"]
+__all__ = ["FedFV", "kept_count"]
+
+_CHUNK = 1 << 15
+
+
+class FedFVState(TypedDict):
+    """The latest update of each client last seen in one of the previous τ − 1 rounds."""
+
+    clients: torch.Tensor  # int64 [n]
+    rounds: torch.Tensor   # int64 [n], the public round t (1-based) of that update
+    rows: torch.Tensor     # [n, d]
+
+
+def kept_count(m: int, alpha: float) -> int:
+    """Clients that keep their update: ``m − ⌈(m − 1)(1 − α)⌉`` (0 at ``α = 0``).
+
+    The public code's expression, evaluated in the same floating point. It
+    differs from ``⌈αm⌉`` e.g. at α = 0.3 for m = 4, 7, 14 (1, 2, 4 instead of
+    2, 3, 5).
+    """
+    if alpha <= 0 or m == 0:
+        return 0
+    return m - math.ceil((m - 1) * (1 - alpha))
+
+
+def _combine64(rows: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """``coefᵀ rows`` as a float64 d-vector, over column chunks (no float64 copy of rows)."""
+    out = torch.empty(rows.shape[1], dtype=torch.float64)
+    c64 = coef.to(torch.float64)
+    for s in range(0, rows.shape[1], _CHUNK):
+        out[s : s + _CHUNK] = c64 @ rows[:, s : s + _CHUNK].to(torch.float64)
+    return out
 
 
 class FedFV:
+    """FedFV with the public code's rule.
+
+    Args:
+        alpha: fraction of highest-loss clients that keep their update (public
+            count ``m − ⌈(m − 1)(1 − α)⌉``).
+        tau: rounds of client updates the aggregate is de-conflicted against,
+            the current one included (0: none).
+    """
+
     requires = frozenset({"start_losses"})
 
     def __init__(self, alpha: float = 0.1, tau: int = 1) -> None:
         if not 0 <= alpha <= 1:
             raise ValueError(f"aggregator.options.alpha: must be in [0, 1], got {alpha}")
-        if tau < 0:
-            raise ValueError(f"aggregator.options.tau: must be >= 0, got {tau}")
+        if isinstance(tau, bool) or not isinstance(tau, int) or tau < 0:
+            raise ValueError(f"aggregator.options.tau: must be an integer >= 0, got {tau}")
         self.alpha, self.tau = alpha, tau
 
-    def init(self, layout: Layout) -> list[torch.Tensor]:
-        return []  # the last τ aggregates, newest last
+    def init(self, layout: Layout) -> FedFVState:
+        return {"clients": torch.zeros(0, dtype=torch.int64),
+                "rounds": torch.zeros(0, dtype=torch.int64),
+                "rows": torch.zeros(0, layout.size)}
 
     def __call__(
-        self, updates: torch.Tensor, weights: torch.Tensor, state: list[torch.Tensor], *,
+        self, updates: torch.Tensor, weights: torch.Tensor, state: FedFVState, *,
         info: CohortInfo | None = None,
-    ) -> tuple[torch.Tensor, list[torch.Tensor], Mapping[str, float]]:
+    ) -> tuple[torch.Tensor, FedFVState, Mapping[str, float]]:
         if info is None or info.start_losses is None:
             raise ValueError("fedfv: needs the clients' losses (info.start_losses)")
         m = updates.shape[0]
+        t = info.round + 1  # the public code counts rounds from 1
+        ids = info.clients.to(torch.int64)
+
+        if not isinstance(state, dict):  # a checkpoint of the former rule: no client history
+            state = self.init(Layout.flat(updates.shape[1]))
+        # A client in this cohort counts only in this round from now on.
+        old_ok = ~torch.isin(state["clients"], ids) & (state["rounds"] > t - self.tau)
+        h_ids, h_rounds, h_rows = (state["clients"][old_ok], state["rounds"][old_ok],
+                                   state["rows"][old_ok])
+
+        # 1. internal conflicts on the Gram matrix
         G, _ = gram(updates)
         order = torch.argsort(info.start_losses.to(torch.float64), stable=True)  # ascending
-        n_keep = math.ceil(self.alpha * m) if self.alpha > 0 else 0
+        n_keep = kept_count(m, self.alpha)
         keep = set(order[m - n_keep :].tolist()) if n_keep else set()
         C = torch.eye(m, dtype=torch.float64)
         conflicts = 0
@@ -66,19 +145,46 @@ class FedFV:
                 if dot < 0:
                     C[i, j] -= dot / float(G[j, j])
                     conflicts += 1
-        coef = C.mean(0)
-        g = coef.to(updates.dtype) @ updates
-        for h in reversed(state):
-            hh = float(h.double() @ h.double())
-            dot = float(g.double() @ h.double())
-            if hh > 0 and dot < 0:
-                g = g - (dot / hh) * h.to(g.dtype)
-        target = torch.linalg.vector_norm(updates.mean(0).double())
-        norm = torch.linalg.vector_norm(g.double())
+
+        # 2. uniform mean, as a float64 vector
+        g = _combine64(updates, C.mean(0))
+
+        # 3. external conflicts with the clients of rounds t − τ + 1 … t, oldest first
+        external = 0
+        if self.tau and t >= self.tau:
+            for s in range(t - self.tau + 1, t + 1):
+                rows = updates if s == t else h_rows[h_rounds == s]
+                if rows.shape[0] == 0:
+                    continue
+                sel = (matvec(rows, g) < 0).to(torch.float64)
+                if not bool(sel.any()):
+                    continue
+                g_con = _combine64(rows, sel)
+                dot, nn = float(g @ g_con), float(g_con @ g_con)
+                if dot < 0 and nn > 0:
+                    g = g - (dot / nn) * g_con
+                    external += 1
+
+        # 4. rescale to ‖mean_k g_k‖
+        mean = _combine64(updates, torch.full((m,), 1.0 / m, dtype=torch.float64))
+        target = torch.linalg.vector_norm(mean)
+        norm = torch.linalg.vector_norm(g)
         if norm > 0:
-            g = g * (target / norm).to(g.dtype)
-        new_state = ([*state, g.detach().clone()])[-self.tau :] if self.tau else []
-        return g, new_state, {"fedfv_projections": float(conflicts)}
+            g = g * (target / norm)
+
+        # Round t + 1 looks back to round t − τ + 2: keep only what it can use.
+        live = h_rounds > t + 1 - self.tau
+        new_state: FedFVState = {"clients": h_ids[live], "rounds": h_rounds[live],
+                                 "rows": h_rows[live].to(updates.dtype)}
+        if self.tau > 1:
+            new_state = {
+                "clients": torch.cat([new_state["clients"], ids]),
+                "rounds": torch.cat([new_state["rounds"],
+                                     torch.full((m,), t, dtype=torch.int64)]),
+                "rows": torch.cat([new_state["rows"], updates.detach()]),
+            }
+        return g.to(updates.dtype), new_state, {"fedfv_projections": float(conflicts),
+                                                "fedfv_external_projections": float(external)}
 
 
 # The class is its own factory: its constructor arguments are the config options.

@@ -1,39 +1,157 @@
 """FedLF: layer-wise fair federated learning.
 
 Pan et al., "FedLF: Layer-Wise Fair Federated Learning" (AAAI 2024); public
-code github.com/zibinpan/FedLF. Per layer group ``q``:
+code github.com/zibinpan/FedLF (``gfedplat/algorithm/FedLF/FedLF.py``). For the
+cohort's updates ``g_i`` (rows), losses ``l`` at the received model and the
+preference ``p = 1/√m``, per group ``q``:
 
 1. Rescale each client's update to the cohort's mean norm ``μ_q``:
    ``Q_i = μ_q g_i^q / ‖g_i^q‖``.
-2. A fairness direction from the loss vector ``l`` and the preference
-   ``p = 1/√m``: ``h = ((l·p) l/‖l‖ − p ‖l‖)/‖l‖²``, ``f = μ_q (hQ)/‖hQ‖``,
-   appended as one more row.
-3. Solve ``min_{λ∈Δ} ‖λᵀ Q'‖²`` (min-norm point of the rows' hull) and take
+2. A fairness direction ``h = ((l·p) l/‖l‖ − p ‖l‖)/‖l‖²``,
+   ``f = μ_q (hQ)/‖hQ‖``, appended as one more row.
+3. Solve ``min_{λ∈Δ} ‖λᵀ Q'‖²`` (the min-norm point of the rows' hull) and take
    ``d_q = λᵀ Q'``.
 
-The groups' directions are concatenated and rescaled to ``‖mean_k g_k‖``.
-Departure: the public code also appends recently seen clients' historical
-gradients when clients drop out; that history is not kept here.
+The groups' directions are concatenated and rescaled to ``‖(1/m) Σ_k g_k‖``.
+
+``groups``:
+
+- ``"tensor"`` (default, the public code): one group per parameter tensor
+  (the public ``Module.create_Loc_reshape_list`` makes one index list per
+  ``model.parameters()`` entry; the models' ``fix_Loc_list``, which would merge
+  weight and bias, is never called), so a layer's weight and bias are two groups;
+- ``"layer"``: fedloom's layer groups (:meth:`fedloom.params.Layout.from_module`:
+  weight and bias together, a normalisation layer with the module before it).
+
+Equal losses (``l ∥ 1``): ``h = 0`` in exact arithmetic. The public code has no
+guard: in float32 its ``h`` is ``δ·1`` with ``δ`` rounding noise (measured: 0 or
+±1e-9 … 2e-7 depending on m and the loss value), so the appended row is
+``f = sign(δ) μ (1ᵀQ)/‖1ᵀQ‖``, or 0/0 = NaN when ``δ = 0``. With ``δ > 0`` that
+row never changes the min-norm point ``d*`` (``⟨1ᵀQ, d*⟩ ≥ m‖d*‖²`` and
+``‖1ᵀQ‖ ≤ mμ``, so ``⟨f, d*⟩ ≥ ‖d*‖²``); fedloom returns that result by leaving
+the row out whenever ``‖h‖·‖l‖ < 1e-12`` (the sine of the angle between ``l``
+and ``1``), and never the NaN or the sign-flipped row of the other two cases.
+
+Checked against the public rule: tests/test_baselines_public.py re-derives it
+in NumPy with an exact min-norm solver (active-set enumeration) on float64
+cohorts (m = 2 … 5, a two-layer model's four tensors, distinct and equal
+losses): max difference 1.4e-14 (directions of norm ≈ 1). Before, this module
+grouped per module and solved the min-norm problem by 2000 projected-gradient
+(FISTA) steps: the grouping alone moved the direction by 10–81 % (relative L2,
+median 38 %) on those cohorts and by 6–12 % on local-SGD updates of a digits
+MLP (m = 7), and the solver missed the exact min-norm point by up to 2.4e-4
+(max abs entry) where a tensor's hull nearly contains the origin.
+
+Departures: the public code runs on each client's full-batch gradient at the
+received model (no local training); fedloom runs the same rule on whatever rows
+it receives (local-training pseudo-gradients unless ``client.steps=1``). When
+clients drop out, the public code also appends the last gradients of recently
+seen absent clients as extra rows; that history is not kept here. A group in
+which some client's update is zero gets a zero direction (the public code
+divides by the zero norm). The public code's final guard (halve or undo the
+rescaling when some ``⟨g_i, d⟩ < −1e-6``) only catches its QP solver's
+inexactness: the exact min-norm point has ``⟨g_i^q, d_q⟩ ≥ 0`` in every group,
+so the guard is not reproduced.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from fedloom.aggregate.base import CohortInfo
-from fedloom.aggregate.gram import gram, min_norm_simplex
+from fedloom.aggregate.gram import gram
 from fedloom.params import Layout
 from fedloom.registry import register
 
-__all__ = ["FedLF"]
+__all__ = ["FedLF", "min_norm_point"]
+
+_GROUPS = ("tensor", "layer")
+
+
+def min_norm_point(P: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """``argmin_{λ∈Δ} λᵀPλ`` for a Gram matrix ``P = QQᵀ``: the min-norm point of the
+    rows' convex hull, by Wolfe's algorithm (Wolfe, Math. Programming 11, 1976).
+
+    A corral ``S`` of affinely independent rows is grown by the row ``j`` least
+    aligned with the current point ``x = λᵀQ`` while ``‖x‖² − ⟨x, q_j⟩ > eps·max‖q_i‖²``
+    (the optimality gap); each minor cycle moves to the affine minimiser of ``S``
+    (the bordered system ``[P_S 1; 1ᵀ 0]``) or, if that leaves the hull, to the
+    first boundary on the way and drops the rows whose weight reached zero. Exact up
+    to rounding in finitely many steps, also for rank-deficient ``P`` (more clients
+    than a tensor's width) and norms spread over many orders, where a projected
+    gradient method stalls (measured on 600 random Gram matrices, n ≤ 7, norms
+    spread 1e-3 … 1e3, nearly duplicated rows: max error of ``λᵀQ`` 4.5e-11
+    relative to ``max‖q_i‖`` against an exhaustive active-set search, where 2000
+    FISTA steps reach 5.3e-3 and take several hundred times as long).
+    """
+    G = P.detach().to(torch.float64).numpy()
+    n = G.shape[0]
+    diag = np.diag(G)
+    scale = float(diag.max()) if n else 0.0
+    if not scale > 0:  # every row is zero (or P is not a Gram matrix): any λ
+        return torch.full((n,), 1.0 / max(n, 1), dtype=torch.float64)
+    lam = np.zeros(n)
+    S = [int(np.argmin(diag))]
+    lam[S[0]] = 1.0
+    for _ in range(50 * n + 50):
+        Gl = G @ lam
+        j = int(np.argmin(Gl))
+        if float(lam @ Gl - Gl[j]) <= eps * scale or j in S:
+            break  # optimal: no row lies further towards the origin than x
+        S.append(j)
+        while True:  # minor cycle
+            k = len(S)
+            A = np.ones((k + 1, k + 1))
+            A[:k, :k] = G[np.ix_(S, S)]
+            A[k, k] = 0.0
+            rhs = np.zeros(k + 1)
+            rhs[k] = 1.0
+            # least squares: rounding can make a nearly dependent corral singular
+            alpha = np.linalg.lstsq(A, rhs, rcond=None)[0][:k]
+            if float(alpha.min()) > 0:
+                lam[:] = 0.0
+                lam[S] = alpha / alpha.sum()
+                break
+            cur = lam[S]
+            out = alpha <= 0
+            ratio = np.full(k, np.inf)
+            ratio[out] = cur[out] / (cur[out] - alpha[out])
+            hit = int(np.argmin(ratio))
+            new = cur + float(ratio[hit]) * (alpha - cur)
+            new[hit] = 0.0
+            alive = new > 1e-15
+            S = [s for s, a in zip(S, alive.tolist(), strict=True) if a]
+            lam[:] = 0.0
+            lam[S] = new[alive] / new[alive].sum()
+            if j not in S:
+                # the new row left at once: no progress is possible in floating point
+                return torch.from_numpy(lam)
+    return torch.from_numpy(lam)
 
 
 class FedLF:
+    """FedLF with the public code's per-tensor groups by default.
+
+    Args:
+        groups: ``"tensor"`` (one group per parameter tensor, the public code)
+            or ``"layer"`` (fedloom's layer groups).
+    """
+
     requires = frozenset({"start_losses"})
 
+    def __init__(self, groups: str = "tensor") -> None:
+        if groups not in _GROUPS:
+            raise ValueError(
+                f"aggregator.options.groups: must be one of {', '.join(_GROUPS)}, got {groups!r}"
+            )
+        self.groups = groups
+
     def init(self, layout: Layout) -> tuple[tuple[int, int], ...]:
+        if self.groups == "tensor":
+            return tuple((t.offset, t.offset + t.numel) for t in layout.tensors)
         return tuple((g.start, g.stop) for g in layout.groups)
 
     def __call__(
@@ -42,6 +160,11 @@ class FedLF:
     ) -> tuple[torch.Tensor, tuple[tuple[int, int], ...], Mapping[str, float]]:
         if info is None or info.start_losses is None:
             raise ValueError("fedlf: needs the clients' losses (info.start_losses)")
+        if not state or state[-1][1] != updates.shape[1]:
+            raise ValueError(
+                f"fedlf: updates have {updates.shape[1]} columns, the layout has "
+                f"{state[-1][1] if state else 0}"
+            )
         m = updates.shape[0]
         loss = info.start_losses.to(torch.float64)
         p = torch.full((m,), m**-0.5, dtype=torch.float64)
@@ -50,14 +173,16 @@ class FedLF:
         if ln > 0:
             h = ((loss @ p) * loss / ln - p * ln) / ln**2
             if float(torch.linalg.vector_norm(h) * ln) < 1e-12:
-                h.zero_()  # equal losses: no fairness direction (not rounding noise)
+                h.zero_()  # equal losses: the row would not move d* (see the docstring)
         out = torch.zeros(updates.shape[1], dtype=updates.dtype)
+        zero_groups = 0
         for start, stop in state:
             R = updates[:, start:stop]
             G_raw, _ = gram(R)
             norms = G_raw.diagonal().clamp_min(0).sqrt()
             if not bool((norms > 0).all()):
-                continue  # a client with a zero layer: leave this layer's direction at zero
+                zero_groups += 1
+                continue  # a client with a zero group: the hull holds 0, d_q = 0
             mu = float(norms.mean())
             D = mu / norms                               # Q = diag(D) R
             GQ = G_raw * D[:, None] * D[None, :]         # Q Qᵀ
@@ -70,16 +195,16 @@ class FedLF:
                 Gp[:m, :m] = GQ
                 Gp[:m, m] = Gp[m, :m] = cross
                 Gp[m, m] = mu * mu
-                lam = min_norm_simplex(Gp)
+                lam = min_norm_point(Gp)
                 coef = lam[:m] * D + lam[m] * s * hD
             else:
-                coef = min_norm_simplex(GQ) * D
+                coef = min_norm_point(GQ) * D
             out[start:stop] = coef.to(R.dtype) @ R
         target = torch.linalg.vector_norm(updates.mean(0).double())
         norm = torch.linalg.vector_norm(out.double())
         if norm > 0:
             out = out * (target / norm).to(out.dtype)
-        return out, state, {}
+        return out, state, {"fedlf_zero_groups": float(zero_groups)}
 
 
 # The class is its own factory: its constructor arguments are the config options.
