@@ -58,16 +58,18 @@ def test_exact_values_of_each_compressor():
     assert ((yq == 0) | (torch.sign(yq) == torch.sign(x))).all()
 
 
-def test_sizes_are_what_the_format_says():
+@pytest.mark.parametrize("checksum,trailer", [(True, 4), (False, 0)])
+def test_sizes_are_what_the_format_says(checksum, trailer):
     x = _x(1000)
-    assert len(make_compressor("identity").encode(x)) == 8 + 4000
-    assert len(make_compressor("fp16").encode(x)) == 8 + 1 + 2000
-    assert len(make_compressor("sign").encode(x)) == 8 + 4 + 125
-    assert len(make_compressor("qsgd", levels=7).encode(x, gen=torch.Generator())) == \
-        8 + 6 + 125 + 375  # 3 bits per level
-    p = make_compressor("topk", count=10).encode(x)
+    c = {"checksum": checksum}  # the CRC-32C trailer: 4 bytes, or none
+    assert len(make_compressor("identity", **c).encode(x)) == 8 + 4000 + trailer
+    assert len(make_compressor("fp16", **c).encode(x)) == 8 + 1 + 2000 + trailer
+    assert len(make_compressor("sign", **c).encode(x)) == 8 + 4 + 125 + trailer
+    assert len(make_compressor("qsgd", levels=7, **c).encode(x, gen=torch.Generator())) == \
+        8 + 6 + 125 + 375 + trailer  # 3 bits per level
+    p = make_compressor("topk", count=10, **c).encode(x)
     # header 8 + sparse header 10 + varint gaps (≤ 2 bytes each for d = 1000) + 10 × 4 values
-    assert 8 + 10 + 10 + 40 <= len(p) <= 8 + 10 + 20 + 40
+    assert 8 + 10 + 10 + 40 + trailer <= len(p) <= 8 + 10 + 20 + 40 + trailer
     assert coordinates_sent(p) == 10 and coordinates_sent(make_compressor("fp16").encode(x)) \
         == 1000
 
@@ -75,8 +77,8 @@ def test_sizes_are_what_the_format_says():
 def test_bitmap_index_coding_wins_when_dense():
     x = _x(4096)
     dense = make_compressor("topk", ratio=0.5).encode(x)
-    # 2048 indices: varint would need ≥ 2048 bytes, the bitmap needs 512
-    assert len(dense) == 8 + 10 + 512 + 2048 * 4
+    # 2048 indices: varint would need ≥ 2048 bytes, the bitmap needs 512; trailer 4
+    assert len(dense) == 8 + 10 + 512 + 2048 * 4 + 4
 
 
 @pytest.mark.parametrize("name,opts,sigma_scale", [("qsgd", {"levels": 2}, 1.0),

@@ -33,8 +33,9 @@ def test_metrics_schema_and_exact_bytes(tiny):
     d = res.layout.size
     assert [("test_acc" in m) for m in res.metrics] == [False, True, True]  # every 2 + last
     for m in res.metrics:
-        # identity uplink: 8-byte header + 4 bytes per parameter, per client
-        assert m["uplink_bytes"] == m["cohort_size"] * (8 + 4 * d)
+        # identity uplink: 8-byte header + 4 bytes per parameter + the 4-byte CRC-32C
+        # trailer (compression.options.checksum, on by default), per client
+        assert m["uplink_bytes"] == m["cohort_size"] * (8 + 4 * d + 4)
         assert m["downlink_bytes"] == m["uplink_bytes"]
         assert 0.0 <= m["conflict_rate"] <= 1.0
     last = res.metrics[-1]

@@ -21,7 +21,12 @@ def coordinates_sent(payload: bytes) -> int:
 
 def make_compressor(name: str, **options: Any) -> Compressor:
     """Build a registered compressor (``identity``, ``fp16``, ``bf16``, ``topk``,
-    ``randk``, ``sign``, ``qsgd``); unknown options raise a ``ValueError``."""
+    ``randk``, ``sign``, ``qsgd``); unknown options raise a ``ValueError``.
+
+    Every compressor takes ``checksum`` (default ``True``): its payloads end with a
+    4-byte CRC-32C trailer that its ``decode`` requires (see
+    :mod:`fedloom.compress.base`); ``checksum=False`` gives the bare encoding, byte
+    for byte, for byte counts comparable with papers."""
     from fedloom.registry import build
 
     return build("compressor", name, options, "compression.options")

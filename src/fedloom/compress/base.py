@@ -1,47 +1,118 @@
-"""Compressor interface and the common wire header.
+"""Compressor interface, the common wire header and the integrity trailer.
 
 A compressor's ``encode`` returns the **bytes sent**: ``len(payload)`` is what
-the byte metrics count, not an estimate. Every payload starts with an 8-byte
-header::
+the byte metrics count, not an estimate. Every payload is::
 
     magic  b"FL"   2 bytes
-    version        u8  (1)
+    version        u8   1 = no trailer, 2 = CRC-32C trailer
     codec id       u8
     d              u32 little-endian, the length of the decoded vector
+    body           codec-specific (see each compressor)
+    trailer        u32 little-endian CRC-32C of every byte before it (version 2 only)
 
-``decode`` validates the header and the body length and raises
-:class:`PayloadError` (a ``ValueError``) with a one-line reason on truncated or
-corrupt input; it never returns a silently wrong vector.
+The trailer is on by default (``compression.options.checksum: true``, 4 bytes a
+payload); ``checksum: false`` sends version 1, byte for byte the format without
+it, for byte counts comparable with papers that count the bare encoding. The
+receiver expects what its own compressor is configured with: a payload with the
+other version is rejected, so a flipped version byte cannot switch the check off.
+
+CRC-32C (Castagnoli polynomial 0x1EDC6F41, as in iSCSI, RFC 3720) rather than the
+zlib CRC-32: for messages up to 2³¹ bits it detects every error of up to 3 bits
+(Hamming distance 4), where CRC-32 (IEEE 802.3) does so only up to 91,607 bits
+(Koopman, "32-bit cyclic redundancy codes for Internet applications", DSN 2002);
+both detect every burst of up to 32 bits, so any single changed byte. It comes
+from ``google-crc32c`` (hardware CRC32 instruction where present: ~0.65 ms for a
+4 MB payload here, zlib.crc32 ~1.4 ms; without a wheel it falls back to pure
+Python, ~1.4 s per MB, and importing this module warns). Known values, checked by
+the tests: CRC-32C of 32 zero bytes = 0x8A9136AA (RFC 3720, appendix B.4) and of
+b"123456789" = 0xE3069283 (the "check" value of CRC-32/ISCSI in Cook's catalogue
+of parametrised CRC algorithms).
+
+``decode(payload, d)`` validates every field against what this receiver expects
+(magic, version, codec, ``d``, the trailer, and each compressor's own fields: its
+value dtype, QSGD's ``s``, the index coding and the count ``k`` its budget gives)
+and the body length, and raises :class:`PayloadError` (a ``ValueError``) with a
+one-line reason on anything else. With the trailer, a payload damaged in transit
+is rejected unless the damage happens to keep the CRC (probability 2⁻³² for
+random damage); without it, a damaged header or length is rejected, but a
+changed value byte (or an index gap that stays in range) is indistinguishable
+from a different update and decodes as one. Fuzzing the 12 compressor settings
+(tests/test_faults_payloads.py: bit flips, byte overwrites, truncation, extension,
+header fields set to other values; d = 64): before these checks 3,436 of 12,000
+mutated payloads decoded to a wrong vector, 39 of them through a framing field
+(the cast's dtype code, QSGD's ``s``); with the trailer 0 of 12,000; without it 0
+through a framing field (35 through an index gap, 3,359 through a value).
+
+Without an expected ``d`` (``decode(payload)``) the header's ``d`` is believed
+only as far as the payload backs it: a dense codec needs ``d·itemsize`` bytes
+present, and no payload may make the decoder allocate more than
+``max(2²⁴, 2¹⁶·len(payload))`` entries (a 23-byte sparse payload claiming
+``d = 2³² − 1`` would otherwise allocate 16 GiB). Without the trailer a changed
+``d`` of a sparse payload then decodes to a vector of that other length. The
+engine and the Flower integration always pass the model's ``d``.
 """
 
 from __future__ import annotations
 
 import struct
+import warnings
 from typing import Protocol
 
+import google_crc32c
 import torch
 
-__all__ = ["HEADER", "Compressor", "PayloadError", "pack_header", "unpack_header"]
+__all__ = ["HEADER", "TRAILER", "Compressor", "PayloadError", "check_checksum_option", "crc32c",
+           "pack", "pack_header", "unpack_header"]
 
 MAGIC = b"FL"
-VERSION = 1
+VERSION = 1            # no trailer (the format before the trailer, unchanged)
+VERSION_CRC = 2        # the same, followed by a CRC-32C trailer
 HEADER = struct.Struct("<2sBBI")
+TRAILER = struct.Struct("<I")
+# Without an expected d: at most this many entries, or _MAX_EXPANSION per payload byte.
+_MAX_UNCHECKED_D = 2**24
+_MAX_EXPANSION = 2**16
+
+
+if google_crc32c.implementation != "c":  # pragma: no cover (wheels cover the usual platforms)
+    warnings.warn("google-crc32c runs without its C extension here: the payload checksum "
+                  "costs ~1.4 s per MB; install a google-crc32c wheel or set "
+                  "compression.options.checksum=false", RuntimeWarning, stacklevel=2)
 
 
 class PayloadError(ValueError):
     """A payload that cannot be decoded (truncated, oversized, corrupt)."""
 
 
-def pack_header(codec: int, d: int) -> bytes:
+def crc32c(data: bytes | bytearray | memoryview) -> int:
+    """CRC-32C (Castagnoli) of ``data``."""
+    return int(google_crc32c.value(bytes(data)))
+
+
+def check_checksum_option(checksum: object) -> bool:
+    """``compression.options.checksum`` must be a boolean."""
+    if not isinstance(checksum, bool):
+        raise ValueError(f"compression.options.checksum: must be true or false, got {checksum!r}")
+    return checksum
+
+
+def pack_header(codec: int, d: int, checksum: bool = False) -> bytes:
     if not 0 <= d < 2**32:
         raise ValueError(f"payload: vector length {d} does not fit the u32 header")
-    return HEADER.pack(MAGIC, VERSION, codec, d)
+    return HEADER.pack(MAGIC, VERSION_CRC if checksum else VERSION, codec, d)
+
+
+def pack(codec: int, d: int, body: bytes, checksum: bool) -> bytes:
+    """Header, body and (with ``checksum``) the CRC-32C trailer."""
+    out = pack_header(codec, d, checksum) + body
+    return out + TRAILER.pack(crc32c(out)) if checksum else out
 
 
 def unpack_header(
-    payload: bytes, codec: int, expected_d: int | None = None
+    payload: bytes, codec: int, expected_d: int | None = None, checksum: bool = False
 ) -> tuple[int, memoryview]:
-    """Check the header (and ``d`` against ``expected_d``); return ``d`` and the body."""
+    """Check the header, the trailer and ``d``; return ``d`` and the body (without
+    the trailer)."""
     if not isinstance(payload, bytes | bytearray | memoryview):
         raise PayloadError(f"payload: expected bytes, got {type(payload).__name__}")
     if len(payload) < HEADER.size:
@@ -49,19 +120,43 @@ def unpack_header(
     magic, version, got_codec, d = HEADER.unpack_from(payload)
     if magic != MAGIC:
         raise PayloadError(f"payload: bad magic {magic!r}")
-    if version != VERSION:
+    if version not in (VERSION, VERSION_CRC):
         raise PayloadError(f"payload: unsupported version {version}")
+    if (version == VERSION_CRC) != checksum:
+        raise PayloadError(
+            f"payload: sent {'with' if version == VERSION_CRC else 'without'} a checksum "
+            f"trailer, this receiver expects {'one' if checksum else 'none'} "
+            f"(compression.options.checksum)")
+    view = memoryview(payload)
+    if checksum:
+        if len(view) < HEADER.size + TRAILER.size:
+            raise PayloadError("payload: truncated (no room for the checksum trailer)")
+        (want,) = TRAILER.unpack_from(view, len(view) - TRAILER.size)
+        got = crc32c(view[: len(view) - TRAILER.size])
+        if got != want:
+            raise PayloadError(f"payload: checksum mismatch (CRC-32C {got:#010x}, trailer says "
+                               f"{want:#010x}): damaged in transit")
+        view = view[: len(view) - TRAILER.size]
     if got_codec != codec:
         raise PayloadError(f"payload: codec id {got_codec}, this decoder reads {codec}")
-    if expected_d is not None and d != expected_d:
-        raise PayloadError(f"payload: holds a vector of size {d}, expected {expected_d}")
-    return d, memoryview(payload)[HEADER.size :]
+    if expected_d is not None:
+        if d != expected_d:
+            raise PayloadError(f"payload: holds a vector of size {d}, expected {expected_d}")
+    elif d > max(_MAX_UNCHECKED_D, _MAX_EXPANSION * len(payload)):
+        raise PayloadError(f"payload: claims d = {d} in {len(payload)} bytes, more than a "
+                           f"decoder allocates unasked; pass the expected d")
+    return d, view[HEADER.size :]
+
 
 
 class Compressor(Protocol):
-    """``decode(encode(x))`` is the vector the receiver sees."""
+    """``decode(encode(x))`` is the vector the receiver sees.
+
+    ``checksum``: whether payloads carry (and ``decode`` requires) the CRC-32C trailer.
+    """
 
     name: str
+    checksum: bool
 
     def encode(self, x: torch.Tensor, *, gen: torch.Generator | None = None) -> bytes: ...
 

@@ -7,8 +7,12 @@ Sorted indices are sent either as
 - ``bitmap``: ``d`` bits, one per coordinate (``⌈d/8⌉`` bytes),
 
 whichever is smaller for this index set (the bitmap wins above a density of
-roughly 1/32 for small gaps). Decoders validate everything and raise
-:class:`~fedloom.compress.base.PayloadError` on truncated or corrupt input.
+roughly 1/32 for small gaps; a tie goes to varint). Decoders validate everything and
+raise :class:`~fedloom.compress.base.PayloadError` on truncated or corrupt input,
+including a non-canonical encoding: a varint with a redundant final zero byte, or
+the coding the encoder would not have chosen for this index set. Each index set
+then has exactly one encoding, so damage that turns one valid encoding into
+another of the same set (a changed coding byte that still parses) is rejected.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ __all__ = [
     "unpack_bits",
     "varint_decode",
     "varint_encode",
+    "varint_size",
 ]
 
 INDEX_VARINT = 0
@@ -69,6 +74,9 @@ def varint_decode(data: bytes | memoryview, count: int) -> np.ndarray:
     lengths = ends - starts + 1
     if lengths.max() > _MAX_VARINT_BYTES:
         raise PayloadError("varint: a value longer than 5 bytes (corrupt)")
+    # The encoder writes the shortest form: a multi-byte value never ends in 0x00.
+    if ((lengths > 1) & (buf[ends] == 0)).any():
+        raise PayloadError("varint: a value with a redundant final byte (not canonical)")
     pos = np.arange(buf.size) - np.repeat(starts, lengths)
     parts = (buf & 0x7F).astype(np.uint64) << (np.uint64(7) * pos.astype(np.uint64))
     return np.add.reduceat(parts, starts)
@@ -88,6 +96,15 @@ def unpack_bits(data: bytes | memoryview, n: int) -> np.ndarray:
     return bits[:n]
 
 
+def varint_size(values: np.ndarray) -> int:
+    """Bytes :func:`varint_encode` takes for ``values`` (without encoding them)."""
+    v = np.asarray(values, dtype=np.uint64)
+    n = v.size
+    for b in range(1, _MAX_VARINT_BYTES):
+        n += int(np.count_nonzero(v >= (np.uint64(1) << np.uint64(7 * b))))
+    return n
+
+
 def encode_indices(idx: np.ndarray, d: int) -> tuple[int, bytes]:
     """The smaller of varint gaps and a bitmap for sorted, distinct ``idx`` in ``[0, d)``."""
     idx = np.asarray(idx, dtype=np.int64)
@@ -101,10 +118,15 @@ def encode_indices(idx: np.ndarray, d: int) -> tuple[int, bytes]:
 
 
 def decode_indices(kind: int, data: bytes | memoryview, k: int, d: int) -> np.ndarray:
-    """Inverse of :func:`encode_indices`; checks count, order and range."""
+    """Inverse of :func:`encode_indices`; checks count, order, range and that the
+    coding is the one the encoder chooses."""
     if k > d:
         raise PayloadError(f"indices: {k} indices for d = {d}")
+    nbitmap = (d + 7) // 8
     if kind == INDEX_VARINT:
+        if len(data) > nbitmap:
+            raise PayloadError(f"indices: {len(data)} varint bytes where a bitmap takes "
+                               f"{nbitmap} (not canonical)")
         raw = varint_decode(data, k)
         if k and int(raw.max()) >= d:
             raise PayloadError(f"indices: a gap of {int(raw.max())} exceeds d = {d}")
@@ -118,5 +140,8 @@ def decode_indices(kind: int, data: bytes | memoryview, k: int, d: int) -> np.nd
         idx = np.flatnonzero(bits)
         if idx.size != k:
             raise PayloadError(f"bitmap: {idx.size} bits set, expected {k}")
+        if varint_size(np.diff(idx, prepend=-1) - 1) <= nbitmap:
+            raise PayloadError("indices: a bitmap where varint gaps are no longer "
+                               "(not canonical)")
         return idx
     raise PayloadError(f"indices: unknown index coding {kind}")

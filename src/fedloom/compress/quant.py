@@ -7,6 +7,11 @@
   ``‖x‖₂ sign(x_j) ξ_j / s``, ``ξ_j`` the stochastic rounding of ``s|x_j|/‖x‖₂``
   (unbiased). Payload: float32 norm, u16 s, then per entry a sign bit and a
   level of ``⌈log₂(s+1)⌉`` bits, bit-packed.
+
+Every payload ends with the CRC-32C trailer unless ``checksum=False`` (see
+:mod:`fedloom.compress.base`). The decoder checks the fields it can against its
+own settings: the cast's dtype code, QSGD's ``s`` (= ``levels``), the padding bits
+and QSGD's levels ``≤ s``.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from fedloom.compress.base import PayloadError, pack_header, unpack_header
+from fedloom.compress.base import PayloadError, check_checksum_option, pack, unpack_header
 from fedloom.compress.coding import pack_bits, unpack_bits
 from fedloom.params import Layout
 from fedloom.registry import register
@@ -36,25 +41,31 @@ class Cast:
 
     codec = CODEC_CAST
 
-    def __init__(self, dtype: Literal["float16", "bfloat16"] = "float16") -> None:
+    def __init__(self, dtype: Literal["float16", "bfloat16"] = "float16",
+                 checksum: bool = True) -> None:
         if dtype not in ("float16", "bfloat16"):
             raise ValueError(f"cast: dtype must be float16 or bfloat16, got {dtype!r}")
         self.dtype = dtype
         self.name = "fp16" if dtype == "float16" else "bf16"
+        self.checksum = check_checksum_option(checksum)
 
     def encode(self, x: torch.Tensor, *, gen: torch.Generator | None = None) -> bytes:
         tdt = torch.float16 if self.dtype == "float16" else torch.bfloat16
         raw = x.detach().to(tdt).contiguous().view(torch.int16).numpy().astype("<i2")
-        return pack_header(self.codec, x.numel()) + bytes([0 if tdt == torch.float16 else 1]) \
-            + raw.tobytes()
+        return pack(self.codec, x.numel(), bytes([0 if tdt == torch.float16 else 1])
+                    + raw.tobytes(), self.checksum)
 
     def decode(self, payload: bytes, d: int | None = None) -> torch.Tensor:
-        d, body = unpack_header(payload, self.codec, d)
+        d, body = unpack_header(payload, self.codec, d, self.checksum)
         if len(body) != 1 + 2 * d:
             raise PayloadError(f"cast payload: {len(body)} body bytes, expected {1 + 2 * d}")
-        if body[0] not in (0, 1):
-            raise PayloadError(f"cast payload: unknown dtype code {body[0]}")
-        tdt = torch.float16 if body[0] == 0 else torch.bfloat16
+        # The code must be this receiver's dtype: fp16 bits read as bf16 (or the
+        # reverse) are finite numbers of the same length, a silently wrong vector.
+        want = 0 if self.dtype == "float16" else 1
+        if body[0] != want:
+            raise PayloadError(f"cast payload: dtype code {body[0]}, this {self.name} "
+                               f"decoder reads {want}")
+        tdt = torch.float16 if want == 0 else torch.bfloat16
         raw = torch.from_numpy(np.frombuffer(body[1:], dtype="<i2").astype(np.int16))
         return raw.view(tdt).to(torch.float32)
 
@@ -65,14 +76,17 @@ class ScaledSign:
     name = "sign"
     codec = CODEC_SIGN
 
+    def __init__(self, checksum: bool = True) -> None:
+        self.checksum = check_checksum_option(checksum)
+
     def encode(self, x: torch.Tensor, *, gen: torch.Generator | None = None) -> bytes:
         d = x.numel()
         scale = float(x.detach().abs().sum(dtype=torch.float64) / d) if d else 0.0
         neg = (x.detach() < 0).numpy()
-        return pack_header(self.codec, d) + struct.pack("<f", scale) + pack_bits(neg)
+        return pack(self.codec, d, struct.pack("<f", scale) + pack_bits(neg), self.checksum)
 
     def decode(self, payload: bytes, d: int | None = None) -> torch.Tensor:
-        d, body = unpack_header(payload, self.codec, d)
+        d, body = unpack_header(payload, self.codec, d, self.checksum)
         if len(body) != 4 + (d + 7) // 8:
             raise PayloadError(f"sign payload: {len(body)} body bytes, expected "
                                f"{4 + (d + 7) // 8}")
@@ -89,7 +103,7 @@ class QSGD:
     name = "qsgd"
     codec = CODEC_QSGD
 
-    def __init__(self, levels: int = 16) -> None:
+    def __init__(self, levels: int = 16, checksum: bool = True) -> None:
         # An integer: ``s`` travels as a u16 and sets the bit width of a level.
         if (isinstance(levels, bool) or not isinstance(levels, numbers.Integral)
                 or not 1 <= levels < 2**16):
@@ -97,6 +111,7 @@ class QSGD:
                              f"got {levels!r}")
         levels = int(levels)
         self.levels = levels
+        self.checksum = check_checksum_option(checksum)
 
     @staticmethod
     def _width(s: int) -> int:
@@ -119,16 +134,20 @@ class QSGD:
         lv = level.numpy().astype(np.uint32)
         bits = ((lv[:, None] >> np.arange(b, dtype=np.uint32)) & 1).astype(np.uint8).reshape(-1)
         neg = (xd < 0).numpy()
-        return (pack_header(self.codec, d) + struct.pack("<fH", norm, s) + pack_bits(neg)
-                + pack_bits(bits))
+        return pack(self.codec, d, struct.pack("<fH", norm, s) + pack_bits(neg) + pack_bits(bits),
+                    self.checksum)
 
     def decode(self, payload: bytes, d: int | None = None) -> torch.Tensor:
-        d, body = unpack_header(payload, self.codec, d)
+        d, body = unpack_header(payload, self.codec, d, self.checksum)
         if len(body) < 6:
             raise PayloadError("qsgd payload: truncated")
         norm, s = struct.unpack_from("<fH", body)
-        if s < 1 or not math.isfinite(norm) or norm < 0:
-            raise PayloadError(f"qsgd payload: invalid norm {norm} or levels {s}")
+        # s is this receiver's levels: another s of the same bit width would decode
+        # to the same levels on another grid, a silently wrong vector.
+        if s != self.levels:
+            raise PayloadError(f"qsgd payload: s = {s}, this decoder has levels = {self.levels}")
+        if not math.isfinite(norm) or norm < 0:
+            raise PayloadError(f"qsgd payload: invalid norm {norm}")
         b = self._width(s)
         nsign, nlev = (d + 7) // 8, (d * b + 7) // 8
         if len(body) != 6 + nsign + nlev:
@@ -144,20 +163,20 @@ class QSGD:
 
 
 @register("compressor", "fp16")
-def _fp16(layout: Layout | None = None) -> Cast:
-    return Cast("float16")
+def _fp16(checksum: bool = True, layout: Layout | None = None) -> Cast:
+    return Cast("float16", checksum)
 
 
 @register("compressor", "bf16")
-def _bf16(layout: Layout | None = None) -> Cast:
-    return Cast("bfloat16")
+def _bf16(checksum: bool = True, layout: Layout | None = None) -> Cast:
+    return Cast("bfloat16", checksum)
 
 
 @register("compressor", "sign")
-def _sign(layout: Layout | None = None) -> ScaledSign:
-    return ScaledSign()
+def _sign(checksum: bool = True, layout: Layout | None = None) -> ScaledSign:
+    return ScaledSign(checksum)
 
 
 @register("compressor", "qsgd")
-def _qsgd(levels: int = 16, layout: Layout | None = None) -> QSGD:
-    return QSGD(levels=levels)
+def _qsgd(levels: int = 16, checksum: bool = True, layout: Layout | None = None) -> QSGD:
+    return QSGD(levels=levels, checksum=checksum)

@@ -8,6 +8,16 @@ Payload (after the 8-byte header)::
     index bytes  u32    length of the index block
     index block
     values       k × 4 or k × 2 bytes, little-endian, in index order
+    (the CRC-32C trailer of :mod:`fedloom.compress.base` unless ``checksum=False``)
+
+The decoder checks every field against its own settings: the value dtype is its
+``values``, ``k`` is the budget it computes for ``d`` (and, per tensor or group,
+each unit holds exactly its ``k_l`` indices), the index coding is the canonical
+one (see :mod:`fedloom.compress.coding`), the indices are increasing and below
+``d``, and the body is exactly as long as these fields say. ``k`` never exceeds
+the payload's length (each value takes 2 or 4 bytes), so no field makes the
+decoder allocate more than the payload backs, except the dense output of length
+``d`` (capped in :func:`fedloom.compress.base.unpack_header` when ``d`` is not given).
 
 Top-k keeps the ``k`` entries of largest magnitude, over the whole vector,
 per tensor or per layer group (``scope``); the per-tensor/-group budget is
@@ -26,12 +36,13 @@ from __future__ import annotations
 import math
 import numbers
 import struct
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
 import torch
 
-from fedloom.compress.base import PayloadError, pack_header, unpack_header
+from fedloom.compress.base import PayloadError, check_checksum_option, pack, unpack_header
 from fedloom.compress.coding import decode_indices, encode_indices
 from fedloom.params import Layout
 from fedloom.registry import register
@@ -42,6 +53,7 @@ CODEC_TOPK = 2
 CODEC_RANDK = 3
 _SPARSE = struct.Struct("<IBBI")
 _VALUE_DTYPES = {0: ("<f4", 4), 1: ("<f2", 2)}
+_VCODE = {"float32": 0, "float16": 1}
 ValueDtype = Literal["float32", "float16"]
 
 
@@ -90,31 +102,51 @@ def topk_indices(x: torch.Tensor, k: int, *, sample: int = 65536) -> torch.Tenso
 
 
 def encode_sparse(codec: int, d: int, idx: torch.Tensor, values: torch.Tensor,
-                  value_dtype: ValueDtype) -> bytes:
-    vcode = 0 if value_dtype == "float32" else 1
+                  value_dtype: ValueDtype, checksum: bool = False) -> bytes:
+    vcode = _VCODE[value_dtype]
     kind, index_block = encode_indices(idx.numpy(), d)
     vals = values.detach().to(torch.float32).numpy().astype(_VALUE_DTYPES[vcode][0])
-    return (pack_header(codec, d) + _SPARSE.pack(idx.numel(), kind, vcode, len(index_block))
-            + index_block + vals.tobytes())
+    return pack(codec, d, _SPARSE.pack(idx.numel(), kind, vcode, len(index_block))
+                + index_block + vals.tobytes(), checksum)
 
 
-def decode_sparse(payload: bytes, codec: int,
-                  expected_d: int | None = None) -> tuple[int, np.ndarray, np.ndarray]:
-    """``(d, indices, values)`` of a sparse payload, validated."""
-    d, body = unpack_header(payload, codec, expected_d)
+def decode_sparse(payload: bytes, codec: int, expected_d: int | None = None, *,
+                  checksum: bool = False, values: ValueDtype | None = None,
+                  budget: Callable[[int], list[tuple[int, int, int]]] | None = None,
+                  ) -> tuple[int, np.ndarray, np.ndarray]:
+    """``(d, indices, values)`` of a sparse payload, validated; ``values`` is the
+    value dtype the receiver expects, ``budget(d)`` its ``(start, stop, k_l)`` units."""
+    d, body = unpack_header(payload, codec, expected_d, checksum)
     if len(body) < _SPARSE.size:
         raise PayloadError(f"sparse payload: truncated ({len(body)} bytes after the header)")
     k, kind, vcode, ilen = _SPARSE.unpack_from(body)
     if vcode not in _VALUE_DTYPES:
         raise PayloadError(f"sparse payload: unknown value dtype {vcode}")
+    if values is not None and vcode != _VCODE[values]:
+        raise PayloadError(f"sparse payload: value dtype {vcode}, this decoder reads "
+                           f"{_VCODE[values]} ({values})")
     if k > d:
         raise PayloadError(f"sparse payload: k = {k} exceeds d = {d}")
     vdt, vsize = _VALUE_DTYPES[vcode]
     expected = _SPARSE.size + ilen + k * vsize
     if len(body) != expected:
         raise PayloadError(f"sparse payload: {len(body)} body bytes, expected {expected}")
+    units = budget(d) if budget is not None else None
+    if units is not None and k != (want := sum(u[2] for u in units)):
+        raise PayloadError(f"sparse payload: k = {k}, this decoder's budget for d = {d} is "
+                           f"{want}")
     iblock = body[_SPARSE.size : _SPARSE.size + ilen]
     idx = decode_indices(kind, iblock, k, d)
+    if units is not None and len(units) > 1:
+        # Per tensor/group: each unit holds exactly its k_l indices (idx is sorted).
+        lo = np.searchsorted(idx, [u[0] for u in units])
+        hi = np.searchsorted(idx, [u[1] for u in units])
+        got = hi - lo
+        want_l = np.array([u[2] for u in units])
+        if (got != want_l).any():
+            j = int(np.flatnonzero(got != want_l)[0])
+            raise PayloadError(f"sparse payload: {int(got[j])} indices in [{units[j][0]}, "
+                               f"{units[j][1]}), its budget is {units[j][2]}")
     vals = np.frombuffer(body[_SPARSE.size + ilen :], dtype=vdt).astype(np.float32)
     return d, idx, vals
 
@@ -156,6 +188,7 @@ class TopK:
         count: an absolute ``k`` instead (global scope only).
         scope: ``global`` (whole vector), ``tensor`` or ``group`` (needs ``layout``).
         values: ``float32`` or ``float16`` on the wire.
+        checksum: send (and require) the CRC-32C trailer.
     """
 
     name = "topk"
@@ -163,8 +196,10 @@ class TopK:
 
     def __init__(self, ratio: float | None = 0.01, count: int | None = None,
                  scope: Literal["global", "tensor", "group"] = "global",
-                 values: ValueDtype = "float32", layout: Layout | None = None) -> None:
+                 values: ValueDtype = "float32", layout: Layout | None = None,
+                 checksum: bool = True) -> None:
         _check_options(ratio, count, values)
+        self.checksum = check_checksum_option(checksum)
         if count is not None:
             ratio = None
             if scope != "global":
@@ -195,12 +230,19 @@ class TopK:
             parts.append(topk_indices(x[start:stop], k) + start)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def budget(self, d: int) -> list[tuple[int, int, int]]:
+        """``(start, stop, k_l)`` of each scope unit for a vector of size ``d``."""
+        return [(a, b, _budget(b - a, self.ratio, self.count)) for a, b in self._units(d)]
+
     def encode(self, x: torch.Tensor, *, gen: torch.Generator | None = None) -> bytes:
         idx = self.select(x)
-        return encode_sparse(self.codec, x.numel(), idx, x[idx], self.values)
+        return encode_sparse(self.codec, x.numel(), idx, x[idx], self.values, self.checksum)
 
     def decode(self, payload: bytes, d: int | None = None) -> torch.Tensor:
-        return _densify(*decode_sparse(payload, self.codec, d))
+        if d is None and self.layout is not None and self.scope != "global":
+            d = self.layout.size  # the layout says what the receiver expects
+        return _densify(*decode_sparse(payload, self.codec, d, checksum=self.checksum,
+                                       values=self.values, budget=self.budget))
 
     def contraction(self, d: int) -> float:
         """``δ = d/k`` (``‖x − C(x)‖² ≤ (1 − 1/δ)‖x‖²``)."""
@@ -215,8 +257,10 @@ class RandK:
     codec = CODEC_RANDK
 
     def __init__(self, ratio: float | None = 0.01, count: int | None = None,
-                 scaled: bool = True, values: ValueDtype = "float32") -> None:
+                 scaled: bool = True, values: ValueDtype = "float32",
+                 checksum: bool = True) -> None:
         _check_options(ratio, count, values)
+        self.checksum = check_checksum_option(checksum)
         if not isinstance(scaled, bool):
             raise ValueError(f"compression.options.scaled: must be true or false, got {scaled!r}")
         self.ratio, self.count, self.scaled, self.values = ratio, count, scaled, values
@@ -228,10 +272,14 @@ class RandK:
         k = _budget(d, self.ratio, self.count)
         idx = torch.randperm(d, generator=gen)[:k].sort().values
         vals = x[idx] * (d / k) if self.scaled else x[idx]
-        return encode_sparse(self.codec, d, idx, vals, self.values)
+        return encode_sparse(self.codec, d, idx, vals, self.values, self.checksum)
+
+    def budget(self, d: int) -> list[tuple[int, int, int]]:
+        return [(0, d, _budget(d, self.ratio, self.count))]
 
     def decode(self, payload: bytes, d: int | None = None) -> torch.Tensor:
-        return _densify(*decode_sparse(payload, self.codec, d))
+        return _densify(*decode_sparse(payload, self.codec, d, checksum=self.checksum,
+                                       values=self.values, budget=self.budget))
 
     def contraction(self, d: int) -> float:
         return d / _budget(d, self.ratio, self.count)
@@ -240,12 +288,15 @@ class RandK:
 @register("compressor", "topk")
 def _topk(ratio: float | None = 0.01, count: int | None = None,
           scope: Literal["global", "tensor", "group"] = "global",
-          values: ValueDtype = "float32", layout: Layout | None = None) -> TopK:
-    return TopK(ratio=ratio, count=count, scope=scope, values=values, layout=layout)
+          values: ValueDtype = "float32", checksum: bool = True,
+          layout: Layout | None = None) -> TopK:
+    return TopK(ratio=ratio, count=count, scope=scope, values=values, layout=layout,
+                checksum=checksum)
 
 
 @register("compressor", "randk")
 def _randk(ratio: float | None = 0.01, count: int | None = None, scaled: bool = True,
-           values: ValueDtype = "float32", layout: Layout | None = None) -> RandK:
-    return RandK(ratio=ratio, count=count, scaled=scaled, values=values)
+           values: ValueDtype = "float32", checksum: bool = True,
+           layout: Layout | None = None) -> RandK:
+    return RandK(ratio=ratio, count=count, scaled=scaled, values=values, checksum=checksum)
 
