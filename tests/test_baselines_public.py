@@ -327,3 +327,21 @@ def test_afl_lambda_moves_by_the_public_step():
                     info=_info([0, 1, 2], [1.0, 2.0, 3.0], lr=0.1))
     want = torch.tensor([1 / 3 - 0.01, 1 / 3, 1 / 3 + 0.01], dtype=torch.float64)
     assert torch.allclose(lam, want, atol=1e-15, rtol=0)
+
+
+def test_fedfv_history_survives_a_checkpoint(tmp_path):
+    # τ = 3 keeps the previous rounds' client updates as state; the engine's checkpoint is
+    # torch.save of it. Saving after round 2 and loading must continue exactly.
+    rng = np.random.default_rng(9)
+    rounds = _random_rounds(rng, 5, 8, 4, population=8)
+    agg = make_aggregator("fedfv", alpha=0.3, tau=3)
+    want = _fedloom_rounds(agg, rounds, 8)
+    state = agg.init(Layout.flat(8))
+    for r in range(4):
+        if r == 2:
+            torch.save({"agg_state": state}, tmp_path / "ck.pt")
+            state = torch.load(tmp_path / "ck.pt", weights_only=False)["agg_state"]
+        ids, G, losses = rounds[r]
+        g, state, _ = agg(torch.from_numpy(G), torch.ones(5), state,
+                          info=_info(ids, losses, round_=r, num_clients=8))
+        assert np.array_equal(g.numpy(), want[r])

@@ -28,7 +28,7 @@ the updates of the clients last seen in rounds ``t − τ + 2 … t`` (at most
 Checked against the public rule: tests/test_baselines_public.py re-derives the
 algorithm in NumPy; on float64 Gaussian cohorts (m = 2 … 14, d = 16, α ∈ {0,
 0.1, 0.3, 0.5, 1}, τ ∈ {0, 1, 2, 3}, five rounds with recurring clients) the
-max difference is 6.7e-16 (steps of norm ≈ 2). The rule this module implemented
+max difference is 6.7e-16 (steps of norm 1–3). The rule this module implemented
 before (keep ``⌈αm⌉`` clients; project against its own last τ aggregates)
 differed in round 1 at τ = 1 by up to 0.44 / 0.72 (max abs entry, α = 0.1 /
 0.3, independent cohorts, d = 5, m ∈ {4, 7, 10, 14}), 0.50 / 0.34 at d = 10,
