@@ -1,4 +1,4 @@
-"""CRAFT's default path at the edges: the cohorts training produces (float32).
+"""CRAFT's and ConFIG's default paths at the edges: the cohorts training produces (float32).
 
 Each cohort is solved by CRAFT with its default options and compared with
 
@@ -10,7 +10,8 @@ Each cohort is solved by CRAFT with its default options and compared with
   float32 with ``torch.linalg.pinv``'s default tolerance).
 
 Each cohort is solved in round 1 (``ĝ = 0``) and in round 2 against the
-reference left by an earlier round.
+reference left by an earlier round. ConFIG is compared the same way with its
+float64 truncated rule and the public ConFIG_update.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from fedloom import Layout
+from fedloom.aggregate.conflict_free import ConFIG
 from fedloom.aggregate.craft import CRAFT
 
 SV_FLOOR, RTOL, ATOL = 1e-3, 1e-6, 1e-6  # CRAFT's defaults
@@ -54,11 +56,11 @@ def _collinear(m: int, d: int, cos: float, seed: int) -> torch.Tensor:
 def cohorts() -> list[Cohort]:
     out = []
 
-    def add(name, R, feasible, seed, n=None):
+    def add(name, R, feasible, seed, n=None, rescale=True):
         g = _gen(seed + 1000)
         scale = 0.5 + torch.rand(R.shape[0], 1, generator=g, dtype=torch.float64)
         sizes = torch.randint(20, 400, (R.shape[0],), generator=g).double() if n is None else n
-        out.append(Cohort(name, (R * scale).float(), sizes, feasible))
+        out.append(Cohort(name, (R * scale if rescale else R).float(), sizes, feasible))
 
     def randn(m, d, seed):
         return torch.randn(m, d, generator=_gen(seed), dtype=torch.float64)
@@ -86,6 +88,12 @@ def cohorts() -> list[Cohort]:
     zero = randn(6, 300, 12)
     zero[2] = 0
     add("a zero row", zero, True, 12)
+    # opposite multiples of one direction (g and −g), built in float32: on this draw
+    # ConFIG's λᵀGλ went negative (NaN) before the fix
+    g = _gen(6)
+    v, c = torch.randn(50, generator=g), torch.randn(5, generator=g)
+    add("±multiples of one direction", (c[:, None] * v[None, :]).double(), False, 13,
+        rescale=False)
     return out
 
 
@@ -267,3 +275,93 @@ def test_layer_groups_each_get_the_fallback(m):
         U = _unit(R[:, grp.slice].double())
         assert float((U @ g[grp.slice].double() - n.double() / n.sum()).abs().max()) <= ATOL
     assert met["craft_max_violation"] <= ATOL and met["craft_infeasible_groups"] == 0
+
+
+# ------------------------------------------------------------------------ ConFIG
+def _config_exact(c: Cohort, length: str = "mean") -> torch.Tensor:
+    """float64 ConFIG with the documented cut: ĝ ∝ U_cut⁺1, |g| = mean (or sum) of ⟨g_i, ĝ⟩."""
+    R = c.R.double()
+    R = R[R.norm(dim=1) > 0]
+    U = _unit(R)
+    P, S, Qh = torch.linalg.svd(U, full_matrices=False)
+    cut = max(SV_FLOOR, RTOL * float(S.max()))
+    assert not ((S > cut / 2) & (S < 2 * cut)).any()
+    keep = S > cut
+    gu = Qh[keep].T @ ((P[:, keep].T @ torch.ones(U.shape[0], dtype=torch.float64)) / S[keep])
+    unit = gu / gu.norm()
+    proj = R @ unit
+    return (proj.sum() if length == "sum" else proj.mean()) * unit
+
+
+def _public_config(grads: torch.Tensor) -> torch.Tensor:
+    """tum-pbs/ConFIG ``ConFIG_update`` (EqualWeight, ProjectionLength) with
+    ``use_least_square=False``: ``pinv(units) @ 1``, then the sum of projections."""
+    units = torch.nan_to_num(grads / grads.norm(dim=1).unsqueeze(1), 0)
+    best = torch.linalg.pinv(units) @ torch.ones(grads.shape[0], dtype=grads.dtype)
+    unit = best / best.norm()
+    return torch.stack([torch.dot(g_i, unit) for g_i in grads]).sum() * unit
+
+
+def test_config_is_finite_bounded_and_equals_the_float64_rule():
+    """ConFIG (default length="mean") on every cohort: finite, ‖g‖ ≤ mean‖g_i‖
+    (Cauchy–Schwarz on the mean of projections onto a unit vector), equal to the
+    float64 truncated rule to 2e-4, and at equal angles to every client where
+    the rows have full rank at the cut (conflict-free: all ⟨g_i, g⟩ > 0).
+
+    Fails before the fix: ±multiples of one direction gave NaN (λᵀGλ < 0), low-rank
+    rows and more clients than width a length 1e-7 of the exact one.
+    """
+    for c in ALL:
+        g, _, _ = ConFIG()(c.R, c.n.float(), None)
+        assert torch.isfinite(g).all(), c.name
+        R = c.R.double()
+        R = R[R.norm(dim=1) > 0]
+        assert float(g.double().norm()) <= float(R.norm(dim=1).mean()) * (1 + 1e-6), c.name
+        exact = _config_exact(c)
+        err = float((g.double() - exact).norm() / exact.norm())
+        assert err <= 2e-4, (c.name, err)
+        S = torch.linalg.svdvals(_unit(R))
+        if S.numel() == R.shape[0] and float(S.min()) > SV_FLOOR:
+            cos = (R @ g.double()) / (R.norm(dim=1) * g.double().norm())
+            assert (cos > 0).all(), c.name
+            assert float(cos.max() - cos.min()) <= 1e-5, c.name
+
+
+def test_config_sum_matches_the_public_rule():
+    """length="sum" is the public ConFIG_update; compared on every cohort where the
+    public pinv's tolerance (max(m, d)·eps·σ_max) keeps the same directions as the
+    documented cut (all of them here). Max relative difference measured: 2.0e-4
+    (near-collinear: the public float32 pinv's own distance to the float64 rule),
+    ≤ 3.3e-6 elsewhere.
+
+    Fails before the fix: low rank and more clients than width (relative
+    difference 1.0: the length had shrunk 1e7×).
+    """
+    compared = 0
+    for c in ALL:
+        R = c.R.double()
+        S = torch.linalg.svdvals(_unit(R[R.norm(dim=1) > 0]))
+        pub_cut = max(R.shape) * EPS32 * float(S.max())
+        ours_cut = max(SV_FLOOR, RTOL * float(S.max()))
+        lo, hi = min(pub_cut, ours_cut), max(pub_cut, ours_cut)
+        if ((S > lo) & (S <= hi)).any():
+            continue  # the two rules keep different directions by design
+        compared += 1
+        g, _, _ = ConFIG(length="sum")(c.R, c.n.float(), None)
+        pub = _public_config(c.R).double()
+        err = float((g.double() - pub).norm() / pub.norm())
+        assert err <= 1e-3, (c.name, err)
+    assert compared >= 8
+
+
+def test_config_reports_rows_with_no_equal_angle_direction():
+    """``config_infeasible``: 1 where no direction makes equal angles with every client
+    (g and −g; more clients than width), 0 where one exists (duplicates included)."""
+    by_name = {c.name: c for c in ALL}
+    expect = {"±multiples of one direction": 1.0, "more clients than width (12 × 8)": 1.0,
+              "duplicated rows, different ρ": 0.0, "independent": 0.0,
+              "near-collinear cos 0.9999": 0.0}
+    for name, flag in expect.items():
+        c = by_name[name]
+        _, _, met = ConFIG()(c.R, c.n.float(), None)
+        assert met["config_infeasible"] == flag, name
