@@ -258,6 +258,17 @@ class BackendConfig:
 
 
 @dataclass
+class AttackConfig:
+    """Byzantine clients (fedloom.attack; none by default): ``fraction`` of the
+    population, drawn once from ``(seed, "attack")``, send attack ``name``'s
+    transform of their update (``options`` go to its factory)."""
+
+    name: str = "sign_flip"
+    fraction: float = _f(0.0, ge=0, le=1)
+    options: dict[str, Any] = _f({})
+
+
+@dataclass
 class Config:
     name: str = "experiment"
     seed: int = 0
@@ -275,6 +286,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     state: StateConfig = field(default_factory=StateConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -410,6 +422,7 @@ def _check_cross_fields(cfg: Config) -> None:
     check_name("backend.name", "backend", cfg.backend.name)
     check_name("client.method", "method", cfg.client.method)
     check_name("compression.name", "compressor", cfg.compression.name)
+    check_name("attack.name", "attack", cfg.attack.name)
     # Every compressor takes it (the payload's CRC-32C trailer): checked here, not
     # first when the experiment builds its compressor.
     checksum = cfg.compression.options.get("checksum", True)

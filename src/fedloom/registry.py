@@ -13,7 +13,7 @@ from typing import Any
 __all__ = ["available", "build", "check_name", "get", "register"]
 
 _KINDS = ("dataset", "model", "aggregator", "backend", "partitioner", "server_optimizer",
-          "compressor", "method")
+          "compressor", "method", "attack")
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {k: {} for k in _KINDS}
 
 # Modules whose import registers components.
@@ -47,6 +47,7 @@ _MODULES = (
     "fedloom.compress.identity",
     "fedloom.compress.sparse",
     "fedloom.compress.quant",
+    "fedloom.attack",
 )
 _loaded = False
 

@@ -28,6 +28,7 @@ import yaml
 
 from fedloom.aggregate.base import CohortInfo, make_aggregator
 from fedloom.aggregate.server_opt import ServerOptimizer
+from fedloom.attack import make_attack
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD, lr_at_round
 from fedloom.compress import coordinates_sent, make_compressor
 from fedloom.compress.feedback import UplinkContext, UplinkResult, make_feedback
@@ -212,6 +213,8 @@ class Experiment:
                                           comp.period, comp.reset_ratio, comp.beta,
                                           self.layout, comp.tau, comp.tau_decay,
                                           comp.penalty_steps, comp.penalty)
+            # Byzantine clients (attack.*), for robustness experiments; None when off.
+            self.attack = make_attack(cfg.attack, cfg.seed, self.fed.num_clients)
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e).splitlines()[0]) from None
         self.downlink = Identity()
@@ -321,6 +324,9 @@ class Experiment:
             log.warning("round %d: dropped clients %s (their worker failed)", r + 1,
                         plan.dropped)
         results = [res for res in raw if res is not None]
+        if self.attack is not None:  # an attacker sends its transform of the update
+            for res in results:
+                res.update = self.attack(res.update, res.client, r)
 
         # Uplink: feedback + compressor; the server sees decode(payload), as bytes.
         ups = []
