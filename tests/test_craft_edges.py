@@ -85,6 +85,11 @@ def cohorts() -> list[Cohort]:
     near[1] = near[0] + 1e-4 * randn(1, 1000, 11)[0]  # 1e-4 apart (relative)
     add("near-duplicates, different ρ", near, False, 10,
         n=torch.tensor([50.0, 200.0, 80.0, 120.0, 60.0, 90.0], dtype=torch.float64))
+    # at d = 200 the public pinv keeps the 1e-4 direction (its tolerance is d·eps·σ_max)
+    near = randn(6, 200, 14)
+    near[1] = near[0] + 1e-4 * randn(1, 200, 15)[0]
+    add("near-duplicates at d = 200", near, False, 14,
+        n=torch.tensor([50.0, 200.0, 80.0, 120.0, 60.0, 90.0], dtype=torch.float64))
     zero = randn(6, 300, 12)
     zero[2] = 0
     add("a zero row", zero, True, 12)
