@@ -50,7 +50,7 @@ def test_ef_identity_for_quantisers_to_rounding(name, opts):
 
 def test_ef21_keeps_h_plus_c():
     comp = make_compressor("topk", ratio=0.1)
-    fb = EF21()
+    fb = EF21("sampled")
     h = _vec(7) * 0.1
     g = _vec(8)
     out = fb.uplink(g, {"h": h}, comp, _ctx(), {})

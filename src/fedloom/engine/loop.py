@@ -212,7 +212,7 @@ class Experiment:
             self.feedback = make_feedback(comp.feedback, comp.alpha, comp.alpha_schedule,
                                           comp.period, comp.reset_ratio, comp.beta,
                                           self.layout, comp.tau, comp.tau_decay,
-                                          comp.penalty_steps, comp.penalty)
+                                          comp.penalty_steps, comp.penalty, comp.ef21_mean)
             # Byzantine clients (attack.*), for robustness experiments; None when off.
             self.attack = make_attack(cfg.attack, cfg.seed, self.fed.num_clients)
         except (TypeError, ValueError) as e:
@@ -332,7 +332,8 @@ class Experiment:
         ups = []
         for i, res in enumerate(results):
             ctx = UplinkContext(r, plan.lr, res.steps, plan.alphas[i],
-                                torch_gen(self.cfg.seed, r, res.client, Purpose.COMPRESS))
+                                torch_gen(self.cfg.seed, r, res.client, Purpose.COMPRESS),
+                                self.cfg.client.momentum, len(results), self.fed.num_clients)
             ups.append(fb.uplink(res.update, plan.fb_rows[i], plan.comp, ctx,
                                  st.feedback_state))
             # The dense update is not needed past its uplink: free it now, so a
