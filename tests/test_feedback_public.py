@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fedloom
+from conftest import stop_and_resume
 from fedloom.client.sgd import ClientJob, LocalSGD
 from fedloom.compress import make_compressor
 from fedloom.compress.feedback import EF21, SCAFCOM, UplinkContext, local_step_sum
@@ -228,3 +229,12 @@ def test_ef21_server_mean_tracks_all_stored_h_in_a_run(tiny):
 def test_ef21_mean_option_is_checked():
     with pytest.raises(ValueError, match=r"compression\.ef21_mean"):
         EF21("everyone")  # type: ignore[arg-type]
+
+
+def test_ef21_all_resumes_bit_for_bit(tiny, tmp_path):
+    """ḡ is server state: a run stopped after round 2 and resumed from its checkpoint
+    ends with the same model as the uninterrupted run."""
+    ov = ["compression.name=topk", "compression.options.ratio=0.05",
+          "compression.feedback=ef21", "rounds=4", "checkpoint.every=1"]
+    ref, res = stop_and_resume(tiny, ov, tmp_path / "r")
+    assert res.summary["model_sha256"] == ref.summary["model_sha256"]
