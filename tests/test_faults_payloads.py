@@ -325,3 +325,16 @@ def test_checksum_false_in_the_config_reaches_the_uplink(tiny):
     d = res.layout.size
     m = res.metrics[0]
     assert m["uplink_bytes"] == m["cohort_size"] * (8 + 4 * d)  # identity, no trailer
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_cser_reset_payload_follows_the_uplinks_checksum(checksum):
+    from fedloom.compress.feedback import UplinkContext, make_feedback
+
+    fb = make_feedback("cser", period=1)
+    comp = make_compressor("topk", ratio=0.1, checksum=checksum)
+    g = torch.randn(D, generator=torch.Generator().manual_seed(0))
+    out = fb.uplink(g, {"residual": torch.zeros(D)}, comp,
+                    UplinkContext(0, 0.1, 1, 0.0, torch.Generator()), {})
+    (reset,) = out.extra_payloads
+    assert out.payload[2] == reset[2] == (2 if checksum else 1)  # version: trailer or not

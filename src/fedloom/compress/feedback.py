@@ -324,9 +324,11 @@ class CSER(ErrorFeedback):
         up = super().uplink(g, state, comp, ctx, server)
         if (ctx.round + 1) % self.period == 0:
             e = up.state["residual"]
-            p = self.reset.encode(e)
+            # The reset payload carries the CRC-32C trailer exactly when the uplink's does.
+            reset = TopK(ratio=self.reset.ratio, checksum=getattr(comp, "checksum", True))
+            p = reset.encode(e)
             up.extra_payloads.append(p)
-            up.extra_sent = self.reset.decode(p, e.numel()).to(e.dtype)
+            up.extra_sent = reset.decode(p, e.numel()).to(e.dtype)
         return up
 
     def end_round(self, ups: Sequence[UplinkResult], server: ServerState, num_clients: int,
