@@ -21,11 +21,12 @@ untouched.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -140,33 +141,45 @@ class ClientStateStore:
 
     # ----------------------------------------------------------- checkpointing
     def state_dict(self, snapshot_dir: Path | None = None,
-                   tag: str = "") -> dict[str, np.ndarray | dict[str, str]]:
+                   tag: str = "") -> dict[str, np.ndarray | dict[str, Any]]:
         """A snapshot of every buffer, so that a resume is exact.
 
         Dense buffers are copied into the dict. A memmap buffer is copied, when
         ``snapshot_dir`` is given, to the file ``snapshot_dir/state-NAME-TAG.bin``
-        and the dict holds ``{"file": name}``: the copy streams through the file
-        (1 MB chunks read with ``read``, all-zero chunks left as holes), so a
-        4 GB store is checkpointed without 4 GB of resident memory.
+        and the dict holds ``{"file": name, "bytes": n, "sha256": digest}``: the
+        copy streams through the file (1 MB chunks read with ``read``, all-zero
+        chunks left as holes), so a 4 GB store is checkpointed without 4 GB of
+        resident memory; the SHA-256 of the file's bytes (holes read as zeros)
+        is computed on the same pass and checked by :meth:`load_state_dict`, so
+        a damaged snapshot is reported, never loaded.
         """
-        out: dict[str, np.ndarray | dict[str, str]] = {}
+        out: dict[str, np.ndarray | dict[str, Any]] = {}
         for name, b in self._buf.items():
             if isinstance(b, _RowFile) and snapshot_dir is not None:
                 b.flush()
                 dst = Path(snapshot_dir) / f"state-{name}-{tag}.bin"
-                _sparse_copy(b.path, dst)
-                out[name] = {"file": dst.name}
+                digest = _sparse_copy(b.path, dst)
+                out[name] = {"file": dst.name, "bytes": b.nbytes, "sha256": digest}
             elif isinstance(b, _RowFile):
                 out[name] = b.get(np.arange(b.shape[0]))
             else:
                 out[name] = np.array(b, copy=True)
         return out
 
-    def load_state_dict(self, state: Mapping[str, np.ndarray | dict[str, str]],
+    def load_state_dict(self, state: Mapping[str, np.ndarray | dict[str, Any]],
                         snapshot_dir: Path | None = None) -> None:
-        if set(state) != set(self._buf):
+        """Restore every buffer from :meth:`state_dict`'s output.
+
+        Raises ``ValueError`` (one line naming the field or the snapshot file)
+        for other fields, a wrong shape, or a snapshot file that is missing, not
+        a file, of the wrong size or whose content does not match its digest
+        (snapshots written before the digest existed are checked for size only).
+        A buffer is replaced only by a snapshot that passed these checks.
+        """
+        if not isinstance(state, Mapping) or set(state) != set(self._buf):
+            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(
-                f"state store: checkpoint holds fields {sorted(state)}, expected {self.fields}"
+                f"state store: checkpoint holds fields {got}, expected {self.fields}"
             )
         for name, arr in state.items():
             buf = self._buf[name]
@@ -174,19 +187,29 @@ class ClientStateStore:
                 if snapshot_dir is None:
                     raise ValueError(f"state store: field {name!r} is in a snapshot file; "
                                      "give its directory")
+                if not isinstance(arr.get("file"), str) or Path(arr["file"]).name != arr["file"]:
+                    raise ValueError(f"state store: field {name!r} names no snapshot file")
                 src = Path(snapshot_dir) / arr["file"]
                 want = buf.nbytes
                 if not src.is_file() or src.stat().st_size != want:
-                    raise ValueError(f"{src}: state snapshot missing or not {want} bytes")
+                    what = "a directory" if src.is_dir() else (
+                        f"{src.stat().st_size} bytes" if src.is_file() else "missing")
+                    raise ValueError(f"{src}: state snapshot missing or not {want} bytes "
+                                     f"({what})")
+                expect = arr.get("sha256")
                 if isinstance(buf, _RowFile):
                     buf.flush()
-                    _sparse_copy(src, buf.path)
+                    _sparse_copy(src, buf.path, expect=expect)
                     buf.reopen()
                 else:
-                    buf[...] = np.fromfile(src, dtype=buf.dtype).reshape(buf.shape)
+                    raw = src.read_bytes()
+                    if expect is not None and hashlib.sha256(raw).hexdigest() != expect:
+                        raise ValueError(_DAMAGED.format(src=src))
+                    buf[...] = np.frombuffer(raw, dtype=buf.dtype).reshape(buf.shape)
                 continue
-            if arr.shape != buf.shape:
-                raise ValueError(f"state store: field {name!r} has shape {arr.shape} in the "
+            if not isinstance(arr, np.ndarray) or arr.shape != buf.shape:
+                shape = arr.shape if isinstance(arr, np.ndarray) else type(arr).__name__
+                raise ValueError(f"state store: field {name!r} has shape {shape} in the "
                                  f"checkpoint, expected {buf.shape}")
             if isinstance(buf, _RowFile):
                 buf.set(np.arange(buf.shape[0]), arr)
@@ -194,26 +217,42 @@ class ClientStateStore:
                 buf[...] = arr
 
 
-def _sparse_copy(src: Path, dst: Path, chunk: int = 1 << 20) -> None:
+_DAMAGED = "{src}: state snapshot damaged (its content does not match its SHA-256 digest)"
+
+
+def _sparse_copy(src: Path, dst: Path, chunk: int = 1 << 20, expect: str | None = None) -> str:
     """Copy ``src`` to ``dst`` (written to a temporary name, fsynced, renamed),
-    leaving all-zero chunks as holes."""
+    leaving all-zero chunks as holes; return the SHA-256 of ``src``'s bytes.
+
+    With ``expect``, a copy whose digest differs raises ``ValueError`` naming
+    ``src`` and ``dst`` is left as it was.
+    """
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.tmp")
     size = src.stat().st_size
-    with open(src, "rb") as fi, open(tmp, "wb") as fo:
-        while True:
-            block = fi.read(chunk)
-            if not block:
-                break
-            if block.count(0) == len(block):
-                fo.seek(len(block), 1)
-            else:
-                fo.write(block)
-        fo.truncate(size)
-        fo.flush()
-
-        os.fsync(fo.fileno())
-    tmp.replace(dst)
+    h = hashlib.sha256()
+    try:
+        with open(src, "rb") as fi, open(tmp, "wb") as fo:
+            while True:
+                block = fi.read(chunk)
+                if not block:
+                    break
+                h.update(block)
+                if block.count(0) == len(block):
+                    fo.seek(len(block), 1)
+                else:
+                    fo.write(block)
+            fo.truncate(size)
+            fo.flush()
+            os.fsync(fo.fileno())
+        digest = h.hexdigest()
+        if expect is not None and digest != expect:
+            raise ValueError(_DAMAGED.format(src=src))
+        tmp.replace(dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return digest
 
 
 class _RowFile:

@@ -1,24 +1,94 @@
-"""Atomic files: write to a temporary file in the same folder, fsync, rename.
+"""Run-directory files: atomic writes, checked checkpoints, the run lock.
 
-A run killed at any point leaves either the previous file or the new one,
-never a half-written one.
+**Atomic files.** A file is written to a temporary name in the same folder
+(``.NAME.XXXXXXXX.tmp``), fsynced, then renamed over the target: a run killed at
+any point leaves the previous file or the new one, never a half-written one. A
+kill during the write leaves the temporary file; :func:`remove_leftovers`
+deletes such files when the run directory is next opened.
+
+**Checkpoints** carry a SHA-256 digest of their content. The file is one header
+line, then the ``torch.save`` bytes::
+
+    fedloom-checkpoint 2 sha256=<64 hex digits> bytes=<payload length>\\n
+    <payload>
+
+:func:`load_checkpoint` checks the header, the length and the digest before
+unpickling anything, so a truncated file, a flipped bit anywhere (a tensor's
+data included) or a foreign file is reported as such — :class:`CheckpointError`,
+one line naming the file and what is wrong — and never decoded into a different
+model. A file that starts as a bare ``torch.save`` zip (written before the
+digest existed) is still read, with a warning that it could not be checked.
+:func:`save_checkpoint` can keep the file it replaces under another name
+(``keep_previous``): a run whose newest checkpoint is damaged resumes from the
+one before it.
+
+**The run lock.** :func:`lock_run_dir` takes an exclusive ``flock`` on
+``RUN/.lock`` for the run's life. The kernel drops it when the process ends in
+any way (``SIGKILL`` included), so a killed run never leaves a stale lock; a
+second run on the same directory gets :class:`RunDirError` naming the holder's
+pid (written into the lock file).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import io
 import json
+import logging
 import os
+import secrets
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["atomic_write_bytes", "atomic_write_json", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "RunDirError",
+    "RunDirLock",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "load_checkpoint",
+    "lock_run_dir",
+    "remove_leftovers",
+    "save_checkpoint",
+]
+
+log = logging.getLogger("fedloom")
+
+_MAGIC = b"fedloom-checkpoint"
+_VERSION = 2
+_ZIP = b"PK\x03\x04"  # a bare torch.save file (no digest)
+LOCK_FILE = ".lock"
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+class RunDirError(ValueError):
+    """A run directory, or a file in it, that cannot be used; one line naming it."""
+
+
+class CheckpointError(RunDirError):
+    """A checkpoint that is missing, damaged or not this run's; one line naming it."""
+
+
+def _fsync_dir(path: Path) -> None:
+    # The renames are durable only once the folder's entry is on disk.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover (a folder we just wrote into)
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover (some file systems refuse fsync on a folder)
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_tmp(path: Path, data: bytes) -> Path:
+    """``data`` in a fsynced temporary file beside ``path``; returns its path."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -26,9 +96,18 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = _write_tmp(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -36,13 +115,179 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+def save_checkpoint(path: Path, state: dict[str, Any], *,
+                    keep_previous: Path | None = None) -> None:
+    """Write ``state`` to ``path`` with its digest, atomically.
+
+    With ``keep_previous``, the file at ``path`` (if any) becomes
+    ``keep_previous`` first: hard-linked to a temporary name that is renamed
+    over ``keep_previous``, so ``path`` itself never goes missing. Every step
+    is a link or rename of a complete file: a kill at any point leaves ``path``
+    intact (the old checkpoint or the new one) and ``keep_previous`` intact (the
+    one before, or the old one). Where hard links are not supported the old
+    file is renamed instead; a kill between the two renames then leaves only
+    ``keep_previous``, which a resume falls back to.
+    """
     buf = io.BytesIO()
     torch.save(state, buf)
-    atomic_write_bytes(path, buf.getvalue())
+    payload = buf.getvalue()
+    header = (f"{_MAGIC.decode()} {_VERSION} sha256={hashlib.sha256(payload).hexdigest()} "
+              f"bytes={len(payload)}\n").encode()
+    tmp = _write_tmp(path, header + payload)
+    try:
+        if keep_previous is not None and path.is_file():
+            link = keep_previous.with_name(f".{keep_previous.name}.{secrets.token_hex(4)}.tmp")
+            try:
+                os.link(path, link)
+            except OSError:  # a file system without hard links
+                os.replace(path, keep_previous)
+            else:
+                os.replace(link, keep_previous)
+                # rename() does nothing when both names are links to one file
+                # (prev.pt already was last.pt: a kill right after this step).
+                link.unlink(missing_ok=True)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    # weights_only=False: the checkpoint holds NumPy arrays of the state store.
-    # It is a file this run wrote itself, never one from elsewhere.
-    return torch.load(path, map_location="cpu", weights_only=False)
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a directory, not a checkpoint file") from None
+    except FileNotFoundError:
+        what = "a link to a missing file" if path.is_symlink() else "missing"
+        raise CheckpointError(f"{path}: {what}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def _payload(path: Path, data: bytes) -> tuple[bytes, bool]:
+    """The ``torch.save`` bytes of a checkpoint file and whether they were verified."""
+    if not data:
+        raise CheckpointError(f"{path}: empty file (0 bytes)")
+    if data.startswith(_ZIP):
+        return data, False
+    if not data.startswith(_MAGIC):
+        raise CheckpointError(f"{path}: not a fedloom checkpoint (no checkpoint header)")
+    end = data.find(b"\n", 0, 256)
+    fields = data[:end].split() if end > 0 else []
+    try:
+        if len(fields) != 4 or fields[0] != _MAGIC:
+            raise ValueError
+        version = int(fields[1])
+        digest = fields[2].removeprefix(b"sha256=").decode("ascii")
+        size = int(fields[3].removeprefix(b"bytes="))
+        if len(digest) != 64 or not fields[2].startswith(b"sha256="):
+            raise ValueError
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"{path}: damaged checkpoint header") from None
+    if version != _VERSION:
+        raise CheckpointError(f"{path}: checkpoint format {version}; this fedloom reads "
+                              f"format {_VERSION}")
+    payload = data[end + 1:]
+    if len(payload) != size:
+        raise CheckpointError(f"{path}: truncated or extended: {len(payload)} bytes of content, "
+                              f"the header says {size}")
+    if hashlib.sha256(payload).hexdigest() != digest:
+        raise CheckpointError(f"{path}: content does not match its SHA-256 digest (the file is "
+                              "damaged)")
+    return payload, True
+
+
+def load_checkpoint(path: Path, required: Iterable[str] = ()) -> dict[str, Any]:
+    """The state dict saved by :func:`save_checkpoint`, checked against its digest.
+
+    Raises :class:`CheckpointError` (one line naming ``path``) for a missing,
+    unreadable, empty, truncated, damaged or undecodable file, one that is a
+    directory, or one whose dict lacks a key of ``required``.
+    """
+    path = Path(path)
+    payload, verified = _payload(path, _read(path))
+    try:
+        # weights_only=False: the checkpoint holds NumPy arrays of the state
+        # store. It is a file a run wrote itself and its digest matched, never
+        # one from elsewhere (the digest detects damage, it does not authenticate).
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+    except Exception as e:  # a damaged pickle can raise almost anything
+        msg = str(e).strip().splitlines()
+        raise CheckpointError(f"{path}: cannot be decoded ({type(e).__name__}"
+                              f"{': ' + msg[0][:120] if msg else ''})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a checkpoint dict")
+    missing = [k for k in required if k not in state]
+    if missing:
+        raise CheckpointError(f"{path}: missing keys {', '.join(map(repr, missing))}")
+    if not verified:
+        log.warning("%s: written without a digest (an older fedloom); loaded unchecked", path)
+    return state
+
+
+def remove_leftovers(folder: Path) -> list[Path]:
+    """Delete the temporary files (``.NAME.*.tmp``) that a write killed before its
+    rename left in ``folder``; return them. Call only while holding the run lock:
+    another run's write in progress would look the same."""
+    gone = []
+    if folder.is_dir():
+        for p in folder.glob(".*.tmp"):
+            if p.is_file() or p.is_symlink():
+                p.unlink(missing_ok=True)
+                gone.append(p)
+    return gone
+
+
+class RunDirLock:
+    """An exclusive ``flock`` on ``RUN/.lock``, held until :meth:`release`
+    (or the process ends)."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd: int | None = fd
+        self.path = path
+
+    def release(self) -> None:
+        # The file stays: unlinking it would let a third run lock a new file
+        # while a second still holds the old one.
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def lock_run_dir(run_dir: Path) -> tuple[RunDirLock, bool]:
+    """Create ``run_dir`` if needed and lock it; return the lock and whether this
+    call created the folder.
+
+    Raises :class:`RunDirError` when the folder cannot be created or opened, or
+    when another process holds the lock (naming its pid).
+    """
+    try:
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(run_dir)
+            created = True  # os.mkdir is atomic: of two racing runs one creates it
+        except FileExistsError:
+            created = False
+        if not run_dir.is_dir():
+            raise RunDirError(f"{run_dir}: exists and is not a directory")
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise RunDirError(f"{run_dir}: cannot use it as a run directory "
+                          f"({e.strerror or type(e).__name__})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        finally:
+            os.close(fd)
+        raise RunDirError(f"{run_dir}: in use by another fedloom run (pid {holder}); wait for "
+                          "it to end or use another --out") from None
+    except OSError as e:  # e.g. a file system without locks
+        os.close(fd)
+        raise RunDirError(f"{run_dir}: cannot lock it ({e.strerror or type(e).__name__})"
+                          ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return RunDirLock(fd, run_dir / LOCK_FILE), created

@@ -1,10 +1,49 @@
 """The round loop.
 
-One round, in order (DESIGN.md): sample the cohort → gather its per-client
-state → train the cohort (backend) → uplink: encode → decode and stack →
-reject non-finite rows (reported) → aggregate → server optimizer step →
-scatter per-client state back → evaluate (on schedule) → log → checkpoint (on
-schedule). The engine holds no math; each step is one call.
+One round, in order: sample the cohort → gather its per-client state → train
+the cohort (backend) → screen the updates (client side) → uplink: encode →
+decode and stack → screen the rows (server side) → clip (norm bounding) →
+aggregate → server optimizer step → check the step → scatter per-client state
+back → evaluate (on schedule) → log → checkpoint (on schedule). The engine
+holds no math; each step is one call.
+
+What never reaches the model (each counted in the round's metrics, the run's
+totals and the summary, and logged):
+
+- **Rejected updates** (``rejected_updates``, ids in ``rejected_clients``,
+  reasons in ``rejected_reasons``). A client is rejected, for the round only,
+  when its update is non-finite, cannot be encoded or decoded (a
+  :class:`~fedloom.compress.base.PayloadError`, ``ValueError`` or overflow
+  from its compressor: the run goes on), holds a non-finite state row, or
+  fails :func:`screen_updates` (``server.max_update_norm``,
+  ``server.max_norm_ratio``). The rules run twice: on the dense update before
+  encoding (a client never sends what the server would refuse, and a huge
+  value in a coordinate a sparsifier leaves out is still seen), and on the
+  decoded row the aggregator would receive (the server's own check, the one
+  that holds for deployed clients too). A rejected client is treated as one
+  whose worker failed: nothing of it is aggregated and its state rows stay as
+  they were.
+- **Clipped updates** (``clipped_updates``): with ``server.clip_norm`` every
+  accepted row is scaled to at most that norm before any aggregator
+  (:func:`clip_rows`), so it composes with every rule and compressor.
+- **Rejected rounds** (``rejected_rounds``, reason in
+  ``rejected_round_reason``): the aggregator raised (a ``LinAlgError`` or any
+  ``RuntimeError``/``ValueError``/``ArithmeticError``), or returned a
+  direction that is not a finite vector of the model's size, or the server
+  optimizer's step, the feedback policy's shift or the new server states are
+  not finite. The round's step is skipped: the model, the server optimizer's
+  state, the aggregator's state, the feedback policy's server state (SA-PEF's
+  ``L̂``, SCAFCOM's ``c``), the local method's server state and every client's
+  state rows (EF residuals, EF21's ``h_k``, SCAFFOLD/SCAFCOM control variates,
+  Ditto's personal models) are exactly those before the round — a resumed run
+  is bit-identical to an uninterrupted one through it. What the round did
+  happen is kept: its bytes (``uplink_bytes``/``downlink_bytes``), its counts,
+  and the running iterate average (``eval.average_iterates``), which averages
+  the unchanged model as that round's iterate so it stays the mean of
+  ``w_0 … w_{r+1}``. Departure for the Flower integration
+  (``client_state=False``): the clients hold their own state and have already
+  updated it when they sent; the server cannot undo that, so there a rejected
+  round leaves the clients' residuals as the clients wrote them.
 
 :func:`run` is the entry point of both the CLI and notebooks.
 """
@@ -15,7 +54,9 @@ import copy
 import hashlib
 import json
 import logging
+import os
 import shutil
+import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,9 +78,14 @@ from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.data.federated import FederatedData, build_federated
 from fedloom.data.sources import Dataset, load_dataset
 from fedloom.engine.checkpoint import (
+    LOCK_FILE,
+    CheckpointError,
+    RunDirError,
     atomic_write_bytes,
     atomic_write_json,
     load_checkpoint,
+    lock_run_dir,
+    remove_leftovers,
     save_checkpoint,
 )
 from fedloom.metrics import accuracy_stats, conflict_rate, evaluate, evaluate_clients
@@ -49,7 +95,8 @@ from fedloom.registry import build, get
 from fedloom.rng import Purpose, derive_seed, numpy_gen, torch_gen
 from fedloom.state import ClientStateStore
 
-__all__ = ["Experiment", "Result", "RunState", "model_sha256", "run"]
+__all__ = ["Experiment", "Result", "RunState", "clip_rows", "model_sha256", "run",
+           "screen_updates"]
 
 log = logging.getLogger("fedloom")
 
@@ -80,6 +127,105 @@ def _finite_rows(rows: torch.Tensor) -> torch.Tensor:
     return ok
 
 
+def _row_norms(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of each vector, accumulated in float64: a float32 row of 1e30
+    entries has a finite norm there (its squares overflow float32)."""
+    return torch.tensor([float(torch.linalg.vector_norm(r, dtype=torch.float64)) for r in rows],
+                        dtype=torch.float64)
+
+
+def screen_updates(norms: torch.Tensor, ok: torch.Tensor, *, max_norm: float | None,
+                   max_ratio: float | None) -> dict[int, str]:
+    """Which of the cohort's updates to reject for their size; returns
+    ``{position: reason}`` for the positions of ``ok`` (the updates still in) that fail.
+
+    With ``n_k = ‖u_k‖₂`` (``norms``), reject ``k`` when
+
+    - ``n_k > max_norm`` (an absolute bound, ``server.max_update_norm``), or
+    - ``n_k > max_ratio · med``, ``med`` the **lower median** of the positive
+      ``n_j`` of the accepted updates (``server.max_norm_ratio``). The lower
+      median (the ⌈m/2⌉-th smallest) cannot be moved up by fewer than half of
+      the cohort, so one huge update is caught even in a cohort of two; zero
+      updates (nothing to send) do not pull it down, and a cohort with no
+      positive norm has nothing to judge.
+
+    The relative rule is the median-based outlier test of robust aggregation
+    (the norm filter of e.g. Sun et al. 2019 uses an absolute bound; a ratio
+    to the cohort needs no knowledge of the model's scale).
+
+    Default ``1e4`` (``server.max_norm_ratio``), from the largest ratio
+    ``max_k n_k / med`` measured on the reproduction configs, on the dense
+    update before encoding (the stricter of the two checks) / on the decoded
+    row: ``configs/quickstart.yaml`` 30 rounds 2.7 / 2.7; ``craft/synthetic``
+    30 rounds 6.5 / 6.5; ``craft/mnist`` 3 rounds 2.1; ``craft/fmnist`` with
+    CRAFT (MNIST data) 20 rounds 1.7; ``sapef/mnist`` with SA-PEF 10 rounds
+    2.4 / 2.3; ``sapef/fmnist`` (MNIST data) with EF 2.1 / 2.4 and SCAFCOM
+    1.7 / 1.7, 20 rounds; ``flare/composed`` 60 rounds 26 / 13;
+    ``flare/mnist`` with 3 clients a round and FLARE, 300 rounds, seeds 0 and
+    1: 234 / 26 and 211 / 23 (one early round, when the first accumulators
+    enter the penalised step; every later round ≤ 1.5), with EF, EF21, EC+prox
+    ≤ 1.4 / 1.6, the activation-less model with 7 clients 1.7 / 1.7. The
+    default is 43× the largest (FLARE's) and far below what breaks a run: a
+    1e30 update is rejected whatever the cohort.
+    """
+    out: dict[int, str] = {}
+    pos = ok.nonzero().flatten().tolist()
+    if max_norm is not None:
+        for i in pos:
+            if float(norms[i]) > max_norm:
+                out[i] = f"norm {float(norms[i]):.3g} above server.max_update_norm={max_norm:g}"
+    if max_ratio is not None:
+        positive = sorted(float(norms[i]) for i in pos if float(norms[i]) > 0)
+        if positive:
+            med = positive[(len(positive) - 1) // 2]
+            for i in pos:
+                if i not in out and float(norms[i]) > max_ratio * med:
+                    out[i] = (f"norm {float(norms[i]):.3g} above server.max_norm_ratio="
+                              f"{max_ratio:g} x the cohort's median norm {med:.3g}")
+    return out
+
+
+def clip_rows(rows: torch.Tensor, norms: torch.Tensor, ok: torch.Tensor,
+              bound: float) -> int:
+    """Norm bounding: ``u_k ← u_k · min(1, M / ‖u_k‖₂)`` in place for the rows
+    ``ok``; returns how many were scaled.
+
+    Sun et al., "Can You Really Backdoor Federated Learning?" (2019), §4: the
+    server clips every update to a norm ``M`` before averaging, which bounds
+    what any one client (a backdoor, a diverged one) can move the model. Here
+    it is applied to each decoded row before any aggregator, so it composes
+    with CRAFT, every other rule and every compressor. The direction is kept;
+    the clipped norm equals ``M`` up to the rows' dtype rounding (the scale is
+    computed in float64).
+    """
+    n = 0
+    for i in ok.nonzero().flatten().tolist():
+        v = float(norms[i])
+        if v > bound:
+            rows[i].mul_(bound / v)
+            n += 1
+    return n
+
+
+def _all_finite(x: Any) -> bool:
+    """Every tensor in ``x`` (a tensor, or nested dicts/lists/tuples/dataclass
+    fields of them) is finite; other values are not checked."""
+    if isinstance(x, torch.Tensor):
+        return not x.is_floating_point() or bool(torch.isfinite(x).all())
+    if isinstance(x, dict):
+        return all(_all_finite(v) for v in x.values())
+    if isinstance(x, list | tuple):
+        return all(_all_finite(v) for v in x)
+    if hasattr(x, "__dataclass_fields__"):
+        return all(_all_finite(getattr(x, f)) for f in x.__dataclass_fields__)
+    return True
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
 def model_sha256(w: torch.Tensor) -> str:
     """SHA-256 of the flat parameter vector's bytes (its own dtype, C order)."""
     return hashlib.sha256(w.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
@@ -97,7 +243,8 @@ class RunState:
     feedback_state: dict[str, Any] = field(default_factory=dict)  # SA-PEF's L̂, SCAFCOM's c
     w_avg: torch.Tensor | None = None  # running mean of the iterates (eval.average_iterates)
     totals: dict[str, int] = field(
-        default_factory=lambda: {"uplink_bytes": 0, "downlink_bytes": 0, "rejected_updates": 0}
+        default_factory=lambda: {"uplink_bytes": 0, "downlink_bytes": 0, "rejected_updates": 0,
+                                 "rejected_rounds": 0, "clipped_updates": 0}
     )
 
 
@@ -116,6 +263,9 @@ class RoundPlan:
     ffl: dict[str, float]
     mismatch: list[tuple[float, float, float, int]]
     dropped: list[int] = field(default_factory=list)
+    # Kept cohort positions refused before or during the uplink, with the reason
+    # (set by Experiment.uplink_round, after keep()).
+    refused: dict[int, str] = field(default_factory=dict)
 
     def keep(self, kept: Sequence[int]) -> None:
         """Keep the cohort positions ``kept``; the others are dropped clients."""
@@ -314,8 +464,12 @@ class Experiment:
 
     def uplink_round(self, st: RunState, plan: RoundPlan, raw: Sequence[ClientResult | None]
                      ) -> tuple[list[ClientResult], list[UplinkResult]]:
-        """Drop the clients whose training failed (``None``), then run each kept
-        client's feedback policy and compressor: what it sends and its new state."""
+        """Drop the clients whose training failed (``None``), screen the kept
+        clients' dense updates (non-finite, :func:`screen_updates`), then run each
+        accepted client's feedback policy and compressor: what it sends and its new
+        state. A client refused here, or whose encode or decode fails, gets an
+        empty placeholder result and is named in ``plan.refused`` (rejected and
+        counted by :meth:`finish_round`; the run goes on)."""
         r, fb = plan.round, self.feedback
         # A client whose worker died (backend.on_failure=drop) is dropped for the
         # round: nothing of it is aggregated and its state rows stay as they were.
@@ -328,51 +482,110 @@ class Experiment:
             for res in results:
                 res.update = self.attack(res.update, res.client, r)
 
+        # Client side, before encoding: the rules the server applies to what it
+        # receives, on the dense update (a huge value in a coordinate that a
+        # sparsifier leaves out is seen here, and nothing non-finite is encoded).
+        refused: dict[int, str] = {}
+        finite = torch.tensor([bool(_finite_rows(res.update.reshape(1, -1))[0])
+                               for res in results], dtype=torch.bool)
+        for i in (~finite).nonzero().flatten().tolist():
+            refused[i] = "non-finite update"
+        s = self.cfg.server
+        if results and (s.max_update_norm is not None or s.max_norm_ratio is not None):
+            norms = _row_norms([res.update if ok else res.update.new_zeros(1)
+                                for res, ok in zip(results, finite.tolist(), strict=True)])
+            refused.update(screen_updates(norms, finite, max_norm=s.max_update_norm,
+                                          max_ratio=s.max_norm_ratio))
+
         # Uplink: feedback + compressor; the server sees decode(payload), as bytes.
         ups = []
         for i, res in enumerate(results):
-            ctx = UplinkContext(r, plan.lr, res.steps, plan.alphas[i],
-                                torch_gen(self.cfg.seed, r, res.client, Purpose.COMPRESS),
-                                self.cfg.client.momentum, len(results), self.fed.num_clients)
-            ups.append(fb.uplink(res.update, plan.fb_rows[i], plan.comp, ctx,
-                                 st.feedback_state))
+            up = None
+            if i not in refused:
+                ctx = UplinkContext(r, plan.lr, res.steps, plan.alphas[i],
+                                    torch_gen(self.cfg.seed, r, res.client, Purpose.COMPRESS),
+                                    self.cfg.client.momentum, len(results), self.fed.num_clients)
+                try:
+                    up = fb.uplink(res.update, plan.fb_rows[i], plan.comp, ctx,
+                                   st.feedback_state)
+                except (ValueError, ArithmeticError, struct.error) as e:
+                    # PayloadError is a ValueError; a float32 header field that
+                    # overflows is an OverflowError or struct.error. One client's
+                    # payload that cannot be made or read is that client's fault.
+                    refused[i] = f"update could not be encoded or decoded ({_first_line(e)})"
+            if up is None:  # nothing was sent: no bytes, no state
+                up = UplinkResult(b"", res.update.new_empty(0), {}, float("nan"))
+            ups.append(up)
             # The dense update is not needed past its uplink: free it now, so a
             # round holds one m × d copy less at its peak.
             res.update = res.update.new_empty(0)
+        plan.refused = refused
         return results, ups
 
     def finish_round(self, st: RunState, plan: RoundPlan, results: Sequence[ClientResult],
                      ups: Sequence[UplinkResult], *, t0: float, t_train: float,
                      client_state: bool = True) -> tuple[RunState, dict[str, Any]]:
         """The server's half of a round, from what the kept clients sent: reject
-        non-finite rows, aggregate, step, scatter client state (unless the
-        clients keep it themselves: ``client_state=False``), evaluate, log."""
+        non-finite, undecodable and out-of-bound rows, clip, aggregate, step, check
+        the step (a bad one is skipped, the round counted in ``rejected_rounds``),
+        scatter client state (unless the clients keep it themselves:
+        ``client_state=False``), evaluate, log."""
         r, cohort, lr, w = plan.round, plan.cohort, plan.lr, st.w
         fb, alphas, fb_rows, old_rows = self.feedback, plan.alphas, plan.fb_rows, plan.old_rows
-        ffl, mismatch, dropped = plan.ffl, plan.mismatch, plan.dropped
+        ffl, mismatch, dropped, refused = plan.ffl, plan.mismatch, plan.dropped, plan.refused
         down_bytes = self.downlink_size * len(plan.jobs)
         up_bytes = sum(len(u.payload) + sum(len(x) for x in u.extra_payloads) for u in ups)
-        density = (float(np.mean([coordinates_sent(u.payload) for u in ups])) / self.layout.size
-                   if ups else float("nan"))
-        row_list = [fb.server_row(u, fb_rows[i], st.feedback_state) for i, u in enumerate(ups)]
+        sent = [u for i, u in enumerate(ups) if i not in refused]
+        density = (float(np.mean([coordinates_sent(u.payload) for u in sent])) / self.layout.size
+                   if sent else float("nan"))
+        d = self.layout.size
+        row_list = [fb.server_row(u, fb_rows[i], st.feedback_state) if i not in refused
+                    else torch.zeros(d, dtype=self.dtype) for i, u in enumerate(ups)]
         rows = (torch.stack(row_list) if row_list
-                else torch.empty((0, self.layout.size))).to(self.dtype)
+                else torch.empty((0, d))).to(self.dtype)
+        del row_list
+        reasons = dict(refused)
         finite = _finite_rows(rows)
+        for i in refused:
+            finite[i] = False
         for i, res in enumerate(results):  # a non-finite state row is rejected too
+            if i in reasons:
+                continue
             states = [*res.state.values(), *ups[i].state.values()]
-            if any(not bool(_finite_rows(v.reshape(1, -1))[0]) for v in states):
+            if not bool(finite[i]):
+                reasons[i] = "non-finite update"
+            elif any(not bool(_finite_rows(v.reshape(1, -1))[0]) for v in states):
                 finite[i] = False
-        rejected = [int(c) for c, ok in zip(cohort.tolist(), finite.tolist(), strict=True)
-                    if not ok]
+                reasons[i] = "non-finite client state"
+        # Server side: the size rules on the rows the aggregator would receive.
+        srv = self.cfg.server
+        clipped = 0
+        if bool(finite.any()) and (srv.max_update_norm is not None
+                                   or srv.max_norm_ratio is not None
+                                   or srv.clip_norm is not None):
+            norms = _row_norms(rows)
+            big = screen_updates(norms, finite, max_norm=srv.max_update_norm,
+                                 max_ratio=srv.max_norm_ratio)
+            for i, why in big.items():
+                finite[i] = False
+                reasons[i] = why
+            if srv.clip_norm is not None:
+                clipped = clip_rows(rows, norms, finite, srv.clip_norm)
+        rejected = [int(cohort[i]) for i in sorted(reasons)]
         if rejected:
-            log.warning("round %d: rejected non-finite updates from clients %s", r + 1, rejected)
+            log.warning("round %d: rejected updates from clients %s: %s", r + 1, rejected,
+                        "; ".join(f"{int(cohort[i])}: {reasons[i]}" for i in sorted(reasons)))
         weights = torch.tensor([res.num_samples for res in results], dtype=self.dtype).reshape(-1)
         losses = torch.tensor([res.loss for res in results], dtype=torch.float64)
 
         t1 = time.perf_counter()
         agg_metrics: dict[str, Any] = {}
         new_w, opt_state, agg_state = w, st.opt_state, st.agg_state
+        feedback_state = st.feedback_state
         conflicts = 0.0
+        bad_round: str | None = None
+        ok_list = finite.tolist()
+        accepted = [u for u, ok in zip(ups, ok_list, strict=True) if ok]
         if bool(finite.any()):
             # boolean indexing copies m × d: only when some row was rejected
             ok = finite if not bool(finite.all()) else slice(None)
@@ -384,23 +597,54 @@ class Experiment:
                 losses=losses[ok], steps=torch.tensor([res.steps for res in results])[ok], lr=lr,
                 momentum=self.cfg.client.momentum, start_losses=start,
             )
-            agg, agg_state, agg_metrics = self.aggregator(rows[ok], weights[ok], st.agg_state,
-                                                          info=info)
-            conflicts = conflict_rate(rows[ok], agg)
-            new_w, opt_state = self.server.step(w, agg, st.opt_state)
-        ok_list = finite.tolist()
-        probes = [res.extra["smoothness"] for res, ok in zip(results, ok_list, strict=True)
-                  if ok and "smoothness" in res.extra]
-        end = fb.end_round([u for u, ok in zip(ups, ok_list, strict=True) if ok],
-                           st.feedback_state, self.fed.num_clients, probes)
-        feedback_state = end.server
+            agg: torch.Tensor | None = None
+            try:
+                agg, cand_agg_state, agg_metrics = self.aggregator(rows[ok], weights[ok],
+                                                                   st.agg_state, info=info)
+            except (NotImplementedError, RecursionError):
+                raise  # a missing feature or a bug, not a bad cohort
+            except (RuntimeError, ValueError, ArithmeticError) as e:
+                # torch.linalg's LinAlgError is a RuntimeError: an ill-posed
+                # cohort (1e30 rows, a singular system) must not end the run.
+                bad_round = f"the aggregator failed ({_first_line(e)})"
+            if agg is not None:
+                if not isinstance(agg, torch.Tensor) or tuple(agg.shape) != (d,):
+                    shape = tuple(agg.shape) if isinstance(agg, torch.Tensor) else type(agg)
+                    bad_round = f"the aggregate has shape {shape}, expected ({d},)"
+                elif not _all_finite(agg):
+                    bad_round = "the aggregate is not finite"
+                else:
+                    cand_w, cand_opt = self.server.step(w, agg, st.opt_state)
+                    # The feedback policy's end of round only for a step that is
+                    # applied: it may change the accepted clients' state (CSER).
+                    probes = [res.extra["smoothness"]
+                              for res, ok_k in zip(results, ok_list, strict=True)
+                              if ok_k and "smoothness" in res.extra]
+                    end = fb.end_round(accepted, st.feedback_state, self.fed.num_clients, probes)
+                    if end.w_shift is not None:
+                        cand_w = cand_w - end.w_shift.to(cand_w.dtype)
+                    if not (_all_finite(cand_w) and _all_finite(cand_opt)):
+                        bad_round = "the server optimizer's step is not finite"
+                    elif not (_all_finite(cand_agg_state) and _all_finite(end.server)):
+                        bad_round = "the new aggregator or feedback state is not finite"
+                    else:
+                        conflicts = conflict_rate(rows[ok], agg)
+                        new_w, opt_state, agg_state = cand_w, cand_opt, cand_agg_state
+                        feedback_state = end.server
+                        down_bytes += end.downlink_bytes
+        else:
+            # No update accepted: no step; the policy's end of round sees nobody
+            # (its server state stays, e.g. SCAFCOM's c).
+            end = fb.end_round([], st.feedback_state, self.fed.num_clients, [])
+            feedback_state = end.server
+            down_bytes += end.downlink_bytes
+        if bad_round is not None:
+            log.warning("round %d: step skipped, model and state unchanged: %s", r + 1, bad_round)
+            conflicts = float("nan")
         if "ffl_loss0" in ffl:
             feedback_state = {**feedback_state, "ffl_loss0": ffl["ffl_loss0"]}
-        if end.w_shift is not None:
-            new_w = new_w - end.w_shift.to(new_w.dtype)
-        down_bytes += end.downlink_bytes
         method_state = st.method_state
-        if client_state and self.store.fields and bool(finite.any()):
+        if (client_state and self.store.fields and bool(finite.any()) and bad_round is None):
             ok_pos = finite.nonzero().squeeze(1)
             ok_ids = cohort[ok_pos]
             new_rows = {f: torch.stack([results[i].state[f] for i in ok_pos.tolist()])
@@ -422,6 +666,9 @@ class Experiment:
         totals["uplink_bytes"] += up_bytes
         totals["downlink_bytes"] += down_bytes
         totals["rejected_updates"] += len(rejected)
+        # .get: checkpoints written before these counts existed resume too
+        totals["rejected_rounds"] = totals.get("rejected_rounds", 0) + int(bad_round is not None)
+        totals["clipped_updates"] = totals.get("clipped_updates", 0) + clipped
         ok_loss = losses[finite & torch.isfinite(losses)]
         ok_w = weights[finite & torch.isfinite(losses)].double()
         train_loss = float((ok_loss * ok_w).sum() / ok_w.sum()) if ok_w.numel() else float("nan")
@@ -436,6 +683,10 @@ class Experiment:
             "downlink_bytes_total": totals["downlink_bytes"],
             "rejected_updates": len(rejected),
             "rejected_updates_total": totals["rejected_updates"],
+            "rejected_rounds": int(bad_round is not None),
+            "rejected_rounds_total": totals["rejected_rounds"],
+            "clipped_updates": clipped,
+            "clipped_updates_total": totals["clipped_updates"],
             "dropped_clients": len(dropped),
             "conflict_rate": conflicts,
             "density": density,
@@ -455,6 +706,9 @@ class Experiment:
                 metrics[key] = float(np.average([m[j] for m in mismatch], weights=nk))
         if rejected:
             metrics["rejected_clients"] = rejected
+            metrics["rejected_reasons"] = [reasons[i] for i in sorted(reasons)]
+        if bad_round is not None:
+            metrics["rejected_round_reason"] = bad_round
         if dropped:
             metrics["dropped_client_ids"] = dropped
         extras = [res.extra for res, ok in zip(results, finite.tolist(), strict=True) if ok]
@@ -563,25 +817,93 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 CHECKPOINT_FILE = "checkpoints/last.pt"
+PREVIOUS_CHECKPOINT_FILE = "checkpoints/prev.pt"
 MODEL_FILE = "model.pt"
 CLIENT_ACC_FILE = "client_acc.json"
 
 Callback = Callable[[RunState, dict[str, Any]], None]
 
 
-def _read_metrics(path: Path, before_round: int) -> list[dict[str, Any]]:
-    """Lines of a metrics file with ``round <= before_round`` (a torn last line is dropped)."""
-    out = []
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
+def _ranges(rounds: Sequence[int]) -> str:
+    """``[1, 2, 3, 5]`` → ``"1–3, 5"``."""
+    out: list[str] = []
+    for k in sorted(rounds):
+        if out and out[-1].split("–")[-1] == str(k - 1):
+            out[-1] = f"{out[-1].split('–')[0]}–{k}"
+        else:
+            out.append(str(k))
+    return ", ".join(out)
+
+
+# A checkpoint's totals and the metrics line of its round must agree.
+_TOTAL_KEYS = {"uplink_bytes": "uplink_bytes_total", "downlink_bytes": "downlink_bytes_total",
+               "rejected_updates": "rejected_updates_total"}
+
+
+def _read_metrics(path: Path, upto: int,
+                  totals: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """The metrics of rounds ``1 … upto`` (the checkpoint's round), validated.
+
+    Each line must be a UTF-8 JSON object with an integer ``round``. Lines of
+    later rounds (run after the checkpoint by a killed run; they are run again)
+    are dropped, and so is a torn last line (what a kill leaves; alone, it is not
+    reported). Other damaged lines are dropped with a warning naming them when
+    rounds ``1 … upto`` are all intact without them; otherwise — a
+    round missing, repeated or out of order, the file missing or not a file, or
+    the line of round ``upto`` whose totals differ from the checkpoint's
+    ``totals`` (a file from another run) — :class:`RunDirError`, one line naming
+    the file. Rounds are never dropped silently.
+    """
+    if upto == 0:
+        return []
+    try:
+        raw = path.read_bytes()
+    except IsADirectoryError:
+        raise RunDirError(f"{path}: is a directory, not the metrics file") from None
+    except FileNotFoundError:
+        raise RunDirError(f"{path}: missing, but the checkpoint is at round {upto}: the "
+                          f"metrics of rounds {_ranges(range(1, upto + 1))} are lost") from None
+    except OSError as e:
+        raise RunDirError(f"{path}: cannot be read ({e.strerror or e})") from None
+    lines = raw.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()  # the file ends with a newline
+    out: list[dict[str, Any]] = []
+    bad: list[int] = []  # 1-based line numbers
+    for no, line in enumerate(lines, 1):
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            break
-        if obj.get("round", 0) <= before_round:
+            obj = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            obj = None
+        rnd = obj.get("round") if isinstance(obj, dict) else None
+        if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 1:
+            bad.append(no)
+            continue
+        if rnd <= upto:
+            if out and rnd <= out[-1]["round"]:
+                what = "appears twice" if any(m["round"] == rnd for m in out) else "is out of order"
+                raise RunDirError(f"{path}: round {rnd} {what} (line {no})")
             out.append(obj)
+    missing = sorted(set(range(1, upto + 1)) - {m["round"] for m in out})
+    if missing:
+        dmg = f" ({len(bad)} damaged lines: {_ranges(bad)})" if bad else ""
+        raise RunDirError(f"{path}: rounds {_ranges(missing)} before the checkpoint's round "
+                          f"{upto} are missing{dmg}")
+    if totals is not None:
+        last = out[-1]
+        for key, name in _TOTAL_KEYS.items():
+            if name in last and key in totals and last[name] != totals[key]:
+                raise RunDirError(f"{path}: round {upto} has {name}={last[name]}, the checkpoint "
+                                  f"{totals[key]}: the file is not this run's")
+    if bad and bad != [len(lines)]:  # a torn last line is what a kill leaves: no news
+        log.warning("%s: dropped %d damaged lines (%s); rounds 1–%d are intact", path, len(bad),
+                    _ranges(bad), upto)
     return out
+
+
+# Per-round details that make no sense as a run's final value.
+_PER_ROUND_ONLY = ("rejected_clients", "rejected_reasons", "rejected_round_reason",
+                   "dropped_client_ids")
 
 
 def _summary(exp: Experiment, st: RunState, history: list[dict[str, Any]]) -> dict[str, Any]:
@@ -589,11 +911,44 @@ def _summary(exp: Experiment, st: RunState, history: list[dict[str, Any]]) -> di
                                "num_parameters": exp.layout.size,
                                "backend": getattr(exp.backend, "name", exp.cfg.backend.name)}
     for m in history:  # final value of each metric (eval metrics from the last eval round)
-        summary.update({k: v for k, v in m.items()
-                        if k not in ("rejected_clients", "dropped_client_ids")})
+        summary.update({k: v for k, v in m.items() if k not in _PER_ROUND_ONLY})
     summary["rejected_updates_total"] = st.totals["rejected_updates"]
+    summary["rejected_rounds_total"] = st.totals.get("rejected_rounds", 0)
+    summary["clipped_updates_total"] = st.totals.get("clipped_updates", 0)
     summary["wall_s_total"] = float(sum(m.get("wall_s", 0.0) for m in history))
     return summary
+
+
+def _check_run_dir(run_dir: Path, resolved: dict[str, Any], resume: bool) -> None:
+    """A new run needs an empty directory; a resumed one the same config."""
+    saved = run_dir / CONFIG_FILE
+    if resume:
+        if not (saved.exists() or saved.is_symlink()):
+            return
+        try:
+            old = yaml.safe_load(saved.read_bytes().decode("utf-8"))
+        except IsADirectoryError:
+            raise RunDirError(f"{saved}: is a directory, not the run's config") from None
+        except UnicodeDecodeError as e:
+            raise RunDirError(f"{saved}: not UTF-8 text (byte {e.start}): the run's config is "
+                              "damaged") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise RunDirError(f"{saved}: not valid YAML{where}: the run's config is damaged"
+                              ) from None
+        except OSError as e:
+            raise RunDirError(f"{saved}: cannot be read ({e.strerror or e})") from None
+        if not isinstance(old, dict):
+            raise RunDirError(f"{saved}: holds no config mapping: the run's config is damaged")
+        if old != resolved:
+            raise ConfigError(
+                f"{saved}: the config differs from the one given; resume needs the same "
+                "config and overrides"
+            )
+    elif any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+        raise ConfigError(f"{run_dir}: run directory exists and is not empty "
+                          "(use --resume to continue it, or another --out)")
 
 
 def run(
@@ -613,8 +968,14 @@ def run(
         overrides: dotted ``key=value`` overrides.
         out: the run directory. ``None`` runs in memory (no files, no checkpoints).
             A directory that holds a run is never overwritten unless ``resume``.
-        resume: continue from ``out``'s last checkpoint; the config must match
-            the one saved there. The result is bit-identical to an uninterrupted run.
+            It is locked for the run's life: a second run on it gets
+            :class:`~fedloom.engine.checkpoint.RunDirError` naming the holder's pid.
+        resume: continue from ``out``'s newest intact checkpoint (``last.pt``, or
+            ``prev.pt`` when ``last.pt`` is missing or damaged: a warning names
+            both); the config must match the one saved there. The result is
+            bit-identical to an uninterrupted run. A damaged checkpoint, state
+            snapshot, config or metrics file with no intact one to fall back on
+            raises one line naming it.
         callbacks: called as ``cb(state, metrics)`` after each round is logged
             and checkpointed.
         data: your own dataset (:func:`fedloom.data.from_arrays`) instead of ``data.name``.
@@ -625,21 +986,18 @@ def run(
     cfg = load_config(config, overrides)
     run_dir = Path(out) if out is not None else None
     resolved = config_to_dict(cfg)
-    if run_dir is not None:
-        saved = run_dir / CONFIG_FILE
-        if resume:
-            if saved.exists() and yaml.safe_load(saved.read_text()) != resolved:
-                raise ConfigError(
-                    f"{saved}: the config differs from the one given; resume needs the same "
-                    "config and overrides"
-                )
-        elif run_dir.exists() and any(run_dir.iterdir()):
-            raise ConfigError(f"{run_dir}: run directory exists and is not empty "
-                              "(use --resume to continue it, or another --out)")
-    created = run_dir is not None and not run_dir.exists()
+    if run_dir is None:
+        exp = Experiment(cfg, data=data, model=model)
+        try:
+            return _loop(exp, cfg, resolved, None, resume, callbacks)
+        finally:
+            exp.close()
+    # The lock comes first: nothing in the directory (its memmap state files
+    # included, which Experiment creates) is touched by a run that does not hold it.
+    lock, created = lock_run_dir(run_dir)
     try:
-        exp = Experiment(cfg, state_dir=(run_dir / "state") if run_dir is not None else None,
-                         data=data, model=model)
+        _check_run_dir(run_dir, resolved, resume)
+        exp = Experiment(cfg, state_dir=run_dir / "state", data=data, model=model)
         try:
             return _loop(exp, cfg, resolved, run_dir, resume, callbacks)
         finally:
@@ -647,19 +1005,111 @@ def run(
     except BaseException:
         # A run dir made by this call that holds no checkpoint has nothing worth
         # keeping; one with a checkpoint stays so that --resume can continue it.
-        if created and run_dir is not None and not (run_dir / CHECKPOINT_FILE).exists():
+        if created and not any((run_dir / f).exists()
+                               for f in (CHECKPOINT_FILE, PREVIOUS_CHECKPOINT_FILE)):
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
+    finally:
+        lock.release()
 
 
-def _save(path: Path, state: dict[str, Any]) -> None:
-    """Write the checkpoint, then drop the state snapshot files it no longer names
-    (the new snapshot files were complete before the checkpoint named them)."""
-    save_checkpoint(path, state)
-    keep = {v["file"] for v in state["store"].values() if isinstance(v, dict)}
-    for f in path.parent.glob("state-*.bin"):
+# Keys every checkpoint dict holds (Experiment.checkpoint_state).
+_CKPT_KEYS = ("format", "next_round", "w", "opt_state", "agg_state", "method_state",
+              "feedback_state", "w_avg", "totals", "store", "config")
+
+
+def _restore_checked(exp: Experiment, cfg: Config, resolved: dict[str, Any],
+                     path: Path) -> tuple[RunState, set[str]]:
+    """Load, check and restore one checkpoint; return its state and the snapshot
+    files it names. Raises :class:`CheckpointError` naming ``path``."""
+    ck = load_checkpoint(path, _CKPT_KEYS)
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {what}")
+
+    if ck["format"] != 1:
+        raise bad(f"checkpoint dict format {ck['format']!r}, expected 1")
+    if ck["config"] != resolved:
+        raise bad("written by a run with another config")
+    nr = ck["next_round"]
+    if not isinstance(nr, int) or isinstance(nr, bool) or not 0 <= nr <= cfg.rounds:
+        raise bad(f"next_round={nr!r} is not a round of this run (0 … {cfg.rounds})")
+    d = exp.layout.size
+    for key in ("w", "w_avg"):
+        v = ck[key]
+        if key == "w_avg" and v is None and not cfg.eval.average_iterates:
+            continue
+        if not (isinstance(v, torch.Tensor) and v.dtype == exp.dtype and tuple(v.shape) == (d,)):
+            raise bad(f"{key!r} is not a {cfg.dtype} vector of the model's {d} parameters")
+    totals = ck["totals"]
+    if not (isinstance(totals, dict) and all(k in totals for k in _TOTAL_KEYS)
+            and all(isinstance(v, int) for v in totals.values())):
+        raise bad("'totals' is not a mapping of the run's integer totals")
+    for key in ("opt_state", "method_state", "feedback_state", "store"):
+        if not isinstance(ck[key], dict):
+            raise bad(f"{key!r} is a {type(ck[key]).__name__}, not a mapping")
+    try:
+        st = exp.restore(ck, path.parent)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError,
+            OSError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # A snapshot file's error names that file; say which checkpoint named it.
+        raise (CheckpointError(f"{msg} (named by {path})") if msg.startswith(str(path.parent))
+               else bad(f"cannot be restored ({msg})")) from None
+    files = {v["file"] for v in ck["store"].values() if isinstance(v, dict)}
+    return st, files
+
+
+def _open_checkpoint(exp: Experiment, cfg: Config, resolved: dict[str, Any], ckpt_dir: Path
+                     ) -> tuple[RunState, set[str], str | None] | None:
+    """The newest intact checkpoint of ``ckpt_dir``: ``(state, its snapshot files,
+    why last.pt was passed over or None)``, or ``None`` when there is none at all.
+
+    ``last.pt`` is tried first, then ``prev.pt``; if neither is intact,
+    :class:`CheckpointError` names both and what is wrong with each.
+    """
+    last, prev = ckpt_dir / "last.pt", ckpt_dir / "prev.pt"
+
+    def there(p: Path) -> bool:
+        return p.exists() or p.is_symlink()
+
+    if not (there(last) or there(prev)):
+        return None
+    problems: list[str] = []
+    for p in (last, prev):
+        if not there(p):
+            problems.append(f"{p}: missing")
+            continue
+        try:
+            st, files = _restore_checked(exp, cfg, resolved, p)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        return st, files, (problems[0] if problems else None)
+    raise CheckpointError("; ".join(problems) + "; no intact checkpoint to resume from (start "
+                          "again with another --out)")
+
+
+def _save(ckpt_dir: Path, state: dict[str, Any], keep: set[str]) -> set[str]:
+    """Write ``last.pt`` (the one it replaces becomes ``prev.pt``), then drop the
+    state snapshot files that neither names: ``keep`` are those of the newest
+    checkpoint before this one (the new snapshot files were complete before the
+    checkpoint named them). Returns the snapshot files the new checkpoint names."""
+    save_checkpoint(ckpt_dir / "last.pt", state, keep_previous=ckpt_dir / "prev.pt")
+    new = {v["file"] for v in state["store"].values() if isinstance(v, dict)}
+    _drop_snapshots(ckpt_dir, new | keep)
+    return new
+
+
+def _drop_snapshots(ckpt_dir: Path, keep: set[str]) -> None:
+    """Delete the state snapshot files of ``ckpt_dir`` not in ``keep`` (a damaged
+    one may be a directory: it goes too, the folder is the run's own)."""
+    for f in ckpt_dir.glob("state-*.bin"):
         if f.name not in keep:
-            f.unlink(missing_ok=True)
+            if f.is_dir() and not f.is_symlink():
+                shutil.rmtree(f, ignore_errors=True)
+            else:
+                f.unlink(missing_ok=True)
 
 
 def _loop(
@@ -668,12 +1118,41 @@ def _loop(
 ) -> Result:
     st = exp.initial_state()
     history: list[dict[str, Any]] = []
-    if run_dir is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt_path = run_dir / CHECKPOINT_FILE
-        if resume and ckpt_path.exists():
-            st = exp.restore(load_checkpoint(ckpt_path), ckpt_path.parent)
-        history = _read_metrics(run_dir / METRICS_FILE, st.next_round) if resume else []
+    snap_files: set[str] = set()  # snapshot files of the newest checkpoint on disk
+    ckpt_dir = (run_dir / CHECKPOINT_FILE).parent if run_dir is not None else None
+    if run_dir is not None and ckpt_dir is not None:
+        if (ckpt_dir.exists() or ckpt_dir.is_symlink()) and not ckpt_dir.is_dir():
+            raise RunDirError(f"{ckpt_dir}: is not a directory (the run's checkpoints go there)")
+        # A write killed before its rename left a temporary file: never read, drop it.
+        gone = [p.name for folder in (run_dir, ckpt_dir) for p in remove_leftovers(folder)]
+        if gone:
+            log.info("%s: removed %d temporary files left by a killed write (%s)", run_dir,
+                     len(gone), ", ".join(sorted(gone)))
+        passed_over = None
+        if resume:
+            found = _open_checkpoint(exp, cfg, resolved, ckpt_dir)
+            if found is None:
+                log.info("%s: no checkpoint; starting at round 1", ckpt_dir)
+            else:
+                st, snap_files, passed_over = found
+            history = _read_metrics(run_dir / METRICS_FILE, st.next_round,
+                                    st.totals if found is not None else None)
+        if passed_over is not None:
+            last = ckpt_dir / "last.pt"
+            msg = f"{passed_over}; resumed from {ckpt_dir / 'prev.pt'} (round {st.next_round})"
+            if last.exists() or last.is_symlink():
+                # Out of the rotation (the next save would make it prev.pt), kept to look at.
+                kept = last.with_name("last.pt.damaged")
+                if kept.is_dir() and not kept.is_symlink():
+                    shutil.rmtree(kept)
+                else:
+                    kept.unlink(missing_ok=True)
+                os.replace(last, kept)
+                msg += f"; the damaged file is now {kept.name}"
+            # Only prev.pt's snapshot files are of use now (the rounds after it
+            # are run again and write their own).
+            _drop_snapshots(ckpt_dir, snap_files)
+            log.warning("%s", msg)
         atomic_write_bytes(run_dir / CONFIG_FILE,
                            yaml.safe_dump(resolved, sort_keys=False).encode())
         # Rewrite the metrics file to the rounds the state reflects (drops rounds
@@ -688,10 +1167,11 @@ def _loop(
             if metrics_f is not None:
                 metrics_f.write(json.dumps(m) + "\n")
                 metrics_f.flush()
-            if (run_dir is not None and cfg.checkpoint.every
+            if (ckpt_dir is not None and metrics_f is not None and cfg.checkpoint.every
                     and (st.next_round % cfg.checkpoint.every == 0 or st.next_round == cfg.rounds)):
-                _save(run_dir / CHECKPOINT_FILE, exp.checkpoint_state(
-                    st, (run_dir / CHECKPOINT_FILE).parent))
+                # The metrics of the rounds a checkpoint covers are on disk before it.
+                os.fsync(metrics_f.fileno())
+                snap_files = _save(ckpt_dir, exp.checkpoint_state(st, ckpt_dir), snap_files)
             for cb in callbacks:
                 cb(st, m)
     finally:

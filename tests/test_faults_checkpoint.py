@@ -1,0 +1,401 @@
+"""Fault matrix of the run directory: damaged checkpoints, state snapshots,
+config and metrics files, a kill during a checkpoint write, two runs on one
+directory.
+
+Every damage either falls back to the intact ``prev.pt`` (same ``model_sha256``
+and metrics as an uninterrupted run, one warning naming both files) or ends
+with exit status 2 and one line naming the damaged file — never a traceback,
+never a resume to a different model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import fedloom
+from conftest import TINY
+from fedloom import cli
+from fedloom.engine.checkpoint import load_checkpoint, save_checkpoint
+
+DENSE = ["rounds=3", "checkpoint.every=1"]
+MEMMAP = [*DENSE, "compression.name=topk", "compression.options.ratio=0.1",
+          "compression.feedback=ef", "state.storage=memmap"]
+
+
+@pytest.fixture(autouse=True)
+def _no_plots(monkeypatch):
+    # curves.png is not what these tests check, and matplotlib's layout is most of
+    # a finished resume's time here.
+    monkeypatch.setattr("fedloom.report.plots.write_run_plots", lambda *a, **k: None)
+
+
+def _stopped_run(root: Path, ov: list[str]) -> tuple[Path, str, list[dict]]:
+    """A run stopped after round 2 of 3 (so ``last.pt`` is round 2, ``prev.pt``
+    round 1), and the uninterrupted run's ``model_sha256`` and metrics."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "tiny.yaml").write_text(yaml.safe_dump(TINY))
+    ref = fedloom.run(TINY, ov)
+
+    def stop(st, m):
+        if st.next_round == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fedloom.run(TINY, ov, out=root / "run", callbacks=[stop])
+    return root / "run", ref.summary["model_sha256"], ref.metrics
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return _stopped_run(tmp_path_factory.mktemp("dense"), DENSE)
+
+
+@pytest.fixture(scope="module")
+def memmap(tmp_path_factory):
+    return _stopped_run(tmp_path_factory.mktemp("memmap"), MEMMAP)
+
+
+def _copy(base: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(base, out, symlinks=True)
+    shutil.copy(base.with_name("tiny.yaml"), tmp_path / "tiny.yaml")
+    return out
+
+
+def _resume(out: Path, ov: list[str], capsys, *extra: str) -> tuple[int, list[str]]:
+    capsys.readouterr()
+    rc = cli.main(["run", str(out.with_name("tiny.yaml")), *ov, "--out", str(out), "--quiet",
+                   "--resume", *extra])
+    return rc, [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+
+
+def _stable(ms: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.endswith("_s")} for m in ms]
+
+
+def _summary_sha(out: Path) -> str:
+    return json.loads((out / "summary.json").read_text())["model_sha256"]
+
+
+# ----------------------------------------------------------------- damage kinds
+def _w_bytes(path: Path) -> bytes:
+    return load_checkpoint(path)["w"].numpy().tobytes()
+
+
+def _flip_tensor(p: Path) -> None:
+    """Flip one bit in the middle of the model tensor's data record."""
+    w = _w_bytes(p)
+    b = bytearray(p.read_bytes())
+    i = b.find(w)
+    assert i >= 0
+    b[i + len(w) // 2] ^= 0x10
+    p.write_bytes(bytes(b))
+
+
+def _resave(p: Path, change) -> None:
+    st = load_checkpoint(p)
+    change(st)
+    save_checkpoint(p, st)  # a file with a valid digest: the content checks must catch it
+
+
+def _to_dir(p: Path) -> None:
+    p.unlink()
+    p.mkdir()
+
+
+def _dangling(p: Path) -> None:
+    p.unlink()
+    p.symlink_to(p.with_name("nowhere"))
+
+
+CKPT_DAMAGE = {
+    "truncated_to_0": lambda p: p.write_bytes(b""),
+    "truncated_half": lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
+    "flipped_tensor_byte": _flip_tensor,
+    "garbage": lambda p: p.write_bytes(bytes((7 * i + 3) % 256 for i in range(p.stat().st_size))),
+    "text": lambda p: p.write_text("not a checkpoint\n"),
+    "directory": _to_dir,
+    "dangling_link": _dangling,
+    "missing_key_store": lambda p: _resave(p, lambda st: st.pop("store")),
+    "w_wrong_shape": lambda p: _resave(p, lambda st: st.update(w=st["w"][:-3])),
+    "other_config": lambda p: _resave(p, lambda st: st.update(
+        config={**st["config"], "seed": 99})),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CKPT_DAMAGE))
+def test_damaged_checkpoints_exit_2_with_one_line(dense, tmp_path, capsys, caplog, kind):
+    """last.pt and prev.pt both damaged: nothing to fall back on, so exit 2 and
+    one line naming both files; nothing of the run is changed."""
+    base, _, _ = dense
+    out = _copy(base, tmp_path)
+    for p in (out / "checkpoints").glob("*.pt"):
+        CKPT_DAMAGE[kind](p)
+    before = (out / "metrics.jsonl").read_bytes()
+    rc, err = _resume(out, DENSE, capsys)
+    assert rc == 2
+    assert len(err) == 1 and err[0].startswith("fedloom: error: "), err
+    assert "last.pt: " in err[0]
+    assert "prev.pt: " in err[0] and "no intact checkpoint" in err[0]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert (out / "metrics.jsonl").read_bytes() == before
+    assert not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("kind", ["truncated_to_0", "flipped_tensor_byte", "directory",
+                                  "missing_key_store"])
+def test_damaged_last_falls_back_to_prev_with_the_uninterrupted_result(
+        dense, tmp_path, capsys, caplog, kind):
+    base, ref_sha, ref_metrics = dense
+    out = _copy(base, tmp_path)
+    CKPT_DAMAGE[kind](out / "checkpoints" / "last.pt")
+    caplog.set_level(logging.WARNING, logger="fedloom")
+    rc, err = _resume(out, DENSE, capsys)
+    assert rc == 0, err
+    assert _summary_sha(out) == ref_sha
+    got = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert _stable(got) == _stable(ref_metrics)
+    warn = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warn) == 1 and "\n" not in warn[0], warn
+    assert "last.pt" in warn[0] and "resumed from" in warn[0] and "prev.pt (round 1)" in warn[0]
+    assert (out / "checkpoints" / "last.pt.damaged").exists()
+    # the rotation goes on from the intact files: a later resume needs no fallback
+    caplog.clear()
+    rc, err = _resume(out, DENSE, capsys)
+    assert rc == 0 and _summary_sha(out) == ref_sha
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_flipped_byte_inside_a_tensor_record_is_caught(dense, tmp_path):
+    from fedloom.engine.checkpoint import CheckpointError
+
+    p = tmp_path / "last.pt"
+    shutil.copy(dense[0] / "checkpoints" / "last.pt", p)
+    w = load_checkpoint(p)["w"]
+    _flip_tensor(p)
+    with pytest.raises(CheckpointError, match=r"last\.pt: content does not match its SHA-256"):
+        load_checkpoint(p)
+    # the digest covers the header's claims too: a restored byte loads again
+    b = bytearray(p.read_bytes())
+    b[b.find(w.numpy().tobytes()[:16]) + len(w.numpy().tobytes()) // 2] ^= 0x10
+    p.write_bytes(bytes(b))
+    assert torch.equal(load_checkpoint(p)["w"], w)
+
+
+def test_checkpoint_without_digest_loads_with_a_warning(dense, tmp_path, caplog):
+    """A checkpoint written before the digest existed (a bare torch.save file)."""
+    st = load_checkpoint(dense[0] / "checkpoints" / "last.pt")
+    p = tmp_path / "old.pt"
+    torch.save(st, p)
+    caplog.set_level(logging.WARNING, logger="fedloom")
+    assert torch.equal(load_checkpoint(p)["w"], st["w"])
+    assert any("without a digest" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------- state snapshots
+def _cohort_rows_flip(p: Path) -> None:
+    """Flip an exponent bit in the residual row of a client trained in round 3,
+    so the damage would change the model if it were loaded."""
+    from fedloom.rng import Purpose, numpy_gen
+
+    cohort = numpy_gen(TINY["seed"], 2, -1, Purpose.COHORT).choice(10, 4, replace=False)
+    b = bytearray(p.read_bytes())
+    row = len(b) // 10
+    i = next(i for k in sorted(cohort.tolist()) for i in range(k * row, (k + 1) * row) if b[i])
+    b[i] ^= 0x40
+    p.write_bytes(bytes(b))
+
+
+SNAP_DAMAGE = {
+    "flipped_byte": _cohort_rows_flip,
+    "garbage": lambda p: p.write_bytes(bytes((11 * i + 5) % 256 for i in range(p.stat().st_size))),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SNAP_DAMAGE))
+def test_damaged_state_snapshots_exit_2(memmap, tmp_path, capsys, kind):
+    base, _, _ = memmap
+    out = _copy(base, tmp_path)
+    for p in (out / "checkpoints").glob("state-*.bin"):  # those of last.pt and prev.pt
+        SNAP_DAMAGE[kind](p)
+    rc, err = _resume(out, MEMMAP, capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert "state-fb.residual-r2.bin: state snapshot damaged" in err[0]
+    assert "state-fb.residual-r1.bin: state snapshot damaged" in err[0]
+
+
+@pytest.mark.parametrize("kind", ["flipped_byte", "truncated", "directory"])
+def test_damaged_last_snapshot_falls_back_to_prev(memmap, tmp_path, capsys, caplog, kind):
+    base, ref_sha, _ = memmap
+    out = _copy(base, tmp_path)
+    p = out / "checkpoints" / "state-fb.residual-r2.bin"
+    {"flipped_byte": _cohort_rows_flip,
+     "truncated": lambda p: p.write_bytes(p.read_bytes()[:100]),
+     "directory": _to_dir}[kind](p)
+    caplog.set_level(logging.WARNING, logger="fedloom")
+    rc, err = _resume(out, MEMMAP, capsys)
+    assert rc == 0, err
+    assert _summary_sha(out) == ref_sha
+    warn = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warn) == 1 and "state-fb.residual-r2.bin" in warn[0] and "prev.pt" in warn[0]
+
+
+# --------------------------------------------------------- config and metrics
+CONFIG_DAMAGE = {
+    "latin1": lambda p: p.write_bytes(p.read_bytes() + "# caf\xe9\n".encode("latin-1")),
+    "yaml_error": lambda p: p.write_text("rounds: [1,\n"),
+    "directory": _to_dir,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIG_DAMAGE))
+def test_damaged_config_yaml_exit_2_naming_it(dense, tmp_path, capsys, kind):
+    out = _copy(dense[0], tmp_path)
+    CONFIG_DAMAGE[kind](out / "config.yaml")
+    rc, err = _resume(out, DENSE, capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert "config.yaml: " in err[0]
+
+
+def _lines(p: Path) -> list[str]:
+    return p.read_text().splitlines()
+
+
+def _write(p: Path, lines: list[str]) -> None:
+    p.write_text("".join(x + "\n" for x in lines))
+
+
+def _shift_totals(p: Path) -> None:
+    ms = [json.loads(x) for x in _lines(p)]
+    for m in ms:
+        m["uplink_bytes_total"] += 1
+    _write(p, [json.dumps(m) for m in ms])
+
+
+METRICS_DAMAGE = {
+    # the checkpoint is at round 2: rounds 1-2 must be there
+    "garbage_lines": (lambda p: _write(p, ["garbage{", "\x01junk", *_lines(p)[2:]]),
+                      "rounds 1–2 before the checkpoint's round 2 are missing"),
+    "round_missing": (lambda p: _write(p, _lines(p)[1:]), "rounds 1 before"),
+    "round_twice": (lambda p: _write(p, [_lines(p)[0], *_lines(p)]), "round 1 appears twice"),
+    "not_utf8": (lambda p: p.write_bytes(b"\xff\xfe" + p.read_bytes()), "rounds 1 before"),
+    "other_run": (_shift_totals, "not this run's"),
+    "deleted": (lambda p: p.unlink(), "missing, but the checkpoint is at round 2"),
+    "directory": (_to_dir, "is a directory"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(METRICS_DAMAGE))
+def test_damaged_metrics_exit_2_naming_it(dense, tmp_path, capsys, kind):
+    out = _copy(dense[0], tmp_path)
+    damage, what = METRICS_DAMAGE[kind]
+    damage(out / "metrics.jsonl")
+    rc, err = _resume(out, DENSE, capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert "metrics.jsonl: " in err[0] and what in err[0], err
+
+
+def test_metrics_repaired_when_the_rounds_are_intact(dense, tmp_path, capsys, caplog):
+    """A damaged line among intact rounds 1–2 and a torn last line (what a kill
+    leaves) are dropped, with one warning naming them; nothing of rounds 1–3 is
+    lost."""
+    base, ref_sha, ref_metrics = dense
+    out = _copy(base, tmp_path)
+    p = out / "metrics.jsonl"
+    _write(p, [_lines(p)[0], "not json", *_lines(p)[1:]])
+    p.write_text(p.read_text() + '{"round": 3, "lr"')  # torn: line 4
+    caplog.set_level(logging.WARNING, logger="fedloom")
+    rc, err = _resume(out, DENSE, capsys)
+    assert rc == 0, err
+    got = [json.loads(x) for x in _lines(p)]
+    assert _stable(got) == _stable(ref_metrics) and _summary_sha(out) == ref_sha
+    warn = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warn) == 1 and "metrics.jsonl: dropped 2 damaged lines (2, 4)" in warn[0], warn
+
+
+def test_checkpoints_folder_that_is_a_file_exit_2(dense, tmp_path, capsys):
+    out = _copy(dense[0], tmp_path)
+    shutil.rmtree(out / "checkpoints")
+    (out / "checkpoints").write_text("x")
+    rc, err = _resume(out, DENSE, capsys)
+    assert rc == 2 and len(err) == 1 and "checkpoints: is not a directory" in err[0], err
+
+
+# ---------------------------------------------------- kill, lock, leftovers
+_HOLDER = r"""
+import os, signal, sys, time
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from conftest import TINY
+import fedloom
+import fedloom.engine.checkpoint as ck
+
+real, seen = os.replace, []
+
+def replace(src, dst, *a, **k):
+    # The second checkpoint write: its temporary file is complete; stop here, as a
+    # kill would, after telling the test (which then kills this process).
+    if Path(src).name.startswith(".last.pt."):
+        seen.append(src)
+        if len(seen) == 2:
+            Path({ready!r}).write_text(str(os.getpid()))
+            time.sleep(120)
+    return real(src, dst, *a, **k)
+
+ck.os.replace = replace
+fedloom.run(TINY, {ov!r}, out={out!r})
+"""
+
+
+def test_kill_during_checkpoint_write_lock_and_leftovers(dense, tmp_path, capsys):
+    """A run stopped in the middle of its second checkpoint write (its
+    ``.last.pt.*.tmp`` complete, not renamed) holds the directory: a second run
+    on it, new or ``--resume``, exits 2 naming its pid. Killed there (SIGKILL),
+    it leaves the temporary file and its lock file; ``--resume`` then removes
+    the former, is not blocked by the latter and ends with the uninterrupted
+    run's model."""
+    _, ref_sha, _ = dense
+    out, ready = tmp_path / "run", tmp_path / "ready"
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY))
+    code = _HOLDER.format(tests=str(Path(__file__).parent), ready=str(ready), ov=DENSE,
+                          out=str(out))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        while not ready.exists():  # no timing assumed: wait for the holder to say so
+            if proc.poll() is not None:
+                pytest.fail(f"holder ended early: {proc.stderr.read().decode()[-2000:]}")
+            time.sleep(0.05)
+        pid = proc.pid
+        assert list((out / "checkpoints").glob(".last.pt.*.tmp"))
+        for extra in ((), ("--resume",)):
+            capsys.readouterr()
+            rc = cli.main(["run", str(tmp_path / "tiny.yaml"), *DENSE, "--out", str(out),
+                           "--quiet", *extra])
+            err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+            assert rc == 2 and len(err) == 1, err
+            assert f"in use by another fedloom run (pid {pid})" in err[0]
+        assert out.is_dir() and (out / "checkpoints" / "last.pt").exists()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    left = list((out / "checkpoints").glob(".last.pt.*.tmp"))
+    assert left and (out / ".lock").read_text().strip() == str(pid)
+    rc, err = _resume(out, DENSE, capsys)
+    assert rc == 0, err
+    assert not list(out.rglob("*.tmp"))
+    assert _summary_sha(out) == ref_sha
+    assert (out / ".lock").read_text().strip() == str(os.getpid())
