@@ -238,3 +238,26 @@ def test_ef21_all_resumes_bit_for_bit(tiny, tmp_path):
           "compression.feedback=ef21", "rounds=4", "checkpoint.every=1"]
     ref, res = stop_and_resume(tiny, ov, tmp_path / "r")
     assert res.summary["model_sha256"] == ref.summary["model_sha256"]
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_scaffold_control_is_in_the_local_steps_units(momentum):
+    """SCAFFOLD option II in round 1 (c = c_k = 0): c_k⁺ = g_k/(η S) must be the local
+    gradient whatever the local momentum (η K instead of η S: 2.63× too large at 0.9)."""
+    from fedloom.client.scaffold import Scaffold
+
+    torch.manual_seed(0)  # the module's initial weights only
+    module = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(),
+                                 torch.nn.Linear(8, 3)).double()
+    layout = Layout.from_module(module)
+    trainer = LocalSGD(module, layout, batch_size=1000, steps=5, momentum=momentum)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 6, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (64,), generator=gen)
+    w = layout.flatten(module).to(torch.float64)
+    zeros = torch.zeros_like(w)
+    method = Scaffold()
+    job = method.prepare(ClientJob(0, 0, w, 1e-5, x, y, gen_seed=1, state={"control": zeros}),
+                         {"c": zeros})
+    res = method.run(trainer, job)
+    assert _rel(res.state["control"], trainer.grad(w, x, y)) < 1e-3

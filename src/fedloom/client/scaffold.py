@@ -4,8 +4,16 @@ Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated
 Learning" (ICML 2020), Algorithm 1 with control-variate option II::
 
     local steps   y ← y − η_l (∇f_k(y) − c_k + c)
-    client        c_k⁺ = c_k − c + g_k / (K η_l)        (g_k = w − y_K)
+    client        c_k⁺ = c_k − c + g_k / (S η_l)        (g_k = w − y_K)
     server        c ← c + (m/N) · mean_k (c_k⁺ − c_k)
+
+``S`` is the sum of the step multipliers of the ``K`` local steps
+(:func:`~fedloom.compress.feedback.local_step_sum`): ``K`` for plain SGD, as
+in the paper, and ``Σ_{j=1..K} (1 − β^j)/(1 − β)`` with heavy-ball momentum β,
+so ``g_k/(S η_l)`` is the mean corrected local gradient whatever the local
+optimizer. Dividing by ``K η_l`` under momentum 0.9 and K = 5 overestimates the
+gradient 2.63× and the control variates overshoot (departure from the paper,
+which has no momentum; identical to it at β = 0).
 
 The model step is the configured aggregator (the paper: the mean of the
 updates with a global step η_g). ``c_k`` lives in the per-client store (field
@@ -22,6 +30,7 @@ import torch
 
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
+from fedloom.compress.feedback import local_step_sum
 from fedloom.registry import register
 from fedloom.state import FieldSpec
 
@@ -43,8 +52,9 @@ class Scaffold(LocalMethod):
     def run(self, trainer: LocalSGD, job: ClientJob) -> ClientResult:
         res = trainer.run(job)
         assert job.grad_shift is not None
-        # c_k⁺ = c_k − c + g/(Kη) and grad_shift = c − c_k
-        res.state = {"control": res.update / (res.steps * job.lr) - job.grad_shift}
+        # c_k⁺ = c_k − c + g/(Sη) and grad_shift = c − c_k
+        scale = local_step_sum(res.steps, trainer.momentum) * job.lr
+        res.state = {"control": res.update / scale - job.grad_shift}
         return res
 
     def server_update(
