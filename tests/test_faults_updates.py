@@ -21,7 +21,13 @@ from fedloom import registry
 from fedloom.aggregate.base import Stateless
 from fedloom.compress import PayloadError
 from fedloom.config import ConfigError, load_config
-from fedloom.engine.loop import Experiment, clip_rows, model_sha256, screen_updates
+from fedloom.engine.loop import (
+    Experiment,
+    _row_norms,
+    clip_rows,
+    model_sha256,
+    screen_updates,
+)
 
 HUGE = 1e30
 
@@ -302,6 +308,18 @@ def test_clip_rows_bounds_the_norm_and_keeps_the_direction():
             assert math.isclose(float(after[i]), bound, rel_tol=1e-6)
             cos = float(rows[i].double() @ orig[i].double()) / float(after[i] * norms[i])
             assert cos > 1 - 1e-6
+
+
+def test_clip_rows_exact_with_the_engines_float32_norms():
+    # The engine's norms come from one float32 pass (relative error ~1e-6 at this d):
+    # rows a few 1e-6 above the bound must still end at most at the bound.
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randn(8, 200_000, generator=gen)
+    exact = torch.linalg.vector_norm(rows.double(), dim=1)
+    rows *= ((1 + 3e-6 * torch.arange(8, dtype=torch.float64)) / exact).float()[:, None]
+    norms = _row_norms(rows)
+    clip_rows(rows, norms, torch.ones(8, dtype=torch.bool), 1.0)
+    assert float(torch.linalg.vector_norm(rows.double(), dim=1).max()) <= 1 + 1e-6
 
 
 class _Spy(Stateless):

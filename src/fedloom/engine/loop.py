@@ -127,11 +127,22 @@ def _finite_rows(rows: torch.Tensor) -> torch.Tensor:
     return ok
 
 
-def _row_norms(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of each vector, accumulated in float64: a float32 row of 1e30
-    entries has a finite norm there (its squares overflow float32)."""
-    return torch.tensor([float(torch.linalg.vector_norm(r, dtype=torch.float64)) for r in rows],
-                        dtype=torch.float64)
+def _row_norms(rows: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of each row (a matrix) or vector (a sequence), as float64.
+
+    One pass in the rows' own dtype; a norm whose squares overflowed there
+    (``inf``: a float32 row of 1e30 entries) or may have underflowed (below
+    1e-18) is recomputed in float64, so a huge finite row has its finite norm.
+    A row holding NaN or ±inf has a NaN or infinite norm.
+    """
+    if isinstance(rows, torch.Tensor):
+        n = (torch.linalg.vector_norm(rows, dim=1).double() if rows.shape[0]
+             else torch.zeros(0, dtype=torch.float64))
+    else:
+        n = torch.tensor([float(torch.linalg.vector_norm(r)) for r in rows], dtype=torch.float64)
+    for i in (torch.isinf(n) | (n < 1e-18)).nonzero().flatten().tolist():
+        n[i] = float(torch.linalg.vector_norm(rows[i], dtype=torch.float64))
+    return n
 
 
 def screen_updates(norms: torch.Tensor, ok: torch.Tensor, *, max_norm: float | None,
@@ -196,16 +207,26 @@ def clip_rows(rows: torch.Tensor, norms: torch.Tensor, ok: torch.Tensor,
     what any one client (a backdoor, a diverged one) can move the model. Here
     it is applied to each decoded row before any aggregator, so it composes
     with CRAFT, every other rule and every compressor. The direction is kept;
-    the clipped norm equals ``M`` up to the rows' dtype rounding (the scale is
-    computed in float64).
+    the clipped norm equals ``M`` up to the rows' dtype rounding: ``norms`` may
+    come from a float32 pass (relative error ~1e-6 at d = 2e5), so a row near
+    or above the bound has its norm recomputed in float64 before it is scaled.
     """
     n = 0
     for i in ok.nonzero().flatten().tolist():
-        v = float(norms[i])
+        if float(norms[i]) <= bound * (1 - 1e-4):
+            continue
+        v = float(torch.linalg.vector_norm(rows[i], dtype=torch.float64))
         if v > bound:
             rows[i].mul_(bound / v)
             n += 1
     return n
+
+
+def _non_finite_reason(v: torch.Tensor) -> str:
+    """Why a vector with a non-finite norm is refused."""
+    if bool(_finite_rows(v.reshape(1, -1))[0]):
+        return "norm overflows float64 (finite entries)"
+    return "non-finite update"
 
 
 def _all_finite(x: Any) -> bool:
@@ -486,15 +507,15 @@ class Experiment:
         # Client side, before encoding: the rules the server applies to what it
         # receives, on the dense update (a huge value in a coordinate that a
         # sparsifier leaves out is seen here, and nothing non-finite is encoded).
+        # One pass a client: its norm, which is finite exactly when the update is
+        # (and its float64 norm does not overflow: an absurd update all the same).
         refused: dict[int, str] = {}
-        finite = torch.tensor([bool(_finite_rows(res.update.reshape(1, -1))[0])
-                               for res in results], dtype=torch.bool)
+        norms = _row_norms([res.update for res in results])
+        finite = torch.isfinite(norms)
         for i in (~finite).nonzero().flatten().tolist():
-            refused[i] = "non-finite update"
+            refused[i] = _non_finite_reason(results[i].update)
         s = self.cfg.server
-        if results and (s.max_update_norm is not None or s.max_norm_ratio is not None):
-            norms = _row_norms([res.update if ok else res.update.new_zeros(1)
-                                for res, ok in zip(results, finite.tolist(), strict=True)])
+        if s.max_update_norm is not None or s.max_norm_ratio is not None:
             refused.update(screen_updates(norms, finite, max_norm=s.max_update_norm,
                                           max_ratio=s.max_norm_ratio))
 
@@ -546,7 +567,13 @@ class Experiment:
                 else torch.empty((0, d))).to(self.dtype)
         del row_list
         reasons = dict(refused)
-        finite = _finite_rows(rows)
+        # Server side: the same checks on the rows the aggregator would receive.
+        # With a size rule on, one norm pass also tells the non-finite rows.
+        srv = self.cfg.server
+        sized = (srv.max_update_norm is not None or srv.max_norm_ratio is not None
+                 or srv.clip_norm is not None)
+        norms = _row_norms(rows) if sized else None
+        finite = torch.isfinite(norms) if norms is not None else _finite_rows(rows)
         for i in refused:
             finite[i] = False
         for i, res in enumerate(results):  # a non-finite state row is rejected too
@@ -554,17 +581,12 @@ class Experiment:
                 continue
             states = [*res.state.values(), *ups[i].state.values()]
             if not bool(finite[i]):
-                reasons[i] = "non-finite update"
+                reasons[i] = _non_finite_reason(rows[i])
             elif any(not bool(_finite_rows(v.reshape(1, -1))[0]) for v in states):
                 finite[i] = False
                 reasons[i] = "non-finite client state"
-        # Server side: the size rules on the rows the aggregator would receive.
-        srv = self.cfg.server
         clipped = 0
-        if bool(finite.any()) and (srv.max_update_norm is not None
-                                   or srv.max_norm_ratio is not None
-                                   or srv.clip_norm is not None):
-            norms = _row_norms(rows)
+        if norms is not None and bool(finite.any()):
             big = screen_updates(norms, finite, max_norm=srv.max_update_norm,
                                  max_ratio=srv.max_norm_ratio)
             for i, why in big.items():
