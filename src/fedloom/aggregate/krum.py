@@ -26,8 +26,9 @@ where the two mutually closest updates always have the same score (see Ties).
 
 Choices and departures, stated:
 
-- Small cohorts: ``k = clamp(n − f − 2, 1, n − 1)`` (Flower's rule, with the
-  upper end for ``f < 0`` impossible here); ``n = 1`` returns that update.
+- Small cohorts: ``k = max(1, n − f − 2)`` (Flower's rule; always ``≤ n − 1``),
+  so the rule is defined even where ``2f + 2 < n`` fails, without the
+  paper's guarantee; ``n = 1`` returns that update.
   ``multi`` is capped at ``n``. The ``k`` used is the metric ``krum_neighbours``.
 - Ties: updates whose scores are equal up to the rounding bound of the
   float64 distances (``|δ s(i)| ≤ 4 d ε Σ_{j∈N_k(i)} (G_ii + G_jj)``) share
@@ -108,7 +109,7 @@ class Krum(Stateless):
             return updates[0].clone(), state, {
                 "krum_neighbours": 0.0, "krum_selected": 1.0,
                 "krum_best_client": float(ids[0]), "krum_best_score": 0.0}
-        k = min(max(n - self.f - 2, 1), n - 1)
+        k = max(n - self.f - 2, 1)
         G, _ = gram(updates, chunk=self.chunk, precision="float64")
         score, err = krum_scores(G, k, d)
         coef = _selection(score, err, min(self.multi, n))
