@@ -38,6 +38,9 @@ def test_metrics_schema_and_exact_bytes(tiny):
         assert m["uplink_bytes"] == m["cohort_size"] * (8 + 4 * d + 4)
         assert m["downlink_bytes"] == m["uplink_bytes"]
         assert 0.0 <= m["conflict_rate"] <= 1.0
+    # checksum=false: both directions drop the 4-byte trailer (byte-exact paper counts)
+    bare = fedloom.run(tiny, ["rounds=1", "compression.options.checksum=false"]).metrics[0]
+    assert bare["uplink_bytes"] == bare["downlink_bytes"] == bare["cohort_size"] * (8 + 4 * d)
     last = res.metrics[-1]
     for key in ["round", "train_loss", "test_acc", "test_loss", "client_acc_mean",
                 "client_acc_std", "client_acc_worst10", "client_acc_best10", "client_acc_jain",

@@ -389,7 +389,9 @@ class Experiment:
             self.attack = make_attack(cfg.attack, cfg.seed, self.fed.num_clients)
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e).splitlines()[0]) from None
-        self.downlink = Identity()
+        # The broadcast carries the same integrity trailer as the uplink (or none,
+        # with compression.options.checksum=false, for byte-exact paper comparisons).
+        self.downlink = Identity(checksum=bool(comp.options.get("checksum", True)))
         # The dense broadcast's size depends on d only: measure it once, not every round.
         self.downlink_size = len(self.downlink.encode(torch.zeros(self.layout.size)))
         method_fields = self.method.fields(self.layout.size)
