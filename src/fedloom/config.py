@@ -244,8 +244,8 @@ class BackendConfig:
     ``process`` and ``ray``: work whose worker process dies is run again up to
     ``max_retries`` times (``on_failure: retry``; then the run stops with an
     error) or its clients are dropped for the round (``drop``). A dead process
-    worker breaks its whole pool: every group not finished by then is retried or
-    dropped, and a new pool is started.
+    worker affects its own group only: the other workers go on, and the dead one
+    is replaced (also when it is found dead between rounds, where nothing is lost).
     """
 
     name: str = "sequential"

@@ -16,16 +16,34 @@ the bits of the sequential backend run at one thread, and differ from it at
 two threads by exactly what the thread count changes in a matrix product's
 summation order (measured on the tiny test config: 3e-8 after 3 rounds, both
 ways). Both are tested.
+
+Dead workers. Each worker is a process of its own with its own pipe, and the
+parent knows which group it sent to which worker, so a death is pinned to one
+worker and one group. (A ``concurrent.futures.ProcessPoolExecutor`` cannot
+do this: when one of its processes dies it fails every pending future,
+terminates the healthy workers too and refuses every later ``submit`` with
+``BrokenProcessPool``; which worker ran which future is not recorded.) So:
+
+- a worker found dead before a group is sent to it (it died *between* rounds,
+  or while idle) is replaced and nothing is lost;
+- a worker that dies holding a group is replaced; its group — only its group —
+  is run again (``backend.on_failure: retry``, up to ``max_retries`` deaths
+  per group, then the run stops with an error) or its clients are dropped for
+  the round (``drop``). The other workers are not interrupted.
+
+Every request carries a sequence number, so a late reply to a request the
+parent gave up on (a round that raised) is never taken for a newer one.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
-import time
+import traceback
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.connection import wait
 from typing import Any
 
 import torch
@@ -45,6 +63,8 @@ from fedloom.engine.backends import (
 from fedloom.registry import register
 
 __all__ = ["ProcessBackend", "make_inner", "run_group"]
+
+log = logging.getLogger("fedloom")
 
 _WORKER: dict[str, Any] = {}
 
@@ -74,7 +94,7 @@ def run_group(backend: Any, x: torch.Tensor, y: torch.Tensor,
 def _train_group(blob: bytes, out: torch.Tensor, rows: list[int]) -> bytes:
     # Jobs and the small part of the results travel as plain pickles; the dense
     # updates are written into ``out``, a tensor in shared memory that the parent
-    # allocated (one handle per task instead of one pickled copy per update).
+    # allocated (one handle per worker instead of one pickled copy per update).
     jobs = pickle.loads(blob)
     maybe_die(_WORKER.get("kill_once"), jobs)
     results = run_group(_WORKER["backend"], _WORKER["x"], _WORKER["y"], jobs)
@@ -86,6 +106,86 @@ def _train_group(blob: bytes, out: torch.Tensor, rows: list[int]) -> bytes:
 
 
 _IN_SHARED = torch.empty(0)  # marks an update that was written to the shared buffer
+
+
+class _RemoteTraceback(Exception):
+    """The worker's traceback, attached as the cause of the error it raised."""
+
+
+def _error_reply(seq: int, e: BaseException) -> tuple[str, int, Any]:
+    tb = "".join(traceback.format_exception(e))
+    try:
+        pickle.dumps(e)
+        return ("error", seq, (e, tb))
+    except Exception:  # an exception that does not pickle still reaches the parent
+        return ("error", seq, (RuntimeError(f"{type(e).__name__}: {e}"), tb))
+
+
+def _worker_main(conn: Any, initargs: tuple[Any, ...]) -> None:
+    """A worker: set up once, then answer ``(seq, jobs, buffer, rows)`` requests
+    with ``("ok", seq, results)`` until ``None`` or the parent is gone."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    try:
+        _init_worker(*initargs)
+    except BaseException as e:
+        conn.send(_error_reply(-1, e))
+        return
+    conn.send(("ready", -1, os.getpid()))
+    out: torch.Tensor | None = None
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent is gone
+        if msg is None:
+            return
+        seq, blob, new_out, rows = msg
+        if new_out is not None:  # the buffer is sent only when it changes
+            out = new_out
+        try:
+            assert out is not None
+            reply: tuple[str, int, Any] = ("ok", seq, _train_group(blob, out, rows))
+        except BaseException as e:
+            reply = _error_reply(seq, e)
+        conn.send(reply)
+
+
+class _Worker:
+    """One worker process and the parent's end of its pipe."""
+
+    def __init__(self, initargs: tuple[Any, ...]) -> None:
+        ctx = tmp.get_context("spawn")
+        self.conn, child = ctx.Pipe(duplex=True)
+        # daemon: never outlives the parent, whatever way the parent ends
+        self.proc = ctx.Process(target=_worker_main, args=(child, initargs), daemon=True,
+                                name="fedloom-worker")
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.buf_id = -1  # which of the parent's buffers this worker holds
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def stop(self, wait_s: float = 0.0) -> None:
+        """Ask it to exit (an idle worker does at once), then terminate it after
+        ``wait_s`` seconds (a busy one: its work is abandoned)."""
+        if wait_s and self.proc.is_alive():
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            self.proc.join(wait_s)
+        if self.proc.is_alive():
+            self.proc.terminate()
+        self.proc.join(5)
+        if self.proc.is_alive():  # pragma: no cover (a worker that ignores SIGTERM)
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
 
 
 class ProcessBackend:
@@ -103,59 +203,136 @@ class ProcessBackend:
         self.d = trainer.layout.size
         self.dtype = next(trainer.module.parameters()).dtype
         self._out: torch.Tensor | None = None
+        self._buf_id = 0
+        self._seq = 0
         # Tensors sent at start-up go through shared memory (torch's reducers).
         self._initargs = (trainer, method, x, y, inner, chunk, os.environ.get(KILL_ENV))
-        self._pool = self._new_pool()
+        # Started on first use: a run that fails validation after the backend is
+        # built (a bad compressor option) spawns nothing.
+        self._pool: list[_Worker] = []
 
-    def _new_pool(self) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(max_workers=self.workers, mp_context=tmp.get_context("spawn"),
-                                   initializer=_init_worker, initargs=self._initargs)
+    # ----------------------------------------------------------------- workers
+    def _workers(self) -> list[_Worker]:
+        while len(self._pool) < self.workers:
+            self._pool.append(_Worker(self._initargs))
+        return self._pool
 
+    def _replace(self, i: int) -> _Worker:
+        old = self._pool[i]
+        old.stop()
+        self._pool[i] = _Worker(self._initargs)
+        return self._pool[i]
+
+    def worker_pids(self) -> list[int]:
+        """The process ids of the workers started so far."""
+        return [w.pid for w in self._pool if w.pid is not None]
+
+    def _recv(self, w: _Worker) -> tuple[str, int, Any] | None:
+        """The worker's next message, or ``None`` if it died (pipe closed)."""
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):
+            return None
+        if msg[0] == "ready":
+            w.ready = True
+        elif msg[0] == "error" and msg[1] in (-1, self._seq):
+            exc, tb = msg[2]
+            raise exc from _RemoteTraceback(f"\n'''\n{tb}'''")
+        return msg
+
+    # ------------------------------------------------------------------ rounds
     def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
         groups = balanced_groups(jobs, self.workers)
         if self._out is None or self._out.shape[0] < len(jobs):
             self._out = torch.empty((len(jobs), self.d), dtype=self.dtype).share_memory_()
+            self._buf_id += 1
         buf = self._out
+        self._seq += 1
+        seq = self._seq
         out: list[ClientResult | None] = [None] * len(jobs)
-        pending, attempt = groups, 0
-        while pending:
-            futures = [self._pool.submit(_train_group, pickle.dumps(
-                [light_job(jobs[i]) for i in g], protocol=pickle.HIGHEST_PROTOCOL), buf, g)
-                for g in pending]
-            failed = []
-            for g, fut in zip(pending, futures, strict=True):
-                try:
-                    got = pickle.loads(fut.result())
-                except BrokenProcessPool:
-                    failed.append(g)  # a worker died: the whole pool is gone
+        pool = self._workers()
+        todo: deque[list[int]] = deque(groups)
+        deaths = [0] * len(groups)
+        gid = {id(g): n for n, g in enumerate(groups)}
+        busy: dict[int, list[int]] = {}  # worker position -> its group
+        while todo or busy:
+            for i in range(len(pool)):
+                if not todo:
+                    break
+                if i in busy:
                     continue
-                for i, res in zip(g, got, strict=True):
-                    if res is not None and res.update.numel() == 0 and self.d > 0:
-                        res.update = buf[i].clone()  # the buffer is reused next round
-                    out[i] = res
-            if not failed:
-                break
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = self._new_pool()
-            attempt += 1
-            if self.on_failure == "drop" or attempt > self.max_retries:
-                if self.on_failure == "retry":
-                    raise RuntimeError(f"backend: a worker process died; {self.max_retries} "
+                w = pool[i]
+                if not w.proc.is_alive():  # died while idle (between rounds): nothing lost
+                    log.warning("backend process: worker %s found dead (exit code %s) before "
+                                "round work was sent; replaced", w.pid, w.proc.exitcode)
+                    w = self._replace(i)
+                g = todo.popleft()
+                blob = pickle.dumps([light_job(jobs[j]) for j in g],
+                                    protocol=pickle.HIGHEST_PROTOCOL)
+                try:
+                    w.conn.send((seq, blob, buf if w.buf_id != self._buf_id else None, g))
+                except OSError:  # it died just now, before taking the group
+                    self._replace(i)
+                    todo.appendleft(g)
+                    continue
+                w.buf_id = self._buf_id
+                busy[i] = g
+            if not busy:
+                continue
+            ready = wait([pool[i].conn for i in busy] + [pool[i].proc.sentinel for i in busy])
+            for i in list(busy):
+                w = pool[i]
+                if w.conn not in ready and w.proc.sentinel not in ready:
+                    continue
+                msg = self._recv(w) if w.conn.poll() else None
+                if msg is not None:
+                    if msg[0] == "ok" and msg[1] == seq:
+                        g = busy.pop(i)
+                        for j, res in zip(g, pickle.loads(msg[2]), strict=True):
+                            if res is not None and res.update.numel() == 0 and self.d > 0:
+                                res.update = buf[j].clone()  # the buffer is reused next round
+                            out[j] = res
+                    continue  # "ready", or a late reply to an abandoned round
+                if w.proc.is_alive() and not w.conn.closed:
+                    continue  # the sentinel is not set; nothing to read yet
+                # The worker died holding group g: only g is affected.
+                g = busy.pop(i)
+                code = w.proc.exitcode
+                self._replace(i)
+                n = gid[id(g)]
+                deaths[n] += 1
+                clients = [jobs[j].client for j in g]
+                if self.on_failure == "drop":
+                    log.warning("backend process: worker died (exit code %s); clients %s "
+                                "dropped for the round", code, clients)
+                elif deaths[n] > self.max_retries:
+                    raise RuntimeError(f"backend: a worker process died (exit code {code}) "
+                                       f"running clients {clients}; {self.max_retries} "
                                        "retries exhausted")
-                break  # the failed groups' clients stay None: dropped for the round
-            pending = failed
+                else:
+                    log.warning("backend process: worker died (exit code %s); clients %s "
+                                "run again", code, clients)
+                    todo.append(g)
         return out
 
     def warm_up(self) -> None:
         """Start every worker now (spawn, imports, the data), not inside a timed round."""
-        list(self._pool.map(time.sleep, [0.05] * self.workers))
+        for i in range(len(self._workers())):
+            w = self._pool[i]
+            while not w.ready:
+                if self._recv(w) is None:  # died while starting: start another
+                    w = self._replace(i)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for w in self._pool:
+            w.stop(wait_s=1.0)
+        self._pool = []
 
     def __del__(self) -> None:  # pragma: no cover (interpreter shutdown order varies)
         try:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            for w in self._pool:
+                if w.proc.is_alive():
+                    w.proc.terminate()
         except Exception:
             pass
 
