@@ -97,12 +97,7 @@ RULES = {
 NAMES = available("aggregator")
 EXAMPLES = 4  # hypothesis examples per (rule, cohort kind): ~1000 aggregator calls in all
 # Known failures whose fix belongs to another item of the issue (xfail, not strict).
-KNOWN = {
-    ("fedlf", "low_rank"): "issue 12 (FedLF on its public rule): on low-rank cohorts the "
-                           "output depends on the order of the clients (per-tensor "
-                           "differences up to 0.6 for ‖out‖ = 0.38 on make_cohort('low_rank', "
-                           "7, 6149, float64)), though the min-norm point of a hull is unique",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _rule_kind_params() -> list:
