@@ -31,8 +31,9 @@ terminates the healthy workers too and refuses every later ``submit`` with
   per group, then the run stops with an error) or its clients are dropped for
   the round (``drop``). The other workers are not interrupted.
 
-Every request carries a sequence number, so a late reply to a request the
-parent gave up on (a round that raised) is never taken for a newer one.
+A round that raises (a worker's error, retries exhausted, Ctrl-C) stops the
+workers; the next round starts new ones. Every request also carries a
+sequence number, so a late reply is never taken for a newer request's.
 """
 
 from __future__ import annotations
@@ -242,13 +243,21 @@ class ProcessBackend:
 
     # ------------------------------------------------------------------ rounds
     def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
-        groups = balanced_groups(jobs, self.workers)
         if self._out is None or self._out.shape[0] < len(jobs):
             self._out = torch.empty((len(jobs), self.d), dtype=self.dtype).share_memory_()
             self._buf_id += 1
-        buf = self._out
         self._seq += 1
-        seq = self._seq
+        try:
+            return self._run_groups(jobs, self._out, self._seq)
+        except BaseException:
+            # A worker's error, retries exhausted or Ctrl-C: the round is abandoned,
+            # and so are the workers still busy with it (a later call starts anew).
+            self.close()
+            raise
+
+    def _run_groups(self, jobs: Sequence[ClientJob], buf: torch.Tensor,
+                    seq: int) -> list[ClientResult | None]:
+        groups = balanced_groups(jobs, self.workers)
         out: list[ClientResult | None] = [None] * len(jobs)
         pool = self._workers()
         todo: deque[list[int]] = deque(groups)
