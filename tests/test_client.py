@@ -68,3 +68,10 @@ def test_lr_schedules_golden():
     assert lr_at_round(0.1, cos, 199, 200) == pytest.approx(0.003)
     mid = 5 + (199 - 5) / 2
     assert lr_at_round(0.1, cos, int(mid), 200) == pytest.approx(0.0515, abs=1e-12)
+
+
+def test_batch_indices_of_a_client_without_samples_is_an_error_not_a_hang():
+    model = MLP(8, [6], 3)
+    trainer = LocalSGD(model, Layout.from_module(model), batch_size=4, steps=5)
+    with pytest.raises(ValueError, match="no training sample"):
+        trainer.batch_indices(0, torch.Generator().manual_seed(0))

@@ -161,6 +161,9 @@ class LocalSGD:
                       epochs: int | None = None) -> list[torch.Tensor]:
         """The index batches of one round: permutations chained epoch after epoch."""
         total = self.num_steps(n, epochs)
+        if n <= 0:
+            # no sample to draw from: with client.steps set this loop would never end
+            raise ValueError("local training: the client holds no training sample")
         out: list[torch.Tensor] = []
         while len(out) < total:
             perm = torch.randperm(n, generator=gen)
