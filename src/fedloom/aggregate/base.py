@@ -21,7 +21,8 @@ import torch
 
 from fedloom.params import Layout
 
-__all__ = ["Aggregator", "CohortInfo", "Stateless", "make_aggregator"]
+__all__ = ["Aggregator", "CohortInfo", "Stateless", "check_chunk", "check_cohort",
+           "make_aggregator"]
 
 
 @dataclass(frozen=True)
@@ -75,3 +76,19 @@ def normalise_weights(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     if not torch.isfinite(total) or total <= 0:
         raise ValueError("aggregator: weights must be finite with a positive sum")
     return w / total
+
+
+def check_cohort(rule: str, updates: torch.Tensor, weights: torch.Tensor) -> None:
+    """One line naming the rule when ``updates`` is not ``[m, d]`` with one weight a row."""
+    if updates.ndim != 2 or weights.shape != (updates.shape[0],):
+        raise ValueError(
+            f"{rule}: updates {tuple(updates.shape)} and weights {tuple(weights.shape)} "
+            "do not align"
+        )
+
+
+def check_chunk(chunk: object) -> int:
+    """``aggregator.options.chunk``: a column chunk, an integer >= 1."""
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"aggregator.options.chunk: must be an integer >= 1, got {chunk!r}")
+    return chunk

@@ -53,7 +53,7 @@ from collections.abc import Mapping
 
 import torch
 
-from fedloom.aggregate.base import CohortInfo, Stateless
+from fedloom.aggregate.base import CohortInfo, Stateless, check_cohort
 from fedloom.aggregate.gram import gram
 from fedloom.registry import register
 
@@ -96,11 +96,7 @@ class Krum(Stateless):
         self, updates: torch.Tensor, weights: torch.Tensor, state: None, *,
         info: CohortInfo | None = None,
     ) -> tuple[torch.Tensor, None, Mapping[str, float]]:
-        if updates.ndim != 2 or updates.shape[0] != weights.shape[0]:
-            raise ValueError(
-                f"krum: updates {tuple(updates.shape)} and weights {tuple(weights.shape)} "
-                "do not align"
-            )
+        check_cohort("krum", updates, weights)
         n, d = updates.shape
         if n == 0:
             raise ValueError("krum: the cohort is empty")

@@ -39,7 +39,7 @@ from collections.abc import Mapping
 
 import torch
 
-from fedloom.aggregate.base import CohortInfo, Stateless
+from fedloom.aggregate.base import CohortInfo, Stateless, check_chunk, check_cohort
 from fedloom.registry import register
 
 __all__ = ["CoordinateMedian", "coordinate_median"]
@@ -70,19 +70,14 @@ class CoordinateMedian(Stateless):
     """
 
     def __init__(self, chunk: int = 1 << 15) -> None:
-        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-            raise ValueError(f"aggregator.options.chunk: must be an integer >= 1, got {chunk!r}")
+        check_chunk(chunk)
         self.chunk = chunk
 
     def __call__(
         self, updates: torch.Tensor, weights: torch.Tensor, state: None, *,
         info: CohortInfo | None = None,
     ) -> tuple[torch.Tensor, None, Mapping[str, float]]:
-        if updates.ndim != 2 or updates.shape[0] != weights.shape[0]:
-            raise ValueError(
-                f"median: updates {tuple(updates.shape)} and weights {tuple(weights.shape)} "
-                "do not align"
-            )
+        check_cohort("median", updates, weights)
         return coordinate_median(updates, self.chunk), state, {}
 
 

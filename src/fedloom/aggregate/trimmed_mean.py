@@ -43,7 +43,7 @@ from collections.abc import Mapping
 
 import torch
 
-from fedloom.aggregate.base import CohortInfo, Stateless
+from fedloom.aggregate.base import CohortInfo, Stateless, check_chunk, check_cohort
 from fedloom.registry import register
 
 __all__ = ["TrimmedMean", "trim_count"]
@@ -75,8 +75,7 @@ class TrimmedMean(Stateless):
                 f"aggregator.options.trim: a fraction must be in [0, 0.5) (an integer is a "
                 f"count), got {trim}"
             )
-        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-            raise ValueError(f"aggregator.options.chunk: must be an integer >= 1, got {chunk!r}")
+        check_chunk(chunk)
         self.trim = trim
         self.chunk = chunk
 
@@ -84,11 +83,7 @@ class TrimmedMean(Stateless):
         self, updates: torch.Tensor, weights: torch.Tensor, state: None, *,
         info: CohortInfo | None = None,
     ) -> tuple[torch.Tensor, None, Mapping[str, float]]:
-        if updates.ndim != 2 or updates.shape[0] != weights.shape[0]:
-            raise ValueError(
-                f"trimmed_mean: updates {tuple(updates.shape)} and weights "
-                f"{tuple(weights.shape)} do not align"
-            )
+        check_cohort("trimmed_mean", updates, weights)
         m, d = updates.shape
         if m == 0:
             raise ValueError("trimmed_mean: the cohort is empty")
