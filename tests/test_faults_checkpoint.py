@@ -401,3 +401,15 @@ def test_kill_during_checkpoint_write_lock_and_leftovers(dense, tmp_path, capsys
     assert not list(out.rglob("*.tmp"))
     assert _summary_sha(out) == ref_sha
     assert (out / ".lock").read_text().strip() == str(os.getpid())
+
+
+def test_state_directory_replaced_by_a_file_is_one_line_exit_2(memmap, tmp_path, capsys):
+    """RUN/state (the memory-mapped client state) turned into a regular file: one line
+    naming it, exit 2, no traceback."""
+    base, _, _ = memmap
+    out = _copy(base, tmp_path)
+    shutil.rmtree(out / "state")
+    (out / "state").write_text("not a directory")
+    rc, err = _resume(out, MEMMAP, capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert "state" in err[0] and "not a directory" in err[0]

@@ -92,6 +92,10 @@ class ClientStateStore:
                 self._buf[name] = np.zeros(shape, dtype=_NP[dtype])
             else:
                 assert self.directory is not None
+                if self.directory.exists() and not self.directory.is_dir():
+                    # e.g. RUN/state replaced by a file: one line naming it, not a traceback
+                    raise ValueError(f"{self.directory}: is not a directory (memory-mapped "
+                                     "client state lives there)")
                 self.directory.mkdir(parents=True, exist_ok=True)
                 path = self.directory / f"state-{name}.bin"
                 self._buf[name] = _RowFile(path, shape, np.dtype(_NP[dtype]))
