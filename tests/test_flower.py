@@ -102,8 +102,8 @@ def test_unsupported_feedback_is_a_config_error():
 
 
 def test_strategy_rejects_malformed_and_non_finite_replies(monkeypatch):
-    """Replies built by hand: a truncated payload is dropped (reported), a NaN
-    update is rejected, and neither reaches the model."""
+    """Replies built by hand: a truncated payload and a NaN update are both
+    rejected and counted (not dropped as absent), and neither reaches the model."""
     from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
@@ -132,6 +132,7 @@ def test_strategy_rejects_malformed_and_non_finite_replies(monkeypatch):
     w0 = strategy.state.w.clone()
     strategy.aggregate_train(1, replies)
     m = strategy.history[-1]
-    assert m["dropped_clients"] == 1 and m["rejected_updates"] == 1
+    assert m["dropped_clients"] == 0 and m["rejected_updates"] == 2
+    assert any("could not be decoded" in why for why in m["rejected_reasons"])
     assert torch.isfinite(strategy.state.w).all()
     assert not torch.equal(strategy.state.w, w0)  # the third client's update was applied

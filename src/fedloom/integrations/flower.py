@@ -376,6 +376,10 @@ class FedloomStrategy(Strategy):
         d = exp.layout.size
         t_train = time.perf_counter() - self._t0
         got: dict[int, tuple[ClientResult, UplinkResult]] = {}
+        # Cohort clients whose reply arrived but could not be read: rejected and
+        # counted like an undecodable update in the engine, not dropped as absent.
+        bad: dict[int, str] = {}
+        cohort = set(plan.cohort.tolist())
         moved = 0
         for rep in replies:
             if rep.has_error():
@@ -383,6 +387,7 @@ class FedloomStrategy(Strategy):
                             rep.metadata.src_node_id, rep.error.reason)
                 continue
             moved += content_bytes(rep.content)
+            k = None
             try:
                 c = rep.content[REPLY_KEY]
                 k = int(c["client-id"])
@@ -393,15 +398,29 @@ class FedloomStrategy(Strategy):
                                    float(met.get("train-loss", float("nan"))),
                                    int(met.get("num-steps", 1)))
             except (KeyError, ValueError, PayloadError) as e:
+                why = str(e).splitlines()[0] if str(e) else type(e).__name__
                 log.warning("flower: round %d: rejected a malformed reply from node %d: %s",
-                            server_round, rep.metadata.src_node_id, str(e).splitlines()[0])
+                            server_round, rep.metadata.src_node_id, why)
+                if k is not None and k in cohort:
+                    bad[k] = f"reply could not be decoded ({why})"
                 continue
             got[k] = (res, UplinkResult(payload, sent, {}, float(c["residual-norm"])))
-        raw = [got.get(int(k)) for k in plan.cohort.tolist()]
+        raw: list[tuple[ClientResult, UplinkResult] | None] = []
+        for k in plan.cohort.tolist():
+            if k in got:
+                raw.append(got[k])
+            elif k in bad:  # a placeholder that finish_round rejects (plan.refused)
+                raw.append((ClientResult(k, torch.empty(0), 0, float("nan"), 1),
+                            UplinkResult(b"", torch.empty(0, dtype=exp.dtype), {},
+                                         float("nan"))))
+            else:
+                raw.append(None)
         kept = [i for i, x in enumerate(raw) if x is not None]
         plan.keep(kept)
         results = [raw[i][0] for i in kept]  # type: ignore[index]
         ups = [raw[i][1] for i in kept]      # type: ignore[index]
+        plan.refused = {j: bad[res.client] for j, res in enumerate(results)
+                        if res.client in bad and res.client not in got}
         self.state, metrics = exp.finish_round(self.state, plan, results, ups, t0=self._t0,
                                                t_train=t_train, client_state=False)
         metrics["flower_bytes"] = moved
