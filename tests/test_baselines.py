@@ -1,4 +1,4 @@
-"""Golden values and properties of the baselines (ALGORITHMS.md §4)."""
+"""Golden values and properties of the baselines (rules in each module's docstring)."""
 
 import pytest
 import torch

@@ -35,9 +35,8 @@ def test_local_step_sum_golden_values():
         local_step_sum(5, 1.0)
 
 
-def _trainer_case(momentum):
-    """A small tanh MLP trained 5 full-batch steps at a tiny lr, so the local gradient
-    is (nearly) constant: the true displacement is η S ∇f(w)."""
+def _tiny_case(momentum):
+    """A small tanh MLP, 5 full-batch local steps (one batch of all 64 samples)."""
     torch.manual_seed(0)  # the module's initial weights only; the test draws nothing else
     module = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(),
                                  torch.nn.Linear(8, 3)).double()
@@ -46,7 +45,13 @@ def _trainer_case(momentum):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(64, 6, generator=gen, dtype=torch.float64)
     y = torch.randint(0, 3, (64,), generator=gen)
-    w = layout.flatten(module).to(torch.float64)
+    return trainer, layout.flatten(module).to(torch.float64), x, y
+
+
+def _trainer_case(momentum):
+    """Trained at a tiny lr, so the local gradient is (nearly) constant: the true
+    displacement is η S ∇f(w)."""
+    trainer, w, x, y = _tiny_case(momentum)
     res = trainer.run(ClientJob(0, 0, w, 1e-5, x, y, gen_seed=1))
     return res.update, trainer.grad(w, x, y)
 
@@ -246,15 +251,7 @@ def test_scaffold_control_is_in_the_local_steps_units(momentum):
     gradient whatever the local momentum (η K instead of η S: 2.63× too large at 0.9)."""
     from fedloom.client.scaffold import Scaffold
 
-    torch.manual_seed(0)  # the module's initial weights only
-    module = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(),
-                                 torch.nn.Linear(8, 3)).double()
-    layout = Layout.from_module(module)
-    trainer = LocalSGD(module, layout, batch_size=1000, steps=5, momentum=momentum)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(64, 6, generator=gen, dtype=torch.float64)
-    y = torch.randint(0, 3, (64,), generator=gen)
-    w = layout.flatten(module).to(torch.float64)
+    trainer, w, x, y = _tiny_case(momentum)
     zeros = torch.zeros_like(w)
     method = Scaffold()
     job = method.prepare(ClientJob(0, 0, w, 1e-5, x, y, gen_seed=1, state={"control": zeros}),

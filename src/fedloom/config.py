@@ -177,7 +177,7 @@ class AggregatorConfig:
 
 @dataclass
 class CompressionConfig:
-    """Uplink compression and error feedback (ALGORITHMS.md §2, §5)."""
+    """Uplink compression and error feedback (:mod:`fedloom.compress`)."""
 
     name: str = "identity"
     options: dict[str, Any] = _f({})

@@ -3,7 +3,7 @@
 Every method in fedloom works on a model's trainable parameters flattened into
 one vector ``w ∈ R^d``. A :class:`Layout` records where each named tensor lives
 in that vector and how tensors form **layer groups** (the unit of CRAFT's
-per-layer correction, ALGORITHMS.md §1).
+per-layer correction; see :mod:`fedloom.aggregate.craft`).
 
 Layer groups: the parameters owned directly by one module form a group (weight
 and bias together); a normalisation layer's parameters join the group of the

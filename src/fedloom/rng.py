@@ -1,7 +1,7 @@
 """Explicit, derived randomness.
 
 Every random choice in fedloom comes from a generator derived from the tuple
-``(seed, round, client, purpose)`` (ALGORITHMS.md, Conventions). The derived
+``(seed, round, client, purpose)``. The derived
 seed is a BLAKE2b hash of that tuple, so streams are independent of one
 another and of the order in which they are requested: the same config and seed
 give the same bits whatever the backend, the order of clients, or a

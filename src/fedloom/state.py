@@ -1,8 +1,8 @@
 """Per-client state: one ``[N, d]`` buffer per field.
 
 Error-feedback residuals, FLARE accumulators, SCAFFOLD control variates and
-Ditto's personal models are rows of such buffers (DESIGN.md, "Per-client state
-at scale"): no per-client Python objects. A buffer is
+Ditto's personal models are rows of such buffers, so that state scales to
+many clients: no per-client Python objects. A buffer is
 
 - ``dense``: a tensor in RAM;
 - ``memmap``: a file on disk, for ``N·d`` too large for RAM. Rows are read

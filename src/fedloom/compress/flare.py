@@ -3,7 +3,7 @@
 Paper: "Sparse Training for Federated Learning with Regularized Error
 Correction" (FLARE); public TensorFlow-Federated code:
 github.com/RanGreidi/FLARE-Federated-Learning-with-Accumulated-Regularized-Embeddings.
-ALGORITHMS.md §3, in the pseudo-gradient sign. Client k in round r with
+Written in the pseudo-gradient sign. Client k in round r with
 accumulator ``A_k`` (zero at start):
 
 1. Local training from ``w``; for the first ``p`` steps the loss is
