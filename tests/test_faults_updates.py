@@ -360,3 +360,21 @@ def test_bound_settings_validated(tiny, override, msg):
         load_config(tiny, [override])
     cfg = load_config(tiny, ["server.max_norm_ratio=null", "server.clip_norm=null"])
     assert cfg.server.max_norm_ratio is None and cfg.server.clip_norm is None
+
+
+def test_cli_summary_shows_clipped_updates(tiny, tmp_path, capsys):
+    """The CLI's closing table names clipped updates when norm bounding acted (every
+    honest update of this run is longer than 1e-9)."""
+    import yaml
+
+    from fedloom import cli
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump(tiny))
+    rc = cli.main(["run", str(cfg), "rounds=1", "server.clip_norm=1e-9", "--quiet",
+                   "--out", str(tmp_path / "r")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    line = next(x for x in out.splitlines() if x.startswith("clipped updates"))
+    assert int(line.split()[-1]) == tiny["cohort"]["size"]
+    assert "rejected rounds" not in out  # shown only when a step was skipped

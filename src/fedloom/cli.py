@@ -122,6 +122,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ("uplink total", _fmt_bytes(s["uplink_bytes_total"])),
         ("downlink total", _fmt_bytes(s["downlink_bytes_total"])),
         ("rejected updates", f"{s['rejected_updates_total']}"),
+        # shown only when something happened: a skipped step or a clipped update
+        *([("rejected rounds (step skipped)", f"{s['rejected_rounds_total']}")]
+          if s.get("rejected_rounds_total") else []),
+        *([("clipped updates", f"{s['clipped_updates_total']}")]
+          if s.get("clipped_updates_total") else []),
         ("backend", f"{s.get('backend', '')}"),
         ("wall time", f"{s['wall_s_total']:.1f} s"),
         ("model sha256", s["model_sha256"][:16] + "…"),
