@@ -37,7 +37,7 @@ from typing import Literal
 import torch
 
 __all__ = ["Precision", "TruncatedSolve", "combine", "gram", "gram_noise", "matvec",
-           "min_norm_simplex", "pinv_solve", "project_simplex", "truncated_solve"]
+           "project_simplex", "truncated_solve"]
 
 Precision = Literal["float64", "mixed"]
 
@@ -182,27 +182,6 @@ def truncated_solve(
     return TruncatedSolve(lam, Vk, sk, dropped, energy, cut2**0.5)
 
 
-def pinv_solve(
-    G: torch.Tensor, b: torch.Tensor, rtol: float
-) -> tuple[torch.Tensor, int]:
-    """``λ = G⁺ b`` for a symmetric PSD ``G`` via its eigendecomposition.
-
-    Eigenvalues ``s_i <= rtol² · max(s)`` are treated as zero: ``G = U Uᵀ``
-    squares the singular values of ``U``, so ``rtol`` is a tolerance on the
-    singular values ``σ_i / σ_max`` of ``U``, as in ``torch.linalg.pinv(U, rtol)``.
-    Returns ``λ`` and the numerical rank. No rounding floor: CRAFT and ConFIG use
-    :func:`truncated_solve`.
-    """
-    s, V = torch.linalg.eigh(G)
-    smax = float(s.max()) if s.numel() else 0.0
-    if smax <= 0:
-        return torch.zeros_like(b), 0
-    keep = s > (rtol * rtol) * smax
-    inv = torch.where(keep, 1.0 / torch.where(keep, s, torch.ones_like(s)), torch.zeros_like(s))
-    lam = V @ (inv * (V.T @ b))
-    return lam, int(keep.sum())
-
-
 def project_simplex(v: torch.Tensor) -> torch.Tensor:
     """Euclidean projection onto ``{λ ≥ 0, Σλ = 1}`` (Duchi et al., ICML 2008)."""
     n = v.numel()
@@ -213,27 +192,3 @@ def project_simplex(v: torch.Tensor) -> torch.Tensor:
     r = int(cond.nonzero().max()) + 1
     theta = css[r - 1] / r
     return (v - theta).clamp_min(0)
-
-
-def min_norm_simplex(G: torch.Tensor, iters: int = 2000, tol: float = 1e-12) -> torch.Tensor:
-    """``argmin_{λ∈Δ} λᵀ G λ`` (the min-norm point of the rows' convex hull).
-
-    Accelerated projected gradient (FISTA) on the m × m Gram matrix in float64;
-    m is the cohort size, so each iteration is O(m²).
-    """
-    G = G.to(torch.float64)
-    m = G.shape[0]
-    lam = torch.full((m,), 1.0 / m, dtype=torch.float64)
-    L = float(torch.linalg.eigvalsh(G).max())
-    if L <= 0:
-        return lam
-    y, t = lam.clone(), 1.0
-    for _ in range(iters):
-        nxt = project_simplex(y - (2.0 / (2 * L)) * (G @ y))
-        t_next = (1 + (1 + 4 * t * t) ** 0.5) / 2
-        y = nxt + ((t - 1) / t_next) * (nxt - lam)
-        if float((nxt - lam).abs().max()) < tol:
-            lam = nxt
-            break
-        lam, t = nxt, t_next
-    return lam
