@@ -69,7 +69,9 @@ class ShakespeareConfig:
 
 @dataclass
 class PartitionConfig:
-    name: Literal["iid", "contiguous", "dirichlet", "shards", "natural"] = "dirichlet"
+    # A partitioner: iid, contiguous, dirichlet, shards, natural, a plug-in or module:attr
+    # (a plug-in takes the keys below that its signature names).
+    name: str = "dirichlet"
     alpha: float = _f(0.5, gt=0)
     min_samples: int = _f(10, ge=1)
     shards_per_client: int = _f(2, ge=1)
@@ -96,10 +98,27 @@ class DataConfig:
     path: str = ""
     label: str = "label"
     client: str = ""
+    # csv: the feature columns (default: every column but the label and client ones).
+    features: list[str] = _f([])
     # Standardise every feature with the mean/std of the clients' training parts.
     standardize: bool = False
     # Every client needs at least this many samples (checked for natural splits).
     min_samples: int = _f(1, ge=1)
+    # Datasets read from disk (fedloom.data.disk): where they live ("" = $FEDLOOM_DATA,
+    # else ~/.cache/fedloom/data), whether their class counts are checked against the
+    # published sizes, CIFAR-100's label set, the fraction of FEMNIST writers kept (LEAF's
+    # --sf), the image column of a Hugging Face dataset, and the side images are resized to
+    # (image-folder, hf; 0 = as stored).
+    root: str = ""
+    verify: bool = True
+    labels: Literal["fine", "coarse"] = "fine"
+    writer_fraction: float = _f(1.0, gt=0, le=1)
+    image_column: str = "image"
+    image_size: int = _f(0, ge=0)
+    # Training augmentation (fedloom.data.augment): "auto" = the source's standard one
+    # (random crop with padding 4 and horizontal flip for CIFAR and Tiny-ImageNet; none
+    # for the others), "standard" = the same, refused where a source has none.
+    augment: Literal["auto", "none", "standard"] = "auto"
 
 
 @dataclass
@@ -113,6 +132,13 @@ class ModelConfig:
     width: int = _f(16, ge=4)                   # resnet: channels of the first stage
     embed: int = _f(8, ge=1)                    # char_rnn: embedding width (LEAF: 8)
     cell: Literal["gru", "lstm"] = "gru"        # char_rnn: hidden sizes come from `hidden`
+    # resnet: the normalisation layer (GroupNorm(1, C) as CRAFT's code; BatchNorm as
+    # FLARE's and SA-PEF's code; none)
+    norm: Literal["group", "batch", "none"] = "group"
+    # What the server does with module buffers (BatchNorm statistics) after a round:
+    # average (data-weighted), local (per client, FedBN), keep_global (never updated).
+    # See fedloom.buffers.
+    buffers: Literal["average", "local", "keep_global"] = "average"
 
 
 @dataclass
@@ -148,6 +174,8 @@ class ClientConfig:
     # Local method: sgd (FedAvg/FedProx), scaffold, ditto; options go to its factory.
     method: str = "sgd"
     method_options: dict[str, Any] = _f({})
+    # Mixed precision of the local forward/loss (fedloom.client.sgd.LocalSGD.amp): off by default.
+    amp: Literal["none", "bf16", "fp16"] = "none"
 
 
 @dataclass
@@ -155,7 +183,10 @@ class ServerConfig:
     """Server step ``w ← w − lr · opt(agg)`` (Reddi et al. 2021, FedOpt)."""
 
     optimizer: Literal["sgd", "momentum", "adam", "yogi", "adagrad"] = "sgd"
-    lr: float = _f(1.0, gt=0)
+    # "auto": the aggregator's public default step (its `default_server_lr`: 0.1 for
+    # CRAFT, 1.0 for the FedAvg family); the number used is what the run directory's
+    # config.yaml and summary.json record.
+    lr: float | Literal["auto"] = _f("auto", gt=0)
     momentum: float = _f(0.9, ge=0, lt=1)
     beta1: float = _f(0.9, ge=0, lt=1)
     beta2: float = _f(0.99, ge=0, lt=1)
@@ -167,6 +198,9 @@ class ServerConfig:
     max_update_norm: float | None = _f(None, gt=0)
     max_norm_ratio: float | None = _f(1e4, gt=1)
     clip_norm: float | None = _f(None, gt=0)
+    # The server sees only the sum of the masked updates (SecAgg+): refuses aggregators
+    # and compressors a sum-only server cannot compute (fedloom.privacy).
+    secure_aggregation: bool = False
 
 
 @dataclass
@@ -181,8 +215,11 @@ class CompressionConfig:
 
     name: str = "identity"
     options: dict[str, Any] = _f({})
-    feedback: Literal["none", "ef", "saef", "sapef", "ef21", "cser", "scafcom", "flare",
-                      "ec_prox"] = "none"
+    # Error feedback: none, ef, saef, sapef, ef21, cser, scafcom, flare, ec_prox, a
+    # plug-in or module:attr. Its factory takes the keys below that its signature
+    # names, then `feedback_options` (a plug-in's own options).
+    feedback: str = "none"
+    feedback_options: dict[str, Any] = _f({})
     alpha: float = _f(0.85, ge=0, le=1)          # SA-PEF step-ahead coefficient
     alpha_schedule: Literal["constant", "theory"] = "constant"
     period: int = _f(5, ge=1)                     # CSER: reset every H rounds
@@ -197,7 +234,9 @@ class CompressionConfig:
     penalty: Literal["l1", "l2"] = "l1"
     # FFL (Nori et al.): rate R_t = R (L_0/L_t)^(1/3) and local epochs
     # E_t = max(1, round(E (L_t/L_0)^(1/3))) from the global test loss L_t.
-    adaptive: Literal["none", "ffl"] = "none"
+    # A round planner (fedloom.hooks): none, ffl, a plug-in or module:attr.
+    adaptive: str = "none"
+    adaptive_options: dict[str, Any] = _f({})
 
 
 @dataclass
@@ -205,6 +244,10 @@ class MetricsConfig:
     # SA-PEF's gradient mismatch ‖∇f(w) − ∇f(w − α_p e_k)‖² (costs two gradients a client).
     mismatch: bool = False
     mismatch_alpha: float = _f(1.0, ge=0, le=1)
+    # Client metrics (fedloom.hooks) besides the boolean keys above: registered names,
+    # plug-ins or module:attr; `options` maps a name to its factory's options.
+    hooks: list[str] = _f([])
+    options: dict[str, Any] = _f({})
 
 
 @dataclass
@@ -218,6 +261,16 @@ class EvalConfig:
 @dataclass
 class CheckpointConfig:
     every: int = _f(10, ge=0)  # 0 disables checkpoints
+
+
+@dataclass
+class LoggingConfig:
+    """Where each round's metrics go besides ``metrics.jsonl`` (always written: the
+    record a resume checks); see :mod:`fedloom.engine.runlog`. Not part of what a
+    resume compares: a run may be continued with other logging."""
+
+    csv: bool = True           # RUN/metrics.csv, the same rows as metrics.jsonl
+    tensorboard: bool = False  # RUN/tensorboard: scalars (needs the tensorboard package)
 
 
 @dataclass
@@ -255,6 +308,10 @@ class BackendConfig:
     address: str = ""                 # ray: cluster address ("" = start a local instance)
     on_failure: Literal["retry", "drop"] = "retry"
     max_retries: int = _f(2, ge=0)    # process / ray: reruns of work whose worker died
+    # torch intra-op threads (fedloom.device.apply_threads): 0 = the process's own count
+    # (every core in a fresh process); process and ray workers: 0 = 1 each.
+    threads: int = _f(0, ge=0)
+    gpus_per_worker: float = _f(0.0, ge=0)  # ray: GPUs a task reserves (Ray's num_gpus)
 
 
 @dataclass
@@ -269,10 +326,84 @@ class AttackConfig:
 
 
 @dataclass
+class DeviceClass:
+    """One row of ``system.classes``: a device class and its share ``p`` of the clients."""
+
+    name: str = ""
+    p: float = _f(0.0, ge=0, le=1)
+    speed: float = _f(0.0, ge=0)       # samples/s (0: local work takes no time)
+    up_bps: float = _f(0.0, ge=0)      # bit/s (0: the uplink takes no time)
+    down_bps: float = _f(0.0, ge=0)
+    latency_s: float = _f(0.0, ge=0)   # per message, each way
+
+
+@dataclass
+class SystemConfig:
+    """Simulated devices, links and availability (:mod:`fedloom.system`; off by default).
+
+    ``profile`` draws each client's ``speed`` (samples/s), ``up_bps``/``down_bps``
+    (bit/s) and ``latency_s`` once from ``(seed, client)``: ``uniform`` takes each
+    as ``[low, high]``, ``lognormal`` as ``[median, sigma]`` (a single number is that
+    value for every client; 0 means the term takes no time); ``classes`` picks a row of
+    ``classes`` with probability ``p``; ``csv`` reads ``path``
+    (``client,speed,up_bps,down_bps,latency``). ``deadline_s`` closes a round; a late
+    client is dropped or does the steps that fit (``late: partial``). ``availability``,
+    ``pattern`` (``sine``/``onoff`` over ``period`` rounds, a per-client phase) and
+    ``dropout`` (mid-round) decide who can take part.
+    """
+
+    profile: Literal["off", "uniform", "lognormal", "classes", "csv"] = "off"
+    speed: float | list[float] = _f(0.0, ge=0)
+    up_bps: float | list[float] = _f(0.0, ge=0)
+    down_bps: float | list[float] = _f(0.0, ge=0)
+    latency_s: float | list[float] = _f(0.0, ge=0)
+    classes: list[DeviceClass] = _f([])
+    path: str = ""
+    deadline_s: float | None = _f(None, gt=0)
+    late: Literal["drop", "partial"] = "drop"
+    availability: float = _f(1.0, gt=0, le=1)
+    pattern: Literal["none", "sine", "onoff"] = "none"
+    period: int = _f(24, ge=2)
+    amplitude: float = _f(0.0, ge=0, le=1)
+    on_fraction: float = _f(0.5, gt=0, le=1)
+    dropout: float = _f(0.0, ge=0, lt=1)
+
+
+@dataclass
+class AdaptiveClipConfig:
+    """Quantile-based clipping (Andrew et al. 2021): ``C ← C·exp(−lr (b̃ − target_quantile))``
+    from the noisy fraction ``b̃`` of unclipped updates (noise ``count_stddev``;
+    null = cohort.size / 20). Central mode only."""
+
+    enabled: bool = False
+    target_quantile: float = _f(0.5, gt=0, lt=1)
+    lr: float = _f(0.2, gt=0)
+    count_stddev: float | None = _f(None, gt=0)
+
+
+@dataclass
+class PrivacyConfig:
+    """Client-level differential privacy (fedloom.privacy): ``central`` (DP-FedAvg:
+    clip each update to ``clip``, Gaussian noise ``noise_multiplier · clip`` on the
+    sum at the server) or ``local`` (each client clips and adds that noise before
+    compression). ``dp_epsilon`` at ``delta`` is reported each round; with
+    ``target_epsilon`` the run stops before a round that would exceed it."""
+
+    mode: Literal["none", "central", "local"] = "none"
+    clip: float = _f(1.0, gt=0)
+    noise_multiplier: float = _f(1.0, ge=0)
+    delta: float = _f(1e-5, gt=0, lt=1)
+    target_epsilon: float | None = _f(None, gt=0)
+    adaptive_clip: AdaptiveClipConfig = field(default_factory=AdaptiveClipConfig)
+
+
+@dataclass
 class Config:
     name: str = "experiment"
     seed: int = 0
     rounds: int = _f(30, ge=1)
+    # cpu | cuda | cuda:N | auto (CUDA when available); see fedloom.device
+    device: str = "cpu"
     backend: BackendConfig = field(default_factory=BackendConfig)
     dtype: Literal["float32", "float64"] = "float32"
     data: DataConfig = field(default_factory=DataConfig)
@@ -285,8 +416,11 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     state: StateConfig = field(default_factory=StateConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -362,7 +496,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
 
 
 def _check_bounds(value: Any, bounds: Mapping[str, float], path: str) -> None:
-    if value is None:
+    if value is None or isinstance(value, str):  # a keyword ("auto") has no bounds
         return
     values = value if isinstance(value, list) else [value]
     for v in values:
@@ -422,7 +556,23 @@ def _check_cross_fields(cfg: Config) -> None:
     check_name("backend.name", "backend", cfg.backend.name)
     check_name("client.method", "method", cfg.client.method)
     check_name("compression.name", "compressor", cfg.compression.name)
+    check_name("compression.feedback", "feedback", cfg.compression.feedback)
+    check_name("compression.adaptive", "planner", cfg.compression.adaptive)
+    check_name("data.partition.name", "partitioner", cfg.data.partition.name)
+    for i, hook in enumerate(cfg.metrics.hooks):
+        check_name(f"metrics.hooks[{i}]", "metric", hook)
+    for hook, opts in cfg.metrics.options.items():
+        if not isinstance(opts, Mapping):
+            raise ConfigError(f"metrics.options.{hook}: must be a mapping, got {opts!r}")
     check_name("attack.name", "attack", cfg.attack.name)
+    if cfg.logging.tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("logging.tensorboard: needs the tensorboard package "
+                              "(pip install 'fedloom[tensorboard]')")
+    if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", cfg.device):
+        raise ConfigError(f"device: must be cpu, cuda, cuda:N or auto, got {cfg.device!r}")
     # Every compressor takes it (the payload's CRC-32C trailer): checked here, not
     # first when the experiment builds its compressor.
     checksum = cfg.compression.options.get("checksum", True)
@@ -435,6 +585,9 @@ def _check_cross_fields(cfg: Config) -> None:
             f"cohort.size: must be <= data.num_clients ({cfg.data.num_clients}), "
             f"got {cfg.cohort.size}"
         )
+    from fedloom.system import check_system_config
+
+    check_system_config(cfg.system)
     if cfg.client.schedule.name == "cosine" and cfg.client.schedule.warmup >= cfg.rounds:
         raise ConfigError(
             f"client.schedule.warmup: must be < rounds ({cfg.rounds}), "

@@ -1,26 +1,81 @@
 """Name → factory for every pluggable component.
 
-Each component module registers itself with :func:`register`; adding an
-algorithm touches its implementation file and one line of ``_MODULES`` here.
+Three ways to name a component, accepted by every name field of a config
+(``aggregator.name``, ``compression.name``, ``compression.feedback``,
+``compression.adaptive``, ``client.method``, ``data.name``, ``model.name``,
+``data.partition.name``, ``attack.name``, ``backend.name``,
+``metrics.hooks``), by the CLI and by sweeps alike:
+
+- a **built-in**: each component module registers itself with
+  :func:`register`; adding an algorithm touches its implementation file and
+  one line of ``_MODULES`` here;
+- an **entry point** of an installed distribution, in the group of its kind
+  (:data:`ENTRY_POINT_GROUPS`, e.g. ``fedloom.aggregators``)::
+
+      [project.entry-points."fedloom.aggregators"]
+      geomed = "my_fl.geomed:GeometricMedian"
+
+  Entry points are listed without importing them; a plug-in's module is
+  imported the first time its name is built. A built-in name wins over an
+  entry point of the same name (a warning names the distribution);
+- a **reference** ``module:attr`` (``aggregator.name=my_fl.geomed:GeometricMedian``):
+  the module is imported and ``attr`` is the factory. A module that is not
+  importable from ``sys.path`` is looked for in the current directory too.
+
+The factory is called exactly as a built-in's (options by name from its config
+section), so a plug-in is checked by the config schema and runs in the CLI,
+the API and ``fedloom sweep`` (whose runs are subprocesses: a name
+registered with :func:`register` from a script is seen in that process only;
+use an entry point or ``module:attr`` there).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import logging
+import os
+import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["available", "build", "check_name", "get", "register"]
+__all__ = ["ENTRY_POINT_GROUPS", "KINDS", "available", "build", "check_name", "get",
+           "is_reference", "origin", "register"]
 
-_KINDS = ("dataset", "model", "aggregator", "backend", "partitioner", "server_optimizer",
-          "compressor", "method", "attack")
+log = logging.getLogger("fedloom")
+
+KINDS = ("dataset", "model", "aggregator", "backend", "partitioner", "server_optimizer",
+         "compressor", "method", "attack", "feedback", "planner", "metric")
+_KINDS = KINDS
+
+# Entry-point group → component kind.
+ENTRY_POINT_GROUPS: dict[str, str] = {
+    "fedloom.aggregators": "aggregator",
+    "fedloom.compressors": "compressor",
+    "fedloom.feedback": "feedback",
+    "fedloom.methods": "method",
+    "fedloom.datasets": "dataset",
+    "fedloom.models": "model",
+    "fedloom.partitioners": "partitioner",
+    "fedloom.attacks": "attack",
+    "fedloom.backends": "backend",
+    "fedloom.planners": "planner",
+    "fedloom.metrics": "metric",
+}
+
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {k: {} for k in _KINDS}
+# Entry points found but not loaded yet: kind → name → entry point.
+_ENTRY_POINTS: dict[str, dict[str, importlib.metadata.EntryPoint]] = {k: {} for k in _KINDS}
+# Where a name that is not built in comes from (for listings): kind → name → text.
+_ORIGIN: dict[str, dict[str, str]] = {k: {} for k in _KINDS}
 
 # Modules whose import registers components.
 _MODULES = (
     "fedloom.data.sources",
     "fedloom.data.user",
     "fedloom.data.shakespeare",
+    "fedloom.data.disk",
     "fedloom.data.partition",
     "fedloom.models",
     "fedloom.aggregate.mean",
@@ -47,9 +102,14 @@ _MODULES = (
     "fedloom.compress.identity",
     "fedloom.compress.sparse",
     "fedloom.compress.quant",
+    "fedloom.compress.feedback",
+    "fedloom.compress.flare",
+    "fedloom.compress.adaptive",
+    "fedloom.compress.mismatch",
     "fedloom.attack",
 )
 _loaded = False
+_REFERENCE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
 def _ensure_loaded() -> None:
@@ -58,6 +118,22 @@ def _ensure_loaded() -> None:
         _loaded = True
         for mod in _MODULES:
             importlib.import_module(mod)
+        _find_entry_points()
+
+
+def _find_entry_points() -> None:
+    for group, kind in ENTRY_POINT_GROUPS.items():
+        for ep in importlib.metadata.entry_points(group=group):
+            dist = ep.dist.name if ep.dist is not None else "?"
+            if ep.name in _REGISTRY[kind]:
+                if _REGISTRY[kind][ep.name].__module__.startswith("fedloom."):
+                    log.warning("entry point %s = %s of %s: %s %r is built in; the plug-in "
+                                "is ignored", ep.name, ep.value, dist, kind, ep.name)
+                continue
+            if ep.name in _ENTRY_POINTS[kind]:
+                continue  # the same distribution seen twice on sys.path
+            _ENTRY_POINTS[kind][ep.name] = ep
+            _ORIGIN[kind][ep.name] = f"entry point of {dist} ({ep.value})"
 
 
 def register(kind: str, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -66,37 +142,122 @@ def register(kind: str, name: str) -> Callable[[Callable[..., Any]], Callable[..
         raise KeyError(f"unknown component kind {kind!r}")
 
     def deco(factory: Callable[..., Any]) -> Callable[..., Any]:
-        if name in _REGISTRY[kind]:
+        # The same object again is harmless (a plug-in module that registers the
+        # factory its entry point also names, when the entry point loads it).
+        if name in _REGISTRY[kind] and _REGISTRY[kind][name] is not factory:
             raise KeyError(f"{kind} {name!r} is registered twice")
         _REGISTRY[kind][name] = factory
+        if not getattr(factory, "__module__", "").startswith("fedloom."):
+            _ORIGIN[kind].setdefault(name, f"registered by {factory.__module__}")
         return factory
 
     return deco
 
 
+def is_reference(name: str) -> bool:
+    """``module:attr`` (a plug-in named by where it is, not registered)."""
+    return bool(_REFERENCE.match(name))
+
+
+def _import_reference(name: str) -> Any:
+    mod_name, _, attr = name.partition(":")
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        # `fedloom run` (a console script) does not have the current directory
+        # on sys.path the way `python -m` has: look there too, after the rest.
+        top = mod_name.split(".")[0]
+        cwd = os.getcwd()
+        if e.name != top or cwd in sys.path:
+            raise
+        sys.path.append(cwd)
+        obj = importlib.import_module(mod_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def available(kind: str) -> list[str]:
+    """The names of ``kind``: built-ins, names registered in this process and
+    installed entry points (``module:attr`` references are not listed)."""
     _ensure_loaded()
-    return sorted(_REGISTRY[kind])
+    return sorted(set(_REGISTRY[kind]) | set(_ENTRY_POINTS[kind]))
+
+
+def origin(kind: str, name: str) -> str:
+    """``"fedloom"`` for a built-in, else where the name comes from."""
+    _ensure_loaded()
+    if is_reference(name):
+        return f"reference {name}"
+    return _ORIGIN[kind].get(name, "fedloom")
 
 
 def get(kind: str, name: str) -> Callable[..., Any]:
+    """The factory of ``name`` (a registered name, an entry point or ``module:attr``);
+    ``KeyError`` with one line when there is none."""
     _ensure_loaded()
-    try:
-        return _REGISTRY[kind][name]
-    except KeyError:
-        raise KeyError(
-            f"unknown {kind} {name!r} (available: {', '.join(available(kind))})"
-        ) from None
+    if kind not in _REGISTRY:
+        raise KeyError(f"unknown component kind {kind!r}")
+    factory = _REGISTRY[kind].get(name)
+    if factory is not None:
+        return factory
+    ep = _ENTRY_POINTS[kind].get(name)
+    if ep is not None:
+        try:
+            factory = ep.load()
+        except Exception as e:  # a broken plug-in: say which, in one line
+            raise KeyError(f"{kind} {name!r}: cannot load entry point {ep.value} of "
+                           f"{_ORIGIN[kind][name].split(' (')[0][len('entry point of '):]} "
+                           f"({type(e).__name__}: {_line(e)})") from None
+        if not callable(factory):
+            raise KeyError(f"{kind} {name!r}: entry point {ep.value} is not callable")
+        _REGISTRY[kind][name] = factory
+        return factory
+    if is_reference(name):
+        try:
+            factory = _import_reference(name)
+        except Exception as e:
+            raise KeyError(f"{kind} {name!r}: cannot import it ({type(e).__name__}: "
+                           f"{_line(e)})") from None
+        if not callable(factory):
+            raise KeyError(f"{kind} {name!r}: is a {type(factory).__name__}, not a factory")
+        return factory
+    raise KeyError(
+        f"unknown {kind} {name!r} (available: {', '.join(available(kind))}; "
+        "or an installed plug-in's name, or module:attr)"
+    )
+
+
+def _line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def check_name(field: str, kind: str, name: str) -> None:
-    """Raise a one-line ``ConfigError`` naming ``field`` if ``name`` is not registered."""
+    """Raise a one-line ``ConfigError`` naming ``field`` if ``name`` is neither
+    registered, nor an installed entry point, nor an importable ``module:attr``."""
     from fedloom.config import ConfigError
 
-    if name not in available(kind):
-        raise ConfigError(
-            f"{field}: unknown {kind} {name!r} (available: {', '.join(available(kind))})"
-        )
+    try:
+        get(kind, name)
+    except KeyError as e:
+        msg = e.args[0] if e.args else str(e)
+        if msg.startswith("unknown "):
+            msg = f"unknown {kind} {name!r} (available: {', '.join(available(kind))})"
+        raise ConfigError(f"{field}: {msg}") from None
+
+
+def accepted_options(factory: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``options`` that ``factory``'s signature takes by name
+    (all of them when it takes ``**kwargs``)."""
+    import inspect
+
+    params = inspect.signature(factory).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(options)
+    return {k: v for k, v in options.items() if k in params
+            and params[k].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                   inspect.Parameter.KEYWORD_ONLY)}
 
 
 def build(kind: str, name: str, options: dict[str, Any], field: str) -> Any:

@@ -5,7 +5,11 @@ Every random choice in fedloom comes from a generator derived from the tuple
 seed is a BLAKE2b hash of that tuple, so streams are independent of one
 another and of the order in which they are requested: the same config and seed
 give the same bits whatever the backend, the order of clients, or a
-stop-and-resume in between. There is no global RNG anywhere in fedloom.
+stop-and-resume in between. There is no global RNG anywhere in fedloom:
+code that draws from torch's global generator — a user's model factory,
+dropout in a train-mode forward — runs under :func:`seeded_global_rng` or
+:func:`forked_rng`, seeded from a derived seed, and leaves the global state as
+it found it.
 
 ``round`` and ``client`` are ``-1`` where they do not apply (the partition is
 drawn once, before round 0, for no particular client).
@@ -14,12 +18,16 @@ drawn once, before round 0, for no particular client).
 from __future__ import annotations
 
 import hashlib
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import StrEnum
 
 import numpy as np
 import torch
 
-__all__ = ["Purpose", "derive_seed", "numpy_gen", "torch_gen"]
+__all__ = ["Purpose", "derive_seed", "forked_rng", "numpy_gen", "reseed", "seeded_global_rng",
+           "torch_gen"]
 
 
 class Purpose(StrEnum):
@@ -33,6 +41,13 @@ class Purpose(StrEnum):
     BATCH = "batch"          # batch order of local training
     COMPRESS = "compress"    # stochastic compressors (rand-k, QSGD)
     EVAL = "eval"
+    DP_NOISE = "dp-noise"    # Gaussian noise of differential privacy (fedloom.privacy)
+    DP_COUNT = "dp-count"    # noise of the clipped-count estimate (adaptive clipping)
+    SYSTEM = "system"              # a client's simulated device and links (fedloom.system)
+    AVAILABILITY = "availability"  # whether a client can be sampled in a round, its phase
+    CLIENT_DROPOUT = "client-dropout"  # whether a sampled client drops out mid-round
+    DROPOUT = "dropout"      # randomness inside a train-mode forward (dropout masks)
+    AUGMENT = "augment"      # training augmentation (random crops and flips)
 
 
 def derive_seed(seed: int, round: int = -1, client: int = -1, purpose: str = "") -> int:
@@ -54,3 +69,56 @@ def numpy_gen(
 ) -> np.random.Generator:
     """A NumPy ``Generator`` (PCG64) seeded from the derived seed."""
     return np.random.default_rng(derive_seed(seed, round, client, purpose))
+
+
+@contextmanager
+def forked_rng(seed: int, device: torch.device | None = None) -> Iterator[None]:
+    """Run a block whose code draws from torch's *global* generator (``nn.Dropout``,
+    ``torch.randn`` in a user's forward) from ``seed``, leaving that generator as
+    it was.
+
+    The CPU generator, and the default generator of ``device`` when it is a CUDA
+    device (where a CUDA tensor's dropout draws), are saved, seeded with ``seed``
+    and restored on exit (:func:`torch.random.fork_rng`); other devices'
+    generators are not touched. Inside, :func:`reseed` moves to another stream
+    without another save/restore.
+    """
+    devices = []
+    if device is not None and device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        reseed(seed, device)
+        yield
+
+
+def reseed(seed: int, device: torch.device | None = None) -> None:
+    """Seed the global generator(s) that :func:`forked_rng` forked (call inside it)."""
+    torch.default_generator.manual_seed(seed)
+    if device is not None and device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.default_generators[idx].manual_seed(seed)
+
+
+@contextmanager
+def seeded_global_rng(seed: int) -> Iterator[None]:
+    """Run a user's code (a model factory) with every global generator it may draw
+    from — torch's (CPU and every initialised CUDA device), NumPy's legacy one and
+    Python's ``random`` — seeded from ``seed``, and each restored on exit."""
+    # The legacy NumPy calls are the point here: they save, seed and restore the
+    # global state that a user's code may draw from.
+    np_state, py_state = np.random.get_state(), random.getstate()  # noqa: NPY002
+    # Only initialised CUDA devices: torch.manual_seed would queue a seed for the
+    # others, to be applied (unrestored) when CUDA starts later.
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    devices = list(range(torch.cuda.device_count())) if cuda else []
+    try:
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            torch.default_generator.manual_seed(seed)
+            for i in devices:
+                torch.cuda.default_generators[i].manual_seed(seed)
+            np.random.seed(seed % (1 << 32))  # noqa: NPY002
+            random.seed(seed)
+            yield
+    finally:
+        np.random.set_state(np_state)  # noqa: NPY002
+        random.setstate(py_state)

@@ -11,7 +11,7 @@ import torch
 from fedloom.config import DataConfig
 from fedloom.data.partition import PartitionError
 from fedloom.data.sources import Dataset
-from fedloom.registry import get
+from fedloom.registry import accepted_options, get
 from fedloom.rng import Purpose, numpy_gen
 
 __all__ = ["FederatedData", "build_federated", "partition_indices", "split_train_test",
@@ -90,7 +90,12 @@ def partition_indices(ds: Dataset, cfg: DataConfig, seed: int) -> list[np.ndarra
         return fn(labels, cfg.num_clients, rng=rng, shards_per_client=p.shards_per_client)
     if p.name == "natural":
         return fn(labels, cfg.num_clients, rng=rng, groups=ds.groups)
-    return fn(labels, cfg.num_clients, rng=rng)
+    # iid, contiguous and plug-ins: the section's keys the factory names (a plug-in
+    # may also take `groups`, the source's client ids or None).
+    section = {"alpha": p.alpha, "min_samples": p.min_samples,
+               "shards_per_client": p.shards_per_client, "max_tries": p.max_tries,
+               "min_policy": p.min_policy, "balance": p.balance, "groups": ds.groups}
+    return fn(labels, cfg.num_clients, rng=rng, **accepted_options(fn, section))
 
 
 def uses_natural_split(ds: Dataset, cfg: DataConfig) -> bool:
@@ -142,6 +147,14 @@ def build_federated(ds: Dataset, cfg: DataConfig, seed: int) -> FederatedData:
     parts = partition_indices(ds, cfg, seed)
     train, test = [], []
     for k, idx in enumerate(parts):
+        if ds.test_mask is not None:  # the source's own split (LEAF), kept as published
+            tr, te = np.sort(idx[~ds.test_mask[idx]]), np.sort(idx[ds.test_mask[idx]])
+            if len(tr) == 0:
+                raise PartitionError(f"data: client {k} has no training sample in the "
+                                     "source's own train/test split")
+            train.append(tr)
+            test.append(te)
+            continue
         tr, te = split_train_test(idx, cfg.test_fraction, numpy_gen(seed, -1, k, Purpose.SPLIT))
         train.append(tr)
         test.append(te)

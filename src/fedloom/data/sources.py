@@ -61,6 +61,15 @@ class Dataset:
     y_test: torch.Tensor | None = None
     # The groups are the split, whatever the partitioner says (user data with ids).
     natural: bool = False
+    # The source's own per-sample train/test flag (LEAF's per-writer split; True =
+    # test): when given, it replaces data.test_fraction's random split.
+    test_mask: np.ndarray | None = None
+    # The standard training augmentation of the source ("cifar", "tiny-imagenet"),
+    # applied when data.augment is "auto" or "standard" (fedloom.data.augment).
+    augment: str = ""
+    # The user's name of each class (a CSV's string labels, in sorted order): class k
+    # is classes[k]; the run directory keeps the mapping (labels.json).
+    classes: list[str] | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -79,14 +88,18 @@ class SourceInfo:
     available: Callable[[], bool]
     install: str
     loader: Callable[[DataConfig, int], Dataset]
+    # Sources read from a configurable place (data.root, data.path) say themselves what
+    # is missing and where they looked; `available` answers for the default place only.
+    checks_itself: bool = False
 
 
 _SOURCES: dict[str, SourceInfo] = {}
 
 
-def _source(name: str, description: str, available: Callable[[], bool], install: str):
+def _source(name: str, description: str, available: Callable[[], bool], install: str,
+            checks_itself: bool = False):
     def deco(loader: Callable[[DataConfig, int], Dataset]):
-        info = SourceInfo(name, description, available, install, loader)
+        info = SourceInfo(name, description, available, install, loader, checks_itself)
         _SOURCES[name] = info
         register("dataset", name)(loader)
         return loader
@@ -95,21 +108,46 @@ def _source(name: str, description: str, available: Callable[[], bool], install:
 
 
 def list_sources() -> list[SourceInfo]:
-    """All known sources, in a stable order."""
-    return list(_SOURCES.values())
+    """Every registered dataset, in a stable order: the built-ins with how to install
+    them, then any other registered one (a plug-in) with its loader's first doc line.
+    The registry is loaded first: sources registered by other modules (shakespeare)
+    are listed too."""
+    from fedloom.registry import available, get
+
+    names = available("dataset")
+    extra = []
+    for name in names:
+        if name not in _SOURCES:
+            loader = get("dataset", name)
+            doc = (loader.__doc__ or "").strip().splitlines()
+            extra.append(SourceInfo(name, doc[0] if doc else "(a plug-in)", lambda: True,
+                                    "", loader))
+    return list(_SOURCES.values()) + extra
 
 
 def load_dataset(cfg: DataConfig, seed: int) -> Dataset:
     """Load ``cfg.name``; raise :class:`DatasetUnavailable` if it is not installed."""
     info = _SOURCES.get(cfg.name)
     if info is None:
-        raise DatasetUnavailable(
-            f"data.name: unknown dataset {cfg.name!r} (available: {', '.join(_SOURCES)})"
-        )
-    if not info.available():
-        raise DatasetUnavailable(f"dataset {cfg.name!r} is not installed; install it with: "
-                                 f"{info.install}")
-    ds = info.loader(cfg, seed)
+        # A plug-in (entry point fedloom.datasets, or module:attr): a loader
+        # ``(DataConfig, seed) -> Dataset`` like the built-ins'.
+        from fedloom.registry import get
+
+        try:
+            loader = get("dataset", cfg.name)
+        except KeyError:
+            raise DatasetUnavailable(
+                f"data.name: unknown dataset {cfg.name!r} (available: {', '.join(_SOURCES)})"
+            ) from None
+        ds = loader(cfg, seed)
+        if not isinstance(ds, Dataset):
+            raise DatasetUnavailable(f"data.name: {cfg.name!r} returned a "
+                                     f"{type(ds).__name__}, not a fedloom Dataset")
+    else:
+        if not info.checks_itself and not info.available():
+            raise DatasetUnavailable(f"dataset {cfg.name!r} is not installed; install it "
+                                     f"with: {info.install}")
+        ds = info.loader(cfg, seed)
     if cfg.pool == "all" and ds.x_test is not None and ds.y_test is not None:
         ds.x = torch.cat([ds.x, ds.x_test])
         ds.y = torch.cat([ds.y, ds.y_test])
@@ -119,6 +157,8 @@ def load_dataset(cfg: DataConfig, seed: int) -> Dataset:
         ds.x, ds.y = ds.x[:n], ds.y[:n]
         if ds.groups is not None:
             ds.groups = ds.groups[:n]
+        if ds.test_mask is not None:
+            ds.test_mask = ds.test_mask[:n]
     return ds
 
 
