@@ -7,6 +7,7 @@ line ``fedloom: error: …`` and exit with status 2; nothing is left behind.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -22,6 +23,25 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} GB"  # pragma: no cover
+
+
+def _num(v: Any) -> str:
+    """A metric to 4 decimals; "–" when there is none (e.g. no client keeps a test split)."""
+    if not isinstance(v, int | float) or v != v:
+        return "–"
+    return f"{v:.4f}"
+
+
+def _pm(mean: Any, sd: Any) -> str:
+    return "–" if _num(mean) == "–" else f"{_num(mean)} ± {_num(sd)}"
+
+
+def _fmt_device(s: dict[str, Any]) -> str:
+    """``cpu`` (threads), or ``cuda:0 (NVIDIA H200, 139.8 GB)``."""
+    dev = str(s.get("device", "cpu"))
+    if dev.startswith("cuda"):
+        return f"{dev} ({s.get('device_name', '?')}, {s.get('device_memory_gb', 0):.1f} GB)"
+    return f"{dev} ({s.get('threads', '?')} threads)"
 
 
 def _default_out(config: str, name: str | None) -> Path:
@@ -81,6 +101,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from fedloom.engine.loop import run
 
     cfg = load_config(args.config, args.overrides)
+    from fedloom.device import resolve
+
+    resolve(cfg.device)  # device=cuda without CUDA: one line, exit 2, before anything starts
     out = Path(args.out) if args.out else _default_out(args.config, cfg.name)
     if args.resume and not args.out:
         raise ValueError("--resume needs --out DIR (the run directory to continue)")
@@ -110,14 +133,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     s = result.summary
     rows = [
         ("rounds", f"{s['rounds']}"),
-        ("test accuracy", f"{s.get('test_acc', float('nan')):.4f}"),
-        ("test loss", f"{s.get('test_loss', float('nan')):.4f}"),
-        ("client acc mean ± std", f"{s.get('client_acc_mean', float('nan')):.4f} ± "
-                                  f"{s.get('client_acc_std', float('nan')):.4f}"),
-        ("client acc worst 10 %", f"{s.get('client_acc_worst10', float('nan')):.4f}"),
-        *([("personal acc mean ± std", f"{s['personal_acc_mean']:.4f} ± "
-                                       f"{s['personal_acc_std']:.4f}"),
-           ("personal acc worst 10 %", f"{s['personal_acc_worst10']:.4f}")]
+        ("test accuracy", _num(s.get("test_acc"))),
+        ("test loss", _num(s.get("test_loss"))),
+        ("client acc mean ± std", _pm(s.get("client_acc_mean"), s.get("client_acc_std"))),
+        ("client acc worst 10 %", _num(s.get("client_acc_worst10"))),
+        *([("personal acc mean ± std", _pm(s["personal_acc_mean"], s.get("personal_acc_std"))),
+           ("personal acc worst 10 %", _num(s.get("personal_acc_worst10")))]
           if "personal_acc_mean" in s else []),
         ("uplink total", _fmt_bytes(s["uplink_bytes_total"])),
         ("downlink total", _fmt_bytes(s["downlink_bytes_total"])),
@@ -127,7 +148,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
           if s.get("rejected_rounds_total") else []),
         *([("clipped updates", f"{s['clipped_updates_total']}")]
           if s.get("clipped_updates_total") else []),
+        # the step used, and where it came from when the config left it to the rule
+        *([("server.lr", f"{s['server_lr']:g}" + (f" (auto: {cfg.aggregator.name}'s default)"
+                                                 if cfg.server.lr == "auto" else ""))]
+          if "server_lr" in s else []),
         ("backend", f"{s.get('backend', '')}"),
+        ("device", _fmt_device(s)),
+        *([("peak device memory", f"{s['peak_device_memory_mb']:.0f} MB")]
+          if str(s.get("device", "")).startswith("cuda") else []),
         ("wall time", f"{s['wall_s_total']:.1f} s"),
         ("model sha256", s["model_sha256"][:16] + "…"),
     ]
@@ -153,21 +181,118 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_models(args: argparse.Namespace) -> int:
+    from fedloom.models.zoo import describe_models
+
+    rows = describe_models()
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    w0 = max(len(str(r["name"])) for r in rows)
+    print(f"{'model':<{w0}}  {'parameters':>11}  {'input':<9}  description  [model.* options]")
+    for r in rows:
+        n = r["parameters"]
+        shape = "x".join(str(v) for v in r["input"]) or "-"  # type: ignore[attr-defined]
+        opts = f"  [{', '.join(r['options'])}]" if r["options"] else ""  # type: ignore[arg-type]
+        count = f"{n:,}" if isinstance(n, int) else "-"
+        print(f"{r['name']:<{w0}}  {count:>11}  {shape:<9}  {r['description']}{opts}")
+    return 0
+
+
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from fedloom.sweep import run_suite
 
     suite = run_suite(args.suite, workers=args.workers,
                       log=lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", flush=True),
-                      report_only=args.report_only)
+                      report_only=args.report_only, csv=args.csv)
     if suite.doc is not None:
         print(f"report: {suite.doc}")
+    else:  # no doc: in the suite: the report goes to stdout
+        print(suite.report_text)
+    if args.csv:
+        print(f"csv: {args.csv}")
     return 0
 
 
+def _at(text: str) -> str | int:
+    if text in ("final", "best"):
+        return text
+    try:
+        rnd = int(text)
+    except ValueError:
+        rnd = 0
+    if rnd < 1:
+        raise argparse.ArgumentTypeError(f"expected final, best or a round ≥ 1, got {text!r}")
+    return rnd
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from fedloom.report.compare import DEFAULT_METRICS, compare
+
+    text, notes = compare(args.runs, metrics=args.metric or DEFAULT_METRICS, at=args.at,
+                          target=args.target, target_metric=args.target_metric,
+                          group_by=args.group_by, csv_path=args.csv,
+                          markdown_path=args.markdown, plots_dir=args.plots)
+    print(text)
+    for n in notes:
+        print(n)
+    return 0
+
+
+def _config_sections() -> str:
+    """``fedloom run --help``'s list of the config's sections and keys, from the
+    :class:`~fedloom.config.Config` dataclasses (so it never goes stale)."""
+    import dataclasses
+    import textwrap
+    import typing
+
+    from fedloom.config import Config
+
+    def keys(cls: type) -> list[str]:
+        hints = typing.get_type_hints(cls)
+        return [f"{f.name}.*" if dataclasses.is_dataclass(hints[f.name]) else f.name
+                for f in dataclasses.fields(cls)]
+
+    hints = typing.get_type_hints(Config)
+    rows = [("top level", [f.name for f in dataclasses.fields(Config)
+                           if not dataclasses.is_dataclass(hints[f.name])])]
+    rows += [(f.name, keys(hints[f.name])) for f in dataclasses.fields(Config)
+             if dataclasses.is_dataclass(hints[f.name])]
+    width = max(len(name) for name, _ in rows) + 2
+    lines = ["config sections and keys (set any as SECTION.KEY=VALUE; `fedloom schema` "
+             "gives types, defaults and bounds):"]
+    for name, ks in rows:
+        lines += textwrap.wrap(", ".join(ks), 98, initial_indent=f"  {name + ':':<{width}}",
+                               subsequent_indent=" " * (width + 2))
+    return "\n".join(lines)
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    import json
+
+    from fedloom.schema import config_schema
+
+    print(json.dumps(config_schema(), indent=2))
+    return 0
+
+
+def _version() -> str:
+    import platform
+
+    import torch
+
+    from fedloom import __version__
+
+    return f"fedloom {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedloom", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="run an experiment from a YAML config")
+    p = argparse.ArgumentParser(prog="fedloom")
+    p.add_argument("--version", action="version", version=_version())
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    r = sub.add_parser("run", help="run an experiment from a YAML config",
+                       epilog=_config_sections(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("config", help="YAML config file")
     r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. client.lr=0.05")
     r.add_argument("--out", help="run directory (default: runs/NAME-TIMESTAMP)")
@@ -180,10 +305,42 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("suite", help="suite YAML (see fedloom.sweep)")
     s.add_argument("--workers", type=int, default=2, help="parallel single-thread runs")
     s.add_argument("--report-only", action="store_true",
-                   help="write the report from the runs that finished; run nothing")
+                   help="make the report from the runs that finished; run nothing "
+                        "(printed when the suite has no doc:)")
+    s.add_argument("--csv", metavar="FILE", help="also write the results tables as CSV")
     s.set_defaults(func=_cmd_sweep)
+    c = sub.add_parser("compare", help="tables and plots across run directories "
+                                       "(mean ± sd over seeds)",
+                       description="Compare runs: runs whose configs differ only by seed "
+                                   "form one group (see fedloom.report.compare).")
+    c.add_argument("runs", nargs="+", metavar="RUN_OR_SWEEP_DIR",
+                   help="run directories, or folders holding them (a sweep's out)")
+    c.add_argument("--metric", action="extend", nargs="+", metavar="NAME",
+                   help="metrics to show (default: test_acc client_acc_mean "
+                        "client_acc_worst10)")
+    c.add_argument("--at", type=_at, default="final", metavar="final|best|ROUND",
+                   help="each run's final value, its best over rounds, or at round ROUND")
+    c.add_argument("--target", type=float, metavar="VALUE",
+                   help="rounds and uplink bytes to first reach VALUE of --target-metric")
+    c.add_argument("--target-metric", default="test_acc", metavar="NAME")
+    c.add_argument("--group-by", nargs="+", metavar="KEY",
+                   help="group by these dotted config keys instead of 'all but the seed'")
+    c.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
+    c.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
+    c.add_argument("--plots", metavar="DIR",
+                   help="write curves.png and client_acc_cdf.png there (matplotlib)")
+    c.set_defaults(func=_cmd_compare)
     d = sub.add_parser("datasets", help="list datasets, whether they are here, how to install")
     d.set_defaults(func=_cmd_datasets)
+    mo = sub.add_parser("models", help="list models, their parameter counts and options")
+    mo.add_argument("--json", action="store_true", help="machine-readable output")
+    mo.set_defaults(func=_cmd_models)
+    sc = sub.add_parser("schema", help="print the config's JSON Schema (editors complete keys "
+                                       "with it: fedloom schema > fedloom.schema.json)")
+    sc.set_defaults(func=_cmd_schema)
+    # Every command, named where `fedloom --help` starts.
+    p.description = ("Federated learning on heterogeneous clients over slow links. "
+                     f"Commands: {', '.join(sub.choices)}; `fedloom COMMAND --help` for each.")
     return p
 
 

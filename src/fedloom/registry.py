@@ -78,6 +78,7 @@ _MODULES = (
     "fedloom.data.disk",
     "fedloom.data.partition",
     "fedloom.models",
+    "fedloom.models.zoo",
     "fedloom.aggregate.mean",
     "fedloom.aggregate.craft",
     "fedloom.aggregate.fednova",

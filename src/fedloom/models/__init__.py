@@ -45,8 +45,9 @@ class CNN(nn.Module):
     """The two-conv CNN of McMahan et al. (2017) and LEAF.
 
     conv5×5(32, same) → ReLU → maxpool2 → conv5×5(64, same) → ReLU → maxpool2 →
-    fc(512) → ReLU → fc(classes). On 28×28 inputs this is LEAF's FEMNIST CNN;
-    ``channels`` narrows the two convolutions (CPU budgets).
+    fc(512) → ReLU → fc(classes) (McMahan et al.'s width; LEAF's FEMNIST CNN,
+    ``leaf_cnn``, has 2048 units there). ``channels`` narrows the two
+    convolutions (CPU budgets).
     """
 
     def __init__(self, in_shape: tuple[int, ...], num_classes: int,
@@ -80,7 +81,7 @@ def _mlp(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Mo
 def _resnet(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     from fedloom.models.resnet import ResNetGN
 
-    return ResNetGN(in_shape, num_classes, depth=cfg.depth, width=cfg.width)
+    return ResNetGN(in_shape, num_classes, depth=cfg.depth, width=cfg.width, norm=cfg.norm)
 
 
 class CharRNN(nn.Module):
@@ -120,7 +121,11 @@ def init_parameters(module: nn.Module, gen: torch.Generator) -> None:
     Modules are visited in ``named_modules`` order, so the draw order, and hence
     the result, depends only on the architecture and the generator.
     """
-    kaiming_normal = getattr(module, "fedloom_init", "") == "kaiming_normal"
+    scheme = getattr(module, "fedloom_init", "")
+    kaiming_normal = scheme == "kaiming_normal"
+    if scheme in ("glorot_normal", "glorot_uniform"):
+        _init_glorot(module, gen, scheme)
+        return
     with torch.no_grad():
         for mod in module.modules():
             own = dict(mod.named_parameters(recurse=False))
@@ -158,6 +163,31 @@ def init_parameters(module: nn.Module, gen: torch.Generator) -> None:
                 bias.uniform_(-bound, bound, generator=gen)
 
 
+def _init_glorot(module: nn.Module, gen: torch.Generator, scheme: str) -> None:
+    """Keras' Glorot initialisation (Glorot & Bengio 2010), as the FLARE code's models:
+    kernels ``U(±√(6/(fan_in+fan_out)))`` (uniform) or a normal of σ = √(2/(fan_in+fan_out))
+    truncated at ±2 of its scale σ/0.8796 (Keras' ``GlorotNormal``), biases zero; norm
+    layers ones/zeros. Modules are visited in ``named_modules`` order."""
+    with torch.no_grad():
+        for mod in module.modules():
+            own = dict(mod.named_parameters(recurse=False))
+            for name, p in own.items():
+                if name == "bias" or p.ndim < 2:
+                    if isinstance(mod, nn.modules.batchnorm._NormBase | nn.GroupNorm
+                                  | nn.LayerNorm) and name == "weight":
+                        p.fill_(1.0)
+                    else:
+                        p.zero_()
+                    continue
+                fan_in, fan_out = nn.init._calculate_fan_in_and_fan_out(p)
+                if scheme == "glorot_uniform":
+                    bound = math.sqrt(6.0 / (fan_in + fan_out))
+                    p.uniform_(-bound, bound, generator=gen)
+                else:
+                    scale = math.sqrt(2.0 / (fan_in + fan_out)) / 0.87962566103423978
+                    nn.init.trunc_normal_(p, 0.0, scale, -2 * scale, 2 * scale, generator=gen)
+
+
 def build_model(
     cfg: ModelConfig | Callable[[], nn.Module] | nn.Module,
     in_shape: tuple[int, ...],
@@ -172,6 +202,11 @@ def build_model(
             module = factory(cfg, in_shape, num_classes)
         module = module.to_empty(device="cpu")
         init_parameters(module, torch_gen(seed, -1, -1, Purpose.INIT))
+        # to_empty leaves buffers uninitialised: BatchNorm's running statistics
+        # start as PyTorch's (mean 0, variance 1, no batch tracked).
+        for mod in module.modules():
+            if isinstance(mod, nn.modules.batchnorm._NormBase):
+                mod.reset_running_stats()
     elif isinstance(cfg, nn.Module):
         module = cfg
     else:

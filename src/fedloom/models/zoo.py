@@ -1,0 +1,289 @@
+"""The papers' own models: ResNet-18 (SA-PEF), VGG-11/16/19, FC and CNN (FLARE).
+
+- ``resnet18``: the CIFAR variant of ResNet-18 (He et al. 2016) used by the
+  SA-PEF code: a 3×3 stride-1 stem of 64 channels with no max-pool, four
+  stages of two basic blocks (64, 128, 256, 512 channels; strides 1, 2, 2, 2),
+  projection shortcuts (1×1 convolution + norm) where the shape changes,
+  global average pooling, one linear layer; convolutions without bias.
+  11,173,962 parameters for 10 classes. ``model.norm`` chooses BatchNorm (the
+  SA-PEF code's), GroupNorm(1, C) or none; the layers keep one name whatever
+  the kind.
+- ``vgg11`` / ``vgg16`` / ``vgg19``: the FLARE code's Keras VGGs for 32×32
+  CIFAR images: 3×3 "same" convolutions, 2×2 max-pools after each stage, then
+  Dense(4096) → ReLU → Dropout(0.5) → Dense(4096) → ReLU → Dropout(0.5) →
+  Dense(classes), no normalisation layer. As in that code, VGG-11 puts its
+  ReLU only after the second convolution of each of its two-convolution
+  stages, and VGG-16/19 after every convolution. Keras' initialisation:
+  Glorot-uniform kernels, zero biases.
+- ``flare_fc``: the FLARE code's MNIST "FC": 784 → 4069 → 4069 → 4069 → 10,
+  no activation (a linear map; the widths are the code's, 4069), Glorot-normal
+  kernels (Keras' truncated normal, σ = √(2/(fan_in+fan_out))/0.8796, cut at
+  ±2 of its scale), zero biases; 36,356,525 parameters.
+- ``flare_cnn``: the FLARE code's MNIST CNN: conv 5×5 "valid" (32) → ReLU →
+  max-pool 2 → conv 5×5 "valid" (64) → ReLU → max-pool 2 → Dense(512) → ReLU →
+  Dense(classes), Glorot-normal kernels, zero biases; 582,026 parameters on
+  28×28 inputs. ``model.channels`` narrows the two convolutions.
+
+Departures, stated: the FLARE code applies softmax in the model (twice for
+the CNN: a softmax activation, then a Softmax layer) and trains on the
+probabilities; fedloom's models return logits and the loss is cross-entropy
+on them (one softmax). Keras flattens channels-last; the order of the flat
+features differs, not the function class or the parameter count.
+
+- ``leaf_cnn``: LEAF's FEMNIST CNN (Caldas et al. 2018): two 5×5 "same"
+  convolutions of 32 and 64 channels, each followed by ReLU and a 2×2
+  max-pool, then Dense(2048) → ReLU → Dense(classes); PyTorch's default
+  initialisation. 6,603,710 parameters for 62 classes on 28×28 inputs. The
+  built-in ``cnn`` is the same with McMahan et al.'s Dense(512).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fedloom.config import ModelConfig
+from fedloom.models.resnet import _norm
+from fedloom.registry import register
+
+__all__ = ["VGG", "FlareCNN", "FlareFC", "LeafCNN", "ResNet18"]
+
+
+class _Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, norm: str) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = _norm(norm, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = _norm(norm, cout)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
+                                          _norm(norm, cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNet18(nn.Module):
+    """ResNet-18, CIFAR variant (see the module docstring)."""
+
+    def __init__(self, in_shape: tuple[int, ...], num_classes: int, norm: str = "batch",
+                 width: int = 64) -> None:
+        super().__init__()
+        if len(in_shape) != 3:
+            raise ValueError(f"model.name: resnet18 needs image inputs [C, H, W], got {in_shape}")
+        self.conv1 = nn.Conv2d(in_shape[0], width, 3, padding=1, bias=False)
+        self.bn1 = _norm(norm, width)
+        stages, cin = [], width
+        for i, mult in enumerate((1, 2, 4, 8)):
+            cout = width * mult
+            stride = 1 if i == 0 else 2
+            stages.append(nn.Sequential(_Block(cin, cout, stride, norm),
+                                        _Block(cout, cout, 1, norm)))
+            cin = cout
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.linear = nn.Linear(cin, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.layer4(self.layer3(self.layer2(self.layer1(out))))
+        return self.linear(F.adaptive_avg_pool2d(out, 1).flatten(1))
+
+
+# Per stage: the convolutions' widths. "r" marks where a ReLU follows (FLARE's code).
+_VGG = {
+    11: [[(64, True)], [(128, True)], [(256, False), (256, True)], [(512, False), (512, True)],
+         [(512, False), (512, True)]],
+    16: [[(64, True)] * 2, [(128, True)] * 2, [(256, True)] * 3, [(512, True)] * 3,
+         [(512, True)] * 3],
+    19: [[(64, True)] * 2, [(128, True)] * 2, [(256, True)] * 4, [(512, True)] * 4,
+         [(512, True)] * 4],
+}
+
+
+class VGG(nn.Module):
+    """VGG-11/16/19 as the FLARE code builds them (see the module docstring)."""
+
+    fedloom_init = "glorot_uniform"
+
+    def __init__(self, in_shape: tuple[int, ...], num_classes: int, depth: int,
+                 hidden: int = 4096, dropout: float = 0.5) -> None:
+        super().__init__()
+        if depth not in _VGG:
+            raise ValueError(f"model.name: vgg depth must be 11, 16 or 19, got {depth}")
+        if len(in_shape) != 3 or in_shape[1] % 32 or in_shape[2] % 32:
+            raise ValueError(f"model.name: vgg{depth} needs images [C, H, W] with H and W "
+                             f"multiples of 32, got {in_shape}")
+        layers: list[nn.Module] = []
+        cin = in_shape[0]
+        for stage in _VGG[depth]:
+            for cout, relu in stage:
+                layers.append(nn.Conv2d(cin, cout, 3, padding=1))
+                if relu:
+                    layers.append(nn.ReLU())
+                cin = cout
+            layers.append(nn.MaxPool2d(2))
+        self.features = nn.Sequential(*layers)
+        flat = cin * (in_shape[1] // 32) * (in_shape[2] // 32)
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(flat, hidden), nn.ReLU(), nn.Dropout(dropout),
+            nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(dropout),
+            nn.Linear(hidden, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class FlareCNN(nn.Module):
+    """The FLARE code's MNIST CNN (see the module docstring)."""
+
+    fedloom_init = "glorot_normal"
+
+    def __init__(self, in_shape: tuple[int, ...], num_classes: int,
+                 channels: tuple[int, int] = (32, 64)) -> None:
+        super().__init__()
+        if len(in_shape) != 3:
+            raise ValueError(f"model.name: flare_cnn needs image inputs [C, H, W], got "
+                             f"{in_shape}")
+        c, h, w = in_shape
+        oh, ow = ((h - 4) // 2 - 4) // 2, ((w - 4) // 2 - 4) // 2
+        if oh < 1 or ow < 1:
+            raise ValueError(f"model.name: flare_cnn needs images of at least 16x16, got "
+                             f"{h}x{w}")
+        self.features = nn.Sequential(
+            nn.Conv2d(c, channels[0], 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(channels[0], channels[1], 5), nn.ReLU(), nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(channels[1] * oh * ow, 512),
+                                        nn.ReLU(), nn.Linear(512, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class FlareFC(nn.Module):
+    """The FLARE code's MNIST "FC": three hidden linear layers of 4069, no activation."""
+
+    fedloom_init = "glorot_normal"
+
+    def __init__(self, in_features: int, num_classes: int,
+                 hidden: tuple[int, ...] = (4069, 4069, 4069)) -> None:
+        super().__init__()
+        dims = [in_features, *hidden, num_classes]
+        self.net = nn.Sequential(nn.Flatten(),
+                                 *(nn.Linear(a, b) for a, b in itertools.pairwise(dims)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@register("model", "resnet18")
+def _resnet18(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return ResNet18(in_shape, num_classes, norm=cfg.norm)
+
+
+def _vgg(depth: int):
+    def build(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+        return VGG(in_shape, num_classes, depth)
+
+    build.__doc__ = f"VGG-{depth} as the FLARE code builds it."
+    return build
+
+
+for _d in (11, 16, 19):
+    register("model", f"vgg{_d}")(_vgg(_d))
+
+
+@register("model", "flare_fc")
+def _flare_fc(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    import math
+
+    return FlareFC(math.prod(in_shape), num_classes)
+
+
+@register("model", "flare_cnn")
+def _flare_cnn(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    if len(cfg.channels) != 2:
+        raise ValueError(f"model.channels: flare_cnn needs two conv widths, got {cfg.channels}")
+    return FlareCNN(in_shape, num_classes, (cfg.channels[0], cfg.channels[1]))
+
+
+class LeafCNN(nn.Module):
+    """LEAF's FEMNIST CNN (see the module docstring)."""
+
+    def __init__(self, in_shape: tuple[int, ...], num_classes: int,
+                 channels: tuple[int, int] = (32, 64), hidden: int = 2048) -> None:
+        super().__init__()
+        if len(in_shape) != 3 or in_shape[1] < 4 or in_shape[2] < 4:
+            raise ValueError(f"model.name: leaf_cnn needs images [C, H, W] of at least 4x4, "
+                             f"got {in_shape}")
+        c, h, w = in_shape
+        self.features = nn.Sequential(
+            nn.Conv2d(c, channels[0], 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(channels[0], channels[1], 5, padding=2), nn.ReLU(), nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(channels[1] * (h // 4) * (w // 4), hidden), nn.ReLU(),
+            nn.Linear(hidden, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+@register("model", "leaf_cnn")
+def _leaf_cnn(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    if len(cfg.channels) != 2:
+        raise ValueError(f"model.channels: leaf_cnn needs two conv widths, got {cfg.channels}")
+    return LeafCNN(in_shape, num_classes, (cfg.channels[0], cfg.channels[1]))
+
+
+# name: (what it is, the model.* options it reads, the input it is counted on, classes)
+CATALOG: dict[str, tuple[str, tuple[str, ...], tuple[int, ...], int]] = {
+    "mlp": ("MLP, ReLU or none between layers (CRAFT's 2 x 200)", ("hidden", "activation"),
+            (1, 28, 28), 10),
+    "cnn": ("two 5x5 convolutions + Dense(512) (McMahan et al. 2017)", ("channels",),
+            (1, 28, 28), 10),
+    "leaf_cnn": ("LEAF's FEMNIST CNN: two 5x5 convolutions + Dense(2048)", ("channels",),
+                 (1, 28, 28), 62),
+    "resnet": ("CIFAR ResNet-6n+2 (ResNet-20/56/110; CRAFT's code: GroupNorm)",
+               ("depth", "width", "norm", "buffers"), (3, 32, 32), 10),
+    "resnet18": ("ResNet-18, CIFAR variant (the SA-PEF code's)", ("norm", "buffers"),
+                 (3, 32, 32), 10),
+    "vgg11": ("VGG-11 as the FLARE code (no norm, Dense 4096 x 2, dropout 0.5)", (),
+              (3, 32, 32), 10),
+    "vgg16": ("VGG-16 as the FLARE code", (), (3, 32, 32), 10),
+    "vgg19": ("VGG-19 as the FLARE code", (), (3, 32, 32), 10),
+    "flare_fc": ("the FLARE code's MNIST FC: 784-4069-4069-4069-10, no activation", (),
+                 (1, 28, 28), 10),
+    "flare_cnn": ("the FLARE code's MNIST CNN: two 5x5 valid convolutions + Dense(512)",
+                  ("channels",), (1, 28, 28), 10),
+    "char_rnn": ("character GRU/LSTM (LEAF's Shakespeare model: 2 x LSTM 256)",
+                 ("hidden", "embed", "cell"), (80,), 80),
+}
+
+
+def describe_models() -> list[dict[str, object]]:
+    """Every registered model: its description, options and parameter count on the
+    input it is listed with (built on the ``meta`` device: nothing is allocated)."""
+    import math
+
+    from fedloom.registry import available, get
+
+    rows: list[dict[str, object]] = []
+    for name in available("model"):
+        desc, opts, shape, classes = CATALOG.get(name, ("(plug-in)", (), (), 0))
+        count: int | None = None
+        if shape:
+            try:
+                with torch.device("meta"):
+                    m = get("model", name)(ModelConfig(name=name), shape, classes)
+                count = sum(math.prod(p.shape) for p in m.parameters())
+            except (ValueError, TypeError):  # a plug-in that needs other inputs
+                count = None
+        rows.append({"name": name, "description": desc, "options": list(opts),
+                     "input": list(shape), "classes": classes, "parameters": count})
+    return rows
