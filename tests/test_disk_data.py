@@ -332,3 +332,31 @@ def test_make_augment_modes() -> None:
     assert aug is not None and aug.fill[0] == pytest.approx(-0.5071 / 0.2673)
     with pytest.raises(ValueError, match=r"data\.augment: the source has no standard"):
         make_augment("", "standard")
+
+
+def test_hf_saved_to_disk_grayscale_images_one_client_per_writer(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    from PIL import Image
+
+    # the Hub's FEMNIST columns: image (28x28 grayscale), character, writer_id
+    writers = ["w3"] * 5 + ["w1"] * 2 + ["w2"] * 4 + ["w4"] * 9
+    imgs = [Image.new("L", (28, 28), 10 * i) for i in range(len(writers))]
+    ds = datasets.Dataset.from_dict({"image": imgs, "character": [i % 3 for i in
+                                                                  range(len(writers))],
+                                     "writer_id": writers},
+                                    features=datasets.Features({
+                                        "image": datasets.Image(),
+                                        "character": datasets.Value("int64"),
+                                        "writer_id": datasets.Value("string")}))
+    ds.save_to_disk(str(tmp_path / "femnist"))
+    # writers with 3..8 samples are eligible (w3: 5, w2: 4); both kept (num_clients 5)
+    cfg = DataConfig(name="hf", path=str(tmp_path / "femnist"), label="character",
+                     client="writer_id", min_samples=3, max_client_samples=8, num_clients=5)
+    got = load_dataset(cfg, 0)
+    assert got.x.shape == (9, 1, 28, 28) and got.natural
+    assert got.groups is not None and np.bincount(got.groups).tolist() == [4, 5]  # w2, w3
+    # one of the two eligible writers drawn when num_clients = 1, the same for a seed
+    one = DataConfig(name="hf", path=str(tmp_path / "femnist"), label="character",
+                     client="writer_id", min_samples=3, max_client_samples=8, num_clients=1)
+    a, b = load_dataset(one, 7), load_dataset(one, 7)
+    assert len(np.unique(a.groups)) == 1 and torch.equal(a.x, b.x)

@@ -62,6 +62,9 @@ def test_parameter_counts_derived_by_hand() -> None:
     # FLARE CNN: valid 5x5 convs 28→24→(pool)12→8→(pool)4: 64·4·4 = 1024 features
     assert (_conv(1, 32, 5) + _conv(32, 64, 5) + _dense(1024, 512) + _dense(512, 10)
             == 582_026 == _count("flare_cnn", (1, 28, 28), 10))
+    # CRAFT CNN: valid 5x5 convs of 64: 1024 features, then 384, 192, 62
+    assert (_conv(1, 64, 5) + _conv(64, 64, 5) + _dense(1024, 384) + _dense(384, 192)
+            + _dense(192, 62) == 583_614 == _count("craft_cnn", (1, 28, 28), 62))
     # LEAF CNN: same-padded convs keep 28, two pools: 7·7·64 = 3136 features
     assert (_conv(1, 32, 5) + _conv(32, 64, 5) + _dense(3136, 2048) + _dense(2048, 62)
             == 6_603_710 == _count("leaf_cnn", (1, 28, 28), 62))

@@ -115,6 +115,8 @@ class DataConfig:
     writer_fraction: float = _f(1.0, gt=0, le=1)
     image_column: str = "image"
     image_size: int = _f(0, ge=0)
+    # hf with data.client: writers with more samples than this are not eligible (0 = no bound)
+    max_client_samples: int = _f(0, ge=0)
     # Training augmentation (fedloom.data.augment): "auto" = the source's standard one
     # (random crop with padding 4 and horizontal flip for CIFAR and Tiny-ImageNet; none
     # for the others), "standard" = the same, refused where a source has none.

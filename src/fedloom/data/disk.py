@@ -26,7 +26,12 @@ never downloads anything:
   layout; ``data.image_size`` resizes (0 = every image must have one size).
 - ``hf``: a Hugging Face dataset saved with ``save_to_disk`` or parquet files
   (``data.path``), read offline with the ``datasets`` library; the image (or
-  feature) column is ``data.image_column``, the label column ``data.label``.
+  feature) column is ``data.image_column``, the label column ``data.label``;
+  with ``data.client`` naming a column (e.g. ``writer_id`` of the Hub's
+  FEMNIST), each of its values is one client (a natural split), and writers
+  with ``data.min_samples`` … ``data.max_client_samples`` samples are eligible,
+  ``data.num_clients`` of them drawn from ``(seed, "data")`` as the CRAFT code
+  selects FEMNIST writers. Grayscale images keep one channel.
 
 Pickles are read with an unpickler that builds only dicts, lists, strings,
 numbers and NumPy arrays: a damaged or hostile file cannot run code.
@@ -612,9 +617,12 @@ def _hf_arrays(split: Any, col: str, label: str, where: str) -> tuple[np.ndarray
     values = split[col]
     first = values[0] if len(values) else None
     if first is not None and hasattr(first, "convert"):  # PIL images (an Image feature)
+        # grayscale stays one channel (FEMNIST, MNIST); anything else becomes RGB
+        mode = "L" if all(getattr(im, "mode", "") in ("L", "1") for im in values) else "RGB"
         buf = []
         for im in values:
-            buf.append(np.asarray(im.convert("RGB"), dtype=np.uint8))
+            a = np.asarray(im.convert(mode), dtype=np.uint8)
+            buf.append(a[:, :, None] if mode == "L" else a)
         try:
             x = np.stack(buf)
         except ValueError:
@@ -626,6 +634,24 @@ def _hf_arrays(split: Any, col: str, label: str, where: str) -> tuple[np.ndarray
         except ValueError:
             raise DatasetUnavailable(f"{where}: column {col!r} is ragged") from None
     return x, np.asarray(raw_y)
+
+
+def _pick_writers(groups: np.ndarray, cfg: DataConfig, seed: int) -> np.ndarray:
+    """A keep-mask over samples: writers with ``data.min_samples`` … ``data.max_client_samples``
+    samples (0 = no upper bound) are eligible, and ``data.num_clients`` of them are drawn
+    from ``(seed, "data")`` when more are eligible (the CRAFT code's FEMNIST selection)."""
+    ids, counts = np.unique(groups, return_counts=True)
+    ok = counts >= cfg.min_samples
+    if cfg.max_client_samples:
+        ok &= counts <= cfg.max_client_samples
+    eligible = ids[ok]
+    if len(eligible) == 0:
+        raise DatasetUnavailable(f"data.min_samples / data.max_client_samples: no client has "
+                                 f"{cfg.min_samples}..{cfg.max_client_samples or 'any'} samples")
+    if len(eligible) > cfg.num_clients:
+        gen = numpy_gen(seed, -1, -1, Purpose.DATA)
+        eligible = np.sort(gen.choice(eligible, cfg.num_clients, replace=False))
+    return np.isin(groups, eligible)
 
 
 @_source("hf", "a Hugging Face dataset saved to disk or as parquet (data.path), offline",
@@ -659,15 +685,31 @@ def hf(cfg: DataConfig, seed: int) -> Dataset:
         classes = len(names)
     if classes < 2:
         raise DatasetUnavailable(f"{path}: column {cfg.label!r} has fewer than 2 classes")
+    groups = None
+    if cfg.client:  # one client per value of this column (writers): the natural split
+        col = splits[train_key]
+        if cfg.client not in col.column_names:
+            raise DatasetUnavailable(f"{path}[{train_key}]: no column {cfg.client!r} "
+                                     "(data.client)")
+        _, groups = np.unique(np.asarray([str(v) for v in col[cfg.client]]),
+                              return_inverse=True)
+        keep = _pick_writers(groups, cfg, seed)
+        xtr, ytr_i = xtr[keep], ytr_i[keep]
+        _, groups = np.unique(groups[keep], return_inverse=True)
     if xtr.dtype == np.uint8 and xtr.ndim == 4:  # decoded images, NHWC
         arrs: dict[str, Any] = {"train_x": xtr, "train_y": ytr_i}
         if xte is not None:
             arrs.update(test_x=xte, test_y=yte_i)
-        return _images_dataset("hf", arrs, classes)
+        ds = _images_dataset("hf", arrs, classes)
+        if groups is not None:
+            ds.groups, ds.natural = groups.astype(np.int64), True
+        return ds
     if xtr.dtype.kind not in "iuf" or not np.isfinite(xtr.astype(np.float64)).all():
         raise DatasetUnavailable(f"{path}: column {cfg.image_column!r} must hold images or "
                                  "finite numbers")
     to_t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
     return Dataset("hf", to_t(xtr), torch.from_numpy(ytr_i), classes,
                    x_test=None if xte is None else to_t(xte),
-                   y_test=None if yte_i is None else torch.from_numpy(yte_i))
+                   y_test=None if yte_i is None else torch.from_numpy(yte_i),
+                   groups=None if groups is None else groups.astype(np.int64),
+                   natural=groups is not None)
