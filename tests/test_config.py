@@ -34,7 +34,10 @@ def test_overrides_parse_yaml_values_and_nest():
         ("client.lr=fast", "client.lr: must be a number"),
         ("rounds=1.5", "rounds: must be an integer"),
         ("rounds=0", "rounds: must be >= 1"),
-        ("data.partition.name=random", "data.partition.name: must be one of"),
+        ("data.partition.name=random", "data.partition.name: unknown partitioner 'random' "
+                                       "(available: contiguous, dirichlet, iid, natural, shards)"),
+        ("compression.feedback=ef3", "compression.feedback: unknown feedback 'ef3'"),
+        ("compression.adaptive=fl", "compression.adaptive: unknown planner 'fl'"),
         ("model.hidden=[8, -1]", "model.hidden: must be >= 1"),
         ("backend=gpu", "backend.name: unknown backend 'gpu'"),
         ("data.name=imagenet", "data.name: unknown dataset 'imagenet'"),

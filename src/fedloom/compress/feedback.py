@@ -60,10 +60,11 @@ import torch
 
 from fedloom.compress.base import Compressor
 from fedloom.compress.sparse import TopK
+from fedloom.registry import accepted_options, build, get, register
 from fedloom.state import FieldSpec
 
 __all__ = ["CSER", "EF21", "SCAFCOM", "ErrorFeedback", "NoFeedback", "UplinkContext",
-           "UplinkResult", "local_step_sum", "make_feedback"]
+           "UplinkResult", "feedback_from_config", "local_step_sum", "make_feedback"]
 
 ServerState = dict[str, Any]
 
@@ -129,6 +130,9 @@ class NoFeedback:
 
     name = "none"
     schedule = "constant"
+    # The server uses each client's row only: no server state, model shift or extra
+    # payload built from the clients' messages (privacy.mode=central needs it).
+    row_only = True
 
     def fields(self, d: int) -> dict[str, FieldSpec]:
         return {}
@@ -154,7 +158,7 @@ class NoFeedback:
     def uplink(self, g: torch.Tensor, state: dict[str, torch.Tensor], comp: Compressor,
                ctx: UplinkContext, server: ServerState) -> UplinkResult:
         p = comp.encode(g, gen=ctx.gen)
-        return UplinkResult(p, comp.decode(p, g.numel()).to(g.dtype), {})
+        return UplinkResult(p, comp.decode(p, g.numel()).to(g.device, g.dtype), {})
 
     def server_row(self, up: UplinkResult, state: dict[str, torch.Tensor],
                    server: ServerState) -> torch.Tensor:
@@ -201,7 +205,7 @@ class ErrorFeedback(NoFeedback):
                ctx: UplinkContext, server: ServerState) -> UplinkResult:
         u = g + (1.0 - ctx.alpha) * state["residual"]
         p = comp.encode(u, gen=ctx.gen)
-        sent = comp.decode(p, u.numel()).to(u.dtype)
+        sent = comp.decode(p, u.numel()).to(u.device, u.dtype)
         e_new = u - sent
         return UplinkResult(p, sent, {"residual": e_new}, float(torch.linalg.vector_norm(e_new)))
 
@@ -269,6 +273,10 @@ class EF21(NoFeedback):
 
     name = "ef21"
 
+    @property
+    def row_only(self) -> bool:  # EF21-PP's ḡ is server state built from the c_k
+        return self.mean == "sampled"
+
     def __init__(self, mean: Literal["all", "sampled"] = "all") -> None:
         if mean not in ("all", "sampled"):
             raise ValueError(f"compression.ef21_mean: must be all or sampled, got {mean!r}")
@@ -284,7 +292,7 @@ class EF21(NoFeedback):
                ctx: UplinkContext, server: ServerState) -> UplinkResult:
         h = state["h"]
         p = comp.encode(g - h, gen=ctx.gen)
-        sent = comp.decode(p, g.numel()).to(g.dtype)
+        sent = comp.decode(p, g.numel()).to(g.device, g.dtype)
         h_new = h + sent
         scale = 1.0
         if self.mean == "all":
@@ -314,6 +322,7 @@ class CSER(ErrorFeedback):
 
     def __init__(self, period: int = 5, reset_ratio: float = 0.1) -> None:
         super().__init__(0.0, "constant", "cser")
+        self.row_only = False  # the reset ē is broadcast, built from the clients' residuals
         if period < 1:
             raise ValueError(f"compression.period: must be >= 1, got {period}")
         self.period = period
@@ -328,7 +337,7 @@ class CSER(ErrorFeedback):
             reset = TopK(ratio=self.reset.ratio, checksum=getattr(comp, "checksum", True))
             p = reset.encode(e)
             up.extra_payloads.append(p)
-            up.extra_sent = reset.decode(p, e.numel()).to(e.dtype)
+            up.extra_sent = reset.decode(p, e.numel()).to(e.device, e.dtype)
         return up
 
     def end_round(self, ups: Sequence[UplinkResult], server: ServerState, num_clients: int,
@@ -399,6 +408,7 @@ class SCAFCOM(NoFeedback):
     """
 
     name = "scafcom"
+    row_only = False  # the server's c is built from the clients' messages
 
     def __init__(self, beta: float = 0.2) -> None:
         if not 0 < beta <= 1:
@@ -423,7 +433,7 @@ class SCAFCOM(NoFeedback):
         v = (1 - self.beta) * state["v"] + self.beta * (g / step + c_k - c)
         delta = v - c_k
         p = comp.encode(delta, gen=ctx.gen)
-        sent = comp.decode(p, g.numel()).to(g.dtype)
+        sent = comp.decode(p, g.numel()).to(g.device, g.dtype)
         return UplinkResult(p, sent, {"c": c_k + sent, "v": v},
                             float(torch.linalg.vector_norm(delta - sent)), row_scale=step)
 
@@ -440,31 +450,152 @@ class SCAFCOM(NoFeedback):
         return RoundEnd(None, {**server, "c": c})
 
 
-def make_feedback(name: str, alpha: float = 0.85,
-                  schedule: Literal["constant", "theory"] = "constant", period: int = 5,
-                  reset_ratio: float = 0.1, beta: float = 0.2, layout: Any = None,
-                  tau: float = 0.05, tau_decay: float = 1.1, penalty_steps: int = 1,
-                  penalty: str = "l1", ef21_mean: Literal["all", "sampled"] = "all"
-                  ) -> NoFeedback:
-    if name == "none":
-        return NoFeedback()
-    if name == "ef":
-        return ErrorFeedback(0.0, "constant", "ef")
-    if name == "saef":
-        return ErrorFeedback(1.0, "constant", "saef")
-    if name == "sapef":
-        return ErrorFeedback(alpha, schedule, "sapef")
-    if name == "ef21":
-        return EF21(ef21_mean)
-    if name == "cser":
-        return CSER(period, reset_ratio)
-    if name == "scafcom":
-        return SCAFCOM(beta)
-    if name in ("flare", "ec_prox"):
-        from fedloom.compress.flare import FLARE, ECProx
+# ------------------------------------------------------------------ registry
+# Each policy is a factory registered under its name; its options are taken by
+# name from the ``compression`` section (only the keys its signature names) and
+# from ``compression.feedback_options`` (checked: an unknown key is an error).
+# A factory that takes ``layout`` gets the model's parameter layout.
 
-        if name == "ec_prox":
-            return ECProx(tau, tau_decay)
-        return FLARE(layout, tau, tau_decay, penalty_steps, penalty)  # type: ignore[arg-type]
-    raise ValueError(f"compression.feedback: unknown policy {name!r} "
-                     "(expected none, ef, saef, sapef, ef21, cser, scafcom, flare, ec_prox)")
+
+@register("feedback", "none")
+def no_feedback() -> NoFeedback:
+    """Send ``C(g_k)``; no state (plain compressed FedAvg).
+
+    Reference:
+        paper: McMahan et al., "Communication-Efficient Learning of Deep Networks
+            from Decentralized Data", AISTATS 2017 (FedAvg), with the update compressed.
+        code: none needed (one call of the compressor).
+        departures: none.
+    """
+    return NoFeedback()
+
+
+@register("feedback", "ef")
+def error_feedback() -> ErrorFeedback:
+    """Error feedback: ``u = e + g``, send ``C(u)``, ``e ← u − C(u)``.
+
+    Reference:
+        paper: Seide et al., "1-Bit Stochastic Gradient Descent and its Application
+            to Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014;
+            Stich & Karimireddy, "The Error-Feedback Framework", JMLR 2020.
+        code: Dawitkiros/SA-PEF (its EF client, SA-PEF at α = 0).
+        departures: ``g`` is the local-training pseudo-gradient ``w − w_k``; the
+            residual is ``u − decode(payload)`` (quantisation error stays in it).
+    """
+    return ErrorFeedback(0.0, "constant", "ef")
+
+
+@register("feedback", "saef")
+def step_ahead_ef() -> ErrorFeedback:
+    """SAEF: SA-PEF with α = 1 (the client starts at ``w − e`` and sends ``C(g)``).
+
+    Reference:
+        paper: SA-PEF (step-ahead partial error feedback), arXiv 2601.20738.
+        code: Dawitkiros/SA-PEF (SAEF client).
+        departures: as ``sapef``.
+    """
+    return ErrorFeedback(1.0, "constant", "saef")
+
+
+@register("feedback", "sapef")
+def step_ahead_partial_ef(alpha: float = 0.85,
+                          alpha_schedule: Literal["constant", "theory"] = "constant"
+                          ) -> ErrorFeedback:
+    """SA-PEF: start at ``w − α e``, send ``C((1 − α) e + g)``, keep the rest.
+
+    ``alpha_schedule="theory"`` uses ``α* = 1/(1 + 12 s²)``, ``s = η L̂ T``, with
+    the online smoothness estimate ``L̂`` of the module docstring.
+
+    Reference:
+        paper: SA-PEF (step-ahead partial error feedback), arXiv 2601.20738.
+        code: Dawitkiros/SA-PEF (constant α, public default 0.85).
+        departures: ``theory`` estimates ``L̂`` online (running max of the cohort
+            median of a secant estimate on the first local step); the public code
+            has constant α only.
+    """
+    return ErrorFeedback(alpha, alpha_schedule, "sapef")
+
+
+@register("feedback", "ef21")
+def ef21(ef21_mean: Literal["all", "sampled"] = "all") -> EF21:
+    """EF21 in delta form; ``ef21_mean`` picks the partial-participation rule.
+
+    Reference:
+        paper: Richtárik, Sokolov & Fatkhullin, "EF21", NeurIPS 2021; EF21-PP in
+            Fatkhullin et al., "EF21 with Bells & Whistles", arXiv 2110.03294.
+        code: none public in the repositories behind the results pages
+            (Dawitkiros/SA-PEF, RanGreidi/FLARE have no EF21).
+        departures: pseudo-gradients instead of ``∇f_k(w)``; cohorts drawn without
+            replacement; the step goes through the configured aggregator and server
+            optimizer (see :class:`EF21`).
+    """
+    return EF21(ef21_mean)
+
+
+@register("feedback", "cser")
+def cser(period: int = 5, reset_ratio: float = 0.1) -> CSER:
+    """EF plus an error reset every ``period`` rounds (top ``reset_ratio`` of ``e``).
+
+    Reference:
+        paper: Xie et al., "CSER: Communication-efficient SGD with Error Reset",
+            NeurIPS 2020.
+        code: Dawitkiros/SA-PEF (its simplified CSER, followed here).
+        departures: the simplified rule of SA-PEF's code, not the paper's full
+            CSER with partial synchronisation.
+    """
+    return CSER(period, reset_ratio)
+
+
+@register("feedback", "scafcom")
+def scafcom(beta: float = 0.2) -> SCAFCOM:
+    """SCAFFOLD with compressed control-variate updates and local momentum β.
+
+    Reference:
+        paper: Huang, Li, Yin & Ye, "Stochastic Controlled Averaging for Federated
+            Learning with Communication Compression", ICLR 2024.
+        code: Dawitkiros/SA-PEF (``SCAFCOMClient``, ``ScaffoldLike``).
+        departures: ``client.momentum`` is honoured through ``S``; rows are in
+            pseudo-gradient units (``server.lr = γ/(η_l S)``); the step's mean is the
+            configured aggregator (see :class:`SCAFCOM`).
+    """
+    return SCAFCOM(beta)
+
+
+def make_feedback(name: str, **options: Any) -> NoFeedback:
+    """Build feedback policy ``name`` (registered, an entry point, or ``module:attr``)
+    with its options by name (``make_feedback("sapef", alpha=0.5)``); an unknown
+    option or name raises a one-line ``ValueError``. ``schedule`` is accepted as
+    the former name of ``alpha_schedule``."""
+    if "schedule" in options and "alpha_schedule" not in options:
+        options["alpha_schedule"] = options.pop("schedule")
+    try:
+        return build("feedback", name, options, "compression.feedback_options")
+    except KeyError as e:
+        raise ValueError(f"compression.feedback: {e.args[0] if e.args else e}") from None
+
+
+# Keys of the compression section that are not feedback options.
+_NOT_FEEDBACK = frozenset({"name", "options", "feedback", "feedback_options", "adaptive",
+                           "adaptive_options"})
+
+
+def section_options(section: Any, skip: frozenset[str] = _NOT_FEEDBACK) -> dict[str, Any]:
+    """The settings of a config section (a dataclass) as a mapping, less ``skip``."""
+    import dataclasses
+
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+            if f.name not in skip}
+
+
+def feedback_from_config(comp: Any, layout: Any = None) -> NoFeedback:
+    """The policy of a ``compression`` section: ``comp.feedback`` built with the
+    section's keys its factory takes by name (``alpha``, ``period``, …), then
+    ``comp.feedback_options`` (each must be an option of the factory), and
+    ``layout`` when the factory takes it."""
+    try:
+        factory = get("feedback", comp.feedback)
+    except KeyError as e:
+        raise ValueError(f"compression.feedback: {e.args[0] if e.args else e}") from None
+    opts = accepted_options(factory, {**section_options(comp), "layout": layout})
+    opts.update(getattr(comp, "feedback_options", {}) or {})
+    return build("feedback", comp.feedback, opts, "compression.feedback_options")

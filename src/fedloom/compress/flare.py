@@ -35,6 +35,7 @@ import torch
 from fedloom.client.sgd import Penalty
 from fedloom.compress.feedback import ErrorFeedback
 from fedloom.params import Layout
+from fedloom.registry import register
 
 __all__ = ["FLARE", "ECProx", "flare_mask"]
 
@@ -84,3 +85,31 @@ class ECProx(ErrorFeedback):
                 round: int) -> Penalty | None:
         tau = self.tau / self.decay ** (round + 1)
         return Penalty(w, tau, 2**62, "l2") if tau > 0 else None
+
+
+@register("feedback", "flare")
+def flare(layout: Layout, tau: float = 0.05, tau_decay: float = 1.1, penalty_steps: int = 1,
+          penalty: Literal["l1", "l2"] = "l1") -> FLARE:
+    """FLARE: EF whose first ``penalty_steps`` local steps are pulled towards
+    ``w − A_k`` on the coordinates with a large accumulator (module docstring).
+
+    Reference:
+        paper: "Sparse Training for Federated Learning with Regularized Error
+            Correction" (FLARE).
+        code: RanGreidi/FLARE (TensorFlow Federated).
+        departures: the mask and the penalty target are computed once per round
+            from the accumulator the client starts with (as the public code).
+    """
+    return FLARE(layout, tau, tau_decay, penalty_steps, penalty)
+
+
+@register("feedback", "ec_prox")
+def ec_prox(tau: float = 0.05, tau_decay: float = 1.1) -> ECProx:
+    """EC+prox: EF plus ``τ_r ‖w_k − w‖²`` on every local step, ``τ_r = tau/tau_decay^(r+1)``.
+
+    Reference:
+        paper: FLARE (as ``flare``), its EC+prox baseline.
+        code: RanGreidi/FLARE.
+        departures: none known.
+    """
+    return ECProx(tau, tau_decay)

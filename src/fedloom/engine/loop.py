@@ -51,6 +51,7 @@ totals and the summary, and logged):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -67,16 +68,36 @@ import numpy as np
 import torch
 import yaml
 
-from fedloom.aggregate.base import CohortInfo, make_aggregator
+from fedloom.aggregate.base import CohortInfo, default_server_lr, make_aggregator
 from fedloom.aggregate.server_opt import ServerOptimizer
 from fedloom.attack import make_attack
+from fedloom.buffers import (
+    average_buffers,
+    buffers_sha256,
+    check_buffers,
+    flatten_buffers,
+    load_buffers,
+    module_buffers,
+    random_in_train,
+    unflatten_buffers,
+)
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD, lr_at_round
 from fedloom.compress import coordinates_sent, make_compressor
-from fedloom.compress.feedback import UplinkContext, UplinkResult, make_feedback
+from fedloom.compress.feedback import UplinkContext, UplinkResult, feedback_from_config
 from fedloom.compress.identity import Identity
 from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.data.federated import FederatedData, build_federated
 from fedloom.data.sources import Dataset, load_dataset
+from fedloom.device import (
+    apply_threads,
+    configure,
+    describe,
+    peak_memory_mb,
+    reset_peak,
+    resolve,
+    to_device,
+    to_host,
+)
 from fedloom.engine.checkpoint import (
     LOCK_FILE,
     CheckpointError,
@@ -88,12 +109,21 @@ from fedloom.engine.checkpoint import (
     remove_leftovers,
     save_checkpoint,
 )
+from fedloom.engine.runlog import (
+    METRICS_CSV_FILE,
+    TENSORBOARD_DIR,
+    MetricsCSV,
+    TensorBoardSink,
+)
+from fedloom.hooks import RoundAdjust, metric_hooks, planner_from_config
 from fedloom.metrics import accuracy_stats, conflict_rate, evaluate, evaluate_clients
 from fedloom.models import build_model
-from fedloom.params import Layout
+from fedloom.params import Layout, training_mode
+from fedloom.privacy import check_privacy, check_secure_aggregation, make_privacy
 from fedloom.registry import build, get
-from fedloom.rng import Purpose, derive_seed, numpy_gen, torch_gen
-from fedloom.state import ClientStateStore
+from fedloom.rng import Purpose, derive_seed, numpy_gen, seeded_global_rng, torch_gen
+from fedloom.state import ClientStateStore, FieldSpec
+from fedloom.system import make_system
 
 __all__ = ["Experiment", "Result", "RunState", "clip_rows", "model_sha256", "run",
            "screen_updates"]
@@ -106,7 +136,8 @@ _NO_DATA = torch.empty(0)
 
 def _check_output(module: torch.nn.Module, x: torch.Tensor, num_classes: int) -> None:
     try:
-        with torch.no_grad():
+        # eval mode: no dropout draw, no BatchNorm statistic moved by the check
+        with torch.no_grad(), training_mode(module, False):
             out = module(x)
     except Exception as e:  # the user's forward failed on one sample of the data
         raise ValueError(f"model: forward on one sample of shape {tuple(x.shape[1:])} failed: "
@@ -253,6 +284,20 @@ def model_sha256(w: torch.Tensor) -> str:
     return hashlib.sha256(w.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
 
 
+def resolve_auto(cfg: Config) -> Config:
+    """``cfg`` with ``server.lr: auto`` replaced by the aggregator's public default
+    step (:func:`~fedloom.aggregate.base.default_server_lr`); other configs as given.
+    The run directory's ``config.yaml`` holds the number, so a rerun from it needs
+    no default of this version."""
+    if cfg.server.lr != "auto":
+        return cfg
+    try:
+        lr = default_server_lr(cfg.aggregator.name)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"server.lr: auto: {e.args[0] if e.args else e}") from None
+    return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, lr=lr))
+
+
 @dataclass
 class RunState:
     """Everything a round changes; a checkpoint is this plus the state store."""
@@ -268,6 +313,11 @@ class RunState:
         default_factory=lambda: {"uplink_bytes": 0, "downlink_bytes": 0, "rejected_updates": 0,
                                  "rejected_rounds": 0, "clipped_updates": 0}
     )
+    sim_time_s: float = 0.0  # the simulated clock (fedloom.system; 0 when off)
+    # fedloom.privacy: adaptive clipping's C_t, local mode's participation counts
+    privacy_state: dict[str, Any] = field(default_factory=dict)
+    # the global module buffers (BatchNorm statistics; fedloom.buffers, model.buffers)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -282,12 +332,15 @@ class RoundPlan:
     fb_rows: list[dict[str, torch.Tensor]]
     old_rows: dict[str, torch.Tensor]
     comp: Any
-    ffl: dict[str, float]
-    mismatch: list[tuple[float, float, float, int]]
+    adjust: RoundAdjust                  # the round planner's changes (compression.adaptive)
+    measured: list[list[Any]]            # per client metric hook: the clients' measurements
     dropped: list[int] = field(default_factory=list)
     # Kept cohort positions refused before or during the uplink, with the reason
     # (set by Experiment.uplink_round, after keep()).
     refused: dict[int, str] = field(default_factory=dict)
+    dp_clipped: int = 0  # privacy.mode=local: updates the clients clipped (set by uplink_round)
+    # Clients the system model kept out (mid-round dropouts, late): not failed workers.
+    withheld: set[int] = field(default_factory=set)
 
     def keep(self, kept: Sequence[int]) -> None:
         """Keep the cohort positions ``kept``; the others are dropped clients."""
@@ -330,8 +383,14 @@ class Experiment:
         data: Dataset | None = None,
         model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
     ) -> None:
+        cfg = resolve_auto(cfg)  # server.lr: auto → the aggregator's public default step
         self.cfg = cfg
         self.dtype = _DTYPES[cfg.dtype]
+        # The device first: device=cuda without CUDA fails before any data is loaded.
+        self.device = resolve(cfg.device)
+        if cfg.client.amp != "none" and self.dtype != torch.float32:
+            raise ConfigError(f"client.amp: {cfg.client.amp} needs dtype=float32 (autocast "
+                              f"leaves {cfg.dtype} as it is)")
         ds = data if data is not None else load_dataset(cfg.data, cfg.seed)
         self.fed: FederatedData = build_federated(ds, cfg.data, cfg.seed)
         if cfg.cohort.size > self.fed.num_clients:
@@ -339,26 +398,44 @@ class Experiment:
                               f"({self.fed.num_clients}), got {cfg.cohort.size}")
         ds = self.fed.dataset
         # Index inputs (characters) stay integers; features take the run's dtype.
-        self.x = ds.x.to(self.dtype) if ds.x.is_floating_point() else ds.x
-        self.y = ds.y
+        self.x = (ds.x.to(self.dtype) if ds.x.is_floating_point() else ds.x).to(self.device)
+        self.y = ds.y.to(self.device)
         try:
             if model is None:
                 self.module = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.seed,
-                                          self.dtype)
+                                          self.dtype).to(self.device)
             else:
-                user = copy.deepcopy(model) if isinstance(model, torch.nn.Module) else model()
+                if isinstance(model, torch.nn.Module):
+                    user = copy.deepcopy(model)
+                else:  # what the factory draws from global RNGs comes from (seed, "init")
+                    with seeded_global_rng(derive_seed(cfg.seed, -1, -1, Purpose.INIT)):
+                        user = model()
                 if not isinstance(user, torch.nn.Module):
                     raise ValueError("model: the factory must return a torch.nn.Module")
-                self.module = user.to(self.dtype)
+                self.module = user.to(self.dtype).to(self.device)
                 _check_output(self.module, self.x[:1], ds.num_classes)
         except ValueError as e:
             raise ConfigError(str(e).splitlines()[0]) from None
-        self.module.eval()  # no dropout / batch statistics: training is functional
+        # Eval mode for evaluation; local training runs a train-mode copy (dropout,
+        # batch statistics), its buffers under model.buffers (fedloom.buffers).
+        self.module.eval()
         self.layout = Layout.from_module(self.module)
+        self.buffer_template = module_buffers(self.module)
+        try:
+            random_forward = random_in_train(self.module, self.x[:8])
+        except Exception as e:  # the user's forward, in train mode
+            raise ConfigError(f"model: forward in train mode on {len(self.x[:8])} samples "
+                              f"failed: {_first_line(e)}") from None
+        b = cfg.backend
+        if random_forward and "vmap" in (b.name, b.inner if b.name in ("process", "ray") else ""):
+            raise ConfigError(f"backend.{'name' if b.name == 'vmap' else 'inner'}: vmap cannot "
+                              "draw each client's dropout masks from its own stream; use "
+                              "sequential (or auto)")
         c = cfg.client
         self.trainer = LocalSGD(
             self.module, self.layout, batch_size=c.batch_size, epochs=c.epochs, steps=c.steps,
-            momentum=c.momentum, weight_decay=c.weight_decay, prox_mu=c.prox_mu,
+            momentum=c.momentum, weight_decay=c.weight_decay, prox_mu=c.prox_mu, amp=c.amp,
+            random_forward=random_forward,
         )
         try:
             self.aggregator = make_aggregator(cfg.aggregator.name, **cfg.aggregator.options)
@@ -372,6 +449,10 @@ class Experiment:
                 f"cohort.size: {cfg.aggregator.name} needs every client in every round; set "
                 f"cohort.size={self.fed.num_clients}"
             )
+        # Simulated devices, deadlines and availability (system.*); None when off.
+        self.system = make_system(cfg.system, cfg.seed, self.fed.num_clients, c.batch_size,
+                                  cfg.cohort.size, full_participation=getattr(
+                                      self.aggregator, "full_participation", False))
         self.backend = get("backend", cfg.backend.name)(self.trainer, self.method, cfg.backend,
                                                         self.x, self.y)
         s = cfg.server
@@ -381,10 +462,10 @@ class Experiment:
         comp = cfg.compression
         try:
             self.uplink = make_compressor(comp.name, layout=self.layout, **comp.options)
-            self.feedback = make_feedback(comp.feedback, comp.alpha, comp.alpha_schedule,
-                                          comp.period, comp.reset_ratio, comp.beta,
-                                          self.layout, comp.tau, comp.tau_decay,
-                                          comp.penalty_steps, comp.penalty, comp.ef21_mean)
+            # Plug-ins behind protocols (fedloom.hooks): the engine calls them by role.
+            self.feedback = feedback_from_config(comp, self.layout)
+            self.planner = planner_from_config(comp)
+            self.client_metrics = metric_hooks(cfg.metrics)
             # Byzantine clients (attack.*), for robustness experiments; None when off.
             self.attack = make_attack(cfg.attack, cfg.seed, self.fed.num_clients)
         except (TypeError, ValueError) as e:
@@ -400,38 +481,79 @@ class Experiment:
             raise ConfigError("client.method and compression.feedback share a state field")
         self.method_fields = list(method_fields)
         self.fb_fields = list(fb_fields)
+        # model.buffers=local (FedBN): each client's buffers, and whether it has any yet.
+        buf_fields = ({"bn.buffers": FieldSpec(sum(v.numel() for v in
+                                                   self.buffer_template.values())),
+                       "bn.buffers_set": FieldSpec(1)}
+                      if cfg.model.buffers == "local" and self.buffer_template else {})
+        self.buf_fields = list(buf_fields)
         self.store = ClientStateStore(
-            self.fed.num_clients, {**method_fields, **fb_fields},
+            self.fed.num_clients, {**method_fields, **fb_fields, **buf_fields},
             storage=cfg.state.storage, dtype=cfg.state.dtype, directory=state_dir,
             memmap_above_mb=cfg.state.memmap_above_mb,
             compute_dtype=self.dtype,
         )
+        # Differential privacy and secure aggregation refuse, with one line, what they
+        # cannot cover (fedloom.privacy: the components' declared properties).
+        self.privacy = make_privacy(cfg, self.fed.num_clients)
+        check_privacy(self.privacy, aggregator=self.aggregator, aggregator_name=cfg.aggregator.name,
+                      feedback=self.feedback, feedback_name=comp.feedback, method=self.method,
+                      method_name=c.method, w=self.layout.flatten(self.module))
+        if cfg.server.secure_aggregation:
+            check_secure_aggregation(aggregator=self.aggregator,
+                                     aggregator_name=cfg.aggregator.name,
+                                     compressor=self.uplink, compressor_name=comp.name)
+        if (self.buffer_template and cfg.model.buffers != "keep_global"
+                and (self.privacy.enabled or cfg.server.secure_aggregation)):
+            # Averaged in the clear, a client's batch statistics would escape the noise
+            # and the masking, which cover w only.
+            raise ConfigError("model.buffers: privacy and secure aggregation cover the "
+                              "parameters only; the model's buffers (BatchNorm statistics) "
+                              "need model.buffers=keep_global (or model.norm=group)")
         self.n_train = torch.from_numpy(self.fed.num_train())
         # All clients' test samples in one tensor, with the owner of each, so the
         # per-client evaluation is one pass of the model.
         test_idx = [t for t in self.fed.test]
-        self.client_test_idx = torch.from_numpy(np.concatenate(test_idx)).long()
+        self.client_test_idx = torch.from_numpy(np.concatenate(test_idx)).long().to(self.device)
         self.client_test_owner = torch.from_numpy(
             np.concatenate([np.full(len(t), k) for k, t in enumerate(test_idx)])
-        ).long()
+        ).long().to(self.device)
         xt = self.fed.x_test
-        self.x_test = xt.to(self.dtype) if xt.is_floating_point() else xt
-        self.y_test = self.fed.y_test
+        self.x_test = (xt.to(self.dtype) if xt.is_floating_point() else xt).to(self.device)
+        self.y_test = self.fed.y_test.to(self.device)
         # per-client accuracies of the last evaluation (written to client_acc.json)
         self.last_client_acc: np.ndarray | None = None
         self.last_personal_acc: np.ndarray | None = None
+        # Process-wide settings, last (nothing above can fail after them); close()
+        # puts the previous ones back. Determinism and TF32 off on CUDA
+        # (fedloom.device.configure); backend.threads for the process that trains
+        # (process and ray workers set their own).
+        self._restore = [configure(self.device)]
+        in_process = cfg.backend.name not in ("process", "ray")
+        self.threads, undo = apply_threads(cfg.backend.threads if in_process else 0)
+        self._restore.append(undo)
+        reset_peak(self.device)
+        info = describe(self.device)
+        log.info("device %s (%s, %.1f GB), %d threads", info["device"], info["device_name"],
+                 info["device_memory_gb"], self.threads)
 
     # ------------------------------------------------------------------ rounds
     def initial_state(self) -> RunState:
         w = self.layout.flatten(self.module).to(self.dtype)
-        return RunState(0, w, self.server.init(w), self.aggregator.init(self.layout),
-                        method_state=self.method.init_server(w),
-                        feedback_state=self.feedback.init_server(w),
-                        w_avg=w.clone() if self.cfg.eval.average_iterates else None)
+        # Every server state on the run's device (an aggregator's init knows no device).
+        return to_device(RunState(0, w, self.server.init(w), self.aggregator.init(self.layout),
+                                  method_state=self.method.init_server(w),
+                                  feedback_state=self.feedback.init_server(w),
+                                  w_avg=w.clone() if self.cfg.eval.average_iterates else None,
+                                  privacy_state=self.privacy.init(),
+                                  buffers=module_buffers(self.module)),
+                         self.device)
 
     def sample_cohort(self, r: int) -> torch.Tensor:
         """``cohort.size`` distinct clients, uniformly, from the round's own generator."""
         gen = numpy_gen(self.cfg.seed, r, -1, Purpose.COHORT)
+        if self.system is not None and self.system.has_availability:  # available ones only
+            return self.system.sample(r, gen, self.cfg.cohort.size)
         ids = gen.choice(self.fed.num_clients, self.cfg.cohort.size, replace=False)
         return torch.from_numpy(np.sort(ids)).long()
 
@@ -442,10 +564,19 @@ class Experiment:
         """Run round ``st.next_round``; return the new state and its metrics."""
         t0 = time.perf_counter()
         plan = self.plan_round(st)
-        raw = self.backend.train_cohort(plan.jobs)
+        sysm = self.system
+        if sysm is None:
+            raw = self.backend.train_cohort(plan.jobs)
+        else:  # dropouts, partial work (fedloom.system)
+            sim = sysm.begin(plan, self)
+            raw = sim.train(self.backend, plan.jobs)
         t_train = time.perf_counter() - t0
         results, ups = self.uplink_round(st, plan, raw)
-        return self.finish_round(st, plan, results, ups, t0=t0, t_train=t_train)
+        if sysm is None:
+            return self.finish_round(st, plan, results, ups, t0=t0, t_train=t_train)
+        results, ups = sysm.after_uplink(sim, plan, self, results, ups)  # timing, late
+        new, metrics = self.finish_round(st, plan, results, ups, t0=t0, t_train=t_train)
+        return sysm.finish(sim, st, new, metrics)
 
     def plan_round(self, st: RunState) -> RoundPlan:
         """The round's cohort and fully specified client jobs (the client state rows
@@ -454,25 +585,36 @@ class Experiment:
         cohort = self.sample_cohort(r)
         lr = self.lr(r)
         w = st.w
-        old_rows = {f: self.store.gather(f, cohort) for f in self.store.fields}
+        # The store stays in host memory; the cohort's rows go to the device
+        # (pinned, asynchronous copies on CUDA).
+        old_rows = to_device({f: self.store.gather(f, cohort) for f in self.store.fields},
+                             self.device, pin=True)
         fb = self.feedback
         theory = fb.schedule == "theory"
-        comp, epochs, ffl = self.uplink, None, {}
-        if self.cfg.compression.adaptive == "ffl":
-            comp, epochs, ffl = self._ffl(w, st)
+        # The module holds the global buffers: an evaluation that names none
+        # (a planner's, a metric hook's) sees the current ones.
+        load_buffers(self.module, st.buffers)
+        adjust = self.planner.plan(r, w, st.feedback_state, self)
+        comp = adjust.compressor if adjust.compressor is not None else self.uplink
+        epochs = adjust.epochs
         jobs, alphas, fb_rows, steps = [], [], [], []
         ships = getattr(self.backend, "ships_indices", False)
-        mismatch: list[tuple[float, float, float, int]] = []
+        measured: list[list[Any]] = [[] for _ in self.client_metrics]
         for i, k in enumerate(cohort.tolist()):
             idx = torch.from_numpy(self.fed.train[k])
             fb_state = {f[3:]: old_rows[f][i] for f in self.fb_fields}
             steps.append(self.trainer.num_steps(len(idx), epochs))
             alpha = fb.alpha(lr, steps[-1], st.feedback_state)
-            if self.cfg.metrics.mismatch and "residual" in fb_state:
-                mismatch.append(self._mismatch(w, fb_state["residual"], k, len(idx)))
+            for hook, got in zip(self.client_metrics, measured, strict=True):
+                value = hook.measure(self, w, k, fb_state, len(idx))
+                if value is not None:
+                    got.append(value)
             # A backend that ships sample positions gathers the samples where it
             # trains: no copy of the cohort's data here.
             xk, yk = (_NO_DATA, _NO_DATA) if ships else (self.x[idx], self.y[idx])
+            bufs = st.buffers  # a client's own (model.buffers=local) once it has them
+            if self.buf_fields and bool(old_rows["bn.buffers_set"][i, 0] > 0):
+                bufs = unflatten_buffers(old_rows["bn.buffers"][i], self.buffer_template)
             job = ClientJob(k, r, w, lr, xk, yk,
                             derive_seed(self.cfg.seed, r, k, Purpose.BATCH),
                             start_loss="start_losses" in self.requires,
@@ -480,11 +622,11 @@ class Experiment:
                             start=fb.start_point(w, fb_state, alpha),
                             grad_shift=fb.grad_shift(fb_state, st.feedback_state),
                             penalty=fb.penalty(w, fb_state, r), epochs=epochs,
-                            probe_smoothness=theory, data_index=idx)
+                            probe_smoothness=theory, data_index=idx, buffers=bufs)
             jobs.append(self.method.prepare(job, st.method_state))
             alphas.append(alpha)
             fb_rows.append(fb_state)
-        return RoundPlan(r, cohort, lr, jobs, alphas, fb_rows, old_rows, comp, ffl, mismatch)
+        return RoundPlan(r, cohort, lr, jobs, alphas, fb_rows, old_rows, comp, adjust, measured)
 
     def uplink_round(self, st: RunState, plan: RoundPlan, raw: Sequence[ClientResult | None]
                      ) -> tuple[list[ClientResult], list[UplinkResult]]:
@@ -498,9 +640,11 @@ class Experiment:
         # A client whose worker died (backend.on_failure=drop) is dropped for the
         # round: nothing of it is aggregated and its state rows stay as they were.
         plan.keep([i for i, res in enumerate(raw) if res is not None])
-        if plan.dropped:
-            log.warning("round %d: dropped clients %s (their worker failed)", r + 1,
-                        plan.dropped)
+        # Results of workers elsewhere (process, ray: host tensors) onto the run's device.
+        raw = to_device(list(raw), self.device)
+        failed = [k for k in plan.dropped if k not in plan.withheld]
+        if failed:
+            log.warning("round %d: dropped clients %s (their worker failed)", r + 1, failed)
         results = [res for res in raw if res is not None]
         if self.attack is not None:  # an attacker sends its transform of the update
             for res in results:
@@ -517,9 +661,17 @@ class Experiment:
         for i in (~finite).nonzero().flatten().tolist():
             refused[i] = _non_finite_reason(results[i].update)
         s = self.cfg.server
-        if s.max_update_norm is not None or s.max_norm_ratio is not None:
+        # Under privacy the ratio rule is off: it would make one client's acceptance
+        # depend on the others' norms (the clip bounds every contribution instead).
+        ratio = None if self.privacy.enabled else s.max_norm_ratio
+        if s.max_update_norm is not None or ratio is not None:
             refused.update(screen_updates(norms, finite, max_norm=s.max_update_norm,
-                                          max_ratio=s.max_norm_ratio))
+                                          max_ratio=ratio))
+        if self.privacy.local:  # each client clips and adds its noise before compressing
+            for i, res in enumerate(results):
+                if i not in refused:
+                    res.update, was = self.privacy.privatize(res.update, r, res.client)
+                    plan.dp_clipped += int(was)
 
         # Uplink: feedback + compressor; the server sees decode(payload), as bytes.
         ups = []
@@ -556,7 +708,7 @@ class Experiment:
         ``client_state=False``), evaluate, log."""
         r, cohort, lr, w = plan.round, plan.cohort, plan.lr, st.w
         fb, alphas, fb_rows, old_rows = self.feedback, plan.alphas, plan.fb_rows, plan.old_rows
-        ffl, mismatch, dropped, refused = plan.ffl, plan.mismatch, plan.dropped, plan.refused
+        dropped, refused = plan.dropped, plan.refused
         down_bytes = self.downlink_size * len(plan.jobs)
         up_bytes = sum(len(u.payload) + sum(len(x) for x in u.extra_payloads) for u in ups)
         sent = [u for i, u in enumerate(ups) if i not in refused]
@@ -564,9 +716,10 @@ class Experiment:
                    if sent else float("nan"))
         d = self.layout.size
         row_list = [fb.server_row(u, fb_rows[i], st.feedback_state) if i not in refused
-                    else torch.zeros(d, dtype=self.dtype) for i, u in enumerate(ups)]
+                    else torch.zeros(d, dtype=self.dtype, device=self.device)
+                    for i, u in enumerate(ups)]
         rows = (torch.stack(row_list) if row_list
-                else torch.empty((0, d))).to(self.dtype)
+                else torch.empty((0, d), device=self.device)).to(self.dtype)
         del row_list
         reasons = dict(refused)
         # Server side: the same checks on the rows the aggregator would receive.
@@ -576,12 +729,15 @@ class Experiment:
                  or srv.clip_norm is not None)
         norms = _row_norms(rows) if sized else None
         finite = torch.isfinite(norms) if norms is not None else _finite_rows(rows)
+        # Masks and ids stay on the host (m entries): a host index works on a device
+        # tensor, not the other way round.
+        finite = finite.cpu()
         for i in refused:
             finite[i] = False
         for i, res in enumerate(results):  # a non-finite state row is rejected too
             if i in reasons:
                 continue
-            states = [*res.state.values(), *ups[i].state.values()]
+            states = [*res.state.values(), *ups[i].state.values(), *res.buffers.values()]
             if not bool(finite[i]):
                 reasons[i] = _non_finite_reason(rows[i])
             elif any(not bool(_finite_rows(v.reshape(1, -1))[0]) for v in states):
@@ -590,7 +746,7 @@ class Experiment:
         clipped = 0
         if norms is not None and bool(finite.any()):
             big = screen_updates(norms, finite, max_norm=srv.max_update_norm,
-                                 max_ratio=srv.max_norm_ratio)
+                                 max_ratio=None if self.privacy.enabled else srv.max_norm_ratio)
             for i, why in big.items():
                 finite[i] = False
                 reasons[i] = why
@@ -600,7 +756,8 @@ class Experiment:
         if rejected:
             log.warning("round %d: rejected updates from clients %s: %s", r + 1, rejected,
                         "; ".join(f"{int(cohort[i])}: {reasons[i]}" for i in sorted(reasons)))
-        weights = torch.tensor([res.num_samples for res in results], dtype=self.dtype).reshape(-1)
+        weights = torch.tensor([res.num_samples for res in results], dtype=self.dtype,
+                               device=self.device).reshape(-1)
         losses = torch.tensor([res.loss for res in results], dtype=torch.float64)
 
         t1 = time.perf_counter()
@@ -611,21 +768,33 @@ class Experiment:
         bad_round: str | None = None
         ok_list = finite.tolist()
         accepted = [u for u, ok in zip(ups, ok_list, strict=True) if ok]
-        if bool(finite.any()):
+        privacy_state = st.privacy_state
+        # Central DP releases its noised sum even when no update was accepted.
+        if bool(finite.any()) or self.privacy.central:
             # boolean indexing copies m × d: only when some row was rejected
             ok = finite if not bool(finite.all()) else slice(None)
             start = None
             if "start_losses" in self.requires:
                 start = torch.tensor([res.start_loss for res in results], dtype=torch.float64)[ok]
+            # Client ids on the host (they index host-side state); the per-client
+            # numbers on the device, where the rules combine them with the rows.
+            dev = self.device
             info = CohortInfo(
                 clients=cohort[ok], round=r, num_clients=self.fed.num_clients,
-                losses=losses[ok], steps=torch.tensor([res.steps for res in results])[ok], lr=lr,
-                momentum=self.cfg.client.momentum, start_losses=start,
+                losses=losses[ok].to(dev),
+                steps=torch.tensor([res.steps for res in results])[ok].to(dev), lr=lr,
+                momentum=self.cfg.client.momentum,
+                start_losses=start.to(dev) if start is not None else None,
             )
             agg: torch.Tensor | None = None
             try:
-                agg, cand_agg_state, agg_metrics = self.aggregator(rows[ok], weights[ok],
-                                                                   st.agg_state, info=info)
+                if self.privacy.central:  # DP-FedAvg: clip, sum, noise, fixed denominator
+                    agg, cand_privacy, agg_metrics = self.privacy.aggregate(
+                        rows, finite, st.privacy_state, r)
+                    cand_agg_state = st.agg_state
+                else:
+                    agg, cand_agg_state, agg_metrics = self.aggregator(rows[ok], weights[ok],
+                                                                       st.agg_state, info=info)
             except (NotImplementedError, RecursionError):
                 raise  # a missing feature or a bug, not a bad cohort
             except (RuntimeError, ValueError, ArithmeticError) as e:
@@ -655,6 +824,8 @@ class Experiment:
                     else:
                         conflicts = conflict_rate(rows[ok], agg)
                         new_w, opt_state, agg_state = cand_w, cand_opt, cand_agg_state
+                        if self.privacy.central:
+                            privacy_state = cand_privacy
                         feedback_state = end.server
                         down_bytes += end.downlink_bytes
         else:
@@ -666,8 +837,8 @@ class Experiment:
         if bad_round is not None:
             log.warning("round %d: step skipped, model and state unchanged: %s", r + 1, bad_round)
             conflicts = float("nan")
-        if "ffl_loss0" in ffl:
-            feedback_state = {**feedback_state, "ffl_loss0": ffl["ffl_loss0"]}
+        if plan.adjust.state:  # the planner's server state rides with the uplink's
+            feedback_state = {**feedback_state, **plan.adjust.state}
         method_state = st.method_state
         if (client_state and self.store.fields and bool(finite.any()) and bad_round is None):
             ok_pos = finite.nonzero().squeeze(1)
@@ -676,12 +847,25 @@ class Experiment:
                         for f in self.method_fields}
             for f in self.fb_fields:
                 new_rows[f] = torch.stack([ups[i].state[f[3:]] for i in ok_pos.tolist()])
+            if self.buf_fields and all(results[i].buffers for i in ok_pos.tolist()):
+                new_rows["bn.buffers"] = torch.stack([flatten_buffers(results[i].buffers,
+                                                                      self.dtype)
+                                                      for i in ok_pos.tolist()])
+                new_rows["bn.buffers_set"] = torch.ones((len(ok_pos), 1), dtype=self.dtype)
             for f, rows_f in new_rows.items():
                 self.store.scatter(f, ok_ids, rows_f)
             if self.method_fields:
                 method_state = self.method.server_update(
                     st.method_state, {f: old_rows[f][ok_pos] for f in self.method_fields},
                     {f: new_rows[f] for f in self.method_fields}, self.fed.num_clients)
+        # Buffers (fedloom.buffers): the data-weighted mean of the accepted clients'
+        # (average, local), after a step that is applied; never under keep_global.
+        new_buffers = st.buffers
+        if st.buffers and bad_round is None and self.cfg.model.buffers != "keep_global":
+            kept = [i for i, ok_k in enumerate(finite.tolist()) if ok_k and results[i].buffers]
+            if kept:
+                new_buffers = average_buffers([results[i].buffers for i in kept],
+                                              [results[i].num_samples for i in kept])
         t_agg = time.perf_counter() - t1
         w_avg = st.w_avg
         if w_avg is not None:  # mean of w_0 … w_{r+1}
@@ -715,7 +899,7 @@ class Experiment:
             "dropped_clients": len(dropped),
             "conflict_rate": conflicts,
             "density": density,
-            **{k: v for k, v in ffl.items() if k != "ffl_loss0"},
+            **plan.adjust.metrics,
             **{k: float(v) for k, v in agg_metrics.items()},
         }
         if self.fb_fields:
@@ -725,10 +909,9 @@ class Experiment:
             metrics["alpha"] = float(np.mean(alphas))
             if "lipschitz" in feedback_state:
                 metrics["lipschitz_estimate"] = feedback_state["lipschitz"]
-        if mismatch:
-            nk = np.array([m[3] for m in mismatch], dtype=float)
-            for j, key in enumerate(("grad_mismatch", "residual_sq", "grad_sq")):
-                metrics[key] = float(np.average([m[j] for m in mismatch], weights=nk))
+        for hook, got in zip(self.client_metrics, plan.measured, strict=True):
+            if got:
+                metrics.update(hook.summarize(got))
         if rejected:
             metrics["rejected_clients"] = rejected
             metrics["rejected_reasons"] = [reasons[i] for i in sorted(reasons)]
@@ -739,6 +922,7 @@ class Experiment:
         extras = [res.extra for res, ok in zip(results, finite.tolist(), strict=True) if ok]
         for key in sorted({k for e in extras for k in e}):
             metrics[key] = float(np.mean([e[key] for e in extras if key in e]))
+        load_buffers(self.module, new_buffers)  # evaluations see the new global buffers
         if (r + 1) % self.cfg.eval.every == 0 or r + 1 == self.cfg.rounds:
             metrics.update(self.evaluate(w_avg if w_avg is not None else new_w))
             if self.method.personal:
@@ -746,32 +930,31 @@ class Experiment:
         metrics["train_s"] = t_train
         metrics["agg_s"] = t_agg
         metrics["wall_s"] = time.perf_counter() - t0
+        if self.privacy.local:  # who sent a message (a rejected round's were sent too)
+            privacy_state = self.privacy.participated(
+                privacy_state, cohort[[i for i in range(len(results)) if i not in refused]])
+            metrics["dp_clipped"] = plan.dp_clipped
+        if self.privacy.enabled:
+            metrics["dp_epsilon"] = self.privacy.epsilon(privacy_state, r + 1)
         return RunState(r + 1, new_w, opt_state, agg_state, method_state, feedback_state, w_avg,
-                        totals), metrics
+                        totals, privacy_state=privacy_state, buffers=new_buffers), metrics
 
-    def _ffl(self, w: torch.Tensor, st: RunState) -> tuple[Any, int, dict[str, float]]:
-        """FFL's schedule from the global test loss: ``R_t = R (L_0/L_t)^(1/3)``,
-        ``E_t = max(1, round(E (L_t/L_0)^(1/3)))`` (Nori et al. 2021, as in FLARE)."""
-        _, loss = evaluate(self.module, self.layout, w, self.x_test, self.y_test,
-                           self.cfg.eval.batch_size)
-        loss0 = float(st.feedback_state.get("ffl_loss0", loss))
-        ratio0 = float(self.cfg.compression.options.get("ratio", 0.01))
-        ratio = min(1.0, ratio0 * (loss0 / loss) ** (1 / 3))
-        epochs = max(1, round(self.cfg.client.epochs * (loss / loss0) ** (1 / 3)))
-        opts = {**self.cfg.compression.options, "ratio": ratio}
-        comp = make_compressor(self.cfg.compression.name, layout=self.layout, **opts)
-        return comp, epochs, {"ffl_loss0": loss0, "ffl_ratio": ratio, "ffl_epochs": epochs}
+    def global_eval(self, w: torch.Tensor) -> tuple[float, float]:
+        """``(accuracy, loss)`` of ``w`` on the global test set only (for hooks)."""
+        return evaluate(self.module, self.layout, w, self.x_test, self.y_test,
+                        self.cfg.eval.batch_size)
 
-    def _mismatch(self, w: torch.Tensor, e: torch.Tensor, k: int,
-                  n: int) -> tuple[float, float, float, int]:
-        """SA-PEF's diagnostic on the first batch of client k's validation split:
-        ``‖∇f(w) − ∇f(w − α_p e_k)‖²``, ``‖e_k‖²``, ``‖∇f(w)‖²``."""
-        val = self.fed.test[k] if len(self.fed.test[k]) else self.fed.train[k]
-        idx = torch.from_numpy(val[: self.cfg.client.batch_size])
-        xb, yb = self.x[idx], self.y[idx]
-        g0 = self.trainer.grad(w, xb, yb)
-        g1 = self.trainer.grad(w - self.cfg.metrics.mismatch_alpha * e, xb, yb)
-        return (float(((g0 - g1) ** 2).sum()), float((e * e).sum()), float((g0 * g0).sum()), n)
+    def make_uplink(self, **options: Any) -> Any:
+        """The configured compressor with ``options`` replacing the section's (for hooks)."""
+        opts = {**self.cfg.compression.options, **options}
+        return make_compressor(self.cfg.compression.name, layout=self.layout, **opts)
+
+    def _ffl(self, w: torch.Tensor, st: RunState) -> tuple[Any, int | None, dict[str, Any]]:
+        """The round planner's answer as ``(compressor, epochs, state and metrics)``:
+        the form the adaptive schedule had when the engine computed it (kept for
+        callers of that private entry point)."""
+        adj = self.planner.plan(st.next_round, w, st.feedback_state, self)
+        return adj.compressor, adj.epochs, {**adj.state, **adj.metrics}
 
     def evaluate(self, w: torch.Tensor) -> dict[str, float]:
         """Global test accuracy/loss and per-client accuracy statistics of ``w``."""
@@ -783,8 +966,30 @@ class Experiment:
                 self.module, self.layout, w, self.x[self.client_test_idx],
                 self.y[self.client_test_idx], self.client_test_owner, self.fed.num_clients, bs,
             )
+            if self.buf_fields:  # FedBN: a client's own split with its own statistics
+                for k, bufs in self._local_buffers(range(self.fed.num_clients)):
+                    idx = torch.from_numpy(self.fed.test[k])
+                    if len(idx):
+                        per_client[k], _ = evaluate(self.module, self.layout, w, self.x[idx],
+                                                    self.y[idx], bs, buffers=bufs)
             out.update(accuracy_stats(per_client))
             self.last_client_acc = per_client
+        return out
+
+    def _local_buffers(self, ids: Sequence[int], chunk: int = 256
+                       ) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """``(client, its own buffers)`` for the clients of ``ids`` that have any
+        (``model.buffers=local``)."""
+        out = []
+        ids = list(ids)
+        for s in range(0, len(ids), chunk):
+            part = ids[s : s + chunk]
+            have = self.store.gather("bn.buffers_set", part)[:, 0] > 0
+            if not bool(have.any()):
+                continue
+            rows = self.store.gather("bn.buffers", part)
+            out += [(k, unflatten_buffers(rows[j], self.buffer_template))
+                    for j, k in enumerate(part) if bool(have[j])]
         return out
 
     def evaluate_personal(self, w: torch.Tensor, chunk: int = 64) -> dict[str, float]:
@@ -793,7 +998,7 @@ class Experiment:
         bs = self.cfg.eval.batch_size
         for s in range(0, self.fed.num_clients, chunk):
             ids = list(range(s, min(s + chunk, self.fed.num_clients)))
-            models = self.store.gather("personal", ids)
+            models = to_device(self.store.gather("personal", ids), self.device)
             have = self.store.gather("personal_set", ids)[:, 0] > 0
             for j, k in enumerate(ids):
                 te = self.fed.test[k]
@@ -801,40 +1006,61 @@ class Experiment:
                     continue
                 v = models[j] if bool(have[j]) else w
                 idx = torch.from_numpy(te)
-                acc[k], _ = evaluate(self.module, self.layout, v, self.x[idx], self.y[idx], bs)
+                own = dict(self._local_buffers([k])) if self.buf_fields else {}
+                acc[k], _ = evaluate(self.module, self.layout, v, self.x[idx], self.y[idx], bs,
+                                     buffers=own.get(k))
         self.last_personal_acc = acc
         return accuracy_stats(acc, prefix="personal_acc")
 
     def close(self) -> None:
-        """Stop the backend's workers, if it has any."""
+        """Stop the backend's workers, if it has any; put back the process-wide
+        settings the run changed (threads, CUDA determinism flags)."""
         close = getattr(self.backend, "close", None)
         if close is not None:
             close()
+        while getattr(self, "_restore", None):
+            self._restore.pop()()
 
     # ------------------------------------------------------------- checkpoints
     def checkpoint_state(self, st: RunState, snapshot_dir: Path | None = None
                          ) -> dict[str, Any]:
         """The checkpoint of ``st``; memmap state fields are copied to files in
-        ``snapshot_dir`` (tagged with the round) instead of into the dict."""
+        ``snapshot_dir`` (tagged with the round) instead of into the dict. Tensors
+        are saved as CPU tensors, whatever the run's device."""
         return {
             "format": 1,
             "next_round": st.next_round,
-            "w": st.w,
-            "opt_state": st.opt_state,
-            "agg_state": st.agg_state,
-            "method_state": st.method_state,
-            "feedback_state": st.feedback_state,
-            "w_avg": st.w_avg,
+            "w": to_host(st.w),
+            "opt_state": to_host(st.opt_state),
+            "agg_state": to_host(st.agg_state),
+            "method_state": to_host(st.method_state),
+            "feedback_state": to_host(st.feedback_state),
+            "w_avg": to_host(st.w_avg),
             "totals": st.totals,
+            "sim_time_s": st.sim_time_s,
+            "privacy_state": to_host(st.privacy_state),
+            "buffers": to_host(st.buffers),  # the global module buffers (fedloom.buffers)
             "store": self.store.state_dict(snapshot_dir, tag=f"r{st.next_round}"),
             "config": config_to_dict(self.cfg),
         }
 
     def restore(self, ckpt: dict[str, Any], snapshot_dir: Path | None = None) -> RunState:
+        # A model with buffers needs them (a checkpoint from before they were kept has none).
+        bufs = ckpt.get("buffers", None if self.buffer_template else {})
+        why = check_buffers(bufs, self.buffer_template)
+        if why is not None:
+            raise ValueError(f"'buffers' is {why}")
         self.store.load_state_dict(ckpt["store"], snapshot_dir)
-        return RunState(ckpt["next_round"], ckpt["w"], ckpt["opt_state"], ckpt["agg_state"],
-                        ckpt["method_state"], ckpt["feedback_state"], ckpt["w_avg"],
-                        dict(ckpt["totals"]))
+        # Loaded on the CPU (map_location), continued on the run's device.
+        return to_device(RunState(ckpt["next_round"], ckpt["w"], ckpt["opt_state"],
+                                  ckpt["agg_state"], ckpt["method_state"],
+                                  ckpt["feedback_state"], ckpt["w_avg"], dict(ckpt["totals"]),
+                                  # .get: checkpoints from before the simulated clock
+                                  float(ckpt.get("sim_time_s", 0.0)),
+                                  # .get: checkpoints from before fedloom.privacy
+                                  privacy_state=ckpt.get("privacy_state") or {},
+                                  buffers=bufs),
+                         self.device)
 
 
 # ---------------------------------------------------------------------- run dir
@@ -845,6 +1071,7 @@ CHECKPOINT_FILE = "checkpoints/last.pt"
 PREVIOUS_CHECKPOINT_FILE = "checkpoints/prev.pt"
 MODEL_FILE = "model.pt"
 CLIENT_ACC_FILE = "client_acc.json"
+LABELS_FILE = "labels.json"
 
 Callback = Callable[[RunState, dict[str, Any]], None]
 
@@ -931,17 +1158,123 @@ _PER_ROUND_ONLY = ("rejected_clients", "rejected_reasons", "rejected_round_reaso
                    "dropped_client_ids")
 
 
-def _summary(exp: Experiment, st: RunState, history: list[dict[str, Any]]) -> dict[str, Any]:
+class DivergenceWatch:
+    """Says, once, that a run's training loss went non-finite or rose 10× over its
+    first value, and names the setting most likely at fault.
+
+    Rule: round ``r``'s ``train_loss`` is not finite, or exceeds ``10·L_1`` with
+    ``L_1 > 0`` the first finite one, or ``10·ln C`` (``C`` classes: ``ln C`` is
+    the cross-entropy of a uniform guess, about where training starts, so a first
+    round that already blew up is caught too). The likely setting: ``server.lr`` when it is
+    above the aggregator's public default (:func:`resolve_auto`) or the server
+    optimizer is adaptive and ``server.lr >= 0.1`` (such optimizers move every
+    coordinate by about ``server.lr`` a round); ``client.lr`` otherwise.
+    """
+
+    FACTOR = 10.0
+
+    def __init__(self, cfg: Config, num_classes: int = 0) -> None:
+        self.cfg = cfg
+        self.first: float | None = None
+        self.uniform = float(np.log(num_classes)) if num_classes >= 2 else 0.0
+        self.message: str | None = None
+
+    def see(self, m: dict[str, Any]) -> str | None:
+        """The warning, the first time round metrics ``m`` trip the rule; else None."""
+        loss = m.get("train_loss")
+        if self.message is not None or not isinstance(loss, int | float):
+            return None
+        if not np.isfinite(loss):
+            what = "is not finite"
+        elif self.first is not None and self.first > 0 and loss > self.FACTOR * self.first:
+            what = f"is {loss:.3g}, {loss / self.first:.0f}× its first value {self.first:.3g}"
+        elif self.uniform and loss > self.FACTOR * self.uniform:
+            what = (f"is {loss:.3g}, {loss / self.uniform:.0f}× a uniform guess's "
+                    f"ln C = {self.uniform:.3g}")
+        else:
+            if self.first is None:
+                self.first = float(loss)
+            return None
+        self.message = f"round {m.get('round')}: the training loss {what}; {self._culprit()}"
+        return self.message
+
+    def _culprit(self) -> str:
+        s, c, name = self.cfg.server, self.cfg.client, self.cfg.aggregator.name
+        try:
+            default = default_server_lr(name)
+        except (KeyError, ValueError):
+            default = s.lr
+        if s.lr > default:
+            return (f"likely server.lr={s.lr:g}, above {name}'s public default {default:g} "
+                    "(server.lr=auto uses it)")
+        if s.optimizer in ("adam", "yogi", "adagrad") and s.lr >= 0.1:
+            return (f"likely server.lr={s.lr:g}: server.optimizer={s.optimizer} moves every "
+                    "coordinate by about server.lr a round")
+        return f"likely client.lr={c.lr:g} (or server.lr={s.lr:g}) is too large"
+
+
+def _versions() -> dict[str, str]:
+    """What produced the run: fedloom, torch, numpy and Python versions."""
+    import platform
+
+    from fedloom import __version__
+
+    return {"fedloom": __version__, "torch": torch.__version__, "numpy": np.__version__,
+            "python": platform.python_version()}
+
+
+def _summary(exp: Experiment, st: RunState, history: list[dict[str, Any]],
+             warnings: Sequence[str] = ()) -> dict[str, Any]:
     summary: dict[str, Any] = {"rounds": st.next_round, "model_sha256": model_sha256(st.w),
                                "num_parameters": exp.layout.size,
-                               "backend": getattr(exp.backend, "name", exp.cfg.backend.name)}
+                               "backend": getattr(exp.backend, "name", exp.cfg.backend.name),
+                               # the step used (server.lr: auto resolved to the rule's default)
+                               "server_lr": exp.cfg.server.lr,
+                               "versions": _versions()}
+    if st.buffers:  # module buffers (BatchNorm statistics) are not in w
+        summary["buffers_sha256"] = buffers_sha256(st.buffers)
+        summary["buffers"] = exp.cfg.model.buffers
+    if warnings:
+        summary["warnings"] = list(warnings)
     for m in history:  # final value of each metric (eval metrics from the last eval round)
         summary.update({k: v for k, v in m.items() if k not in _PER_ROUND_ONLY})
     summary["rejected_updates_total"] = st.totals["rejected_updates"]
     summary["rejected_rounds_total"] = st.totals.get("rejected_rounds", 0)
     summary["clipped_updates_total"] = st.totals.get("clipped_updates", 0)
     summary["wall_s_total"] = float(sum(m.get("wall_s", 0.0) for m in history))
+    # Where it ran (fedloom.device): the device, its name and total memory, the
+    # run's peak memory on it (CUDA: allocated tensors; CPU: the process's peak RSS,
+    # named in peak_device_memory_kind), and the torch threads used.
+    summary.update(describe(exp.device))
+    peak, kind = peak_memory_mb(exp.device)
+    summary["peak_device_memory_mb"] = round(peak, 1)
+    summary["peak_device_memory_kind"] = kind
+    summary["threads"] = exp.threads
+    worker = getattr(getattr(exp.backend, "chosen", None) or exp.backend, "worker_threads", None)
+    if worker is not None:
+        summary["worker_threads"] = worker
     return summary
+
+
+def _check_extension(old_rounds: Any, resolved: dict[str, Any]) -> None:
+    """Resuming with another ``rounds`` extends a run: allowed when nothing before the
+    run's end depends on the total, so the result is that of a run of the new total
+    from the start (bit for bit). The cosine schedule does (its rate at round ``t``
+    uses the last round), so it is refused, as is a smaller total."""
+    new = resolved["rounds"]
+    if not isinstance(old_rounds, int) or new < old_rounds:
+        raise ConfigError(f"rounds: {new} is below the run's {old_rounds}: a run can be "
+                          "extended, not shortened (use another --out)")
+    sched = resolved["client"]["schedule"]["name"]
+    if sched == "cosine":
+        raise ConfigError(f"rounds: cannot extend the run from {old_rounds} to {new} rounds: "
+                          "client.schedule.name=cosine depends on the total number of rounds "
+                          f"(start a new run with rounds={new})")
+
+
+def _same_but_rounds(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    # `logging` (where metrics are copied to) is not part of the experiment either.
+    return {**a, "rounds": None, "logging": None} == {**b, "rounds": None, "logging": None}
 
 
 def _check_run_dir(run_dir: Path, resolved: dict[str, Any], resume: bool) -> None:
@@ -966,11 +1299,13 @@ def _check_run_dir(run_dir: Path, resolved: dict[str, Any], resume: bool) -> Non
             raise RunDirError(f"{saved}: cannot be read ({e.strerror or e})") from None
         if not isinstance(old, dict):
             raise RunDirError(f"{saved}: holds no config mapping: the run's config is damaged")
-        if old != resolved:
-            raise ConfigError(
-                f"{saved}: the config differs from the one given; resume needs the same "
-                "config and overrides"
-            )
+        if {**old, "logging": None} != {**resolved, "logging": None}:
+            if not _same_but_rounds(old, resolved):
+                raise ConfigError(
+                    f"{saved}: the config differs from the one given; resume needs the same "
+                    "config and overrides (only rounds may change, to extend the run)"
+                )
+            _check_extension(old.get("rounds"), resolved)
     elif any(p.name != LOCK_FILE for p in run_dir.iterdir()):
         raise ConfigError(f"{run_dir}: run directory exists and is not empty "
                           "(use --resume to continue it, or another --out)")
@@ -1008,10 +1343,12 @@ def run(
             factory returning one, instead of ``model.name``. Layer groups are
             derived from it, so CRAFT's per-layer mode works on it.
     """
-    cfg = load_config(config, overrides)
+    cfg = resolve_auto(load_config(config, overrides))
     run_dir = Path(out) if out is not None else None
     resolved = config_to_dict(cfg)
     if run_dir is None:
+        if cfg.logging.tensorboard:
+            raise ConfigError("logging.tensorboard: writes into the run directory; give out=DIR")
         exp = Experiment(cfg, data=data, model=model)
         try:
             return _loop(exp, cfg, resolved, None, resume, callbacks)
@@ -1054,8 +1391,11 @@ def _restore_checked(exp: Experiment, cfg: Config, resolved: dict[str, Any],
 
     if ck["format"] != 1:
         raise bad(f"checkpoint dict format {ck['format']!r}, expected 1")
-    if ck["config"] != resolved:
+    # Another `rounds` is an extension, checked against config.yaml (_check_extension).
+    if not (isinstance(ck["config"], dict) and _same_but_rounds(ck["config"], resolved)):
         raise bad("written by a run with another config")
+    if ck["config"].get("rounds") != cfg.rounds:
+        _check_extension(ck["config"].get("rounds"), resolved)
     nr = ck["next_round"]
     if not isinstance(nr, int) or isinstance(nr, bool) or not 0 <= nr <= cfg.rounds:
         raise bad(f"next_round={nr!r} is not a round of this run (0 … {cfg.rounds})")
@@ -1180,18 +1520,47 @@ def _loop(
             log.warning("%s", msg)
         atomic_write_bytes(run_dir / CONFIG_FILE,
                            yaml.safe_dump(resolved, sort_keys=False).encode())
+        classes = getattr(exp.fed.dataset, "classes", None)
+        if classes:  # the user's class names (CSV text labels): class k is classes[k]
+            atomic_write_json(run_dir / LABELS_FILE, {name: k for k, name in enumerate(classes)})
         # Rewrite the metrics file to the rounds the state reflects (drops rounds
         # run after the last checkpoint by a killed run; they are run again).
         atomic_write_bytes(run_dir / METRICS_FILE,
                            "".join(json.dumps(m) + "\n" for m in history).encode())
+    # Rounds restored from the run directory are checked silently (the summary
+    # still carries the warning); a new round that trips the rule is logged once.
+    watch = DivergenceWatch(exp.cfg, exp.fed.num_classes)
+    for m in history:
+        watch.see(m)
+    # Views of metrics.jsonl (fedloom.engine.runlog), rebuilt from the history above.
+    csv_log = (MetricsCSV(run_dir / METRICS_CSV_FILE, history)
+               if run_dir is not None and cfg.logging.csv else None)
+    tb = (TensorBoardSink(run_dir / TENSORBOARD_DIR, st.next_round + 1 if resume else None)
+          if run_dir is not None and cfg.logging.tensorboard else None)
     metrics_f = open(run_dir / METRICS_FILE, "a") if run_dir is not None else None
+    stop_reason = None
     try:
         while st.next_round < cfg.rounds:
+            # privacy.target_epsilon: no round that would spend more than the budget.
+            stop_reason = exp.privacy.stop_reason(st.privacy_state, st.next_round)
+            if stop_reason is not None:
+                log.warning("stopped before round %d: %s", st.next_round + 1, stop_reason)
+                if (ckpt_dir is not None and metrics_f is not None and cfg.checkpoint.every
+                        and st.next_round % cfg.checkpoint.every):
+                    os.fsync(metrics_f.fileno())
+                    snap_files = _save(ckpt_dir, exp.checkpoint_state(st, ckpt_dir), snap_files)
+                break
             st, m = exp.round(st)
             history.append(m)
+            if watch.see(m) is not None:
+                log.warning("%s", watch.message)
             if metrics_f is not None:
                 metrics_f.write(json.dumps(m) + "\n")
                 metrics_f.flush()
+            if csv_log is not None:
+                csv_log.write_last()
+            if tb is not None:
+                tb.write(m)
             if (ckpt_dir is not None and metrics_f is not None and cfg.checkpoint.every
                     and (st.next_round % cfg.checkpoint.every == 0 or st.next_round == cfg.rounds)):
                 # The metrics of the rounds a checkpoint covers are on disk before it.
@@ -1202,13 +1571,21 @@ def _loop(
     finally:
         if metrics_f is not None:
             metrics_f.close()
+        if tb is not None:
+            tb.close()
     exp.layout.load_into(exp.module, st.w)
-    summary = _summary(exp, st, history)
+    load_buffers(exp.module, st.buffers)  # model.pt's state_dict and Result.model hold them
+    summary = _summary(exp, st, history, [watch.message] if watch.message else [])
+    if exp.privacy.enabled:  # ε spent (also when no round ran) and why the run stopped
+        summary["dp_epsilon"] = exp.privacy.epsilon(st.privacy_state, st.next_round)
+        summary["dp_delta"] = exp.privacy.delta
+    if stop_reason is not None:
+        summary["stop_reason"] = stop_reason
     if run_dir is not None:
         import io
 
         buf = io.BytesIO()
-        torch.save({"state_dict": exp.module.state_dict(), "w": st.w,
+        torch.save({"state_dict": to_host(dict(exp.module.state_dict())), "w": to_host(st.w),
                     "names": exp.layout.names}, buf)
         atomic_write_bytes(run_dir / MODEL_FILE, buf.getvalue())
         atomic_write_json(run_dir / SUMMARY_FILE, summary)

@@ -56,7 +56,7 @@ import torch
 from fedloom.client.sgd import ClientResult
 from fedloom.compress import make_compressor
 from fedloom.compress.base import PayloadError
-from fedloom.compress.feedback import UplinkContext, UplinkResult, make_feedback
+from fedloom.compress.feedback import UplinkContext, UplinkResult, feedback_from_config
 from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.engine.loop import Experiment, RunState, model_sha256
 from fedloom.params import Layout
@@ -193,8 +193,7 @@ class FedloomMod:
             layout = self._layout or _experiment(self.cfg).layout
             c = self.cfg.compression
             comp = make_compressor(c.name, layout=layout, **c.options)
-            fb = make_feedback(c.feedback, c.alpha, c.alpha_schedule, c.period, c.reset_ratio,
-                               c.beta, layout, c.tau, c.tau_decay, c.penalty_steps, c.penalty)
+            fb = feedback_from_config(c, layout)
             self._parts = (layout, comp, fb)
         return self._parts
 

@@ -1,0 +1,1 @@
+"""An example fedloom plug-in (see examples/plugin/pyproject.toml)."""

@@ -1,0 +1,142 @@
+"""Out-of-tree plug-ins: entry points and ``module:attr`` names work in the config
+schema, the CLI and sweeps exactly like built-ins.
+
+The example package ``examples/plugin`` (``fedloom-example-plugin``) must be
+installed in the test environment: ``make test`` does it (``pip install -e
+examples/plugin --no-deps``). It provides the aggregator ``geomed`` through the
+``fedloom.aggregators`` entry point and the partitioner
+``fedloom_example_plugin.partition:round_robin``, named by ``module:attr``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+
+import pytest
+import torch
+import yaml
+
+import fedloom
+from conftest import TINY
+from fedloom.cli import main
+from fedloom.config import ConfigError, load_config
+from fedloom.engine.loop import Experiment
+from fedloom.registry import available, get, origin
+
+ROUND_ROBIN = "fedloom_example_plugin.partition:round_robin"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _installed() -> None:
+    try:
+        importlib.metadata.distribution("fedloom-example-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.fail("fedloom-example-plugin is not installed: run `make test`, or "
+                    "`pip install -e examples/plugin --no-deps`")
+
+
+def _config(tmp_path, **extra) -> str:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "rounds": 2, "checkpoint": {"every": 0}, **extra}))
+    return str(path)
+
+
+def test_entry_point_is_listed_and_built_like_a_builtin():
+    assert "geomed" in available("aggregator")
+    assert origin("aggregator", "geomed").startswith("entry point of fedloom-example-plugin")
+    assert origin("aggregator", "fedavg") == "fedloom"
+    agg = fedloom.make_aggregator("geomed", iters=50)
+    # Property: four rows around 0 and one at 1e3: the geometric median stays with
+    # the four (the mean moves by 200); identical rows give that row.
+    rows = torch.zeros(5, 3, dtype=torch.float64)
+    rows[:4] = torch.tensor([[1.0, 0, 0], [-1, 0, 0], [0, 1, 0], [0, -1, 0]])
+    rows[4] = 1e3
+    z, _, metrics = agg(rows, torch.ones(5), None)
+    assert float(torch.linalg.vector_norm(z)) < 1.0 and metrics["geomed_iters"] >= 1
+    same, _, _ = agg(rows[:1].repeat(3, 1), torch.ones(3), None)
+    assert torch.allclose(same, rows[0])
+    with pytest.raises(ValueError, match=r"aggregator\.options\.bogus"):
+        fedloom.make_aggregator("geomed", bogus=1)
+
+
+def test_config_schema_checks_plugin_names_and_references():
+    cfg = load_config(TINY, ["aggregator.name=geomed", f"data.partition.name={ROUND_ROBIN}"])
+    assert cfg.aggregator.name == "geomed"
+    # an unknown name still lists the known ones, plug-ins included
+    with pytest.raises(ConfigError, match=r"^aggregator\.name: unknown aggregator 'geomd' "
+                                          r"\(available: .*geomed"):
+        load_config(TINY, ["aggregator.name=geomd"])
+    # a reference that cannot be imported, or is not a factory: one line naming the field
+    with pytest.raises(ConfigError, match=r"^compression\.feedback: feedback 'no_such_mod:f': "
+                                          r"cannot import it \(ModuleNotFoundError"):
+        load_config(TINY, ["compression.feedback=no_such_mod:f"])
+    with pytest.raises(ConfigError, match=r"^data\.partition\.name: .*not a factory"):
+        load_config(TINY, ["data.partition.name=fedloom_example_plugin:__doc__"])
+
+
+def test_cli_runs_the_plugins(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main(["run", _config(tmp_path), "aggregator.name=geomed", "aggregator.options.iters=2",
+               f"data.partition.name={ROUND_ROBIN}", "--out", str(out), "--quiet"])
+    assert rc == 0
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["aggregator"]["name"] == "geomed"
+    assert saved["data"]["partition"]["name"] == ROUND_ROBIN
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["geomed_iters"] for m in rows] == [2.0, 2.0]
+    # the round-robin split: client k holds samples k, k + 10, … of the 1797 digits
+    # (before its own train/test split), so sizes are 180 (k < 7) and 179
+    exp = Experiment(load_config(TINY, [f"data.partition.name={ROUND_ROBIN}"]))
+    sizes = [len(a) + len(b) for a, b in zip(exp.fed.train, exp.fed.test, strict=True)]
+    assert sizes == [180] * 7 + [179] * 3
+    rc = main(["run", _config(tmp_path), "aggregator.name=geomd", "--out", str(tmp_path / "x")])
+    assert rc == 2
+    assert "aggregator.name: unknown aggregator 'geomd'" in capsys.readouterr().err
+
+
+def test_sweep_runs_the_plugins(tmp_path):
+    from fedloom.sweep import run_suite
+
+    suite = {
+        "name": "p", "out": str(tmp_path / "runs"), "seeds": [1],
+        "settings": {"digits": {"config": _config(tmp_path)}},
+        "methods": {"GeoMed": ["aggregator.name=geomed", f"data.partition.name={ROUND_ROBIN}"]},
+    }
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump(suite, sort_keys=False))
+    run_suite(path, workers=1, log=lambda s: None)  # each run is a `python -m fedloom.cli`
+    summary = json.loads((tmp_path / "runs" / "digits" / "GeoMed" / "seed1" / "summary.json"
+                          ).read_text())
+    assert summary["rounds"] == 2 and 0 <= summary["test_acc"] <= 1
+
+
+def test_feedback_options_by_name():
+    """``compression.feedback_options`` reaches the factory like the section keys:
+    SA-PEF with ``feedback_options.alpha=0.5`` is the run with ``alpha=0.5``."""
+    from fedloom.compress.feedback import feedback_from_config, make_feedback
+
+    base = ["compression.name=topk", "compression.options.ratio=0.1",
+            "compression.feedback=sapef", "rounds=2"]
+    a = fedloom.run(TINY, [*base, "compression.alpha=0.5"])
+    b = fedloom.run(TINY, [*base, "compression.feedback_options.alpha=0.5"])
+    c = fedloom.run(TINY, base)  # the default 0.85
+    assert a.summary["model_sha256"] == b.summary["model_sha256"] != c.summary["model_sha256"]
+    bad = load_config(TINY, [*base, "compression.feedback_options.gamma=1"]).compression
+    with pytest.raises(ValueError, match=r"^compression\.feedback_options\.gamma: unknown "
+                                         r"option for feedback 'sapef'"):
+        feedback_from_config(bad)
+    # the keyword API: a factory's own names; `schedule` is the former alpha_schedule
+    assert make_feedback("sapef", alpha=0.3, schedule="theory").schedule == "theory"
+    assert get("feedback", "cser")(period=3).period == 3
+
+
+def test_reference_names_a_plugin_in_any_field(tmp_path):
+    """``module:attr`` for a feedback policy and a planner: the factory is imported by
+    name, in the run, exactly as a registered one."""
+    a = fedloom.run(TINY, ["compression.name=topk", "compression.options.ratio=0.1",
+                           "compression.feedback=ef", "rounds=1"])
+    b = fedloom.run(TINY, ["compression.name=topk", "compression.options.ratio=0.1",
+                           "compression.feedback=fedloom.compress.feedback:error_feedback",
+                           "compression.adaptive=fedloom.hooks:no_planner", "rounds=1"])
+    assert a.summary["model_sha256"] == b.summary["model_sha256"]
