@@ -45,6 +45,12 @@ def test_parameter_counts_derived_by_hand() -> None:
         cin = cout
     want = _conv(3, 64, 3, False) + bn(64) + blocks + _dense(512, 10)
     assert want == 11_173_962 == _count("resnet18", (3, 32, 32), 10, norm="batch")
+    # ResNet-9 (SA-PEF): conv+BN blocks 3-64, 64-128, 128-128 x 2, 128-256, 256-512,
+    # 512-512 x 2 (convs with bias), then linear 512 → 10.
+    r9 = [(3, 64), (64, 128), (128, 128), (128, 128), (128, 256), (256, 512), (512, 512),
+          (512, 512)]
+    assert (sum(_conv(a, b, 3) + bn(b) for a, b in r9) + _dense(512, 10) == 6_575_370
+            == _count("resnet9", (3, 32, 32), 10, norm="batch"))
     # VGG-11 (FLARE): convs 3-64, 64-128, 128-256, 256-256, 256-512, 512-512 x 3; five
     # pools leave 1x1x512; Dense 512-4096-4096-10.
     convs = [(3, 64), (64, 128), (128, 256), (256, 256), (256, 512), (512, 512), (512, 512),

@@ -8,6 +8,7 @@
   11,173,962 parameters for 10 classes. ``model.norm`` chooses BatchNorm (the
   SA-PEF code's), GroupNorm(1, C) or none; the layers keep one name whatever
   the kind.
+- ``resnet9``: the SA-PEF code's CIFAR-10 model (see :class:`ResNet9`).
 - ``vgg11`` / ``vgg16`` / ``vgg19``: the FLARE code's Keras VGGs for 32×32
   CIFAR images: 3×3 "same" convolutions, 2×2 max-pools after each stage, then
   Dense(4096) → ReLU → Dropout(0.5) → Dense(4096) → ReLU → Dropout(0.5) →
@@ -50,7 +51,8 @@ from fedloom.config import ModelConfig
 from fedloom.models.resnet import _norm
 from fedloom.registry import register
 
-__all__ = ["VGG", "CraftCNN", "FlareCNN", "FlareFC", "LeafCNN", "ResNet18", "describe_models"]
+__all__ = ["VGG", "CraftCNN", "FlareCNN", "FlareFC", "LeafCNN", "ResNet9", "ResNet18",
+           "describe_models"]
 
 
 class _Block(nn.Module):
@@ -95,6 +97,46 @@ class ResNet18(nn.Module):
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.layer4(self.layer3(self.layer2(self.layer1(out))))
         return self.linear(F.adaptive_avg_pool2d(out, 1).flatten(1))
+
+
+def _conv_bn(cin: int, cout: int, norm: str, pool: bool = False) -> nn.Sequential:
+    layers: list[nn.Module] = [nn.Conv2d(cin, cout, 3, padding=1), _norm(norm, cout), nn.ReLU()]
+    if pool:
+        layers.append(nn.MaxPool2d(2))
+    return nn.Sequential(*layers)
+
+
+class ResNet9(nn.Module):
+    """ResNet-9 as the SA-PEF code's CIFAR-10 model (Page's DAWNBench network): 3×3
+    convolutions with bias, each followed by a norm and ReLU — 64, 128 (+pool), a residual
+    pair of 128, 256 (+pool), 512 (+pool), a residual pair of 512 — then global max-pool,
+    Dropout(0.2) and Dense(classes). 6,575,370 parameters for 10 classes with BatchNorm."""
+
+    def __init__(self, in_shape: tuple[int, ...], num_classes: int, norm: str = "batch"
+                 ) -> None:
+        super().__init__()
+        if len(in_shape) != 3:
+            raise ValueError(f"model.name: resnet9 needs image inputs [C, H, W], got {in_shape}")
+        self.conv1 = _conv_bn(in_shape[0], 64, norm)
+        self.conv2 = _conv_bn(64, 128, norm, pool=True)
+        self.res1 = nn.Sequential(_conv_bn(128, 128, norm), _conv_bn(128, 128, norm))
+        self.conv3 = _conv_bn(128, 256, norm, pool=True)
+        self.conv4 = _conv_bn(256, 512, norm, pool=True)
+        self.res2 = nn.Sequential(_conv_bn(512, 512, norm), _conv_bn(512, 512, norm))
+        self.classifier = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Dropout(0.2),
+                                        nn.Linear(512, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.conv2(self.conv1(x))
+        out = self.res1(out) + out
+        out = self.conv4(self.conv3(out))
+        out = self.res2(out) + out
+        return self.classifier(out)
+
+
+@register("model", "resnet9")
+def _resnet9(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return ResNet9(in_shape, num_classes, norm=cfg.norm)
 
 
 # Per stage: the convolutions' widths. "r" marks where a ReLU follows (FLARE's code).
@@ -291,6 +333,8 @@ CATALOG: dict[str, tuple[str, tuple[str, ...], tuple[int, ...], int]] = {
                ("depth", "width", "norm", "buffers"), (3, 32, 32), 10),
     "resnet18": ("ResNet-18, CIFAR variant (the SA-PEF code's)", ("norm", "buffers"),
                  (3, 32, 32), 10),
+    "resnet9": ("ResNet-9 (the SA-PEF code's CIFAR-10 model; BatchNorm, dropout 0.2)",
+                ("norm", "buffers"), (3, 32, 32), 10),
     "vgg11": ("VGG-11 as the FLARE code (no norm, Dense 4096 x 2, dropout 0.5)", (),
               (3, 32, 32), 10),
     "vgg16": ("VGG-16 as the FLARE code", (), (3, 32, 32), 10),
