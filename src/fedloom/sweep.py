@@ -18,11 +18,52 @@ A suite file (YAML) names the experiment grid::
       CRAFT-layer: {key: server.lr, grid: [0.1, 0.3, 1.0]}
     share_tuning: {Ditto+CRAFT: CRAFT-layer}   # reuse another method's tuned value
 
+Paths. A setting's ``config:`` is looked up relative to the suite file's folder
+first, then relative to the current directory (where the suites under
+``configs/`` name ``configs/…/x.yaml`` and are run from the repository root);
+an absolute path is taken as it is. ``out:`` and ``doc:`` are relative to the
+current directory.
+
+Checks first. Before any run starts, every method × setting config (the
+setting's overrides, then the method's; ``$TUNE`` replaced by each value of its
+grid) is loaded and validated: a bad one is one line naming the suite file, the
+method, the setting and the field (``fedloom sweep``: exit 2), and nothing runs.
+
 Each run is ``fedloom run CONFIG OVERRIDES seed=S --out DIR`` in a subprocess
 with one thread (``OMP_NUM_THREADS=1``), ``workers`` at a time. A run whose
 ``summary.json`` exists is not run again, so a stopped sweep continues where
 it stopped. ``$TUNE`` is replaced by the value the tuning runs chose: the grid
 value with the best ``tune_metric`` on ``tune_seed``.
+
+The report (:mod:`fedloom.report.sweep`, from the runs read and aggregated by
+:mod:`fedloom.report.compare`) is written to ``doc:`` with its PNG plots beside
+it; a suite without ``doc:`` prints it instead (no plots), also with
+``--report-only``. ``fedloom sweep --csv FILE`` also writes the results tables as
+CSV. The optional ``report:`` section shapes the page; every key is optional::
+
+    report:
+      title: "…"              # page title (default: the suite's name)
+      intro: "…"              # paragraph under the title
+      command: make repro-x   # the command shown to regenerate the page
+                              # (default: fedloom sweep SUITE)
+      columns:                # table columns: [metric, header] or
+        - [test_acc, final test acc]         # [metric, header, num]; metrics are
+        - [uplink_mb_total, uplink MB, num]  # a run's final values (summary.json) and
+                              # test_acc_peak, uplink_mb_total, uplink_bytes_per_round,
+                              # {conflict_rate,grad_mismatch,density,residual_norm}_mean;
+                              # shown in % unless `num` (default: client accuracy
+                              # mean/std/worst 10 %/best 10 %, test acc, conflict rate)
+      target: {baseline: FedAvg, fraction: 0.9, metric: test_acc}
+                              # adds rounds and uplink MB to reach fraction × the
+                              # baseline's final metric (test accuracy curves)
+      curves: [FedAvg, CRAFT] # methods in the accuracy-vs-round/uplink plot (seed bands)
+      cdf: [FedAvg, CRAFT]    # methods in the per-client accuracy CDF plot
+      sweep_plot:             # one metric across methods that form a 1-D sweep
+        {setting: s, methods: [A, B], x: [0.1, 0.5], xlabel: α, title: "…",
+         metric: test_acc}
+      compare: {baseline: FedAvg, candidates: [CRAFT]}
+                              # "better/worse/within seed spread" lines
+      notes: "…"              # closing paragraph
 """
 
 from __future__ import annotations
@@ -62,6 +103,7 @@ class Suite:
     report: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
     method_settings: dict[str, list[str]] = field(default_factory=dict)
+    report_text: str = ""  # the last report made (printed by the CLI when doc is None)
 
 
 @dataclass(frozen=True)
@@ -100,6 +142,18 @@ def load_suite(path: str | Path) -> Suite:
     for m in raw.get("tune", {}):
         if m not in raw["methods"]:
             raise ConfigError(f"{p}: tune.{m}: not a method of this suite")
+    for m, t in (raw.get("tune") or {}).items():
+        if not (isinstance(t, dict) and isinstance(t.get("grid"), list) and t["grid"]
+                and "key" in t):
+            raise ConfigError(f"{p}: tune.{m}: needs key: and a non-empty grid: list")
+    for m, src in (raw.get("share_tuning") or {}).items():
+        if src not in (raw.get("tune") or {}):
+            raise ConfigError(f"{p}: share_tuning.{m}: {src!r} has no tune entry")
+    settings: dict[str, dict[str, Any]] = {}
+    for name, st in raw["settings"].items():
+        if not isinstance(st, dict):
+            raise ConfigError(f"{p}: settings.{name}: must be a mapping with config:")
+        settings[name] = {**st, "config": _resolve_config(p, name, st.get("config"))}
     methods: dict[str, list[str]] = {}
     only: dict[str, list[str]] = {}
     for m, v in raw["methods"].items():
@@ -115,12 +169,62 @@ def load_suite(path: str | Path) -> Suite:
     return Suite(
         name=raw["name"], out=Path(raw.get("out", f"runs/{raw['name']}")),
         doc=Path(raw["doc"]) if raw.get("doc") else None, seeds=[int(s) for s in raw["seeds"]],
-        settings=raw["settings"], methods=methods, method_settings=only,
+        settings=settings, methods=methods, method_settings=only,
         tune=raw.get("tune", {}) or {}, share_tuning=raw.get("share_tuning", {}) or {},
         tune_seed=int(raw.get("tune_seed", 0)), tune_metric=raw.get("tune_metric",
                                                                      "client_acc_mean"),
         report=raw.get("report", {}) or {}, path=p,
     )
+
+
+def _resolve_config(suite: Path, setting: str, given: Any) -> str:
+    """A setting's config path: relative to the suite file's folder, else to the
+    current directory (module docstring)."""
+    if not isinstance(given, str) or not given:
+        raise ConfigError(f"{suite}: settings.{setting}.config: missing")
+    c = Path(given)
+    tried = [c] if c.is_absolute() else [suite.parent / c, c]
+    for cand in tried:
+        if cand.is_file():
+            return str(cand)
+    raise ConfigError(f"{suite}: settings.{setting}.config: {given} not found (tried "
+                      + ", ".join(str(t) for t in dict.fromkeys(tried)) + ")")
+
+
+def _applies(suite: Suite, method: str, setting: str) -> bool:
+    return method not in suite.method_settings or setting in suite.method_settings[method]
+
+
+def validate_suite(suite: Suite) -> int:
+    """Load and validate every method × setting config (``$TUNE`` replaced by each
+    value of the method's grid) before anything runs; return how many were
+    checked. Raises :class:`ConfigError`: one line naming the suite file, the
+    method, the setting and the field."""
+    from fedloom.config import load_config
+
+    n = 0
+    for setting, st in suite.settings.items():
+        for method, ov in suite.methods.items():
+            if not _applies(suite, method, setting):
+                continue
+            values: list[Any] = [None]
+            if any(TUNE in o for o in ov):
+                src = suite.share_tuning.get(method, method)
+                if src not in suite.tune:
+                    raise ConfigError(f"{suite.path}: methods.{method}: uses {TUNE} but has "
+                                      "no tune entry")
+                values = list(suite.tune[src]["grid"])
+            for v in values:
+                ov2 = [o.replace(TUNE, str(v)) for o in ov] if v is not None else ov
+                try:
+                    load_config(st["config"], [*st.get("overrides", []), *ov2,
+                                               f"seed={suite.seeds[0] if suite.seeds else 0}"])
+                except ConfigError as e:
+                    at = f" with {TUNE}={v}" if v is not None else ""
+                    raise ConfigError(f"{suite.path}: methods.{method} (setting {setting}"
+                                      f"{at}): {str(e).splitlines()[0]}") from None
+                n += 1
+    return n
 
 
 def _slug(text: str) -> str:
@@ -216,12 +320,15 @@ def main_specs(suite: Suite, chosen: dict[tuple[str, str], Any]) -> list[RunSpec
 
 
 def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = print,
-              report_only: bool = False) -> Suite:
-    """Run (or continue) a suite, then write its report (``report_only``: from the runs
-    that have finished, running nothing)."""
+              report_only: bool = False, csv: str | Path | None = None) -> Suite:
+    """Run (or continue) a suite, then make its report (``report_only``: from the runs
+    that have finished, running nothing); ``suite.report_text`` holds it, and
+    ``doc:`` gets it when the suite names one. ``csv``: the results tables as CSV."""
     from fedloom.report.sweep import write_report
 
     suite = load_suite(path)
+    if not report_only:
+        validate_suite(suite)  # every config, before the first run starts
     t0 = time.perf_counter()
     if report_only:
         state = suite.out / "sweep.json"
@@ -231,7 +338,8 @@ def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = p
         except (FileNotFoundError, ValueError):
             chosen = {}
         specs = main_specs(suite, chosen) if chosen or not suite.tune else []
-        write_report(suite, chosen, specs, float(prior.get("elapsed_s", 0.0)), workers)
+        suite.report_text = write_report(suite, chosen, specs,
+                                         float(prior.get("elapsed_s", 0.0)), workers, csv)
         return suite
     chosen = tuned_values(suite, workers, log)
     specs = main_specs(suite, chosen)
@@ -243,7 +351,7 @@ def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = p
     total = float(prior.get("elapsed_s", 0.0)) + elapsed
     state.parent.mkdir(parents=True, exist_ok=True)
     state.write_text(json.dumps({"elapsed_s": total, "workers": workers}, indent=2))
-    write_report(suite, chosen, specs, total, workers)
+    suite.report_text = write_report(suite, chosen, specs, total, workers, csv)
     return suite
 
 

@@ -1,13 +1,27 @@
-"""The markdown report of a sweep: tables (mean ± sd over seeds), CDF plots, comparisons."""
+"""The markdown report of a sweep: tables (mean ± sd over seeds), plots, comparisons.
+
+Runs are read, aggregated and plotted by :mod:`fedloom.report.compare` (the code
+behind ``fedloom compare``); this module lays out the page a suite's ``report:``
+section asks for (see :mod:`fedloom.sweep` for its keys).
+"""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from fedloom.report.compare import (
+    first_reach,
+    load_run,
+    mean_sd,
+    plot_cdf,
+    plot_curves,
+    run_stats,
+    write_csv,
+)
 
 __all__ = ["aggregate_runs", "write_report"]
 
@@ -21,32 +35,6 @@ COLUMNS = [
 ]
 
 
-def _mean_sd(values: list[float]) -> tuple[float, float]:
-    v = np.asarray([x for x in values if x is not None and not math.isnan(x)], dtype=float)
-    if v.size == 0:
-        return float("nan"), float("nan")
-    return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0
-
-
-def _run_stats(out: Path) -> dict[str, Any]:
-    summary = json.loads((out / "summary.json").read_text())
-    ms = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
-          if line.strip()]
-    for key in ("conflict_rate", "grad_mismatch", "density", "residual_norm"):
-        vals = [m[key] for m in ms if key in m]
-        summary[f"{key}_mean"] = float(np.nanmean(vals)) if vals else float("nan")
-    summary["uplink_mb_total"] = ms[-1]["uplink_bytes_total"] / 1e6 if ms else float("nan")
-    summary["uplink_bytes_per_round"] = (float(np.mean([m["uplink_bytes"] for m in ms]))
-                                         if ms else float("nan"))
-    accs = [m["test_acc"] for m in ms if "test_acc" in m]
-    summary["test_acc_peak"] = max(accs) if accs else float("nan")
-    summary["_curve"] = [(m["round"], m["test_acc"], m["uplink_bytes_total"] / 1e6)
-                         for m in ms if "test_acc" in m]
-    acc_file = out / "client_acc.json"
-    summary["_client_acc"] = json.loads(acc_file.read_text()) if acc_file.exists() else {}
-    return summary
-
-
 def aggregate_runs(specs: list[Any]) -> dict[str, dict[str, dict[str, Any]]]:
     """{setting: {method: {"runs": [...], metric: (mean, sd)}}}."""
     table: dict[str, dict[str, dict[str, Any]]] = {}
@@ -54,14 +42,14 @@ def aggregate_runs(specs: list[Any]) -> dict[str, dict[str, dict[str, Any]]]:
         if not (spec.out / "summary.json").exists():
             continue  # not run (yet): the report says how many are missing
         row = table.setdefault(spec.setting, {}).setdefault(spec.method, {"runs": []})
-        row["runs"].append(_run_stats(spec.out))
+        row["runs"].append(run_stats(load_run(spec.out)))
     for methods in table.values():
         for row in methods.values():
             runs = row["runs"]
             keys = {k for r in runs for k in r if not k.startswith("_")}
             for k in keys:
                 if all(isinstance(r.get(k), int | float) for r in runs):
-                    row[k] = _mean_sd([float(r[k]) for r in runs])
+                    row[k] = mean_sd([float(r[k]) for r in runs])
     return table
 
 
@@ -79,52 +67,14 @@ def _to_target(runs: list[dict[str, Any]], target: float) -> tuple[str, str]:
     that reach it (with the count when some do not)."""
     hits = []
     for r in runs:
-        hit = next(((rd, mb) for rd, acc, mb in r["_curve"] if acc >= target), None)
+        hit = first_reach(r["_metrics"], "test_acc", target)
         if hit is not None:
-            hits.append(hit)
+            hits.append((hit[0], hit[1] / 1e6))
     if not hits:
         return "not reached", "–"
     suffix = "" if len(hits) == len(runs) else f" ({len(hits)}/{len(runs)} seeds)"
     return (f"{np.mean([h[0] for h in hits]):.0f}{suffix}",
             f"{np.mean([h[1] for h in hits]):.1f}{suffix}")
-
-
-def _curves_plot(path: Path, setting: str, rows: dict[str, dict[str, Any]],
-                 methods: list[str], target: float | None) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), dpi=120)
-    for m in methods:
-        if m not in rows:
-            continue
-        curves = [r["_curve"] for r in rows[m]["runs"]]
-        n = min(len(c) for c in curves)
-        if n == 0:
-            continue
-        rounds = [c[0] for c in curves[0][:n]]
-        acc = np.mean([[c[i][1] for i in range(n)] for c in curves], axis=0) * 100
-        mb = np.mean([[c[i][2] for i in range(n)] for c in curves], axis=0)
-        axes[0].plot(rounds, acc, label=m)
-        axes[1].plot(mb, acc, label=m)
-    for ax, xl in zip(axes, ("round", "cumulative uplink (MB)"), strict=True):
-        ax.set_xlabel(xl)
-        ax.set_ylabel("test accuracy (%)")
-        ax.grid(alpha=0.3)
-        if target is not None:
-            ax.axhline(target * 100, color="grey", ls=":", lw=1)
-    axes[1].set_xscale("log")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"{setting}: mean over seeds")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return True
 
 
 def _sweep_plot(path: Path, title: str, xs: list[float], ys: list[tuple[float, float]],
@@ -144,36 +94,6 @@ def _sweep_plot(path: Path, title: str, xs: list[float], ys: list[tuple[float, f
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
-
-
-def _cdf_plot(path: Path, setting: str, rows: dict[str, dict[str, Any]],
-              methods: list[str], field: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
-    for m in methods:
-        if m not in rows:
-            continue
-        acc = [a for r in rows[m]["runs"] for a in r["_client_acc"].get(field, []) if a is not None]
-        if not acc:
-            continue
-        xs = np.sort(np.asarray(acc)) * 100
-        ax.step(xs, np.arange(1, xs.size + 1) / xs.size, where="post", label=m)
-    ax.set_xlabel("per-client test accuracy (%)")
-    ax.set_ylabel("fraction of clients ≤ x")
-    ax.set_title(f"{setting}: per-client accuracy, all seeds pooled")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
     return True
@@ -201,12 +121,14 @@ def _compare(setting: str, rows: dict[str, dict[str, Any]], base: str,
 
 
 def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any],
-                 elapsed_s: float, workers: int) -> Path | None:
-    if suite.doc is None:
-        return None
+                 elapsed_s: float, workers: int, csv: str | Path | None = None) -> str:
+    """The page's markdown; written to ``suite.doc`` with its plots beside it when the
+    suite has ``doc:`` (without it, no plots: the caller prints the text). ``csv``:
+    also the results tables as one CSV (a row per setting and method)."""
     rep = suite.report
     table = aggregate_runs(specs)
     doc = suite.doc
+    records: list[dict[str, Any]] = []
     lines = [f"# {rep.get('title', suite.name)}", ""]
     if rep.get("intro"):
         lines += [rep["intro"].strip(), ""]
@@ -255,8 +177,19 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
                 continue
             r = rows[method]
             cells = [_fmt(r.get(k), kind == "pct") for k, _, kind in columns]
+            rec: dict[str, Any] = {"setting": setting, "method": method,
+                                   "runs": len(r["runs"])}
+            for k, _, _ in [*columns, ("wall_s_total", "", "")]:
+                mu, sd = r.get(k, (float("nan"), float("nan")))
+                rec.update({f"{k}_mean": mu, f"{k}_sd": sd})
             if target is not None:
                 cells += list(_to_target(r["runs"], target))
+                hits = [h for h in (first_reach(x["_metrics"], "test_acc", target)
+                                    for x in r["runs"]) if h is not None]
+                rec.update({"target_test_acc": target, "target_reached": len(hits),
+                            "rounds_to_target_mean": mean_sd([h[0] for h in hits])[0],
+                            "uplink_bytes_to_target_mean": mean_sd([h[1] for h in hits])[0]})
+            records.append(rec)
             wall = r.get("wall_s_total")
             wall_cell = f"{wall[0]:.1f}" if wall else "–"
             lines.append(f"| {method} | " + " | ".join(cells) + f" | {wall_cell} |")
@@ -267,14 +200,16 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
                              " |" + " – |" * (len(columns) + len(extra) - 4 + 1))
         lines.append("")
         curves = rep.get("curves")
-        if curves:
+        if curves and doc is not None:
             png = doc.parent / f"{suite.name}-{setting}-curves.png"
-            if _curves_plot(png, setting, rows, list(curves), target):
+            if plot_curves(png, setting, {m: rows[m]["runs"] for m in curves if m in rows},
+                           "test_acc", target):
                 lines += [f"![accuracy vs round and vs uplink, {setting}]({png.name})", ""]
         cdf = rep.get("cdf")
-        if cdf:
+        if cdf and doc is not None:
             png = doc.parent / f"{suite.name}-{setting}-cdf.png"
-            if _cdf_plot(png, setting, rows, list(cdf), "client_acc"):
+            if plot_cdf(png, setting, {m: rows[m]["runs"] for m in cdf if m in rows},
+                        "client_acc"):
                 lines += [f"![per-client accuracy CDF, {setting}]({png.name})", ""]
     sp = rep.get("sweep_plot")
     if sp and sp["setting"] in table:
@@ -288,8 +223,8 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
                       f"| {sp.get('xlabel', 'x')} | " + " | ".join(f"{x:g}" for x, _ in pts)
                       + " |", "|---|" + "---|" * len(pts),
                       "| " + metric + " | " + " | ".join(_fmt(v) for _, v in pts) + " |", ""]
-            png = doc.parent / f"{suite.name}-sweep.png"
-            if _sweep_plot(png, sp.get("title", "Sweep"), [x for x, _ in pts],
+            png = doc.parent / f"{suite.name}-sweep.png" if doc is not None else None
+            if png is not None and _sweep_plot(png, sp.get("title", "Sweep"), [x for x, _ in pts],
                            [v for _, v in pts], sp.get("xlabel", "x"), f"{metric} (%)"):
                 lines += [f"![{sp.get('title', 'sweep')}]({png.name})", ""]
     comp = rep.get("compare")
@@ -314,6 +249,10 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
               f"Sweep wall time {elapsed_s / 60:.1f} min with {workers} single-thread workers "
               f"(sum of the reported runs' own wall time: {run_time / 60:.1f} min; tuning runs "
               "not included in that sum).", ""]
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text("\n".join(lines))
-    return doc
+    text = "\n".join(lines)
+    if doc is not None:
+        doc.parent.mkdir(parents=True, exist_ok=True)
+        doc.write_text(text)
+    if csv is not None:
+        write_csv(csv, records)
+    return text
