@@ -1337,7 +1337,14 @@ def run(
             snapshot, config or metrics file with no intact one to fall back on
             raises one line naming it.
         callbacks: called as ``cb(state, metrics)`` after each round is logged
-            and checkpointed.
+            (``metrics.jsonl``, ``metrics.csv``, TensorBoard) and checkpointed:
+            ``metrics`` is that round's record (``metrics["round"]`` its number,
+            equal to ``state.next_round``), so ``wandb.log(metrics,
+            step=metrics["round"])`` or ``mlflow.log_metrics(metrics,
+            step=metrics["round"])`` (numeric values) sends each round to W&B or
+            MLflow. A resumed run calls them for the rounds it runs. An exception
+            from a callback stops the run (``KeyboardInterrupt`` included); the
+            checkpoints written so far stay, and ``resume`` continues from them.
         data: your own dataset (:func:`fedloom.data.from_arrays`) instead of ``data.name``.
         model: your own ``torch.nn.Module`` (its current weights are ``w_0``) or a
             factory returning one, instead of ``model.name``. Layer groups are
