@@ -33,6 +33,11 @@ def nova_norm(steps: torch.Tensor, momentum: float) -> torch.Tensor:
 
 
 class FedNova(Stateless):
+    # Σ_k (τ_eff p_k/a_k) g_k: computable from sums (Σ n_k g_k/a_k, Σ n_k, Σ n_k a_k), so
+    # secure aggregation holds; not dp_mean (fedloom.privacy).
+    linear = True
+    # server.lr=auto: τ_eff Σ p_k d_k has FedAvg's scale (equal to it when every τ_k is equal).
+    default_server_lr = 1.0
     requires = frozenset({"steps"})
 
 

@@ -19,6 +19,13 @@ __all__ = ["FedAvg"]
 
 
 class FedAvg(Stateless):
+    # Σ_k p_k g_k with p_k from the sample counts: a sum-only (secure aggregation)
+    # server computes it from Σ n_k g_k and Σ n_k, and under unit weights it is the
+    # plain mean, DP-FedAvg's estimator (fedloom.privacy).
+    linear = True
+    dp_mean = True
+    # server.lr=auto: McMahan et al.: w ← Σ p_k w_k, i.e. η_g = 1.
+    default_server_lr = 1.0
     def __init__(self, weighted: bool = True) -> None:
         self.weighted = weighted
 

@@ -19,6 +19,7 @@ CODEC_IDENTITY = 0
 
 class Identity:
     name = "identity"
+    linear = True  # a dense vector: a sum of payload vectors is the sum of the updates
 
     def __init__(self, checksum: bool = True) -> None:
         self.checksum = check_checksum_option(checksum)
@@ -26,7 +27,7 @@ class Identity:
     def encode(self, x: torch.Tensor, *, gen: torch.Generator | None = None) -> bytes:
         if x.ndim != 1:
             raise ValueError(f"identity.encode: expected a vector, got shape {tuple(x.shape)}")
-        body = x.detach().to(torch.float32).contiguous().numpy().astype("<f4", copy=False)
+        body = x.detach().to(torch.float32).contiguous().cpu().numpy().astype("<f4", copy=False)
         return pack(CODEC_IDENTITY, x.shape[0], body.tobytes(), self.checksum)
 
     def decode(self, payload: bytes, d: int | None = None) -> torch.Tensor:

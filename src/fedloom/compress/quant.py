@@ -40,6 +40,8 @@ class Cast:
     """Dense float16 or bfloat16."""
 
     codec = CODEC_CAST
+    # Dense values on every coordinate: a sum-only server can add them (fedloom.privacy).
+    linear = True
 
     def __init__(self, dtype: Literal["float16", "bfloat16"] = "float16",
                  checksum: bool = True) -> None:
@@ -51,7 +53,7 @@ class Cast:
 
     def encode(self, x: torch.Tensor, *, gen: torch.Generator | None = None) -> bytes:
         tdt = torch.float16 if self.dtype == "float16" else torch.bfloat16
-        raw = x.detach().to(tdt).contiguous().view(torch.int16).numpy().astype("<i2")
+        raw = x.detach().to(tdt).contiguous().view(torch.int16).cpu().numpy().astype("<i2")
         return pack(self.codec, x.numel(), bytes([0 if tdt == torch.float16 else 1])
                     + raw.tobytes(), self.checksum)
 
@@ -82,7 +84,7 @@ class ScaledSign:
     def encode(self, x: torch.Tensor, *, gen: torch.Generator | None = None) -> bytes:
         d = x.numel()
         scale = float(x.detach().abs().sum(dtype=torch.float64) / d) if d else 0.0
-        neg = (x.detach() < 0).numpy()
+        neg = (x.detach() < 0).cpu().numpy()
         return pack(self.codec, d, struct.pack("<f", scale) + pack_bits(neg), self.checksum)
 
     def decode(self, payload: bytes, d: int | None = None) -> torch.Tensor:
@@ -121,7 +123,9 @@ class QSGD:
         if gen is None:
             raise ValueError("qsgd.encode: needs a generator (gen=...)")
         d, s = x.numel(), self.levels
-        xd = x.detach().to(torch.float64)
+        # On the host: the rounding draws come from a host generator, and every
+        # level is sent anyway.
+        xd = x.detach().cpu().to(torch.float64)
         norm = float(torch.linalg.vector_norm(xd))
         if norm > 0:
             r = s * xd.abs() / norm

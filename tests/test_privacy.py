@@ -1,0 +1,319 @@
+"""Differential privacy (fedloom.privacy): the clip bound, the noise scale, the
+accountant against dp-accounting's own computation, target ε, refusals, resume."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import dp_accounting as dpa
+import pytest
+import torch
+import yaml
+from scipy import stats
+
+import fedloom
+from conftest import TINY, stop_and_resume
+from fedloom.aggregate.base import make_aggregator
+from fedloom.compress import make_compressor
+from fedloom.config import ConfigError, load_config
+from fedloom.engine.loop import Experiment
+from fedloom.privacy import (
+    AdaptiveClip,
+    Privacy,
+    check_privacy,
+    check_secure_aggregation,
+    clip_update,
+    epsilon_central,
+    epsilon_local,
+    l2_norm,
+)
+from fedloom.registry import build
+
+
+def _central(z: float = 1.0, clip: float = 1.0, m: int = 4, n: int = 10,
+             adaptive: AdaptiveClip | None = None) -> Privacy:
+    return Privacy("central", clip=clip, noise_multiplier=z, delta=1e-5, cohort_size=m,
+                   num_clients=n, seed=7, adaptive=adaptive)
+
+
+# ------------------------------------------------------------------ clip bound
+def _adversarial(dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    big = torch.finfo(dtype).max
+    out = [torch.randn(1000, generator=g, dtype=dtype) * s
+           for s in (1e-30, 1e-3, 1.0, 1e3, 1e30)]
+    one = torch.zeros(1000, dtype=dtype)
+    one[17] = big / 2                                  # one coordinate near the max
+    out.append(one)
+    out.append(torch.full((1000,), big / 4, dtype=dtype))  # Σ v² overflows in any dtype
+    out.append(torch.full((5000,), torch.finfo(dtype).tiny / 8, dtype=dtype))  # subnormal
+    out.append(torch.full((1000,), 1.0000001, dtype=dtype))  # just above a clip of √1000
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bound", [1e-6, 0.37, 31.6227766, 1e4])
+def test_clip_bound_holds_for_huge_tiny_and_borderline_updates(dtype, bound):
+    for v in _adversarial(dtype):
+        c, n, scaled = clip_update(v, bound)
+        assert l2_norm(c) <= bound, (l2_norm(c), bound)
+        assert torch.isfinite(c).all()
+        assert scaled == (n > bound)
+        if scaled:  # the direction is kept (cosine in float64 with the input)
+            vn = v.double() / float(v.abs().max())  # ‖v‖ itself may overflow float64
+            cos = float((c.double() / l2_norm(c)) @ (vn / l2_norm(vn)))
+            assert cos > 1 - 1e-5
+            assert l2_norm(c) > bound * (1 - 1e-5)  # and it is clipped to C, not below
+        else:
+            assert c is v
+
+
+def test_l2_norm_is_finite_and_exact_where_the_squares_overflow_or_underflow():
+    v = torch.full((100,), 1e300, dtype=torch.float64)
+    assert l2_norm(v) == pytest.approx(1e301, rel=1e-12)   # √100 · 1e300
+    t = torch.full((100,), 1e-170, dtype=torch.float64)
+    assert l2_norm(t) == pytest.approx(1e-169, rel=1e-12)
+    assert l2_norm(torch.zeros(3)) == 0.0
+    assert math.isnan(l2_norm(torch.tensor([1.0, float("nan")])))
+
+
+def test_central_aggregate_clips_every_accepted_row_in_place():
+    rows = torch.stack([torch.full((50,), 1e30), torch.full((50,), 1e-30), torch.ones(50),
+                        torch.full((50,), -3.0)]).float()
+    ok = torch.tensor([True, True, True, False])
+    p = _central(z=0.0, clip=2.0)
+    agg, _, m = p.aggregate(rows, ok, p.init(), 0)
+    for i in range(3):
+        assert l2_norm(rows[i]) <= 2.0
+    assert m["dp_clipped"] == 2.0                         # the 1e30 row and the ones (norm √50)
+    # z = 0: the clipped sum over the fixed denominator m̄ = 4; the rejected row adds nothing
+    expect = (rows[0].double() + rows[1].double() + rows[2].double()) / 4
+    assert torch.allclose(agg.double(), expect, rtol=1e-6, atol=0)
+
+
+# ------------------------------------------------------------------ noise scale
+def _sd_interval(n: int, sigma: float, conf: float = 0.999) -> tuple[float, float]:
+    """Mean-zero normal samples: Σx²/σ² ~ χ²_n, so the sample sd √(Σx²/n) lies in
+    σ·[√(χ²_{n,(1−c)/2}/n), √(χ²_{n,(1+c)/2}/n)] with probability c."""
+    lo, hi = stats.chi2.ppf([(1 - conf) / 2, (1 + conf) / 2], n)
+    return sigma * math.sqrt(lo / n), sigma * math.sqrt(hi / n)
+
+
+def _sd(x: torch.Tensor) -> float:
+    return float(x.double().pow(2).mean().sqrt())
+
+
+@pytest.mark.parametrize("z,clip,m", [(1.3, 0.7, 5), (0.4, 3.0, 2)])
+def test_central_noise_has_std_z_c_over_the_fixed_denominator(z, clip, m):
+    d = 20_000
+    p = _central(z=z, clip=clip, m=m, n=20)
+    rows = torch.zeros(m, d, dtype=torch.float64)
+    ok = torch.ones(m, dtype=torch.bool)
+    ok[0] = False  # a rejected client does not change the denominator
+    agg, _, _ = p.aggregate(rows, ok, p.init(), 3)
+    lo, hi = _sd_interval(d, z * clip / m)
+    assert lo < _sd(agg) < hi
+    assert abs(float(agg.mean())) < 4 * z * clip / m / math.sqrt(d)
+    # the same (seed, round) gives the same noise; another round other noise
+    again, _, _ = p.aggregate(rows, ok, p.init(), 3)
+    other, _, _ = p.aggregate(rows, ok, p.init(), 4)
+    assert torch.equal(agg, again) and not torch.equal(agg, other)
+
+
+def test_adaptive_clipping_raises_the_update_noise_as_andrew_et_al_theorem_1():
+    z, sb, m, d = 0.8, 1.5, 6, 20_000
+    p = _central(z=z, clip=0.5, m=m, n=30, adaptive=AdaptiveClip(0.5, 0.2, sb))
+    sigma = (z ** -2 - (2 * sb) ** -2) ** -0.5           # 0.8297…
+    agg, st, met = p.aggregate(torch.zeros(m, d, dtype=torch.float64),
+                               torch.ones(m, dtype=torch.bool), p.init(), 0)
+    lo, hi = _sd_interval(d, sigma * 0.5 / m)
+    assert lo < _sd(agg) < hi
+    # every update is below C (all zero): b̃ ≈ 1 > γ, so C shrinks by exp(−η(b̃ − γ))
+    assert st["clip"] == pytest.approx(0.5 * math.exp(-0.2 * (met["dp_unclipped_fraction"] - 0.5)))
+    with pytest.raises(ConfigError, match="count_stddev"):
+        _central(z=2.0, adaptive=AdaptiveClip(0.5, 0.2, 0.9))   # needs 2σ_b > z
+
+
+def test_local_noise_has_std_z_c_and_comes_from_the_clients_stream():
+    z, clip, d = 0.9, 0.25, 20_000
+    p = Privacy("local", clip=clip, noise_multiplier=z, delta=1e-5, cohort_size=3,
+                num_clients=9, seed=1)
+    u = torch.zeros(d)
+    a, clipped = p.privatize(u, 2, 5)
+    lo, hi = _sd_interval(d, z * clip)
+    assert lo < _sd(a) < hi and not clipped
+    assert torch.equal(a, p.privatize(u, 2, 5)[0])
+    assert not torch.equal(a, p.privatize(u, 2, 6)[0])     # another client, other noise
+    big, clipped = p.privatize(torch.full((d,), 10.0), 2, 5)
+    assert clipped and l2_norm(big - a) <= clip * (1 + 1e-6)  # the same noise on clip(u)
+
+
+# ------------------------------------------------------------------ accountant
+def test_central_epsilon_is_dp_accountings_own_computation():
+    n, m, z, delta = 10, 4, 1.0, 1e-5
+    acc = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
+    # replace-one: the clipped sum's sensitivity is 2C, noise zC → multiplier z/2
+    acc.compose(dpa.SelfComposedDpEvent(
+        dpa.SampledWithoutReplacementDpEvent(n, m, dpa.GaussianDpEvent(z / 2)), 7))
+    ours = epsilon_central(7, num_clients=n, cohort=m, noise_multiplier=z, delta=delta)
+    assert ours == pytest.approx(acc.get_epsilon(delta), rel=1e-12)
+    p = _central(z=z, m=m, n=n)
+    assert p.epsilon(p.init(), 0) == 0.0
+    eps = [p.epsilon(p.init(), t) for t in range(1, 6)]
+    assert eps == sorted(eps) and eps[0] > 0
+    assert epsilon_central(3, num_clients=n, cohort=m, noise_multiplier=0.0,
+                           delta=delta) == math.inf
+
+
+def test_local_epsilon_is_dp_accountings_gaussian_composition():
+    for k in (1, 5):
+        acc = dpa.rdp.RdpAccountant()
+        acc.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(1.5 / 2), k))
+        assert epsilon_local(k, noise_multiplier=1.5, delta=1e-6) == pytest.approx(
+            acc.get_epsilon(1e-6), rel=1e-12)
+    p = Privacy("local", clip=1.0, noise_multiplier=1.5, delta=1e-6, cohort_size=2,
+                num_clients=5, seed=0)
+    st = p.participated(p.participated(p.init(), torch.tensor([1, 3])), torch.tensor([3, 4]))
+    assert st["participation"].tolist() == [0, 1, 0, 2, 1]
+    assert p.epsilon(st, 2) == epsilon_local(2, noise_multiplier=1.5, delta=1e-6)
+
+
+# ------------------------------------------------------------------ engine
+def test_run_reports_epsilon_each_round_and_target_epsilon_stops_it(tmp_path):
+    # TINY: 10 clients, 4 a round; z = 1: ε(3) = 18.88, ε(4) = 21.79 (the accountant above)
+    over = ["privacy.mode=central", "privacy.target_epsilon=20", "rounds=6"]
+    out = tmp_path / "run"
+    res = fedloom.run(copy.deepcopy(TINY), over, out=out)
+    assert [m["round"] for m in res.metrics] == [1, 2, 3]
+    for m in res.metrics:
+        assert m["dp_epsilon"] == epsilon_central(m["round"], num_clients=10, cohort=4,
+                                                  noise_multiplier=1.0, delta=1e-5)
+    assert res.metrics[-1]["dp_epsilon"] <= 20 < epsilon_central(
+        4, num_clients=10, cohort=4, noise_multiplier=1.0, delta=1e-5)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == 3 and "privacy.target_epsilon=20" in summary["stop_reason"]
+    assert summary["dp_epsilon"] == res.metrics[-1]["dp_epsilon"]
+    # resuming the stopped run runs nothing more
+    again = fedloom.run(copy.deepcopy(TINY), over, out=out, resume=True)
+    assert len(again.metrics) == 3 and again.summary["model_sha256"] == summary["model_sha256"]
+
+
+def test_resume_is_bit_identical_with_adaptive_clipping(tmp_path):
+    over = ["privacy.mode=central", "privacy.clip=0.3", "privacy.noise_multiplier=0.5",
+            "privacy.adaptive_clip.enabled=true", "privacy.adaptive_clip.count_stddev=1.0",
+            "rounds=4"]
+    ref, res = stop_and_resume(copy.deepcopy(TINY), over, tmp_path / "r", stop_after=2)
+    assert torch.equal(ref.w, res.w)
+    clips = [m["dp_clip"] for m in ref.metrics]
+    assert clips == [m["dp_clip"] for m in res.metrics]
+    assert len(set(clips)) == 4  # C_t moves every round
+
+
+def test_local_mode_adds_noise_before_compression_and_ef_keeps_the_noisy_residual():
+    cfg = load_config(copy.deepcopy(TINY), [
+        "privacy.mode=local", "privacy.clip=0.5", "privacy.noise_multiplier=0.3",
+        "compression.name=topk", "compression.options={ratio: 0.1}", "compression.feedback=ef"])
+    exp = Experiment(cfg)
+    try:
+        st = exp.initial_state()
+        plan = exp.plan_round(st)
+        raw = exp.backend.train_cohort(plan.jobs)
+        dense = [r.update.clone() for r in raw]
+        results, ups = exp.uplink_round(st, plan, raw)
+        d = exp.layout.size
+        k = math.ceil(0.1 * d)
+        for res, up, g in zip(results, ups, dense, strict=True):
+            noisy, _ = exp.privacy.privatize(g, 0, res.client)
+            # what was sent is Top-k of the noisy update: k coordinates, as many as sent
+            assert int((up.sent != 0).sum()) <= k
+            # EF (round 1, e = 0): residual + sent = the noisy update, not the clean one
+            back = up.state["residual"] + up.sent
+            assert torch.allclose(back, noisy, atol=1e-6)
+            assert not torch.allclose(back, g, atol=1e-3)
+    finally:
+        exp.close()
+
+
+# ------------------------------------------------------------------ refusals
+def _check(mode: str, aggregator: str = "fedavg", feedback: str = "none",
+           method: str = "sgd", schedule: str = "constant") -> None:
+    over = [f"privacy.mode={mode}", f"aggregator.name={aggregator}",
+            f"compression.feedback={feedback}", f"client.method={method}",
+            f"compression.alpha_schedule={schedule}"]
+    cfg = load_config(copy.deepcopy(TINY), over)
+    from fedloom.compress.feedback import feedback_from_config
+    from fedloom.params import Layout
+
+    p = Privacy(mode, clip=1.0, noise_multiplier=1.0, delta=1e-5, cohort_size=4,
+                num_clients=10, seed=0)
+    check_privacy(p, aggregator=make_aggregator(aggregator), aggregator_name=aggregator,
+                  feedback=feedback_from_config(cfg.compression, Layout.flat(8)),
+                  feedback_name=feedback, method=build("method", method, {}, "m"),
+                  method_name=method, w=torch.zeros(8))
+
+
+@pytest.mark.parametrize("agg", ["craft", "config", "fedfv", "fedlf", "median",
+                                 "trimmed_mean", "krum", "qfedavg", "afl", "coordmean",
+                                 "fednova"])
+def test_central_dp_refuses_every_rule_but_fedavg(agg):
+    with pytest.raises(ConfigError, match=r"^aggregator\.name: "):
+        _check("central", agg)
+
+
+def test_dp_refuses_unnoised_server_state_and_accepts_what_it_covers():
+    _check("central")
+    _check("central", feedback="ef")
+    _check("central", feedback="sapef")
+    for fb in ("ef21", "cser", "scafcom"):
+        with pytest.raises(ConfigError, match=r"^compression\.feedback: "):
+            _check("central", feedback=fb)
+    with pytest.raises(ConfigError, match=r"^compression\.alpha_schedule: "):
+        _check("local", feedback="sapef", schedule="theory")
+    with pytest.raises(ConfigError, match=r"^client\.method: "):
+        _check("local", method="scaffold")
+    # local DP: the server's rule is post-processing of noisy messages
+    for agg in ("craft", "median", "fednova"):
+        _check("local", agg, feedback="ef21")
+    for agg in ("qfedavg", "afl"):  # they read the client's unnoised loss
+        with pytest.raises(ConfigError, match=r"^aggregator\.name: "):
+            _check("local", agg)
+
+
+def test_secure_aggregation_takes_sum_rules_and_dense_payloads_only():
+    def check(agg: str, comp: str, **opts: object) -> None:
+        check_secure_aggregation(aggregator=make_aggregator(agg), aggregator_name=agg,
+                                 compressor=make_compressor(comp, **opts),
+                                 compressor_name=comp)
+
+    for agg in ("fedavg", "fednova"):
+        for comp in ("identity", "fp16", "bf16"):
+            check(agg, comp)
+    for agg in ("craft", "config", "median", "krum", "trimmed_mean", "fedfv", "coordmean"):
+        with pytest.raises(ConfigError, match=r"^aggregator\.name: "):
+            check(agg, "identity")
+    for comp, opts in (("topk", {"ratio": 0.1}), ("randk", {"ratio": 0.1}), ("sign", {}),
+                       ("qsgd", {})):
+        with pytest.raises(ConfigError, match=r"^compression\.name: "):
+            check("fedavg", comp, **opts)
+
+
+@pytest.mark.parametrize("over,field", [
+    (["privacy.mode=central", "aggregator.name=craft"], "aggregator.name"),
+    (["server.secure_aggregation=true", "aggregator.name=craft"], "aggregator.name"),
+    (["server.secure_aggregation=true", "compression.name=topk"], "compression.name"),
+    (["privacy.mode=local", "privacy.adaptive_clip.enabled=true"],
+     "privacy.adaptive_clip.enabled"),
+])
+def test_cli_refuses_with_one_line_and_exit_2(tmp_path, capsys, over, field):
+    from fedloom import cli
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump(TINY))
+    out = tmp_path / "r"
+    capsys.readouterr()
+    assert cli.main(["run", str(cfg), *over, "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and field in err[0], err
+    assert not out.exists()
