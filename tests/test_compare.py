@@ -300,7 +300,9 @@ def test_tensorboard_scalars_and_resume_purge(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         fedloom.run(TINY, ov, out=out, callbacks=[stop])
-    fedloom.run(TINY, ov, out=out, resume=True)  # round 3 runs again
+    # round 3 runs again; other logging settings do not stop a resume
+    fedloom.run(TINY, [*ov, "logging.csv=false"], out=out, resume=True)
+    assert not (out / "metrics.csv").exists()  # the first leg's copy would be stale
     acc = EventAccumulator(str(out / "tensorboard"))
     acc.Reload()
     jl = _jsonl(out / "metrics.jsonl")

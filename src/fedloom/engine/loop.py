@@ -655,6 +655,16 @@ class Experiment:
         # sparsifier leaves out is seen here, and nothing non-finite is encoded).
         # One pass a client: its norm, which is finite exactly when the update is
         # (and its float64 norm does not overflow: an absurd update all the same).
+        if self.privacy.local:
+            # Each client clips and adds its noise first: everything it sends, and
+            # whether it sends, depends on its data only through the noisy update (a
+            # non-finite update is sent as zero plus noise, not withheld).
+            for res in results:
+                u = res.update
+                if not bool(torch.isfinite(u).all()):
+                    u = torch.zeros_like(u)
+                res.update, was = self.privacy.privatize(u, r, res.client)
+                plan.dp_clipped += int(was)
         refused: dict[int, str] = {}
         norms = _row_norms([res.update for res in results])
         finite = torch.isfinite(norms)
@@ -667,11 +677,6 @@ class Experiment:
         if s.max_update_norm is not None or ratio is not None:
             refused.update(screen_updates(norms, finite, max_norm=s.max_update_norm,
                                           max_ratio=ratio))
-        if self.privacy.local:  # each client clips and adds its noise before compressing
-            for i, res in enumerate(results):
-                if i not in refused:
-                    res.update, was = self.privacy.privatize(res.update, r, res.client)
-                    plan.dp_clipped += int(was)
 
         # Uplink: feedback + compressor; the server sees decode(payload), as bytes.
         ups = []
@@ -1542,6 +1547,9 @@ def _loop(
     # Views of metrics.jsonl (fedloom.engine.runlog), rebuilt from the history above.
     csv_log = (MetricsCSV(run_dir / METRICS_CSV_FILE, history)
                if run_dir is not None and cfg.logging.csv else None)
+    if run_dir is not None and csv_log is None:
+        # resumed with logging.csv off: an older copy would disagree with metrics.jsonl
+        (run_dir / METRICS_CSV_FILE).unlink(missing_ok=True)
     tb = (TensorBoardSink(run_dir / TENSORBOARD_DIR, st.next_round + 1 if resume else None)
           if run_dir is not None and cfg.logging.tensorboard else None)
     metrics_f = open(run_dir / METRICS_FILE, "a") if run_dir is not None else None

@@ -7,8 +7,9 @@ The sinks here are views of it, rebuilt from it whenever they could disagree:
 - ``metrics.csv`` (``logging.csv``, on by default): the same rows, one a round.
   Its columns are the union of the rows' keys in the order they first appear
   (round 1's keys in its order, then each later new key where it first shows
-  up), so the file is a function of the jsonl alone and a resumed run's file is
-  byte-identical to an uninterrupted one's. A key first seen in a later round
+  up), so the file is a function of the jsonl alone: a resumed run rebuilds it
+  from the validated, truncated jsonl, and a run resumed with ``logging.csv``
+  off removes it rather than keep a copy that disagrees. A key first seen in a later round
   (``test_acc`` when ``eval.every > 1``, ``rejected_reasons`` when a client is
   rejected) makes the file be rewritten with the wider header (atomically);
   otherwise a round appends one line. A cell holds ``json.dumps`` of the value
