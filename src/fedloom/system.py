@@ -1,0 +1,459 @@
+"""Systems heterogeneity: simulated devices, links, deadlines and availability.
+
+Each client ``k`` has a device: a compute speed ``v_k`` (samples/s), an uplink and a
+downlink bandwidth ``b↑_k``, ``b↓_k`` (bit/s) and a one-way latency ``ℓ_k`` (s, per
+message). A round costs client ``k``, in simulated seconds,
+
+    t_k = ℓ_k + 8·B↓/b↓_k + n_k/v_k + ℓ_k + 8·B↑_k/b↑_k,
+
+with ``B↓`` the broadcast's bytes and ``B↑_k`` the client's real payload (both as the
+engine counts them: ``downlink_bytes``/``uplink_bytes``, integrity trailer and extra
+payloads included) and ``n_k`` the samples its local steps processed: ``s`` steps of
+batch ``B`` over ``N_k`` samples, epoch after epoch (the last batch of an epoch is
+short), process ``e·N_k + j·B`` samples with ``e, j = divmod(s, ⌈N_k/B⌉)``. A rate of
+0 means that term takes no time (it is not modelled). The model is the usual one of
+FL system simulators (FedScale, Lai et al. 2022; FLASH, Yang et al. 2021: compute
+time from a per-device speed and the local work, communication time from the
+payload and the bandwidth, a round lasting as long as its slowest reporting client).
+
+Devices (``system.profile``) are drawn once per client from the generator
+``(seed, -1, k, "system")``: four draws in the order speed, up, down, latency, so
+each client's device does not depend on the population size or on which
+quantities are set. ``uniform``: ``low + (high − low)·u``; ``lognormal``:
+``median·exp(σ·z)`` (each quantity independently); ``classes``: one uniform picks a
+row with probability ``p``; ``csv``: the user's file, one row per client.
+
+A round (``sim_round_s``) lasts until its slowest client whose update is used
+reports; with ``system.deadline_s`` it lasts until the deadline when a client was
+late (the server cannot know sooner that it will not report). ``sim_time_s`` is the
+running sum, kept in the checkpoint. Late clients (``late: drop``) are trained, then
+judged on their real payload: a client whose ``t_k`` exceeds the deadline is not
+used and its state rows stay as they were (as a failed worker's,
+``backend.on_failure=drop``). With ``late: partial`` a client does the local steps
+that fit: the compute time left after two latencies, the downlink and the expected
+uplink (the compressor's payload for a fixed Gaussian vector: exact for dense and
+quantised payloads, near the largest for Top-k's gap coding) buys
+``⌊left·v_k⌋`` samples, hence ``s_k ≤ S`` steps (the first ``s_k`` of the batches
+it would have run). Its step count reaches the aggregator as ``ClientResult.steps``
+(FedNova's ``τ_k``, SCAFFOLD's and SCAFCOM's step sums). A client with no step
+that fits is dropped; one whose real payload still makes it late is dropped too:
+nothing that arrives after the deadline is used.
+
+Availability: client ``k`` is available in round ``r`` when ``u < p_k(r)``, ``u``
+the uniform of the stream ``(seed, r, k, "availability")`` (its derived seed /
+2⁶³), with ``p_k(r) = availability`` (``pattern: none``),
+``clip(availability + amplitude·sin(2π(r/period + φ_k)), 0, 1)``
+(``sine``) or ``availability`` while ``frac(r/period + φ_k) < on_fraction`` and 0
+otherwise (``onoff``), the phase ``φ_k`` uniform from ``(seed, -1, k,
+"availability")`` likewise. The cohort is ``cohort.size`` distinct clients drawn uniformly
+from the available ones with the round's cohort generator, or all of them when
+fewer are available (``cohort_short`` = 1 in that round's metrics). A sampled
+client drops out mid-round (after the broadcast: its downlink is counted) with
+probability ``dropout``, from ``(seed, r, k, "client-dropout")``; it is not
+trained, nothing of it is used, its state stays, and it does not extend the round
+(the server sees the connection close).
+
+Departures: the extra local work of Ditto's personal model and of a smoothness
+probe is not timed; an SA-PEF step-ahead coefficient (``alpha_schedule: theory``)
+is planned with the full step count; the Flower integration runs real clients and
+takes availability only (its cohort sampling), never the simulated clock.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from fedloom.config import ConfigError, SystemConfig
+from fedloom.rng import Purpose, derive_seed, numpy_gen, torch_gen
+
+if TYPE_CHECKING:
+    from fedloom.client.sgd import ClientResult
+    from fedloom.compress.feedback import UplinkResult
+    from fedloom.engine.loop import Experiment, RoundPlan, RunState
+
+__all__ = ["Device", "RoundSim", "System", "check_system_config", "client_time",
+           "make_system", "read_devices", "samples_for_steps", "steps_within"]
+
+QUANTITIES = ("speed", "up_bps", "down_bps", "latency_s")
+CSV_COLUMNS = ("client", "speed", "up_bps", "down_bps", "latency")
+
+
+@dataclass(frozen=True)
+class Device:
+    """One client's simulated device and links (0: that term takes no time)."""
+
+    speed: float      # samples/s
+    up_bps: float     # bit/s
+    down_bps: float   # bit/s
+    latency_s: float  # s, per message each way
+
+
+def transfer_s(nbytes: int, bps: float) -> float:
+    """Seconds to send ``nbytes`` at ``bps`` bit/s (0 when the link is not modelled)."""
+    return nbytes * 8 / bps if bps > 0 else 0.0
+
+
+def compute_s(samples: int, speed: float) -> float:
+    """Seconds to process ``samples`` at ``speed`` samples/s (0 when not modelled)."""
+    return samples / speed if speed > 0 else 0.0
+
+
+def client_time(dev: Device, down_bytes: int, samples: int, up_bytes: int) -> float:
+    """``t_k = ℓ + 8·B↓/b↓ + n/v + ℓ + 8·B↑/b↑`` (summed in this order)."""
+    return (dev.latency_s + transfer_s(down_bytes, dev.down_bps) + compute_s(samples, dev.speed)
+            + dev.latency_s + transfer_s(up_bytes, dev.up_bps))
+
+
+def samples_for_steps(steps: int, n: int, batch: int) -> int:
+    """Samples processed by ``steps`` local steps of batch ``batch`` over ``n`` samples:
+    ``e·n + j·batch`` with ``e, j = divmod(steps, ⌈n/batch⌉)`` (an epoch's last batch
+    holds the remainder, as :meth:`fedloom.client.sgd.LocalSGD.batch_indices` draws)."""
+    per = max(1, math.ceil(n / batch))
+    e, j = divmod(int(steps), per)
+    return e * n + j * batch
+
+
+def steps_within(samples: float, n: int, batch: int, full: int) -> int:
+    """The most steps, at most ``full``, whose :func:`samples_for_steps` is ``≤ samples``."""
+    if samples == math.inf:
+        return full
+    budget = max(0, math.floor(samples))
+    per = max(1, math.ceil(n / batch))
+    e, rest = divmod(budget, max(1, n))
+    # rest < n, so rest // batch ≤ per − 1: a partial epoch's batches are all full ones
+    return min(full, e * per + rest // batch)
+
+
+def _uniform(seed: int, r: int, k: int, purpose: str) -> float:
+    """One uniform in [0, 1) of the stream ``(seed, r, k, purpose)``: its derived seed
+    (63 bits of BLAKE2b) scaled down. A per-client coin needs no generator object,
+    which costs about 50 µs to build: ``num_clients`` of them a round add up."""
+    return derive_seed(seed, r, k, purpose) / float(1 << 63)
+
+
+# ------------------------------------------------------------------- config checks
+def _values(cfg: SystemConfig, q: str) -> list[float]:
+    v = getattr(cfg, q)
+    return [float(v)] if isinstance(v, int | float) else [float(x) for x in v]
+
+
+def check_system_config(cfg: SystemConfig) -> None:
+    """Raise :class:`ConfigError` (one line naming the ``system.*`` field) for a
+    section that cannot describe devices."""
+    p = cfg.profile
+    for q in QUANTITIES:
+        v = _values(cfg, q)
+        given = v != [0.0]
+        if p in ("off", "classes", "csv") and given:
+            why = "system.profile is off" if p == "off" else f"profile {p} gives it"
+            raise ConfigError(f"system.{q}: not used ({why})")
+        if len(v) not in (1, 2):
+            raise ConfigError(f"system.{q}: one number, or [low, high] (uniform) / "
+                              f"[median, sigma] (lognormal), got {len(v)} numbers")
+        if p == "uniform" and len(v) == 2:
+            if v[0] > v[1]:
+                raise ConfigError(f"system.{q}: low {v[0]:g} is above high {v[1]:g}")
+            if q != "latency_s" and v[0] == 0 and v[1] > 0:
+                raise ConfigError(f"system.{q}: low must be > 0 (0 alone means the term "
+                                  "takes no time)")
+    if p == "classes":
+        if not cfg.classes:
+            raise ConfigError("system.classes: profile classes needs at least one class")
+        total = sum(c.p for c in cfg.classes)
+        if abs(total - 1.0) > 1e-6:
+            raise ConfigError(f"system.classes: the probabilities p must sum to 1, got {total:g}")
+    elif cfg.classes:
+        raise ConfigError(f"system.classes: not used (system.profile is {p})")
+    if p == "csv" and not cfg.path:
+        raise ConfigError("system.path: profile csv needs the file of the clients' devices")
+    if p != "csv" and cfg.path:
+        raise ConfigError(f"system.path: not used (system.profile is {p})")
+    if cfg.deadline_s is not None and p == "off":
+        raise ConfigError("system.deadline_s: needs a system.profile to time the clients")
+    if cfg.pattern != "sine" and cfg.amplitude:
+        raise ConfigError("system.amplitude: only used by pattern sine")
+
+
+def read_devices(path: str | Path, num_clients: int) -> dict[int, Device]:
+    """The devices of a CSV file with the header ``client,speed,up_bps,down_bps,latency``
+    (any column order), one row per client ``0 … num_clients − 1``. Raises
+    :class:`ConfigError` naming the file (and line) for anything else."""
+    p = Path(path)
+    try:
+        text = p.read_bytes().decode("utf-8-sig")
+    except FileNotFoundError:
+        raise ConfigError(f"system.path: {p}: file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"system.path: {p}: is a directory") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"system.path: {p}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"system.path: {p}: cannot be read ({e.strerror or e})") from None
+    reader = csv.reader(io.StringIO(text))
+    header = [h.strip() for h in next(reader, [])]
+    if sorted(header) != sorted(CSV_COLUMNS):
+        raise ConfigError(f"{p}: the header must name the columns {','.join(CSV_COLUMNS)}, "
+                          f"got {','.join(header) or 'nothing'}")
+    col = {h: i for i, h in enumerate(header)}
+    out: dict[int, Device] = {}
+    for line, row in enumerate(reader, 2):
+        if not row or all(not c.strip() for c in row):
+            continue
+        if len(row) != len(header):
+            raise ConfigError(f"{p}: line {line}: {len(row)} fields, expected {len(header)}")
+        try:
+            k = int(row[col["client"]])
+            vals = [float(row[col[c]]) for c in CSV_COLUMNS[1:]]
+        except ValueError:
+            raise ConfigError(f"{p}: line {line}: not a number") from None
+        if not 0 <= k < num_clients:
+            raise ConfigError(f"{p}: line {line}: client {k} is not a client of this run "
+                              f"(0 … {num_clients - 1})")
+        if k in out:
+            raise ConfigError(f"{p}: line {line}: client {k} appears twice")
+        if not all(math.isfinite(v) and v >= 0 for v in vals):
+            raise ConfigError(f"{p}: line {line}: speed, bandwidths and latency must be "
+                              "finite and >= 0")
+        out[k] = Device(*vals)
+    missing = [k for k in range(num_clients) if k not in out]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ConfigError(f"{p}: no row for clients {missing[:5]}{more}")
+    return out
+
+
+# ------------------------------------------------------------------------ rounds
+@dataclass
+class RoundSim:
+    """What the system model decided and measured in one round (client ids as keys)."""
+
+    round: int
+    withheld: dict[int, str] = field(default_factory=dict)  # not trained: why
+    cut: dict[int, int] = field(default_factory=dict)       # partial: the steps allowed
+    late: list[int] = field(default_factory=list)
+    times: dict[int, float] = field(default_factory=dict)   # t_k of the reporting clients
+    round_s: float = 0.0
+    steps: list[int] = field(default_factory=list)          # of the clients used
+
+    def train(self, backend: Any, jobs: Sequence[Any]) -> list[ClientResult | None]:
+        """Train the jobs that are not withheld; ``None`` (a dropped client) for the others."""
+        todo = [i for i, j in enumerate(jobs) if j.client not in self.withheld]
+        out: list[ClientResult | None] = [None] * len(jobs)
+        if todo:
+            for i, res in zip(todo, backend.train_cohort([jobs[i] for i in todo]), strict=True):
+                out[i] = res
+        return out
+
+
+class System:
+    """The run's devices, availability and round timing (settings only: a round's
+    decisions live in its :class:`RoundSim`, the clock in ``RunState.sim_time_s``)."""
+
+    def __init__(self, cfg: SystemConfig, seed: int, num_clients: int, batch_size: int,
+                 cohort_size: int) -> None:
+        self.cfg = cfg
+        self.seed = seed
+        self.num_clients = num_clients
+        self.batch = batch_size
+        self.cohort_size = cohort_size
+        self.timed = cfg.profile != "off"
+        self.has_availability = cfg.availability < 1 or cfg.pattern != "none"
+        self._devices: dict[int, Device] = (read_devices(cfg.path, num_clients)
+                                            if cfg.profile == "csv" else {})
+        self._available: dict[int, int] = {}  # round → clients available
+        self._exp_comp: Any = None             # the compressor the estimate is of
+        self._exp_bytes = 0
+
+    # -------------------------------------------------------------- devices
+    def device(self, k: int) -> Device:
+        """Client ``k``'s device (drawn once, from ``(seed, -1, k, "system")``)."""
+        dev = self._devices.get(k)
+        if dev is None:
+            dev = self._devices[k] = self._draw(k)
+        return dev
+
+    def _draw(self, k: int) -> Device:
+        cfg = self.cfg
+        gen = numpy_gen(self.seed, -1, k, Purpose.SYSTEM)
+        if cfg.profile == "classes":
+            probs = np.array([c.p for c in cfg.classes], dtype=np.float64)
+            cum = np.cumsum(probs)
+            i = int(np.searchsorted(cum, gen.random() * cum[-1], side="right"))
+            c = cfg.classes[min(i, len(cfg.classes) - 1)]
+            return Device(c.speed, c.up_bps, c.down_bps, c.latency_s)
+        draws = gen.random(4) if cfg.profile == "uniform" else gen.standard_normal(4)
+        vals = []
+        for q, u in zip(QUANTITIES, draws, strict=True):
+            v = _values(cfg, q)
+            if len(v) == 1:
+                vals.append(v[0])
+            elif cfg.profile == "uniform":
+                vals.append(v[0] + (v[1] - v[0]) * float(u))
+            else:  # lognormal: [median, sigma]
+                vals.append(v[0] * math.exp(v[1] * float(u)))
+        return Device(*vals)
+
+    # --------------------------------------------------------- availability
+    def p_available(self, r: int, k: int) -> float:
+        """``p_k(r)``, the probability that client ``k`` can take part in round ``r``."""
+        cfg = self.cfg
+        p = cfg.availability
+        if cfg.pattern == "none":
+            return p
+        phase = _uniform(self.seed, -1, k, Purpose.AVAILABILITY)
+        x = r / cfg.period + phase
+        if cfg.pattern == "sine":
+            return min(1.0, max(0.0, p + cfg.amplitude * math.sin(2 * math.pi * x)))
+        return p if x - math.floor(x) < cfg.on_fraction else 0.0
+
+    def available(self, r: int) -> np.ndarray:
+        """Which clients are available in round ``r`` (a bool per client)."""
+        out = np.zeros(self.num_clients, dtype=bool)
+        for k in range(self.num_clients):
+            p = self.p_available(r, k)
+            if p > 0:
+                out[k] = _uniform(self.seed, r, k, Purpose.AVAILABILITY) < p
+        return out
+
+    def sample(self, r: int, gen: np.random.Generator, size: int) -> torch.Tensor:
+        """``size`` distinct available clients, uniformly (all when fewer are available)."""
+        ids = np.flatnonzero(self.available(r))
+        self._available[r] = len(ids)
+        chosen = ids if len(ids) <= size else gen.choice(ids, size, replace=False)
+        return torch.from_numpy(np.sort(chosen)).long()
+
+    # -------------------------------------------------------------- a round
+    def expected_uplink(self, comp: Any, d: int) -> int:
+        """Bytes of ``comp``'s payload for a fixed Gaussian vector of size ``d``."""
+        if comp is not self._exp_comp:
+            g = torch_gen(self.seed, -1, -1, Purpose.SYSTEM)
+            v = torch.randn(d, generator=g) * 1e-2
+            self._exp_bytes = len(comp.encode(v, gen=torch_gen(self.seed, -1, -1,
+                                                                Purpose.SYSTEM)))
+            self._exp_comp = comp
+        return self._exp_bytes
+
+    def begin(self, plan: RoundPlan, exp: Experiment) -> RoundSim:
+        """Decide the round's mid-round dropouts and (``late: partial``) each client's
+        step budget; the jobs of cut clients get ``max_steps``. Reads the run's
+        training split sizes, trainer, broadcast size and the round's compressor."""
+        cfg, r = self.cfg, plan.round
+        sim = RoundSim(r)
+        partial = self.timed and cfg.deadline_s is not None and cfg.late == "partial"
+        up = self.expected_uplink(plan.comp, exp.layout.size) if partial else 0
+        for i, job in enumerate(plan.jobs):
+            k = job.client
+            if cfg.dropout > 0 and _uniform(self.seed, r, k, Purpose.CLIENT_DROPOUT) < cfg.dropout:
+                sim.withheld[k] = "dropped out mid-round (system.dropout)"
+                continue
+            if not partial:
+                continue
+            assert cfg.deadline_s is not None
+            dev = self.device(k)
+            n = len(exp.fed.train[k])
+            full = exp.trainer.num_steps(n, job.epochs)
+            left = (cfg.deadline_s - 2 * dev.latency_s - transfer_s(exp.downlink_size,
+                                                                      dev.down_bps)
+                    - transfer_s(up, dev.up_bps))
+            allowed = 0 if left < 0 else steps_within(
+                left * dev.speed if dev.speed > 0 else math.inf, n, self.batch, full)
+            if allowed == 0:
+                sim.withheld[k] = "no local step fits before system.deadline_s"
+            elif allowed < full:
+                plan.jobs[i] = dataclasses.replace(job, max_steps=allowed)
+                sim.cut[k] = allowed
+        plan.withheld = set(sim.withheld)
+        return sim
+
+    def after_uplink(self, sim: RoundSim, plan: RoundPlan, exp: Experiment,
+                     results: list[ClientResult], ups: list[UplinkResult]
+                     ) -> tuple[list[ClientResult], list[UplinkResult]]:
+        """Time each reporting client from its real payload; withdraw those past the
+        deadline (not used, state untouched); set the round's duration."""
+        if self.timed:
+            for res, up in zip(results, ups, strict=True):
+                k = res.client
+                nbytes = len(up.payload) + sum(len(x) for x in up.extra_payloads)
+                samples = samples_for_steps(res.steps, len(exp.fed.train[k]), self.batch)
+                sim.times[k] = client_time(self.device(k), exp.downlink_size, samples, nbytes)
+            dl = self.cfg.deadline_s
+            if dl is not None:
+                gone = [i for i, res in enumerate(results) if sim.times[res.client] > dl]
+                if gone:
+                    sim.late = [results[i].client for i in gone]
+                    results, ups = _withdraw(plan, results, ups, gone)
+            # A late client keeps the server waiting until the deadline.
+            timed_out = bool(sim.late) or any("deadline" in w for w in sim.withheld.values())
+            if timed_out and dl is not None:
+                sim.round_s = dl
+            else:
+                sim.round_s = max((sim.times[res.client] for res in results), default=0.0)
+        sim.steps = [res.steps for res in results]
+        return results, ups
+
+    def finish(self, sim: RoundSim, st: RunState, new: RunState, metrics: dict[str, Any]
+               ) -> tuple[RunState, dict[str, Any]]:
+        """Add the round's system metrics; advance the simulated clock."""
+        r = sim.round
+        if self.has_availability:
+            avail = self._available.pop(r, self.num_clients)
+            metrics["available_clients"] = avail
+            metrics["cohort_short"] = int(avail < self.cohort_size)
+        if self.cfg.dropout > 0:
+            metrics["dropout_clients"] = sum("dropout" in w for w in sim.withheld.values())
+        if self.timed:
+            clock = st.sim_time_s + sim.round_s
+            new = dataclasses.replace(new, sim_time_s=clock)
+            metrics["sim_round_s"] = sim.round_s
+            metrics["sim_time_s"] = clock
+            if self.cfg.deadline_s is not None:
+                metrics["late_clients"] = len(sim.late) + sum(
+                    "deadline" in w for w in sim.withheld.values())
+                if self.cfg.late == "partial":
+                    metrics["cut_clients"] = len(sim.cut)
+            metrics["local_steps_mean"] = (float(np.mean(sim.steps)) if sim.steps
+                                           else float("nan"))
+        return new, metrics
+
+
+def _withdraw(plan: RoundPlan, results: list[ClientResult], ups: list[UplinkResult],
+              gone: Sequence[int]) -> tuple[list[ClientResult], list[UplinkResult]]:
+    """Remove the kept cohort positions ``gone`` after the uplink: the clients are
+    dropped (named in ``plan.dropped``), not rejected; nothing of them is aggregated
+    and their state rows are never scattered."""
+    out = set(gone)
+    keep = [i for i in range(len(results)) if i not in out]
+    pos = torch.tensor(keep, dtype=torch.long)
+    plan.dropped = [*plan.dropped, *(int(plan.cohort[i]) for i in gone)]
+    plan.withheld = plan.withheld | {int(plan.cohort[i]) for i in gone}
+    plan.cohort = plan.cohort[pos]
+    plan.old_rows = {f: v[pos] for f, v in plan.old_rows.items()}
+    plan.alphas = [plan.alphas[i] for i in keep]
+    plan.fb_rows = [plan.fb_rows[i] for i in keep]
+    new_pos = {old: new for new, old in enumerate(keep)}
+    plan.refused = {new_pos[i]: why for i, why in plan.refused.items() if i in new_pos}
+    return [results[i] for i in keep], [ups[i] for i in keep]
+
+
+def make_system(cfg: SystemConfig, seed: int, num_clients: int, batch_size: int,
+                cohort_size: int, *, full_participation: bool = False) -> System | None:
+    """The run's :class:`System`, or ``None`` when the section is off (nothing is
+    simulated and the engine takes its plain path)."""
+    check_system_config(cfg)
+    sysm = System(cfg, seed, num_clients, batch_size, cohort_size)
+    if not (sysm.timed or sysm.has_availability or cfg.dropout > 0):
+        return None
+    if sysm.has_availability and full_participation:
+        raise ConfigError("system.availability: the aggregator needs every client in every "
+                          "round; leave availability at 1 and pattern none")
+    return sysm
