@@ -360,3 +360,13 @@ def test_hf_saved_to_disk_grayscale_images_one_client_per_writer(tmp_path: Path)
                      client="writer_id", min_samples=3, max_client_samples=8, num_clients=1)
     a, b = load_dataset(one, 7), load_dataset(one, 7)
     assert len(np.unique(a.groups)) == 1 and torch.equal(a.x, b.x)
+
+
+def test_relative_data_path_is_looked_up_under_the_data_root(tmp_path: Path) -> None:
+    for cls, color in (("a", (255, 0, 0)), ("b", (0, 255, 0))):
+        _png(tmp_path / "root" / "shapes" / cls / "0.png", color)
+    cfg = DataConfig(name="image-folder", path="shapes", root=str(tmp_path / "root"))
+    assert load_dataset(cfg, 0).y.tolist() == [0, 1]
+    with pytest.raises(DatasetUnavailable, match=r"data\.path: nowhere: no such file .*looked"):
+        load_dataset(DataConfig(name="image-folder", path="nowhere",
+                                root=str(tmp_path / "root")), 0)

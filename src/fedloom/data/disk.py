@@ -25,7 +25,8 @@ never downloads anything:
   ImageFolder layout), or ``train/`` and ``test/`` (or ``val/``) folders of that
   layout; ``data.image_size`` resizes (0 = every image must have one size).
 - ``hf``: a Hugging Face dataset saved with ``save_to_disk`` or parquet files
-  (``data.path``), read offline with the ``datasets`` library; the image (or
+  (``data.path``; a relative path is also looked up under the data root), read
+  offline with the ``datasets`` library; the image (or
   feature) column is ``data.image_column``, the label column ``data.label``;
   with ``data.client`` naming a column (e.g. ``writer_id`` of the Hub's
   FEMNIST), each of its values is one client (a natural split), and writers
@@ -501,6 +502,19 @@ def tiny_imagenet(cfg: DataConfig, seed: int) -> Dataset:
 
 
 # ------------------------------------------------------------------ image folder
+def _user_path(cfg: DataConfig) -> Path:
+    """``data.path``; a relative path that does not exist from the working directory is
+    looked up under the data root (so configs can name ``flwrlabs-femnist``)."""
+    path = Path(cfg.path).expanduser()
+    if not path.is_absolute() and not path.exists() and (data_root(cfg) / path).exists():
+        path = data_root(cfg) / path
+    if not path.exists():
+        raise DatasetUnavailable(f"data.path: {cfg.path}: no such file or directory (looked "
+                                 f"in {Path.cwd()} and {data_root(cfg)})")
+    return path
+
+
+
 def _class_dirs(d: Path) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
 
@@ -570,7 +584,7 @@ def _images_dataset(name: str, arrs: dict[str, Any], classes: int) -> Dataset:
 def image_folder(cfg: DataConfig, seed: int) -> Dataset:
     if not cfg.path:
         raise DatasetUnavailable("data.path: image-folder needs the folder of class folders")
-    arrs = read_image_folder(Path(cfg.path).expanduser(), cfg.image_size)
+    arrs = read_image_folder(_user_path(cfg), cfg.image_size)
     return _images_dataset("image-folder", arrs, len(arrs["classes"]))
 
 
@@ -660,9 +674,7 @@ def _pick_writers(groups: np.ndarray, cfg: DataConfig, seed: int) -> np.ndarray:
 def hf(cfg: DataConfig, seed: int) -> Dataset:
     if not cfg.path:
         raise DatasetUnavailable("data.path: hf needs a save_to_disk folder or parquet files")
-    path = Path(cfg.path).expanduser()
-    if not path.exists():
-        raise DatasetUnavailable(f"data.path: {path}: no such file or directory")
+    path = _user_path(cfg)
     splits = _hf_splits(path)
     train_key = "train" if "train" in splits else next(iter(splits))
     test_key = next((k for k in ("test", "validation", "val") if k in splits and k != train_key),
