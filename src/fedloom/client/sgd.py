@@ -97,6 +97,9 @@ class ClientJob:
     # Positions of x, y in the run's training data: backends that run elsewhere
     # ship these instead of the samples (the data is sent to each worker once).
     data_index: torch.Tensor | None = None
+    # At most this many local steps (the first of those it would run): partial work
+    # of a client cut by a round deadline (fedloom.system, late: partial).
+    max_steps: int | None = None
 
 
 @dataclass
@@ -157,10 +160,13 @@ class LocalSGD:
             return self.steps
         return (epochs or self.epochs) * math.ceil(n / self.batch_size)
 
-    def batch_indices(self, n: int, gen: torch.Generator,
-                      epochs: int | None = None) -> list[torch.Tensor]:
-        """The index batches of one round: permutations chained epoch after epoch."""
+    def batch_indices(self, n: int, gen: torch.Generator, epochs: int | None = None,
+                      max_steps: int | None = None) -> list[torch.Tensor]:
+        """The index batches of one round: permutations chained epoch after epoch
+        (the first ``max_steps`` of them when that is set)."""
         total = self.num_steps(n, epochs)
+        if max_steps is not None:
+            total = min(total, max_steps)
         if n <= 0:
             # no sample to draw from: with client.steps set this loop would never end
             raise ValueError("local training: the client holds no training sample")
@@ -199,7 +205,7 @@ class LocalSGD:
         self, x0: torch.Tensor, anchor: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
         lr: float, gen: torch.Generator, *, prox_mu: float | None,
         grad_shift: torch.Tensor | None, probe: bool, penalty: Penalty | None = None,
-        epochs: int | None = None,
+        epochs: int | None = None, max_steps: int | None = None,
     ) -> tuple[torch.Tensor, float, int, float | None]:
         mu = self.prox_mu if prox_mu is None else prox_mu
         fm = self._flat_module()
@@ -210,7 +216,7 @@ class LocalSGD:
         loss_sum = 0.0
         smooth: float | None = None
         first_grad: torch.Tensor | None = None
-        batches = self.batch_indices(int(y.shape[0]), gen, epochs)
+        batches = self.batch_indices(int(y.shape[0]), gen, epochs, max_steps)
         for step, idx in enumerate(batches):
             fm.g.zero_()
             loss = F.cross_entropy(fm.module(x[idx]), y[idx])
@@ -271,7 +277,8 @@ class LocalSGD:
         w_k, loss, steps, smooth = self._descend(x0, w_global, job.x, job.y, job.lr, gen,
                                                  prox_mu=None, grad_shift=job.grad_shift,
                                                  probe=job.probe_smoothness,
-                                                 penalty=job.penalty, epochs=job.epochs)
+                                                 penalty=job.penalty, epochs=job.epochs,
+                                                 max_steps=job.max_steps)
         update = (w_global - w_k).contiguous()
         res = ClientResult(job.client, update, int(job.y.shape[0]), loss, steps, start_loss)
         if smooth is not None:

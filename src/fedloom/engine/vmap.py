@@ -9,7 +9,8 @@ FedProx, SCAFFOLD's shift, FLARE's penalty) as one batched update.
 Equal results: each client uses exactly the batches the sequential backend
 would draw (the same derived generator and :meth:`LocalSGD.batch_indices`).
 Batches are padded to the largest one and masked; a client that has finished
-its steps is masked out of the update, not dropped. The masked mean
+its steps (fewer samples, or its ``max_steps``: partial work under a round
+deadline) is masked out of the update, not dropped. The masked mean
 ``Σ mask·ℓ / Σ mask`` equals the sequential batch mean up to summation order:
 measured, client updates agree to 6e-17 in float64 and final models to
 1e-12; float32 models to about 2e-7 relative (the order of float32 rounding).
@@ -84,7 +85,7 @@ class VmapBackend:
         for j in jobs:
             gen = torch.Generator()
             gen.manual_seed(j.gen_seed)
-            batches.append(tr.batch_indices(int(j.y.shape[0]), gen, j.epochs))
+            batches.append(tr.batch_indices(int(j.y.shape[0]), gen, j.epochs, j.max_steps))
         steps = [len(b) for b in batches]
         T = max(steps)
         B = max(len(i) for b in batches for i in b)

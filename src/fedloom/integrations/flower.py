@@ -152,6 +152,11 @@ def _check_scope(cfg: Config) -> None:
     if cfg.client.method != "sgd":
         raise ConfigError(f"client.method: {cfg.client.method!r} is not supported on Flower "
                           "(use sgd)")
+    # Real clients have real time: the simulated clock, deadline and dropouts are
+    # in-process only (availability is the cohort sampling, which applies here too).
+    if cfg.system.profile != "off" or cfg.system.dropout > 0:
+        raise ConfigError("system.profile: simulated devices and dropouts are for in-process "
+                          "runs; on Flower only system.availability/pattern apply")
 
 
 _EXPERIMENTS: dict[str, Experiment] = {}
