@@ -60,6 +60,15 @@ def test_entry_point_is_listed_and_built_like_a_builtin():
         fedloom.make_aggregator("geomed", bogus=1)
 
 
+def test_algorithm_listing_shows_plugins_but_the_reference_does_not(capsys):
+    assert main(["algorithms"]) == 0
+    listing = capsys.readouterr().out
+    assert "aggregator       geomed         iters=4, nu=1e-06, tol=1e-08  [entry point of " \
+           "fedloom-example-plugin" in listing
+    assert main(["algorithms", "--markdown"]) == 0
+    assert "geomed" not in capsys.readouterr().out
+
+
 def test_config_schema_checks_plugin_names_and_references():
     cfg = load_config(TINY, ["aggregator.name=geomed", f"data.partition.name={ROUND_ROBIN}"])
     assert cfg.aggregator.name == "geomed"

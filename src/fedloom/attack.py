@@ -37,7 +37,14 @@ Transform = Callable[[torch.Tensor, int, int], torch.Tensor]
 
 
 class SignFlip:
-    """``g ↦ −scale·g``."""
+    """``g ↦ −scale·g``.
+
+    Reference:
+        paper: Li et al., "RSA: Byzantine-Robust Stochastic Aggregation Methods for Distributed
+            Learning from Heterogeneous Datasets", AAAI 2019 (sign flipping).
+        code: none needed.
+        departures: none.
+    """
 
     def __init__(self, scale: float = 1.0) -> None:
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:

@@ -168,14 +168,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_datasets(args: argparse.Namespace) -> int:
+    import os
+
     from fedloom.data.sources import list_sources
 
+    if args.root:  # look there instead of $FEDLOOM_DATA / ~/.cache/fedloom/data
+        os.environ["FEDLOOM_DATA"] = args.root
     rows = [(s.name, "yes" if s.available() else "no", s.description,
-             "" if s.available() else s.install) for s in list_sources()]
+             "" if s.available() else s.install, s.where() if s.where else "")
+            for s in list_sources()]
     w0 = max(len(r[0]) for r in rows)
-    print(f"{'dataset':<{w0}}  here  description / install command")
-    for name, here, desc, inst in rows:
+    print(f"{'dataset':<{w0}}  here  description / where it is looked for / install")
+    for name, here, desc, inst, where in rows:
         print(f"{name:<{w0}}  {here:<4}  {desc}")
+        if where:
+            print(f"{'':<{w0}}        looked in: {where}")
         if inst:
             print(f"{'':<{w0}}        install: {inst}")
     return 0
@@ -276,6 +283,16 @@ def _cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_algorithms(args: argparse.Namespace) -> int:
+    from fedloom.report.algorithms import entries, render_markdown, render_text
+
+    if args.markdown:  # built-ins only: the checked-in docs/algorithms.md
+        sys.stdout.write(render_markdown())
+    else:  # installed plug-ins too, with where they come from
+        sys.stdout.write(render_text(entries(builtin_only=False)))
+    return 0
+
+
 def _version() -> str:
     import platform
 
@@ -331,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write curves.png and client_acc_cdf.png there (matplotlib)")
     c.set_defaults(func=_cmd_compare)
     d = sub.add_parser("datasets", help="list datasets, whether they are here, how to install")
+    d.add_argument("--root", help="look for on-disk datasets here (default: $FEDLOOM_DATA, "
+                   "else ~/.cache/fedloom/data)")
     d.set_defaults(func=_cmd_datasets)
     mo = sub.add_parser("models", help="list models, their parameter counts and options")
     mo.add_argument("--json", action="store_true", help="machine-readable output")
@@ -338,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
     sc = sub.add_parser("schema", help="print the config's JSON Schema (editors complete keys "
                                        "with it: fedloom schema > fedloom.schema.json)")
     sc.set_defaults(func=_cmd_schema)
+    al = sub.add_parser("algorithms", help="list aggregators, compressors, feedback policies, "
+                                           "methods … with their options (plug-ins too)")
+    al.add_argument("--markdown", action="store_true",
+                    help="the built-ins' reference with papers, public code and departures "
+                         "(fedloom algorithms --markdown > docs/algorithms.md)")
+    al.set_defaults(func=_cmd_algorithms)
     # Every command, named where `fedloom --help` starts.
     p.description = ("Federated learning on heterogeneous clients over slow links. "
                      f"Commands: {', '.join(sub.choices)}; `fedloom COMMAND --help` for each.")

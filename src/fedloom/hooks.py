@@ -80,7 +80,13 @@ class NoPlanner:
 
 @register("planner", "none")
 def no_planner() -> NoPlanner:
-    """Every round as configured: the configured compressor and local epochs."""
+    """Every round as configured: the configured compressor and local epochs.
+
+    Reference:
+        paper: none (no adaptation).
+        code: none needed.
+        departures: none.
+    """
     return NoPlanner()
 
 

@@ -47,7 +47,21 @@ class AFL:
 
     Args:
         gamma_lambda: the ascent step ``γ_λ`` on the mixture weights (public: 0.01).
+
+    Reference:
+        paper: Mohri, Sivek & Suresh, "Agnostic Federated Learning", ICML 2019.
+        code: WwZzz/easyFL (``afl.py``, which follows the fair_flearn code): γ_λ = 0.01, γ_w =
+            the client lr.
+        departures: a client whose update is rejected drops out of the round's model step (the
+            others' λ renormalised) and gets no loss term in the λ step; the public code has no
+            rejected updates.
+        measured: two rounds of the public update (direction and λ) replayed in NumPy: equal to
+            1e-12 (tests/test_baselines_public.py).
     """
+
+    # server.lr=auto: the direction carries η_l (module docstring), so server.lr = 1 is the
+    # public step γ_w = η_l.
+    default_server_lr = 1.0
 
     requires = frozenset({"start_losses"})
     full_participation = True
@@ -67,7 +81,8 @@ class AFL:
         if info is None or info.start_losses is None:
             raise ValueError("afl: needs the clients' losses (info.start_losses)")
         N = info.num_clients
-        lam = state if state is not None else torch.full((N,), 1.0 / N, dtype=torch.float64)
+        lam = (state if state is not None
+               else torch.full((N,), 1.0 / N, dtype=torch.float64, device=updates.device))
         ids = info.clients
         # Rows missing this round (rejected updates) drop out of this step only.
         coef = lam[ids] / lam[ids].sum()

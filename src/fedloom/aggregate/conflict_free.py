@@ -72,7 +72,22 @@ class ConFIG(Stateless):
         rtol, sv_floor: singular values of ``U`` below ``max(sv_floor, rtol·σ_max)``
             count as zero (least squares on the rest).
         precision: ``"mixed"`` (fast path, float64 where it cannot decide) or ``"float64"``.
+
+    Reference:
+        paper: Liu et al., "ConFIG: Towards Conflict-free Training of Physics Informed Neural
+            Networks", ICLR 2025.
+        code: tum-pbs/ConFIG (``conflictfree/grad_operator.py``, ``ConFIG_update``).
+        departures: the length is the mean of the projections over the cohort (``length="sum"``
+            is the original, m times FedAvg's step); singular values below ``max(sv_floor,
+            rtol·σ_max)`` are dropped and the system is solved in float64; zero rows are
+            dropped.
+        measured: relative difference to the public pinv rule ≤ 3.3e-6 on nine cohort kinds,
+            2.0e-4 near-collinear (the public float32 pinv's own distance to the float64 rule;
+            ours 1.6e-5).
     """
+
+    # server.lr=auto: length="mean" keeps FedAvg's scale (‖g‖ ≤ mean ‖g_i‖): FedAvg's step.
+    default_server_lr = 1.0
 
     def __init__(self, length: Literal["mean", "sum"] = "mean", rtol: float = 1e-6,
                  sv_floor: float = 1e-3, precision: Precision = "mixed") -> None:
@@ -115,7 +130,7 @@ class ConFIG(Stateless):
             return updates.new_zeros(d), {}
         norms = sq[idx].sqrt()
         G = G_raw[idx][:, idx] / (norms[:, None] * norms[None, :])
-        ones = torch.ones(k, dtype=torch.float64)
+        ones = torch.ones(k, dtype=torch.float64, device=G.device)
         gram_dtype = updates.dtype if precision == "mixed" else torch.float64
         sol = truncated_solve(G, ones, sv_floor=self.sv_floor, rtol=self.rtol,
                               noise=gram_noise(k, gram_dtype), final=final)
@@ -130,7 +145,7 @@ class ConFIG(Stateless):
         proj = norms * (ones - sol.dropped) / gu_norm            # ⟨g_i, ĝ⟩
         length = proj.sum() if self.length == "sum" else proj.mean()
         # g = length · ĝ = length/‖g_u‖ · Σ λ_i u_i = Σ (length λ_i / (‖g_u‖ ‖g_i‖)) g_i
-        coef = torch.zeros(m, dtype=torch.float64)
+        coef = torch.zeros(m, dtype=torch.float64, device=updates.device)
         coef[idx] = (float(length) / gu_norm) * sol.lam / norms  # zero rows are not copied out
         if precision == "float64":
             g, _ = combine(updates, coef, precision="float64")  # formed in float64, rounded once

@@ -23,6 +23,16 @@ __all__ = ["CoordinateMean"]
 
 
 class CoordinateMean(Stateless):
+    """Coordinate-wise mean over the clients that sent each coordinate (SA-PEF's server).
+
+    Reference:
+        paper: SA-PEF, arXiv 2601.20738 (the server rule of its experiments).
+        code: Dawitkiros/SA-PEF (each coordinate averaged over its senders only).
+        departures: a coordinate counts as sent when its decoded value is non-zero; weighted by
+            ``n_k``.
+    """
+    # server.lr=auto: a mean of the updates: FedAvg's step.
+    default_server_lr = 1.0
 
     def __call__(
         self, updates: torch.Tensor, weights: torch.Tensor, state: None, *,

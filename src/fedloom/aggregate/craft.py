@@ -163,7 +163,22 @@ class CRAFT:
         chunk: column chunk of the Gram accumulation.
         match_reference: reproduce the public code's float32
             ``torch.linalg.pinv(U)`` path (in the input dtype) exactly.
+
+    Reference:
+        paper: "CRAFT: Conflict-Resolved Aggregation for Federated Training", arXiv 2605.21317.
+        code: tum-pbs/CRAFT (``fed/craft.py``); ``match_reference=True`` reproduces it bit for
+            bit.
+        departures: the Gram matrix in column chunks and the m × m system in float64 with the
+            cut ``σ_cut = max(sv_floor, rtol·σ_max)``, a float64 fallback and iterative
+            refinement (the public float32 ``pinv`` drops or keeps directions by ``max(m,
+            d)·eps``); layer groups from the model's Layout.
+        measured: constraint violation 7.9e-9 (public 1.5e-6) at cos 0.9999, 10 × 1e4; the full
+            table is in the module docstring.
     """
+
+    # server.lr=auto: the public code's server_lr (github.com/tum-pbs/CRAFT, utils/config.yaml):
+    # ‖g^q‖ is about 0.1–1 whatever the updates' size, so 1.0 steps each layer ~10× further.
+    default_server_lr = 0.1
 
     def __init__(
         self,
@@ -216,7 +231,7 @@ class CRAFT:
             )
         if weights.shape != (m,) or bool((weights < 0).any()):
             raise ValueError("craft: weights must be a non-negative vector, one per update")
-        out = torch.empty(d, dtype=updates.dtype)
+        out = torch.empty(d, dtype=updates.dtype, device=updates.device)
         viol, align, infeasible = [], [], 0
         for start, stop in state.groups:
             prev = state.previous[start:stop] if state.previous is not None else None
@@ -276,7 +291,8 @@ class CRAFT:
         norms = sq[idx].sqrt()
         rho = _normalise(weights[idx].to(torch.float64))
         G = G_raw[idx][:, idx] / (norms[:, None] * norms[None, :])
-        Uref = Rref[idx] / norms if Rref is not None else torch.zeros(k, dtype=torch.float64)
+        Uref = (Rref[idx] / norms if Rref is not None
+                else torch.zeros(k, dtype=torch.float64, device=G.device))
         b = rho - Uref
         gram_dtype = R.dtype if precision == "mixed" else torch.float64
         sol = truncated_solve(G, b, sv_floor=self.sv_floor, rtol=self.rtol,
@@ -287,7 +303,7 @@ class CRAFT:
         def form(lam: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
             # g = ĝ + Uᵀλ = ĝ + Rᵀ(λ/‖g_i‖), then the constraints as actually met by
             # the returned g (in its dtype), so a violation is visible, not assumed away.
-            coef = torch.zeros(m, dtype=torch.float64)
+            coef = torch.zeros(m, dtype=torch.float64, device=R.device)
             coef[idx] = lam / norms
             g, Rg = combine(R, coef, ref, chunk=self.chunk, precision=precision)
             Ug = Rg[idx] / norms

@@ -33,6 +33,14 @@ def nova_norm(steps: torch.Tensor, momentum: float) -> torch.Tensor:
 
 
 class FedNova(Stateless):
+    """FedNova: ``(Σ p_k a_k) · Σ p_k g_k/a_k`` with ``a_k = ‖a_k‖₁`` of the local steps.
+
+    Reference:
+        paper: Wang et al., "Tackling the Objective Inconsistency Problem in Heterogeneous
+            Federated Optimization", NeurIPS 2020, eq. (6)–(7).
+        code: none checked.
+        departures: none known (``‖a_k‖₁`` with SGD momentum as in the paper's Appendix).
+    """
     # Σ_k (τ_eff p_k/a_k) g_k: computable from sums (Σ n_k g_k/a_k, Σ n_k, Σ n_k a_k), so
     # secure aggregation holds; not dp_mean (fedloom.privacy).
     linear = True

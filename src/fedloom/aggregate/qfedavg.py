@@ -25,6 +25,17 @@ __all__ = ["QFedAvg"]
 
 
 class QFedAvg(Stateless):
+    """q-FedAvg: ``w ← w − Σ_k F_k^q Δ_k / Σ_k h_k`` with ``Δ_k = g_k/η_l`` (q-FFL).
+
+    Reference:
+        paper: Li, Sanjabi, Beirami & Smith, "Fair Resource Allocation in Federated Learning",
+            ICLR 2020, Algorithm 2.
+        code: none checked.
+        departures: ``L = 1/η_l`` of the round unless ``lipschitz`` is given; apply with
+            ``server.lr = 1``.
+    """
+    # server.lr=auto: Algorithm 2 applies Σ Δ_k / Σ h_k as is.
+    default_server_lr = 1.0
     requires = frozenset({"start_losses", "lr"})
 
     def __init__(self, q: float = 1.0, lipschitz: float | None = None) -> None:

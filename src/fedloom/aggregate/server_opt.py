@@ -70,5 +70,49 @@ def make_server_optimizer(kind: str, **kw: float) -> ServerOptimizer:
     return ServerOptimizer(kind, **kw)
 
 
-for _k in ("sgd", "momentum", "adam", "yogi", "adagrad"):
-    register("server_optimizer", _k)(lambda _k=_k, **kw: ServerOptimizer(_k, **kw))
+# The factories (server.optimizer); their options are the server section's keys.
+_REFERENCE = """
+
+    Reference:
+        paper: Reddi et al., "Adaptive Federated Optimization", ICLR 2021, Algorithm 2
+            (FedAvgM: Hsu, Qi & Brown, arXiv 1909.06335, 2019).
+        code: none checked (the update equations of the paper).
+        departures: the pseudo-gradient sign (``agg`` points like a gradient); as
+            in the paper, no bias correction and the second moment starts at τ².
+    """
+
+
+@register("server_optimizer", "sgd")
+def sgd(lr: float = 1.0) -> ServerOptimizer:
+    return ServerOptimizer("sgd", lr=lr)
+
+
+@register("server_optimizer", "momentum")
+def momentum(lr: float = 1.0, momentum: float = 0.9) -> ServerOptimizer:
+    return ServerOptimizer("momentum", lr=lr, momentum=momentum)
+
+
+@register("server_optimizer", "adam")
+def adam(lr: float = 1.0, beta1: float = 0.9, beta2: float = 0.99,
+         eps: float = 1e-3) -> ServerOptimizer:
+    return ServerOptimizer("adam", lr=lr, beta1=beta1, beta2=beta2, eps=eps)
+
+
+@register("server_optimizer", "yogi")
+def yogi(lr: float = 1.0, beta1: float = 0.9, beta2: float = 0.99,
+         eps: float = 1e-3) -> ServerOptimizer:
+    return ServerOptimizer("yogi", lr=lr, beta1=beta1, beta2=beta2, eps=eps)
+
+
+@register("server_optimizer", "adagrad")
+def adagrad(lr: float = 1.0, eps: float = 1e-3) -> ServerOptimizer:
+    return ServerOptimizer("adagrad", lr=lr, eps=eps)
+
+
+sgd.__doc__ = "``w ← w − η agg`` (FedAvg's server step at η = 1)." + _REFERENCE
+momentum.__doc__ = "FedAvgM: ``v ← β v + agg``, ``w ← w − η v``." + _REFERENCE
+adam.__doc__ = ("FedAdam: ``m ← β₁m + (1−β₁)agg``, ``v ← β₂v + (1−β₂)agg²``, "
+                "``w ← w − η m/(√v + τ)``." + _REFERENCE)
+yogi.__doc__ = ("FedYogi: as FedAdam with ``v ← v − (1−β₂) agg² sign(v − agg²)``."
+                + _REFERENCE)
+adagrad.__doc__ = "FedAdagrad: ``v ← v + agg²``, ``w ← w − η agg/(√v + τ)``." + _REFERENCE

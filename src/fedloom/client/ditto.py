@@ -47,7 +47,10 @@ class Ditto(LocalMethod):
         v0 = job.state["personal"] if started else job.w
         gen = torch.Generator()
         gen.manual_seed(derive_seed(job.gen_seed, job.round, job.client, "ditto-personal"))
-        v, loss, _ = trainer.descend(v0, job.w, job.x, job.y, job.lr, gen, prox_mu=self.lam)
+        # From the round's buffers too; those the personal pass ends with are not
+        # kept (clients are evaluated with the global or, model.buffers=local, their own).
+        v, loss, _ = trainer.descend(v0, job.w, job.x, job.y, job.lr, gen, prox_mu=self.lam,
+                                     buffers=job.buffers)
         res.state = {"personal": v.to(job.w.dtype), "personal_set": torch.ones(1, dtype=v.dtype)}
         res.extra["personal_loss"] = loss
         return res
@@ -55,4 +58,13 @@ class Ditto(LocalMethod):
 
 @register("method", "ditto")
 def _ditto(lam: float = 1.0) -> Ditto:
+    """Ditto: each client also trains a personal model on ``F_k(v) + (λ/2)‖v − w‖²`` (``lam`` = λ).
+
+    Reference:
+        paper: Li, Hu, Beirami & Smith, "Ditto: Fair and Robust Federated Learning Through
+            Personalization", ICML 2021, Algorithm 1.
+        code: none checked.
+        departures: the personal model starts as the first global model the client receives and
+            trains with the same local settings as the global pass.
+    """
     return Ditto(lam=lam)

@@ -53,4 +53,12 @@ class LocalMethod:
 
 @register("method", "sgd")
 def _sgd() -> LocalMethod:
+    """Local SGD (FedAvg's local solver; FedProx with ``client.prox_mu``).
+
+    Reference:
+        paper: McMahan et al., AISTATS 2017 (FedAvg); Li et al., "Federated Optimization in
+            Heterogeneous Networks", MLSys 2020 (FedProx).
+        code: none needed.
+        departures: none.
+    """
     return LocalMethod()

@@ -70,4 +70,13 @@ class Scaffold(LocalMethod):
 
 @register("method", "scaffold")
 def _scaffold() -> Scaffold:
+    """SCAFFOLD, control variates with option II (the module docstring has the rule).
+
+    Reference:
+        paper: Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated
+            Learning", ICML 2020, Algorithm 1.
+        code: none checked.
+        departures: ``S``, the sum of the local step multipliers, replaces ``K`` under momentum
+            (identical at β = 0); the model step is the configured aggregator.
+    """
     return Scaffold()

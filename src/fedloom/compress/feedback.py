@@ -477,7 +477,8 @@ def error_feedback() -> ErrorFeedback:
     Reference:
         paper: Seide et al., "1-Bit Stochastic Gradient Descent and its Application
             to Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014;
-            Stich & Karimireddy, "The Error-Feedback Framework", JMLR 2020.
+            Stich & Karimireddy, "The Error-Feedback Framework: Better Rates for SGD
+            with Delayed Gradients and Compressed Communication", 2019.
         code: Dawitkiros/SA-PEF (its EF client, SA-PEF at α = 0).
         departures: ``g`` is the local-training pseudo-gradient ``w − w_k``; the
             residual is ``u − decode(payload)`` (quantisation error stays in it).

@@ -39,4 +39,11 @@ class Identity:
 
 @register("compressor", "identity")
 def _identity(checksum: bool = True, layout: object | None = None) -> Identity:
+    """The dense vector as little-endian float32 (no compression).
+
+    Reference:
+        paper: none (the uncompressed baseline).
+        code: none needed.
+        departures: none.
+    """
     return Identity(checksum)

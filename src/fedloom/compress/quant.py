@@ -168,19 +168,52 @@ class QSGD:
 
 @register("compressor", "fp16")
 def _fp16(checksum: bool = True, layout: Layout | None = None) -> Cast:
+    """Every entry as IEEE float16 (2 bytes).
+
+    Reference:
+        paper: none (a cast).
+        code: none needed.
+        departures: values beyond float16's range become ±inf and the client's update is
+            rejected.
+    """
     return Cast("float16", checksum)
 
 
 @register("compressor", "bf16")
 def _bf16(checksum: bool = True, layout: Layout | None = None) -> Cast:
+    """Every entry as bfloat16 (2 bytes).
+
+    Reference:
+        paper: none (a cast).
+        code: none needed.
+        departures: none.
+    """
     return Cast("bfloat16", checksum)
 
 
 @register("compressor", "sign")
 def _sign(checksum: bool = True, layout: Layout | None = None) -> ScaledSign:
+    """Scaled sign: ``(‖x‖₁/d) sign(x)``, one float32 scale and one bit per entry.
+
+    Reference:
+        paper: Karimireddy, Rebjock, Stich & Jaggi, "Error Feedback Fixes SignSGD and other
+            Gradient Compression Schemes", ICML 2019.
+        code: none checked.
+        departures: a zero entry is sent as positive.
+    """
     return ScaledSign(checksum)
 
 
 @register("compressor", "qsgd")
 def _qsgd(levels: int = 16, checksum: bool = True, layout: Layout | None = None) -> QSGD:
+    """QSGD with ``levels`` = s levels: ``‖x‖₂ sign(x_j) ξ_j/s``, ``ξ_j`` stochastic rounding
+    (unbiased).
+
+    Reference:
+        paper: Alistarh, Grubic, Li, Tomioka & Vojnovic, "QSGD: Communication-Efficient SGD via
+            Gradient Quantization and Encoding", NeurIPS 2017.
+        code: none checked.
+        departures: levels bit-packed at a fixed ``⌈log₂(s+1)⌉`` bits an entry, not the paper's
+            Elias coding; rounding draws from the round's (seed, round, client) generator.
+    """
     return QSGD(levels=levels, checksum=checksum)

@@ -70,9 +70,9 @@ def topk_indices(x: torch.Tensor, k: int, *, sample: int = 65536) -> torch.Tenso
     """
     d = x.numel()
     if k <= 0:
-        return torch.zeros(0, dtype=torch.long)
+        return torch.zeros(0, dtype=torch.long, device=x.device)
     if k >= d:
-        return torch.arange(d)
+        return torch.arange(d, device=x.device)
     if d <= 4 * sample:
         return torch.topk(x.abs(), k, sorted=False).indices.sort().values
     # |x| is never materialised for the whole vector (a 4-byte-per-entry pass and
@@ -92,7 +92,7 @@ def topk_indices(x: torch.Tensor, k: int, *, sample: int = 65536) -> torch.Tenso
             if 2 * k <= n:
                 keep = cand[torch.topk(vals, k, sorted=False).indices]
             else:  # drop the n − k smallest candidates instead
-                mask = torch.ones(n, dtype=torch.bool)
+                mask = torch.ones(n, dtype=torch.bool, device=x.device)
                 if n > k:
                     mask[torch.topk(vals, n - k, largest=False, sorted=False).indices] = False
                 keep = cand[mask]
@@ -104,8 +104,10 @@ def topk_indices(x: torch.Tensor, k: int, *, sample: int = 65536) -> torch.Tenso
 def encode_sparse(codec: int, d: int, idx: torch.Tensor, values: torch.Tensor,
                   value_dtype: ValueDtype, checksum: bool = False) -> bytes:
     vcode = _VCODE[value_dtype]
-    kind, index_block = encode_indices(idx.numpy(), d)
-    vals = values.detach().to(torch.float32).numpy().astype(_VALUE_DTYPES[vcode][0])
+    # The selection ran where x lives (the run's device): only the k indices and
+    # values cross to the host to be encoded.
+    kind, index_block = encode_indices(idx.cpu().numpy(), d)
+    vals = values.detach().to(torch.float32).cpu().numpy().astype(_VALUE_DTYPES[vcode][0])
     return pack(codec, d, _SPARSE.pack(idx.numel(), kind, vcode, len(index_block))
                 + index_block + vals.tobytes(), checksum)
 
@@ -270,8 +272,8 @@ class RandK:
             raise ValueError("randk.encode: needs a generator (gen=...)")
         d = x.numel()
         k = _budget(d, self.ratio, self.count)
-        idx = torch.randperm(d, generator=gen)[:k].sort().values
-        vals = x[idx] * (d / k) if self.scaled else x[idx]
+        idx = torch.randperm(d, generator=gen)[:k].sort().values  # host generator
+        vals = x[idx.to(x.device)] * (d / k) if self.scaled else x[idx.to(x.device)]
         return encode_sparse(self.codec, d, idx, vals, self.values, self.checksum)
 
     def budget(self, d: int) -> list[tuple[int, int, int]]:
@@ -290,6 +292,16 @@ def _topk(ratio: float | None = 0.01, count: int | None = None,
           scope: Literal["global", "tensor", "group"] = "global",
           values: ValueDtype = "float32", checksum: bool = True,
           layout: Layout | None = None) -> TopK:
+    """Top-k: the ``k`` entries of largest magnitude, over the vector, per tensor or per layer
+    group (``scope``).
+
+    Reference:
+        paper: Stich, Cordonnier & Jaggi, "Sparsified SGD with Memory", NeurIPS 2018; the
+            per-tensor budget of FLARE.
+        code: RanGreidi/FLARE (per tensor, ``k_l = max(1, round(n_l R))``).
+        departures: the wire format (varint index gaps or a bitmap, whichever is smaller) is
+            fedloom's; the real density is reported (above ``ratio`` per tensor).
+    """
     return TopK(ratio=ratio, count=count, scope=scope, values=values, layout=layout,
                 checksum=checksum)
 
@@ -298,5 +310,14 @@ def _topk(ratio: float | None = 0.01, count: int | None = None,
 def _randk(ratio: float | None = 0.01, count: int | None = None, scaled: bool = True,
            values: ValueDtype = "float32", checksum: bool = True,
            layout: Layout | None = None) -> RandK:
+    """Rand-k: ``k`` uniformly random entries, scaled by ``d/k`` (unbiased) or not
+    (``scaled=False``).
+
+    Reference:
+        paper: Stich, Cordonnier & Jaggi, "Sparsified SGD with Memory", NeurIPS 2018.
+        code: Dawitkiros/SA-PEF (unscaled: ``scaled=False``).
+        departures: the indices are drawn from the round's (seed, round, client) generator and
+            sent (no shared seed).
+    """
     return RandK(ratio=ratio, count=count, scaled=scaled, values=values, checksum=checksum)
 

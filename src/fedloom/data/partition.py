@@ -50,6 +50,13 @@ def _check(labels: np.ndarray, num_clients: int) -> None:
 
 @register("partitioner", "iid")
 def iid(labels: np.ndarray, num_clients: int, *, rng: np.random.Generator) -> list[np.ndarray]:
+    """A random permutation cut into near-equal parts.
+
+    Reference:
+        paper: none (the IID baseline).
+        code: none needed.
+        departures: none.
+    """
     _check(labels, num_clients)
     perm = rng.permutation(len(labels))
     return [np.sort(p) for p in np.array_split(perm, num_clients)]
@@ -58,7 +65,13 @@ def iid(labels: np.ndarray, num_clients: int, *, rng: np.random.Generator) -> li
 @register("partitioner", "contiguous")
 def contiguous(labels: np.ndarray, num_clients: int, *,
                rng: np.random.Generator) -> list[np.ndarray]:
-    """Consecutive blocks in source order (FLARE's "first 600 images each")."""
+    """Consecutive blocks in source order (FLARE's "first 600 images each").
+
+    Reference:
+        paper: FLARE's experiments (10 clients × the first 600 images each).
+        code: RanGreidi/FLARE.
+        departures: none.
+    """
     _check(labels, num_clients)
     return [np.asarray(p) for p in np.array_split(np.arange(len(labels)), num_clients)]
 
@@ -90,6 +103,13 @@ def dirichlet(
         balance: afterwards trim every client to ``⌊n/N⌋`` samples and hand the
             surplus to clients below it (CRAFT's code, ``balance=True``): equal
             sizes, with the label skew of the draw diluted by the surplus.
+
+    Reference:
+        paper: Hsu, Qi & Brown, "Measuring the Effects of Non-Identical Data Distribution for
+            Federated Visual Classification", 2019; Yurochkin et al., ICML 2019.
+        code: tum-pbs/CRAFT and FedLab (the sampler with the balancing rule).
+        departures: redrawn until every client has ``min_samples`` (``min_policy: move`` moves
+            samples instead).
     """
     _check(labels, num_clients)
     if alpha <= 0:
@@ -180,7 +200,13 @@ def _balance(parts: list[np.ndarray], target: int, rng: np.random.Generator) -> 
 def shards(
     labels: np.ndarray, num_clients: int, *, rng: np.random.Generator, shards_per_client: int = 2
 ) -> list[np.ndarray]:
-    """McMahan et al. (2017), §3: sorted-label shards, ``s`` per client."""
+    """McMahan et al. (2017), §3: sorted-label shards, ``s`` per client.
+
+    Reference:
+        paper: McMahan et al., AISTATS 2017, §3.
+        code: none needed.
+        departures: none.
+    """
     _check(labels, num_clients)
     n_shards = num_clients * shards_per_client
     if n_shards > len(labels):
@@ -202,7 +228,14 @@ def natural(
     rng: np.random.Generator,
     groups: np.ndarray | None = None,
 ) -> list[np.ndarray]:
-    """One client per natural group; ``num_clients`` must equal the number of groups."""
+    """One client per natural group; ``num_clients`` must equal the number of groups.
+
+    Reference:
+        paper: Caldas et al., "LEAF: A Benchmark for Federated Settings", 2018 (one client per
+            writer, user or role).
+        code: none needed.
+        departures: none.
+    """
     if groups is None:
         raise PartitionError("natural: this dataset has no natural client ids")
     if len(groups) != len(labels):

@@ -1,0 +1,229 @@
+"""The reference of every built-in algorithm, generated from the registry.
+
+``fedloom algorithms --markdown > docs/algorithms.md`` (or ``python -m
+fedloom.report.algorithms --write``) writes ``docs/algorithms.md``: for each
+kind and name, the config field that picks it, its options with types and
+defaults (read from the factory's signature), and the ``Reference:`` block of
+its docstring::
+
+    Reference:
+        paper: the publication (authors, title, venue/arXiv).
+        code: the public implementation it was checked against, or "none".
+        departures: every way it differs from the paper or that code.
+        measured: the numerical comparison with the public code (optional).
+
+Only built-ins are listed (an installed plug-in does not change the file);
+``fedloom algorithms`` without ``--markdown`` lists plug-ins too.
+``tests/test_algorithms_doc.py`` regenerates the file and compares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedloom.registry import available, get, origin
+
+__all__ = ["DOC_PATH", "Entry", "entries", "parse_reference", "render_markdown", "render_text"]
+
+DOC_PATH = Path("docs/algorithms.md")
+COMMAND = "fedloom algorithms --markdown > docs/algorithms.md"
+
+# kind, heading, the field that names it, where its options go
+KINDS: tuple[tuple[str, str, str, str], ...] = (
+    ("aggregator", "Aggregators", "aggregator.name", "aggregator.options.OPTION"),
+    ("server_optimizer", "Server optimizers", "server.optimizer", "server.OPTION"),
+    ("compressor", "Compressors", "compression.name", "compression.options.OPTION"),
+    ("feedback", "Error feedback", "compression.feedback",
+     "compression.OPTION (or compression.feedback_options.OPTION)"),
+    ("planner", "Round planners", "compression.adaptive",
+     "compression.OPTION (or compression.adaptive_options.OPTION)"),
+    ("method", "Local methods", "client.method", "client.method_options.OPTION"),
+    ("metric", "Client metrics", "metrics.hooks (or metrics.NAME: true)",
+     "metrics.NAME_OPTION (or metrics.options.NAME.OPTION)"),
+    ("partitioner", "Partitioners", "data.partition.name", "data.partition.OPTION"),
+    ("attack", "Attacks", "attack.name", "attack.options.OPTION"),
+)
+# Arguments the engine passes itself: not options.
+CONTEXT = frozenset({"self", "layout"})
+CONTEXT_OF = {"partitioner": frozenset({"labels", "num_clients", "rng", "groups"})}
+FIELDS = ("paper", "code", "departures", "measured")
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    type: str
+    default: str
+
+
+@dataclass(frozen=True)
+class Entry:
+    kind: str
+    name: str
+    source: str                 # module.qualname of the factory
+    summary: str                # first line of its docstring
+    options: tuple[Option, ...]
+    reference: dict[str, str]   # paper, code, departures, measured (those given)
+    origin: str
+
+
+def _type_text(annotation: Any) -> str:
+    if annotation is inspect.Parameter.empty:
+        return ""
+    if isinstance(annotation, str):  # postponed annotations: keep the source text
+        return annotation.replace("typing.", "")
+    text = inspect.formatannotation(annotation)
+    return text.replace("typing.", "")
+
+
+def _options(factory: Callable[..., Any], kind: str) -> tuple[Option, ...]:
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):  # pragma: no cover (builtins)
+        return ()
+    out = []
+    skip = CONTEXT | CONTEXT_OF.get(kind, frozenset())
+    for p in sig.parameters.values():
+        if p.name in skip or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        default = "required" if p.default is p.empty else repr(p.default)
+        out.append(Option(p.name, _type_text(p.annotation), default))
+    return tuple(out)
+
+
+_HEAD = re.compile(r"^(\s*)Reference:\s*$")
+_FIELD = re.compile(r"^\s*(paper|code|departures|measured):\s*(.*)$")
+
+
+def parse_reference(doc: str | None) -> dict[str, str]:
+    """The fields of a docstring's ``Reference:`` block (lines joined, whitespace
+    collapsed); ``{}`` when it has none."""
+    if not doc:
+        return {}
+    lines = inspect.cleandoc(doc).splitlines()
+    out: dict[str, str] = {}
+    for i, line in enumerate(lines):
+        head = _HEAD.match(line)
+        if head is None:
+            continue
+        indent = len(head.group(1))
+        key = None
+        for body in lines[i + 1:]:
+            if body.strip() and len(body) - len(body.lstrip()) <= indent:
+                break  # the block ends at the next line indented like its head
+            m = _FIELD.match(body)
+            if m is not None:
+                key = m.group(1)
+                out[key] = m.group(2).strip()
+            elif key is not None and body.strip():
+                out[key] = f"{out[key]} {body.strip()}".strip()
+        break
+    return out
+
+
+def _summary(doc: str | None) -> str:
+    if not doc:
+        return ""
+    para = inspect.cleandoc(doc).split("\n\n")[0]
+    return " ".join(para.split())
+
+
+def entries(builtin_only: bool = True) -> list[Entry]:
+    """One entry per registered name of every algorithm kind, in :data:`KINDS` order."""
+    out = []
+    for kind, *_ in KINDS:
+        for name in available(kind):
+            where = origin(kind, name)
+            if builtin_only and where != "fedloom":
+                continue
+            factory = get(kind, name)
+            # A class's own docstring (inspect.getdoc would inherit its base's).
+            doc = (vars(factory).get("__doc__") if isinstance(factory, type)
+                   else factory.__doc__)
+            source = f"{factory.__module__}.{getattr(factory, '__qualname__', name)}"
+            out.append(Entry(kind, name, source, _summary(doc), _options(factory, kind),
+                             parse_reference(doc), where))
+    return out
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_markdown(items: list[Entry] | None = None) -> str:
+    """``docs/algorithms.md``."""
+    items = entries() if items is None else items
+    lines = [
+        "# Algorithms",
+        "",
+        "Every built-in algorithm of fedloom: the config field that picks it, its options "
+        "(types and defaults from the factory's signature), the paper, the public code it "
+        "was checked against, and every departure. The math and the measured comparisons "
+        "are in each implementation's docstring (the module named under each entry).",
+        "",
+        f"Generated from the registry by `{COMMAND}`; `make test` checks that it is "
+        "current. Plug-ins (entry points, `module:attr`) are described in the README; "
+        "`fedloom algorithms` lists the installed ones too.",
+        "",
+    ]
+    for kind, heading, field, where in KINDS:
+        group = [e for e in items if e.kind == kind]
+        if not group:
+            continue
+        lines += [f"## {heading}", "", f"Chosen by `{field}`; options: `{where}`.", ""]
+        for e in group:
+            lines += [f"### `{e.name}`", ""]
+            if e.summary:
+                lines += [e.summary, ""]
+            lines += [f"Source: `{e.source}`", ""]
+            if e.options:
+                lines += ["| option | type | default |", "|---|---|---|"]
+                lines += [f"| `{o.name}` | {_md(o.type) or '–'} | `{_md(o.default)}` |"
+                          for o in e.options]
+                lines.append("")
+            else:
+                lines += ["Options: none.", ""]
+            for key in FIELDS:
+                if key in e.reference:
+                    lines.append(f"- **{key}**: {e.reference[key]}")
+            missing = [k for k in FIELDS[:3] if k not in e.reference]
+            if missing:
+                lines.append(f"- not stated: {', '.join(missing)}")
+            lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def render_text(items: list[Entry]) -> str:
+    """A terminal listing: kind, name, options, where it comes from."""
+    rows = []
+    for e in items:
+        opts = ", ".join(f"{o.name}={o.default}" for o in e.options) or "-"
+        where = "" if e.origin == "fedloom" else f"  [{e.origin}]"
+        rows.append(f"{e.kind:<16} {e.name:<14} {opts}{where}")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fedloom.report.algorithms",
+                                description="write the algorithm reference")
+    p.add_argument("--write", action="store_true", help=f"write {DOC_PATH}")
+    args = p.parse_args(argv)
+    text = render_markdown()
+    if args.write:
+        DOC_PATH.parent.mkdir(parents=True, exist_ok=True)
+        DOC_PATH.write_text(text, encoding="utf-8")
+        print(f"wrote {DOC_PATH}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
