@@ -10,6 +10,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 
 import pytest
+import torch
 
 # A tiny experiment: digits (1797 samples), 10 clients, 3 rounds, a small MLP.
 TINY: dict[str, Any] = {
@@ -27,6 +28,22 @@ TINY: dict[str, Any] = {
     "eval": {"every": 1},
     "checkpoint": {"every": 1},
 }
+
+
+# The devices a device-agnostic test runs on: the CPU always, CUDA when there is
+# one (marked `cuda`, so `pytest -m cuda` selects the GPU variants; skipped without).
+devices = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[
+        pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]),
+]
+
+
+@pytest.fixture(params=devices)
+def device(request: pytest.FixtureRequest) -> str:
+    """Each available device in turn (see ``devices``)."""
+    return request.param
 
 
 @pytest.fixture

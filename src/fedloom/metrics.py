@@ -87,4 +87,4 @@ def evaluate_clients(
     correct = torch.bincount(owner, weights=(pred == y).double(), minlength=num_clients)
     total = torch.bincount(owner, minlength=num_clients).double()
     acc = correct / total
-    return acc.numpy()
+    return acc.cpu().numpy()

@@ -27,21 +27,60 @@ of ±6e-7 where the exact ones are 0).
 
 At m = 100 the Gram is ``m² d`` flops and runs at the sgemm peak: it, not
 memory traffic, bounds the rules that need it (benchmarks/results.md).
+
+Devices. Every product runs where the rows are (the run's ``device``); the
+m × m results stay there in float64. TF32 is never used: :func:`gram`,
+:func:`matvec` and :func:`combine` run under :func:`full_precision`, which
+sets torch's float32 precision switches to ``ieee`` (full float32) for CUDA
+matmuls and convolutions and oneDNN's (the legacy ``allow_tf32 = False`` and
+``float32_matmul_precision("highest")`` on torch < 2.9) for their duration. TF32
+keeps 10 mantissa bits (eps ≈ 9.8e-4 against float32's 1.2e-7): a mixed Gram
+would carry ~8000× the error :func:`gram_noise` bounds, and CRAFT's and
+ConFIG's constraint errors would not hold on a GPU. The float64 path is
+unaffected by TF32 in any case (TF32 replaces float32 products only).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, ParamSpec, TypeVar
 
 import torch
 
-__all__ = ["Precision", "TruncatedSolve", "combine", "gram", "gram_noise", "matvec",
-           "project_simplex", "truncated_solve"]
+__all__ = ["Precision", "TruncatedSolve", "combine", "full_precision", "gram", "gram_noise",
+           "matvec", "project_simplex", "truncated_solve"]
 
 Precision = Literal["float64", "mixed"]
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
+@contextlib.contextmanager
+def full_precision() -> Iterator[None]:
+    """float32 matrix products in full float32 inside the block (no TF32 on CUDA,
+    no reduced precision in oneDNN); the previous settings come back after."""
+    from fedloom.device import full_float32
+
+    restore = full_float32()
+    try:
+        yield
+    finally:
+        restore()
+
+
+def _no_tf32(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with full_precision():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_no_tf32
 def gram(
     rows: torch.Tensor,
     vec: torch.Tensor | None = None,
@@ -51,8 +90,8 @@ def gram(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(R Rᵀ, R v)`` in float64, accumulated over column chunks of width ``chunk``."""
     m, d = rows.shape
-    G = torch.zeros(m, m, dtype=torch.float64)
-    Rv = torch.zeros(m, dtype=torch.float64) if vec is not None else None
+    G = torch.zeros(m, m, dtype=torch.float64, device=rows.device)
+    Rv = torch.zeros(m, dtype=torch.float64, device=rows.device) if vec is not None else None
     for s in range(0, d, chunk):
         c = rows[:, s : s + chunk]
         if precision == "float64":
@@ -63,12 +102,13 @@ def gram(
     return G, Rv
 
 
+@_no_tf32
 def matvec(
     rows: torch.Tensor, vec: torch.Tensor, *, chunk: int = 1 << 15,
     precision: Precision = "float64",
 ) -> torch.Tensor:
     """``R v`` in float64, accumulated over column chunks."""
-    out = torch.zeros(rows.shape[0], dtype=torch.float64)
+    out = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
     for s in range(0, rows.shape[1], chunk):
         c = rows[:, s : s + chunk]
         v = vec[s : s + chunk]
@@ -78,6 +118,7 @@ def matvec(
     return out
 
 
+@_no_tf32
 def combine(
     rows: torch.Tensor, coef: torch.Tensor, base: torch.Tensor | None = None, *,
     chunk: int = 1 << 15, precision: Precision = "float64",
@@ -95,10 +136,10 @@ def combine(
     the product of what is returned.
     """
     m, d = rows.shape
-    g = torch.empty(d, dtype=rows.dtype)
-    Rg = torch.zeros(m, dtype=torch.float64)
+    g = torch.empty(d, dtype=rows.dtype, device=rows.device)
+    Rg = torch.zeros(m, dtype=torch.float64, device=rows.device)
     if precision == "float64":
-        c64 = coef.to(torch.float64)
+        c64 = coef.to(rows.device, torch.float64)
         for s in range(0, d, chunk):
             c = rows[:, s : s + chunk].to(torch.float64)
             gc = c64 @ c
@@ -107,7 +148,7 @@ def combine(
             g[s : s + chunk] = gc
             Rg += c @ g[s : s + chunk].to(torch.float64)
         return g, Rg
-    c_in = coef.to(rows.dtype)
+    c_in = coef.to(rows.device, rows.dtype)
     for s in range(0, d, chunk):
         c = rows[:, s : s + chunk]
         gc = c_in @ c
@@ -187,7 +228,7 @@ def project_simplex(v: torch.Tensor) -> torch.Tensor:
     n = v.numel()
     u, _ = torch.sort(v, descending=True)
     css = torch.cumsum(u, 0) - 1
-    ks = torch.arange(1, n + 1, dtype=v.dtype)
+    ks = torch.arange(1, n + 1, dtype=v.dtype, device=v.device)
     cond = u - css / ks > 0
     r = int(cond.nonzero().max()) + 1
     theta = css[r - 1] / r

@@ -130,9 +130,10 @@ class _FlatModule:
     def __init__(self, module: nn.Module, layout: Layout) -> None:
         self.module = copy.deepcopy(module)
         params = dict(self.module.named_parameters())
-        dtype = next(iter(params.values())).dtype
-        self.w = torch.zeros(layout.size, dtype=dtype)
-        self.g = torch.zeros(layout.size, dtype=dtype)
+        first = next(iter(params.values()))
+        # On the module's device: the run's (fedloom.device), or a worker's GPU.
+        self.w = torch.zeros(layout.size, dtype=first.dtype, device=first.device)
+        self.g = torch.zeros(layout.size, dtype=first.dtype, device=first.device)
         for spec in layout.tensors:
             p = params[spec.name]
             p.data = self.w[spec.slice].view(spec.shape)
@@ -142,9 +143,61 @@ class _FlatModule:
                 p.requires_grad_(False)
 
 
+_AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _LossScale:
+    """fp16 loss scaling with ``torch.amp.GradScaler``'s defaults (init 2¹⁶,
+    backoff ½, growth 2 after 2000 finite steps)."""
+
+    def __init__(self) -> None:
+        self.scale = 2.0**16
+        self.good = 0
+        self.finite = True
+
+    def unscale(self, g: torch.Tensor) -> None:
+        g.mul_(1.0 / self.scale)
+        self.finite = bool(torch.isfinite(g).all())
+        if not self.finite:
+            self.scale *= 0.5
+            self.good = 0
+        else:
+            self.good += 1
+            if self.good == 2000:
+                self.scale *= 2.0
+                self.good = 0
+
+
+def _amp_backward(module: nn.Module, x: torch.Tensor, y: torch.Tensor, amp: str,
+                  scaler: _LossScale | None, g: torch.Tensor) -> torch.Tensor:
+    """Forward and loss under autocast, backward into ``g`` (unscaled); returns the loss."""
+    with torch.autocast(x.device.type, dtype=_AMP_DTYPES[amp]):
+        logits = module(x)
+    # The loss in float32: cross-entropy's log-sum-exp is where half precision hurts.
+    loss = F.cross_entropy(logits.float(), y)
+    if scaler is None:
+        loss.backward()
+    else:
+        (loss * scaler.scale).backward()
+        scaler.unscale(g)
+    return loss
+
+
 @dataclass(frozen=True)
 class LocalSGD:
-    """Settings of local training (no state: momentum restarts every round)."""
+    """Settings of local training (no state: momentum restarts every round).
+
+    ``amp`` (``client.amp``): ``none`` (default), ``bf16`` or ``fp16`` runs the
+    forward pass and the loss under ``torch.autocast`` on the module's device;
+    the parameters, their gradient and the SGD update stay in the run's dtype
+    (float32; a float64 run refuses amp: autocast leaves float64 alone). fp16
+    scales the loss as ``torch.amp.GradScaler`` does, on the flat gradient:
+    start at 2¹⁶, a step whose unscaled gradient is not finite is skipped and
+    halves the scale, 2000 finite steps in a row double it; the scale restarts
+    every round with the momentum. The start-loss, smoothness and mismatch
+    probes run in full precision. ``none`` is the code path without autocast,
+    bit for bit.
+    """
 
     module: nn.Module
     layout: Layout
@@ -154,6 +207,7 @@ class LocalSGD:
     momentum: float = 0.0
     weight_decay: float = 0.0
     prox_mu: float = 0.0
+    amp: str = "none"
 
     def num_steps(self, n: int, epochs: int | None = None) -> int:
         if self.steps is not None:
@@ -217,12 +271,18 @@ class LocalSGD:
         smooth: float | None = None
         first_grad: torch.Tensor | None = None
         batches = self.batch_indices(int(y.shape[0]), gen, epochs, max_steps)
+        scaler = _LossScale() if self.amp == "fp16" else None
         for step, idx in enumerate(batches):
             fm.g.zero_()
-            loss = F.cross_entropy(fm.module(x[idx]), y[idx])
-            loss.backward()  # accumulates into fm.g through the parameters' .grad views
+            if self.amp == "none":
+                loss = F.cross_entropy(fm.module(x[idx]), y[idx])
+                loss.backward()  # accumulates into fm.g through the parameters' .grad views
+            else:
+                loss = _amp_backward(fm.module, x[idx], y[idx], self.amp, scaler, fm.g)
             grad = fm.g
             loss_sum += float(loss.detach())
+            if scaler is not None and not scaler.finite:
+                continue  # fp16 overflow: the step is skipped, the scale halved
             if probe and step == 1 and first_grad is not None:
                 # Secant estimate of L on batch 0 between the start and the first step.
                 g1 = self.grad(w.detach(), x[batches[0]], y[batches[0]])

@@ -10,12 +10,21 @@ group with the ``inner`` backend (``sequential`` or ``vmap``), so vmap's
 lock-step and process parallelism compose.
 
 Same results: a worker runs the same code on the same jobs, with the same
-derived generators. Workers use one thread (``torch.set_num_threads(1)``):
+derived generators. Workers use one thread unless ``backend.threads`` says
+otherwise (:func:`fedloom.device.worker_threads`):
 float64 runs give the sequential backend's ``model_sha256``; float32 runs give
 the bits of the sequential backend run at one thread, and differ from it at
 two threads by exactly what the thread count changes in a matrix product's
 summation order (measured on the tiny test config: 3e-8 after 3 rounds, both
 ways). Both are tested.
+
+GPUs. With the run on CUDA, ``backend.workers: 0`` starts one worker per
+visible GPU and worker ``i`` is pinned to ``cuda:(i mod n)`` (its model, its
+copy of the data and its training live there, under the same determinism
+settings as the parent, :func:`fedloom.device.configure`). The trainer and
+the data are sent to the workers as host tensors and jobs travel as host
+tensors too; each worker moves what it receives to its GPU and its results
+back to the host (the dense updates through the shared buffer).
 
 Dead workers. Each worker is a process of its own with its own pipe, and the
 parent knows which group it sent to which worker, so a death is pinned to one
@@ -38,6 +47,8 @@ sequence number, so a late reply is never taken for a newer request's.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import os
 import pickle
@@ -53,6 +64,7 @@ import torch.multiprocessing as tmp
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig
+from fedloom.device import configure, to_device, to_host, worker_threads
 from fedloom.engine.backends import (
     KILL_ENV,
     SequentialBackend,
@@ -80,10 +92,16 @@ def make_inner(trainer: LocalSGD, method: LocalMethod, inner: str, chunk: int = 
 
 
 def _init_worker(trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
-                 inner: str, chunk: int, kill_once: str | None) -> None:
-    torch.set_num_threads(1)
+                 inner: str, chunk: int, kill_once: str | None, threads: int = 0,
+                 device: str = "cpu") -> None:
+    worker_threads(threads)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        configure(dev)
+        trainer = dataclasses.replace(trainer, module=trainer.module.to(dev))
+        x, y = x.to(dev), y.to(dev)
     _WORKER.update(backend=make_inner(trainer, method, inner, chunk), x=x, y=y,
-                   kill_once=kill_once)
+                   kill_once=kill_once, device=dev)
 
 
 def run_group(backend: Any, x: torch.Tensor, y: torch.Tensor,
@@ -98,12 +116,13 @@ def _train_group(blob: bytes, out: torch.Tensor, rows: list[int]) -> bytes:
     # allocated (one handle per worker instead of one pickled copy per update).
     jobs = pickle.loads(blob)
     maybe_die(_WORKER.get("kill_once"), jobs)
-    results = run_group(_WORKER["backend"], _WORKER["x"], _WORKER["y"], jobs)
+    dev = _WORKER.get("device", torch.device("cpu"))
+    results = run_group(_WORKER["backend"], _WORKER["x"], _WORKER["y"], to_device(jobs, dev))
     for row, res in zip(rows, results, strict=True):
         if res is not None and res.update.shape == out.shape[1:]:
             out[row].copy_(res.update)
             res.update = _IN_SHARED
-    return pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.dumps(to_host(results), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 _IN_SHARED = torch.empty(0)  # marks an update that was written to the shared buffer
@@ -122,14 +141,14 @@ def _error_reply(seq: int, e: BaseException) -> tuple[str, int, Any]:
         return ("error", seq, (RuntimeError(f"{type(e).__name__}: {e}"), tb))
 
 
-def _worker_main(conn: Any, initargs: tuple[Any, ...]) -> None:
+def _worker_main(conn: Any, initargs: tuple[Any, ...], device: str = "cpu") -> None:
     """A worker: set up once, then answer ``(seq, jobs, buffer, rows)`` requests
     with ``("ok", seq, results)`` until ``None`` or the parent is gone."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     try:
-        _init_worker(*initargs)
+        _init_worker(*initargs, device=device)
     except BaseException as e:
         conn.send(_error_reply(-1, e))
         return
@@ -156,12 +175,12 @@ def _worker_main(conn: Any, initargs: tuple[Any, ...]) -> None:
 class _Worker:
     """One worker process and the parent's end of its pipe."""
 
-    def __init__(self, initargs: tuple[Any, ...]) -> None:
+    def __init__(self, initargs: tuple[Any, ...], device: str = "cpu") -> None:
         ctx = tmp.get_context("spawn")
         self.conn, child = ctx.Pipe(duplex=True)
         # daemon: never outlives the parent, whatever way the parent ends
-        self.proc = ctx.Process(target=_worker_main, args=(child, initargs), daemon=True,
-                                name="fedloom-worker")
+        self.proc = ctx.Process(target=_worker_main, args=(child, initargs, device),
+                                daemon=True, name="fedloom-worker")
         self.proc.start()
         child.close()
         self.ready = False
@@ -197,8 +216,11 @@ class ProcessBackend:
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
                  workers: int = 0, inner: str = "sequential", chunk: int = 0,
-                 on_failure: str = "retry", max_retries: int = 2) -> None:
-        self.workers = workers or os.cpu_count() or 1
+                 on_failure: str = "retry", max_retries: int = 2, threads: int = 0) -> None:
+        # The run's device is where its data is; on CUDA, one worker per visible GPU.
+        self.gpus = torch.cuda.device_count() if x.device.type == "cuda" else 0
+        self.workers = workers or self.gpus or os.cpu_count() or 1
+        self.worker_threads = threads or 1
         self.inner = inner
         self.on_failure, self.max_retries = on_failure, max_retries
         self.d = trainer.layout.size
@@ -206,8 +228,12 @@ class ProcessBackend:
         self._out: torch.Tensor | None = None
         self._buf_id = 0
         self._seq = 0
-        # Tensors sent at start-up go through shared memory (torch's reducers).
-        self._initargs = (trainer, method, x, y, inner, chunk, os.environ.get(KILL_ENV))
+        # Tensors sent at start-up go through shared memory (torch's reducers), from
+        # the host: a worker moves them to its own GPU.
+        if x.device.type != "cpu":
+            trainer = dataclasses.replace(trainer, module=copy.deepcopy(trainer.module).cpu())
+        self._initargs = (trainer, method, x.cpu(), y.cpu(), inner, chunk,
+                          os.environ.get(KILL_ENV), threads)
         # Started on first use: a run that fails validation after the backend is
         # built (a bad compressor option) spawns nothing.
         self._pool: list[_Worker] = []
@@ -215,13 +241,17 @@ class ProcessBackend:
     # ----------------------------------------------------------------- workers
     def _workers(self) -> list[_Worker]:
         while len(self._pool) < self.workers:
-            self._pool.append(_Worker(self._initargs))
+            self._pool.append(_Worker(self._initargs, self._device(len(self._pool))))
         return self._pool
+
+    def _device(self, i: int) -> str:
+        """Worker ``i``'s device: ``cuda:(i mod GPUs)`` for a CUDA run, else the CPU."""
+        return f"cuda:{i % self.gpus}" if self.gpus else "cpu"
 
     def _replace(self, i: int) -> _Worker:
         old = self._pool[i]
         old.stop()
-        self._pool[i] = _Worker(self._initargs)
+        self._pool[i] = _Worker(self._initargs, self._device(i))
         return self._pool[i]
 
     def worker_pids(self) -> list[int]:
@@ -276,7 +306,7 @@ class ProcessBackend:
                                 "round work was sent; replaced", w.pid, w.proc.exitcode)
                     w = self._replace(i)
                 g = todo.popleft()
-                blob = pickle.dumps([light_job(jobs[j]) for j in g],
+                blob = pickle.dumps([to_host(light_job(jobs[j])) for j in g],
                                     protocol=pickle.HIGHEST_PROTOCOL)
                 try:
                     w.conn.send((seq, blob, buf if w.buf_id != self._buf_id else None, g))
@@ -351,4 +381,4 @@ def _process(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig,
              x: torch.Tensor, y: torch.Tensor) -> ProcessBackend:
     return ProcessBackend(trainer, method, x, y, workers=cfg.workers, inner=cfg.inner,
                           chunk=cfg.chunk, on_failure=cfg.on_failure,
-                          max_retries=cfg.max_retries)
+                          max_retries=cfg.max_retries, threads=cfg.threads)

@@ -16,6 +16,15 @@ given), or, with ``on_failure: drop``, its clients are reported as dropped
 (``None``) and the round goes on without them. A half-finished update never
 reaches the server: a task returns whole results or nothing.
 
+Resources: a task reserves ``backend.threads`` CPUs (default 1; its torch
+threads) and ``backend.gpus_per_worker`` GPUs (Ray's ``num_gpus``, fractional
+allowed: 0.25 packs four tasks on a GPU; Ray schedules and sets
+``CUDA_VISIBLE_DEVICES`` for each). A task with a GPU trains on it, under the
+determinism settings of :func:`fedloom.device.configure`; the trainer, the
+data and the jobs travel as host tensors and the results come back as host
+tensors. Asking for more GPUs per task than the cluster has is a
+:class:`~fedloom.config.ConfigError` (Ray would wait for them forever).
+
 Fault injection for tests: ``FEDLOOM_KILL_ONCE`` (see
 :data:`fedloom.engine.backends.KILL_ENV`), read from the driver's environment
 when the backend is built.
@@ -23,6 +32,8 @@ when the backend is built.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -34,6 +45,7 @@ import torch
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig, ConfigError
+from fedloom.device import configure, to_device, to_host, worker_threads
 from fedloom.engine.backends import KILL_ENV, balanced_groups, light_job, maybe_die
 from fedloom.registry import register
 
@@ -45,15 +57,22 @@ def _train_group(setup: dict[str, Any], x_np: np.ndarray, y_np: np.ndarray,
 
     from fedloom.engine.parallel import make_inner, run_group
 
-    torch.set_num_threads(1)
+    worker_threads(setup.get("threads", 0))
     maybe_die(setup.get("kill_once"), jobs)
     with warnings.catch_warnings():
         # The arrays are read-only views of Ray's shared object store (no copy);
         # batches are gathered from them, never written.
         warnings.simplefilter("ignore", UserWarning)
         x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
-    backend = make_inner(setup["trainer"], setup["method"], setup["inner"], setup["chunk"])
-    return run_group(backend, x, y, jobs)
+    trainer = setup["trainer"]
+    if setup.get("gpus", 0) > 0 and torch.cuda.is_available():
+        # Ray made the task's GPU the only visible one: cuda:0 here.
+        dev = torch.device("cuda", 0)
+        configure(dev)
+        trainer = dataclasses.replace(trainer, module=trainer.module.to(dev))
+        x, y, jobs = x.to(dev), y.to(dev), to_device(jobs, dev)
+    backend = make_inner(trainer, setup["method"], setup["inner"], setup["chunk"])
+    return to_host(run_group(backend, x, y, jobs))
 
 
 def _check_address(address: str) -> str:
@@ -107,24 +126,38 @@ class RayBackend:
                 raise ConfigError(f"backend.address: cannot join the Ray cluster at "
                                   f"{cfg.address!r}: {str(e).splitlines()[0]}") from None
             self.started = True
-        self.workers = cfg.workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+        resources = ray.cluster_resources()
+        self.workers = cfg.workers or max(1, int(resources.get("CPU", 1)))
         retries = cfg.max_retries if cfg.on_failure == "retry" else 0
         self.on_failure = cfg.on_failure
+        self.worker_threads = cfg.threads or 1
+        gpus = cfg.gpus_per_worker
+        if gpus > resources.get("GPU", 0):
+            self.close()
+            raise ConfigError(f"backend.gpus_per_worker: {gpus:g} asked for, the Ray cluster "
+                              f"has {resources.get('GPU', 0):g} GPUs")
+        if self.worker_threads > resources.get("CPU", 0):
+            self.close()
+            raise ConfigError(f"backend.threads: {self.worker_threads} CPUs a task, the Ray "
+                              f"cluster has {resources.get('CPU', 0):g}")
+        if x.device.type != "cpu":  # workers get host tensors and move them themselves
+            trainer = dataclasses.replace(trainer, module=copy.deepcopy(trainer.module).cpu())
         # Put once: every task refers to these objects instead of carrying them.
         self._setup = ray.put({"trainer": trainer, "method": method, "inner": cfg.inner,
-                               "chunk": cfg.chunk, "kill_once": os.environ.get(KILL_ENV)})
+                               "chunk": cfg.chunk, "kill_once": os.environ.get(KILL_ENV),
+                               "threads": cfg.threads, "gpus": gpus})
         # NumPy arrays: a task reads them from the shared object store without a copy
         # (a pickled tensor would be copied into every task).
-        self._x = ray.put(x.numpy())
-        self._y = ray.put(y.numpy())
-        self._task = ray.remote(num_cpus=1, max_retries=retries,
-                                retry_exceptions=False)(_train_group)
+        self._x = ray.put(x.cpu().numpy())
+        self._y = ray.put(y.cpu().numpy())
+        self._task = ray.remote(num_cpus=self.worker_threads, num_gpus=gpus,
+                                max_retries=retries, retry_exceptions=False)(_train_group)
 
     def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
         ray = self.ray
         groups = balanced_groups(jobs, self.workers)
         refs = [self._task.remote(self._setup, self._x, self._y,
-                                  [light_job(jobs[i]) for i in g]) for g in groups]
+                                  [to_host(light_job(jobs[i])) for i in g]) for g in groups]
         out: list[ClientResult | None] = [None] * len(jobs)
         for g, ref in zip(groups, refs, strict=True):
             try:

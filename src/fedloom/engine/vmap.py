@@ -60,7 +60,9 @@ class VmapBackend:
         self.x, self.y = x, y
         d = trainer.layout.size
         self.chunk = chunk or max(1, (8 << 20) // (4 * d))
-        self.enabled = type(method) is LocalMethod and vmap_supported(trainer.module)
+        # Mixed precision (client.amp) trains on the sequential path.
+        self.enabled = (type(method) is LocalMethod and vmap_supported(trainer.module)
+                        and getattr(trainer, "amp", "none") == "none")
 
     def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
         if not self.enabled:
@@ -103,10 +105,13 @@ class VmapBackend:
         for k, b in enumerate(batches):
             for t, idx in enumerate(b):
                 local[k, t, : len(idx)] = idx
-        mask_all = local >= 0
-        gidx = torch.stack([owners[k][local[k].clamp_min(0)] for k in range(m)])  # [m, T, B]
+        # Batch positions and masks on the run's device (one copy, not one a step).
+        dev = W.device
+        mask_all = (local >= 0).to(dev)
+        gidx = torch.stack([owners[k].to(dev)[local[k].clamp_min(0).to(dev)]
+                            for k in range(m)])  # [m, T, B]
         active_all = torch.tensor([[1.0 if t < steps[k] else 0.0 for t in range(T)]
-                                   for k in range(m)])
+                                   for k in range(m)], device=dev)
         shift = None
         if any(j.grad_shift is not None for j in jobs):
             shift = torch.stack([j.grad_shift if j.grad_shift is not None
@@ -126,8 +131,8 @@ class VmapBackend:
 
         step_fn = vmap(grad_and_value(loss_fn))
         buf: torch.Tensor | None = None
-        loss_sum = torch.zeros(m, dtype=torch.float64)
-        lr = torch.tensor([j.lr for j in jobs], dtype=W.dtype)
+        loss_sum = torch.zeros(m, dtype=torch.float64, device=dev)
+        lr = torch.tensor([j.lr for j in jobs], dtype=W.dtype, device=dev)
         for t in range(T):
             It = gidx[:, t]
             X, Y = src_x[It], src_y[It]  # padding rows gather a real sample, masked out
