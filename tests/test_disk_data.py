@@ -370,3 +370,19 @@ def test_relative_data_path_is_looked_up_under_the_data_root(tmp_path: Path) -> 
     with pytest.raises(DatasetUnavailable, match=r"data\.path: nowhere: no such file .*looked"):
         load_dataset(DataConfig(name="image-folder", path="nowhere",
                                 root=str(tmp_path / "root")), 0)
+
+
+def test_missing_source_probe_and_datasets_listing(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from fedloom.data.sources import missing_source
+
+    assert missing_source(DataConfig(name="mnist")) is None
+    line = missing_source(_cfg(tmp_path, "cifar10"))
+    assert line is not None and "neither cifar-10-batches-py/ nor" in line
+    _write_cifar10_py(tmp_path)
+    assert missing_source(_cfg(tmp_path, "cifar10")) is None
+    assert "femnist" in (missing_source(_cfg(tmp_path, "femnist")) or "")
+    assert main(["datasets", "--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    row = next(ln for ln in out.splitlines() if ln.startswith("cifar10 "))
+    assert " yes " in row and f"looked in: {tmp_path}/cifar-100-python" in out

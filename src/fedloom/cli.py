@@ -172,11 +172,18 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
 
     from fedloom.data.sources import list_sources
 
+    old = os.environ.get("FEDLOOM_DATA")
     if args.root:  # look there instead of $FEDLOOM_DATA / ~/.cache/fedloom/data
         os.environ["FEDLOOM_DATA"] = args.root
-    rows = [(s.name, "yes" if s.available() else "no", s.description,
-             "" if s.available() else s.install, s.where() if s.where else "")
-            for s in list_sources()]
+    try:
+        rows = [(s.name, "yes" if s.available() else "no", s.description,
+                 "" if s.available() else s.install, s.where() if s.where else "")
+                for s in list_sources()]
+    finally:  # the caller's environment as it was (main() runs inside tests too)
+        if old is None:
+            os.environ.pop("FEDLOOM_DATA", None)
+        else:
+            os.environ["FEDLOOM_DATA"] = old
     w0 = max(len(r[0]) for r in rows)
     print(f"{'dataset':<{w0}}  here  description / where it is looked for / install")
     for name, here, desc, inst, where in rows:

@@ -296,10 +296,46 @@ def _here(check: Callable[[Path], bool]) -> Callable[[], bool]:
     return lambda: check(data_root())
 
 
+def _looked(*parts: str) -> Callable[[], str]:
+    return lambda: " or ".join(str(data_root() / p) for p in parts)
+
+
+def _probe_cifar(name: str) -> Callable[[DataConfig], str | None]:
+    def probe(cfg: DataConfig) -> str | None:
+        root = data_root(cfg)
+        if _cifar_layout(name, root) is None:
+            return f"data.name={name}: {_cifar_missing(name, root)}"
+        return None
+
+    return probe
+
+
+def _probe_femnist(cfg: DataConfig) -> str | None:
+    root = data_root(cfg)
+    if _femnist_dirs(root) is None:
+        return (f"data.name=femnist: {root / 'femnist' / 'data'}: needs train/*.json and "
+                "test/*.json")
+    return None
+
+
+def _probe_tiny(cfg: DataConfig) -> str | None:
+    return (None if _tiny_complete(data_root(cfg)) else
+            f"data.name=tiny-imagenet: {_tiny_dir(data_root(cfg))}: missing or incomplete")
+
+
+def _probe_path(cfg: DataConfig) -> str | None:
+    try:
+        _user_path(cfg)
+    except DatasetUnavailable as e:
+        return str(e)
+    return None
+
+
 @_source("cifar10", "CIFAR-10 (50k/10k, 32x32 RGB) from disk: cifar-10-batches-py/ or -bin/",
          _here(lambda r: _cifar_layout("cifar10", r) is not None),
          "put cifar-10-python.tar.gz's cifar-10-batches-py/ under data.root ($FEDLOOM_DATA)",
-         checks_itself=True)
+         checks_itself=True, where=_looked("cifar-10-batches-py/", "cifar-10-batches-bin/"),
+         probe=_probe_cifar("cifar10"))
 def cifar10(cfg: DataConfig, seed: int) -> Dataset:
     return _cifar_dataset("cifar10", cfg)
 
@@ -307,7 +343,8 @@ def cifar10(cfg: DataConfig, seed: int) -> Dataset:
 @_source("cifar100", "CIFAR-100 (50k/10k, fine or coarse labels) from disk: cifar-100-python/",
          _here(lambda r: _cifar_layout("cifar100", r) is not None),
          "put cifar-100-python.tar.gz's cifar-100-python/ under data.root ($FEDLOOM_DATA)",
-         checks_itself=True)
+         checks_itself=True, where=_looked("cifar-100-python/", "cifar-100-binary/"),
+         probe=_probe_cifar("cifar100"))
 def cifar100(cfg: DataConfig, seed: int) -> Dataset:
     return _cifar_dataset("cifar100", cfg)
 
@@ -390,7 +427,8 @@ def read_femnist(root: Path) -> dict[str, np.ndarray]:
 @_source("femnist", "FEMNIST (LEAF, 62 classes, one client per writer) from disk",
          _here(lambda r: _femnist_dirs(r) is not None),
          "run LEAF's femnist preprocess and put femnist/data/{train,test}/ under data.root",
-         checks_itself=True)
+         checks_itself=True, where=_looked("femnist/data/{train,test}/", "femnist/{train,test}/"),
+         probe=_probe_femnist)
 def femnist(cfg: DataConfig, seed: int) -> Dataset:
     arrs = read_femnist(data_root(cfg))
     writer, is_test = arrs["writer"], arrs["test"].astype(bool)
@@ -490,7 +528,7 @@ def read_tiny_imagenet(root: Path, verify: bool = True) -> dict[str, np.ndarray]
 @_source("tiny-imagenet", "Tiny-ImageNet-200 (100k/10k, 64x64 RGB) from disk",
          _here(_tiny_complete),
          "unzip tiny-imagenet-200.zip under data.root ($FEDLOOM_DATA)",
-         checks_itself=True)
+         checks_itself=True, where=_looked("tiny-imagenet-200/"), probe=_probe_tiny)
 def tiny_imagenet(cfg: DataConfig, seed: int) -> Dataset:
     arrs = read_tiny_imagenet(data_root(cfg), cfg.verify)
     mean, std = (0.4802, 0.4481, 0.3975), (0.2770, 0.2691, 0.2821)
@@ -580,7 +618,7 @@ def _images_dataset(name: str, arrs: dict[str, Any], classes: int) -> Dataset:
 
 @_source("image-folder", "your images, one sub-folder per class (data.path)",
          lambda: _has_module("PIL"), "pip install pillow  (or: pip install 'fedloom[images]')",
-         checks_itself=True)
+         checks_itself=True, probe=_probe_path)
 def image_folder(cfg: DataConfig, seed: int) -> Dataset:
     if not cfg.path:
         raise DatasetUnavailable("data.path: image-folder needs the folder of class folders")
@@ -670,7 +708,10 @@ def _pick_writers(groups: np.ndarray, cfg: DataConfig, seed: int) -> np.ndarray:
 
 @_source("hf", "a Hugging Face dataset saved to disk or as parquet (data.path), offline",
          lambda: _has_module("datasets"),
-         "pip install datasets  (or: pip install 'fedloom[hf]')")
+         "pip install datasets  (or: pip install 'fedloom[hf]')",
+         probe=lambda cfg: (_probe_path(cfg) if _has_module("datasets") else
+                            "data.name=hf: needs the datasets library: pip install "
+                            "'fedloom[hf]'"))
 def hf(cfg: DataConfig, seed: int) -> Dataset:
     if not cfg.path:
         raise DatasetUnavailable("data.path: hf needs a save_to_disk folder or parquet files")

@@ -32,7 +32,8 @@ from fedloom.config import DataConfig
 from fedloom.registry import register
 from fedloom.rng import Purpose, numpy_gen
 
-__all__ = ["Dataset", "DatasetUnavailable", "SourceInfo", "list_sources", "load_dataset"]
+__all__ = ["Dataset", "DatasetUnavailable", "SourceInfo", "list_sources", "load_dataset",
+           "missing_source"]
 
 
 class DatasetUnavailable(RuntimeError):
@@ -91,15 +92,22 @@ class SourceInfo:
     # Sources read from a configurable place (data.root, data.path) say themselves what
     # is missing and where they looked; `available` answers for the default place only.
     checks_itself: bool = False
+    # Where the source is looked for (a path or a package), shown by `fedloom datasets`.
+    where: Callable[[], str] | None = None
+    # For a config: None when the source is there, else one line saying what is missing
+    # and where it was looked for (cheap: no decoding).
+    probe: Callable[[DataConfig], str | None] | None = None
 
 
 _SOURCES: dict[str, SourceInfo] = {}
 
 
 def _source(name: str, description: str, available: Callable[[], bool], install: str,
-            checks_itself: bool = False):
+            checks_itself: bool = False, where: Callable[[], str] | None = None,
+            probe: Callable[[DataConfig], str | None] | None = None):
     def deco(loader: Callable[[DataConfig, int], Dataset]):
-        info = SourceInfo(name, description, available, install, loader, checks_itself)
+        info = SourceInfo(name, description, available, install, loader, checks_itself, where,
+                          probe)
         _SOURCES[name] = info
         register("dataset", name)(loader)
         return loader
@@ -123,6 +131,20 @@ def list_sources() -> list[SourceInfo]:
             extra.append(SourceInfo(name, doc[0] if doc else "(a plug-in)", lambda: True,
                                     "", loader))
     return list(_SOURCES.values()) + extra
+
+
+def missing_source(cfg: DataConfig) -> str | None:
+    """None when ``cfg.name`` can be loaded here, else one line saying what is missing
+    and where it was looked for. Cheap: checks files, decodes nothing (a damaged file
+    is found when the data is loaded)."""
+    info = _SOURCES.get(cfg.name)
+    if info is None:
+        return None  # a plug-in source: its own loader reports
+    if info.probe is not None:
+        return info.probe(cfg)
+    if not info.available():
+        return f"dataset {cfg.name!r} is not installed; install it with: {info.install}"
+    return None
 
 
 def load_dataset(cfg: DataConfig, seed: int) -> Dataset:
