@@ -149,3 +149,35 @@ def test_reference_names_a_plugin_in_any_field(tmp_path):
                            "compression.feedback=fedloom.compress.feedback:error_feedback",
                            "compression.adaptive=fedloom.hooks:no_planner", "rounds=1"])
     assert a.summary["model_sha256"] == b.summary["model_sha256"]
+
+
+def test_a_broken_entry_point_is_one_line_naming_it(monkeypatch):
+    from importlib.metadata import EntryPoint
+
+    from fedloom import registry
+
+    available("aggregator")  # entry points found
+    ep = EntryPoint(name="broken", value="no_such_plugin_mod:Agg", group="fedloom.aggregators")
+    monkeypatch.setitem(registry._ENTRY_POINTS["aggregator"], "broken", ep)
+    monkeypatch.setitem(registry._DIST["aggregator"], "broken", "broken-dist")
+    assert "broken" in available("aggregator")
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, ["aggregator.name=broken"])
+    assert str(e.value) == ("aggregator.name: aggregator 'broken': cannot load entry point "
+                            "no_such_plugin_mod:Agg of broken-dist (ModuleNotFoundError: No "
+                            "module named 'no_such_plugin_mod')")
+
+
+def test_metric_hooks_by_name_equal_the_boolean_keys():
+    """``metrics.hooks: [mismatch]`` with ``options.mismatch.alpha`` is the run with
+    ``metrics.mismatch: true`` and ``mismatch_alpha`` (the same hook, built alike)."""
+    base = ["compression.name=topk", "compression.options.ratio=0.1",
+            "compression.feedback=ef", "rounds=2", "dtype=float64"]
+    a = fedloom.run(TINY, [*base, "metrics.mismatch=true", "metrics.mismatch_alpha=0.5"])
+    b = fedloom.run(TINY, [*base, "metrics.hooks=[mismatch]",
+                           "metrics.options={mismatch: {alpha: 0.5}}"])
+    keys = ("grad_mismatch", "residual_sq", "grad_sq")
+    assert [[m[k] for k in keys] for m in a.metrics] == [[m[k] for k in keys] for m in b.metrics]
+    # round 1: every residual is 0, so ∇f(w) − ∇f(w − α·0) = 0 exactly; round 2: not
+    assert a.metrics[0]["grad_mismatch"] == a.metrics[0]["residual_sq"] == 0.0
+    assert a.metrics[1]["grad_mismatch"] > 0 and a.metrics[1]["residual_sq"] > 0

@@ -69,6 +69,7 @@ _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {k: {} for k in _KINDS}
 _ENTRY_POINTS: dict[str, dict[str, importlib.metadata.EntryPoint]] = {k: {} for k in _KINDS}
 # Where a name that is not built in comes from (for listings): kind → name → text.
 _ORIGIN: dict[str, dict[str, str]] = {k: {} for k in _KINDS}
+_DIST: dict[str, dict[str, str]] = {k: {} for k in _KINDS}  # entry point → its distribution
 
 # Modules whose import registers components.
 _MODULES = (
@@ -135,6 +136,7 @@ def _find_entry_points() -> None:
                 continue  # the same distribution seen twice on sys.path
             _ENTRY_POINTS[kind][ep.name] = ep
             _ORIGIN[kind][ep.name] = f"entry point of {dist} ({ep.value})"
+            _DIST[kind][ep.name] = dist
 
 
 def register(kind: str, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -207,8 +209,8 @@ def get(kind: str, name: str) -> Callable[..., Any]:
         try:
             factory = ep.load()
         except Exception as e:  # a broken plug-in: say which, in one line
-            raise KeyError(f"{kind} {name!r}: cannot load entry point {ep.value} of "
-                           f"{_ORIGIN[kind][name].split(' (')[0][len('entry point of '):]} "
+            dist = _DIST[kind].get(name, "?")
+            raise KeyError(f"{kind} {name!r}: cannot load entry point {ep.value} of {dist} "
                            f"({type(e).__name__}: {_line(e)})") from None
         if not callable(factory):
             raise KeyError(f"{kind} {name!r}: entry point {ep.value} is not callable")
