@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 
-.PHONY: run test lint bench clean repro-craft repro-sapef repro-flare
+.PHONY: run test lint bench bench-gpu gpu-bundle clean repro-craft repro-sapef repro-flare
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -59,3 +59,40 @@ clean:
 # Speed and memory (benchmarks/results.json + results.md); about 5 min on 2 cores.
 bench: $(VENV)/.dev
 	$(PY) benchmarks/bench.py
+
+# The GPU check (benchmarks/gpu_check.py; gpu_results.json + .md in GPU_OUT), on a
+# machine with one NVIDIA GPU, under 8 minutes (--budget-s 420 plus start-up). A lent
+# machine has no package registry and its own python3 with torch: Flower, Ray and
+# google-crc32c travel as .gpu/site.tar.xz (`make gpu-bundle`, here, once), unpacked
+# there onto PYTHONPATH with the source tree; nothing is installed.
+GPU_PY   ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_OUT  ?= benchmarks
+GPU_SITE := /tmp/fedloom-gpu-site
+GPU_PINS := 'flwr[simulation]==1.42.0' ray==2.55.1 google-crc32c==1.9.0
+GPU_WHEELS := --python-version 3.12 --implementation cp --only-binary=:all: \
+	$(foreach p,manylinux_2_34 manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 \
+	manylinux2014 manylinux_2_5 manylinux1,--platform $(p)_x86_64)
+
+bench-gpu:
+	@if [ -f .gpu/site.tar.xz ]; then $(GPU_PY) -c "import sys, tarfile; \
+	tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='fully_trusted')" \
+	.gpu/site.tar.xz $(GPU_SITE); fi
+	PYTHONPATH=src:$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
+	$(GPU_PY) benchmarks/gpu_check.py --device cuda --out $(GPU_OUT)
+
+# Python 3.12 x86-64 wheels (the lent machine's), numpy and torch left to the machine
+# and uv (Flower's CLI installer) left out; Ray's jars, dashboard front end and
+# libraries that Flower's simulation never imports are dropped so that the archive
+# (about 50 MB) and the tree fit the 64 MiB a call carries. A few minutes of xz.
+gpu-bundle: .gpu/site.tar.xz
+
+.gpu/site.tar.xz:
+	rm -rf .gpu/wheels .gpu/site && mkdir -p .gpu/wheels
+	$(PYTHON) -m pip download -q $(GPU_WHEELS) -d .gpu/wheels $(GPU_PINS)
+	$(PYTHON) -m pip install -q --no-index --no-deps --no-compile $(GPU_WHEELS) \
+		--target .gpu/site $$(ls .gpu/wheels/*.whl | grep -vE '/(numpy|uv)-')
+	cd .gpu/site && rm -rf bin ray/jars ray/dashboard/client/build ray/rllib ray/tune \
+		ray/train ray/serve ray/data ray/llm && find . -name __pycache__ -prune -exec rm -rf {} +
+	tar -C .gpu/site -cf - . | xz -T0 -6 > .gpu/site.tar.xz.tmp
+	mv .gpu/site.tar.xz.tmp $@ && rm -rf .gpu/wheels .gpu/site
+	@ls -l $@
