@@ -220,8 +220,11 @@ def test_local_mode_adds_noise_before_compression_and_ef_keeps_the_noisy_residua
         st = exp.initial_state()
         plan = exp.plan_round(st)
         raw = exp.backend.train_cohort(plan.jobs)
+        raw[0].update[3] = float("nan")  # sent as zero plus noise, not withheld
         dense = [r.update.clone() for r in raw]
+        dense[0].zero_()
         results, ups = exp.uplink_round(st, plan, raw)
+        assert plan.refused == {}
         d = exp.layout.size
         k = math.ceil(0.1 * d)
         for res, up, g in zip(results, ups, dense, strict=True):

@@ -108,9 +108,12 @@ Local mode (``privacy.mode: local``)
 ------------------------------------
 Each client clips its dense update to ``C`` and adds ``N(0, z² C² I_d)``
 from ``(seed, round, client, "dp-noise")`` **before** its feedback policy and
-compressor; everything it sends afterwards (the payload, CSER's reset, EF's
-residual ``e ← u − C(u)``, which now holds noisy values) is post-processing of
-the noisy updates. Per round a client's message is the Gaussian mechanism with
+compressor, and before any screening rule: everything it sends afterwards
+(the payload, CSER's reset, EF's residual ``e ← u − C(u)``, which now holds
+noisy values), and whether it sends at all (``server.max_update_norm`` is
+applied to the noisy update), is post-processing of the noisy updates. A
+non-finite update is replaced by zero before the noise, not withheld (its
+absence would depend on the data). Per round a client's message is the Gaussian mechanism with
 sensitivity ``2C`` (replace the client's data) and noise ``zC``; over the
 ``n`` rounds it took part in, ε is that of ``GaussianDpEvent(z/2)`` composed
 ``n`` times (RDP accountant; no amplification by sampling: the server sees who
@@ -352,7 +355,8 @@ class Privacy:
         "dp-noise")``; returns the noisy update and whether it was clipped."""
         v, _, clipped = clip_update(u, self.clip)
         gen = torch_gen(self.seed, round, client, Purpose.DP_NOISE)
-        noise = torch.randn(v.numel(), generator=gen, dtype=torch.float64)
+        # Drawn on the CPU (the derived generator), so every device gets the same bits.
+        noise = torch.randn(v.numel(), generator=gen, dtype=torch.float64).to(v.device)
         out = (v.double().reshape(-1) + (self.z * self.clip) * noise).to(u.dtype)
         return out.reshape(u.shape), clipped
 
@@ -370,7 +374,7 @@ class Privacy:
         metrics)``. ``ok`` marks the accepted rows; the others add nothing."""
         c = float(state["clip"])
         d = rows.shape[1]
-        total = torch.zeros(d, dtype=torch.float64)
+        total = torch.zeros(d, dtype=torch.float64, device=rows.device)
         clipped = below = 0
         for i in ok.nonzero().flatten().tolist():
             v, n, scaled = clip_update(rows[i], c)
@@ -380,7 +384,8 @@ class Privacy:
             below += int(n <= c)
             total += rows[i].double()
         gen = torch_gen(self.seed, round, -1, Purpose.DP_NOISE)
-        total += (self.sigma * c) * torch.randn(d, generator=gen, dtype=torch.float64)
+        total += (self.sigma * c) * torch.randn(d, generator=gen, dtype=torch.float64
+                                                ).to(rows.device)
         agg = (total / self.cohort_size).to(rows.dtype)
         metrics = {"dp_clip": c, "dp_clipped": float(clipped)}
         new_state = dict(state)

@@ -1,10 +1,12 @@
 """The round loop.
 
 One round, in order: sample the cohort → gather its per-client state → train
-the cohort (backend) → screen the updates (client side) → uplink: encode →
-decode and stack → screen the rows (server side) → clip (norm bounding) →
-aggregate → server optimizer step → check the step → scatter per-client state
-back → evaluate (on schedule) → log → checkpoint (on schedule). The engine
+the cohort (backend) → [privacy.mode=local: clip and noise each update] →
+screen the updates (client side) → uplink: encode → decode and stack → screen
+the rows (server side) → clip (norm bounding) → aggregate [privacy.mode=central:
+DP-FedAvg's clipped, noised sum instead; :mod:`fedloom.privacy`] → server
+optimizer step → check the step → scatter per-client state back → evaluate
+(on schedule) → log → checkpoint (on schedule). The engine
 holds no math; each step is one call.
 
 What never reaches the model (each counted in the round's metrics, the run's
@@ -338,7 +340,9 @@ class RoundPlan:
     # Kept cohort positions refused before or during the uplink, with the reason
     # (set by Experiment.uplink_round, after keep()).
     refused: dict[int, str] = field(default_factory=dict)
-    dp_clipped: int = 0  # privacy.mode=local: updates the clients clipped (set by uplink_round)
+    # privacy.mode=local: updates the clients clipped (counted by uplink_round; None
+    # where the clients clip elsewhere, as on Flower)
+    dp_clipped: int | None = None
     # Clients the system model kept out (mid-round dropouts, late): not failed workers.
     withheld: set[int] = field(default_factory=set)
 
@@ -590,7 +594,7 @@ class Experiment:
         old_rows = to_device({f: self.store.gather(f, cohort) for f in self.store.fields},
                              self.device, pin=True)
         fb = self.feedback
-        theory = fb.schedule == "theory"
+        probe = fb.probes_smoothness  # the policy asks for the local L estimate
         # The module holds the global buffers: an evaluation that names none
         # (a planner's, a metric hook's) sees the current ones.
         load_buffers(self.module, st.buffers)
@@ -622,7 +626,7 @@ class Experiment:
                             start=fb.start_point(w, fb_state, alpha),
                             grad_shift=fb.grad_shift(fb_state, st.feedback_state),
                             penalty=fb.penalty(w, fb_state, r), epochs=epochs,
-                            probe_smoothness=theory, data_index=idx, buffers=bufs)
+                            probe_smoothness=probe, data_index=idx, buffers=bufs)
             jobs.append(self.method.prepare(job, st.method_state))
             alphas.append(alpha)
             fb_rows.append(fb_state)
@@ -656,6 +660,7 @@ class Experiment:
         # One pass a client: its norm, which is finite exactly when the update is
         # (and its float64 norm does not overflow: an absurd update all the same).
         if self.privacy.local:
+            plan.dp_clipped = 0
             # Each client clips and adds its noise first: everything it sends, and
             # whether it sends, depends on its data only through the noisy update (a
             # non-finite update is sent as zero plus noise, not withheld).
@@ -912,8 +917,7 @@ class Experiment:
             norms = [u.residual_norm for u, ok in zip(ups, ok_list, strict=True) if ok]
             metrics["residual_norm"] = float(np.mean(norms)) if norms else float("nan")
             metrics["alpha"] = float(np.mean(alphas))
-            if "lipschitz" in feedback_state:
-                metrics["lipschitz_estimate"] = feedback_state["lipschitz"]
+            metrics.update(fb.round_metrics(feedback_state))
         for hook, got in zip(self.client_metrics, plan.measured, strict=True):
             if got:
                 metrics.update(hook.summarize(got))
@@ -938,7 +942,8 @@ class Experiment:
         if self.privacy.local:  # who sent a message (a rejected round's were sent too)
             privacy_state = self.privacy.participated(
                 privacy_state, cohort[[i for i in range(len(results)) if i not in refused]])
-            metrics["dp_clipped"] = plan.dp_clipped
+            if plan.dp_clipped is not None:
+                metrics["dp_clipped"] = plan.dp_clipped
         if self.privacy.enabled:
             metrics["dp_epsilon"] = self.privacy.epsilon(privacy_state, r + 1)
         return RunState(r + 1, new_w, opt_state, agg_state, method_state, feedback_state, w_avg,

@@ -60,6 +60,7 @@ from fedloom.compress.feedback import UplinkContext, UplinkResult, feedback_from
 from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.engine.loop import Experiment, RunState, model_sha256
 from fedloom.params import Layout
+from fedloom.privacy import make_privacy
 from fedloom.rng import Purpose, derive_seed, torch_gen
 
 try:
@@ -186,6 +187,9 @@ class FedloomMod:
                  layout: Layout | None = None) -> None:
         self.cfg = load_config(config, overrides)
         _check_scope(self.cfg)
+        # privacy.mode=local: the client clips and adds its noise before its feedback
+        # policy and compressor, as in the engine (fedloom.privacy; N is not used here).
+        self.privacy = make_privacy(self.cfg, self.cfg.data.num_clients)
         self._layout = layout
         self._parts: tuple[Layout, Any, Any] | None = None
         # Kept in the precision the engine's state store uses (state.dtype), so a
@@ -224,6 +228,9 @@ class FedloomMod:
         metrics = reply.content["metrics"]
         steps = int(metrics["num-steps"]) if "num-steps" in metrics else 1
         g = (w - w_k).contiguous()
+        if self.privacy.local:  # a non-finite update is sent as zero plus noise
+            g, _ = self.privacy.privatize(g if bool(torch.isfinite(g).all())
+                                          else torch.zeros_like(g), r, k)
         ctx = UplinkContext(r, lr, steps, alpha,
                             torch_gen(self.cfg.seed, r, k, Purpose.COMPRESS))
         up = fb.uplink(g, state, comp, ctx, {})
