@@ -137,6 +137,9 @@ def missing_source(cfg: DataConfig) -> str | None:
     """None when ``cfg.name`` can be loaded here, else one line saying what is missing
     and where it was looked for. Cheap: checks files, decodes nothing (a damaged file
     is found when the data is loaded)."""
+    from fedloom.registry import available
+
+    available("dataset")  # every built-in source registered (fedloom.data.disk included)
     info = _SOURCES.get(cfg.name)
     if info is None:
         return None  # a plug-in source: its own loader reports
