@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedloom.params import Layout, functional_forward
+from fedloom.params import Layout, functional_forward, training_mode
 
 __all__ = ["accuracy_stats", "conflict_rate", "evaluate", "evaluate_clients"]
 
@@ -49,26 +49,31 @@ def conflict_rate(updates: torch.Tensor, agg: torch.Tensor) -> float:
 
 @torch.no_grad()
 def _predict(
-    module: nn.Module, layout: Layout, w: torch.Tensor, x: torch.Tensor, batch_size: int
+    module: nn.Module, layout: Layout, w: torch.Tensor, x: torch.Tensor, batch_size: int,
+    buffers: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample loss-ready logits, in batches: returns (logits argmax, per-sample CE)."""
+    """Per-sample loss-ready logits, in batches: returns (logits argmax, per-sample CE).
+    The module runs in eval mode (no dropout; BatchNorm with ``buffers``' statistics)."""
     preds, logits_all = [], []
-    for s in range(0, x.shape[0], batch_size):
-        logits = functional_forward(module, layout, w, x[s : s + batch_size])
-        logits_all.append(logits)
-        preds.append(logits.argmax(1))
+    with training_mode(module, False):
+        for s in range(0, x.shape[0], batch_size):
+            logits = functional_forward(module, layout, w, x[s : s + batch_size],
+                                        buffers=buffers)
+            logits_all.append(logits)
+            preds.append(logits.argmax(1))
     return torch.cat(preds), torch.cat(logits_all)
 
 
 @torch.no_grad()
 def evaluate(
     module: nn.Module, layout: Layout, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-    batch_size: int = 2048,
+    batch_size: int = 2048, buffers: dict[str, torch.Tensor] | None = None,
 ) -> tuple[float, float]:
-    """Accuracy and mean cross-entropy of the model ``w`` on ``(x, y)``."""
+    """Accuracy and mean cross-entropy of the model ``w`` (with module ``buffers``;
+    default: the module's own) on ``(x, y)``, in eval mode."""
     if x.shape[0] == 0:
         return float("nan"), float("nan")
-    pred, logits = _predict(module, layout, w, x, batch_size)
+    pred, logits = _predict(module, layout, w, x, batch_size, buffers)
     loss = F.cross_entropy(logits.to(torch.float64), y, reduction="mean")
     return float((pred == y).double().mean()), float(loss)
 
@@ -77,13 +82,14 @@ def evaluate(
 def evaluate_clients(
     module: nn.Module, layout: Layout, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
     owner: torch.Tensor, num_clients: int, batch_size: int = 2048,
+    buffers: dict[str, torch.Tensor] | None = None,
 ) -> np.ndarray:
     """Per-client accuracy of one model on every client's own test split.
 
     ``x, y`` hold all clients' test samples, ``owner`` the client of each, so the
     model runs once over all of them. A client with no test sample gets NaN.
     """
-    pred, _ = _predict(module, layout, w, x, batch_size)
+    pred, _ = _predict(module, layout, w, x, batch_size, buffers)
     correct = torch.bincount(owner, weights=(pred == y).double(), minlength=num_clients)
     total = torch.bincount(owner, minlength=num_clients).double()
     acc = correct / total

@@ -10,19 +10,23 @@ and bias together); a normalisation layer's parameters join the group of the
 module registered just before it under the same parent (a conv followed by its
 GroupNorm is one group), as in CRAFT's public code where a block's norm layer
 is treated as part of the preceding convolution.
+A BatchNorm layer's affine parameters group the same way; its running
+statistics are buffers, not parameters, and are not in ``w`` at all
+(:mod:`fedloom.buffers`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-__all__ = ["Group", "Layout", "TensorSpec", "functional_forward"]
+__all__ = ["Group", "Layout", "TensorSpec", "functional_forward", "training_mode"]
 
 _NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.modules.batchnorm._NormBase,
@@ -232,14 +236,34 @@ class Layout:
 
 
 def functional_forward(
-    module: nn.Module, layout: Layout, w: torch.Tensor, *args: torch.Tensor
+    module: nn.Module, layout: Layout, w: torch.Tensor, *args: torch.Tensor,
+    buffers: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Run ``module`` with its parameters taken from the flat vector ``w``.
+    """Run ``module`` with its parameters taken from the flat vector ``w`` (and
+    the named ``buffers``, e.g. BatchNorm statistics, where given; the module's
+    own otherwise).
 
     Uses :func:`torch.func.functional_call`; autograd flows into ``w``, so one
-    backward pass gives the flat gradient ``∇_w f`` directly.
+    backward pass gives the flat gradient ``∇_w f`` directly. The module runs in
+    whatever mode it is in (see :func:`training_mode`).
     """
-    return functional_call(module, layout.unflatten(w), args)
+    tensors = layout.unflatten(w)
+    if buffers:
+        tensors = {**tensors, **buffers}
+    return functional_call(module, tensors, args)
+
+
+@contextmanager
+def training_mode(module: nn.Module, mode: bool) -> Iterator[nn.Module]:
+    """``module`` in train (``True``) or eval (``False``) mode for a block, each
+    submodule's own flag restored after."""
+    flags = [(m, m.training) for m in module.modules()]
+    module.train(mode)
+    try:
+        yield module
+    finally:
+        for m, f in flags:
+            m.training = f
 
 
 def _common_prefix(names: Sequence[str]) -> str:

@@ -14,6 +14,15 @@ as one vector and the update is one fused vector operation.
 Batch order comes from a generator derived from ``(seed, round, client,
 "batch")``: each epoch is a fresh permutation, the last batch may be short.
 With ``steps`` set, epochs are chained until that many steps are done.
+
+Modes: local steps run the module in **train mode** (dropout fires, BatchNorm
+normalises with batch statistics and updates its running statistics in
+place); the start loss and the gradient probes are evaluations, in eval mode.
+Dropout masks come from the step's derived seed (:meth:`LocalSGD._descend`).
+A job carries the module buffers to start from and the result the buffers
+local training ended with; what the server does with them is
+``model.buffers`` (:mod:`fedloom.buffers`). Buffers are never part of the
+update ``w − w_k``.
 """
 
 from __future__ import annotations
@@ -21,13 +30,16 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedloom.buffers import buffer_names, load_buffers, module_buffers
 from fedloom.config import ScheduleConfig
-from fedloom.params import Layout, functional_forward
+from fedloom.params import Layout, functional_forward, training_mode
+from fedloom.rng import Purpose, derive_seed, forked_rng, reseed
 
 __all__ = ["ClientJob", "ClientResult", "LocalSGD", "Penalty", "lr_at_round"]
 
@@ -97,6 +109,9 @@ class ClientJob:
     # Positions of x, y in the run's training data: backends that run elsewhere
     # ship these instead of the samples (the data is sent to each worker once).
     data_index: torch.Tensor | None = None
+    # The module buffers (BatchNorm statistics) local training starts from
+    # (fedloom.buffers); empty: the trainer's module's own.
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     # At most this many local steps (the first of those it would run): partial work
     # of a client cut by a round deadline (fedloom.system, late: partial).
     max_steps: int | None = None
@@ -114,6 +129,7 @@ class ClientResult:
     start_loss: float | None = None
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # new per-client state rows
     extra: dict[str, float] = field(default_factory=dict)         # per-client metrics
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # after local training
 
 
 class _FlatModule:
@@ -141,6 +157,12 @@ class _FlatModule:
         for name, p in params.items():
             if name not in layout._by_name:  # frozen parameters are not trained
                 p.requires_grad_(False)
+        # Local training runs in train mode (dropout, batch statistics); the
+        # buffers a train-mode forward updates in place are these tensors.
+        self.module.train()
+        named = dict(self.module.named_buffers())
+        self.buffers = {n: named[n] for n in buffer_names(self.module)}
+        self.init_buffers = module_buffers(self.module)
 
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -208,6 +230,9 @@ class LocalSGD:
     weight_decay: float = 0.0
     prox_mu: float = 0.0
     amp: str = "none"
+    # The train-mode forward draws random numbers (dropout): fedloom.buffers.random_in_train.
+    # Such a model trains on the sequential path (each client's masks from its own stream).
+    random_forward: bool = False
 
     def num_steps(self, n: int, epochs: int | None = None) -> int:
         if self.steps is not None:
@@ -245,17 +270,57 @@ class LocalSGD:
         prox_mu: float | None = None,
         grad_shift: torch.Tensor | None = None,
         penalty: Penalty | None = None,
+        buffers: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, float, int]:
         """Local SGD from ``x0``; the prox term pulls towards ``anchor``; ``penalty``
-        regularises the first local steps (FLARE).
+        regularises the first local steps (FLARE); ``buffers`` are the module
+        buffers to start from (default: the module's own).
 
         Returns the final parameters, the mean batch loss and the number of steps.
         """
         w, loss, steps, _ = self._descend(x0, anchor, x, y, lr, gen, prox_mu=prox_mu,
-                                          grad_shift=grad_shift, probe=False, penalty=penalty)
+                                          grad_shift=grad_shift, probe=False, penalty=penalty,
+                                          buffers=buffers)
         return w, loss, steps
 
-    def _descend(
+    def _descend(self, x0: torch.Tensor, anchor: torch.Tensor, x: torch.Tensor,
+                 y: torch.Tensor, lr: float, gen: torch.Generator, *,
+                 buffers: dict[str, torch.Tensor] | None = None, **kw: Any
+                 ) -> tuple[torch.Tensor, float, int, float | None]:
+        """The local steps in train mode, from ``buffers`` (default: the module's
+        own; the trained ones are left in the flat module, :meth:`_trained_buffers`).
+
+        Randomness in the forward (dropout masks) draws from torch's global
+        generator, forked for the call: step ``t`` reseeds it with
+        ``derive_seed(s, t, -1, "dropout")``, ``s`` the batch-order seed
+        ``derive_seed(seed, round, client, "batch")``, so a mask depends on
+        (seed, round, client, step) only — not on the backend, the order of
+        clients, the process or a resume — and the caller's global generator is
+        left as it was.
+        """
+        fm = self._flat_module()
+        if fm.buffers:
+            load_buffers(fm.module, buffers if buffers else fm.init_buffers)
+        with forked_rng(derive_seed(gen.initial_seed(), -1, -1, Purpose.DROPOUT), fm.w.device):
+            return self._local_steps(x0, anchor, x, y, lr, gen, **kw)
+
+    def _trained_buffers(self) -> dict[str, torch.Tensor]:
+        """Copies of the buffers as the last local training left them."""
+        return {n: v.detach().clone() for n, v in self._flat_module().buffers.items()}
+
+    def _train_grad(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                    seed: int) -> torch.Tensor:
+        """``∇f(w)`` as a train-mode step computes it (the step's dropout seed),
+        on copies of the buffers (the trained ones are not touched)."""
+        fm = self._flat_module()
+        wg = w.detach().clone().requires_grad_(True)
+        bufs = {n: v.detach().clone() for n, v in fm.buffers.items()}
+        reseed(seed, fm.w.device)
+        loss = F.cross_entropy(functional_forward(fm.module, self.layout, wg, x, buffers=bufs), y)
+        (g,) = torch.autograd.grad(loss, wg)
+        return g
+
+    def _local_steps(
         self, x0: torch.Tensor, anchor: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
         lr: float, gen: torch.Generator, *, prox_mu: float | None,
         grad_shift: torch.Tensor | None, probe: bool, penalty: Penalty | None = None,
@@ -271,9 +336,11 @@ class LocalSGD:
         smooth: float | None = None
         first_grad: torch.Tensor | None = None
         batches = self.batch_indices(int(y.shape[0]), gen, epochs, max_steps)
+        dseed = gen.initial_seed()  # the batch-order seed; step t's dropout stream from it
         scaler = _LossScale() if self.amp == "fp16" else None
         for step, idx in enumerate(batches):
             fm.g.zero_()
+            reseed(derive_seed(dseed, step, -1, Purpose.DROPOUT), w.device)
             if self.amp == "none":
                 loss = F.cross_entropy(fm.module(x[idx]), y[idx])
                 loss.backward()  # accumulates into fm.g through the parameters' .grad views
@@ -285,7 +352,8 @@ class LocalSGD:
                 continue  # fp16 overflow: the step is skipped, the scale halved
             if probe and step == 1 and first_grad is not None:
                 # Secant estimate of L on batch 0 between the start and the first step.
-                g1 = self.grad(w.detach(), x[batches[0]], y[batches[0]])
+                g1 = self._train_grad(w.detach(), x[batches[0]], y[batches[0]],
+                                      derive_seed(dseed, 0, -1, Purpose.DROPOUT))
                 dx = float(torch.linalg.vector_norm(w.detach() - x0))
                 if dx > 0:
                     smooth = float(torch.linalg.vector_norm(g1 - first_grad)) / dx
@@ -320,10 +388,14 @@ class LocalSGD:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
 
-    def grad(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``∇f(w)`` of the mean cross-entropy on ``(x, y)`` (no regularisers)."""
+    def grad(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+             buffers: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """``∇f(w)`` of the mean cross-entropy on ``(x, y)`` (no regularisers), the
+        module in eval mode with ``buffers`` (default: its own)."""
         wg = w.detach().clone().requires_grad_(True)
-        loss = F.cross_entropy(functional_forward(self.module, self.layout, wg, x), y)
+        with training_mode(self.module, False):
+            logits = functional_forward(self.module, self.layout, wg, x, buffers=buffers)
+        loss = F.cross_entropy(logits, y)
         (g,) = torch.autograd.grad(loss, wg)
         return g
 
@@ -332,25 +404,31 @@ class LocalSGD:
         gen = torch.Generator()
         gen.manual_seed(job.gen_seed)
         w_global = job.w
-        start_loss = self.full_loss(w_global, job.x, job.y) if job.start_loss else None
+        start_loss = (self.full_loss(w_global, job.x, job.y, buffers=job.buffers)
+                      if job.start_loss else None)
         x0 = job.start if job.start is not None else w_global
         w_k, loss, steps, smooth = self._descend(x0, w_global, job.x, job.y, job.lr, gen,
                                                  prox_mu=None, grad_shift=job.grad_shift,
                                                  probe=job.probe_smoothness,
                                                  penalty=job.penalty, epochs=job.epochs,
-                                                 max_steps=job.max_steps)
+                                                 max_steps=job.max_steps,
+                                                 buffers=job.buffers)
         update = (w_global - w_k).contiguous()
-        res = ClientResult(job.client, update, int(job.y.shape[0]), loss, steps, start_loss)
+        res = ClientResult(job.client, update, int(job.y.shape[0]), loss, steps, start_loss,
+                           buffers=self._trained_buffers())
         if smooth is not None:
             res.extra["smoothness"] = smooth
         return res
 
     @torch.no_grad()
     def full_loss(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-                  batch: int = 4096) -> float:
-        """Mean cross-entropy of ``w`` over all of ``(x, y)``."""
+                  batch: int = 4096, buffers: dict[str, torch.Tensor] | None = None) -> float:
+        """Mean cross-entropy of ``w`` over all of ``(x, y)``: an evaluation (eval
+        mode, with ``buffers``; default: the module's own)."""
         total = 0.0
-        for s in range(0, x.shape[0], batch):
-            logits = functional_forward(self.module, self.layout, w, x[s : s + batch])
-            total += float(F.cross_entropy(logits, y[s : s + batch], reduction="sum"))
+        with training_mode(self.module, False):
+            for s in range(0, x.shape[0], batch):
+                logits = functional_forward(self.module, self.layout, w, x[s : s + batch],
+                                            buffers=buffers)
+                total += float(F.cross_entropy(logits, y[s : s + batch], reduction="sum"))
         return total / max(1, x.shape[0])

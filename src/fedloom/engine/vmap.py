@@ -24,6 +24,19 @@ weights stay cache-sized (default: as many clients as fit in 8 MB of
 float32 parameters). Local methods other than plain SGD, jobs that ask for a
 smoothness probe, and models ``vmap`` cannot trace (recurrent layers) run on
 the sequential path.
+
+Train mode: the module runs in train mode, each client with its own stacked
+buffers (BatchNorm running statistics), which the forward updates in place;
+a client that has finished its steps keeps the buffers it ended with. A
+BatchNorm layer computes statistics over the batch, so a step where some
+client's batch is padded (a short last batch, or clients of different sizes)
+runs client by client on the unpadded batches: the statistics are the
+client's own, as on the sequential path (a user's layer that mixes the
+samples of a batch in another way is not detected). A model whose train-mode
+forward draws random numbers (dropout) trains on the sequential path: under
+``vmap`` the masks would come from one stream for the whole chunk, not from
+each client's (seed, round, client, step) stream; asking for ``vmap`` by
+name with such a model is refused.
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.nn import functional as F
 
+from fedloom.buffers import has_batch_statistics
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig
@@ -62,7 +76,10 @@ class VmapBackend:
         self.chunk = chunk or max(1, (8 << 20) // (4 * d))
         # Mixed precision (client.amp) trains on the sequential path.
         self.enabled = (type(method) is LocalMethod and vmap_supported(trainer.module)
-                        and getattr(trainer, "amp", "none") == "none")
+                        and getattr(trainer, "amp", "none") == "none"
+                        # a random train-mode forward (dropout) cannot draw each
+                        # client's masks from its own stream under vmap
+                        and not getattr(trainer, "random_forward", False))
 
     def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
         if not self.enabled:
@@ -78,11 +95,15 @@ class VmapBackend:
 
     def _train(self, jobs: list[ClientJob]) -> list[ClientResult]:
         tr = self.trainer
-        layout, module = tr.layout, tr.module
+        # The trainer's train-mode copy: functional_call swaps in each client's
+        # parameters and buffers.
+        fm = tr._flat_module()
+        layout, module = tr.layout, fm.module
         m = len(jobs)
         w_global = torch.stack([j.w for j in jobs])
         W = torch.stack([j.start if j.start is not None else j.w for j in jobs]).clone()
-        start_loss = [tr.full_loss(j.w, j.x, j.y) if j.start_loss else None for j in jobs]
+        start_loss = [tr.full_loss(j.w, j.x, j.y, buffers=j.buffers) if j.start_loss else None
+                      for j in jobs]
         batches = []
         for j in jobs:
             gen = torch.Generator()
@@ -117,19 +138,27 @@ class VmapBackend:
             shift = torch.stack([j.grad_shift if j.grad_shift is not None
                                  else torch.zeros_like(j.w) for j in jobs])
         pens = [j.penalty for j in jobs]
+        # Each client's buffers (BatchNorm statistics) stacked [m, ...]: a train-mode
+        # forward under vmap updates its own row in place.
+        bufs = {n: torch.stack([(j.buffers or fm.init_buffers)[n] for j in jobs]).to(dev)
+                for n in fm.buffers}
+        # A batch-statistics layer must see only a client's own samples: a step with
+        # a padded batch runs client by client, on the unpadded batches.
+        batch_stats = has_batch_statistics(module)
         names = [t.name for t in layout.tensors]
         shapes = [t.shape for t in layout.tensors]
         sizes = [t.numel for t in layout.tensors]
 
-        def loss_fn(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-                    mask: torch.Tensor) -> torch.Tensor:
+        def loss_fn(w: torch.Tensor, b: dict[str, torch.Tensor], x: torch.Tensor,
+                    y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             params = {n: p.view(s) for n, p, s in zip(names, torch.split(w, sizes), shapes,
                                                       strict=True)}
-            logits = functional_call(module, params, (x,))
+            logits = functional_call(module, {**params, **b}, (x,))
             ce = F.cross_entropy(logits, y, reduction="none")
             return (ce * mask).sum() / mask.sum().clamp_min(1)
 
-        step_fn = vmap(grad_and_value(loss_fn))
+        one_fn = grad_and_value(loss_fn)
+        step_fn = vmap(one_fn)
         buf: torch.Tensor | None = None
         loss_sum = torch.zeros(m, dtype=torch.float64, device=dev)
         lr = torch.tensor([j.lr for j in jobs], dtype=W.dtype, device=dev)
@@ -138,7 +167,20 @@ class VmapBackend:
             X, Y = src_x[It], src_y[It]  # padding rows gather a real sample, masked out
             M = mask_all[:, t].to(W.dtype)
             active = active_all[:, t].to(W.dtype)
-            G, L = step_fn(W, X, Y, M)
+            if batch_stats and not (bool(M.all()) and bool(active.all())):
+                G, L = torch.zeros_like(W), torch.zeros(m, dtype=W.dtype, device=dev)
+                for k in active.nonzero().flatten().tolist():
+                    n = int(M[k].sum())
+                    G[k], L[k] = one_fn(W[k], {b: v[k] for b, v in bufs.items()},
+                                        X[k, :n], Y[k, :n], M[k, :n])
+            else:
+                kept = ({b: v.clone() for b, v in bufs.items()}
+                        if bufs and not bool(active.all()) else None)
+                G, L = step_fn(W, bufs, X, Y, M)
+                if kept is not None:  # a finished client's buffers stay as they ended
+                    done = active == 0
+                    for b, v in bufs.items():
+                        v[done] = kept[b][done]
             loss_sum += L.detach().to(torch.float64) * active.to(torch.float64)
             with torch.no_grad():
                 if shift is not None:
@@ -163,7 +205,8 @@ class VmapBackend:
             update = (j.w - W[k]).contiguous()
             results.append(ClientResult(j.client, update, int(j.y.shape[0]),
                                         float(loss_sum[k]) / max(1, steps[k]), steps[k],
-                                        start_loss[k]))
+                                        start_loss[k],
+                                        buffers={b: v[k].clone() for b, v in bufs.items()}))
         return results
 
 

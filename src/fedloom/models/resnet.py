@@ -1,4 +1,4 @@
-"""CIFAR-style ResNet with GroupNorm (He et al. 2016, §4.2; as in CRAFT's code).
+"""CIFAR-style ResNet (He et al. 2016, §4.2), GroupNorm by default (as in CRAFT's code).
 
 Three stages of ``n`` basic blocks (depth = 6n + 2; ResNet-20: n = 3) with
 ``w, 2w, 4w`` channels (w = 16 in the paper), option-A shortcuts (strided
@@ -6,6 +6,16 @@ identity, zero-padded channels), BatchNorm replaced by ``GroupNorm(1, C)``
 (CRAFT's ``replace_bn_with_gn``: batch statistics are ill-defined under
 federated training), convolutions without bias, Kaiming-normal weights.
 ``width`` shrinks the network for tests.
+
+``norm`` (``model.norm``) chooses the normalisation after each convolution:
+``group`` (default, the above), ``batch`` — ``BatchNorm2d(C)`` with PyTorch's
+defaults (momentum 0.1, eps 1e-5), the original ResNet's and the FLARE and
+SA-PEF code's choice; its running statistics are module buffers, handled by
+``model.buffers`` (:mod:`fedloom.buffers`) — or ``none``. The layers keep
+the names ``gn1``/``gn2`` whatever their kind, so the parameter names, the
+layer groups (a norm layer's affine parameters join its convolution's group)
+and the initial weights of a given seed are the same for ``group`` and
+``batch``.
 """
 
 from __future__ import annotations
@@ -15,6 +25,16 @@ from torch import nn
 from torch.nn import functional as F
 
 __all__ = ["ResNetGN"]
+
+
+def _norm(kind: str, c: int) -> nn.Module:
+    if kind == "group":
+        return nn.GroupNorm(1, c)
+    if kind == "batch":
+        return nn.BatchNorm2d(c)
+    if kind == "none":
+        return nn.Identity()
+    raise ValueError(f"model.norm: must be group, batch or none, got {kind!r}")
 
 
 class _Shortcut(nn.Module):
@@ -27,12 +47,12 @@ class _Shortcut(nn.Module):
 
 
 class BasicBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
+    def __init__(self, cin: int, cout: int, stride: int, norm: str = "group") -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
-        self.gn1 = nn.GroupNorm(1, cout)
+        self.gn1 = _norm(norm, cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
-        self.gn2 = nn.GroupNorm(1, cout)
+        self.gn2 = _norm(norm, cout)
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or cin != cout:
             self.shortcut = _Shortcut((cout - cin) // 2)
@@ -47,7 +67,7 @@ class ResNetGN(nn.Module):
     fedloom_init = "kaiming_normal"
 
     def __init__(self, in_shape: tuple[int, ...], num_classes: int, depth: int = 20,
-                 width: int = 16) -> None:
+                 width: int = 16, norm: str = "group") -> None:
         super().__init__()
         if (depth - 2) % 6 != 0 or depth < 8:
             raise ValueError(f"model.depth: must be 6n + 2 (20, 32, 44, 56, 110), got {depth}")
@@ -57,13 +77,13 @@ class ResNetGN(nn.Module):
             raise ValueError(f"model.width: must be a multiple of 4, got {width}")
         n = (depth - 2) // 6
         self.conv1 = nn.Conv2d(in_shape[0], width, 3, padding=1, bias=False)
-        self.gn1 = nn.GroupNorm(1, width)
+        self.gn1 = _norm(norm, width)
         layers, cin = [], width
         for stage, cout in enumerate((width, 2 * width, 4 * width)):
             blocks = []
             for b in range(n):
                 stride = 2 if stage > 0 and b == 0 else 1
-                blocks.append(BasicBlock(cin, cout, stride))
+                blocks.append(BasicBlock(cin, cout, stride, norm))
                 cin = cout
             layers.append(nn.Sequential(*blocks))
         self.layer1, self.layer2, self.layer3 = layers
