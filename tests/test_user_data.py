@@ -1,6 +1,8 @@
 """Your own data and model: arrays, .npz, CSV, validation, user modules."""
 
 import csv
+import json
+import logging
 import subprocess
 import sys
 
@@ -164,3 +166,108 @@ def test_bad_inputs_from_python_raise_value_error(tmp_path):
         fedloom.run(CFG, ["data.name=csv", f"data.path={bad}"])
     with pytest.raises(ValueError, match="no label column 'target'"):
         fedloom.run(CFG, ["data.name=csv", f"data.path={bad}", "data.label=target"])
+
+
+def _write_table(path, header, rows):
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+
+
+def test_csv_text_ids_and_labels_and_chosen_features(tmp_path):
+    """Text client ids and labels are coded 0..K-1 in sorted order (labels.json keeps
+    the class names), data.features picks columns: the model is the one of the integer
+    codes and the chosen columns as arrays."""
+    X, y, c = _arrays(clients=4)
+    names = np.array(["eel", "cat", "dog"])      # sorted: cat 0, dog 1, eel 2
+    sites = np.array(["site_b", "site_a", "site_d", "site_c"])
+    header = ["f0", "note", "f1", "f2", "f3", "f4", "kind", "who"]
+    rows = [[repr(float(X[i, 0])), f"free text {i}", *[repr(float(v)) for v in X[i, 1:]],
+             names[y[i]], sites[c[i]]] for i in range(len(y))]
+    path = tmp_path / "d.csv"
+    _write_table(path, header, rows)
+    ov = ["data.name=csv", f"data.path={path}", "data.label=kind", "data.client=who",
+          "data.features=[f0, f2, f4]"]
+    res = fedloom.run(CFG, ov, out=tmp_path / "run")
+    assert json.loads((tmp_path / "run" / "labels.json").read_text()) == \
+        {"cat": 0, "dog": 1, "eel": 2}
+    code_y = np.searchsorted(np.sort(names), names[y])
+    code_c = np.searchsorted(np.sort(sites), sites[c])
+    ref = fedloom.run(CFG, data=from_arrays(X[:, [0, 2, 4]], code_y, client=code_c))
+    assert res.summary["model_sha256"] == ref.summary["model_sha256"]
+    # Integer labels are class indices as they are: no labels.json.
+    _write_csv(tmp_path / "n.csv", X, y)
+    fedloom.run(CFG, ["data.name=csv", f"data.path={tmp_path / 'n.csv'}"], out=tmp_path / "n")
+    assert not (tmp_path / "n" / "labels.json").exists()
+
+
+@pytest.mark.parametrize("case,message", [
+    ("text_feature", "column 'note': 'free text 0' is not a number; leave the column out"),
+    ("unknown_feature", "no feature column 'f9' (data.features"),
+    ("label_as_feature", "column 'label' is the label or client column"),
+    ("float_label", "column 'label': '0.5' is neither a class index nor a class name"),
+    ("empty_client", "line 3, column 'who': empty cell"),
+    ("short_row", "line 4, column 'label': empty cell (or the line has fewer fields"),
+    ("blank_lines", "line 6, column 'f0': 'x' is not a number"),
+])
+def test_bad_csv_columns_are_one_line_exit_2(tmp_path, case, message, capsys):
+    from fedloom.cli import main
+
+    rows = [[f"{i / 10}", f"free text {i}", str(i % 2), f"s{i % 3}"] for i in range(30)]
+    features = "[f0]"
+    if case == "text_feature":
+        features = ""
+    elif case == "unknown_feature":
+        features = "[f0, f9]"
+    elif case == "label_as_feature":
+        features = "[f0, label]"
+    elif case == "float_label":
+        rows[0][2] = "0.5"
+    elif case == "empty_client":
+        rows[1][3] = ""
+    elif case == "short_row":
+        rows[2] = rows[2][:2]
+    elif case == "blank_lines":  # line numbers count the blank lines
+        rows[2][0] = "x"           # line 6: the header, row 0, two blank lines, rows 1, 2
+        rows[1:1] = [[], []]
+    path = tmp_path / "bad.csv"
+    _write_table(path, ["f0", "note", "label", "who"], rows)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(CFG))
+    ov = ["data.name=csv", f"data.path={path}", "data.client=who", "data.min_samples=1"]
+    if features:
+        ov.append(f"data.features={features}")
+    capsys.readouterr()
+    rc = main(["run", str(cfg), *ov, "--out", str(tmp_path / "run"), "--quiet"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2
+    assert len(err) == 1 and str(path) in err[0] and message in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_unscaled_csv_features_get_a_one_line_hint(tmp_path, caplog):
+    X, y, _ = _arrays()
+    scaled = tmp_path / "s.csv"
+    _write_csv(scaled, X, y)
+    wide = X.copy()
+    wide[:, 3] *= 1000.0                                     # std 1 and ~1000: spread 1e3
+    unscaled = tmp_path / "u.csv"
+    _write_csv(unscaled, wide, y)
+    offset = X.copy()
+    offset[:, 1] += 2020.0                                   # |mean| 2020, std 1 (a year)
+    shifted = tmp_path / "o.csv"
+    _write_csv(shifted, offset, y)
+
+    def hints(path, *extra):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fedloom"):
+            fedloom.run(CFG, ["rounds=1", "data.name=csv", f"data.path={path}", *extra])
+        return [r.getMessage() for r in caplog.records if "look unscaled" in r.getMessage()]
+
+    assert hints(scaled) == []
+    wide_hint = hints(unscaled)
+    assert len(wide_hint) == 1 and str(unscaled) in wide_hint[0]
+    assert "data.standardize=true" in wide_hint[0]
+    assert "column 'f1' has mean 2.02e+03" in hints(shifted)[0]
+    assert hints(unscaled, "data.standardize=true") == []

@@ -9,6 +9,11 @@ pattern)::
 ``updates`` is ``[m, d]`` (one pseudo-gradient ``g_k = w − w_k`` per row),
 ``weights`` is ``[m]`` (``n_k``; rules normalise them as they need), and the
 returned direction is applied by the server optimizer as ``w ← w − η_g·opt(direction)``.
+
+A rule states the public default of ``η_g`` for its direction as the class
+attribute ``default_server_lr`` (``server.lr: auto`` uses it; FedAvg's 1.0 when
+a rule does not say): the same ``η_g`` means very different steps for rules
+whose directions differ in scale (CRAFT's is about unit length per layer).
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ import torch
 from fedloom.params import Layout
 
 __all__ = ["Aggregator", "CohortInfo", "Stateless", "check_chunk", "check_cohort",
-           "make_aggregator"]
+           "default_server_lr", "make_aggregator"]
+
+# FedAvg's η_g (McMahan et al. 2017: w ← Σ p_k w_k), for a rule that states none.
+FEDAVG_SERVER_LR = 1.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,17 @@ def make_aggregator(name: str, **options: Any) -> Aggregator:
     from fedloom.registry import build
 
     return build("aggregator", name, options, "aggregator.options")
+
+
+def default_server_lr(name: str) -> float:
+    """The public default server step of aggregator ``name`` (``server.lr: auto``)."""
+    from fedloom.registry import get
+
+    value = getattr(get("aggregator", name), "default_server_lr", FEDAVG_SERVER_LR)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e300:
+        raise ValueError(f"aggregator {name!r}: default_server_lr must be a number > 0, "
+                         f"got {value!r}")
+    return float(value)
 
 
 def normalise_weights(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -87,12 +87,31 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (``os.umask`` sets it, which
+    races with other threads creating files); the usual 0o022 where it cannot be read."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def _write_tmp(path: Path, data: bytes) -> Path:
-    """``data`` in a fsynced temporary file beside ``path``; returns its path."""
+    """``data`` in a fsynced temporary file beside ``path``; returns its path.
+
+    ``mkstemp`` makes the file 0600; it gets the mode ``open()`` would give a new
+    file (``0666 & ~umask``: 0644 under the usual umask 022, 0640 under 027) so a
+    run directory is readable by the group like the files written without a rename.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
