@@ -178,6 +178,12 @@ def test_local_epsilon_is_dp_accountings_gaussian_composition():
     st = p.participated(p.participated(p.init(), torch.tensor([1, 3])), torch.tensor([3, 4]))
     assert st["participation"].tolist() == [0, 1, 0, 2, 1]
     assert p.epsilon(st, 2) == epsilon_local(2, noise_multiplier=1.5, delta=1e-6)
+    # target ε: the next round is judged for a client that took part most (2 → 3)
+    e3 = epsilon_local(3, noise_multiplier=1.5, delta=1e-6)
+    for target, stops in ((e3 * 0.999, True), (e3 * 1.001, False)):
+        q = Privacy("local", clip=1.0, noise_multiplier=1.5, delta=1e-6, cohort_size=2,
+                    num_clients=5, seed=0, target_epsilon=target)
+        assert (q.stop_reason(st, 2) is not None) == stops
 
 
 # ------------------------------------------------------------------ engine
@@ -198,6 +204,19 @@ def test_run_reports_epsilon_each_round_and_target_epsilon_stops_it(tmp_path):
     # resuming the stopped run runs nothing more
     again = fedloom.run(copy.deepcopy(TINY), over, out=out, resume=True)
     assert len(again.metrics) == 3 and again.summary["model_sha256"] == summary["model_sha256"]
+
+
+def test_central_mode_without_noise_or_clipping_is_the_unweighted_fedavg_run():
+    """z = 0 and a clip no update reaches: DP-FedAvg's Σ u_k / m̄ with every client
+    accepted is the plain mean, so the run equals fedavg(weighted=false) to float64
+    rounding (the sum is taken in another order)."""
+    base = copy.deepcopy(TINY)
+    base["dtype"] = "float64"
+    plain = fedloom.run(base, ["aggregator.options={weighted: false}"])
+    dp = fedloom.run(base, ["privacy.mode=central", "privacy.noise_multiplier=0",
+                            "privacy.clip=1e30"])
+    assert torch.allclose(dp.w, plain.w, rtol=0, atol=1e-12)
+    assert all(m["dp_epsilon"] == math.inf and m["dp_clipped"] == 0 for m in dp.metrics)
 
 
 def test_resume_is_bit_identical_with_adaptive_clipping(tmp_path):
