@@ -312,3 +312,20 @@ def test_flower_refuses_the_simulated_clock(tiny):
     with pytest.raises(ConfigError, match=r"^system\.profile: simulated devices"):
         FedloomStrategy(tiny, ["system.dropout=0.1"])
     FedloomStrategy(tiny, ["system.availability=0.5"])  # cohort sampling applies there
+
+
+def test_sweep_page_reads_the_simulated_clock(tmp_path):
+    from fedloom.report.sweep import _time_plot, _timed, _to_target
+
+    def run(accs, dt):  # evaluations every round, dt simulated seconds a round
+        return {"_metrics": [{"round": r + 1, "test_acc": a, "uplink_bytes_total": 1e6 * (r + 1),
+                              "sim_time_s": dt * (r + 1)} for r, a in enumerate(accs)]}
+
+    runs = [run([0.2, 0.6, 0.8], 1800.0), run([0.3, 0.5, 0.9], 3600.0)]
+    assert _timed({"m": {"runs": runs}})
+    # 0.55 is first reached at round 2 (1 h) and round 3 (3 h): mean 2 h
+    assert _to_target(runs, 0.55, timed=True) == ["2", "2.5", "2.00"]
+    assert _to_target(runs, 0.95, timed=True) == ["not reached", "–", "–"]
+    pytest.importorskip("matplotlib")
+    assert _time_plot(tmp_path / "t.png", "x", {"m": runs})
+    assert (tmp_path / "t.png").stat().st_size > 0

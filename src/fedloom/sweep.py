@@ -57,6 +57,8 @@ CSV. The optional ``report:`` section shapes the page; every key is optional::
                               # adds rounds and uplink MB to reach fraction × the
                               # baseline's final metric (test accuracy curves)
       curves: [FedAvg, CRAFT] # methods in the accuracy-vs-round/uplink plot (seed bands)
+      time_curves: [FedAvg]   # runs with a simulated clock (system.profile): accuracy vs
+                              # sim_time_s (h); the target adds "sim. h to target"
       cdf: [FedAvg, CRAFT]    # methods in the per-client accuracy CDF plot
       sweep_plot:             # one metric across methods that form a 1-D sweep
         {setting: s, methods: [A, B], x: [0.1, 0.5], xlabel: α, title: "…",

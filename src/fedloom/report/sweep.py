@@ -62,19 +62,73 @@ def _fmt(ms: tuple[float, float] | None, pct: bool = True) -> str:
     return f"{ms[0] * scale:.1f} ± {ms[1] * scale:.1f}"
 
 
-def _to_target(runs: list[dict[str, Any]], target: float) -> tuple[str, str]:
-    """Mean rounds and uplink MB to first reach ``target`` test accuracy, over the seeds
+def _to_target(runs: list[dict[str, Any]], target: float,
+               timed: bool = False) -> list[str]:
+    """Mean rounds and uplink MB (and, ``timed``, simulated hours: ``sim_time_s`` of
+    :mod:`fedloom.system`) to first reach ``target`` test accuracy, over the seeds
     that reach it (with the count when some do not)."""
     hits = []
     for r in runs:
         hit = first_reach(r["_metrics"], "test_acc", target)
         if hit is not None:
-            hits.append((hit[0], hit[1] / 1e6))
+            sim = next((m.get("sim_time_s", float("nan")) for m in r["_metrics"]
+                        if m["round"] == hit[0]), float("nan"))
+            hits.append((hit[0], hit[1] / 1e6, sim / 3600))
     if not hits:
-        return "not reached", "–"
+        return ["not reached", "–"] + (["–"] if timed else [])
     suffix = "" if len(hits) == len(runs) else f" ({len(hits)}/{len(runs)} seeds)"
-    return (f"{np.mean([h[0] for h in hits]):.0f}{suffix}",
-            f"{np.mean([h[1] for h in hits]):.1f}{suffix}")
+    out = [f"{np.mean([h[0] for h in hits]):.0f}{suffix}",
+           f"{np.mean([h[1] for h in hits]):.1f}{suffix}"]
+    if timed:
+        out.append(f"{np.mean([h[2] for h in hits]):.2f}{suffix}")
+    return out
+
+
+def _timed(rows: dict[str, dict[str, Any]]) -> bool:
+    """Whether the setting's runs keep a simulated clock (``system.profile``)."""
+    return any("sim_time_s" in m for r in rows.values() for x in r["runs"]
+               for m in x["_metrics"][:1])
+
+
+def _time_plot(path: Path, title: str, groups: dict[str, list[dict[str, Any]]]) -> bool:
+    """Test accuracy against simulated time (hours): per method, the seed means at each
+    evaluated round of ``sim_time_s`` (x) and of the accuracy (y, ± sd band)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6.5, 4.0), dpi=120)
+    drawn = False
+    for method, runs in groups.items():
+        by_round: dict[int, list[tuple[float, float]]] = {}
+        for run in runs:
+            for m in run["_metrics"]:
+                if "test_acc" in m and "sim_time_s" in m:
+                    by_round.setdefault(m["round"], []).append((m["sim_time_s"], m["test_acc"]))
+        full = sorted(r for r, v in by_round.items() if len(v) == len(runs))
+        if not full:
+            continue
+        xs = np.array([np.mean([t for t, _ in by_round[r]]) / 3600 for r in full])
+        ys = np.array([[a * 100 for _, a in by_round[r]] for r in full])
+        mu, sd = ys.mean(axis=1), ys.std(axis=1)
+        (line,) = ax.plot(xs, mu, marker=".", label=method)
+        ax.fill_between(xs, mu - sd, mu + sd, alpha=0.15, color=line.get_color())
+        drawn = True
+    if not drawn:
+        plt.close(fig)
+        return False
+    ax.set_xlabel("simulated time (h)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
 
 
 def _sweep_plot(path: Path, title: str, xs: list[float], ys: list[tuple[float, float]],
@@ -168,7 +222,9 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
                 lines += [f"Target: {target * 100:.1f} % test accuracy "
                           f"({target_cfg.get('fraction', 0.9):g} × {target_cfg['baseline']}'s "
                           "final accuracy).", ""]
-        extra = ["rounds to target", "uplink MB to target"] if target is not None else []
+        timed = _timed(rows)
+        extra = (["rounds to target", "uplink MB to target"]
+                 + (["sim. h to target"] if timed else []) if target is not None else [])
         lines.append("| method | " + " | ".join([c[1] for c in columns] + extra) +
                      " | wall s / run |")
         lines.append("|---|" + "---|" * (len(columns) + len(extra) + 1))
@@ -183,7 +239,7 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
                 mu, sd = r.get(k, (float("nan"), float("nan")))
                 rec.update({f"{k}_mean": mu, f"{k}_sd": sd})
             if target is not None:
-                cells += list(_to_target(r["runs"], target))
+                cells += _to_target(r["runs"], target, timed)
                 hits = [h for h in (first_reach(x["_metrics"], "test_acc", target)
                                     for x in r["runs"]) if h is not None]
                 rec.update({"target_test_acc": target, "target_reached": len(hits),
@@ -205,6 +261,11 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
             if plot_curves(png, setting, {m: rows[m]["runs"] for m in curves if m in rows},
                            "test_acc", target):
                 lines += [f"![accuracy vs round and vs uplink, {setting}]({png.name})", ""]
+        time_curves = rep.get("time_curves")
+        if time_curves and doc is not None and timed:
+            png = doc.parent / f"{suite.name}-{setting}-time.png"
+            if _time_plot(png, setting, {m: rows[m]["runs"] for m in time_curves if m in rows}):
+                lines += [f"![accuracy vs simulated time, {setting}]({png.name})", ""]
         cdf = rep.get("cdf")
         if cdf and doc is not None:
             png = doc.parent / f"{suite.name}-{setting}-cdf.png"
