@@ -125,7 +125,7 @@ def test_central_noise_has_std_z_c_over_the_fixed_denominator(z, clip, m):
 def test_adaptive_clipping_raises_the_update_noise_as_andrew_et_al_theorem_1():
     z, sb, m, d = 0.8, 1.5, 6, 20_000
     p = _central(z=z, clip=0.5, m=m, n=30, adaptive=AdaptiveClip(0.5, 0.2, sb))
-    sigma = (z ** -2 - (2 * sb) ** -2) ** -0.5           # 0.8297…
+    sigma = (z ** -2 - (2 * sb) ** -2) ** -0.5           # 0.83006
     agg, st, met = p.aggregate(torch.zeros(m, d, dtype=torch.float64),
                                torch.ones(m, dtype=torch.bool), p.init(), 0)
     lo, hi = _sd_interval(d, sigma * 0.5 / m)
@@ -134,6 +134,26 @@ def test_adaptive_clipping_raises_the_update_noise_as_andrew_et_al_theorem_1():
     assert st["clip"] == pytest.approx(0.5 * math.exp(-0.2 * (met["dp_unclipped_fraction"] - 0.5)))
     with pytest.raises(ConfigError, match="count_stddev"):
         _central(z=2.0, adaptive=AdaptiveClip(0.5, 0.2, 0.9))   # needs 2σ_b > z
+
+
+def test_noise_parameters_equal_flowers_dp_strategies():
+    """Flower's DifferentialPrivacyServerSide{Fixed,Adaptive}Clipping: noise std
+    z·C/m (compute_stdv) and the adaptive update noise with σ_b = m/20 by default
+    (compute_adaptive_noise_params) — the same numbers as ours."""
+    dp = pytest.importorskip("flwr.supercore.differential_privacy")
+    for z, m, sb in ((0.8, 6, 1.5), (0.3, 10, None), (1.0, 50, None)):
+        sd, sigma = dp.compute_adaptive_noise_params(z, m, sb)
+        cfg = load_config(copy.deepcopy(TINY), [
+            f"cohort.size={min(m, 10)}", "privacy.mode=central",
+            f"privacy.noise_multiplier={z}", "privacy.adaptive_clip.enabled=true",
+            f"privacy.adaptive_clip.count_stddev={'null' if sb is None else sb}"])
+        cfg.cohort.size = m  # the mechanism only (no data needs m clients here)
+        from fedloom.privacy import make_privacy
+
+        p = make_privacy(cfg, 100)
+        assert p.adaptive.count_stddev == sd
+        assert p.sigma == pytest.approx(sigma, rel=1e-15)
+    assert _central(z=1.3, clip=0.7, m=5).sigma * 0.7 / 5 == dp.compute_stdv(1.3, 0.7, 5)
 
 
 def test_local_noise_has_std_z_c_and_comes_from_the_clients_stream():

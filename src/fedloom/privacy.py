@@ -38,11 +38,9 @@ The noise comes from ``(seed, round, -1, "dp-noise")``. ``σ_Δ = z``
 
 Adaptive clipping (``privacy.adaptive_clip.enabled``), Andrew, Thakkar,
 McMahan & Ramaswamy, "Differentially Private Learning with Adaptive
-Clipping" (NeurIPS 2021), geometric update of their Algorithm 1 (as in
-TensorFlow Federated's ``QuantileAdaptiveClipSumQuery`` and Flower's
-``DifferentialPrivacyServerSideAdaptiveClipping``, read for the defaults)::
+Clipping" (NeurIPS 2021), geometric update of their Algorithm 1::
 
-    b̃_t = (Σ_{k accepted} 1[‖u_k‖₂ ≤ C_t] + N(0, σ_b²)) / m̄      ("dp-count" stream)
+    b̃_t = clamp((Σ_{k accepted} 1[‖u_k‖₂ ≤ C_t] + N(0, σ_b²)) / m̄, 0, 1)   ("dp-count")
     C_{t+1} = C_t · exp(−η_C (b̃_t − γ))
 
 with ``γ`` = ``target_quantile``, ``η_C`` = ``lr``, ``σ_b`` = ``count_stddev``
@@ -52,6 +50,25 @@ release; the update's noise is raised to ``σ_Δ = (z⁻² − (2σ_b)⁻²)^(�
 noise multiplier ``z`` costs (the accountant below uses ``z``); this needs
 ``2σ_b > z``, checked with one line. ``C_t`` is public (a function of past
 releases); it is in the run state and checkpoint.
+
+Public code checked. TF Privacy's ``QuantileEstimatorQuery``
+(tensorflow/privacy, ``dp_query/quantile_estimator_query.py``): the same
+count of updates *at or below* the estimate, the fixed denominator (its
+``expected_num_records``), the clamp to [0, 1] and the geometric update (it
+centres each bit at ±0.5 for an add-or-remove sensitivity of 1/2; under our
+replace-one relation the count's sensitivity is 1 either way, and the noise
+formula above is the same). Flower 1.42 (``flwr.supercore.differential_privacy``,
+installed with the dev extra): the noise std ``z·C/m`` of
+``DifferentialPrivacyServerSideFixedClipping`` and ``σ_Δ`` with the default
+``σ_b = m/20`` of its adaptive strategy equal ours to 1e-15
+(tests/test_privacy.py). Two departures from Flower's
+``DifferentialPrivacyServerSideAdaptiveClipping``: it counts the updates that
+*were clipped* (scaling factor < 1) in the paper's update, which moves ``C``
+the opposite way (for ``γ = 0.5`` and every update clipped it shrinks
+``C`` further); and it updates ``C`` before drawing the noise, so the noise is
+scaled to ``C_{t+1}`` while the updates were clipped to ``C_t`` (too little
+noise whenever ``C`` shrinks). Here the count is of unclipped updates, as the
+paper and TF Privacy, and the noise uses ``C_t``.
 
 Accountant (central). The rounds are accounted with Google's
 ``dp-accounting`` (RDP accountant, its default orders): each round is a
@@ -394,7 +411,8 @@ class Privacy:
             g = torch_gen(self.seed, round, -1, Purpose.DP_COUNT)
             noisy = (below + a.count_stddev * float(torch.randn(1, generator=g,
                                                                 dtype=torch.float64)))
-            frac = noisy / self.cohort_size
+            # Clamped to [0, 1] as TF Privacy's QuantileEstimatorQuery (post-processing).
+            frac = min(1.0, max(0.0, noisy / self.cohort_size))
             new_state["clip"] = c * math.exp(-a.lr * (frac - a.target_quantile))
             metrics["dp_unclipped_fraction"] = frac
         return agg, new_state, metrics
