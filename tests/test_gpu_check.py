@@ -1,0 +1,136 @@
+"""``benchmarks/gpu_check.py``: the GPU check's CPU smoke run reports every step
+(figures or a stated reason), its goals are judged from the figures, and a run
+that cannot be the real check writes nothing where the GPU results go."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = {"pytest_cuda", "quickstart", "round_time", "resnet", "aggregation"}
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks/gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _gpu_results() -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in (ROOT / "benchmarks").glob("gpu_results*")}
+
+
+@pytest.mark.slow
+def test_quick_cpu_run_reports_every_step(tmp_path):
+    before = _gpu_results()
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu_check.py"), "--device",
+                          "cpu", "--quick", "--out", str(tmp_path)], capture_output=True,
+                         text=True, timeout=600, check=False, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _gpu_results() == before  # the smoke run wrote only into --out
+    # CPU figures are never named as the GPU results
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_results-smoke.json",
+                                                          "gpu_results-smoke.md"]
+    got = json.loads((tmp_path / "gpu_results-smoke.json").read_text())
+    steps = got["steps"]
+    assert set(steps) == STEPS
+    for name, rec in steps.items():
+        assert rec["status"] in ("ok", "partial", "not available"), (name, rec)
+        assert rec["status"] == "ok" or rec["reason"], name
+        assert rec["seconds"] > 0 and rec["peak_device_mb"] > 0
+    # 1: nothing is marked cuda that runs without CUDA
+    p = steps["pytest_cuda"]
+    assert p["failed"] == p["errors"] == p["passed"] == 0 and p["summary"]
+    # 2: the same config twice gives the same model; CPU against CPU differs by nothing
+    q = steps["quickstart"]
+    assert q["same_sha"] and len(q["model_sha256"][0]) == 64
+    assert {k: v["max_abs_diff"] for k, v in q["cpu_vs_device_after_3_rounds"].items()} == {
+        "float32": 0.0, "float64": 0.0}
+    # 3: both backends at every cohort size; Flower's absence is stated, not blank
+    for row in steps["round_time"]["per_round"].values():
+        assert row["sequential"]["round_s"] > 0 and row["vmap"]["round_s"] > 0
+    assert all(v.get("not_run") for v in steps["round_time"]["flower"].values())
+    # 4: ResNet with BatchNorm and GroupNorm, both backends
+    for norm in ("batch", "group"):
+        row = steps["resnet"]["results"][norm]
+        assert row["sequential"]["round_s"] > 0 and row["vmap"]["round_s"] > 0
+    # 5: CRAFT's constraints hold
+    for row in steps["aggregation"]["results"].values():
+        assert row["craft"]["max_violation"] <= 1e-6 and row["fedavg"]["seconds"] > 0
+    # 6: a peak for every step
+    assert set(got["peak_memory"]) == STEPS
+    goals = {g["goal"]: g for g in got["goals"]}
+    assert len(goals) == 5
+    for g in goals.values():
+        assert g["met"] is True or g["why"], g
+    md = (tmp_path / "gpu_results-smoke.md").read_text()
+    assert md.startswith("# GPU check — smoke run (not GPU results)")
+    assert "## Goals" in md and "## 5. Aggregation" in md
+
+
+def _res(seq, vmap, flower, big, craft, fedavg, violation):
+    """A results record with the figures the goals read (--quick's cohort keys)."""
+    per = {"2": {}, "5": {"sequential": {"round_s": seq}, "vmap": {"round_s": vmap}},
+           "20": {"vmap": {"round_s": big}}}
+    return {"steps": {
+        "round_time": {"steps_per_client": 2, "per_round": per,
+                       "flower": {"5": {"round_s": flower} if flower else
+                                  {"error": "ImportError: no module named flwr"}}},
+        "aggregation": {"tf32_matmul": False, "results": {
+            "m=10": {"craft": {"max_violation": violation / 10}},
+            "m=100": {"craft": {"seconds": craft, "max_violation": violation},
+                      "fedavg": {"seconds": fedavg}, "craft_over_fedavg": craft / fedavg,
+                      "gram_gflop": 1.0}}}}}
+
+
+def test_goals_are_judged_from_the_figures():
+    goals = _module().goals
+    g = goals(_res(seq=2.0, vmap=0.1, flower=None, big=1.5, craft=0.025, fedavg=0.01,
+                   violation=2e-6))
+    by = {x["goal"].split(" at ")[0].split(" (")[0]: x for x in g}
+    ten = by["vmap ≥ 10× sequential"]
+    assert ten["met"] is True and ten["value"] == pytest.approx(20.0)
+    assert ten["by"] == "2.00× the target"
+    flower = by["vmap ≥ 20× Flower's simulation"]
+    assert flower["met"] is None and "no module named flwr" in flower["why"]
+    big = by["20 clients/round in < 1 s"]
+    assert big["met"] is False and big["by"] == "1.50× short" and "lock-steps" in big["why"]
+    craft = by["CRAFT ≤ 3× FedAvg"]
+    assert craft["met"] is True and craft["value"] == pytest.approx(2.5)
+    err = by["CRAFT constraint error ≤ 1e-6"]
+    assert err["met"] is False and err["value"] == 2e-6  # the worse of m = 10 and 100
+    g = goals(_res(seq=0.5, vmap=0.1, flower=3.0, big=0.5, craft=0.04, fedavg=0.01,
+                   violation=1e-8))
+    by = {x["goal"].split(" at ")[0].split(" (")[0]: x for x in g}
+    assert by["vmap ≥ 10× sequential"]["met"] is False
+    assert by["vmap ≥ 20× Flower's simulation"]["met"] is True
+    assert by["20 clients/round in < 1 s"]["met"] is True
+    assert by["CRAFT ≤ 3× FedAvg"]["met"] is False
+    assert by["CRAFT constraint error ≤ 1e-6"]["met"] is True
+
+
+def test_spent_budget_skips_steps_with_a_reason(tmp_path):
+    mod = _module()
+    assert mod.main(["--device", "cpu", "--quick", "--budget-s", "4", "--out",
+                     str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "gpu_results-smoke.json").read_text())
+    assert set(got["steps"]) == STEPS
+    for rec in got["steps"].values():
+        assert rec["status"] == "skipped" and "--budget-s" in rec["reason"]
+    assert all(g["met"] is None and g["why"].startswith("not measured") for g in got["goals"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_exits_2_and_writes_nothing(tmp_path, capsys):
+    assert _module().main(["--device", "cuda", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gpu_check: --device cuda: CUDA is not available")
+    assert not (tmp_path / "out").exists()
