@@ -124,8 +124,8 @@ def test_run_dir_guards(tiny, tmp_path):
     assert saved["rounds"] == 1 and saved["data"]["name"] == "digits"
     with pytest.raises(ConfigError, match="not empty"):
         fedloom.run(tiny, ["rounds=1"], out=out)
-    with pytest.raises(ConfigError, match="config differs"):
-        fedloom.run(tiny, ["rounds=2"], out=out, resume=True)
+    with pytest.raises(ConfigError, match="config differs"):  # rounds alone may change
+        fedloom.run(tiny, ["rounds=1", "client.lr=0.2"], out=out, resume=True)
     # the final model loads into a fresh module
     blob = torch.load(out / "model.pt", weights_only=True)
     assert blob["w"].shape[0] == sum(v.numel() for v in blob["state_dict"].values())
