@@ -276,6 +276,19 @@ def test_vmap_matches_sequential_with_batchnorm(tiny):
                               rtol=0, atol=1e-12), name
 
 
+def test_a_batch_of_one_that_batchnorm1d_cannot_train_on_is_one_line(tiny):
+    def bn1d():
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.BatchNorm1d(8), nn.ReLU(),
+                             nn.Linear(8, 10))
+
+    n0 = int(_exp(tiny, [], lambda: Net()).fed.num_train()[0])
+    b = n0 - 1  # client 0's last batch holds one sample
+    # Before: the run stopped inside training with BatchNorm's own ValueError.
+    with pytest.raises(ConfigError, match=rf"client\.batch_size: {b} leaves client 0 "):
+        _exp(tiny, [f"client.batch_size={b}"], bn1d)
+    _exp(tiny, [f"client.batch_size={b}"], lambda: Net())  # BatchNorm2d: 64 values a channel
+
+
 def test_privacy_refuses_averaged_buffers(tiny):
     with pytest.raises(ConfigError, match=r"model\.buffers"):
         _exp(tiny, ["server.secure_aggregation=true"], lambda: Net())

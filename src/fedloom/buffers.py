@@ -57,7 +57,7 @@ from fedloom.rng import forked_rng
 
 __all__ = ["BUFFER_POLICIES", "average_buffers", "buffer_names", "buffers_sha256",
            "check_buffers", "flatten_buffers", "has_batch_statistics", "load_buffers",
-           "module_buffers", "random_in_train", "unflatten_buffers"]
+           "module_buffers", "random_in_train", "trains_on_one_sample", "unflatten_buffers"]
 
 BUFFER_POLICIES = ("average", "local", "keep_global")
 
@@ -152,6 +152,21 @@ def buffers_sha256(bufs: Mapping[str, torch.Tensor]) -> str:
 def has_batch_statistics(module: nn.Module) -> bool:
     """Whether a train-mode forward mixes the samples of a batch (BatchNorm)."""
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+@torch.no_grad()
+def trains_on_one_sample(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether a train-mode forward accepts a batch of one sample (``x[:1]``):
+    ``BatchNorm1d`` on ``[1, C]`` has one value per channel and refuses it.
+    Run on a copy under a forked generator; any other error is not this one's
+    to report."""
+    probe = copy.deepcopy(module).train()
+    try:
+        with forked_rng(0, x.device):
+            probe(x[:1])
+    except ValueError:
+        return False
+    return True
 
 
 @torch.no_grad()

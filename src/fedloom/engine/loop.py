@@ -78,9 +78,11 @@ from fedloom.buffers import (
     buffers_sha256,
     check_buffers,
     flatten_buffers,
+    has_batch_statistics,
     load_buffers,
     module_buffers,
     random_in_train,
+    trains_on_one_sample,
     unflatten_buffers,
 )
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD, lr_at_round
@@ -435,6 +437,14 @@ class Experiment:
             raise ConfigError(f"backend.{'name' if b.name == 'vmap' else 'inner'}: vmap cannot "
                               "draw each client's dropout masks from its own stream; use "
                               "sequential (or auto)")
+        if has_batch_statistics(self.module):  # a last batch of one sample (BatchNorm1d)
+            sizes = self.fed.num_train()
+            short = [k for k, n in enumerate(sizes) if n % cfg.client.batch_size == 1]
+            if short and not trains_on_one_sample(self.module, self.x):
+                raise ConfigError(f"client.batch_size: {cfg.client.batch_size} leaves client "
+                                  f"{short[0]} ({int(sizes[short[0]])} training samples) a batch "
+                                  "of one, which the model's BatchNorm cannot train on; choose "
+                                  "another batch size")
         c = cfg.client
         self.trainer = LocalSGD(
             self.module, self.layout, batch_size=c.batch_size, epochs=c.epochs, steps=c.steps,
@@ -1194,6 +1204,8 @@ class DivergenceWatch:
         loss = m.get("train_loss")
         if self.message is not None or not isinstance(loss, int | float):
             return None
+        if m.get("cohort_size", 1) <= m.get("dropped_clients", 0):
+            return None  # nobody reported (none available, all dropped): no loss to judge
         if not np.isfinite(loss):
             what = "is not finite"
         elif self.first is not None and self.first > 0 and loss > self.FACTOR * self.first:
