@@ -124,14 +124,22 @@ def test_cli_csv_markdown_target_and_plots(three_runs, tmp_path, capsys):
         assert (plots / "client_acc_cdf.png").stat().st_size > 0
 
 
-def test_compare_errors(tmp_path, capsys):
+def test_compare_errors(tmp_path, capsys, three_runs):
     assert main(["compare", str(tmp_path / "nope")]) == 2
     (tmp_path / "empty").mkdir()
     assert main(["compare", str(tmp_path / "empty")]) == 2
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "metrics.jsonl").write_text('garbage\n{"round": 1}\n')
+    assert main(["compare", str(bad)]) == 2
+    assert main(["compare", str(three_runs), "--metric", "test_accc"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"fedloom: error: {tmp_path / 'nope'}: not found",
                    f"fedloom: error: {tmp_path / 'empty'}: holds no run directory (one with "
-                   "summary.json or metrics.jsonl)"]
+                   "summary.json or metrics.jsonl)",
+                   f"fedloom: error: {bad / 'metrics.jsonl'}: line 1 is not a metrics record",
+                   "fedloom: error: --metric test_accc: no run has it (did you mean "
+                   "test_acc, test_acc_peak?)"]
 
 
 def test_plot_axes_integer_rounds_bands_and_log_labels_apart():

@@ -599,6 +599,19 @@ def compare(paths: Sequence[str | Path], metrics: Sequence[str] = DEFAULT_METRIC
     """Run ``fedloom compare``: return the terminal text and the notes (files written,
     plots skipped)."""
     runs = [load_run(p) for p in find_run_dirs(paths)]
+    known: set[str] = set()
+    for r in runs:
+        known.update(k for k in run_stats(r) if not k.startswith("_"))
+        for m in r.metrics:
+            known.update(m)
+    for opt, name in [*(("--metric", m) for m in metrics),
+                      *([("--target-metric", target_metric)] if target is not None else [])]:
+        if name not in known:
+            import difflib
+
+            near = difflib.get_close_matches(name, sorted(known), n=3)
+            raise ValueError(f"{opt} {name}: no run has it"
+                             + (f" (did you mean {', '.join(near)}?)" if near else ""))
     groups = group_runs(runs, group_by)
     header, rows, records = compare_table(groups, metrics, at, target, target_metric)
     unfinished = sum(not r.finished for r in runs)
