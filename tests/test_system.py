@@ -194,6 +194,10 @@ def test_short_cohort_takes_all_available_and_counts_it(tiny):
         assert m["cohort_size"] == min(4, int(avail.sum()))
         assert m["cohort_short"] == int(avail.sum() < 4)
     assert any(m["cohort_short"] for m in res.metrics)
+    # a round with nobody available has no training loss, and is no divergence
+    empty = fedloom.run(tiny, ["system.availability=0.05", "rounds=4"])
+    assert any(m["cohort_size"] == 0 for m in empty.metrics)
+    assert "warnings" not in empty.summary
 
 
 def test_mid_round_dropout_leaves_state_and_is_counted(tiny):
