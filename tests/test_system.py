@@ -80,6 +80,18 @@ def test_client_time_formula():
     assert client_time(Device(0, 0, 0, 0.25), P, 32, P) == 0.5
 
 
+def test_client_time_agrees_with_fedscales_formula():
+    # FedScale's get_completion_time: 3·B·s·c/1000 s of compute (c ms/sample of inference)
+    # + (up + down)/bandwidth; the same device here: v = 1000/(3c) samples/s, both links
+    # at the bandwidth, no latency. Equal when n is a multiple of B (no short batch).
+    for c, b, s, n, up, down, bw in ((5.0, 32, 20, 640, 1e5, 8e5, 1e6),
+                                      (0.7, 10, 7, 30, 3e3, 3e3, 2e4)):
+        fedscale = 3 * b * s * c / 1000 + (up + down) / bw
+        mine = client_time(Device(1000 / (3 * c), 8 * bw, 8 * bw, 0.0), int(down),
+                           samples_for_steps(s, n, b), int(up))
+        assert mine == pytest.approx(fedscale, rel=1e-12)
+
+
 def test_three_clients_simulated_time_is_hand_computed(tmp_path):
     res = fedloom.run(three(tmp_path), [])
     exp = Experiment(load_config(three(tmp_path)))

@@ -11,10 +11,19 @@ engine counts them: ``downlink_bytes``/``uplink_bytes``, integrity trailer and e
 payloads included) and ``n_k`` the samples its local steps processed: ``s`` steps of
 batch ``B`` over ``N_k`` samples, epoch after epoch (the last batch of an epoch is
 short), process ``e·N_k + j·B`` samples with ``e, j = divmod(s, ⌈N_k/B⌉)``. A rate of
-0 means that term takes no time (it is not modelled). The model is the usual one of
-FL system simulators (FedScale, Lai et al. 2022; FLASH, Yang et al. 2021: compute
-time from a per-device speed and the local work, communication time from the
-payload and the bandwidth, a round lasting as long as its slowest reporting client).
+0 means that term takes no time (it is not modelled). The model is the one of FL
+system simulators (FedScale, Lai et al., ICML 2022; FLASH, Yang et al., WWW 2021):
+compute time from a per-device speed and the local work, communication time from
+the payload and the bandwidth, a round lasting as long as its slowest reporting
+client. Checked against FedScale's public ``ClientMetadata.get_completion_time``
+(github.com/SymbioticLab/FedScale, ``fedscale/cloud/internal/client_metadata.py``):
+``3·B·s·c/1000`` seconds of compute (``c`` ms per sample of inference, ×3 for the
+backward pass) plus ``(up + down)/bandwidth``. With ``v = 1000/(3c)``, equal
+up/down bandwidths and no latency the two agree exactly when ``N_k`` is a multiple
+of ``B`` (``tests/test_system.py``); departures: fedloom counts an epoch's short
+last batch as the samples it holds, times each direction at its own bandwidth, and
+adds a latency per message. FedScale's lognormal variant draws a new speed for
+every task; here a device keeps its speed for the whole run.
 
 Devices (``system.profile``) are drawn once per client from the generator
 ``(seed, -1, k, "system")``: four draws in the order speed, up, down, latency, so
