@@ -38,7 +38,8 @@ late (the server cannot know sooner that it will not report). ``sim_time_s`` is 
 running sum, kept in the checkpoint. Late clients (``late: drop``) are trained, then
 judged on their real payload: a client whose ``t_k`` exceeds the deadline is not
 used and its state rows stay as they were (as a failed worker's,
-``backend.on_failure=drop``). With ``late: partial`` a client does the local steps
+``backend.on_failure=drop``); its payload is not counted in ``uplink_bytes`` (the
+server closed the round before it arrived). With ``late: partial`` a client does the local steps
 that fit: the compute time left after two latencies, the downlink and the expected
 uplink (the compressor's payload for a fixed Gaussian vector: exact for dense and
 quantised payloads, near the largest for Top-k's gap coding) buys
