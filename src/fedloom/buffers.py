@@ -42,6 +42,13 @@ they were. Buffers ride in checkpoints (a resumed run is bit-identical), in
 
 Non-persistent buffers (``persistent=False``: constants such as masks) are not
 part of the policy: each copy of the module keeps its own.
+
+Checked against plain PyTorch (``tests/test_train_mode.py``): a client's local
+training on the flat vector, against the same batches through an ordinary
+``nn.BatchNorm2d`` model in train mode stepped by ``torch.optim.SGD`` (conv →
+BatchNorm2d → linear on the 8×8 digits, 4 clients of 9–12 steps): the
+buffers agree bit for bit, the weights to 1.4e-17 (float64) and 1.5e-8
+(float32), the order of summation in the gradient.
 """
 
 from __future__ import annotations
