@@ -462,15 +462,22 @@ def _round_axis(ax: Any) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def _log_axis(ax: Any, lo: float, hi: float) -> None:
+def log_ticks(axis: Any, lo: float, hi: float) -> None:
+    """Ticks of a log-scaled ``axis`` (``ax.xaxis`` / ``ax.yaxis``) spanning
+    ``lo … hi``: 1, 2, 5 × 10^k (1 × 10^k over more than 2.5 decades) labelled as
+    plain numbers, minor ticks unlabelled, so labels never crowd each other."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    ax.set_xscale("log")
     decades = math.log10(hi / lo) if lo > 0 and hi > lo else 0.0
     subs = (1.0,) if decades > 2.5 else (1.0, 2.0, 5.0)
-    ax.xaxis.set_major_locator(LogLocator(base=10, subs=subs))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-    ax.xaxis.set_minor_formatter(NullFormatter())
+    axis.set_major_locator(LogLocator(base=10, subs=subs))
+    axis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _log_axis(ax: Any, lo: float, hi: float) -> None:
+    ax.set_xscale("log")
+    log_ticks(ax.xaxis, lo, hi)
 
 
 def _band_curves(runs: Sequence[dict[str, Any]], metric: str

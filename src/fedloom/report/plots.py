@@ -35,11 +35,21 @@ def write_run_plots(run_dir: Path, history: Sequence[dict[str, Any]]) -> list[Pa
     axes[1].plot(rounds, [m["test_loss"] for m in ev], label="test loss")
     axes[1].set_xlabel("round")
     axes[1].set_yscale("log")
+    losses = [v for v in [m["train_loss"] for m in history] + [m["test_loss"] for m in ev]
+              if v > 0 and v == v and v != float("inf")]
+    if losses:
+        from fedloom.report.compare import log_ticks
+
+        log_ticks(axes[1].yaxis, min(losses), max(losses))
     axes[2].plot([m["uplink_bytes_total"] / 1e6 for m in ev], [100 * m["test_acc"] for m in ev])
     axes[2].set_xlabel("cumulative uplink (MB)")
     axes[2].set_ylabel("test accuracy (%)")
+    from matplotlib.ticker import MaxNLocator
+
     for ax in axes:
         ax.grid(alpha=0.3)
+    for ax in axes[:2]:  # rounds are whole numbers: no 2.5 on the axis of a 5-round run
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].legend(fontsize=8)
     axes[1].legend(fontsize=8)
     fig.tight_layout()
