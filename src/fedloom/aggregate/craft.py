@@ -3,6 +3,10 @@
 Paper: "CRAFT: Conflict-Resolved Aggregation for Federated Training"
 (arXiv 2605.21317); public code: github.com/tum-pbs/CRAFT, ``fed/craft.py``.
 
+It acts on the trainable parameters only (the rows are ``w − w_k``); module
+buffers such as BatchNorm statistics follow ``model.buffers``
+(:mod:`fedloom.buffers`), as with every aggregator.
+
 Per layer group ``q`` and round ``t``::
 
     min_g ½‖g − ĝ‖²   s.t.   U g = ρ
