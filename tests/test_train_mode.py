@@ -202,6 +202,17 @@ def test_average_buffers_rules():
         average_buffers([a, b], [1, 0])
 
 
+def test_rejected_clients_buffers_are_never_averaged(tiny):
+    # Every update above the bound: nobody is accepted, the buffers stay.
+    exp = _exp(tiny, ["server.max_update_norm=1e-12", "model.buffers=local"], lambda: Net())
+    st = exp.initial_state()
+    plan, _, bufs, new = _one_round(exp, st)
+    assert not torch.equal(bufs[0]["bn.running_mean"], st.buffers["bn.running_mean"])
+    for name, v in st.buffers.items():
+        assert torch.equal(new.buffers[name], v), name
+    assert not bool(exp.store.gather("bn.buffers_set", plan.cohort.tolist()).any())
+
+
 def test_keep_global_never_updates_the_buffers(tiny):
     exp = _exp(tiny, ["model.buffers=keep_global"], lambda: Net())
     st = exp.initial_state()

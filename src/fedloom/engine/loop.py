@@ -37,7 +37,8 @@ totals and the summary, and logged):
   state, the aggregator's state, the feedback policy's server state (SA-PEF's
   ``L̂``, SCAFCOM's ``c``), the local method's server state and every client's
   state rows (EF residuals, EF21's ``h_k``, SCAFFOLD/SCAFCOM control variates,
-  Ditto's personal models) are exactly those before the round — a resumed run
+  Ditto's personal models, FedBN's buffers) and the global module buffers
+  (BatchNorm statistics) are exactly those before the round — a resumed run
   is bit-identical to an uninterrupted one through it. What the round did
   happen is kept: its bytes (``uplink_bytes``/``downlink_bytes``), its counts,
   and the running iterate average (``eval.average_iterates``), which averages
@@ -449,7 +450,7 @@ class Experiment:
         self.trainer = LocalSGD(
             self.module, self.layout, batch_size=c.batch_size, epochs=c.epochs, steps=c.steps,
             momentum=c.momentum, weight_decay=c.weight_decay, prox_mu=c.prox_mu, amp=c.amp,
-            random_forward=random_forward,
+            random_forward=random_forward, augment=self._augment(ds, cfg),
         )
         try:
             self.aggregator = make_aggregator(cfg.aggregator.name, **cfg.aggregator.options)
@@ -550,6 +551,16 @@ class Experiment:
         info = describe(self.device)
         log.info("device %s (%s, %.1f GB), %d threads", info["device"], info["device_name"],
                  info["device_memory_gb"], self.threads)
+
+    @staticmethod
+    def _augment(ds: Dataset, cfg: Config) -> Any:
+        """The training augmentation of ``data.augment`` for this source (None: none)."""
+        from fedloom.data.augment import make_augment
+
+        try:
+            return make_augment(getattr(ds, "augment", ""), cfg.data.augment)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     # ------------------------------------------------------------------ rounds
     def initial_state(self) -> RunState:
@@ -1194,7 +1205,7 @@ class DivergenceWatch:
     FACTOR = 10.0
 
     def __init__(self, cfg: Config, num_classes: int = 0) -> None:
-        self.cfg = cfg
+        self.cfg = resolve_auto(cfg)
         self.first: float | None = None
         self.uniform = float(np.log(num_classes)) if num_classes >= 2 else 0.0
         self.message: str | None = None
