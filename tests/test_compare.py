@@ -7,6 +7,7 @@ import csv
 import itertools
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -184,14 +185,19 @@ def _write_suite(path: Path, **suite) -> Path:
     return path
 
 
-def test_sweep_report_only_without_doc_prints_and_writes_csv(tmp_path, capsys):
-    cfg = _tiny_cfg(tmp_path / "tiny.yaml")
+def _sweep_layout(three_runs: Path, out: Path, **which: str) -> None:
+    """The fixture's runs copied to where a sweep's runs of ``which`` go (the report
+    reads run directories only; copies spare the test two runs)."""
+    for method, rel in which.items():
+        shutil.copytree(three_runs / rel, out / "digits" / method / "seed1")
+
+
+def test_sweep_report_only_without_doc_prints_and_writes_csv(tmp_path, capsys, three_runs):
+    _tiny_cfg(tmp_path / "tiny.yaml")
     suite = _write_suite(tmp_path / "suite.yaml", out=str(tmp_path / "runs"),
                          settings={"digits": {"config": "tiny.yaml"}},
                          methods={"FedAvg": [], "Median": ["aggregator.name=median"]})
-    fedloom.run(cfg, ["seed=1"], out=tmp_path / "runs" / "digits" / "FedAvg" / "seed1")
-    fedloom.run(cfg, ["seed=1", "aggregator.name=median"],
-                out=tmp_path / "runs" / "digits" / "Median" / "seed1")
+    _sweep_layout(three_runs, tmp_path / "runs", FedAvg="fedavg/seed1", Median="median/seed1")
     out_csv = tmp_path / "r.csv"
     assert main(["sweep", str(suite), "--report-only", "--csv", str(out_csv)]) == 0
     out = capsys.readouterr().out
@@ -241,6 +247,25 @@ def test_sweep_bad_method_one_line_before_any_run(tmp_path, capsys, methods, tun
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"fedloom: error: {suite}: {says}"), err
     assert not (tmp_path / "runs").exists()  # nothing ran, the tuning runs included
+
+
+def test_sweep_failed_run_reports_the_rest_one_line_exit_1(tmp_path, capsys, three_runs):
+    _tiny_cfg(tmp_path / "tiny.yaml")
+    suite = _write_suite(tmp_path / "suite.yaml", out=str(tmp_path / "runs"),
+                         doc=str(tmp_path / "doc" / "t.md"),
+                         settings={"digits": {"config": "tiny.yaml"}},
+                         methods={"FedAvg": [], "Median": ["aggregator.name=median"]})
+    _sweep_layout(three_runs, tmp_path / "runs", FedAvg="fedavg/seed1")
+    blocker = tmp_path / "runs" / "digits" / "Median" / "seed1"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("")  # a file where the run directory goes: that run fails
+    assert main(["sweep", str(suite), "--workers", "1"]) == 1
+    cap = capsys.readouterr()
+    assert cap.err.strip().splitlines() == [
+        "fedloom: error: 1 of 1 runs failed; first: digits/Median/seed1 failed: fedloom: "
+        f"error: --out {blocker}: exists and is not a directory"]
+    doc = (tmp_path / "doc" / "t.md").read_text()
+    assert "| FedAvg |" in doc and "| Median |" not in doc and "1 of 2 runs have not" in doc
 
 
 # ------------------------------------------------------------------------ logging

@@ -214,17 +214,26 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from fedloom.sweep import run_suite
+    from fedloom.sweep import SweepError, run_suite
 
-    suite = run_suite(args.suite, workers=args.workers,
-                      log=lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", flush=True),
-                      report_only=args.report_only, csv=args.csv)
-    if suite.doc is not None:
+    failed: SweepError | None = None
+    try:
+        suite = run_suite(args.suite, workers=args.workers,
+                          log=lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", flush=True),
+                          report_only=args.report_only, csv=args.csv)
+    except SweepError as e:  # runs failed: the report of the others, then one line
+        if e.suite is None:
+            raise
+        suite, failed = e.suite, e
+    if suite.report_text and suite.doc is not None:
         print(f"report: {suite.doc}")
-    else:  # no doc: in the suite: the report goes to stdout
+    elif suite.report_text:  # no doc: in the suite: the report goes to stdout
         print(suite.report_text)
-    if args.csv:
+    if args.csv and suite.report_text:
         print(f"csv: {args.csv}")
+    if failed is not None:
+        print(f"fedloom: error: {failed}", file=sys.stderr)
+        return 1
     return 0
 
 

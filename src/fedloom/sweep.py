@@ -85,9 +85,16 @@ import yaml
 
 from fedloom.config import ConfigError, yaml_load
 
-__all__ = ["RunSpec", "Suite", "load_suite", "run_suite"]
+__all__ = ["RunSpec", "Suite", "SweepError", "load_suite", "run_suite", "validate_suite"]
 
 TUNE = "$TUNE"
+
+
+class SweepError(RuntimeError):
+    """Runs of a sweep failed (one line: how many, and the first one's error). The
+    other runs went on; ``suite`` is the suite, its report made from what finished."""
+
+    suite: Suite | None = None
 
 
 @dataclass
@@ -258,15 +265,21 @@ def _run_all(specs: list[RunSpec], workers: int, log: Callable[[str], None]) -> 
         t0 = time.perf_counter()
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if p.returncode != 0:
-            raise RuntimeError(f"{spec.setting}/{spec.method}/seed{spec.seed} failed: "
-                               f"{(p.stderr.strip().splitlines() or ['?'])[-1]}")
+            msg = (f"{spec.setting}/{spec.method}/seed{spec.seed} failed: "
+                   f"{(p.stderr.strip().splitlines() or ['?'])[-1]}")
+            failed.append(msg)  # the other runs go on; the report shows what finished
+            log(msg)
+            return
         log(f"done {spec.setting}/{spec.out.parent.name}/seed{spec.seed} "
             f"in {time.perf_counter() - t0:.0f} s")
 
+    failed: list[str] = []
     log(f"{len(todo)} of {len(specs)} runs to do, {workers} at a time")
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for f in [pool.submit(one, s) for s in todo]:
             f.result()
+    if failed:
+        raise SweepError(f"{len(failed)} of {len(todo)} runs failed; first: {failed[0]}")
 
 
 def read_summary(out: Path) -> dict[str, Any]:
@@ -343,9 +356,17 @@ def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = p
         suite.report_text = write_report(suite, chosen, specs,
                                          float(prior.get("elapsed_s", 0.0)), workers, csv)
         return suite
-    chosen = tuned_values(suite, workers, log)
+    try:
+        chosen = tuned_values(suite, workers, log)
+    except SweepError as e:  # no tuned value, no main runs: nothing to report
+        e.suite = suite
+        raise
     specs = main_specs(suite, chosen)
-    _run_all(specs, workers, log)
+    failure: SweepError | None = None
+    try:
+        _run_all(specs, workers, log)
+    except SweepError as e:
+        failure = e  # still report the runs that finished ("Incomplete" counts the rest)
     elapsed = time.perf_counter() - t0
     state = suite.out / "sweep.json"
     prior = json.loads(state.read_text()) if state.exists() else {}
@@ -354,6 +375,9 @@ def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = p
     state.parent.mkdir(parents=True, exist_ok=True)
     state.write_text(json.dumps({"elapsed_s": total, "workers": workers}, indent=2))
     suite.report_text = write_report(suite, chosen, specs, total, workers, csv)
+    if failure is not None:
+        failure.suite = suite
+        raise failure
     return suite
 
 
