@@ -33,7 +33,10 @@ Each run is ``fedloom run CONFIG OVERRIDES seed=S --out DIR`` in a subprocess
 with one thread (``OMP_NUM_THREADS=1``), ``workers`` at a time. A run whose
 ``summary.json`` exists is not run again, so a stopped sweep continues where
 it stopped. ``$TUNE`` is replaced by the value the tuning runs chose: the grid
-value with the best ``tune_metric`` on ``tune_seed``.
+value with the best ``tune_metric`` on ``tune_seed``. A run that fails does not
+stop the others; the report is made from those that finished, then
+:class:`SweepError` says how many failed and the first one's error
+(``fedloom sweep``: one line, exit 1).
 
 The report (:mod:`fedloom.report.sweep`, from the runs read and aggregated by
 :mod:`fedloom.report.compare`) is written to ``doc:`` with its PNG plots beside
