@@ -233,6 +233,19 @@ class LocalSGD:
     # The train-mode forward draws random numbers (dropout): fedloom.buffers.random_in_train.
     # Such a model trains on the sequential path (each client's masks from its own stream).
     random_forward: bool = False
+    # Training augmentation (fedloom.data.augment; data.augment): applied to every local
+    # batch, its draws from (batch-order seed, step, "augment") — so (seed, round, client,
+    # step) — identically on every backend.
+    augment: Any = None
+
+    def batch(self, x: torch.Tensor, idx: torch.Tensor, seed: int, step: int) -> torch.Tensor:
+        """The inputs of local step ``step``: ``x[idx]``, augmented when configured."""
+        xb = x[idx]
+        if self.augment is None:
+            return xb
+        g = torch.Generator()
+        g.manual_seed(derive_seed(seed, step, -1, Purpose.AUGMENT))
+        return self.augment(xb, g)
 
     def num_steps(self, n: int, epochs: int | None = None) -> int:
         if self.steps is not None:
@@ -341,19 +354,20 @@ class LocalSGD:
         for step, idx in enumerate(batches):
             fm.g.zero_()
             reseed(derive_seed(dseed, step, -1, Purpose.DROPOUT), w.device)
+            xb = self.batch(x, idx, dseed, step)
             if self.amp == "none":
-                loss = F.cross_entropy(fm.module(x[idx]), y[idx])
+                loss = F.cross_entropy(fm.module(xb), y[idx])
                 loss.backward()  # accumulates into fm.g through the parameters' .grad views
             else:
-                loss = _amp_backward(fm.module, x[idx], y[idx], self.amp, scaler, fm.g)
+                loss = _amp_backward(fm.module, xb, y[idx], self.amp, scaler, fm.g)
             grad = fm.g
             loss_sum += float(loss.detach())
             if scaler is not None and not scaler.finite:
                 continue  # fp16 overflow: the step is skipped, the scale halved
             if probe and step == 1 and first_grad is not None:
                 # Secant estimate of L on batch 0 between the start and the first step.
-                g1 = self._train_grad(w.detach(), x[batches[0]], y[batches[0]],
-                                      derive_seed(dseed, 0, -1, Purpose.DROPOUT))
+                g1 = self._train_grad(w.detach(), self.batch(x, batches[0], dseed, 0),
+                                      y[batches[0]], derive_seed(dseed, 0, -1, Purpose.DROPOUT))
                 dx = float(torch.linalg.vector_norm(w.detach() - x0))
                 if dx > 0:
                     smooth = float(torch.linalg.vector_norm(g1 - first_grad)) / dx

@@ -170,6 +170,13 @@ class VmapBackend:
             X, Y = src_x[It], src_y[It]  # padding rows gather a real sample, masked out
             M = mask_all[:, t].to(W.dtype)
             active = active_all[:, t].to(W.dtype)
+            if tr.augment is not None:  # each client's real rows, as LocalSGD.batch draws them
+                X = X.clone()
+                for k in range(m):
+                    if t < steps[k]:
+                        n = len(batches[k][t])
+                        X[k, :n] = tr.batch(X[k, :n], torch.arange(n, device=X.device),
+                                            jobs[k].gen_seed, t)
             if batch_stats and not (bool(M.all()) and bool(active.all())):
                 G, L = torch.zeros_like(W), torch.zeros(m, dtype=W.dtype, device=dev)
                 for k in active.nonzero().flatten().tolist():
