@@ -5,7 +5,10 @@ A policy holds settings. Each client's state (residual ``e_k``, EF21's
 gathered for the cohort and scattered back for the **accepted** clients only —
 a client that is not sampled keeps its state untouched. Server-side state
 (SA-PEF's ``L̂``, EF21's ``ḡ``, SCAFCOM's ``c``) goes in and comes back. All
-formulas use the pseudo-gradient sign ``g_k = w − w_k``.
+formulas use the pseudo-gradient sign ``g_k = w − w_k``. ``g_k`` holds the
+trainable parameters only: module buffers (BatchNorm statistics) are never
+compressed and never enter a residual or any other state of a policy
+(:mod:`fedloom.buffers`).
 
 - ``none``: send ``C(g_k)``.
 - ``ef`` (Seide et al. 2014; Stich & Karimireddy 2019): ``u = e + g``, send
@@ -133,6 +136,18 @@ class NoFeedback:
     # The server uses each client's row only: no server state, model shift or extra
     # payload built from the clients' messages (privacy.mode=central needs it).
     row_only = True
+
+    @property
+    def probes_smoothness(self) -> bool:
+        """Whether clients measure the local smoothness on their first step (the
+        ``probes`` :meth:`end_round` gets); SA-PEF's ``theory`` schedule does."""
+        return self.schedule == "theory"
+
+    def round_metrics(self, server: ServerState) -> dict[str, float]:
+        """Metrics of the round from the new server state (logged after ``alpha``)."""
+        if "lipschitz" in server:  # the online L̂ of the ``theory`` schedule
+            return {"lipschitz_estimate": server["lipschitz"]}
+        return {}
 
     def fields(self, d: int) -> dict[str, FieldSpec]:
         return {}
