@@ -166,7 +166,8 @@ scale) and every nonlinear aggregator are refused with one line. In the
 in-process engine the flag checks this composition only: nothing is masked,
 and the server-side screening (``server.max_norm_ratio``,
 ``server.clip_norm``) still sees each row, which a deployed SecAgg server
-could not.
+could not. On Flower, :mod:`fedloom.integrations.secagg` runs Flower's SecAgg+
+(its scope is stated there).
 """
 
 from __future__ import annotations
