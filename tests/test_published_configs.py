@@ -40,3 +40,23 @@ def test_every_setting_and_method_validates(suite: Path) -> None:
                 continue
             cfg = load_config(ROOT / setting["config"], [*setting.get("overrides", []), *ov])
             assert cfg.rounds > 0, (sname, mname)
+
+
+def test_a_published_suite_without_its_data_says_so_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from fedloom.cli import main
+
+    monkeypatch.setenv("FEDLOOM_DATA", str(tmp_path / "empty"))
+    monkeypatch.chdir(ROOT)
+    suite = tmp_path / "s.yaml"
+    suite.write_text(yaml.safe_dump({
+        "name": "x", "out": str(tmp_path / "runs"), "seeds": [1],
+        "settings": {"cifar10": {"config": str(ROOT / "configs/published/craft-cifar10.yaml")},
+                     "cifar100": {"config": str(ROOT / "configs/published/craft-cifar100.yaml")}},
+        "methods": {"FedAvg": []}}))
+    assert main(["sweep", str(suite)]) == 2
+    cap = capsys.readouterr()
+    assert "setting cifar10: skipped, its data is missing" in cap.out
+    assert cap.err.strip().count("\n") == 0 and "no setting's data is here" in cap.err
+    assert not (tmp_path / "runs").exists()

@@ -28,6 +28,10 @@ Checks first. Before any run starts, every method × setting config (the
 setting's overrides, then the method's; ``$TUNE`` replaced by each value of its
 grid) is loaded and validated: a bad one is one line naming the suite file, the
 method, the setting and the field (``fedloom sweep``: exit 2), and nothing runs.
+A setting whose data is not on this machine (CIFAR, FEMNIST, … under the data
+root; :func:`fedloom.data.sources.missing_source`) is left out with one line
+saying which dataset is missing and where it was looked for; when every
+setting's data is missing the sweep stops there (exit 2).
 
 Each run is ``fedloom run CONFIG OVERRIDES seed=S --out DIR`` in a subprocess
 with one thread (``OMP_NUM_THREADS=1``), ``workers`` at a time. A run whose
@@ -88,7 +92,8 @@ import yaml
 
 from fedloom.config import ConfigError, yaml_load
 
-__all__ = ["RunSpec", "Suite", "SweepError", "load_suite", "run_suite", "validate_suite"]
+__all__ = ["RunSpec", "Suite", "SweepError", "drop_missing_data", "load_suite", "run_suite",
+           "validate_suite"]
 
 TUNE = "$TUNE"
 
@@ -239,6 +244,28 @@ def validate_suite(suite: Suite) -> int:
     return n
 
 
+def drop_missing_data(suite: Suite, log: Callable[[str], None]) -> list[str]:
+    """Settings whose data is not on this machine are left out, each with one line
+    saying what is missing and where it was looked for; returns their names. All
+    missing: :class:`ConfigError` (the CLI's exit 2), nothing run."""
+    from fedloom.config import load_config
+    from fedloom.data.sources import missing_source
+
+    gone: list[str] = []
+    first = ""
+    for setting, st in list(suite.settings.items()):
+        cfg = load_config(st["config"], st.get("overrides", []))
+        why = missing_source(cfg.data)
+        if why is not None:
+            log(f"setting {setting}: skipped, its data is missing: {why}")
+            first = first or why
+            gone.append(setting)
+            del suite.settings[setting]
+    if gone and not suite.settings:
+        raise ConfigError(f"{suite.path}: no setting's data is here ({first})")
+    return gone
+
+
 def _slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
 
@@ -347,6 +374,7 @@ def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = p
     suite = load_suite(path)
     if not report_only:
         validate_suite(suite)  # every config, before the first run starts
+        drop_missing_data(suite, log)
     t0 = time.perf_counter()
     if report_only:
         state = suite.out / "sweep.json"
