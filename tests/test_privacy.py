@@ -250,6 +250,21 @@ def test_resume_is_bit_identical_with_adaptive_clipping(tmp_path):
     assert len(set(clips)) == 4  # C_t moves every round
 
 
+def test_a_checkpoint_with_a_forged_privacy_state_is_refused_naming_it(tmp_path):
+    from fedloom.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    over = ["privacy.mode=central", "privacy.noise_multiplier=0", "rounds=2"]
+    out = tmp_path / "r"
+    fedloom.run(copy.deepcopy(TINY), over, out=out)
+    for name in ("last.pt", "prev.pt"):  # a valid digest: the content check must catch it
+        p = out / "checkpoints" / name
+        ck = load_checkpoint(p)
+        ck["privacy_state"] = {"clip": -1.0}
+        save_checkpoint(p, ck)
+    with pytest.raises(CheckpointError, match=r"privacy_state: clip -1\.0"):
+        fedloom.run(copy.deepcopy(TINY), over, out=out, resume=True)
+
+
 def test_local_mode_adds_noise_before_compression_and_ef_keeps_the_noisy_residual():
     cfg = load_config(copy.deepcopy(TINY), [
         "privacy.mode=local", "privacy.clip=0.5", "privacy.noise_multiplier=0.3",

@@ -148,6 +148,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
           if s.get("rejected_rounds_total") else []),
         *([("clipped updates", f"{s['clipped_updates_total']}")]
           if s.get("clipped_updates_total") else []),
+        # privacy.mode: the ε spent at δ, and why the run stopped early (target_epsilon)
+        *([("dp epsilon (delta)", f"{s['dp_epsilon']:.4g} ({s['dp_delta']:g})")]
+          if "dp_epsilon" in s and "dp_delta" in s else []),
+        *([("stopped", s["stop_reason"])] if "stop_reason" in s else []),
         # the step used, and where it came from when the config left it to the rule
         *([("server.lr", f"{s['server_lr']:g}" + (f" (auto: {cfg.aggregator.name}'s default)"
                                                  if cfg.server.lr == "auto" else ""))]

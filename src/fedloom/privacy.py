@@ -334,6 +334,22 @@ class Privacy:
             return {"participation": torch.zeros(self.num_clients, dtype=torch.int64)}
         return {}
 
+    def checked_state(self, state: Any) -> dict[str, Any]:
+        """``state`` from a checkpoint, checked against this mechanism (a
+        ``ValueError`` naming the field otherwise)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"privacy_state: a {type(state).__name__}, not a mapping")
+        if self.central:
+            c = state.get("clip")
+            if not (isinstance(c, float) and math.isfinite(c) and c > 0):
+                raise ValueError(f"privacy_state: clip {c!r} is not a positive number")
+        if self.local:
+            p = state.get("participation")
+            if not (isinstance(p, torch.Tensor) and p.dtype == torch.int64
+                    and tuple(p.shape) == (self.num_clients,) and bool((p >= 0).all())):
+                raise ValueError("privacy_state: participation is not a count per client")
+        return state
+
     # -------------------------------------------------------------- accounting
     def epsilon(self, state: dict[str, Any], rounds: int) -> float:
         """ε spent after ``rounds`` rounds with ``state`` (the state after them)."""

@@ -1089,7 +1089,8 @@ class Experiment:
                                   # .get: checkpoints from before the simulated clock
                                   float(ckpt.get("sim_time_s", 0.0)),
                                   # .get: checkpoints from before fedloom.privacy
-                                  privacy_state=ckpt.get("privacy_state") or {},
+                                  privacy_state=self.privacy.checked_state(
+                                      ckpt.get("privacy_state") or self.privacy.init()),
                                   buffers=bufs),
                          self.device)
 
