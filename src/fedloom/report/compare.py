@@ -133,9 +133,16 @@ def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
     return list(found)
 
 
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
+        return json.loads(_read_bytes(path).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ValueError(f"{path}: not valid JSON") from None
 
@@ -143,7 +150,7 @@ def _read_json(path: Path) -> Any:
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
-    lines = path.read_bytes().split(b"\n")
+    lines = _read_bytes(path).split(b"\n")
     rows: list[dict[str, Any]] = []
     for no, line in enumerate(lines, 1):
         if not line.strip():
@@ -167,7 +174,7 @@ def load_run(path: str | Path) -> Run:
     config: dict[str, Any] = {}
     if cfg_file.is_file():
         try:
-            loaded = yaml.safe_load(cfg_file.read_bytes().decode("utf-8"))
+            loaded = yaml.safe_load(_read_bytes(cfg_file).decode("utf-8"))
         except (UnicodeDecodeError, yaml.YAMLError):
             raise ValueError(f"{cfg_file}: not valid YAML") from None
         config = loaded if isinstance(loaded, dict) else {}
@@ -325,7 +332,9 @@ def group_runs(runs: Sequence[Run], by: Sequence[str] | None = None) -> list[Gro
     groups = []
     for ix, first in zip(order.values(), firsts, strict=True):
         keys = {k: first.get(k) for k in differ}
-        members = [runs[i] for i in ix]
+        # by seed within a group (seed10 after seed2); runs without one keep their place
+        members = sorted((runs[i] for i in ix), key=lambda r: (
+            not isinstance(r.seed, int), r.seed if isinstance(r.seed, int) else 0))
         label = _label(keys, differ) or str(members[0].config.get("name")
                                             or members[0].path.name)
         groups.append(Group(keys, members, label))
