@@ -181,3 +181,8 @@ def test_metric_hooks_by_name_equal_the_boolean_keys():
     # round 1: every residual is 0, so ∇f(w) − ∇f(w − α·0) = 0 exactly; round 2: not
     assert a.metrics[0]["grad_mismatch"] == a.metrics[0]["residual_sq"] == 0.0
     assert a.metrics[1]["grad_mismatch"] > 0 and a.metrics[1]["residual_sq"] > 0
+    with pytest.raises(ConfigError, match=r"^metrics\.options\.mismatc: metric 'mismatc' is not "
+                                          r"on \(on: mismatch; add it to metrics\.hooks\)$"):
+        load_config(TINY, ["metrics.hooks=[mismatch]", "metrics.options={mismatc: {}}"])
+    with pytest.raises(ConfigError, match=r"^metrics\.hooks\[0\]: unknown metric 'nope'"):
+        load_config(TINY, ["metrics.hooks=[nope]"])

@@ -563,7 +563,13 @@ def _check_cross_fields(cfg: Config) -> None:
     check_name("data.partition.name", "partitioner", cfg.data.partition.name)
     for i, hook in enumerate(cfg.metrics.hooks):
         check_name(f"metrics.hooks[{i}]", "metric", hook)
+    from fedloom.hooks import metric_names
+
+    on = metric_names(cfg.metrics)
     for hook, opts in cfg.metrics.options.items():
+        if hook not in on:
+            raise ConfigError(f"metrics.options.{hook}: metric {hook!r} is not on (on: "
+                              f"{', '.join(on) or 'none'}; add it to metrics.hooks)")
         if not isinstance(opts, Mapping):
             raise ConfigError(f"metrics.options.{hook}: must be a mapping, got {opts!r}")
     check_name("attack.name", "attack", cfg.attack.name)
