@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -249,21 +250,27 @@ def test_sweep_bad_method_one_line_before_any_run(tmp_path, capsys, methods, tun
     assert not (tmp_path / "runs").exists()  # nothing ran, the tuning runs included
 
 
-def test_sweep_failed_run_reports_the_rest_one_line_exit_1(tmp_path, capsys, three_runs):
+def test_sweep_failed_run_reports_the_rest_one_line_exit_1(tmp_path, capsys, three_runs,
+                                                           monkeypatch):
     _tiny_cfg(tmp_path / "tiny.yaml")
     suite = _write_suite(tmp_path / "suite.yaml", out=str(tmp_path / "runs"),
                          doc=str(tmp_path / "doc" / "t.md"),
                          settings={"digits": {"config": "tiny.yaml"}},
                          methods={"FedAvg": [], "Median": ["aggregator.name=median"]})
     _sweep_layout(three_runs, tmp_path / "runs", FedAvg="fedavg/seed1")
-    blocker = tmp_path / "runs" / "digits" / "Median" / "seed1"
-    blocker.parent.mkdir(parents=True)
-    blocker.write_text("")  # a file where the run directory goes: that run fails
+    calls = []
+
+    def failing_run(cmd, **kw):  # the one run left to do exits 2, as `fedloom run` would
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 2, "", "fedloom: error: data.path: gone\n")
+
+    monkeypatch.setattr("fedloom.sweep.subprocess.run", failing_run)
     assert main(["sweep", str(suite), "--workers", "1"]) == 1
+    assert len(calls) == 1 and "aggregator.name=median" in calls[0]
     cap = capsys.readouterr()
     assert cap.err.strip().splitlines() == [
         "fedloom: error: 1 of 1 runs failed; first: digits/Median/seed1 failed: fedloom: "
-        f"error: --out {blocker}: exists and is not a directory"]
+        "error: data.path: gone"]
     doc = (tmp_path / "doc" / "t.md").read_text()
     assert "| FedAvg |" in doc and "| Median |" not in doc and "1 of 2 runs have not" in doc
 
