@@ -362,6 +362,7 @@ def test_secure_aggregation_takes_sum_rules_and_dense_payloads_only():
     (["server.secure_aggregation=true", "compression.name=topk"], "compression.name"),
     (["privacy.mode=local", "privacy.adaptive_clip.enabled=true"],
      "privacy.adaptive_clip.enabled"),
+    (["privacy.mode=central", "system.availability=0.5"], "system.availability"),
 ])
 def test_cli_refuses_with_one_line_and_exit_2(tmp_path, capsys, over, field):
     from fedloom import cli

@@ -82,8 +82,10 @@ metrics and in ``summary.json``). Assumptions, stated exactly:
   what this event describes (Wang, Balle & Kasiviswanathan, "Subsampled Rényi
   Differential Privacy and Analytical Moments Accountant", AISTATS 2019,
   Theorem 27, as implemented by the library). Poisson sampling is *not*
-  assumed. A cohort drawn from fewer than ``N`` clients (e.g. only the
-  available ones) would break the ``q = m̄/N`` amplification.
+  assumed. A cohort drawn from fewer than ``N`` clients (only the available
+  ones, ``system.availability``) would break the ``q = m̄/N`` amplification:
+  that combination is refused with one line. Deadlines and mid-round
+  dropouts (``system.*``) are fine: a client that does not report adds zero.
 - Neighbouring relation: **replace one client** (all of one client's data
   replaced by any other data; ``N`` is public) — the relation under which the
   library accounts sampling without replacement. Under it the L2 sensitivity

@@ -511,6 +511,11 @@ class Experiment:
         # Differential privacy and secure aggregation refuse, with one line, what they
         # cannot cover (fedloom.privacy: the components' declared properties).
         self.privacy = make_privacy(cfg, self.fed.num_clients)
+        if self.privacy.central and self.system is not None and self.system.has_availability:
+            # The accountant's q = cohort.size / N holds for a draw from all N clients.
+            raise ConfigError("system.availability: the privacy accountant assumes the cohort "
+                              "is drawn from all data.num_clients clients; not with "
+                              "privacy.mode=central")
         check_privacy(self.privacy, aggregator=self.aggregator, aggregator_name=cfg.aggregator.name,
                       feedback=self.feedback, feedback_name=comp.feedback, method=self.method,
                       method_name=c.method, w=self.layout.flatten(self.module))
