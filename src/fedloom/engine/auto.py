@@ -2,8 +2,8 @@
 
 Candidates: ``sequential``; ``vmap`` where it applies (plain local SGD, no
 recurrent layers); ``process`` with ``backend.workers`` workers (default: the
-cores) where the machine has more than one core and the cohort has at least
-two clients per worker. The first cohort's results come from the sequential
+cores; on a CUDA run, the GPUs) where there is more than one and the cohort has
+at least two clients per worker. The first cohort's results come from the sequential
 backend; the other runs of the same jobs only measure (every backend gives the
 same results, see their tests). The process pool is started before it is timed
 and shut down when it is not chosen. The choice and the times are logged and
@@ -36,7 +36,9 @@ class AutoBackend:
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor | None = None,
                  y: torch.Tensor | None = None, workers: int = 0) -> None:
         self.trainer, self.method, self.x, self.y = trainer, method, x, y
-        self.workers = workers or os.cpu_count() or 1
+        # On CUDA the process candidate has one worker per GPU (one GPU: not tried).
+        gpus = torch.cuda.device_count() if x is not None and x.device.type == "cuda" else 0
+        self.workers = workers or gpus or os.cpu_count() or 1
         self.seq = SequentialBackend(trainer, method)
         self.vmap = VmapBackend(trainer, method, x=x, y=y)
         self.chosen: Any = None

@@ -403,7 +403,7 @@ class FedloomStrategy(Strategy):
                 c = rep.content[REPLY_KEY]
                 k = int(c["client-id"])
                 payload = bytes(c["payload"])
-                sent = exp.uplink.decode(payload, d).to(exp.dtype)
+                sent = exp.uplink.decode(payload, d).to(exp.device, exp.dtype)
                 met = rep.content["metrics"]
                 res = ClientResult(k, torch.empty(0), int(met["num-examples"]),
                                    float(met.get("train-loss", float("nan"))),
