@@ -149,6 +149,14 @@ def test_reference_names_a_plugin_in_any_field(tmp_path):
                            "compression.feedback=fedloom.compress.feedback:error_feedback",
                            "compression.adaptive=fedloom.hooks:no_planner", "rounds=1"])
     assert a.summary["model_sha256"] == b.summary["model_sha256"]
+    # the server optimizer too: a reference to the factory of `adam` is `adam`
+    c = fedloom.run(TINY, ["server.optimizer=adam", "server.lr=0.05", "rounds=1"])
+    d = fedloom.run(TINY, ["server.optimizer=fedloom.aggregate.server_opt:adam",
+                           "server.lr=0.05", "rounds=1"])
+    assert c.summary["model_sha256"] == d.summary["model_sha256"] != a.summary["model_sha256"]
+    with pytest.raises(ConfigError, match=r"^server\.optimizer: unknown server_optimizer 'adamw' "
+                                          r"\(available: adagrad, adam, momentum, sgd, yogi\)"):
+        load_config(TINY, ["server.optimizer=adamw"])
 
 
 def test_a_broken_entry_point_is_one_line_naming_it(monkeypatch):

@@ -184,7 +184,8 @@ class ClientConfig:
 class ServerConfig:
     """Server step ``w ← w − lr · opt(agg)`` (Reddi et al. 2021, FedOpt)."""
 
-    optimizer: Literal["sgd", "momentum", "adam", "yogi", "adagrad"] = "sgd"
+    # sgd, momentum, adam, yogi, adagrad, a plug-in or module:attr
+    optimizer: str = "sgd"
     # "auto": the aggregator's public default step (its `default_server_lr`: 0.1 for
     # CRAFT, 1.0 for the FedAvg family); the number used is what the run directory's
     # config.yaml and summary.json record.
@@ -558,6 +559,7 @@ def _check_cross_fields(cfg: Config) -> None:
     check_name("backend.name", "backend", cfg.backend.name)
     check_name("client.method", "method", cfg.client.method)
     check_name("compression.name", "compressor", cfg.compression.name)
+    check_name("server.optimizer", "server_optimizer", cfg.server.optimizer)
     check_name("compression.feedback", "feedback", cfg.compression.feedback)
     check_name("compression.adaptive", "planner", cfg.compression.adaptive)
     check_name("data.partition.name", "partitioner", cfg.data.partition.name)

@@ -3,7 +3,7 @@
 Three ways to name a component, accepted by every name field of a config
 (``aggregator.name``, ``compression.name``, ``compression.feedback``,
 ``compression.adaptive``, ``client.method``, ``data.name``, ``model.name``,
-``data.partition.name``, ``attack.name``, ``backend.name``,
+``data.partition.name``, ``attack.name``, ``backend.name``, ``server.optimizer``,
 ``metrics.hooks``), by the CLI and by sweeps alike:
 
 - a **built-in**: each component module registers itself with
@@ -62,6 +62,7 @@ ENTRY_POINT_GROUPS: dict[str, str] = {
     "fedloom.backends": "backend",
     "fedloom.planners": "planner",
     "fedloom.metrics": "metric",
+    "fedloom.server_optimizers": "server_optimizer",
 }
 
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {k: {} for k in _KINDS}

@@ -72,7 +72,6 @@ import torch
 import yaml
 
 from fedloom.aggregate.base import CohortInfo, default_server_lr, make_aggregator
-from fedloom.aggregate.server_opt import ServerOptimizer
 from fedloom.attack import make_attack
 from fedloom.buffers import (
     average_buffers,
@@ -125,7 +124,7 @@ from fedloom.metrics import accuracy_stats, conflict_rate, evaluate, evaluate_cl
 from fedloom.models import build_model
 from fedloom.params import Layout, training_mode
 from fedloom.privacy import check_privacy, check_secure_aggregation, make_privacy
-from fedloom.registry import build, get
+from fedloom.registry import accepted_options, build, get
 from fedloom.rng import Purpose, derive_seed, numpy_gen, seeded_global_rng, torch_gen
 from fedloom.state import ClientStateStore, FieldSpec
 from fedloom.system import make_system
@@ -471,8 +470,12 @@ class Experiment:
         self.backend = get("backend", cfg.backend.name)(self.trainer, self.method, cfg.backend,
                                                         self.x, self.y)
         s = cfg.server
-        self.server = ServerOptimizer(s.optimizer, lr=s.lr, momentum=s.momentum,
-                                      beta1=s.beta1, beta2=s.beta2, eps=s.eps)
+        # server.optimizer: a registered name, plug-in or module:attr; its factory
+        # takes the server section's keys it names (lr, momentum, beta1, beta2, eps).
+        opt = get("server_optimizer", s.optimizer)
+        self.server = opt(**accepted_options(opt, {"lr": s.lr, "momentum": s.momentum,
+                                                   "beta1": s.beta1, "beta2": s.beta2,
+                                                   "eps": s.eps}))
         self.requires = frozenset(getattr(self.aggregator, "requires", frozenset()))
         comp = cfg.compression
         try:
