@@ -365,7 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
     c.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
     c.add_argument("--plots", metavar="DIR",
-                   help="write curves.png and client_acc_cdf.png there (matplotlib)")
+                   help="write curves.png (the first --metric, or --target-metric with "
+                        "--target, vs round and vs uplink) and client_acc_cdf.png there "
+                        "(matplotlib)")
     c.set_defaults(func=_cmd_compare)
     d = sub.add_parser("datasets", help="list datasets, whether they are here, how to install")
     d.add_argument("--root", help="look for on-disk datasets here (default: $FEDLOOM_DATA, "
