@@ -918,7 +918,7 @@ class Experiment:
         totals["rejected_rounds"] = totals.get("rejected_rounds", 0) + int(bad_round is not None)
         totals["clipped_updates"] = totals.get("clipped_updates", 0) + clipped
         ok_loss = losses[finite & torch.isfinite(losses)]
-        ok_w = weights[finite & torch.isfinite(losses)].double()
+        ok_w = weights[finite & torch.isfinite(losses)].double().cpu()  # with the host losses
         train_loss = float((ok_loss * ok_w).sum() / ok_w.sum()) if ok_w.numel() else float("nan")
         metrics: dict[str, Any] = {
             "round": r + 1,
