@@ -175,6 +175,7 @@ could not. On Flower, :mod:`fedloom.integrations.secagg` runs Flower's SecAgg+
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -187,6 +188,8 @@ from fedloom.rng import Purpose, torch_gen
 
 __all__ = ["AdaptiveClip", "Privacy", "check_secure_aggregation", "clip_update",
            "epsilon_central", "epsilon_local", "l2_norm", "make_privacy"]
+
+log = logging.getLogger("fedloom")
 
 
 def l2_norm(v: torch.Tensor) -> float:
@@ -474,6 +477,9 @@ def check_privacy(privacy: Privacy, *, aggregator: Any, aggregator_name: str, fe
             raise ConfigError(
                 f"compression.feedback: {feedback_name} keeps or broadcasts server state built "
                 "from the clients' unnoised messages; not covered by privacy.mode=central")
+        if getattr(aggregator, "weighted", False):
+            log.info("privacy.mode=central: each client counts once (DP-FedAvg with unit "
+                     "weights); fedavg's sample-count weighting is not applied")
     elif "start_losses" in getattr(aggregator, "requires", ()):
         raise ConfigError(f"aggregator.name: {aggregator_name} reads each client's unnoised "
                           "loss; not covered by privacy.mode=local")
