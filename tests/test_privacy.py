@@ -338,6 +338,40 @@ def test_dp_refuses_unnoised_server_state_and_accepts_what_it_covers():
             _check("local", agg)
 
 
+def test_declared_linear_rules_are_linear_and_dp_mean_rules_are_the_mean():
+    """The properties privacy and secure aggregation trust, tried on every
+    registered rule that declares them: agg(aU + bV) = a·agg(U) + b·agg(V) for the
+    same weights and cohort, and under unit weights a dp_mean rule is the mean."""
+    from fedloom.aggregate.base import CohortInfo
+    from fedloom.params import Layout
+    from fedloom.registry import available
+
+    g = torch.Generator().manual_seed(3)
+    m, d = 5, 40
+    u, v = (torch.randn(m, d, generator=g, dtype=torch.float64) for _ in range(2))
+    n = torch.tensor([3.0, 10.0, 1.0, 7.0, 2.0], dtype=torch.float64)
+    info = CohortInfo(clients=torch.arange(m), round=0, num_clients=20,
+                      losses=torch.rand(m, dtype=torch.float64, generator=g),
+                      steps=torch.tensor([5, 9, 2, 5, 7]), lr=0.1,
+                      start_losses=torch.rand(m, dtype=torch.float64, generator=g) + 1)
+    seen = set()
+    for name in available("aggregator"):
+        agg = make_aggregator(name)
+        if not getattr(agg, "linear", False):
+            continue
+        seen.add(name)
+        st = agg.init(Layout.flat(d))
+
+        def f(x, w=n, agg=agg, st=st):
+            return agg(x, w, st, info=info)[0]
+
+        assert torch.allclose(f(2.5 * u - 0.7 * v), 2.5 * f(u) - 0.7 * f(v), atol=1e-12), name
+        if getattr(agg, "dp_mean", False):
+            assert torch.allclose(f(u, torch.ones(m, dtype=torch.float64)), u.mean(0),
+                                  atol=1e-12), name
+    assert {"fedavg", "fednova"} <= seen
+
+
 def test_secure_aggregation_takes_sum_rules_and_dense_payloads_only():
     def check(agg: str, comp: str, **opts: object) -> None:
         check_secure_aggregation(aggregator=make_aggregator(agg), aggregator_name=agg,

@@ -14,6 +14,13 @@ A rule states the public default of ``η_g`` for its direction as the class
 attribute ``default_server_lr`` (``server.lr: auto`` uses it; FedAvg's 1.0 when
 a rule does not say): the same ``η_g`` means very different steps for rules
 whose directions differ in scale (CRAFT's is about unit length per layer).
+
+Two optional class attributes say what privacy and secure aggregation may
+assume (:mod:`fedloom.privacy`; ``False`` when a rule does not say, so a
+plug-in is refused until it declares them): ``linear`` — the direction is
+``Σ_k a_k g_k`` with coefficients that do not depend on the updates' values
+(a sum-only, secure-aggregation server can compute it); ``dp_mean`` — under
+unit weights the rule is the plain mean (DP-FedAvg's estimator).
 """
 
 from __future__ import annotations

@@ -153,6 +153,9 @@ class Compressor(Protocol):
     """``decode(encode(x))`` is the vector the receiver sees.
 
     ``checksum``: whether payloads carry (and ``decode`` requires) the CRC-32C trailer.
+    Optional ``linear`` (class attribute, ``False`` when absent): payloads are dense
+    values on the same coordinates for every client, so a sum-only (secure
+    aggregation) server can add them (:mod:`fedloom.privacy`).
     """
 
     name: str
