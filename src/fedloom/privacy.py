@@ -146,6 +146,20 @@ local methods with server state (SCAFFOLD). The sample count ``n_k`` (and the
 local step count) is sent in the clear, so the relation is: a client's data
 replaced by other data **of the same size**. Adaptive clipping is central only.
 
+Measured
+--------
+MNIST, ``configs/quickstart.yaml`` (100 clients, Dirichlet 0.3, 10 a round,
+MLP 784-200-200-10 with 199,210 parameters, seed 0), 30 rounds, unit
+weights: ``fedloom run configs/quickstart.yaml rounds=30
+'aggregator.options={weighted: false}' privacy.mode=… privacy.clip=…
+privacy.noise_multiplier=…``. Final test accuracy: no DP 0.907; central
+``z = 1, C = 1`` 0.334 at ε = 32.3 (δ = 1e-5); central ``z = 0.3, C = 0.5``
+0.863 at ε = 1226; central adaptive (``z = 1``, ``σ_b = 1``, ``γ = 0.5``,
+``η_C = 0.2``) 0.129, ``C`` growing from 1 to 14.4 as the noisy model's
+updates grew; local ``z = 1, C = 1`` 0.104 at ε = 45.2. With 10 clients a
+round the noise (std ``zC/10`` on each of 199k coordinates) swamps the
+signal: DP-FedAvg needs cohorts of hundreds (McMahan et al. 2018).
+
 Not claimed
 -----------
 The guarantees are for the real-valued Gaussian mechanism. The noise is
