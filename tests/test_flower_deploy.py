@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import fedloom
@@ -69,3 +70,119 @@ def test_local_superlink_and_supernodes_give_the_engine_model(tmp_path):
     assert got["rounds"] == 2
     assert got["model_sha256"] == ref.summary["model_sha256"]
     assert got["uplink_bytes_total"] == ref.summary["uplink_bytes_total"]
+
+
+# ------------------------------------------------ warm ClientApp and reply polling
+# Unit tests, no federation: a ClientApp called twice in one process, and the
+# ServerApp's pull loop against a grid that answers on the third pull.
+
+SMALL = {**CFG, "compression": {"name": "topk", "options": {"ratio": 0.05},
+                                "feedback": "none"}}
+
+
+def _train_message(layout, w, k: int, r: int):
+    from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+    from fedloom.integrations.flower import to_arrays
+
+    conf = ConfigRecord({"server-round": r + 1, "fedloom-round": r, "client-id": k, "lr": 0.1})
+    return Message(RecordDict({"arrays": to_arrays(layout, w), "config": conf}),
+                   dst_node_id=1, message_type=MessageType.TRAIN)
+
+
+def _context():
+    from flwr.app import Context, RecordDict
+
+    return Context(run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(),
+                   run_config={})
+
+
+def test_client_app_loads_data_once_per_process_and_the_cache_changes_nothing(monkeypatch):
+    """The second message to the same ClientApp process neither builds the
+    Experiment (data, model, trainer) nor gathers the client's slice again; a
+    third for another client gathers only that client's slice. The update sent
+    from the cache equals the one a cold process sends (same payload bytes)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedloom.integrations import flower as fl
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    monkeypatch.setattr(fl, "_EXPERIMENTS", {})
+    monkeypatch.setattr(fl, "_CLIENT_DATA", {})
+    monkeypatch.setattr(fl, "LOADS", {"experiment": 0, "client_data": 0})
+
+    app = fl.client_app(SMALL)
+    layout = fl._experiment(fl.load_config(SMALL)).layout  # the first (and only) build
+    w = torch.linspace(-0.1, 0.1, layout.size)
+
+    def payload(k: int, r: int) -> bytes:
+        reply = app(message=_train_message(layout, w, k, r), context=_context())
+        assert not reply.has_error(), reply.error
+        return bytes(reply.content["fedloom"]["payload"])
+
+    first = payload(0, 0)
+    assert fl.LOADS == {"experiment": 1, "client_data": 1}
+    second = payload(0, 0)
+    assert fl.LOADS == {"experiment": 1, "client_data": 1}  # both caches hit
+    assert second == first
+    payload(1, 1)
+    assert fl.LOADS == {"experiment": 1, "client_data": 2}
+    # a cold process (empty caches) sends the same bytes
+    monkeypatch.setattr(fl, "_EXPERIMENTS", {})
+    monkeypatch.setattr(fl, "_CLIENT_DATA", {})
+    app = fl.client_app(SMALL)
+    assert payload(0, 0) == first
+    assert fl.LOADS == {"experiment": 2, "client_data": 3}
+
+
+class _Grid:
+    """push_messages gives ids "a" and "b"; "a" is answered on pull 1, "b" on pull
+    ``b_on`` (never when 0)."""
+
+    def __init__(self, b_on: int) -> None:
+        self.b_on, self.pulls = b_on, 0
+
+    def push_messages(self, messages):
+        return ["a", "b"]
+
+    def pull_messages(self, ids):
+        from types import SimpleNamespace
+
+        self.pulls += 1
+        out = []
+        for i in sorted(ids):
+            if (i == "a" and self.pulls == 1) or (i == "b" and self.pulls == self.b_on):
+                out.append(SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=i)))
+        return out
+
+
+def test_poll_replies_waits_its_interval_until_every_reply_or_the_timeout(monkeypatch):
+    from fedloom.integrations import flower as fl
+
+    clock = [0.0]
+    sleeps: list[float] = []
+
+    def sleep(s: float) -> None:  # a fake clock: no real waiting in this test
+        sleeps.append(s)
+        clock[0] += s
+
+    monkeypatch.setattr(fl.time, "sleep", sleep)
+    monkeypatch.setattr(fl.time, "monotonic", lambda: clock[0])
+
+    grid = fl.poll_replies(_Grid(b_on=3), 0.25)
+    got = grid.send_and_receive([], timeout=60)
+    assert sorted(m.metadata.reply_to_message_id for m in got) == ["a", "b"]
+    assert grid.pulls == 3 and sleeps == [0.25, 0.25]  # stops at the last reply
+    # "b" never answers: pulls every 0.25 s until the 1 s timeout, returns what came
+    sleeps.clear()
+    grid = fl.poll_replies(_Grid(b_on=0), 0.25)
+    got = grid.send_and_receive([], timeout=1.0)
+    assert [m.metadata.reply_to_message_id for m in got] == ["a"]
+    assert grid.pulls == 4 and sum(sleeps) == 1.0
+    # timeout=0 pulls nothing (Flower's grid does the same)
+    grid = fl.poll_replies(_Grid(b_on=1), 0.25)
+    assert list(grid.send_and_receive([], timeout=0.0)) == [] and grid.pulls == 0
+    with pytest.raises(ValueError, match="interval: must be > 0"):
+        fl.poll_replies(_Grid(b_on=1), 0.0)

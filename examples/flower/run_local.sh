@@ -7,10 +7,19 @@
 # Needs fedloom installed with the [flower] and [data] extras in the active
 # environment (make run / make test create .venv with them). Logs go to
 # $WORK (default: a new temporary folder); every process is stopped at the end.
+#
+# ISOLATION=subprocess (default): each SuperNode starts its own SuperExec.
+# ISOLATION=process: the SuperNodes start none; this script starts one
+#   `flower-superexec` per SuperNode itself (as a separate container would).
+# Either way the SuperExec starts a fresh `flwr-clientapp` process per message.
+# FLWR_SUPEREXEC_TASK_POLL_INTERVAL (Flower's, default 1 s there): how often a
+# SuperExec asks its SuperNode for a message to run; 0.1 here (docs/deploy.md).
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 N="${1:-4}"; shift || true
 PORT="${FLOWER_PORT:-9093}"
+ISOLATION="${ISOLATION:-subprocess}"
+export FLWR_SUPEREXEC_TASK_POLL_INTERVAL="${FLWR_SUPEREXEC_TASK_POLL_INTERVAL:-0.1}"
 WORK="${WORK:-$(mktemp -d)}"
 export FLWR_HOME="$WORK/flwr-home"
 mkdir -p "$FLWR_HOME"
@@ -36,8 +45,14 @@ for ((i = 0; i < 120; i++)); do
 done
 for ((k = 0; k < N; k++)); do
   flower-supernode --insecure --superlink "127.0.0.1:$PORT" --port $((PORT + 100 + k)) \
-    --node-config "partition-id=$k" > "$WORK/supernode-$k.log" 2>&1 &
+    --isolation "$ISOLATION" --node-config "partition-id=$k" > "$WORK/supernode-$k.log" 2>&1 &
   PIDS+=($!)
+  if [[ "$ISOLATION" == process ]]; then
+    flower-superexec --insecure --runtime-api-address "127.0.0.1:$((PORT + 100 + k))" \
+      > "$WORK/superexec-$k.log" 2>&1 &
+    PIDS+=($!)
+  fi
 done
 # the ServerApp waits for all N SuperNodes before round 1 (FedloomStrategy.node_timeout)
-flwr run "$HERE" local-deployment --stream "$@" | tee "$WORK/run.log"
+# APP: another Flower App folder to run on the same federation (benchmarks/deploy.py)
+flwr run "${APP:-$HERE}" local-deployment --stream "$@" | tee "$WORK/run.log"
