@@ -136,3 +136,28 @@ def test_cuda_without_cuda_exits_2_and_writes_nothing(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("gpu_check: --device cuda: CUDA is not available")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_step_past_its_budget_keeps_its_figures_and_its_child_is_killed(tmp_path):
+    """The step's alarm stops it mid-measurement: what it recorded stays, the status
+    says partial and why, and the child process it was waiting on is gone."""
+    import argparse
+    import os
+
+    mod = _module()
+    args = argparse.Namespace(budget_s=8.5, quick=True, out=str(tmp_path))
+    ck = mod.Check(args, torch.device("cpu"))
+    pid_file = tmp_path / "child.pid"
+
+    def slow(ck, rec):
+        rec["first"] = 1.5
+        ck.run_child([sys.executable, "-c", "import os, sys, time; open(sys.argv[1], 'w')"
+                      ".write(str(os.getpid())); time.sleep(60)", str(pid_file)], 60)
+
+    ck.step("resnet", slow)  # budget: 8.5 s less the 5 s kept back for the report
+    rec = json.loads(ck.json_path.read_text())["steps"]["resnet"]
+    assert rec["status"] == "partial" and rec["first"] == 1.5
+    assert rec["reason"].startswith("stopped at its time budget of ")
+    assert rec["seconds"] < 10 and not ck.children
+    with pytest.raises(ProcessLookupError):  # killed and reaped
+        os.kill(int(pid_file.read_text()), 0)
