@@ -67,6 +67,8 @@ bench: $(VENV)/.dev
 # there onto PYTHONPATH with the source tree; nothing is installed.
 GPU_PY   ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_OUT  ?= benchmarks
+# the commit the results belong to (a lent machine's copy of the tree has no .git)
+FEDLOOM_COMMIT ?= $(shell git rev-parse --short HEAD 2>/dev/null)
 GPU_SITE := /tmp/fedloom-gpu-site
 GPU_PINS := 'flwr[simulation]==1.42.0' ray==2.55.1 google-crc32c==1.9.0
 GPU_WHEELS := --python-version 3.12 --implementation cp --only-binary=:all: \
@@ -77,7 +79,8 @@ bench-gpu:
 	@if [ -f .gpu/site.tar.xz ]; then $(GPU_PY) -c "import sys, tarfile; \
 	tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='fully_trusted')" \
 	.gpu/site.tar.xz $(GPU_SITE); fi
-	PYTHONPATH=src:$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
+	FEDLOOM_COMMIT=$(FEDLOOM_COMMIT) PYTHONUNBUFFERED=1 \
+	PYTHONPATH=src:$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} \
 	$(GPU_PY) benchmarks/gpu_check.py --device cuda --out $(GPU_OUT)
 
 # Python 3.12 x86-64 wheels (the lent machine's), numpy and torch left to the machine

@@ -209,7 +209,7 @@ class Check:
         stem = "gpu_results" if dev.type == "cuda" and not args.quick else "gpu_results-smoke"
         self.json_path, self.md_path = out / f"{stem}.json", out / f"{stem}.md"
         self.res: dict[str, Any] = {
-            "command": " ".join(["python benchmarks/gpu_check.py", *sys.argv[1:]]),
+            "command": _command(sys.argv[1:]),
             "quick": args.quick, "budget_s": args.budget_s, "device": str(dev),
             "machine": machine(dev), "steps": {},
             "peak_memory": {}, "goals": []}
@@ -331,6 +331,21 @@ class Check:
               flush=True)
 
 
+def _command(argv: list[str]) -> str:
+    """The command line as run, less ``--out DIR`` (where the files went, not what
+    they hold)."""
+    keep: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--out":
+            skip = True
+        elif not a.startswith("--out="):
+            keep.append(a)
+    return " ".join(["python benchmarks/gpu_check.py", *keep])
+
+
 def _errors(obj: Any, path: str = "") -> list[str]:
     """Every measurement's error inside a step record, with where it was."""
     out: list[str] = []
@@ -366,7 +381,8 @@ def machine(dev: torch.device) -> dict[str, Any]:
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
             timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        info["fedloom_commit"] = None  # a copy of the tree without .git
+        # a copy of the tree without .git (a lent machine): the caller may name it
+        info["fedloom_commit"] = os.environ.get("FEDLOOM_COMMIT") or None
     return info
 
 
