@@ -371,6 +371,15 @@ def machine(dev: torch.device) -> dict[str, Any]:
     info: dict[str, Any] = {"cpus": os.cpu_count(), "python": platform.python_version(),
                             "torch": torch.__version__, "cuda": torch.version.cuda,
                             "processor": platform.processor() or platform.machine()}
+    from importlib import metadata
+
+    versions = {}
+    for name in ("numpy", "flwr", "ray", "google-crc32c"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    info["packages"] = versions
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
         info.update(gpu=p.name, gpu_memory_gb=round(p.total_memory / 2**30, 1),
