@@ -102,13 +102,13 @@ def test_local_dp_on_flower_matches_the_engine():
 
 @pytest.mark.slow
 def test_secagg_plus_on_flower_ends_at_the_unmasked_model():
-    """Flower's SecAgg+ (secaggplus_mod + SecAggPlusWorkflow): the server sees only
-    the masked sum, and the model equals the unmasked in-process run to the
-    protocol's quantisation. Bound: client k sends ω_k·u_k (ω_k = n_k/max_weight,
-    rounded to 2⁻²² steps) stochastically rounded to Δ = 2·8/2²² ≈ 3.8e-6 steps;
-    the server divides the sum by Σω_k, so with server.lr = 1 the model is off by
-    at most m·(Δ + 8·2⁻²¹)/Σω_k per coordinate after one round (the second term:
-    the weights' rounding, with |u| ≤ the clipping range 8)."""
+    """Flower's SecAgg+ (secaggplus_mod + SecAggPlusWorkflow) with central DP: each
+    client clips its update and masks it, the server sees only the sum and adds
+    DP-FedAvg's noise (the engine's generator), and the model equals the in-process
+    run's to the protocol's quantisation. Bound: with ω_k = 1 (max_weight 1) each
+    client's clipped values are stochastically rounded to steps of Δ = 2·8/2²²
+    ≈ 3.8e-6; the unmasked average is off by < Δ, the sum by < mΔ, and the
+    aggregate (sum / m̄, m = m̄ = 3, server.lr = 1) — so the model — by < Δ."""
     from flwr.simulation import run_simulation
 
     from fedloom.config import ConfigError, config_to_dict, load_config
@@ -120,9 +120,11 @@ def test_secagg_plus_on_flower_ends_at_the_unmasked_model():
 
     over = ["aggregator.name=fedavg", "compression.name=identity", "compression.options={}",
             "compression.feedback=none", "server.secure_aggregation=true", "rounds=1",
-            "server.lr=1.0"]
+            "server.lr=1.0", "privacy.mode=central", "privacy.clip=0.5",
+            "privacy.noise_multiplier=0.5"]
     cfg = config_to_dict(load_config(CFG, over))
     ref = fedloom.run(cfg)
+    assert ref.metrics[0]["dp_clipped"] > 0  # the clip is active
     strategy = SecAggStrategy(cfg)
     run_simulation(server_app=secagg_server_app(strategy), client_app=secagg_client_app(cfg),
                    num_supernodes=6,
@@ -133,15 +135,17 @@ def test_secagg_plus_on_flower_ends_at_the_unmasked_model():
     if ray.is_initialized():
         ray.shutdown()
     assert [m["cohort_size"] for m in strategy.history] == [3]
-    fed = strategy.exp.fed
-    n = [len(fed.train[k]) for k in strategy.exp.sample_cohort(0).tolist()]
-    omega = sum(n) / max(len(t) for t in fed.train)
-    bound = 3 * (16 / 2**22 + 8 * 2**-21) / omega
+    assert strategy.history[0]["dp_epsilon"] == ref.metrics[0]["dp_epsilon"]
+    w0 = strategy.exp.initial_state().w
     diff = float((strategy.state.w - ref.w).abs().max())
-    print(f"secagg+ vs unmasked after one round: max abs {diff:.3g}, bound {bound:.3g}")
-    assert 0 < diff <= bound  # masked and quantised, yet the same model
+    print(f"secagg+ vs in-process, one round: max abs {diff:.3g} (step "
+          f"{float((ref.w - w0).abs().max()):.3g}, bound {16 / 2**22:.3g})")
+    assert 0 < diff < 16 / 2**22  # masked and quantised, yet the same model
     with pytest.raises(ConfigError, match=r"^aggregator\.name: "):
         SecAggStrategy(cfg, ["aggregator.name=median"])
+    with pytest.raises(ConfigError, match=r"^privacy\.adaptive_clip\.enabled: "):
+        SecAggStrategy(cfg, ["privacy.adaptive_clip.enabled=true",
+                             "privacy.adaptive_clip.count_stddev=1"])
 
 
 def test_arrays_round_trip_and_errors():

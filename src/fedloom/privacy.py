@@ -183,7 +183,9 @@ in-process engine the flag checks this composition only: nothing is masked,
 and the server-side screening (``server.max_norm_ratio``,
 ``server.clip_norm``) still sees each row, which a deployed SecAgg server
 could not. On Flower, :mod:`fedloom.integrations.secagg` runs Flower's SecAgg+
-(its scope is stated there).
+(its scope is stated there), central DP included: the clients clip before
+masking, and the server adds the noise to the unmasked sum (:meth:`Privacy.release`),
+so the server then sees only the sum of clipped updates.
 """
 
 from __future__ import annotations
@@ -420,6 +422,14 @@ class Privacy:
         return {**state, "participation": part}
 
     # ------------------------------------------------------------ central mode
+    def release(self, total: torch.Tensor, state: dict[str, Any], round: int) -> torch.Tensor:
+        """Central mode: ``(total + N(0, σ_Δ² C_t² I)) / m̄`` in float64, for ``total``
+        the sum of the clipped updates (here, or a secure-aggregation sum)."""
+        gen = torch_gen(self.seed, round, -1, Purpose.DP_NOISE)
+        noise = torch.randn(total.numel(), generator=gen, dtype=torch.float64)
+        scale = self.sigma * float(state["clip"])
+        return (total.double() + scale * noise.to(total.device)) / self.cohort_size
+
     def aggregate(self, rows: torch.Tensor, ok: torch.Tensor, state: dict[str, Any],
                   round: int) -> tuple[torch.Tensor, dict[str, Any], dict[str, float]]:
         """Central mode: clip the accepted ``rows`` (in place) to ``C_t``, sum,
@@ -436,10 +446,7 @@ class Privacy:
                 clipped += 1
             below += int(n <= c)
             total += rows[i].double()
-        gen = torch_gen(self.seed, round, -1, Purpose.DP_NOISE)
-        total += (self.sigma * c) * torch.randn(d, generator=gen, dtype=torch.float64
-                                                ).to(rows.device)
-        agg = (total / self.cohort_size).to(rows.dtype)
+        agg = self.release(total, state, round).to(rows.dtype)
         metrics = {"dp_clip": c, "dp_clipped": float(clipped)}
         new_state = dict(state)
         if self.adaptive is not None:

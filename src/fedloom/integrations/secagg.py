@@ -23,8 +23,12 @@ Scope: ``server.secure_aggregation: true`` is required (so the composition
 check of :func:`fedloom.privacy.check_secure_aggregation` runs), with
 ``fedavg`` (FedNova's coefficients need three masked sums: not wired), a
 linear compressor (identity, fp16, bf16), ``compression.feedback: none``, local
-method ``sgd``, and ``privacy.mode`` none or local (central DP over SecAgg
-needs the clip on the client: not wired). Anything else is one line.
+method ``sgd``, and ``privacy.mode`` none, local, or central without adaptive
+clipping: then each client clips its decoded update to ``C`` before masking
+and sends ``ω_k = 1``, and the server adds DP-FedAvg's noise to the unmasked
+sum with the engine's generator (:meth:`fedloom.privacy.Privacy.release`):
+the same model as in-process, while the server sees only the sum of the
+clipped updates. Anything else is one line.
 
 What the protocol changes: each value is clipped to ``[−clipping_range,
 clipping_range]`` (8 by default: an update coordinate beyond it is cut) and
@@ -34,11 +38,13 @@ NumPy's global generator inside Flower, so a SecAgg+ run is not bit-for-bit
 reproducible — the unmasked run is, and the two agree to the quantisation:
 one rounding step is ``2·clipping_range/quantization_range ≈ 3.8e-6``.
 Measured (tests/test_flower.py: synthetic data, 6 clients, 3 a round, MLP
-with 10 hidden units, float64, server.lr = 1, Ray simulation on loopback):
-after one round the model differs from ``fedloom run``'s by 6.2e-6 and 7.1e-6
-max abs in two runs, under the stated bound 2.1e-5; after two rounds by
-1.9e-3 — local training (steps of up to 0.49 a coordinate here) amplifies the
-first round's rounding, so the test compares one round.
+with 10 hidden units, float64, server.lr = 1, Ray simulation on loopback).
+Without privacy (``ω_k = n_k``): after one round the model differs from
+``fedloom run``'s by 6.2e-6 and 7.1e-6 max abs in two runs, under that
+setting's bound 2.1e-5; after two rounds by 1.9e-3 — local training (steps of
+up to 0.49 a coordinate here) amplifies the first round's rounding, so the
+test compares one round. With central DP (``C = 0.5``, ``z = 0.5``, the test
+now kept): 2.2e-6 after one round, under the bound ``Δ`` = 3.8e-6.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ from fedloom.integrations.flower import (
     _client_id,
     _experiment,
 )
-from fedloom.privacy import check_secure_aggregation, make_privacy
+from fedloom.privacy import check_secure_aggregation, clip_update, make_privacy
 from fedloom.rng import Purpose, derive_seed, torch_gen
 
 try:
@@ -98,9 +104,9 @@ def check_secagg_scope(cfg: Config, exp: Experiment | None = None) -> None:
         raise ConfigError("compression.feedback: only none with SecAgg+")
     if cfg.client.method != "sgd":
         raise ConfigError(f"client.method: {cfg.client.method} is not wired to SecAgg+ (sgd is)")
-    if cfg.privacy.mode == "central":
-        raise ConfigError("privacy.mode: central DP over SecAgg+ needs client-side clipping, "
-                          "not wired; use local")
+    if cfg.privacy.mode == "central" and cfg.privacy.adaptive_clip.enabled:
+        raise ConfigError("privacy.adaptive_clip.enabled: not wired to SecAgg+ (the clipped "
+                          "count would need its own masked sum)")
     if exp is not None:
         check_secure_aggregation(aggregator=exp.aggregator, aggregator_name=cfg.aggregator.name,
                                  compressor=exp.uplink, compressor_name=cfg.compression.name)
@@ -143,8 +149,16 @@ class _SecAggClient(NumPyClient):
         comp = exp.uplink
         sent = comp.decode(comp.encode(u, gen=torch_gen(self.cfg.seed, r, k, Purpose.COMPRESS)),
                            u.numel()).to(u.dtype)
-        weight = len(idx) if self.cfg.aggregator.options.get("weighted", True) else 1
+        if privacy.central:  # the clip the in-process server applies to the decoded row
+            sent, _, _ = clip_update(sent, privacy.clip)
+        weight = len(idx) if _weighted(self.cfg) else 1
         return _arrays(exp, sent), int(weight), {"train-loss": float(loss), "num-steps": steps}
+
+
+def _weighted(cfg: Config) -> bool:
+    """ω_k = n_k (fedavg's default), or 1: unweighted, and under central DP (each
+    client counts once, as in :mod:`fedloom.privacy`)."""
+    return bool(cfg.aggregator.options.get("weighted", True)) and cfg.privacy.mode != "central"
 
 
 def _hello_mod(msg: Message, context: Context, call_next: Any) -> Message:
@@ -232,6 +246,12 @@ class SecAggStrategy(LegacyStrategy):
             return ndarrays_to_parameters(_arrays(self.exp, st.w)), {}
         # Every result carries the same unmasked average Σ ω_k u_k / Σ ω_k.
         agg = _vector(self.exp, parameters_to_ndarrays(results[0][1].parameters))
+        if self.exp.privacy.central:
+            # ω_k = 1: the sum of the clipped updates is m × the average; DP-FedAvg's
+            # noise and fixed denominator as in-process (fedloom.privacy.release).
+            total = agg.double() * len(results)
+            agg = self.exp.privacy.release(total, st.privacy_state, st.next_round
+                                           ).to(self.exp.dtype)
         w, opt = self.exp.server.step(st.w, agg, st.opt_state)
         privacy_state = st.privacy_state
         if self.exp.privacy.local:
@@ -276,7 +296,8 @@ def secagg_server_app(strategy: SecAggStrategy, num_rounds: int | None = None, *
     go to it). ``max_weight`` defaults to the largest client sample count."""
     app = ServerApp()
     rounds = num_rounds or strategy.exp.cfg.rounds
-    secagg.setdefault("max_weight", float(max(len(t) for t in strategy.exp.fed.train)))
+    secagg.setdefault("max_weight", float(max(len(t) for t in strategy.exp.fed.train))
+                      if _weighted(strategy.exp.cfg) else 1.0)
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
