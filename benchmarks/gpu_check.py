@@ -10,8 +10,10 @@ other than CUDA) writes ``gpu_results-smoke.*`` instead, so CPU figures never
 stand in for GPU ones; ``python benchmarks/gpu_check.py --device cpu --quick
 --out DIR`` is the CPU smoke test of ``make test`` (every step at toy sizes).
 
-Steps, each under its own ``try``/``except`` and time budget (a share of
-``--budget-s``; a step that overruns is stopped and keeps its figures so far):
+Steps, each under its own ``try``/``except`` and time budget (its share of
+``--budget-s`` plus what the steps before it left unused; a step that overruns
+is stopped and keeps its figures so far; past ``--budget-s`` + 20 s a watchdog
+writes the report as it stands and exits 3):
 
 1. ``pytest_cuda`` — ``pytest -m cuda`` (the device-marked tests of ``make
    test``; they skip without CUDA): pass / fail / skip counts, failed test ids.
@@ -52,7 +54,9 @@ clients per round in under 1 s; CRAFT ≤ 3× FedAvg at m = 100; constraint erro
 On a lent machine (no registry there: Flower, Ray and google-crc32c travel as
 ``.gpu/site.tar.xz``, built here by ``make gpu-bundle``)::
 
-    make bench-gpu GPU_OUT=$OUT
+    make bench-gpu GPU_OUT=$OUT FEDLOOM_COMMIT=<the commit>
+
+(the tree there has no ``.git``: ``FEDLOOM_COMMIT`` names the commit in the report).
 """
 
 from __future__ import annotations
