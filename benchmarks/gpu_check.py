@@ -96,7 +96,9 @@ STEPS = ("pytest_cuda", "quickstart", "round_time", "resnet", "aggregation")
 # for start-up (importing torch, creating the CUDA context) and writing the report.
 # A step may also use what the steps before it left unused, never the later ones' shares.
 SHARES = {"pytest_cuda": 60, "quickstart": 50, "round_time": 195, "resnet": 40,
-          "aggregation": 35}
+          "aggregation": 35, "repro_flare_fc": 0}
+# Not part of the default check (--repro-flare-fc adds it with its own --repro-budget-s).
+OPTIONAL_STEPS = ("repro_flare_fc",)
 DEFAULT_BUDGET = 420.0
 RESERVE_S = 5.0  # kept back from every step for writing the report
 
@@ -202,7 +204,7 @@ class Check:
         self.args, self.dev = args, dev
         self.t0 = time.perf_counter()
         self.deadline = self.t0 + args.budget_s
-        self.scale = args.budget_s / DEFAULT_BUDGET
+        self.scale = getattr(args, "base_budget_s", args.budget_s) / DEFAULT_BUDGET
         self.lock = threading.RLock()
         self.children: set[int] = set()  # process-group ids of running children
         self.current: str | None = None
@@ -290,7 +292,10 @@ class Check:
 
     def step(self, name: str, fn: Callable[[Check, dict[str, Any]], None],
              later: tuple[str, ...] = ()) -> None:
-        budget = self.remaining() - RESERVE_S - sum(SHARES[k] for k in later) * self.scale
+        # the later steps' shares are kept back; the optional reproduction keeps its own
+        budget = (self.remaining() - RESERVE_S
+                  - sum(SHARES[k] for k in later if k not in OPTIONAL_STEPS) * self.scale
+                  - (self.args.repro_budget_s if "repro_flare_fc" in later else 0.0))
         rec: dict[str, Any] = {"status": "running", "budget_s": round(budget, 1)}
         with self.lock:
             self.res["steps"][name] = rec
@@ -759,9 +764,56 @@ def _precision(dev: torch.device) -> Callable[[], None]:
     return configure(dev)
 
 
+# ------------------------------------------------ 6. optional: FLARE's public FC
+# The FLARE code's MNIST "FC" (784-4069-4069-4069-10, 36.4M parameters) at its published
+# setting (configs/published/flare-mnist-fc.yaml: k = 7, lr 0.001, R = 0.001 %, 1000
+# rounds), 1 seed, beside the public logs' final accuracies (FLARE / EC / EF21 / dense).
+PUBLIC_FLARE_FC_K7 = {"FLARE": 86.2, "EC": 59.6, "EF21": 58.7, "dense FedAvg": 86.9}
+REPRO_METHODS = {
+    "FLARE": ["compression.feedback=flare"],
+    "EC": ["compression.feedback=ef"],
+    "EF21": ["compression.feedback=ef21"],
+    "dense FedAvg": ["compression.name=identity", "compression.options={checksum: false}",
+                     "compression.feedback=none"],
+}
+
+
+def step_repro_flare_fc(ck: Check, rec: dict[str, Any]) -> None:
+    import fedloom
+    from fedloom.data.sources import DatasetUnavailable
+
+    cfg = ROOT / "configs/published/flare-mnist-fc.yaml"
+    rounds = 3 if ck.args.quick else ck.args.repro_rounds
+    over = [*device_overrides(ck.dev), f"rounds={rounds}", "seed=1", "checkpoint.every=0",
+            f"eval.every={max(1, rounds // 20)}"]
+    if ck.args.quick:  # the pipeline at toy size: the 36.4M-parameter model is a GPU's
+        over += ["model.name=mlp", "model.hidden=[32,32]", "model.activation=none"]
+    rec["config"] = str(cfg.relative_to(ROOT))
+    rec["rounds"], rec["public_final_acc_k7"] = rounds, PUBLIC_FLARE_FC_K7
+    runs: dict[str, Any] = rec.setdefault("runs", {})
+    for method in ck.args.repro_methods:
+
+        def one(method: str = method) -> dict[str, Any]:
+            t = time.perf_counter()
+            try:
+                res = fedloom.run(cfg, [*over, *REPRO_METHODS[method]])
+            except DatasetUnavailable as e:
+                raise NotAvailable(f"MNIST is not installed here ({_one_line(e, 200)})") from e
+            accs = [m["test_acc"] for m in res.metrics if "test_acc" in m]
+            return {"final_test_acc": round(100 * accs[-1], 2) if accs else None,
+                    "peak_test_acc": round(100 * max(accs), 2) if accs else None,
+                    "public_final_acc": PUBLIC_FLARE_FC_K7.get(method),
+                    "s_per_round": round((time.perf_counter() - t) / rounds, 4),
+                    "uplink_bytes_per_round": res.summary.get("uplink_bytes_total", 0) / rounds}
+
+        ck.measure(runs, method, one)
+        ck.save()
+
+
 STEP_FNS: dict[str, Callable[[Check, dict[str, Any]], None]] = {
     "pytest_cuda": step_pytest_cuda, "quickstart": step_quickstart,
-    "round_time": step_round_time, "resnet": step_resnet, "aggregation": step_aggregation}
+    "round_time": step_round_time, "resnet": step_resnet, "aggregation": step_aggregation,
+    "repro_flare_fc": step_repro_flare_fc}
 
 
 # --------------------------------------------------------------------- goals
@@ -887,7 +939,7 @@ def markdown(res: dict[str, Any]) -> str:
     st = res["steps"]
     lines += ["## Steps", "", "| step | status | seconds | peak memory (MB) | note |",
               "|---|---|---|---|---|"]
-    for name in STEPS:
+    for name in STEPS + tuple(k for k in OPTIONAL_STEPS if k in st):
         s = st.get(name)
         if s is None:
             lines.append(f"| {name} | not reached | | | |")
@@ -980,6 +1032,19 @@ def markdown(res: dict[str, Any]) -> str:
         met = {True: "yes", False: "no", None: "not measured"}[g["met"]]
         lines.append(f"| {g['goal']} | {_f(g['value'], g.get('unit', ''))} | {met} | "
                      f"{g['by'] or ''} | {g['why'][:400]} | {g.get('note', '')} |")
+    r = st.get("repro_flare_fc")
+    if r and r.get("runs"):
+        lines += ["", f"## FLARE's public MNIST FC (k = 7, {r.get('rounds')} rounds, seed 1)", "",
+                  f"`{r.get('config')}`; public: the final accuracy of the FLARE code's logs.",
+                  "", "| method | final test acc | peak test acc | public final | s / round |",
+                  "|---|---|---|---|---|"]
+        for name, row in r["runs"].items():
+            if "error" in row:
+                lines.append(f"| {name} | {row['error'][:200]} | | | |")
+                continue
+            lines.append(f"| {name} | {_f(row.get('final_test_acc'))} | "
+                         f"{_f(row.get('peak_test_acc'))} | {_f(row.get('public_final_acc'))} | "
+                         f"{_f(row.get('s_per_round'))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -1011,7 +1076,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(HERE), help="directory for gpu_results.{json,md}")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET,
                    help="hard cap on the whole run in seconds (default 420)")
-    p.add_argument("--only", nargs="*", choices=STEPS, default=None)
+    p.add_argument("--only", nargs="*", choices=STEPS + OPTIONAL_STEPS, default=None)
+    p.add_argument("--repro-flare-fc", action="store_true",
+                   help="also run FLARE's public MNIST FC setting (configs/published/"
+                   "flare-mnist-fc.yaml, k = 7, 1 seed) beside the public logs")
+    p.add_argument("--repro-rounds", type=int, default=1000,
+                   help="rounds of --repro-flare-fc (default 1000, the public count)")
+    p.add_argument("--repro-methods", nargs="*", default=["FLARE", "EC", "EF21"],
+                   choices=list(REPRO_METHODS), help="methods of --repro-flare-fc")
+    p.add_argument("--repro-budget-s", type=float, default=600.0,
+                   help="seconds added to --budget-s for --repro-flare-fc (default 600)")
     p.add_argument("--flower", action=argparse.BooleanOptionalAction, default=None,
                    help="run Flower's simulation as the peer (default: on, off with --quick)")
     p.add_argument("--flower-gpus", type=float, default=0.1,
@@ -1023,6 +1097,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.flower is None:
         args.flower = not args.quick
+    args.base_budget_s = args.budget_s
+    if args.repro_flare_fc:  # its own time on top of the check's
+        args.budget_s += args.repro_budget_s
     if args.budget_s <= 0:
         print("gpu_check: --budget-s: must be positive", file=sys.stderr)
         return 2
@@ -1053,7 +1130,9 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=watchdog, args=(ck, 20.0, done), daemon=True).start()
     try:
         ck.save()
-        todo = tuple(args.only or STEPS)
+        todo = tuple(args.only or STEPS) + (("repro_flare_fc",) if args.repro_flare_fc
+                                             and "repro_flare_fc" not in (args.only or ())
+                                             else ())
         for i, name in enumerate(todo):
             ck.step(name, STEP_FNS[name], later=todo[i + 1:])
         ck.save()

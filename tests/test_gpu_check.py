@@ -162,3 +162,18 @@ def test_a_step_past_its_budget_keeps_its_figures_and_its_child_is_killed(tmp_pa
     assert rec["seconds"] < 10 and not ck.children
     with pytest.raises(ProcessLookupError):  # killed and reaped
         os.kill(int(pid_file.read_text()), 0)
+
+
+def test_repro_flare_fc_runs_every_method_beside_the_public_logs(tmp_path):
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu_check.py"), "--device",
+                          "cpu", "--quick", "--only", "repro_flare_fc", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, check=False, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rep = json.loads((tmp_path / "gpu_results-smoke.json").read_text())
+    step = rep["steps"]["repro_flare_fc"]
+    assert step["status"] == "ok" and step["config"] == "configs/published/flare-mnist-fc.yaml"
+    assert set(step["runs"]) == {"FLARE", "EC", "EF21"}
+    for name, row in step["runs"].items():
+        assert 0 <= row["final_test_acc"] <= 100
+        assert row["public_final_acc"] == {"FLARE": 86.2, "EC": 59.6, "EF21": 58.7}[name]
+    assert "FLARE's public MNIST FC" in (tmp_path / "gpu_results-smoke.md").read_text()
