@@ -183,6 +183,21 @@ class VGG(nn.Module):
         return self.classifier(self.features(x))
 
 
+def _valid_convs(name: str, in_shape: tuple[int, ...], channels: tuple[int, int]
+                 ) -> tuple[nn.Sequential, int]:
+    """Two 5×5 "valid" convolutions, each followed by ReLU and a 2×2 max-pool (the FLARE
+    and CRAFT codes' CNN trunks); returns the trunk and its flattened output size."""
+    if len(in_shape) != 3:
+        raise ValueError(f"model.name: {name} needs image inputs [C, H, W], got {in_shape}")
+    c, h, w = in_shape
+    oh, ow = ((h - 4) // 2 - 4) // 2, ((w - 4) // 2 - 4) // 2
+    if oh < 1 or ow < 1:
+        raise ValueError(f"model.name: {name} needs images of at least 16x16, got {h}x{w}")
+    trunk = nn.Sequential(nn.Conv2d(c, channels[0], 5), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Conv2d(channels[0], channels[1], 5), nn.ReLU(), nn.MaxPool2d(2))
+    return trunk, channels[1] * oh * ow
+
+
 class FlareCNN(nn.Module):
     """The FLARE code's MNIST CNN (see the module docstring)."""
 
@@ -191,19 +206,9 @@ class FlareCNN(nn.Module):
     def __init__(self, in_shape: tuple[int, ...], num_classes: int,
                  channels: tuple[int, int] = (32, 64)) -> None:
         super().__init__()
-        if len(in_shape) != 3:
-            raise ValueError(f"model.name: flare_cnn needs image inputs [C, H, W], got "
-                             f"{in_shape}")
-        c, h, w = in_shape
-        oh, ow = ((h - 4) // 2 - 4) // 2, ((w - 4) // 2 - 4) // 2
-        if oh < 1 or ow < 1:
-            raise ValueError(f"model.name: flare_cnn needs images of at least 16x16, got "
-                             f"{h}x{w}")
-        self.features = nn.Sequential(
-            nn.Conv2d(c, channels[0], 5), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(channels[0], channels[1], 5), nn.ReLU(), nn.MaxPool2d(2))
-        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(channels[1] * oh * ow, 512),
-                                        nn.ReLU(), nn.Linear(512, num_classes))
+        self.features, flat = _valid_convs("flare_cnn", in_shape, channels)
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(flat, 512), nn.ReLU(),
+                                        nn.Linear(512, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
@@ -293,19 +298,9 @@ class CraftCNN(nn.Module):
     def __init__(self, in_shape: tuple[int, ...], num_classes: int,
                  channels: tuple[int, int] = (64, 64)) -> None:
         super().__init__()
-        if len(in_shape) != 3:
-            raise ValueError(f"model.name: craft_cnn needs image inputs [C, H, W], got "
-                             f"{in_shape}")
-        c, h, w = in_shape
-        oh, ow = ((h - 4) // 2 - 4) // 2, ((w - 4) // 2 - 4) // 2
-        if oh < 1 or ow < 1:
-            raise ValueError(f"model.name: craft_cnn needs images of at least 16x16, got "
-                             f"{h}x{w}")
-        self.features = nn.Sequential(
-            nn.Conv2d(c, channels[0], 5), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(channels[0], channels[1], 5), nn.ReLU(), nn.MaxPool2d(2))
+        self.features, flat = _valid_convs("craft_cnn", in_shape, channels)
         self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Linear(channels[1] * oh * ow, 384), nn.Dropout(0.2), nn.ReLU(),
+            nn.Flatten(), nn.Linear(flat, 384), nn.Dropout(0.2), nn.ReLU(),
             nn.Linear(384, 192), nn.Dropout(0.5), nn.ReLU(), nn.Linear(192, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
