@@ -339,8 +339,8 @@ def test_sweep_page_reads_the_simulated_clock(tmp_path):
 
     runs = [run([0.2, 0.6, 0.8], 1800.0), run([0.3, 0.5, 0.9], 3600.0)]
     assert _timed({"m": {"runs": runs}})
-    # 0.55 is first reached at round 2 (1 h) and round 3 (3 h): mean 2 h
-    assert _to_target(runs, 0.55, timed=True) == ["2", "2.5", "2.00"]
+    # 0.55 is first reached at round 2 (60 min) and round 3 (180 min): mean 120 min
+    assert _to_target(runs, 0.55, timed=True) == ["2", "2.5", "120.0"]
     assert _to_target(runs, 0.95, timed=True) == ["not reached", "–", "–"]
     pytest.importorskip("matplotlib")
     assert _time_plot(tmp_path / "t.png", "x", {"m": runs})

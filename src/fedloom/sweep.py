@@ -65,7 +65,7 @@ CSV. The optional ``report:`` section shapes the page; every key is optional::
                               # baseline's final metric (test accuracy curves)
       curves: [FedAvg, CRAFT] # methods in the accuracy-vs-round/uplink plot (seed bands)
       time_curves: [FedAvg]   # runs with a simulated clock (system.profile): accuracy vs
-                              # sim_time_s (h); the target adds "sim. h to target"
+                              # sim_time_s (min); the target adds "sim. min to target"
       cdf: [FedAvg, CRAFT]    # methods in the per-client accuracy CDF plot
       sweep_plot:             # one metric across methods that form a 1-D sweep
         {setting: s, methods: [A, B], x: [0.1, 0.5], xlabel: α, title: "…",

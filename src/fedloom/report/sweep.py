@@ -64,7 +64,7 @@ def _fmt(ms: tuple[float, float] | None, pct: bool = True) -> str:
 
 def _to_target(runs: list[dict[str, Any]], target: float,
                timed: bool = False) -> list[str]:
-    """Mean rounds and uplink MB (and, ``timed``, simulated hours: ``sim_time_s`` of
+    """Mean rounds and uplink MB (and, ``timed``, simulated minutes: ``sim_time_s`` of
     :mod:`fedloom.system`) to first reach ``target`` test accuracy, over the seeds
     that reach it (with the count when some do not)."""
     hits = []
@@ -73,14 +73,14 @@ def _to_target(runs: list[dict[str, Any]], target: float,
         if hit is not None:
             sim = next((m.get("sim_time_s", float("nan")) for m in r["_metrics"]
                         if m["round"] == hit[0]), float("nan"))
-            hits.append((hit[0], hit[1] / 1e6, sim / 3600))
+            hits.append((hit[0], hit[1] / 1e6, sim / 60))
     if not hits:
         return ["not reached", "–"] + (["–"] if timed else [])
     suffix = "" if len(hits) == len(runs) else f" ({len(hits)}/{len(runs)} seeds)"
     out = [f"{np.mean([h[0] for h in hits]):.0f}{suffix}",
            f"{np.mean([h[1] for h in hits]):.1f}{suffix}"]
     if timed:
-        out.append(f"{np.mean([h[2] for h in hits]):.2f}{suffix}")
+        out.append(f"{np.mean([h[2] for h in hits]):.1f}{suffix}")
     return out
 
 
@@ -91,7 +91,7 @@ def _timed(rows: dict[str, dict[str, Any]]) -> bool:
 
 
 def _time_plot(path: Path, title: str, groups: dict[str, list[dict[str, Any]]]) -> bool:
-    """Test accuracy against simulated time (hours): per method, the seed means at each
+    """Test accuracy against simulated time (minutes): per method, the seed means at each
     evaluated round of ``sim_time_s`` (x) and of the accuracy (y, ± sd band)."""
     try:
         import matplotlib
@@ -111,7 +111,7 @@ def _time_plot(path: Path, title: str, groups: dict[str, list[dict[str, Any]]]) 
         full = sorted(r for r, v in by_round.items() if len(v) == len(runs))
         if not full:
             continue
-        xs = np.array([np.mean([t for t, _ in by_round[r]]) / 3600 for r in full])
+        xs = np.array([np.mean([t for t, _ in by_round[r]]) / 60 for r in full])
         ys = np.array([[a * 100 for _, a in by_round[r]] for r in full])
         mu, sd = ys.mean(axis=1), ys.std(axis=1)
         (line,) = ax.plot(xs, mu, marker=".", label=method)
@@ -120,7 +120,7 @@ def _time_plot(path: Path, title: str, groups: dict[str, list[dict[str, Any]]]) 
     if not drawn:
         plt.close(fig)
         return False
-    ax.set_xlabel("simulated time (h)")
+    ax.set_xlabel("simulated time (min)")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -224,7 +224,7 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
                           "final accuracy).", ""]
         timed = _timed(rows)
         extra = (["rounds to target", "uplink MB to target"]
-                 + (["sim. h to target"] if timed else []) if target is not None else [])
+                 + (["sim. min to target"] if timed else []) if target is not None else [])
         lines.append("| method | " + " | ".join([c[1] for c in columns] + extra) +
                      " | wall s / run |")
         lines.append("|---|" + "---|" * (len(columns) + len(extra) + 1))
