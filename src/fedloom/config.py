@@ -302,6 +302,26 @@ class BackendConfig:
     error) or its clients are dropped for the round (``drop``). A dead process
     worker affects its own group only: the other workers go on, and the dead one
     is replaced (also when it is found dead between rounds, where nothing is lost).
+
+    ``threads``: torch's intra-op threads for the run (0 = the process's own count,
+    every core in a fresh process; process and Ray workers: 1 each unless set);
+    the summary records them (``threads``). On a busy machine fewer threads are
+    much faster: OpenMP threads spin-wait for cores other processes hold.
+
+    Why ``sequential`` stays the default when the machine has more cores: ``auto``
+    was not measurably faster on the reference workload of benchmarks/bench.py
+    (100 clients × 600 samples, MLP 784-200-10, 10 clients a round; one
+    measurement each, 2-core machine, seconds a round after the first):
+
+    - machine idle (load 2): sequential 0.27 (2 threads), 0.38 (1 thread);
+      vmap (1 thread) 0.68; ``auto`` 0.81–0.84 — it chose ``process`` because its
+      timing of the first cohort on ``sequential`` (3.3 s) included the cold
+      start of the first round, so it was 3× slower than the default;
+    - machine shared (load 12 on 2 cores): sequential 38–103 (2 threads),
+      1.9–3.7 (``threads: 1``); vmap (1 thread) 1.7–2.1; ``auto`` 3.1–3.5
+      (``process`` again), after a first round of 118 s that timed the three.
+
+    ``threads: 1`` is what pays on a shared machine, not ``auto``.
     """
 
     name: str = "sequential"
