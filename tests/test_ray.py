@@ -84,3 +84,21 @@ def test_unreachable_cluster_is_a_one_line_config_error():
                          ("nonsense", "expected HOST:PORT")):
         with pytest.raises(ConfigError, match=msg):
             fedloom.run(TINY, ["backend=ray", f"backend.address={address}"])
+
+
+def test_gpus_or_threads_beyond_the_cluster_are_one_line_config_errors():
+    """Ray would wait forever for a task's resources the cluster lacks: refused,
+    naming the key (the fixture's cluster: 2 CPUs, no GPU here)."""
+    from fedloom.config import ConfigError
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    with pytest.raises(ConfigError, match=r"^backend.gpus_per_worker: .* the Ray cluster has"):
+        fedloom.run(TINY, ["backend=ray", f"backend.gpus_per_worker={gpus + 0.5}"])
+    with pytest.raises(ConfigError, match=r"^backend.threads: 3 CPUs a task, the Ray cluster"):
+        fedloom.run(TINY, ["backend=ray", "backend.threads=3"])
+    assert ray.is_initialized()  # the fixture's instance is left running
+
+
+def test_ray_summary_records_worker_threads():
+    res = fedloom.run(TINY, ["backend=ray", "backend.workers=2", "rounds=1"])
+    assert res.summary["worker_threads"] == 1
