@@ -62,6 +62,17 @@ def test_cli_cuda_without_cuda_exits_2_and_writes_nothing(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
+def test_cli_prints_the_device(tmp_path, capsys):
+    import yaml
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump(TINY))
+    assert main(["run", str(cfg), "rounds=1", "backend.threads=1", "--out",
+                 str(tmp_path / "r"), "--quiet"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["device", "cpu", "(1", "threads)"] in rows
+
+
 @pytest.mark.skipif(NO_CUDA, reason="no CUDA device")
 @pytest.mark.cuda
 def test_cuda_index_beyond_the_visible_count_is_refused():
