@@ -53,7 +53,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from fedloom import CohortInfo, Layout, make_aggregator
-from fedloom.registry import available
+from fedloom.registry import available, origin
 
 LAYOUT = Layout(
     [("a.weight", (16, 12)), ("a.bias", (16,)), ("b.weight", (3, 8)), ("b.bias", (3,)),
@@ -94,7 +94,9 @@ RULES = {
     "coordmean": Rule("box", True),
     "craft": Rule("craft", False, solver=True),
 }
-NAMES = available("aggregator")
+# The built-in rules: an installed plug-in (examples/plugin's geomed) states its own
+# guarantees and carries its own tests.
+NAMES = [n for n in available("aggregator") if origin("aggregator", n) == "fedloom"]
 EXAMPLES = 4  # hypothesis examples per (rule, cohort kind): ~1000 aggregator calls in all
 # Known failures whose fix belongs to another item of the issue (xfail, not strict).
 KNOWN: dict[tuple[str, str], str] = {}
