@@ -1,4 +1,5 @@
-"""The command line: ``fedloom run | datasets``.
+"""The command line: ``fedloom run | sweep | compare | datasets | models | schema |
+algorithms`` (``fedloom COMMAND --help`` for each).
 
 Errors in what the user gave (config, overrides, data, run directory) print one
 line ``fedloom: error: …`` and exit with status 2; nothing is left behind.
