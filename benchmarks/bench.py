@@ -410,6 +410,10 @@ def markdown(res: dict[str, Any]) -> str:
             lines.append(f"| {k} | {accs} | {fp[k]['mean']:.4f} |")
         lines += ["", f"Difference (fp16 − fp32): {fp['difference_pp']:+.2f} pp.", ""]
     lines += goals(res)
+    # measured by its own script: a Flower deployment starts a dozen processes
+    lines += ["Deployed on Flower over loopback (round time against the in-process round "
+              "and Flower's own messaging time): [deploy.md](deploy.md), "
+              "`python benchmarks/deploy.py`.", ""]
     return "\n".join(lines)
 
 

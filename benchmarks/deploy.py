@@ -96,20 +96,25 @@ def in_process(rounds: int, n: int) -> dict[str, Any]:
 
     res = fedloom.run(str(CFG), [f"rounds={rounds}", f"data.num_clients={n}",
                                  f"cohort.size={n}"])
-    return {"round_s": [round(m["wall_s"], 4) for m in res.history]}
+    return {"round_s": [round(m["wall_s"], 4) for m in res.metrics if "wall_s" in m]}
 
 
 def markdown(res: dict[str, Any]) -> str:
     s = res["cases"]
-    med = {k: statistics.median(v["round_s"][1:] or v["round_s"]) for k, v in s.items()}
+    # every deployed round starts cold (a fresh ClientApp process per message): no
+    # warm-up round to leave out
+    med = {k: statistics.median(v["round_s"]) for k, v in s.items()}
     lines = ["## Deployed round time (Flower, loopback)", "",
              f"`{res['command']}` on {res['cpus']} cores, flwr {res['flwr']}, "
              f"{res['clients']} MNIST clients (examples/flower), {res['rounds']} rounds. "
-             "Seconds from sending a round's messages to its aggregate; median = of the "
-             "rounds after the first.", "",
-             "| case | s per round | median |", "|---|---|---|"]
-    for k, v in s.items():
-        lines.append(f"| {k} | {', '.join(f'{t:g}' for t in v['round_s'])} | {med[k]:.3g} |")
+             "Seconds from sending a round's messages to its aggregate (evaluation "
+             "included); median of the rounds; load average = the machine's (1 min) at "
+             "the end of the case.", "",
+             "| case | s per round | median | load average |", "|---|---|---|---|"]
+    for k in [c for c in CASES if c in s]:
+        v = s[k]
+        lines.append(f"| {k} | {', '.join(f'{t:g}' for t in v['round_s'])} | {med[k]:.3g} "
+                     f"| {v.get('load_avg', '')} |")
     lines.append("")
     for iso in ("subprocess", "process"):
         dep, floor = med.get(f"fedloom/{iso}/tuned"), med.get("noop/subprocess/tuned")
@@ -128,11 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--only", nargs="*", choices=CASES, default=None)
     p.add_argument("--out", default=str(HERE))
+    p.add_argument("--report-only", action="store_true",
+                   help="rewrite deploy.md from the existing deploy.json")
     args = p.parse_args(argv)
     import flwr
 
     out = Path(args.out)
     path = out / "deploy.json"
+    if args.report_only:
+        (out / "deploy.md").write_text(markdown(json.loads(path.read_text())))
+        return 0
     res: dict[str, Any] = json.loads(path.read_text()) if args.only and path.exists() else {
         "cases": {}}
     res.update({"command": "python benchmarks/deploy.py" + (

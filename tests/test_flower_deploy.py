@@ -1,6 +1,8 @@
 """A real Flower deployment on loopback: a SuperLink, two SuperNodes and
 ``flwr run`` of examples/flower, with CRAFT + SA-PEF Top-k. The final model has
-the same bytes as ``fedloom run`` of the same config."""
+the same bytes as ``fedloom run`` of the same config. Then, without a
+federation: the ClientApp's per-process caches and the ServerApp's reply
+polling (docs/deploy.md, "Round time")."""
 
 from __future__ import annotations
 
