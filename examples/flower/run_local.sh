@@ -12,14 +12,14 @@
 # ISOLATION=process: the SuperNodes start none; this script starts one
 #   `flower-superexec` per SuperNode itself (as a separate container would).
 # Either way the SuperExec starts a fresh `flwr-clientapp` process per message.
-# FLWR_SUPEREXEC_TASK_POLL_INTERVAL (Flower's, default 1 s there): how often a
-# SuperExec asks its SuperNode for a message to run; 0.1 here (docs/deploy.md).
+# FLWR_SUPEREXEC_TASK_POLL_INTERVAL (Flower's environment variable, default 1 s):
+# how often a SuperExec asks its SuperNode for a message to run; set it to try a
+# shorter wait (docs/deploy.md, "Round time", has what it changed here).
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 N="${1:-4}"; shift || true
 PORT="${FLOWER_PORT:-9093}"
 ISOLATION="${ISOLATION:-subprocess}"
-export FLWR_SUPEREXEC_TASK_POLL_INTERVAL="${FLWR_SUPEREXEC_TASK_POLL_INTERVAL:-0.1}"
 WORK="${WORK:-$(mktemp -d)}"
 export FLWR_HOME="$WORK/flwr-home"
 mkdir -p "$FLWR_HOME"
