@@ -23,7 +23,9 @@ Three pieces, each usable alone:
 - :func:`client_app` / :func:`server_app` — build both apps from a fedloom
   config: the ClientApp trains with fedloom's local SGD on client ``k``'s
   partition of the config's data (the same generators as the engine), so a
-  Flower run reproduces ``fedloom run`` on the same config.
+  Flower run reproduces ``fedloom run`` on the same config. The ClientApp
+  keeps its data, model and client slice per process; the ServerApp pulls
+  replies every 0.1 s (:func:`poll_replies`) instead of Flower's 3 s.
 
 Which client a SuperNode is: ``node_config["client-id"]``, else
 ``node_config["partition-id"]`` (set by Flower's simulation and by
