@@ -1,6 +1,7 @@
 """A real Flower deployment on loopback: a SuperLink, two SuperNodes and
-``flwr run`` of examples/flower, with CRAFT + SA-PEF Top-k. The final model has
-the same bytes as ``fedloom run`` of the same config. Then, without a
+``flwr run`` of examples/flower, with CRAFT + SA-PEF Top-k, its ClientApp the
+warm relay (fedloom.integrations.warm). The final model has the same bytes as
+``fedloom run`` of the same config. Then, without a
 federation: the ClientApp's per-process caches and the ServerApp's reply
 polling (docs/deploy.md, "Round time")."""
 
@@ -12,6 +13,8 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -59,8 +62,9 @@ def test_local_superlink_and_supernodes_give_the_engine_model(tmp_path):
         pytest.skip("Flower's executables are not installed next to this Python")
     cfg_path = tmp_path / "deploy.yaml"
     cfg_path.write_text(yaml.safe_dump(CFG))
+    warm_dir = Path(tempfile.mkdtemp(prefix="fw"))  # short: AF_UNIX paths ≤ ~100 bytes
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "WORK": str(tmp_path),
-           "FLOWER_PORT": str(_free_base())}
+           "FLOWER_PORT": str(_free_base()), "FEDLOOM_WARM_DIR": str(warm_dir)}
     res = subprocess.run(
         ["bash", str(ROOT / "examples/flower/run_local.sh"), "2", "--run-config",
          f'config="{cfg_path}"'], env=env, capture_output=True, text=True, timeout=400,
@@ -72,6 +76,21 @@ def test_local_superlink_and_supernodes_give_the_engine_model(tmp_path):
     assert got["rounds"] == 2
     assert got["model_sha256"] == ref.summary["model_sha256"]
     assert got["uplink_bytes_total"] == ref.summary["uplink_bytes_total"]
+    # The example's ClientApp is the warm relay: one worker per SuperNode ran all
+    # three of its messages (the strategy's client-id query and two rounds), and
+    # exited when the federation stopped.
+    logs = sorted(warm_dir.glob("*.log"))
+    assert len(logs) == 2, [p.name for p in warm_dir.iterdir()]
+    for log in logs:
+        text = ""
+        for _ in range(100):  # the worker notices its SuperExec is gone within ~1 s
+            text = log.read_text()
+            if "exiting after" in text or "stopped after" in text:
+                break
+            time.sleep(0.1)
+        assert text.count("listening on") == 1, text
+        assert "after 3 messages (0 failed)" in text, text
+    shutil.rmtree(warm_dir, ignore_errors=True)
 
 
 # ------------------------------------------------ warm ClientApp and reply polling

@@ -7,17 +7,38 @@ The public API::
     agg = fedloom.make_aggregator("fedavg")
     comp = fedloom.make_compressor("topk", ratio=0.01)
     layout = fedloom.Layout.flat(10)
+
+The names are imported on first use (PEP 562), so ``import fedloom.config`` or
+the Flower relay (:mod:`fedloom.integrations.warm`) does not import torch: a
+deployed ClientApp process that only forwards its message starts in a fraction
+of the time (docs/deploy.md, "Round time").
 """
 
-from fedloom.aggregate.base import Aggregator, CohortInfo, make_aggregator
-from fedloom.compress import make_compressor
-from fedloom.config import Config, ConfigError, load_config
-from fedloom.data.sources import DatasetUnavailable
-from fedloom.engine.loop import Result, model_sha256, run
-from fedloom.params import Layout, functional_forward
-from fedloom.state import ClientStateStore, FieldSpec
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_LAZY = {
+    "Aggregator": "fedloom.aggregate.base",
+    "CohortInfo": "fedloom.aggregate.base",
+    "make_aggregator": "fedloom.aggregate.base",
+    "make_compressor": "fedloom.compress",
+    "Config": "fedloom.config",
+    "ConfigError": "fedloom.config",
+    "load_config": "fedloom.config",
+    "DatasetUnavailable": "fedloom.data.sources",
+    "Result": "fedloom.engine.loop",
+    "model_sha256": "fedloom.engine.loop",
+    "run": "fedloom.engine.loop",
+    "Layout": "fedloom.params",
+    "functional_forward": "fedloom.params",
+    "ClientStateStore": "fedloom.state",
+    "FieldSpec": "fedloom.state",
+}
 
 __all__ = [
     "Aggregator",
@@ -37,3 +58,25 @@ __all__ = [
     "model_sha256",
     "run",
 ]
+
+if TYPE_CHECKING:  # what static checkers and IDEs see
+    from fedloom.aggregate.base import Aggregator, CohortInfo, make_aggregator
+    from fedloom.compress import make_compressor
+    from fedloom.config import Config, ConfigError, load_config
+    from fedloom.data.sources import DatasetUnavailable
+    from fedloom.engine.loop import Result, model_sha256, run
+    from fedloom.params import Layout, functional_forward
+    from fedloom.state import ClientStateStore, FieldSpec
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'fedloom' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -1,33 +1,13 @@
-"""ClientApp: fedloom's local SGD on this SuperNode's client, then compressor + EF (the mod).
+"""The ClientApp Flower loads: a relay that hands each message to a worker which
+keeps torch, the client's data and the model loaded between messages
+(:mod:`fedloom.integrations.warm`); the worker runs :mod:`fedloom_flower.trainer_app`.
 
-The SuperNode says which client it is with ``--node-config "partition-id=K"``.
+This module imports Flower and the standard library only, so the process Flower
+starts for every message is ready in about the time of a ClientApp that does
+nothing. ``flwr run --run-config 'warm=false'`` runs the trainer in that process
+instead (Flower's own behaviour: torch and the data are loaded per message).
 """
 
-from flwr.app import Context, Message
-from flwr.clientapp import ClientApp
+from fedloom.integrations.warm import warm_client_app
 
-from fedloom.integrations.flower import FedloomMod, FedloomTrainer
-from fedloom_flower import fedloom_config
-
-_APPS: dict[str, tuple] = {}
-
-
-def _parts(context: Context) -> tuple:
-    key = repr(sorted(context.run_config.items()))
-    if key not in _APPS:
-        cfg = fedloom_config(context)
-        _APPS[key] = (FedloomMod(cfg), FedloomTrainer(cfg))
-    return _APPS[key]
-
-
-def _mod(msg: Message, context: Context, call_next) -> Message:
-    return _parts(context)[0](msg, context, call_next)
-
-
-app = ClientApp(mods=[_mod])
-
-
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    return _parts(context)[1](msg, context)
-
+app = warm_client_app("fedloom_flower.trainer_app:app")
