@@ -1,7 +1,12 @@
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import os
+import subprocess
+import sys
+import threading
 from typing import Any
 
 # Ray (backend=ray, Flower's simulation) on loopback only: without this Ray
@@ -65,3 +70,33 @@ def stop_and_resume(config, overrides, out, stop_after=2):
     with pytest.raises(KeyboardInterrupt):
         fedloom.run(config, overrides, out=out, callbacks=[stop])
     return ref, fedloom.run(config, overrides, out=out, resume=True)
+
+
+_CLI_LOCK = threading.Lock()
+_SUBPROCESS_RUN = subprocess.run
+
+
+def cli_in_process(cmd, env=None, **kwargs):
+    """A stand-in for ``subprocess.run`` of ``python -m fedloom.cli ARGS``: the same
+    command through ``fedloom.cli.main`` in this process, one at a time, with one
+    intra-op thread when ``env`` sets ``OMP_NUM_THREADS=1`` (as a sweep's runs do).
+    Returns what ``subprocess.run(..., capture_output=True, text=True)`` would. Patched
+    in as ``subprocess.run``, any other command runs as before."""
+    from fedloom import cli
+
+    if list(cmd[:3]) != [sys.executable, "-m", "fedloom.cli"]:
+        return _SUBPROCESS_RUN(cmd, env=env, **kwargs)
+    out, err = io.StringIO(), io.StringIO()
+    with _CLI_LOCK:
+        threads = torch.get_num_threads()
+        if env and env.get("OMP_NUM_THREADS"):
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    rc = cli.main(list(cmd[3:]))
+                except SystemExit as e:  # argparse's exits
+                    rc = e.code if isinstance(e.code, int) else 1
+        finally:
+            torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(list(cmd), rc, out.getvalue(), err.getvalue())

@@ -1,9 +1,14 @@
-"""Sweeps: tuning on its own seed, resumable runs, the report."""
+"""Sweeps: tuning on its own seed, resumable runs, the report.
+
+Each run of a sweep is ``python -m fedloom.cli run …``; here the runs go through
+``fedloom.cli.main`` in this process (``conftest.cli_in_process``), since what is
+tested is the sweep's bookkeeping. tests/test_plugin.py runs a sweep whose runs
+are real subprocesses."""
 
 import pytest
 import yaml
 
-from conftest import TINY
+from conftest import TINY, cli_in_process
 from fedloom.config import ConfigError
 from fedloom.sweep import load_suite, main_specs, run_suite
 
@@ -25,7 +30,8 @@ def _suite(tmp_path, **extra):
     return path
 
 
-def test_sweep_tunes_runs_reports_and_resumes(tmp_path):
+def test_sweep_tunes_runs_reports_and_resumes(tmp_path, monkeypatch):
+    monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
     path = _suite(tmp_path)
     logs = []
     run_suite(path, workers=2, log=logs.append)
