@@ -34,7 +34,10 @@ CFG = {"name": "deploy", "seed": 5, "rounds": 2,
        "aggregator": {"name": "craft"}, "server": {"lr": 0.5},
        "compression": {"name": "topk", "options": {"ratio": 0.05}, "feedback": "sapef",
                        "alpha": 0.85},
-       "checkpoint": {"every": 0}}
+       "checkpoint": {"every": 0},
+       # one torch thread on both sides: run_local.sh gives each SuperNode nproc / N
+       # threads, and float32 sums over another thread count round differently
+       "backend": {"threads": 1}}
 
 
 def _free_base() -> int:

@@ -43,12 +43,16 @@ for ((i = 0; i < 120; i++)); do
   (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null && break
   sleep 0.5
 done
+# The N SuperNodes share this machine's cores: each trains with nproc / N torch
+# threads (at least 1) unless OMP_NUM_THREADS is set. More threads than cores make
+# PyTorch's OpenMP workers spin against each other (docs/deploy.md, "Round time").
+NODE_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / N > 0 ? $(nproc) / N : 1 ))}"
 for ((k = 0; k < N; k++)); do
-  flower-supernode --insecure --superlink "127.0.0.1:$PORT" --port $((PORT + 100 + k)) \
+  OMP_NUM_THREADS="$NODE_THREADS" flower-supernode --insecure --superlink "127.0.0.1:$PORT" --port $((PORT + 100 + k)) \
     --isolation "$ISOLATION" --node-config "partition-id=$k" > "$WORK/supernode-$k.log" 2>&1 &
   PIDS+=($!)
   if [[ "$ISOLATION" == process ]]; then
-    flower-superexec --insecure --runtime-api-address "127.0.0.1:$((PORT + 100 + k))" \
+    OMP_NUM_THREADS="$NODE_THREADS" flower-superexec --insecure --runtime-api-address "127.0.0.1:$((PORT + 100 + k))" \
       > "$WORK/superexec-$k.log" 2>&1 &
     PIDS+=($!)
   fi

@@ -422,7 +422,10 @@ class _Worker:
             message = serde.message_from_proto(ProtoMessage.FromString(msg_b))
             context = serde.context_from_proto(ProtoContext.FromString(ctx_b))
             _set_task_identity(h.get("task"))
+            t0 = time.perf_counter()
             reply = self.apps[target](message, context)
+            log.info("warm worker: %s message %s ran in %.2f s", message.metadata.message_type,
+                     message.metadata.message_id[:8], time.perf_counter() - t0)
             out = (serde.message_to_proto(reply).SerializeToString(),
                    serde.recorddict_to_proto(context.state).SerializeToString())
         except Exception as e:  # the target's error goes back to Flower as the relay's
