@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import logging
 import os
 import subprocess
 import sys
@@ -76,21 +77,26 @@ _CLI_LOCK = threading.Lock()
 _SUBPROCESS_RUN = subprocess.run
 
 
-def cli_in_process(cmd, env=None, **kwargs):
+def cli_in_process(cmd, env=None, cwd=None, **kwargs):
     """A stand-in for ``subprocess.run`` of ``python -m fedloom.cli ARGS``: the same
-    command through ``fedloom.cli.main`` in this process, one at a time, with one
-    intra-op thread when ``env`` sets ``OMP_NUM_THREADS=1`` (as a sweep's runs do).
-    Returns what ``subprocess.run(..., capture_output=True, text=True)`` would. Patched
-    in as ``subprocess.run``, any other command runs as before."""
+    command through ``fedloom.cli.main`` in this process, one at a time, in ``cwd``,
+    with one intra-op thread when ``env`` sets ``OMP_NUM_THREADS=1`` (as a sweep's runs
+    do), and fedloom's log lines on stderr as the command writes them. Returns what
+    ``subprocess.run(..., capture_output=True, text=True)`` would. Patched in as
+    ``subprocess.run``, any other command runs as before."""
     from fedloom import cli
 
     if list(cmd[:3]) != [sys.executable, "-m", "fedloom.cli"]:
-        return _SUBPROCESS_RUN(cmd, env=env, **kwargs)
+        return _SUBPROCESS_RUN(cmd, env=env, cwd=cwd, **kwargs)
     out, err = io.StringIO(), io.StringIO()
-    with _CLI_LOCK:
+    log = logging.StreamHandler(err)
+    log.setFormatter(logging.Formatter("fedloom: %(message)s"))  # cli.main's basicConfig
+    root = logging.getLogger()
+    with _CLI_LOCK, contextlib.chdir(cwd or os.getcwd()):
         threads = torch.get_num_threads()
         if env and env.get("OMP_NUM_THREADS"):
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        root.addHandler(log)
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 try:
@@ -98,5 +104,6 @@ def cli_in_process(cmd, env=None, **kwargs):
                 except SystemExit as e:  # argparse's exits
                     rc = e.code if isinstance(e.code, int) else 1
         finally:
+            root.removeHandler(log)
             torch.set_num_threads(threads)
     return subprocess.CompletedProcess(list(cmd), rc, out.getvalue(), err.getvalue())

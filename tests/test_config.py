@@ -4,6 +4,7 @@ import sys
 import pytest
 import yaml
 
+from conftest import cli_in_process
 from fedloom.config import Config, ConfigError, apply_overrides, load_config
 
 REQUIRED_KEYS = ["seed", "rounds", "cohort.size", "client.lr", "eval.every", "checkpoint.every",
@@ -68,9 +69,10 @@ def test_config_file_errors(tmp_path):
     assert isinstance(load_config(Config()), Config)
 
 
-def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "fedloom.cli", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+def _cli(*args, cwd, in_process=False):
+    run = cli_in_process if in_process else subprocess.run
+    return run([sys.executable, "-m", "fedloom.cli", *args], cwd=cwd,
+               capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize(
@@ -83,7 +85,10 @@ def test_cli_bad_config_exits_2_naming_field_and_leaves_no_run_dir(tmp_path, tin
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(yaml.safe_dump(tiny))
     out = tmp_path / "run"
-    p = _cli("run", str(cfg), override, "--out", str(out), "--quiet", cwd=tmp_path)
+    # the first case as a process (`python -m fedloom.cli`'s exit code), the others
+    # through fedloom.cli.main in this process
+    p = _cli("run", str(cfg), override, "--out", str(out), "--quiet", cwd=tmp_path,
+             in_process=override != "client.lr=-0.1")
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fedloom: error: ") and field in lines[0]

@@ -7,7 +7,7 @@ import torch
 import yaml
 
 import fedloom
-from conftest import stop_and_resume
+from conftest import cli_in_process, stop_and_resume
 from fedloom.aggregate.base import CohortInfo
 from fedloom.config import ConfigError, load_config
 from fedloom.engine.loop import Experiment
@@ -197,8 +197,8 @@ def test_cli_run_and_datasets(tiny, tmp_path):
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert "test accuracy" in p.stdout and str(tmp_path / "r") in p.stdout
-    p = subprocess.run([sys.executable, "-m", "fedloom.cli", "datasets"], capture_output=True,
-                       text=True, timeout=120)
+    # the same command line through fedloom.cli.main in this process
+    p = cli_in_process([sys.executable, "-m", "fedloom.cli", "datasets"])
     assert p.returncode == 0
     for name in ["synthetic", "digits", "mnist", "fashion-mnist"]:
         assert name in p.stdout
