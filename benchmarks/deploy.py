@@ -99,7 +99,8 @@ def deployed(app: str, isolation: str, tuned: bool, rounds: int, n: int) -> dict
             raise RuntimeError(f"{app}/{isolation}: no result\n{res.stdout[-2000:]}"
                                f"\n{res.stderr[-2000:]}")
     got = json.loads(lines[-1])
-    return {"round_s": got["round_s"], "total_s": round(total, 1)}
+    return {"round_s": got["round_s"], "total_s": round(total, 1),
+            "model_sha256": got.get("model_sha256")}
 
 
 def in_process(rounds: int, n: int) -> dict[str, Any]:
@@ -107,7 +108,8 @@ def in_process(rounds: int, n: int) -> dict[str, Any]:
 
     res = fedloom.run(str(CFG), [f"rounds={rounds}", f"data.num_clients={n}",
                                  f"cohort.size={n}"])
-    return {"round_s": [round(m["wall_s"], 4) for m in res.metrics if "wall_s" in m]}
+    return {"round_s": [round(m["wall_s"], 4) for m in res.metrics if "wall_s" in m],
+            "model_sha256": res.summary["model_sha256"], "threads": res.summary.get("threads")}
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -138,6 +140,15 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(f"- {case}: target ≤ 3 × in-process + Flower's messaging ({mode}) = "
                      f"3 × {med['in_process']:.3g} + {floor:.3g} = {target:.3g} s; "
                      f"measured {dep:.3g} s: {'met' if dep <= target else 'not met'}.")
+    # the same model bytes whichever way the clients ran (the noop app trains nothing)
+    shas = {k: v.get("model_sha256") for k, v in s.items() if not k.startswith("noop/")}
+    if len(shas) > 1 and all(shas.values()):
+        ref = shas.get("in_process")
+        same = sorted(k for k, v in shas.items() if v == ref)
+        other = sorted(k for k, v in shas.items() if v != ref)
+        lines.append(f"- Final model_sha256 equal to the in-process run's: "
+                     f"{', '.join(k for k in same if k != 'in_process') or 'none'}"
+                     + (f"; different: {', '.join(other)}" if other else "") + ".")
     lines += ["", "`cold`: Flower 1.42 starts a fresh ClientApp process per message in "
               "either isolation mode, and that process imports torch and builds the "
               "client's data and model each time. `warm`: the per-message process is a "
