@@ -739,12 +739,15 @@ class Experiment:
 
     def finish_round(self, st: RunState, plan: RoundPlan, results: Sequence[ClientResult],
                      ups: Sequence[UplinkResult], *, t0: float, t_train: float,
-                     client_state: bool = True) -> tuple[RunState, dict[str, Any]]:
+                     client_state: bool = True, client_buffers: bool = False
+                     ) -> tuple[RunState, dict[str, Any]]:
         """The server's half of a round, from what the kept clients sent: reject
         non-finite, undecodable and out-of-bound rows, clip, aggregate, step, check
         the step (a bad one is skipped, the round counted in ``rejected_rounds``),
         scatter client state (unless the clients keep it themselves:
-        ``client_state=False``), evaluate, log."""
+        ``client_state=False``; ``client_buffers=True`` still keeps the accepted
+        clients' own buffers under ``model.buffers=local``, which they send anyway,
+        for the per-client evaluation), evaluate, log."""
         r, cohort, lr, w = plan.round, plan.cohort, plan.lr, st.w
         fb, alphas, fb_rows, old_rows = self.feedback, plan.alphas, plan.fb_rows, plan.old_rows
         dropped, refused = plan.dropped, plan.refused
@@ -879,12 +882,13 @@ class Experiment:
         if plan.adjust.state:  # the planner's server state rides with the uplink's
             feedback_state = {**feedback_state, **plan.adjust.state}
         method_state = st.method_state
-        if (client_state and self.store.fields and bool(finite.any()) and bad_round is None):
+        if ((client_state or (client_buffers and self.buf_fields)) and self.store.fields
+                and bool(finite.any()) and bad_round is None):
             ok_pos = finite.nonzero().squeeze(1)
             ok_ids = cohort[ok_pos]
             new_rows = {f: torch.stack([results[i].state[f] for i in ok_pos.tolist()])
-                        for f in self.method_fields}
-            for f in self.fb_fields:
+                        for f in (self.method_fields if client_state else [])}
+            for f in (self.fb_fields if client_state else []):
                 new_rows[f] = torch.stack([ups[i].state[f[3:]] for i in ok_pos.tolist()])
             if self.buf_fields and all(results[i].buffers for i in ok_pos.tolist()):
                 new_rows["bn.buffers"] = torch.stack([flatten_buffers(results[i].buffers,
@@ -893,7 +897,7 @@ class Experiment:
                 new_rows["bn.buffers_set"] = torch.ones((len(ok_pos), 1), dtype=self.dtype)
             for f, rows_f in new_rows.items():
                 self.store.scatter(f, ok_ids, rows_f)
-            if self.method_fields:
+            if client_state and self.method_fields:
                 method_state = self.method.server_update(
                     st.method_state, {f: old_rows[f][ok_pos] for f in self.method_fields},
                     {f: new_rows[f] for f in self.method_fields}, self.fed.num_clients)

@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from fedloom.buffers import buffers_sha256, check_buffers, flatten_buffers, unflatten_buffers
 from fedloom.client.sgd import ClientResult
 from fedloom.compress import make_compressor
 from fedloom.compress.base import PayloadError
@@ -94,6 +95,11 @@ PENALTY_FEEDBACK = ("flare", "ec_prox")
 STATE_KEY = "fedloom.feedback"   # Context.state record of the mod
 REPLY_KEY = "fedloom"            # ConfigRecord of a reply: payload, client-id, residual-norm
 HELLO_KEY = "fedloom.hello"      # ConfigRecord of the discovery query
+# A model with buffers (BatchNorm statistics; fedloom.buffers): the ArrayRecord beside
+# "arrays" in a train message (the global buffers) and in its reply (the trained ones);
+# absent for a model without buffers, so those messages are as before.
+BUFFERS_KEY = "buffers"
+BUFFER_STATE_KEY = "fedloom.buffers"  # Context.state record: the client's own (local)
 
 ConfigSource = str | Path | Mapping[str, Any] | Config
 
@@ -115,6 +121,25 @@ def from_arrays(layout: Layout, rec: ArrayRecord) -> torch.Tensor:
             raise ValueError(f"arrays: tensor {spec.name!r} has shape "
                              f"{tuple(sd[spec.name].shape)}, the model has {spec.shape}")
     return layout.flatten(sd)
+
+
+def buffers_to_arrays(bufs: Mapping[str, torch.Tensor]) -> ArrayRecord:
+    """Module buffers as an ArrayRecord (names and dtypes kept, in order)."""
+    return ArrayRecord(OrderedDict((n, v.detach().cpu().clone()) for n, v in bufs.items()))
+
+
+def buffers_from_arrays(template: Mapping[str, torch.Tensor], rec: Any
+                        ) -> dict[str, torch.Tensor]:
+    """The buffers of an ArrayRecord, checked against ``template`` (the model's:
+    the same names in the same order, dtypes and shapes; else a one-line
+    ``ValueError``), on the template's device."""
+    if not isinstance(rec, ArrayRecord):
+        raise ValueError(f"buffers: a {type(rec).__name__}, not an ArrayRecord")
+    bufs = dict(rec.to_torch_state_dict())
+    why = check_buffers(bufs, template)
+    if why is not None:
+        raise ValueError(f"buffers: {why}")
+    return {n: v.to(template[n].device) for n, v in bufs.items()}
 
 
 def content_bytes(obj: Any) -> int:
@@ -265,11 +290,14 @@ class FedloomMod:
         if bool(torch.isfinite(up.sent).all()) and all(
                 bool(torch.isfinite(v).all()) for v in up.state.values()):
             self._save_state(context, up.state, self.state_dtype)
-        return Message(RecordDict({
+        content = RecordDict({
             REPLY_KEY: ConfigRecord({"payload": up.payload, "client-id": k,
                                      "residual-norm": float(up.residual_norm)}),
             "metrics": metrics,
-        }), reply_to=msg)
+        })
+        if BUFFERS_KEY in reply.content:  # the trained module buffers, as they are
+            content[BUFFERS_KEY] = reply.content[BUFFERS_KEY]
+        return Message(content, reply_to=msg)
 
     @staticmethod
     def _load_state(context: Context, fb: Any, d: int,
@@ -289,10 +317,19 @@ class FedloomMod:
 
 
 class FedloomTrainer:
-    """The train handler of :func:`client_app`: fedloom's local SGD on client k's data."""
+    """The train handler of :func:`client_app`: fedloom's local SGD on client k's data.
+
+    A model with buffers trains from the buffers the message carries (the global
+    ones), or under ``model.buffers: local`` from the client's own, kept in
+    ``Context.state`` once it has trained (the engine's ``bn.buffers`` row, in
+    ``state.dtype``), and replies with the buffers its training ends with. Nothing
+    of a previous message in the same process is used.
+    """
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        self.state_dtype = {"float32": torch.float32, "float16": torch.float16}[
+            cfg.state.dtype]
 
     def __call__(self, msg: Message, context: Context) -> Message:
         exp = _experiment(self.cfg)
@@ -310,14 +347,40 @@ class FedloomTrainer:
             # which the mod keeps in Context.state (read here, written by the mod).
             state = FedloomMod._load_state(context, exp.feedback, exp.layout.size, w.dtype)
             penalty = exp.feedback.penalty(w, state, r)
+        bufs = self._start_buffers(exp, msg, context)
         # The prox anchor is the model received (SA-PEF's start point when shifted).
         w_k, loss, steps = exp.trainer.descend(w, w, x_k, y_k, lr, gen,
-                                               penalty=penalty)
-        return Message(RecordDict({
+                                               penalty=penalty, buffers=bufs)
+        content = RecordDict({
             "arrays": to_arrays(exp.layout, w_k),
             "metrics": MetricRecord({"num-examples": len(y_k), "num-steps": steps,
                                      "train-loss": float(loss)}),
-        }), reply_to=msg)
+        })
+        if bufs:
+            trained = exp.trainer._trained_buffers()
+            content[BUFFERS_KEY] = buffers_to_arrays(trained)
+            # FedBN: the client keeps what it trained to, unless its reply is not
+            # finite (the server rejects it, and the engine keeps the old row).
+            if (self.cfg.model.buffers == "local" and bool(torch.isfinite(w_k).all())
+                    and all(bool(torch.isfinite(v).all()) for v in trained.values())):
+                context.state[BUFFER_STATE_KEY] = ArrayRecord(OrderedDict(
+                    own=flatten_buffers(trained, self.state_dtype).cpu()))
+        return Message(content, reply_to=msg)
+
+    def _start_buffers(self, exp: Experiment, msg: Message, context: Context
+                       ) -> dict[str, torch.Tensor] | None:
+        """The buffers local training starts from: ``None`` for a model without
+        any; the client's own under ``model.buffers: local`` once it has them;
+        else the message's."""
+        if not exp.buffer_template:
+            return None
+        if self.cfg.model.buffers == "local" and BUFFER_STATE_KEY in context.state:
+            row = context.state[BUFFER_STATE_KEY].to_torch_state_dict()["own"]
+            return unflatten_buffers(row.to(exp.device, exp.dtype), exp.buffer_template)
+        if BUFFERS_KEY not in msg.content:
+            raise ValueError("buffers: the model has buffers and the message carries none "
+                             f"(a {BUFFERS_KEY!r} ArrayRecord beside 'arrays')")
+        return buffers_from_arrays(exp.buffer_template, msg.content[BUFFERS_KEY])
 
 
 def client_app(config: ConfigSource, overrides: Sequence[str] = ()) -> ClientApp:
@@ -358,7 +421,13 @@ class FedloomStrategy(Strategy):
         return to_arrays(self.exp.layout, self.state.w)
 
     def model_sha256(self) -> str:
+        """SHA-256 of the model's parameters ``w`` (the engine's ``model_sha256``)."""
         return model_sha256(self.state.w)
+
+    def buffers_sha256(self) -> str | None:
+        """SHA-256 of the global module buffers (the engine's ``buffers_sha256``);
+        ``None`` for a model without buffers (the engine's summary has no entry)."""
+        return buffers_sha256(self.state.buffers) if self.state.buffers else None
 
     def summary(self) -> None:
         c = self.exp.cfg
@@ -399,12 +468,18 @@ class FedloomStrategy(Strategy):
         self._t0 = time.perf_counter()
         plan = self._plan = self.exp.plan_round(self.state)
         rec = to_arrays(self.exp.layout, self.state.w)
+        # The global buffers ride beside the model when it has any (every policy: a
+        # client trains from them, under `local` until it has its own).
+        bufs = buffers_to_arrays(self.state.buffers) if self.exp.buffer_template else None
         out = []
         for k in plan.cohort.tolist():
             conf = ConfigRecord({"server-round": server_round, "fedloom-round": plan.round,
                                  "client-id": int(k), "lr": float(plan.lr)})
-            out.append(Message(RecordDict({"arrays": rec, "config": conf}),
-                               dst_node_id=self.nodes[int(k)], message_type=MessageType.TRAIN))
+            content = RecordDict({"arrays": rec, "config": conf})
+            if bufs is not None:
+                content[BUFFERS_KEY] = bufs
+            out.append(Message(content, dst_node_id=self.nodes[int(k)],
+                               message_type=MessageType.TRAIN))
         return out
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
@@ -431,9 +506,15 @@ class FedloomStrategy(Strategy):
                 payload = bytes(c["payload"])
                 sent = exp.uplink.decode(payload, d).to(exp.device, exp.dtype)
                 met = rep.content["metrics"]
+                bufs: dict[str, torch.Tensor] = {}
+                if exp.buffer_template:  # checked here; finish_round rejects non-finite ones
+                    if BUFFERS_KEY not in rep.content:
+                        raise ValueError("buffers: the model has buffers and the reply "
+                                         "carries none")
+                    bufs = buffers_from_arrays(exp.buffer_template, rep.content[BUFFERS_KEY])
                 res = ClientResult(k, torch.empty(0), int(met["num-examples"]),
                                    float(met.get("train-loss", float("nan"))),
-                                   int(met.get("num-steps", 1)))
+                                   int(met.get("num-steps", 1)), buffers=bufs)
             except (KeyError, ValueError, PayloadError) as e:
                 why = str(e).splitlines()[0] if str(e) else type(e).__name__
                 log.warning("flower: round %d: rejected a malformed reply from node %d: %s",
@@ -459,7 +540,8 @@ class FedloomStrategy(Strategy):
         plan.refused = {j: bad[res.client] for j, res in enumerate(results)
                         if res.client in bad and res.client not in got}
         self.state, metrics = exp.finish_round(self.state, plan, results, ups, t0=self._t0,
-                                               t_train=t_train, client_state=False)
+                                               t_train=t_train, client_state=False,
+                                               client_buffers=True)
         metrics["flower_bytes"] = moved
         self.history.append(metrics)
         scalars = {k: v for k, v in metrics.items()

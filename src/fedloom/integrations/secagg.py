@@ -242,7 +242,7 @@ class SecAggStrategy(LegacyStrategy):
         if not results:  # nothing unmasked: no step (the engine's rule for an empty round)
             self.state = RunState(st.next_round + 1, st.w, st.opt_state, st.agg_state,
                                   st.method_state, st.feedback_state, st.w_avg, st.totals,
-                                  privacy_state=st.privacy_state)
+                                  privacy_state=st.privacy_state, buffers=st.buffers)
             return ndarrays_to_parameters(_arrays(self.exp, st.w)), {}
         # Every result carries the same unmasked average Σ ω_k u_k / Σ ω_k.
         agg = _vector(self.exp, parameters_to_ndarrays(results[0][1].parameters))
@@ -260,7 +260,7 @@ class SecAggStrategy(LegacyStrategy):
             privacy_state = self.exp.privacy.participated(privacy_state, ids)
         self.state = RunState(st.next_round + 1, w, opt, st.agg_state, st.method_state,
                               st.feedback_state, st.w_avg, st.totals,
-                              privacy_state=privacy_state)
+                              privacy_state=privacy_state, buffers=st.buffers)
         m: dict[str, Any] = {"round": server_round, "cohort_size": len(results),
                              "failures": len(failures)}
         if self.exp.privacy.enabled:
