@@ -28,7 +28,10 @@ clipping: then each client clips its decoded update to ``C`` before masking
 and sends ``ω_k = 1``, and the server adds DP-FedAvg's noise to the unmasked
 sum with the engine's generator (:meth:`fedloom.privacy.Privacy.release`):
 the same model as in-process, while the server sees only the sum of the
-clipped updates. Anything else is one line.
+clipped updates. A model with buffers (BatchNorm statistics) needs
+``model.buffers: keep_global`` (the engine's own check: the masked sum covers
+``w``, averaged buffers would be sent in the clear); the clients then train
+from the initial buffers, which are the global ones. Anything else is one line.
 
 What the protocol changes: each value is clipped to ``[−clipping_range,
 clipping_range]`` (8 by default: an update coordinate beyond it is cut) and
