@@ -429,9 +429,11 @@ class FedloomStrategy(Strategy):
     """fedloom's server half of a round as a Flower strategy (see module doc).
 
     After (or during) a run: :attr:`state` is the engine's
-    :class:`~fedloom.engine.loop.RunState`, :attr:`history` the per-round
-    metrics (the engine's, plus ``flower_bytes``: the serialized size of the
-    replies' content), :meth:`model_sha256` the final model's hash.
+    :class:`~fedloom.engine.loop.RunState` (the global buffers included),
+    :attr:`history` the per-round metrics (the engine's, plus ``flower_bytes``:
+    the serialized size of the replies' content), :meth:`model_sha256` and
+    :meth:`buffers_sha256` the final model's hashes (those of the engine's
+    ``summary.json``).
     """
 
     def __init__(self, config: ConfigSource, overrides: Sequence[str] = (), *,
