@@ -167,7 +167,11 @@ def buffers_from_arrays(template: Mapping[str, torch.Tensor], rec: Any
     ``ValueError``), on the template's device."""
     if not isinstance(rec, ArrayRecord):
         raise ValueError(f"buffers: a {type(rec).__name__}, not an ArrayRecord")
-    bufs = dict(rec.to_torch_state_dict())
+    try:
+        bufs = dict(rec.to_torch_state_dict())
+    except (TypeError, RuntimeError) as e:  # an array torch cannot hold
+        raise ValueError(f"buffers: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                         ) from None
     why = check_buffers(bufs, template)
     if why is not None:
         raise ValueError(f"buffers: {why}")
