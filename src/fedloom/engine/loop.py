@@ -46,7 +46,8 @@ totals and the summary, and logged):
   ``w_0 … w_{r+1}``. Departure for the Flower integration
   (``client_state=False``): the clients hold their own state and have already
   updated it when they sent; the server cannot undo that, so there a rejected
-  round leaves the clients' residuals as the clients wrote them.
+  round leaves the clients' residuals (and, under ``model.buffers=local``,
+  their own buffers) as the clients wrote them.
 
 :func:`run` is the entry point of both the CLI and notebooks.
 """
