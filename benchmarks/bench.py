@@ -87,7 +87,8 @@ def round_time(quick: bool, repeats: int) -> dict[str, Any]:
     from fedloom.engine.loop import Experiment
 
     clients, n = (20, 60) if quick else (workload.CLIENTS, workload.SAMPLES)
-    per_rounds = (2, 20) if quick else (10, 100)
+    # --quick: one cohort size (each size starts every backend's workers afresh)
+    per_rounds = (10,) if quick else (10, 100)
     data = workload.fedloom_data(clients, n)
     backends: list[tuple[str, list[str]]] = [
         ("sequential", ["backend=sequential"]),
