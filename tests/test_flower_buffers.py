@@ -60,28 +60,54 @@ def task_identity(monkeypatch):
 
 
 # ------------------------------------------------------------ against the engine
-@pytest.mark.slow
-@pytest.mark.parametrize("policy", BUFFER_POLICIES)
-def test_flower_run_gives_the_engines_model_and_buffers(policy):
-    """Flower's simulation runtime (Ray, one long-lived process per client actor)
-    against ``fedloom.run`` of the same config. Measured: the final ``w`` and every
-    buffer are bit for bit the engine's (max abs difference 0.0) under average,
-    local and keep_global, and so are the per-round evaluations (global and
-    per-client test accuracy and loss: local clients are evaluated with their own
-    statistics, as in the engine)."""
-    import ray
-    from flwr.simulation import run_simulation
+class _LocalGrid:
+    """Flower's grid for the strategy, in this process: every message and reply goes
+    through Flower's protobuf serialization (what its transport carries), and each
+    node keeps its Context across rounds (what a SuperNode keeps). The runtime is
+    the only thing that differs from a deployment; the Ray run below covers it."""
 
+    def __init__(self, app, n: int) -> None:
+        self.app = app
+        self.contexts = {100 + k: Context(run_id=1, node_id=100 + k,
+                                          node_config={"partition-id": k},
+                                          state=RecordDict(), run_config={})
+                         for k in range(n)}
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        out = []
+        for i, msg in enumerate(messages):
+            msg.metadata.__dict__["_message_id"] = f"m{i}"
+            msg = serde.message_from_proto(serde.message_to_proto(msg))
+            reply = self.app(msg, self.contexts[msg.metadata.dst_node_id])
+            out.append(serde.message_from_proto(serde.message_to_proto(reply)))
+        return out
+
+
+def _run_flower(policy: str, ray_runtime: bool) -> FedloomStrategy:
     over = [f"model.buffers={policy}"]
-    ref = fedloom.run(CFG, over)
     strategy = FedloomStrategy(CFG, over)
-    init = dict(strategy.state.buffers)  # (the module holds the latest after a round)
-    run_simulation(server_app=server_app(strategy), client_app=client_app(CFG, over),
-                   num_supernodes=4,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
-    if ray.is_initialized():
-        ray.shutdown()
+    app = client_app(CFG, over)
+    if ray_runtime:
+        import ray
+        from flwr.simulation import run_simulation
+
+        run_simulation(server_app=server_app(strategy), client_app=app, num_supernodes=4,
+                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                       "init_args": {"num_cpus": 2,
+                                                     "include_dashboard": False}})
+        if ray.is_initialized():
+            ray.shutdown()
+    else:
+        strategy.start(grid=_LocalGrid(app, 4), initial_arrays=strategy.initial_arrays(),
+                       num_rounds=CFG["rounds"])
+    return strategy
+
+
+def _check_against_engine(policy: str, strategy: FedloomStrategy, init) -> None:
+    ref = fedloom.run(CFG, [f"model.buffers={policy}"])
     want = ref.model.state_dict()
     got = strategy.state.buffers
     assert list(got) == [n for n in want if n in got] and len(got) == 21
@@ -103,6 +129,33 @@ def test_flower_run_gives_the_engines_model_and_buffers(policy):
     if policy == "local":  # a client that trained twice started from its own buffers
         avg = fedloom.run(CFG, ["model.buffers=average"])
         assert avg.summary["buffers_sha256"] != ref.summary["buffers_sha256"]
+
+
+def _initial_buffers(policy: str):
+    # (the engine's module holds the latest buffers after a round: take them first)
+    return dict(FedloomStrategy(CFG, [f"model.buffers={policy}"]).state.buffers)
+
+
+@pytest.mark.parametrize("policy", BUFFER_POLICIES)
+def test_flower_strategy_and_client_app_give_the_engines_model_and_buffers(
+        task_identity, policy):
+    """The strategy and the ClientApp, every message through Flower's serialization
+    (:class:`_LocalGrid`), against ``fedloom.run`` of the same config. Measured: the
+    final ``w`` and every buffer are bit for bit the engine's (max abs difference
+    0.0) under average, local and keep_global, and so are the per-round evaluations
+    (global and per-client test accuracy and loss: local clients are evaluated with
+    their own statistics, as in the engine)."""
+    init = _initial_buffers(policy)
+    _check_against_engine(policy, _run_flower(policy, ray_runtime=False), init)
+
+
+@pytest.mark.slow
+def test_flower_simulation_gives_the_engines_model_and_buffers_under_local():
+    """The same on Flower's simulation runtime (Ray, one long-lived process per
+    client actor, Context.state kept by Flower), for the policy that keeps client
+    state: bit for bit (max abs difference 0.0)."""
+    init = _initial_buffers("local")
+    _check_against_engine("local", _run_flower("local", ray_runtime=True), init)
 
 
 # ----------------------------------------------------------------- the ClientApp
