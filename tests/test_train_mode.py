@@ -191,6 +191,12 @@ def test_average_is_the_data_weighted_mean_of_the_clients_buffers(tiny):
     assert torch.equal(dict(exp.module.named_buffers())["bn.running_var"],
                        new.buffers["bn.running_var"])
 
+    # ...and a second run on the same Experiment starts from the initial buffers,
+    # not from the ones the module holds now
+    again = exp.initial_state()
+    assert all(torch.equal(again.buffers[k], v) for k, v in st.buffers.items())
+    assert not torch.equal(again.buffers["bn.running_var"], new.buffers["bn.running_var"])
+
 
 def test_average_buffers_rules():
     a = {"m": torch.tensor([1.0, 2.0]), "n": torch.tensor(3)}

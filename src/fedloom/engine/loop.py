@@ -580,7 +580,10 @@ class Experiment:
                                   feedback_state=self.feedback.init_server(w),
                                   w_avg=w.clone() if self.cfg.eval.average_iterates else None,
                                   privacy_state=self.privacy.init(),
-                                  buffers=module_buffers(self.module)),
+                                  # the initial buffers, not the module's: evaluation
+                                  # loads each round's buffers into the module
+                                  buffers={n: v.clone()
+                                           for n, v in self.buffer_template.items()}),
                          self.device)
 
     def sample_cohort(self, r: int) -> torch.Tensor:
