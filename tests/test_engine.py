@@ -126,6 +126,18 @@ def test_run_dir_guards(tiny, tmp_path):
         fedloom.run(tiny, ["rounds=1"], out=out)
     with pytest.raises(ConfigError, match="config differs"):  # rounds alone may change
         fedloom.run(tiny, ["rounds=1", "client.lr=0.2"], out=out, resume=True)
+    # the error names what differs, saved → given
+    with pytest.raises(ConfigError, match=r"differs from the one given at client\.lr: "
+                                          r"0\.1 → 0\.2; seed: 3 → 4; resume"):
+        fedloom.run(tiny, ["rounds=1", "client.lr=0.2", "seed=4"], out=out, resume=True)
+    # a run saved before a setting existed resumes: its default fills the gap
+    # (sections added later, e.g. system and privacy, default to "off")
+    old = yaml.safe_load((out / "config.yaml").read_text())
+    for section in ("system", "privacy"):
+        old.pop(section)
+    (out / "config.yaml").write_text(yaml.safe_dump(old))
+    again = fedloom.run(tiny, ["rounds=2"], out=out, resume=True)
+    assert again.summary["rounds"] == 2
     # the final model loads into a fresh module
     blob = torch.load(out / "model.pt", weights_only=True)
     assert blob["w"].shape[0] == sum(v.numel() for v in blob["state_dict"].values())

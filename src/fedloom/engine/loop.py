@@ -1327,6 +1327,31 @@ def _same_but_rounds(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return {**a, "rounds": None, "logging": None} == {**b, "rounds": None, "logging": None}
 
 
+def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """A run directory's saved config with today's defaults filled in: a run made
+    before a setting existed resumes (a new setting's default is the behaviour
+    from before it). A saved config that no longer loads (a renamed or removed
+    key) is compared as it is, and so differs."""
+    try:
+        return config_to_dict(load_config(saved))
+    except (ConfigError, TypeError, ValueError):
+        return saved
+
+
+def _config_diff(a: Any, b: Any, at: str = "") -> list[str]:
+    """The dotted keys where saved config ``a`` and given config ``b`` differ,
+    each as ``key: saved → given`` (rounds and logging are not compared)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[str] = []
+        for k in sorted(set(a) | set(b), key=str):
+            if not at and k in ("rounds", "logging"):
+                continue
+            out += _config_diff(a.get(k, "<unset>"), b.get(k, "<unset>"),
+                                f"{at}.{k}" if at else str(k))
+        return out
+    return [] if a == b else [f"{at}: {a!r} → {b!r}"]
+
+
 def _check_run_dir(run_dir: Path, resolved: dict[str, Any], resume: bool) -> None:
     """A new run needs an empty directory; a resumed one the same config."""
     saved = run_dir / CONFIG_FILE
@@ -1349,11 +1374,14 @@ def _check_run_dir(run_dir: Path, resolved: dict[str, Any], resume: bool) -> Non
             raise RunDirError(f"{saved}: cannot be read ({e.strerror or e})") from None
         if not isinstance(old, dict):
             raise RunDirError(f"{saved}: holds no config mapping: the run's config is damaged")
+        old = _with_defaults(old)
         if {**old, "logging": None} != {**resolved, "logging": None}:
             if not _same_but_rounds(old, resolved):
+                diff = _config_diff(old, resolved)
                 raise ConfigError(
-                    f"{saved}: the config differs from the one given; resume needs the same "
-                    "config and overrides (only rounds may change, to extend the run)"
+                    f"{saved}: the config differs from the one given at "
+                    f"{'; '.join(diff[:3])}{' …' if len(diff) > 3 else ''}; resume needs the "
+                    "same config and overrides (only rounds may change, to extend the run)"
                 )
             _check_extension(old.get("rounds"), resolved)
     elif any(p.name != LOCK_FILE for p in run_dir.iterdir()):
