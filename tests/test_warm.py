@@ -248,6 +248,19 @@ def test_an_idle_worker_exits_and_removes_its_socket(warm_dir):
     assert not _running(pid), f"worker {pid} still running after its idle time"
 
 
+def test_stop_worker_stops_it_and_says_when_none_runs(warm_dir):
+    warm._connect("stop_target:app", NODE, idle_s=600, start_timeout_s=120).close()
+    pid = warm.worker_stats("stop_target:app", NODE)["pid"]
+    assert warm.stop_worker("stop_target:app", NODE)
+    end = time.monotonic() + 10
+    while time.monotonic() < end and _running(pid):
+        time.sleep(0.1)
+    assert not _running(pid)
+    assert not warm._paths("stop_target:app", NODE)[0].exists()
+    assert not warm.stop_worker("stop_target:app", NODE)
+    assert warm.worker_stats("stop_target:app", NODE) is None
+
+
 def _running(pid: int) -> bool:
     """Alive and not a zombie (this process started the worker and may not have
     reaped it yet)."""

@@ -84,7 +84,7 @@ except ImportError as e:  # pragma: no cover (the extra is missing)
     raise ImportError("fedloom.integrations.warm needs Flower: pip install 'fedloom[flower]'"
                       ) from e
 
-__all__ = ["WarmClientApp", "WorkerError", "warm_client_app", "worker_stats"]
+__all__ = ["WarmClientApp", "WorkerError", "stop_worker", "warm_client_app", "worker_stats"]
 
 log = logging.getLogger("fedloom")
 
@@ -322,29 +322,30 @@ def _connect(target: str, node_id: int, idle_s: float, start_timeout_s: float) -
         raise WorkerError(f"worker: not listening after {start_timeout_s:g} s; log {logf}")
 
 
-def worker_stats(target: str, node_id: int) -> dict[str, Any] | None:
-    """What this node's worker for ``target`` has done (pid, messages served, the
-    fedloom ClientApp's load counters), or None when none is running."""
+def _ask(target: str, node_id: int, op: str) -> dict[str, Any] | None:
+    """Send ``op`` to this node's running worker for ``target``; its answer, ``{}``
+    when it went away without one, None when none is running (none is started)."""
     sock, _, _ = _paths(target, node_id)
     conn = _try_connect(sock, _auth_key(sock.parent))
     if conn is None:
         return None
     with conn:
-        _send(conn, {"v": PROTOCOL, "op": "stats"})
-        return _recv_header(conn)
+        _send(conn, {"v": PROTOCOL, "op": op})
+        try:
+            return _recv_header(conn)
+        except (EOFError, OSError):
+            return {}
+
+
+def worker_stats(target: str, node_id: int) -> dict[str, Any] | None:
+    """What this node's worker for ``target`` has done (pid, messages served, the
+    fedloom ClientApp's load counters), or None when none is running."""
+    return _ask(target, node_id, "stats")
 
 
 def stop_worker(target: str, node_id: int) -> bool:
     """Ask this node's worker for ``target`` to exit; False when none was running."""
-    sock, _, _ = _paths(target, node_id)
-    conn = _try_connect(sock, _auth_key(sock.parent))
-    if conn is None:
-        return False
-    with conn:
-        _send(conn, {"v": PROTOCOL, "op": "stop"})
-        with contextlib.suppress(EOFError, OSError):
-            _recv_header(conn)
-    return True
+    return _ask(target, node_id, "stop") is not None
 
 
 # --------------------------------------------------------------------- worker
