@@ -1,7 +1,8 @@
 """Bad inputs: one line naming the field or file and the reason, exit 2, no run directory.
 
 Each case goes through the command line (``fedloom.cli.main`` in this process;
-tests/test_user_data.py runs the CLI as a subprocess for other npz cases). A case
+tests/test_user_data.py has other npz cases, one of them through a ``python -m
+fedloom.cli`` subprocess). A case
 passes when the command returns 2, writes exactly one stderr line
 ``fedloom: error: …`` that names the field or file, and leaves neither the run
 directory nor a parent it would have created.
