@@ -108,8 +108,15 @@ def in_process(rounds: int, n: int) -> dict[str, Any]:
 
     res = fedloom.run(str(CFG), [f"rounds={rounds}", f"data.num_clients={n}",
                                  f"cohort.size={n}"])
+    # The same run at the SuperNodes' thread count (run_local.sh: nproc / N, at least
+    # 1): float32 sums over another number of threads round differently, so this is
+    # the model a deployment must reproduce bit for bit.
+    t = max(1, (os.cpu_count() or 1) // n)
+    same = fedloom.run(str(CFG), [f"rounds={rounds}", f"data.num_clients={n}",
+                                  f"cohort.size={n}", f"backend.threads={t}"])
     return {"round_s": [round(m["wall_s"], 4) for m in res.metrics if "wall_s" in m],
-            "model_sha256": res.summary["model_sha256"], "threads": res.summary.get("threads")}
+            "model_sha256": res.summary["model_sha256"], "threads": res.summary.get("threads"),
+            "node_threads": t, "model_sha256_node_threads": same.summary["model_sha256"]}
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -141,14 +148,20 @@ def markdown(res: dict[str, Any]) -> str:
                      f"3 × {med['in_process']:.3g} + {floor:.3g} = {target:.3g} s; "
                      f"measured {dep:.3g} s: {'met' if dep <= target else 'not met'}.")
     # the same model bytes whichever way the clients ran (the noop app trains nothing)
-    shas = {k: v.get("model_sha256") for k, v in s.items() if not k.startswith("noop/")}
-    if len(shas) > 1 and all(shas.values()):
-        ref = shas.get("in_process")
-        same = sorted(k for k, v in shas.items() if v == ref)
-        other = sorted(k for k, v in shas.items() if v != ref)
-        lines.append(f"- Final model_sha256 equal to the in-process run's: "
-                     f"{', '.join(k for k in same if k != 'in_process') or 'none'}"
-                     + (f"; different: {', '.join(other)}" if other else "") + ".")
+    ip = s.get("in_process", {})
+    ref = ip.get("model_sha256_node_threads")
+    shas = {k: v.get("model_sha256") for k, v in s.items() if k.split("/")[0] in
+            ("warm", "cold")}
+    if ref and shas and all(shas.values()):
+        same = [k for k in CASES if shas.get(k) == ref]
+        other = [k for k in CASES if k in shas and shas[k] != ref]
+        lines.append(f"- Final model_sha256 equal to `fedloom run`'s at the SuperNodes' "
+                     f"{ip['node_threads']} torch thread(s) ({ref[:12]}…): "
+                     f"{', '.join(same) or 'none'}"
+                     + (f"; different: {', '.join(other)}" if other else "")
+                     + f". (The timed in-process run used {ip.get('threads')} threads: "
+                     f"{ip.get('model_sha256', '')[:12]}…; float32 sums over another thread "
+                     "count round differently.)")
     lines += ["", "`cold`: Flower 1.42 starts a fresh ClientApp process per message in "
               "either isolation mode, and that process imports torch and builds the "
               "client's data and model each time. `warm`: the per-message process is a "
