@@ -147,10 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         w, g = want[name], got[name]
         if w["model_sha256"] != g["model_sha256"] or w["buffers_sha256"] != g["buffers_sha256"]:
             bad.append(f"{name}: model {w['model_sha256'][:12]} -> {g['model_sha256'][:12]}")
-        elif w["metrics"] != g["metrics"]:
+        elif json.dumps(w["metrics"]) != json.dumps(g["metrics"]):  # NaN equals NaN here
             diff = next(f"round {i + 1} {k}: {a_.get(k)!r} -> {b_.get(k)!r}"
                         for i, (a_, b_) in enumerate(zip(w["metrics"], g["metrics"], strict=False))
-                        for k in sorted(set(a_) | set(b_)) if a_.get(k) != b_.get(k))
+                        for k in sorted(set(a_) | set(b_))
+                        if json.dumps(a_.get(k)) != json.dumps(b_.get(k)))
             bad.append(f"{name}: metrics differ at {diff}")
     resumed = 0
     if a.ckpt is not None:
