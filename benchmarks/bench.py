@@ -84,7 +84,7 @@ def peak_rss_mb(cmd: list[str], env: dict[str, str] | None = None,
 # ------------------------------------------------------------------ 1. round time
 def round_time(quick: bool, repeats: int) -> dict[str, Any]:
     from fedloom.config import load_config
-    from fedloom.engine.loop import Experiment
+    from fedloom.engine.experiment import Experiment
 
     clients, n = (20, 60) if quick else (workload.CLIENTS, workload.SAMPLES)
     # --quick: one cohort size (each size starts every backend's workers afresh)

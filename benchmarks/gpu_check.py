@@ -561,7 +561,7 @@ def _best_vmap(row: dict[str, Any]) -> None:
 
 def step_round_time(ck: Check, rec: dict[str, Any]) -> None:
     from fedloom.config import load_config
-    from fedloom.engine.loop import Experiment
+    from fedloom.engine.experiment import Experiment
 
     quick = ck.args.quick
     clients, n = (20, 60) if quick else (1000, workload.SAMPLES)
@@ -651,7 +651,7 @@ def step_resnet(ck: Check, rec: dict[str, Any]) -> None:
 
     from fedloom.config import ConfigError, load_config
     from fedloom.data import from_arrays
-    from fedloom.engine.loop import Experiment
+    from fedloom.engine.experiment import Experiment
 
     quick = ck.args.quick
     k, n = (2, 16) if quick else (10, 500)

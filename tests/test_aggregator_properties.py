@@ -388,7 +388,7 @@ class _Hostile:
 @pytest.fixture(scope="module")
 def experiments():
     from fedloom.config import load_config
-    from fedloom.engine.loop import Experiment
+    from fedloom.engine.experiment import Experiment
 
     built = {}
 

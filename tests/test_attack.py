@@ -6,7 +6,7 @@ import torch
 import fedloom
 from fedloom.attack import byzantine_clients
 from fedloom.config import ConfigError, load_config
-from fedloom.engine.loop import Experiment
+from fedloom.engine.experiment import Experiment
 
 
 def test_attackers_are_a_seeded_fixed_fraction():

@@ -8,7 +8,7 @@ from conftest import stop_and_resume
 from fedloom import CohortInfo, Layout, make_aggregator
 from fedloom.aggregate.fednova import nova_norm
 from fedloom.config import ConfigError, load_config
-from fedloom.engine.loop import Experiment
+from fedloom.engine.experiment import Experiment
 
 
 def _info(m, **kw):

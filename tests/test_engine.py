@@ -10,7 +10,7 @@ import fedloom
 from conftest import cli_in_process, stop_and_resume
 from fedloom.aggregate.base import CohortInfo
 from fedloom.config import ConfigError, load_config
-from fedloom.engine.loop import Experiment
+from fedloom.engine.experiment import Experiment
 
 VOLATILE = {"wall_s", "train_s", "agg_s", "wall_s_total"}
 
@@ -252,7 +252,7 @@ def test_cli_resume_and_missing_dataset(tiny, tmp_path, monkeypatch, capsys):
 
 
 def test_finite_rows_exact_with_overflowing_sums():
-    from fedloom.engine.loop import _finite_rows
+    from fedloom.engine.screen import finite_rows as _finite_rows
 
     rows = torch.zeros(5, 4)
     rows[1, 2] = float("nan")

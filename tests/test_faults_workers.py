@@ -17,7 +17,7 @@ import fedloom
 from conftest import TINY
 from fedloom.config import load_config
 from fedloom.engine.backends import balanced_groups
-from fedloom.engine.loop import Experiment
+from fedloom.engine.experiment import Experiment
 
 PROC = ["dtype=float64", "backend=process", "backend.workers=2"]
 

@@ -8,7 +8,7 @@ from conftest import stop_and_resume
 from fedloom.compress import make_compressor
 from fedloom.compress.feedback import EF21, ErrorFeedback, UplinkContext, make_feedback
 from fedloom.config import load_config
-from fedloom.engine.loop import Experiment
+from fedloom.engine.experiment import Experiment
 
 EXACT = [("topk", {"ratio": 0.05}), ("topk", {"ratio": 0.05, "values": "float16"}),
          ("randk", {"ratio": 0.1, "scaled": False}), ("fp16", {}), ("identity", {})]

@@ -13,7 +13,7 @@ from fedloom.client.sgd import ClientJob, LocalSGD
 from fedloom.compress import make_compressor
 from fedloom.compress.feedback import EF21, SCAFCOM, UplinkContext, local_step_sum
 from fedloom.config import load_config
-from fedloom.engine.loop import Experiment
+from fedloom.engine.experiment import Experiment
 from fedloom.params import Layout
 
 

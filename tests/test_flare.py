@@ -90,7 +90,7 @@ def test_craft_over_flare_payloads_keeps_constraints(tiny):
 
 def test_ffl_schedule_follows_the_test_loss(tiny):
     from fedloom.config import load_config
-    from fedloom.engine.loop import Experiment
+    from fedloom.engine.experiment import Experiment
 
     cfg = load_config(tiny, ["compression.name=topk", "compression.options.ratio=0.01",
                              "compression.feedback=ef", "compression.adaptive=ffl",

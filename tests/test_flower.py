@@ -150,7 +150,7 @@ def test_secagg_plus_on_flower_ends_at_the_unmasked_model():
 
 def test_arrays_round_trip_and_errors():
     from fedloom.config import load_config
-    from fedloom.engine.loop import Experiment
+    from fedloom.engine.experiment import Experiment
 
     exp = Experiment(load_config(CFG))
     w = torch.randn(exp.layout.size, dtype=torch.float64)

@@ -21,7 +21,7 @@ import fedloom
 from conftest import TINY
 from fedloom.cli import main
 from fedloom.config import ConfigError, load_config
-from fedloom.engine.loop import Experiment
+from fedloom.engine.experiment import Experiment
 from fedloom.registry import available, get, origin
 
 ROUND_ROBIN = "fedloom_example_plugin.partition:round_robin"

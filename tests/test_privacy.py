@@ -18,7 +18,7 @@ from conftest import TINY, stop_and_resume
 from fedloom.aggregate.base import make_aggregator
 from fedloom.compress import make_compressor
 from fedloom.config import ConfigError, load_config
-from fedloom.engine.loop import Experiment
+from fedloom.engine.experiment import Experiment
 from fedloom.privacy import (
     AdaptiveClip,
     Privacy,

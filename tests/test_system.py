@@ -13,7 +13,7 @@ import fedloom
 from conftest import stop_and_resume
 from fedloom.client.sgd import ClientJob, LocalSGD
 from fedloom.config import ConfigError, SystemConfig, load_config
-from fedloom.engine.loop import Experiment
+from fedloom.engine.experiment import Experiment
 from fedloom.system import (
     Device,
     System,

@@ -20,7 +20,7 @@ import fedloom
 from fedloom.buffers import average_buffers, flatten_buffers, load_buffers, module_buffers
 from fedloom.config import ConfigError, load_config
 from fedloom.engine.checkpoint import load_checkpoint
-from fedloom.engine.loop import Experiment
+from fedloom.engine.experiment import Experiment
 from fedloom.params import Layout
 
 

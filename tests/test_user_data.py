@@ -16,7 +16,7 @@ import fedloom
 from conftest import cli_in_process
 from fedloom.config import load_config
 from fedloom.data import from_arrays
-from fedloom.engine.loop import Experiment
+from fedloom.engine.experiment import Experiment
 
 CFG = {"name": "user", "seed": 1, "rounds": 2, "data": {"num_clients": 6, "partition":
        {"name": "dirichlet", "alpha": 1.0, "min_samples": 5}},

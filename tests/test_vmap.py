@@ -5,7 +5,7 @@ import torch
 
 import fedloom
 from fedloom.config import load_config
-from fedloom.engine.loop import Experiment
+from fedloom.engine.experiment import Experiment
 
 SYN = {"name": "syn", "seed": 2, "rounds": 3,
        "data": {"name": "synthetic", "num_clients": 8, "partition": {"name": "natural"},

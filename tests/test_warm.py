@@ -71,7 +71,7 @@ def _task_identity(monkeypatch):
 
 
 def _layout():
-    from fedloom.engine.loop import Experiment
+    from fedloom.engine.experiment import Experiment
     from fedloom.integrations.flower import _experiment, load_config
 
     exp: Experiment = _experiment(load_config(CFG))

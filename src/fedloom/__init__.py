@@ -31,8 +31,8 @@ _LAZY = {
     "ConfigError": "fedloom.config",
     "load_config": "fedloom.config",
     "DatasetUnavailable": "fedloom.data.sources",
-    "Result": "fedloom.engine.loop",
-    "model_sha256": "fedloom.engine.loop",
+    "Result": "fedloom.engine.records",
+    "model_sha256": "fedloom.engine.records",
     "run": "fedloom.engine.loop",
     "Layout": "fedloom.params",
     "functional_forward": "fedloom.params",
@@ -64,7 +64,8 @@ if TYPE_CHECKING:  # what static checkers and IDEs see
     from fedloom.compress import make_compressor
     from fedloom.config import Config, ConfigError, load_config
     from fedloom.data.sources import DatasetUnavailable
-    from fedloom.engine.loop import Result, model_sha256, run
+    from fedloom.engine.loop import run
+    from fedloom.engine.records import Result, model_sha256
     from fedloom.params import Layout, functional_forward
     from fedloom.state import ClientStateStore, FieldSpec
 

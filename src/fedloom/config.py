@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 import yaml
 
+from fedloom import registry
+
 __all__ = [
     "Config",
     "ConfigError",
@@ -194,7 +196,7 @@ class ServerConfig:
     beta1: float = _f(0.9, ge=0, lt=1)
     beta2: float = _f(0.99, ge=0, lt=1)
     eps: float = _f(1e-3, gt=0)
-    # Screening of client updates before any aggregator (fedloom.engine.loop.screen_updates):
+    # Screening of client updates before any aggregator (fedloom.engine.screen.screen_updates):
     # reject an update whose L2 norm exceeds `max_update_norm` (null = no bound) or
     # `max_norm_ratio` × the cohort's lower median norm (null = off), then clip each
     # accepted one to `clip_norm` (norm bounding, Sun et al. 2019; null = off).
@@ -569,10 +571,76 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def _check_cross_fields(cfg: Config) -> None:
-    # Imported here: the registry imports component modules, which import this one.
-    from fedloom.registry import check_name
+def check_name(field: str, kind: str, name: str) -> None:
+    """Raise a one-line ``ConfigError`` naming ``field`` if ``name`` is neither
+    registered, nor an installed entry point, nor an importable ``module:attr``."""
+    try:
+        registry.get(kind, name)
+    except KeyError as e:
+        msg = e.args[0] if e.args else str(e)
+        if msg.startswith("unknown "):
+            msg = f"unknown {kind} {name!r} (available: {', '.join(registry.available(kind))})"
+        raise ConfigError(f"{field}: {msg}") from None
 
+
+def metric_names(metrics: Any) -> list[str]:
+    """``metrics.hooks``, then every boolean key of the section that is true and
+    names a registered metric (``metrics.mismatch: true``), without repeats."""
+    names = list(getattr(metrics, "hooks", []) or [])
+    known = set(registry.available("metric"))
+    for f in dataclasses.fields(metrics):
+        if getattr(metrics, f.name) is True and f.name in known and f.name not in names:
+            names.append(f.name)
+    return names
+
+
+# The per-device quantities of the system section (fedloom.system).
+SYSTEM_QUANTITIES = ("speed", "up_bps", "down_bps", "latency_s")
+
+
+def system_values(cfg: SystemConfig, q: str) -> list[float]:
+    v = getattr(cfg, q)
+    return [float(v)] if isinstance(v, int | float) else [float(x) for x in v]
+
+
+def check_system_config(cfg: SystemConfig) -> None:
+    """Raise :class:`ConfigError` (one line naming the ``system.*`` field) for a
+    section that cannot describe devices."""
+    p = cfg.profile
+    for q in SYSTEM_QUANTITIES:
+        v = system_values(cfg, q)
+        given = v != [0.0]
+        if p in ("off", "classes", "csv") and given:
+            why = "system.profile is off" if p == "off" else f"profile {p} gives it"
+            raise ConfigError(f"system.{q}: not used ({why})")
+        if len(v) not in (1, 2):
+            raise ConfigError(f"system.{q}: one number, or [low, high] (uniform) / "
+                              f"[median, sigma] (lognormal), got {len(v)} numbers")
+        if p == "uniform" and len(v) == 2:
+            if v[0] > v[1]:
+                raise ConfigError(f"system.{q}: low {v[0]:g} is above high {v[1]:g}")
+            if q != "latency_s" and v[0] == 0 and v[1] > 0:
+                raise ConfigError(f"system.{q}: low must be > 0 (0 alone means the term "
+                                  "takes no time)")
+    if p == "classes":
+        if not cfg.classes:
+            raise ConfigError("system.classes: profile classes needs at least one class")
+        total = sum(c.p for c in cfg.classes)
+        if abs(total - 1.0) > 1e-6:
+            raise ConfigError(f"system.classes: the probabilities p must sum to 1, got {total:g}")
+    elif cfg.classes:
+        raise ConfigError(f"system.classes: not used (system.profile is {p})")
+    if p == "csv" and not cfg.path:
+        raise ConfigError("system.path: profile csv needs the file of the clients' devices")
+    if p != "csv" and cfg.path:
+        raise ConfigError(f"system.path: not used (system.profile is {p})")
+    if cfg.deadline_s is not None and p == "off":
+        raise ConfigError("system.deadline_s: needs a system.profile to time the clients")
+    if cfg.pattern != "sine" and cfg.amplitude:
+        raise ConfigError("system.amplitude: only used by pattern sine")
+
+
+def _check_cross_fields(cfg: Config) -> None:
     check_name("data.name", "dataset", cfg.data.name)
     check_name("model.name", "model", cfg.model.name)
     check_name("aggregator.name", "aggregator", cfg.aggregator.name)
@@ -585,8 +653,6 @@ def _check_cross_fields(cfg: Config) -> None:
     check_name("data.partition.name", "partitioner", cfg.data.partition.name)
     for i, hook in enumerate(cfg.metrics.hooks):
         check_name(f"metrics.hooks[{i}]", "metric", hook)
-    from fedloom.hooks import metric_names
-
     on = metric_names(cfg.metrics)
     for hook, opts in cfg.metrics.options.items():
         if hook not in on:
@@ -615,8 +681,6 @@ def _check_cross_fields(cfg: Config) -> None:
             f"cohort.size: must be <= data.num_clients ({cfg.data.num_clients}), "
             f"got {cfg.cohort.size}"
         )
-    from fedloom.system import check_system_config
-
     check_system_config(cfg.system)
     if cfg.client.schedule.name == "cosine" and cfg.client.schedule.warmup >= cfg.rounds:
         raise ConfigError(

@@ -18,7 +18,7 @@ Two kinds, registered like every other component (:mod:`fedloom.registry`):
   ``metrics.NAME_OPTION`` (e.g. ``mismatch_alpha`` → ``alpha``) and
   ``metrics.options.NAME``.
 
-``exp`` is the running :class:`~fedloom.engine.loop.Experiment`; a hook reads
+``exp`` is the running :class:`~fedloom.engine.experiment.Experiment`; a hook reads
 it (``cfg``, ``layout``, ``fed``, ``x``, ``y``, ``trainer``,
 ``global_eval(w)``, ``make_uplink(**options)``) and changes nothing in it: what
 it keeps goes in the state it returns, which is checkpointed with the run.
@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import torch
 
+from fedloom.config import metric_names
 from fedloom.registry import accepted_options, build, get, register
 
 __all__ = ["ClientMetric", "NoPlanner", "RoundAdjust", "RoundPlanner", "metric_hooks",
@@ -106,19 +107,6 @@ def planner_from_config(comp: Any) -> RoundPlanner:
     opts = accepted_options(factory, section)
     opts.update(getattr(comp, "adaptive_options", {}) or {})
     return build("planner", comp.adaptive, opts, "compression.adaptive_options")
-
-
-def metric_names(metrics: Any) -> list[str]:
-    """``metrics.hooks``, then every boolean key of the section that is true and
-    names a registered metric (``metrics.mismatch: true``), without repeats."""
-    from fedloom.registry import available
-
-    names = list(getattr(metrics, "hooks", []) or [])
-    known = set(available("metric"))
-    for f in dataclasses.fields(metrics):
-        if getattr(metrics, f.name) is True and f.name in known and f.name not in names:
-            names.append(f.name)
-    return names
 
 
 def metric_hooks(metrics: Any) -> list[ClientMetric]:

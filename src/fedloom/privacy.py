@@ -3,7 +3,7 @@
 Settings in, state out (the optax pattern): :class:`Privacy` holds the
 settings; its state (the clip bound ``C_t`` of adaptive clipping, the local
 mode's participation counts) goes in and comes back, and lives in the run's
-:class:`~fedloom.engine.loop.RunState` and checkpoint, so a resumed run is
+:class:`~fedloom.engine.records.RunState` and checkpoint, so a resumed run is
 bit-identical to an uninterrupted one. Every noise draw comes from a generator
 derived from ``(seed, round, client, purpose)`` (:mod:`fedloom.rng`).
 
@@ -78,7 +78,7 @@ metrics and in ``summary.json``). Assumptions, stated exactly:
 
 - Sampling: fedloom draws a fixed-size cohort of ``m̄`` of the ``N =
   data.num_clients`` clients uniformly without replacement, independently
-  each round (:meth:`~fedloom.engine.loop.Experiment.sample_cohort`), which is
+  each round (:meth:`~fedloom.engine.experiment.Experiment.sample_cohort`), which is
   what this event describes (Wang, Balle & Kasiviswanathan, "Subsampled Rényi
   Differential Privacy and Analytical Moments Accountant", AISTATS 2019,
   Theorem 27, as implemented by the library). Poisson sampling is *not*

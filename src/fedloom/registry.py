@@ -40,7 +40,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ENTRY_POINT_GROUPS", "KINDS", "available", "build", "check_name", "get",
+__all__ = ["ENTRY_POINT_GROUPS", "KINDS", "available", "build", "get",
            "is_reference", "origin", "register"]
 
 log = logging.getLogger("fedloom")
@@ -235,20 +235,6 @@ def get(kind: str, name: str) -> Callable[..., Any]:
 def _line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
-
-
-def check_name(field: str, kind: str, name: str) -> None:
-    """Raise a one-line ``ConfigError`` naming ``field`` if ``name`` is neither
-    registered, nor an installed entry point, nor an importable ``module:attr``."""
-    from fedloom.config import ConfigError
-
-    try:
-        get(kind, name)
-    except KeyError as e:
-        msg = e.args[0] if e.args else str(e)
-        if msg.startswith("unknown "):
-            msg = f"unknown {kind} {name!r} (available: {', '.join(available(kind))})"
-        raise ConfigError(f"{field}: {msg}") from None
 
 
 def accepted_options(factory: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:

@@ -78,23 +78,51 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
-from fedloom.config import ConfigError, SystemConfig
+from fedloom.config import SYSTEM_QUANTITIES as QUANTITIES
+from fedloom.config import ConfigError, SystemConfig, check_system_config, system_values
 from fedloom.rng import Purpose, derive_seed, numpy_gen, torch_gen
 
 if TYPE_CHECKING:
-    from fedloom.client.sgd import ClientResult
     from fedloom.compress.feedback import UplinkResult
-    from fedloom.engine.loop import Experiment, RoundPlan, RunState
+    from fedloom.job import ClientJob, ClientResult
+
+
+class RoundPlan(Protocol):
+    """What the system model reads and changes of a round's plan
+    (:class:`fedloom.engine.records.RoundPlan`)."""
+
+    round: int
+    jobs: list[ClientJob]
+    comp: Any
+    withheld: set[int]
+
+    def withdraw(self, gone: Sequence[int]) -> list[int]: ...
+
+
+class Experiment(Protocol):
+    """What the system model reads of the running experiment
+    (:class:`fedloom.engine.experiment.Experiment`): the layout's size, the
+    training split sizes, the trainer's step count and the broadcast's size."""
+
+    layout: Any
+    fed: Any
+    trainer: Any
+    downlink_size: int
+
+
+class RunState(Protocol):
+    """The run state's simulated clock (:class:`fedloom.engine.records.RunState`)."""
+
+    sim_time_s: float
 
 __all__ = ["Device", "RoundSim", "System", "check_system_config", "client_time",
            "make_system", "read_devices", "samples_for_steps", "steps_within"]
 
-QUANTITIES = ("speed", "up_bps", "down_bps", "latency_s")
 CSV_COLUMNS = ("client", "speed", "up_bps", "down_bps", "latency")
 
 
@@ -149,49 +177,6 @@ def _uniform(seed: int, r: int, k: int, purpose: str) -> float:
     (63 bits of BLAKE2b) scaled down. A per-client coin needs no generator object,
     which costs about 50 µs to build: ``num_clients`` of them a round add up."""
     return derive_seed(seed, r, k, purpose) / float(1 << 63)
-
-
-# ------------------------------------------------------------------- config checks
-def _values(cfg: SystemConfig, q: str) -> list[float]:
-    v = getattr(cfg, q)
-    return [float(v)] if isinstance(v, int | float) else [float(x) for x in v]
-
-
-def check_system_config(cfg: SystemConfig) -> None:
-    """Raise :class:`ConfigError` (one line naming the ``system.*`` field) for a
-    section that cannot describe devices."""
-    p = cfg.profile
-    for q in QUANTITIES:
-        v = _values(cfg, q)
-        given = v != [0.0]
-        if p in ("off", "classes", "csv") and given:
-            why = "system.profile is off" if p == "off" else f"profile {p} gives it"
-            raise ConfigError(f"system.{q}: not used ({why})")
-        if len(v) not in (1, 2):
-            raise ConfigError(f"system.{q}: one number, or [low, high] (uniform) / "
-                              f"[median, sigma] (lognormal), got {len(v)} numbers")
-        if p == "uniform" and len(v) == 2:
-            if v[0] > v[1]:
-                raise ConfigError(f"system.{q}: low {v[0]:g} is above high {v[1]:g}")
-            if q != "latency_s" and v[0] == 0 and v[1] > 0:
-                raise ConfigError(f"system.{q}: low must be > 0 (0 alone means the term "
-                                  "takes no time)")
-    if p == "classes":
-        if not cfg.classes:
-            raise ConfigError("system.classes: profile classes needs at least one class")
-        total = sum(c.p for c in cfg.classes)
-        if abs(total - 1.0) > 1e-6:
-            raise ConfigError(f"system.classes: the probabilities p must sum to 1, got {total:g}")
-    elif cfg.classes:
-        raise ConfigError(f"system.classes: not used (system.profile is {p})")
-    if p == "csv" and not cfg.path:
-        raise ConfigError("system.path: profile csv needs the file of the clients' devices")
-    if p != "csv" and cfg.path:
-        raise ConfigError(f"system.path: not used (system.profile is {p})")
-    if cfg.deadline_s is not None and p == "off":
-        raise ConfigError("system.deadline_s: needs a system.profile to time the clients")
-    if cfg.pattern != "sine" and cfg.amplitude:
-        raise ConfigError("system.amplitude: only used by pattern sine")
 
 
 def read_devices(path: str | Path, num_clients: int) -> dict[int, Device]:
@@ -304,7 +289,7 @@ class System:
         draws = gen.random(4) if cfg.profile == "uniform" else gen.standard_normal(4)
         vals = []
         for q, u in zip(QUANTITIES, draws, strict=True):
-            v = _values(cfg, q)
+            v = system_values(cfg, q)
             if len(v) == 1:
                 vals.append(v[0])
             elif cfg.profile == "uniform":
@@ -401,7 +386,8 @@ class System:
                 gone = [i for i, res in enumerate(results) if sim.times[res.client] > dl]
                 if gone:
                     sim.late = [results[i].client for i in gone]
-                    results, ups = _withdraw(plan, results, ups, gone)
+                    kept = plan.withdraw(gone)
+                    results, ups = [results[i] for i in kept], [ups[i] for i in kept]
             # A late client keeps the server waiting until the deadline.
             timed_out = bool(sim.late) or any("deadline" in w for w in sim.withheld.values())
             if timed_out and dl is not None:
@@ -434,25 +420,6 @@ class System:
             metrics["local_steps_mean"] = (float(np.mean(sim.steps)) if sim.steps
                                            else float("nan"))
         return new, metrics
-
-
-def _withdraw(plan: RoundPlan, results: list[ClientResult], ups: list[UplinkResult],
-              gone: Sequence[int]) -> tuple[list[ClientResult], list[UplinkResult]]:
-    """Remove the kept cohort positions ``gone`` after the uplink: the clients are
-    dropped (named in ``plan.dropped``), not rejected; nothing of them is aggregated
-    and their state rows are never scattered."""
-    out = set(gone)
-    keep = [i for i in range(len(results)) if i not in out]
-    pos = torch.tensor(keep, dtype=torch.long)
-    plan.dropped = [*plan.dropped, *(int(plan.cohort[i]) for i in gone)]
-    plan.withheld = plan.withheld | {int(plan.cohort[i]) for i in gone}
-    plan.cohort = plan.cohort[pos]
-    plan.old_rows = {f: v[pos] for f, v in plan.old_rows.items()}
-    plan.alphas = [plan.alphas[i] for i in keep]
-    plan.fb_rows = [plan.fb_rows[i] for i in keep]
-    new_pos = {old: new for new, old in enumerate(keep)}
-    plan.refused = {new_pos[i]: why for i, why in plan.refused.items() if i in new_pos}
-    return [results[i] for i in keep], [ups[i] for i in keep]
 
 
 def make_system(cfg: SystemConfig, seed: int, num_clients: int, batch_size: int,

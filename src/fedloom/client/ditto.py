@@ -18,6 +18,8 @@ The personal batches come from their own derived stream.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from fedloom.client.methods import LocalMethod
@@ -40,6 +42,10 @@ class Ditto(LocalMethod):
 
     def fields(self, d: int) -> dict[str, FieldSpec]:
         return {"personal": FieldSpec(d), "personal_set": FieldSpec(1)}
+
+    def personal_models(self, rows: Mapping[str, torch.Tensor]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rows["personal"], rows["personal_set"][:, 0] > 0
 
     def run(self, trainer: LocalSGD, job: ClientJob) -> ClientResult:
         res = trainer.run(job)

@@ -34,6 +34,14 @@ class LocalMethod:
     def init_server(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         return {}
 
+    def personal_models(self, rows: Mapping[str, torch.Tensor]
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """From this method's rows of some clients (its own field names, ``[n, ...]``
+        each): their personal models ``[n, d]`` and which of them have one yet
+        (``[n]`` bool). ``None``: the method keeps no personal model (``personal``
+        is False); a client without one is evaluated with the global model."""
+        return None
+
     def prepare(self, job: ClientJob, server: Mapping[str, torch.Tensor]) -> ClientJob:
         return job
 

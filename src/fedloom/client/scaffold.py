@@ -30,7 +30,7 @@ import torch
 
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
-from fedloom.compress.feedback import local_step_sum
+from fedloom.job import local_step_sum
 from fedloom.registry import register
 from fedloom.state import FieldSpec
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from torch.nn import functional as F
 
 from fedloom.buffers import buffer_names, load_buffers, module_buffers
 from fedloom.config import ScheduleConfig
+from fedloom.job import ClientJob, ClientResult, Penalty
 from fedloom.params import Layout, functional_forward, training_mode
 from fedloom.rng import Purpose, derive_seed, forked_rng, reseed
 
@@ -63,73 +64,6 @@ def lr_at_round(base: float, sched: ScheduleConfig, round: int, rounds: int) -> 
     span = max(1, rounds - 1 - w)
     frac = min(1.0, (round - w) / span)
     return sched.final_lr + 0.5 * (base - sched.final_lr) * (1 + math.cos(math.pi * frac))
-
-
-@dataclass(frozen=True)
-class Penalty:
-    """A regulariser on the first ``steps`` local steps (FLARE, EC+prox).
-
-    ``l1``: ``τ Σ_j m_j |w_j − t_j|`` (subgradient ``τ m sign(w − t)``);
-    ``l2``: ``τ Σ_j m_j (w_j − t_j)²`` (gradient ``2τ m (w − t)``).
-    ``mask=None`` means every coordinate.
-    """
-
-    target: torch.Tensor
-    tau: float
-    steps: int
-    kind: str = "l1"
-    mask: torch.Tensor | None = None
-
-    def grad(self, w: torch.Tensor) -> torch.Tensor:
-        diff = w - self.target
-        g = torch.sign(diff) if self.kind == "l1" else 2.0 * diff
-        if self.mask is not None:
-            g = g * self.mask
-        return self.tau * g
-
-
-@dataclass(frozen=True)
-class ClientJob:
-    """One client's work in one round."""
-
-    client: int
-    round: int
-    w: torch.Tensor          # the global model the client received
-    lr: float
-    x: torch.Tensor          # the client's training samples
-    y: torch.Tensor
-    gen_seed: int            # seed of the batch-order generator
-    start_loss: bool = False  # also report F_k(w), the loss of w on the client's data
-    start: torch.Tensor | None = None       # where local SGD starts (default: w)
-    grad_shift: torch.Tensor | None = None  # added to every gradient (SCAFFOLD's c − c_k)
-    state: dict[str, torch.Tensor] = field(default_factory=dict)  # per-client state rows
-    probe_smoothness: bool = False  # report a secant estimate of L after the first step
-    penalty: Penalty | None = None  # a regulariser on the first local steps (FLARE)
-    epochs: int | None = None       # overrides the trainer's local epochs (FFL)
-    # Positions of x, y in the run's training data: backends that run elsewhere
-    # ship these instead of the samples (the data is sent to each worker once).
-    data_index: torch.Tensor | None = None
-    # The module buffers (BatchNorm statistics) local training starts from
-    # (fedloom.buffers); empty: the trainer's module's own.
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    # At most this many local steps (the first of those it would run): partial work
-    # of a client cut by a round deadline (fedloom.system, late: partial).
-    max_steps: int | None = None
-
-
-@dataclass
-class ClientResult:
-    """What comes back: the pseudo-gradient ``g = w − w_k`` and statistics."""
-
-    client: int
-    update: torch.Tensor
-    num_samples: int
-    loss: float              # mean training loss over the local steps
-    steps: int
-    start_loss: float | None = None
-    state: dict[str, torch.Tensor] = field(default_factory=dict)  # new per-client state rows
-    extra: dict[str, float] = field(default_factory=dict)         # per-client metrics
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # after local training
 
 
 class _FlatModule:
@@ -413,20 +347,24 @@ class LocalSGD:
         (g,) = torch.autograd.grad(loss, wg)
         return g
 
-    def run(self, job: ClientJob) -> ClientResult:
-        """Train from ``job.start`` (default ``w``); the update is measured from ``w``."""
+    def train(self, job: ClientJob) -> tuple[torch.Tensor, float, int, float | None]:
+        """The job's local steps from ``job.start`` (default ``w``), the prox term
+        pulling towards ``w``: ``(w_k, mean batch loss, steps, smoothness probe or
+        None)``. The buffers training ended with are :meth:`_trained_buffers`."""
         gen = torch.Generator()
         gen.manual_seed(job.gen_seed)
+        x0 = job.start if job.start is not None else job.w
+        return self._descend(x0, job.w, job.x, job.y, job.lr, gen, prox_mu=None,
+                             grad_shift=job.grad_shift, probe=job.probe_smoothness,
+                             penalty=job.penalty, epochs=job.epochs, max_steps=job.max_steps,
+                             buffers=job.buffers)
+
+    def run(self, job: ClientJob) -> ClientResult:
+        """Train from ``job.start`` (default ``w``); the update is measured from ``w``."""
         w_global = job.w
         start_loss = (self.full_loss(w_global, job.x, job.y, buffers=job.buffers)
                       if job.start_loss else None)
-        x0 = job.start if job.start is not None else w_global
-        w_k, loss, steps, smooth = self._descend(x0, w_global, job.x, job.y, job.lr, gen,
-                                                 prox_mu=None, grad_shift=job.grad_shift,
-                                                 probe=job.probe_smoothness,
-                                                 penalty=job.penalty, epochs=job.epochs,
-                                                 max_steps=job.max_steps,
-                                                 buffers=job.buffers)
+        w_k, loss, steps, smooth = self.train(job)
         update = (w_global - w_k).contiguous()
         res = ClientResult(job.client, update, int(job.y.shape[0]), loss, steps, start_loss,
                            buffers=self._trained_buffers())

@@ -63,6 +63,7 @@ import torch
 
 from fedloom.compress.base import Compressor
 from fedloom.compress.sparse import TopK
+from fedloom.job import local_step_sum
 from fedloom.registry import accepted_options, build, get, register
 from fedloom.state import FieldSpec
 
@@ -84,30 +85,6 @@ class UplinkContext:
     momentum: float = 0.0    # heavy-ball coefficient of the local steps (0: plain SGD)
     cohort: int = 1          # m: clients that trained this round
     num_clients: int = 1     # N: clients in the federation
-
-
-def local_step_sum(steps: int, momentum: float) -> float:
-    """``S = Σ_s a_s``, the sum of the step multipliers of ``K`` local steps.
-
-    Local SGD with heavy-ball momentum β (``torch.optim.SGD``, dampening 0, the
-    buffer restarted every round, as :class:`~fedloom.client.sgd.LocalSGD`)
-    moves ``w − y_K = η Σ_s a_s d_s`` with ``a_s = (1 − β^{K−s})/(1 − β)`` for
-    the (corrected) gradients ``d_0 … d_{K−1}``, so
-
-        S = Σ_{j=1}^{K} (1 − β^j)/(1 − β) = [K − β(1 − β^K)/(1 − β)] / (1 − β),
-
-    ``K`` at β = 0. ``(w − y_K)/(η S)`` is then the ``a``-weighted mean of the
-    local gradients: exactly ``d`` when they are all ``d``. The same
-    normaliser as FedNova's ``‖a_k‖₁`` (Wang et al., NeurIPS 2020, Appendix).
-    """
-    if steps < 1:
-        raise ValueError(f"local steps: must be >= 1, got {steps}")
-    if not 0 <= momentum < 1:
-        raise ValueError(f"client.momentum: must be in [0, 1), got {momentum}")
-    if momentum == 0:
-        return float(steps)
-    b = momentum
-    return (steps - b * (1 - b**steps) / (1 - b)) / (1 - b)
 
 
 @dataclass

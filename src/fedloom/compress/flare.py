@@ -32,8 +32,8 @@ from typing import Literal
 
 import torch
 
-from fedloom.client.sgd import Penalty
 from fedloom.compress.feedback import ErrorFeedback
+from fedloom.job import Penalty
 from fedloom.params import Layout
 from fedloom.registry import register
 

@@ -1,7 +1,9 @@
 """Round orchestration, backends, checkpoints."""
 
 from fedloom.engine.backends import Backend, SequentialBackend
-from fedloom.engine.loop import Experiment, Result, RunState, model_sha256, run
+from fedloom.engine.experiment import Experiment
+from fedloom.engine.loop import run
+from fedloom.engine.records import Result, RunState, model_sha256
 
 __all__ = ["Backend", "Experiment", "Result", "RunState", "SequentialBackend", "model_sha256",
            "run"]

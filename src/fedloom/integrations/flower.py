@@ -12,7 +12,7 @@ Three pieces, each usable alone:
   model, and the next round's clients then fail on the missing weights), rejects
   non-finite or malformed updates, and aggregates with any fedloom aggregator
   (CRAFT included) and server optimizer — the same
-  :meth:`~fedloom.engine.loop.Experiment.finish_round` the in-process engine
+  :meth:`~fedloom.engine.experiment.Experiment.finish_round` the in-process engine
   runs.
 - :class:`FedloomMod` — a ClientApp mod that applies a fedloom compressor and
   error-feedback policy to the outgoing update ``g = w − w_k``. Its
@@ -93,7 +93,8 @@ from fedloom.compress import make_compressor
 from fedloom.compress.base import PayloadError
 from fedloom.compress.feedback import UplinkContext, UplinkResult, feedback_from_config
 from fedloom.config import Config, ConfigError, config_to_dict, load_config
-from fedloom.engine.loop import Experiment, RunState, model_sha256
+from fedloom.engine.experiment import Experiment
+from fedloom.engine.records import RunState, model_sha256
 from fedloom.params import Layout
 from fedloom.privacy import make_privacy
 from fedloom.rng import Purpose, derive_seed, torch_gen
@@ -433,7 +434,7 @@ class FedloomStrategy(Strategy):
     """fedloom's server half of a round as a Flower strategy (see module doc).
 
     After (or during) a run: :attr:`state` is the engine's
-    :class:`~fedloom.engine.loop.RunState` (the global buffers included),
+    :class:`~fedloom.engine.records.RunState` (the global buffers included),
     :attr:`history` the per-round metrics (the engine's, plus ``flower_bytes``:
     the serialized size of the replies' content), :meth:`model_sha256` and
     :meth:`buffers_sha256` the final model's hashes (those of the engine's

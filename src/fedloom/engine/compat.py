@@ -1,0 +1,98 @@
+"""The refusals of combinations that cannot work together, one named function each.
+
+Each raises :class:`~fedloom.config.ConfigError` with one line naming the
+setting to change; :class:`~fedloom.engine.experiment.Experiment` calls them
+while it builds, so a run that cannot work fails before any file is written.
+What one component refuses of itself (an option's range) is that component's
+own check; here are the combinations of two or more.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fedloom.buffers import has_batch_statistics, trains_on_one_sample
+from fedloom.config import BackendConfig, Config, ConfigError
+from fedloom.privacy import check_privacy, check_secure_aggregation
+
+__all__ = ["check_amp_dtype", "check_buffers_privacy", "check_cohort_size",
+           "check_full_participation", "check_one_sample_batches", "check_privacy_sampling",
+           "check_privacy_scope", "check_vmap_random"]
+
+
+def check_amp_dtype(cfg: Config) -> None:
+    """Mixed precision (``client.amp``) autocasts float32 only."""
+    if cfg.client.amp != "none" and cfg.dtype != "float32":
+        raise ConfigError(f"client.amp: {cfg.client.amp} needs dtype=float32 (autocast "
+                          f"leaves {cfg.dtype} as it is)")
+
+
+def check_cohort_size(cfg: Config, num_clients: int) -> None:
+    """A cohort is drawn without replacement from the clients the data has."""
+    if cfg.cohort.size > num_clients:
+        raise ConfigError(f"cohort.size: must be <= the number of clients "
+                          f"({num_clients}), got {cfg.cohort.size}")
+
+
+def check_vmap_random(backend: BackendConfig, random_forward: bool) -> None:
+    """The lock-step trainer cannot draw each client's dropout masks from its own stream."""
+    b = backend
+    if random_forward and "vmap" in (b.name, b.inner if b.name in ("process", "ray") else ""):
+        raise ConfigError(f"backend.{'name' if b.name == 'vmap' else 'inner'}: vmap cannot "
+                          "draw each client's dropout masks from its own stream; use "
+                          "sequential (or auto)")
+
+
+def check_one_sample_batches(module: torch.nn.Module, x: torch.Tensor, sizes: Any,
+                             batch_size: int) -> None:
+    """A BatchNorm layer that cannot train on a last batch of one sample."""
+    if not has_batch_statistics(module):
+        return
+    short = [k for k, n in enumerate(sizes) if n % batch_size == 1]
+    if short and not trains_on_one_sample(module, x):
+        raise ConfigError(f"client.batch_size: {batch_size} leaves client "
+                          f"{short[0]} ({int(sizes[short[0]])} training samples) a batch "
+                          "of one, which the model's BatchNorm cannot train on; choose "
+                          "another batch size")
+
+
+def check_full_participation(cfg: Config, aggregator: Any, num_clients: int) -> None:
+    """A rule that needs every client in every round (``full_participation``)."""
+    if getattr(aggregator, "full_participation", False) and cfg.cohort.size != num_clients:
+        raise ConfigError(
+            f"cohort.size: {cfg.aggregator.name} needs every client in every round; set "
+            f"cohort.size={num_clients}"
+        )
+
+
+def check_privacy_sampling(privacy: Any, system: Any) -> None:
+    """The accountant's ``q = cohort.size / N`` holds for a draw from all N clients."""
+    if privacy.central and system is not None and system.has_availability:
+        raise ConfigError("system.availability: the privacy accountant assumes the cohort "
+                          "is drawn from all data.num_clients clients; not with "
+                          "privacy.mode=central")
+
+
+def check_privacy_scope(cfg: Config, privacy: Any, *, aggregator: Any, feedback: Any,
+                        method: Any, compressor: Any, w: torch.Tensor) -> None:
+    """What differential privacy and secure aggregation cannot cover, as the
+    components declare it (:func:`fedloom.privacy.check_privacy`,
+    :func:`fedloom.privacy.check_secure_aggregation`)."""
+    check_privacy(privacy, aggregator=aggregator, aggregator_name=cfg.aggregator.name,
+                  feedback=feedback, feedback_name=cfg.compression.feedback, method=method,
+                  method_name=cfg.client.method, w=w)
+    if cfg.server.secure_aggregation:
+        check_secure_aggregation(aggregator=aggregator, aggregator_name=cfg.aggregator.name,
+                                 compressor=compressor, compressor_name=cfg.compression.name)
+
+
+def check_buffers_privacy(cfg: Config, privacy: Any, has_buffers: bool) -> None:
+    """Averaged in the clear, a client's batch statistics would escape the noise
+    and the masking, which cover the parameters only."""
+    if (has_buffers and cfg.model.buffers != "keep_global"
+            and (privacy.enabled or cfg.server.secure_aggregation)):
+        raise ConfigError("model.buffers: privacy and secure aggregation cover the "
+                          "parameters only; the model's buffers (BatchNorm statistics) "
+                          "need model.buffers=keep_global (or model.norm=group)")

@@ -1,0 +1,111 @@
+"""Plan and dispatch: the round's cohort, and each client's job, built in one place.
+
+:func:`client_job` is the one definition of a client's local work: the start
+point, gradient shift, penalty and smoothness probe of the feedback policy,
+the module buffers, the step budget and the batch-order seed. The engine's
+plan (:func:`plan_round`, for every backend: sequential, lock-step, process,
+Ray) and Flower's ClientApp (:class:`fedloom.integrations.flower.FedloomTrainer`)
+both build jobs through it, so a new local-training hook of a feedback policy
+is written once, here, and reaches every trainer through :class:`~fedloom.job.ClientJob`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from fedloom.buffers import load_buffers, unflatten_buffers
+from fedloom.device import to_device
+from fedloom.engine.fields import BUFFERS, FEEDBACK, METHOD
+from fedloom.engine.records import RoundPlan, RunState
+from fedloom.engine.setup import Setup
+from fedloom.job import ClientJob
+from fedloom.rng import Purpose, derive_seed
+
+__all__ = ["client_job", "plan_round"]
+
+_NO_DATA = torch.empty(0)
+
+
+def client_job(feedback: Any, *, seed: int, client: int, round: int, w: torch.Tensor,
+               lr: float, x: torch.Tensor, y: torch.Tensor, fb_state: Mapping[str, torch.Tensor],
+               fb_server: Mapping[str, Any], alpha: float, epochs: int | None = None,
+               state: Mapping[str, torch.Tensor] | None = None,
+               buffers: Mapping[str, torch.Tensor] | None = None, start_loss: bool = False,
+               data_index: torch.Tensor | None = None, shifted_here: bool = True) -> ClientJob:
+    """Client ``client``'s job in round ``round``.
+
+    Args:
+        feedback: the run's feedback policy; its hooks on local training are
+            ``start_point(w, fb_state, alpha)`` (SA-PEF: ``w − α e``),
+            ``grad_shift(fb_state, fb_server)`` (SCAFCOM), ``penalty(w, fb_state,
+            round)`` (FLARE, EC+prox) and ``probes_smoothness`` (SA-PEF's theory α).
+        fb_state: the client's rows of the feedback policy, by its field names.
+        fb_server: the policy's server state (``{}`` where the client has none).
+        state: the client's rows of the local method (before its ``prepare``).
+        buffers: the module buffers local training starts from.
+        shifted_here: ``False`` where the model handed over already is the start
+            point (Flower's mod shifts it before the train handler runs).
+    """
+    return ClientJob(client, round, w, lr, x, y, derive_seed(seed, round, client, Purpose.BATCH),
+                     start_loss=start_loss, state=dict(state or {}),
+                     start=feedback.start_point(w, fb_state, alpha) if shifted_here else None,
+                     grad_shift=feedback.grad_shift(fb_state, fb_server),
+                     penalty=feedback.penalty(w, fb_state, round), epochs=epochs,
+                     probe_smoothness=feedback.probes_smoothness, data_index=data_index,
+                     buffers=dict(buffers or {}))
+
+
+def plan_round(exp: Setup, st: RunState) -> RoundPlan:
+    """The round's cohort and fully specified client jobs (the client state rows
+    they need are gathered from the store)."""
+    r = st.next_round
+    cohort = exp.sample_cohort(r)
+    lr = exp.lr(r)
+    w = st.w
+    # The store stays in host memory; the cohort's rows go to the device
+    # (pinned, asynchronous copies on CUDA).
+    old_rows = to_device({f: exp.store.gather(f, cohort) for f in exp.store.fields},
+                         exp.device, pin=True)
+    fb, fields = exp.feedback, exp.fields
+    # The module holds the global buffers: an evaluation that names none
+    # (a planner's, a metric hook's) sees the current ones.
+    load_buffers(exp.module, st.buffers)
+    adjust = exp.planner.plan(r, w, st.feedback_state, exp)
+    comp = adjust.compressor if adjust.compressor is not None else exp.uplink
+    jobs, alphas, fb_rows = [], [], []
+    # A backend that ships sample positions gathers the samples where it
+    # trains: no copy of the cohort's data here.
+    ships = getattr(exp.backend, "ships_indices", False)
+    measured: list[list[Any]] = [[] for _ in exp.client_metrics]
+    for i, k in enumerate(cohort.tolist()):
+        idx = torch.from_numpy(exp.fed.train[k])
+        fb_state = fields.own(FEEDBACK, old_rows, i)
+        alpha = fb.alpha(lr, exp.trainer.num_steps(len(idx), adjust.epochs), st.feedback_state)
+        for hook, got in zip(exp.client_metrics, measured, strict=True):
+            value = hook.measure(exp, w, k, fb_state, len(idx))
+            if value is not None:
+                got.append(value)
+        xk, yk = (_NO_DATA, _NO_DATA) if ships else (exp.x[idx], exp.y[idx])
+        job = client_job(fb, seed=exp.cfg.seed, client=k, round=r, w=w, lr=lr, x=xk, y=yk,
+                         fb_state=fb_state, fb_server=st.feedback_state, alpha=alpha,
+                         epochs=adjust.epochs, state=fields.own(METHOD, old_rows, i),
+                         buffers=_start_buffers(exp, st, old_rows, i),
+                         start_loss="start_losses" in exp.requires, data_index=idx)
+        jobs.append(exp.method.prepare(job, st.method_state))
+        alphas.append(alpha)
+        fb_rows.append(fb_state)
+    return RoundPlan(r, cohort, lr, jobs, alphas, fb_rows, old_rows, comp, adjust, measured)
+
+
+def _start_buffers(exp: Setup, st: RunState, old_rows: Mapping[str, torch.Tensor], i: int
+                   ) -> dict[str, torch.Tensor]:
+    """The buffers client ``i`` of the cohort starts from: its own under
+    ``model.buffers=local`` once it has them, else the global ones."""
+    if exp.fields.has(BUFFERS):
+        own = exp.fields.own(BUFFERS, old_rows, i)
+        if bool(own["buffers_set"][0] > 0):
+            return unflatten_buffers(own["buffers"], exp.buffer_template)
+    return st.buffers

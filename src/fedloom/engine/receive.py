@@ -1,0 +1,121 @@
+"""Receive: what the server makes of the kept clients' payloads.
+
+Decode each payload into the row the aggregator would receive (the feedback
+policy's ``server_row``), then screen the rows as the clients screened their
+dense updates (non-finite, :func:`~fedloom.engine.screen.screen_updates`: the
+server's own check, the one that holds for deployed clients too), reject a
+client whose new state rows are not finite, and clip (``server.clip_norm``).
+Nothing is aggregated here; :class:`Received` says what may be.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedloom.compress import coordinates_sent
+from fedloom.compress.feedback import UplinkResult
+from fedloom.engine.records import RoundPlan, RunState
+from fedloom.engine.screen import (
+    clip_rows,
+    finite_rows,
+    non_finite_reason,
+    row_norms,
+    screen_updates,
+)
+from fedloom.engine.setup import Setup
+from fedloom.job import ClientResult
+
+__all__ = ["Received", "receive"]
+
+log = logging.getLogger("fedloom")
+
+
+@dataclass
+class Received:
+    """The cohort's rows as the server has them, and which of them may be aggregated."""
+
+    rows: torch.Tensor             # [m, d], the decoded rows (clipped where ok)
+    ok: torch.Tensor               # [m] bool, on the host: accepted rows
+    reasons: dict[int, str]        # cohort position → why it was rejected
+    rejected: list[int]            # the rejected clients' ids, by position
+    clipped: int                   # rows scaled down to server.clip_norm
+    weights: torch.Tensor          # [m] the clients' sample counts (run dtype, device)
+    losses: torch.Tensor           # [m] the clients' training losses (float64, host)
+    up_bytes: int                  # every byte the cohort sent
+    down_bytes: int                # the broadcast to every planned client
+    density: float                 # mean fraction of coordinates sent (NaN: none sent)
+
+
+def receive(exp: Setup, st: RunState, plan: RoundPlan, results: Sequence[ClientResult],
+            ups: Sequence[UplinkResult]) -> Received:
+    """Decode, screen and clip the kept clients' payloads."""
+    refused = plan.refused
+    sent = [u for i, u in enumerate(ups) if i not in refused]
+    density = (float(np.mean([coordinates_sent(u.payload) for u in sent])) / exp.layout.size
+               if sent else float("nan"))
+    rows = _decode(exp, st, plan, ups)
+    reasons = dict(refused)
+    srv = exp.cfg.server
+    # With a size rule on, one norm pass also tells the non-finite rows.
+    sized = (srv.max_update_norm is not None or srv.max_norm_ratio is not None
+             or srv.clip_norm is not None)
+    norms = row_norms(rows) if sized else None
+    finite = torch.isfinite(norms) if norms is not None else finite_rows(rows)
+    # Masks and ids stay on the host (m entries): a host index works on a device
+    # tensor, not the other way round.
+    finite = finite.cpu()
+    for i in refused:
+        finite[i] = False
+    _reject_non_finite(rows, finite, reasons, results, ups)
+    clipped = 0
+    if norms is not None and bool(finite.any()):
+        big = screen_updates(norms, finite, max_norm=srv.max_update_norm,
+                             max_ratio=None if exp.privacy.enabled else srv.max_norm_ratio)
+        for i, why in big.items():
+            finite[i] = False
+            reasons[i] = why
+        if srv.clip_norm is not None:
+            clipped = clip_rows(rows, norms, finite, srv.clip_norm)
+    cohort = plan.cohort
+    rejected = [int(cohort[i]) for i in sorted(reasons)]
+    if rejected:
+        log.warning("round %d: rejected updates from clients %s: %s", plan.round + 1, rejected,
+                    "; ".join(f"{int(cohort[i])}: {reasons[i]}" for i in sorted(reasons)))
+    weights = torch.tensor([res.num_samples for res in results], dtype=exp.dtype,
+                           device=exp.device).reshape(-1)
+    losses = torch.tensor([res.loss for res in results], dtype=torch.float64)
+    up_bytes = sum(len(u.payload) + sum(len(x) for x in u.extra_payloads) for u in ups)
+    return Received(rows, finite, reasons, rejected, clipped, weights, losses, up_bytes,
+                    exp.downlink_size * len(plan.jobs), density)
+
+
+def _decode(exp: Setup, st: RunState, plan: RoundPlan, ups: Sequence[UplinkResult]
+            ) -> torch.Tensor:
+    """The ``[m, d]`` rows the aggregator would receive (zeros for refused clients)."""
+    d = exp.layout.size
+    row_list = [exp.feedback.server_row(u, plan.fb_rows[i], st.feedback_state)
+                if i not in plan.refused
+                else torch.zeros(d, dtype=exp.dtype, device=exp.device)
+                for i, u in enumerate(ups)]
+    return (torch.stack(row_list) if row_list
+            else torch.empty((0, d), device=exp.device)).to(exp.dtype)
+
+
+def _reject_non_finite(rows: torch.Tensor, finite: torch.Tensor, reasons: dict[int, str],
+                       results: Sequence[ClientResult], ups: Sequence[UplinkResult]) -> None:
+    """Name the non-finite rows; reject a client whose new state rows (the local
+    method's, the feedback policy's, its buffers) are not finite."""
+    for i, res in enumerate(results):
+        if i in reasons:
+            continue
+        states = [*res.state.values(), *ups[i].state.values(), *res.buffers.values()]
+        if not bool(finite[i]):
+            reasons[i] = non_finite_reason(rows[i])
+        elif any(not bool(finite_rows(v.reshape(1, -1))[0]) for v in states):
+            finite[i] = False
+            reasons[i] = "non-finite client state"

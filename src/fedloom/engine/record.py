@@ -1,0 +1,109 @@
+"""Record: a round's totals and its line of metrics, and the privacy accounting.
+
+The keys, in the order ``metrics.jsonl`` has them: the round's counts and
+bytes with the run's totals, the planner's and the rule's metrics, the
+feedback policy's, each client metric hook's summary, who was rejected or
+dropped and why, the clients' own extras (means over the accepted), then
+evaluation on schedule, timings and privacy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedloom.compress.feedback import UplinkResult
+from fedloom.engine.fields import FEEDBACK
+from fedloom.engine.receive import Received
+from fedloom.engine.records import RoundPlan
+from fedloom.engine.server import ServerOutcome
+from fedloom.engine.setup import Setup
+from fedloom.job import ClientResult
+
+__all__ = ["account_privacy", "add_totals", "round_metrics"]
+
+
+def add_totals(totals: dict[str, int], rx: Received, out: ServerOutcome) -> dict[str, int]:
+    """The run's totals after this round."""
+    new = dict(totals)
+    new["uplink_bytes"] += rx.up_bytes
+    new["downlink_bytes"] += rx.down_bytes + out.downlink_bytes
+    new["rejected_updates"] += len(rx.rejected)
+    # .get: checkpoints written before these counts existed resume too
+    new["rejected_rounds"] = new.get("rejected_rounds", 0) + int(out.bad_round is not None)
+    new["clipped_updates"] = new.get("clipped_updates", 0) + rx.clipped
+    return new
+
+
+def _train_loss(rx: Received) -> float:
+    """The accepted clients' training loss, weighted by their sample counts."""
+    keep = rx.ok & torch.isfinite(rx.losses)
+    ok_loss = rx.losses[keep]
+    ok_w = rx.weights[keep].double().cpu()  # with the host losses
+    return float((ok_loss * ok_w).sum() / ok_w.sum()) if ok_w.numel() else float("nan")
+
+
+def round_metrics(exp: Setup, plan: RoundPlan, results: Sequence[ClientResult],
+                  ups: Sequence[UplinkResult], rx: Received, out: ServerOutcome,
+                  totals: dict[str, int]) -> dict[str, Any]:
+    """The round's line of metrics, before evaluation and timings."""
+    bad = out.bad_round
+    metrics: dict[str, Any] = {
+        "round": plan.round + 1,
+        "lr": plan.lr,
+        "cohort_size": len(plan.jobs),
+        "train_loss": _train_loss(rx),
+        "uplink_bytes": rx.up_bytes,
+        "downlink_bytes": rx.down_bytes + out.downlink_bytes,
+        "uplink_bytes_total": totals["uplink_bytes"],
+        "downlink_bytes_total": totals["downlink_bytes"],
+        "rejected_updates": len(rx.rejected),
+        "rejected_updates_total": totals["rejected_updates"],
+        "rejected_rounds": int(bad is not None),
+        "rejected_rounds_total": totals["rejected_rounds"],
+        "clipped_updates": rx.clipped,
+        "clipped_updates_total": totals["clipped_updates"],
+        "dropped_clients": len(plan.dropped),
+        "conflict_rate": out.conflicts,
+        "density": rx.density,
+        **plan.adjust.metrics,
+        **{k: float(v) for k, v in out.metrics.items()},
+    }
+    ok_list = rx.ok.tolist()
+    if exp.fields.has(FEEDBACK):
+        norms = [u.residual_norm for u, ok in zip(ups, ok_list, strict=True) if ok]
+        metrics["residual_norm"] = float(np.mean(norms)) if norms else float("nan")
+        metrics["alpha"] = float(np.mean(plan.alphas))
+        metrics.update(exp.feedback.round_metrics(out.feedback_state))
+    for hook, got in zip(exp.client_metrics, plan.measured, strict=True):
+        if got:
+            metrics.update(hook.summarize(got))
+    if rx.rejected:
+        metrics["rejected_clients"] = rx.rejected
+        metrics["rejected_reasons"] = [rx.reasons[i] for i in sorted(rx.reasons)]
+    if bad is not None:
+        metrics["rejected_round_reason"] = bad
+    if plan.dropped:
+        metrics["dropped_client_ids"] = plan.dropped
+    extras = [res.extra for res, ok in zip(results, ok_list, strict=True) if ok]
+    for key in sorted({k for e in extras for k in e}):
+        metrics[key] = float(np.mean([e[key] for e in extras if key in e]))
+    return metrics
+
+
+def account_privacy(exp: Setup, plan: RoundPlan, results: Sequence[ClientResult],
+                    privacy_state: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
+    """Who sent a message (local DP: a rejected round's were sent too) and the ε
+    spent so far; returns the new privacy state."""
+    p = exp.privacy
+    if p.local:
+        sent = [i for i in range(len(results)) if i not in plan.refused]
+        privacy_state = p.participated(privacy_state, plan.cohort[sent])
+        if plan.dp_clipped is not None:
+            metrics["dp_clipped"] = plan.dp_clipped
+    if p.enabled:
+        metrics["dp_epsilon"] = p.epsilon(privacy_state, plan.round + 1)
+    return privacy_state

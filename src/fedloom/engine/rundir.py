@@ -1,0 +1,397 @@
+"""The run directory: its files, the checks before a run starts or resumes, the
+checkpoints it rotates and the outputs a finished run writes.
+
+A new run needs an empty directory; a resumed one the same config (only
+``rounds`` may grow, to extend the run), its newest intact checkpoint
+(``last.pt``, else ``prev.pt``) and the metrics of every round that
+checkpoint covers. Everything damaged is named in one line
+(:class:`~fedloom.engine.checkpoint.RunDirError`,
+:class:`~fedloom.engine.checkpoint.CheckpointError`, or
+:class:`~fedloom.config.ConfigError` for a config that differs).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from fedloom.config import Config, ConfigError, config_to_dict, load_config
+from fedloom.device import to_host
+from fedloom.engine.checkpoint import (
+    LOCK_FILE,
+    CheckpointError,
+    RunDirError,
+    atomic_write_bytes,
+    atomic_write_json,
+    load_checkpoint,
+    remove_leftovers,
+    save_checkpoint,
+)
+from fedloom.engine.records import RunState
+from fedloom.engine.setup import Setup
+
+__all__ = ["CHECKPOINT_FILE", "CLIENT_ACC_FILE", "CONFIG_FILE", "LABELS_FILE", "METRICS_FILE",
+           "MODEL_FILE", "PREVIOUS_CHECKPOINT_FILE", "SUMMARY_FILE", "check_run_dir",
+           "open_run_dir", "read_metrics", "save", "write_outputs"]
+
+log = logging.getLogger("fedloom")
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+CHECKPOINT_FILE = "checkpoints/last.pt"
+PREVIOUS_CHECKPOINT_FILE = "checkpoints/prev.pt"
+MODEL_FILE = "model.pt"
+CLIENT_ACC_FILE = "client_acc.json"
+LABELS_FILE = "labels.json"
+
+
+def _ranges(rounds: Sequence[int]) -> str:
+    """``[1, 2, 3, 5]`` → ``"1–3, 5"``."""
+    out: list[str] = []
+    for k in sorted(rounds):
+        if out and out[-1].split("–")[-1] == str(k - 1):
+            out[-1] = f"{out[-1].split('–')[0]}–{k}"
+        else:
+            out.append(str(k))
+    return ", ".join(out)
+
+
+# A checkpoint's totals and the metrics line of its round must agree.
+_TOTAL_KEYS = {"uplink_bytes": "uplink_bytes_total", "downlink_bytes": "downlink_bytes_total",
+               "rejected_updates": "rejected_updates_total"}
+
+
+def read_metrics(path: Path, upto: int,
+                  totals: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """The metrics of rounds ``1 … upto`` (the checkpoint's round), validated.
+
+    Each line must be a UTF-8 JSON object with an integer ``round``. Lines of
+    later rounds (run after the checkpoint by a killed run; they are run again)
+    are dropped, and so is a torn last line (what a kill leaves; alone, it is not
+    reported). Other damaged lines are dropped with a warning naming them when
+    rounds ``1 … upto`` are all intact without them; otherwise — a
+    round missing, repeated or out of order, the file missing or not a file, or
+    the line of round ``upto`` whose totals differ from the checkpoint's
+    ``totals`` (a file from another run) — :class:`RunDirError`, one line naming
+    the file. Rounds are never dropped silently.
+    """
+    if upto == 0:
+        return []
+    try:
+        raw = path.read_bytes()
+    except IsADirectoryError:
+        raise RunDirError(f"{path}: is a directory, not the metrics file") from None
+    except FileNotFoundError:
+        raise RunDirError(f"{path}: missing, but the checkpoint is at round {upto}: the "
+                          f"metrics of rounds {_ranges(range(1, upto + 1))} are lost") from None
+    except OSError as e:
+        raise RunDirError(f"{path}: cannot be read ({e.strerror or e})") from None
+    lines = raw.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()  # the file ends with a newline
+    out: list[dict[str, Any]] = []
+    bad: list[int] = []  # 1-based line numbers
+    for no, line in enumerate(lines, 1):
+        try:
+            obj = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            obj = None
+        rnd = obj.get("round") if isinstance(obj, dict) else None
+        if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 1:
+            bad.append(no)
+            continue
+        if rnd <= upto:
+            if out and rnd <= out[-1]["round"]:
+                what = "appears twice" if any(m["round"] == rnd for m in out) else "is out of order"
+                raise RunDirError(f"{path}: round {rnd} {what} (line {no})")
+            out.append(obj)
+    missing = sorted(set(range(1, upto + 1)) - {m["round"] for m in out})
+    if missing:
+        dmg = f" ({len(bad)} damaged lines: {_ranges(bad)})" if bad else ""
+        raise RunDirError(f"{path}: rounds {_ranges(missing)} before the checkpoint's round "
+                          f"{upto} are missing{dmg}")
+    if totals is not None:
+        last = out[-1]
+        for key, name in _TOTAL_KEYS.items():
+            if name in last and key in totals and last[name] != totals[key]:
+                raise RunDirError(f"{path}: round {upto} has {name}={last[name]}, the checkpoint "
+                                  f"{totals[key]}: the file is not this run's")
+    if bad and bad != [len(lines)]:  # a torn last line is what a kill leaves: no news
+        log.warning("%s: dropped %d damaged lines (%s); rounds 1–%d are intact", path, len(bad),
+                    _ranges(bad), upto)
+    return out
+
+
+def _check_extension(old_rounds: Any, resolved: dict[str, Any]) -> None:
+    """Resuming with another ``rounds`` extends a run: allowed when nothing before the
+    run's end depends on the total, so the result is that of a run of the new total
+    from the start (bit for bit). The cosine schedule does (its rate at round ``t``
+    uses the last round), so it is refused, as is a smaller total."""
+    new = resolved["rounds"]
+    if not isinstance(old_rounds, int) or new < old_rounds:
+        raise ConfigError(f"rounds: {new} is below the run's {old_rounds}: a run can be "
+                          "extended, not shortened (use another --out)")
+    sched = resolved["client"]["schedule"]["name"]
+    if sched == "cosine":
+        raise ConfigError(f"rounds: cannot extend the run from {old_rounds} to {new} rounds: "
+                          "client.schedule.name=cosine depends on the total number of rounds "
+                          f"(start a new run with rounds={new})")
+
+
+def _same_but_rounds(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    # `logging` (where metrics are copied to) is not part of the experiment either.
+    return {**a, "rounds": None, "logging": None} == {**b, "rounds": None, "logging": None}
+
+
+def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """A run directory's saved config with today's defaults filled in: a run made
+    before a setting existed resumes (a new setting's default is the behaviour
+    from before it). A saved config that no longer loads (a renamed or removed
+    key) is compared as it is, and so differs."""
+    try:
+        return config_to_dict(load_config(saved))
+    except (ConfigError, TypeError, ValueError):
+        return saved
+
+
+def _config_diff(a: Any, b: Any, at: str = "") -> list[str]:
+    """The dotted keys where saved config ``a`` and given config ``b`` differ,
+    each as ``key: saved → given`` (rounds and logging are not compared)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[str] = []
+        for k in sorted(set(a) | set(b), key=str):
+            if not at and k in ("rounds", "logging"):
+                continue
+            out += _config_diff(a.get(k, "<unset>"), b.get(k, "<unset>"),
+                                f"{at}.{k}" if at else str(k))
+        return out
+    return [] if a == b else [f"{at}: {a!r} → {b!r}"]
+
+
+def check_run_dir(run_dir: Path, resolved: dict[str, Any], resume: bool) -> None:
+    """A new run needs an empty directory; a resumed one the same config."""
+    saved = run_dir / CONFIG_FILE
+    if resume:
+        if not (saved.exists() or saved.is_symlink()):
+            return
+        try:
+            old = yaml.safe_load(saved.read_bytes().decode("utf-8"))
+        except IsADirectoryError:
+            raise RunDirError(f"{saved}: is a directory, not the run's config") from None
+        except UnicodeDecodeError as e:
+            raise RunDirError(f"{saved}: not UTF-8 text (byte {e.start}): the run's config is "
+                              "damaged") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise RunDirError(f"{saved}: not valid YAML{where}: the run's config is damaged"
+                              ) from None
+        except OSError as e:
+            raise RunDirError(f"{saved}: cannot be read ({e.strerror or e})") from None
+        if not isinstance(old, dict):
+            raise RunDirError(f"{saved}: holds no config mapping: the run's config is damaged")
+        old = _with_defaults(old)
+        if {**old, "logging": None} != {**resolved, "logging": None}:
+            if not _same_but_rounds(old, resolved):
+                diff = _config_diff(old, resolved)
+                raise ConfigError(
+                    f"{saved}: the config differs from the one given at "
+                    f"{'; '.join(diff[:3])}{' …' if len(diff) > 3 else ''}; resume needs the "
+                    "same config and overrides (only rounds may change, to extend the run)"
+                )
+            _check_extension(old.get("rounds"), resolved)
+    elif any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+        raise ConfigError(f"{run_dir}: run directory exists and is not empty "
+                          "(use --resume to continue it, or another --out)")
+
+
+# Keys every checkpoint dict holds (Setup.checkpoint_state).
+_CKPT_KEYS = ("format", "next_round", "w", "opt_state", "agg_state", "method_state",
+              "feedback_state", "w_avg", "totals", "store", "config")
+
+
+def _restore_checked(exp: Setup, cfg: Config, resolved: dict[str, Any],
+                     path: Path) -> tuple[RunState, set[str]]:
+    """Load, check and restore one checkpoint; return its state and the snapshot
+    files it names. Raises :class:`CheckpointError` naming ``path``."""
+    ck = load_checkpoint(path, _CKPT_KEYS)
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {what}")
+
+    if ck["format"] != 1:
+        raise bad(f"checkpoint dict format {ck['format']!r}, expected 1")
+    # Another `rounds` is an extension, checked against config.yaml (_check_extension).
+    if not (isinstance(ck["config"], dict) and _same_but_rounds(ck["config"], resolved)):
+        raise bad("written by a run with another config")
+    if ck["config"].get("rounds") != cfg.rounds:
+        _check_extension(ck["config"].get("rounds"), resolved)
+    nr = ck["next_round"]
+    if not isinstance(nr, int) or isinstance(nr, bool) or not 0 <= nr <= cfg.rounds:
+        raise bad(f"next_round={nr!r} is not a round of this run (0 … {cfg.rounds})")
+    d = exp.layout.size
+    for key in ("w", "w_avg"):
+        v = ck[key]
+        if key == "w_avg" and v is None and not cfg.eval.average_iterates:
+            continue
+        if not (isinstance(v, torch.Tensor) and v.dtype == exp.dtype and tuple(v.shape) == (d,)):
+            raise bad(f"{key!r} is not a {cfg.dtype} vector of the model's {d} parameters")
+    totals = ck["totals"]
+    if not (isinstance(totals, dict) and all(k in totals for k in _TOTAL_KEYS)
+            and all(isinstance(v, int) for v in totals.values())):
+        raise bad("'totals' is not a mapping of the run's integer totals")
+    for key in ("opt_state", "method_state", "feedback_state", "store"):
+        if not isinstance(ck[key], dict):
+            raise bad(f"{key!r} is a {type(ck[key]).__name__}, not a mapping")
+    try:
+        st = exp.restore(ck, path.parent)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError,
+            OSError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # A snapshot file's error names that file; say which checkpoint named it.
+        raise (CheckpointError(f"{msg} (named by {path})") if msg.startswith(str(path.parent))
+               else bad(f"cannot be restored ({msg})")) from None
+    files = {v["file"] for v in ck["store"].values() if isinstance(v, dict)}
+    return st, files
+
+
+def _open_checkpoint(exp: Setup, cfg: Config, resolved: dict[str, Any], ckpt_dir: Path
+                     ) -> tuple[RunState, set[str], str | None] | None:
+    """The newest intact checkpoint of ``ckpt_dir``: ``(state, its snapshot files,
+    why last.pt was passed over or None)``, or ``None`` when there is none at all.
+
+    ``last.pt`` is tried first, then ``prev.pt``; if neither is intact,
+    :class:`CheckpointError` names both and what is wrong with each.
+    """
+    last, prev = ckpt_dir / "last.pt", ckpt_dir / "prev.pt"
+
+    def there(p: Path) -> bool:
+        return p.exists() or p.is_symlink()
+
+    if not (there(last) or there(prev)):
+        return None
+    problems: list[str] = []
+    for p in (last, prev):
+        if not there(p):
+            problems.append(f"{p}: missing")
+            continue
+        try:
+            st, files = _restore_checked(exp, cfg, resolved, p)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        return st, files, (problems[0] if problems else None)
+    raise CheckpointError("; ".join(problems) + "; no intact checkpoint to resume from (start "
+                          "again with another --out)")
+
+
+def save(ckpt_dir: Path, state: dict[str, Any], keep: set[str]) -> set[str]:
+    """Write ``last.pt`` (the one it replaces becomes ``prev.pt``), then drop the
+    state snapshot files that neither names: ``keep`` are those of the newest
+    checkpoint before this one (the new snapshot files were complete before the
+    checkpoint named them). Returns the snapshot files the new checkpoint names."""
+    save_checkpoint(ckpt_dir / "last.pt", state, keep_previous=ckpt_dir / "prev.pt")
+    new = {v["file"] for v in state["store"].values() if isinstance(v, dict)}
+    _drop_snapshots(ckpt_dir, new | keep)
+    return new
+
+
+def _drop_snapshots(ckpt_dir: Path, keep: set[str]) -> None:
+    """Delete the state snapshot files of ``ckpt_dir`` not in ``keep`` (a damaged
+    one may be a directory: it goes too, the folder is the run's own)."""
+    for f in ckpt_dir.glob("state-*.bin"):
+        if f.name not in keep:
+            if f.is_dir() and not f.is_symlink():
+                shutil.rmtree(f, ignore_errors=True)
+            else:
+                f.unlink(missing_ok=True)
+
+
+def open_run_dir(exp: Setup, cfg: Config, resolved: dict[str, Any], run_dir: Path,
+                 resume: bool) -> tuple[RunState, list[dict[str, Any]], set[str]]:
+    """Prepare ``run_dir`` for the rounds to run: ``(state to start from, the
+    metrics of the rounds it covers, the snapshot files of its checkpoint)``.
+
+    Drops temporary files a killed write left; on ``resume``, opens the newest
+    intact checkpoint (a damaged ``last.pt`` is kept aside as
+    ``last.pt.damaged``) and the metrics it covers; writes the resolved config,
+    the class names and the metrics file cut to those rounds.
+    """
+    st, history, snap_files = exp.initial_state(), [], set()
+    ckpt_dir = (run_dir / CHECKPOINT_FILE).parent
+    if (ckpt_dir.exists() or ckpt_dir.is_symlink()) and not ckpt_dir.is_dir():
+        raise RunDirError(f"{ckpt_dir}: is not a directory (the run's checkpoints go there)")
+    # A write killed before its rename left a temporary file: never read, drop it.
+    gone = [p.name for folder in (run_dir, ckpt_dir) for p in remove_leftovers(folder)]
+    if gone:
+        log.info("%s: removed %d temporary files left by a killed write (%s)", run_dir,
+                 len(gone), ", ".join(sorted(gone)))
+    if resume:
+        found = _open_checkpoint(exp, cfg, resolved, ckpt_dir)
+        if found is None:
+            log.info("%s: no checkpoint; starting at round 1", ckpt_dir)
+        else:
+            st, snap_files, passed_over = found
+            if passed_over is not None:
+                _set_aside(ckpt_dir, passed_over, st.next_round, snap_files)
+        history = read_metrics(run_dir / METRICS_FILE, st.next_round,
+                               st.totals if found is not None else None)
+    atomic_write_bytes(run_dir / CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False).encode())
+    classes = getattr(exp.fed.dataset, "classes", None)
+    if classes:  # the user's class names (CSV text labels): class k is classes[k]
+        atomic_write_json(run_dir / LABELS_FILE, {name: k for k, name in enumerate(classes)})
+    # Rewrite the metrics file to the rounds the state reflects (drops rounds
+    # run after the last checkpoint by a killed run; they are run again).
+    atomic_write_bytes(run_dir / METRICS_FILE,
+                       "".join(json.dumps(m) + "\n" for m in history).encode())
+    return st, history, snap_files
+
+
+def _set_aside(ckpt_dir: Path, why: str, round_: int, snap_files: set[str]) -> None:
+    """``last.pt`` was passed over (``why``) for ``prev.pt``: keep it aside, out of
+    the rotation, and drop the snapshot files only it named."""
+    last = ckpt_dir / "last.pt"
+    msg = f"{why}; resumed from {ckpt_dir / 'prev.pt'} (round {round_})"
+    if last.exists() or last.is_symlink():
+        # Out of the rotation (the next save would make it prev.pt), kept to look at.
+        kept = last.with_name("last.pt.damaged")
+        if kept.is_dir() and not kept.is_symlink():
+            shutil.rmtree(kept)
+        else:
+            kept.unlink(missing_ok=True)
+        os.replace(last, kept)
+        msg += f"; the damaged file is now {kept.name}"
+    # Only prev.pt's snapshot files are of use now (the rounds after it are run
+    # again and write their own).
+    _drop_snapshots(ckpt_dir, snap_files)
+    log.warning("%s", msg)
+
+
+def write_outputs(exp: Setup, st: RunState, run_dir: Path, history: Sequence[dict[str, Any]],
+                  summary: dict[str, Any]) -> None:
+    """A finished run's files: the model (with its buffers), the summary, the
+    per-client accuracies of the last evaluation and the plots."""
+    buf = io.BytesIO()
+    torch.save({"state_dict": to_host(dict(exp.module.state_dict())), "w": to_host(st.w),
+                "names": exp.layout.names}, buf)
+    atomic_write_bytes(run_dir / MODEL_FILE, buf.getvalue())
+    atomic_write_json(run_dir / SUMMARY_FILE, summary)
+    per_client = {name: [None if np.isnan(a) else float(a) for a in arr]
+                  for name, arr in (("client_acc", exp.last_client_acc),
+                                    ("personal_acc", exp.last_personal_acc))
+                  if arr is not None}
+    atomic_write_json(run_dir / CLIENT_ACC_FILE, per_client)
+    from fedloom.report.plots import write_run_plots
+
+    write_run_plots(run_dir, list(history))

@@ -1,0 +1,373 @@
+"""The components of a run, built from its config.
+
+:class:`Setup` builds every component of a run from its config section
+(options passed by name, through the registry), refuses the combinations
+that cannot work (:mod:`fedloom.engine.compat`) and holds them for the
+round's stages; it names no algorithm. The stages take it as their first
+argument; :class:`fedloom.engine.experiment.Experiment` adds them as methods.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedloom.aggregate.base import default_server_lr, make_aggregator
+from fedloom.attack import make_attack
+from fedloom.buffers import check_buffers, module_buffers, random_in_train
+from fedloom.client.sgd import LocalSGD, lr_at_round
+from fedloom.compress import make_compressor
+from fedloom.compress.feedback import feedback_from_config
+from fedloom.compress.identity import Identity
+from fedloom.config import Config, ConfigError, config_to_dict
+from fedloom.data.federated import FederatedData, build_federated
+from fedloom.data.sources import Dataset, load_dataset
+from fedloom.device import (
+    apply_threads,
+    configure,
+    describe,
+    reset_peak,
+    resolve,
+    to_device,
+    to_host,
+)
+from fedloom.engine import compat
+from fedloom.engine.fields import BUFFERS, FEEDBACK, METHOD, ClientFields
+from fedloom.engine.records import RunState
+from fedloom.engine.screen import first_line
+from fedloom.hooks import metric_hooks, planner_from_config
+from fedloom.metrics import evaluate
+from fedloom.models import build_model
+from fedloom.params import Layout, training_mode
+from fedloom.privacy import make_privacy
+from fedloom.registry import accepted_options, build, get
+from fedloom.rng import Purpose, derive_seed, numpy_gen, seeded_global_rng
+from fedloom.state import ClientStateStore, FieldSpec
+from fedloom.system import make_system
+
+__all__ = ["Setup", "resolve_auto"]
+
+log = logging.getLogger("fedloom")
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def resolve_auto(cfg: Config) -> Config:
+    """``cfg`` with ``server.lr: auto`` replaced by the aggregator's public default
+    step (:func:`~fedloom.aggregate.base.default_server_lr`); other configs as given.
+    The run directory's ``config.yaml`` holds the number, so a rerun from it needs
+    no default of this version."""
+    if cfg.server.lr != "auto":
+        return cfg
+    try:
+        lr = default_server_lr(cfg.aggregator.name)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"server.lr: auto: {e.args[0] if e.args else e}") from None
+    return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, lr=lr))
+
+
+def _check_output(module: torch.nn.Module, x: torch.Tensor, num_classes: int) -> None:
+    try:
+        # eval mode: no dropout draw, no BatchNorm statistic moved by the check
+        with torch.no_grad(), training_mode(module, False):
+            out = module(x)
+    except Exception as e:  # the user's forward failed on one sample of the data
+        raise ValueError(f"model: forward on one sample of shape {tuple(x.shape[1:])} failed: "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                         ) from None
+    if out.ndim != 2 or out.shape[1] != num_classes:
+        raise ValueError(f"model: outputs shape {tuple(out.shape[1:])} per sample, the data has "
+                         f"{num_classes} classes")
+
+
+def _to_run(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Index inputs (characters) stay integers; features take the run's dtype.
+    return (t.to(dtype) if t.is_floating_point() else t).to(device)
+
+
+class Setup:
+    """A config turned into typed objects: data, model, trainer, aggregator, server.
+
+    Building it validates everything that needs the data or the model (e.g. an
+    aggregator option), so a bad run fails before any file is written.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        state_dir: Path | None = None,
+        data: Dataset | None = None,
+        model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
+    ) -> None:
+        cfg = resolve_auto(cfg)  # server.lr: auto → the aggregator's public default step
+        self.cfg = cfg
+        self.dtype = _DTYPES[cfg.dtype]
+        # The device first: device=cuda without CUDA fails before any data is loaded.
+        self.device = resolve(cfg.device)
+        compat.check_amp_dtype(cfg)
+        self._build_data(data)
+        self._build_model(model)
+        self._build_training()
+        self._build_server()
+        self._build_uplink()
+        self._build_state(state_dir)
+        self._build_privacy()
+        self._build_evaluation()
+        self._apply_process_settings()
+
+    # ------------------------------------------------------------------ building
+    def _build_data(self, data: Dataset | None) -> None:
+        cfg = self.cfg
+        ds = data if data is not None else load_dataset(cfg.data, cfg.seed)
+        self.fed: FederatedData = build_federated(ds, cfg.data, cfg.seed)
+        compat.check_cohort_size(cfg, self.fed.num_clients)
+        ds = self.fed.dataset
+        self.x = _to_run(ds.x, self.dtype, self.device)
+        self.y = ds.y.to(self.device)
+        self.n_train = torch.from_numpy(self.fed.num_train())
+
+    def _build_model(self, model: torch.nn.Module | Callable[[], torch.nn.Module] | None
+                     ) -> None:
+        cfg, ds = self.cfg, self.fed.dataset
+        try:
+            if model is None:
+                self.module = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.seed,
+                                          self.dtype).to(self.device)
+            else:
+                if isinstance(model, torch.nn.Module):
+                    user = copy.deepcopy(model)
+                else:  # what the factory draws from global RNGs comes from (seed, "init")
+                    with seeded_global_rng(derive_seed(cfg.seed, -1, -1, Purpose.INIT)):
+                        user = model()
+                if not isinstance(user, torch.nn.Module):
+                    raise ValueError("model: the factory must return a torch.nn.Module")
+                self.module = user.to(self.dtype).to(self.device)
+                _check_output(self.module, self.x[:1], ds.num_classes)
+        except ValueError as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
+        # Eval mode for evaluation; local training runs a train-mode copy (dropout,
+        # batch statistics), its buffers under model.buffers (fedloom.buffers).
+        self.module.eval()
+        self.layout = Layout.from_module(self.module)
+        self.buffer_template = module_buffers(self.module)
+        try:
+            self.random_forward = random_in_train(self.module, self.x[:8])
+        except Exception as e:  # the user's forward, in train mode
+            raise ConfigError(f"model: forward in train mode on {len(self.x[:8])} samples "
+                              f"failed: {first_line(e)}") from None
+        compat.check_vmap_random(cfg.backend, self.random_forward)
+        compat.check_one_sample_batches(self.module, self.x, self.fed.num_train(),
+                                        cfg.client.batch_size)
+
+    def _build_training(self) -> None:
+        cfg, c = self.cfg, self.cfg.client
+        self.trainer = LocalSGD(
+            self.module, self.layout, batch_size=c.batch_size, epochs=c.epochs, steps=c.steps,
+            momentum=c.momentum, weight_decay=c.weight_decay, prox_mu=c.prox_mu, amp=c.amp,
+            random_forward=self.random_forward, augment=self._augment(self.fed.dataset, cfg),
+        )
+        try:
+            self.aggregator = make_aggregator(cfg.aggregator.name, **cfg.aggregator.options)
+            self.method = build("method", c.method, c.method_options, "client.method_options")
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
+        compat.check_full_participation(cfg, self.aggregator, self.fed.num_clients)
+        # Simulated devices, deadlines and availability (system.*); None when off.
+        self.system = make_system(cfg.system, cfg.seed, self.fed.num_clients, c.batch_size,
+                                  cfg.cohort.size, full_participation=getattr(
+                                      self.aggregator, "full_participation", False))
+        self.backend = get("backend", cfg.backend.name)(self.trainer, self.method, cfg.backend,
+                                                        self.x, self.y)
+
+    def _build_server(self) -> None:
+        s = self.cfg.server
+        # server.optimizer: a registered name, plug-in or module:attr; its factory
+        # takes the server section's keys it names (lr, momentum, beta1, beta2, eps).
+        opt = get("server_optimizer", s.optimizer)
+        self.server = opt(**accepted_options(opt, {"lr": s.lr, "momentum": s.momentum,
+                                                   "beta1": s.beta1, "beta2": s.beta2,
+                                                   "eps": s.eps}))
+        self.requires = frozenset(getattr(self.aggregator, "requires", frozenset()))
+
+    def _build_uplink(self) -> None:
+        cfg, comp = self.cfg, self.cfg.compression
+        try:
+            self.uplink = make_compressor(comp.name, layout=self.layout, **comp.options)
+            # Plug-ins behind protocols (fedloom.hooks): the engine calls them by role.
+            self.feedback = feedback_from_config(comp, self.layout)
+            self.planner = planner_from_config(comp)
+            self.client_metrics = metric_hooks(cfg.metrics)
+            # Byzantine clients (attack.*), for robustness experiments; None when off.
+            self.attack = make_attack(cfg.attack, cfg.seed, self.fed.num_clients)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
+        # The broadcast carries the same integrity trailer as the uplink (or none,
+        # with compression.options.checksum=false, for byte-exact paper comparisons).
+        self.downlink = Identity(checksum=bool(comp.options.get("checksum", True)))
+        # The dense broadcast's size depends on d only: measure it once, not every round.
+        self.downlink_size = len(self.downlink.encode(torch.zeros(self.layout.size)))
+
+    def _build_state(self, state_dir: Path | None) -> None:
+        cfg, d = self.cfg, self.layout.size
+        # model.buffers=local (FedBN): each client's buffers, and whether it has any yet.
+        own_buffers = cfg.model.buffers == "local" and bool(self.buffer_template)
+        buffer_fields = ({"buffers": FieldSpec(sum(v.numel() for v in
+                                                   self.buffer_template.values())),
+                          "buffers_set": FieldSpec(1)} if own_buffers else {})
+        try:
+            self.fields = ClientFields({METHOD: self.method.fields(d),
+                                        FEEDBACK: self.feedback.fields(d),
+                                        BUFFERS: buffer_fields})
+        except ValueError as e:
+            raise ConfigError(f"client.method: {e}") from None
+        self.store = ClientStateStore(
+            self.fed.num_clients, self.fields.specs,
+            storage=cfg.state.storage, dtype=cfg.state.dtype, directory=state_dir,
+            memmap_above_mb=cfg.state.memmap_above_mb,
+            compute_dtype=self.dtype,
+        )
+
+    def _build_privacy(self) -> None:
+        # Differential privacy and secure aggregation refuse, with one line, what they
+        # cannot cover (fedloom.privacy: the components' declared properties).
+        cfg = self.cfg
+        self.privacy = make_privacy(cfg, self.fed.num_clients)
+        compat.check_privacy_sampling(self.privacy, self.system)
+        compat.check_privacy_scope(cfg, self.privacy, aggregator=self.aggregator,
+                                   feedback=self.feedback, method=self.method,
+                                   compressor=self.uplink, w=self.layout.flatten(self.module))
+        compat.check_buffers_privacy(cfg, self.privacy, bool(self.buffer_template))
+
+    def _build_evaluation(self) -> None:
+        # All clients' test samples in one tensor, with the owner of each, so the
+        # per-client evaluation is one pass of the model.
+        test_idx = [t for t in self.fed.test]
+        self.client_test_idx = torch.from_numpy(np.concatenate(test_idx)).long().to(self.device)
+        self.client_test_owner = torch.from_numpy(
+            np.concatenate([np.full(len(t), k) for k, t in enumerate(test_idx)])
+        ).long().to(self.device)
+        self.x_test = _to_run(self.fed.x_test, self.dtype, self.device)
+        self.y_test = self.fed.y_test.to(self.device)
+        # per-client accuracies of the last evaluation (written to client_acc.json)
+        self.last_client_acc: np.ndarray | None = None
+        self.last_personal_acc: np.ndarray | None = None
+
+    def _apply_process_settings(self) -> None:
+        # Process-wide settings, last (nothing before can fail after them); close()
+        # puts the previous ones back. Determinism and TF32 off on CUDA
+        # (fedloom.device.configure); backend.threads for the process that trains
+        # (process and ray workers set their own).
+        self._restore = [configure(self.device)]
+        in_process = self.cfg.backend.name not in ("process", "ray")
+        self.threads, undo = apply_threads(self.cfg.backend.threads if in_process else 0)
+        self._restore.append(undo)
+        reset_peak(self.device)
+        info = describe(self.device)
+        log.info("device %s (%s, %.1f GB), %d threads", info["device"], info["device_name"],
+                 info["device_memory_gb"], self.threads)
+
+    @staticmethod
+    def _augment(ds: Dataset, cfg: Config) -> Any:
+        """The training augmentation of ``data.augment`` for this source (None: none)."""
+        from fedloom.data.augment import make_augment
+
+        try:
+            return make_augment(getattr(ds, "augment", ""), cfg.data.augment)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    # ------------------------------------------------------------------ rounds
+    def initial_state(self) -> RunState:
+        w = self.layout.flatten(self.module).to(self.dtype)
+        # Every server state on the run's device (an aggregator's init knows no device).
+        return to_device(RunState(0, w, self.server.init(w), self.aggregator.init(self.layout),
+                                  method_state=self.method.init_server(w),
+                                  feedback_state=self.feedback.init_server(w),
+                                  w_avg=w.clone() if self.cfg.eval.average_iterates else None,
+                                  privacy_state=self.privacy.init(),
+                                  # the initial buffers, not the module's: evaluation
+                                  # loads each round's buffers into the module
+                                  buffers={n: v.clone()
+                                           for n, v in self.buffer_template.items()}),
+                         self.device)
+
+    def sample_cohort(self, r: int) -> torch.Tensor:
+        """``cohort.size`` distinct clients, uniformly, from the round's own generator."""
+        gen = numpy_gen(self.cfg.seed, r, -1, Purpose.COHORT)
+        if self.system is not None and self.system.has_availability:  # available ones only
+            return self.system.sample(r, gen, self.cfg.cohort.size)
+        ids = gen.choice(self.fed.num_clients, self.cfg.cohort.size, replace=False)
+        return torch.from_numpy(np.sort(ids)).long()
+
+    def lr(self, r: int) -> float:
+        return lr_at_round(self.cfg.client.lr, self.cfg.client.schedule, r, self.cfg.rounds)
+
+    # ------------------------------------------------------------- for hooks
+    def global_eval(self, w: torch.Tensor) -> tuple[float, float]:
+        """``(accuracy, loss)`` of ``w`` on the global test set only (for hooks)."""
+        return evaluate(self.module, self.layout, w, self.x_test, self.y_test,
+                        self.cfg.eval.batch_size)
+
+    def make_uplink(self, **options: Any) -> Any:
+        """The configured compressor with ``options`` replacing the section's (for hooks)."""
+        opts = {**self.cfg.compression.options, **options}
+        return make_compressor(self.cfg.compression.name, layout=self.layout, **opts)
+
+    def close(self) -> None:
+        """Stop the backend's workers, if it has any; put back the process-wide
+        settings the run changed (threads, CUDA determinism flags)."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
+        while getattr(self, "_restore", None):
+            self._restore.pop()()
+
+    # ------------------------------------------------------------- checkpoints
+    def checkpoint_state(self, st: RunState, snapshot_dir: Path | None = None
+                         ) -> dict[str, Any]:
+        """The checkpoint of ``st``; memmap state fields are copied to files in
+        ``snapshot_dir`` (tagged with the round) instead of into the dict. Tensors
+        are saved as CPU tensors, whatever the run's device."""
+        return {
+            "format": 1,
+            "next_round": st.next_round,
+            "w": to_host(st.w),
+            "opt_state": to_host(st.opt_state),
+            "agg_state": to_host(st.agg_state),
+            "method_state": to_host(st.method_state),
+            "feedback_state": to_host(st.feedback_state),
+            "w_avg": to_host(st.w_avg),
+            "totals": st.totals,
+            "sim_time_s": st.sim_time_s,
+            "privacy_state": to_host(st.privacy_state),
+            "buffers": to_host(st.buffers),  # the global module buffers (fedloom.buffers)
+            "store": self.store.state_dict(snapshot_dir, tag=f"r{st.next_round}"),
+            "config": config_to_dict(self.cfg),
+        }
+
+    def restore(self, ckpt: dict[str, Any], snapshot_dir: Path | None = None) -> RunState:
+        # A model with buffers needs them (a checkpoint from before they were kept has none).
+        bufs = ckpt.get("buffers", None if self.buffer_template else {})
+        why = check_buffers(bufs, self.buffer_template)
+        if why is not None:
+            raise ValueError(f"'buffers' is {why}")
+        self.store.load_state_dict(ckpt["store"], snapshot_dir)
+        # Loaded on the CPU (map_location), continued on the run's device.
+        return to_device(RunState(ckpt["next_round"], ckpt["w"], ckpt["opt_state"],
+                                  ckpt["agg_state"], ckpt["method_state"],
+                                  ckpt["feedback_state"], ckpt["w_avg"], dict(ckpt["totals"]),
+                                  # .get: checkpoints from before the simulated clock
+                                  float(ckpt.get("sim_time_s", 0.0)),
+                                  # .get: checkpoints from before fedloom.privacy
+                                  privacy_state=self.privacy.checked_state(
+                                      ckpt.get("privacy_state") or self.privacy.init()),
+                                  buffers=bufs),
+                         self.device)

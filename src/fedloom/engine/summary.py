@@ -1,0 +1,136 @@
+"""What a run says of itself: the divergence warning and the summary.
+
+:class:`DivergenceWatch` names, once, the setting most likely at fault when
+the training loss blows up; :func:`summarize` is ``summary.json``: the final
+value of each metric, the run's totals, the model's hash, where it ran and
+with what.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedloom.aggregate.base import default_server_lr
+from fedloom.buffers import buffers_sha256
+from fedloom.config import Config
+from fedloom.device import describe, peak_memory_mb
+from fedloom.engine.records import RunState, model_sha256
+from fedloom.engine.setup import Setup, resolve_auto
+
+__all__ = ["DivergenceWatch", "summarize"]
+
+
+# Per-round details that make no sense as a run's final value.
+_PER_ROUND_ONLY = ("rejected_clients", "rejected_reasons", "rejected_round_reason",
+                   "dropped_client_ids")
+
+
+class DivergenceWatch:
+    """Says, once, that a run's training loss went non-finite or rose 10× over its
+    first value, and names the setting most likely at fault.
+
+    Rule: round ``r``'s ``train_loss`` is not finite, or exceeds ``10·L_1`` with
+    ``L_1 > 0`` the first finite one, or ``10·ln C`` (``C`` classes: ``ln C`` is
+    the cross-entropy of a uniform guess, about where training starts, so a first
+    round that already blew up is caught too). The likely setting: ``server.lr`` when it is
+    above the aggregator's public default (:func:`resolve_auto`) or the server
+    optimizer is adaptive and ``server.lr >= 0.1`` (such optimizers move every
+    coordinate by about ``server.lr`` a round); ``client.lr`` otherwise.
+    """
+
+    FACTOR = 10.0
+
+    def __init__(self, cfg: Config, num_classes: int = 0) -> None:
+        self.cfg = resolve_auto(cfg)
+        self.first: float | None = None
+        self.uniform = float(np.log(num_classes)) if num_classes >= 2 else 0.0
+        self.message: str | None = None
+
+    def see(self, m: dict[str, Any]) -> str | None:
+        """The warning, the first time round metrics ``m`` trip the rule; else None."""
+        loss = m.get("train_loss")
+        if self.message is not None or not isinstance(loss, int | float):
+            return None
+        if m.get("cohort_size", 1) <= m.get("dropped_clients", 0):
+            return None  # nobody reported (none available, all dropped): no loss to judge
+        if not np.isfinite(loss):
+            what = "is not finite"
+        elif self.first is not None and self.first > 0 and loss > self.FACTOR * self.first:
+            what = f"is {loss:.3g}, {loss / self.first:.0f}× its first value {self.first:.3g}"
+        elif self.uniform and loss > self.FACTOR * self.uniform:
+            what = (f"is {loss:.3g}, {loss / self.uniform:.0f}× a uniform guess's "
+                    f"ln C = {self.uniform:.3g}")
+        else:
+            if self.first is None:
+                self.first = float(loss)
+            return None
+        self.message = f"round {m.get('round')}: the training loss {what}; {self._culprit()}"
+        return self.message
+
+    def _culprit(self) -> str:
+        s, c, name = self.cfg.server, self.cfg.client, self.cfg.aggregator.name
+        try:
+            default = default_server_lr(name)
+        except (KeyError, ValueError):
+            default = s.lr
+        if s.lr > default:
+            return (f"likely server.lr={s.lr:g}, above {name}'s public default {default:g} "
+                    "(server.lr=auto uses it)")
+        if s.optimizer in ("adam", "yogi", "adagrad") and s.lr >= 0.1:
+            return (f"likely server.lr={s.lr:g}: server.optimizer={s.optimizer} moves every "
+                    "coordinate by about server.lr a round")
+        return f"likely client.lr={c.lr:g} (or server.lr={s.lr:g}) is too large"
+
+
+def _versions() -> dict[str, str]:
+    """What produced the run: fedloom, torch, numpy and Python versions."""
+    import platform
+
+    from fedloom import __version__
+
+    return {"fedloom": __version__, "torch": torch.__version__, "numpy": np.__version__,
+            "python": platform.python_version()}
+
+
+def summarize(exp: Setup, st: RunState, history: list[dict[str, Any]],
+              warnings: Sequence[str] = (), stop_reason: str | None = None) -> dict[str, Any]:
+    """``summary.json`` of a run that ended in ``st`` (``stop_reason``: why it
+    stopped before its last round)."""
+    summary: dict[str, Any] = {"rounds": st.next_round, "model_sha256": model_sha256(st.w),
+                               "num_parameters": exp.layout.size,
+                               "backend": getattr(exp.backend, "name", exp.cfg.backend.name),
+                               # the step used (server.lr: auto resolved to the rule's default)
+                               "server_lr": exp.cfg.server.lr,
+                               "versions": _versions()}
+    if st.buffers:  # module buffers (BatchNorm statistics) are not in w
+        summary["buffers_sha256"] = buffers_sha256(st.buffers)
+        summary["buffers"] = exp.cfg.model.buffers
+    if warnings:
+        summary["warnings"] = list(warnings)
+    for m in history:  # final value of each metric (eval metrics from the last eval round)
+        summary.update({k: v for k, v in m.items() if k not in _PER_ROUND_ONLY})
+    summary["rejected_updates_total"] = st.totals["rejected_updates"]
+    summary["rejected_rounds_total"] = st.totals.get("rejected_rounds", 0)
+    summary["clipped_updates_total"] = st.totals.get("clipped_updates", 0)
+    summary["wall_s_total"] = float(sum(m.get("wall_s", 0.0) for m in history))
+    # Where it ran (fedloom.device): the device, its name and total memory, the
+    # run's peak memory on it (CUDA: allocated tensors; CPU: the process's peak RSS,
+    # named in peak_device_memory_kind), and the torch threads used.
+    summary.update(describe(exp.device))
+    peak, kind = peak_memory_mb(exp.device)
+    summary["peak_device_memory_mb"] = round(peak, 1)
+    summary["peak_device_memory_kind"] = kind
+    summary["threads"] = exp.threads
+    worker = getattr(getattr(exp.backend, "chosen", None) or exp.backend, "worker_threads", None)
+    if worker is not None:
+        summary["worker_threads"] = worker
+    if exp.privacy.enabled:  # ε spent (also when no round ran) and why the run stopped
+        summary["dp_epsilon"] = exp.privacy.epsilon(st.privacy_state, st.next_round)
+        summary["dp_delta"] = exp.privacy.delta
+    if stop_reason is not None:
+        summary["stop_reason"] = stop_reason
+    return summary
