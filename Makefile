@@ -31,10 +31,13 @@ run: $(VENV)/.run
 
 test: $(VENV)/.dev
 	$(VENV)/bin/ruff check src tests benchmarks examples
+	# the package's layers (pyproject [tool.importlinter]): no upward import, no cycle
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/lint-imports --no-cache
 
 $(VENV)/.report: $(VENV)/.torch pyproject.toml
 	$(PIP) install -q -e '.[data,report]'

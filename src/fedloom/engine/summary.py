@@ -90,7 +90,7 @@ def _versions() -> dict[str, str]:
     """What produced the run: fedloom, torch, numpy and Python versions."""
     import platform
 
-    from fedloom import __version__
+    from fedloom._version import __version__
 
     return {"fedloom": __version__, "torch": torch.__version__, "numpy": np.__version__,
             "python": platform.python_version()}

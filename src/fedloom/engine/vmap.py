@@ -44,7 +44,9 @@ name with such a model is refused.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,6 +57,7 @@ from fedloom.buffers import has_batch_statistics
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig
+from fedloom.params import Layout
 from fedloom.registry import register
 
 __all__ = ["VmapBackend", "vmap_supported"]
@@ -101,12 +104,45 @@ class VmapBackend:
         # The trainer's train-mode copy: functional_call swaps in each client's
         # parameters and buffers.
         fm = tr._flat_module()
-        layout, module = tr.layout, fm.module
         m = len(jobs)
         w_global = torch.stack([j.w for j in jobs])
         W = torch.stack([j.start if j.start is not None else j.w for j in jobs]).clone()
         start_loss = [tr.full_loss(j.w, j.x, j.y, buffers=j.buffers) if j.start_loss else None
                       for j in jobs]
+        sched = self._schedule(jobs, W.device)
+        shift = None
+        if any(j.grad_shift is not None for j in jobs):
+            shift = torch.stack([j.grad_shift if j.grad_shift is not None
+                                 else torch.zeros_like(j.w) for j in jobs])
+        # Each client's buffers (BatchNorm statistics) stacked [m, ...]: a train-mode
+        # forward under vmap updates its own row in place.
+        bufs = {n: torch.stack([(j.buffers or fm.init_buffers)[n] for j in jobs]).to(W.device)
+                for n in fm.buffers}
+        one_fn = grad_and_value(_masked_loss(fm.module, tr.layout))
+        step_fn, batch_stats = vmap(one_fn), has_batch_statistics(fm.module)
+        buf: torch.Tensor | None = None
+        loss_sum = torch.zeros(m, dtype=torch.float64, device=W.device)
+        lr = torch.tensor([j.lr for j in jobs], dtype=W.dtype, device=W.device)
+        for t in range(sched.T):
+            X, Y, M, active = self._step_batch(sched, jobs, t, W.dtype)
+            G, L = _grads(one_fn, step_fn, W, bufs, X, Y, M, active, batch_stats)
+            loss_sum += L.detach().to(torch.float64) * active.to(torch.float64)
+            with torch.no_grad():
+                G, buf = self._direction(G, W, w_global, t, shift, jobs, buf)
+                # A finished client is masked out of the update (its buffer is never used
+                # again, so it need not be frozen).
+                # In place: a fresh [m, d] tensor every step costs page faults.
+                W.addcmul_((lr * active)[:, None], G, value=-1.0)
+        steps = sched.steps
+        return [ClientResult(j.client, (j.w - W[k]).contiguous(), int(j.y.shape[0]),
+                             float(loss_sum[k]) / max(1, steps[k]), steps[k], start_loss[k],
+                             buffers={b: v[k].clone() for b, v in bufs.items()})
+                for k, j in enumerate(jobs)]
+
+    def _schedule(self, jobs: list[ClientJob], dev: torch.device) -> _Schedule:
+        """Every client's batches, as the sequential trainer draws them, padded into
+        one ``[m, T, B]`` table of sample positions with its masks."""
+        tr, m = self.trainer, len(jobs)
         batches = []
         for j in jobs:
             gen = torch.Generator()
@@ -130,94 +166,109 @@ class VmapBackend:
             for t, idx in enumerate(b):
                 local[k, t, : len(idx)] = idx
         # Batch positions and masks on the run's device (one copy, not one a step).
-        dev = W.device
-        mask_all = (local >= 0).to(dev)
         gidx = torch.stack([owners[k].to(dev)[local[k].clamp_min(0).to(dev)]
                             for k in range(m)])  # [m, T, B]
-        active_all = torch.tensor([[1.0 if t < steps[k] else 0.0 for t in range(T)]
-                                   for k in range(m)], device=dev)
-        shift = None
-        if any(j.grad_shift is not None for j in jobs):
-            shift = torch.stack([j.grad_shift if j.grad_shift is not None
-                                 else torch.zeros_like(j.w) for j in jobs])
-        pens = [j.penalty for j in jobs]
-        # Each client's buffers (BatchNorm statistics) stacked [m, ...]: a train-mode
-        # forward under vmap updates its own row in place.
-        bufs = {n: torch.stack([(j.buffers or fm.init_buffers)[n] for j in jobs]).to(dev)
-                for n in fm.buffers}
-        # A batch-statistics layer must see only a client's own samples: a step with
-        # a padded batch runs client by client, on the unpadded batches.
-        batch_stats = has_batch_statistics(module)
-        names = [t.name for t in layout.tensors]
-        shapes = [t.shape for t in layout.tensors]
-        sizes = [t.numel for t in layout.tensors]
+        active = torch.tensor([[1.0 if t < steps[k] else 0.0 for t in range(T)]
+                               for k in range(m)], device=dev)
+        return _Schedule(batches, steps, T, src_x, src_y, gidx, (local >= 0).to(dev), active)
 
-        def loss_fn(w: torch.Tensor, b: dict[str, torch.Tensor], x: torch.Tensor,
-                    y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            params = {n: p.view(s) for n, p, s in zip(names, torch.split(w, sizes), shapes,
-                                                      strict=True)}
-            logits = functional_call(module, {**params, **b}, (x,))
-            ce = F.cross_entropy(logits, y, reduction="none")
-            return (ce * mask).sum() / mask.sum().clamp_min(1)
+    def _step_batch(self, sched: _Schedule, jobs: list[ClientJob], t: int, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step ``t``'s stacked batches ``X, Y``, their sample mask and which clients
+        still step (padding rows gather a real sample, masked out)."""
+        It = sched.gidx[:, t]
+        X, Y = sched.src_x[It], sched.src_y[It]
+        M = sched.mask[:, t].to(dtype)
+        active = sched.active[:, t].to(dtype)
+        tr = self.trainer
+        if tr.augment is not None:  # each client's real rows, as LocalSGD.batch draws them
+            X = X.clone()
+            for k in range(len(jobs)):
+                if t < sched.steps[k]:
+                    n = len(sched.batches[k][t])
+                    X[k, :n] = tr.batch(X[k, :n], torch.arange(n, device=X.device),
+                                        jobs[k].gen_seed, t)
+        return X, Y, M, active
 
-        one_fn = grad_and_value(loss_fn)
-        step_fn = vmap(one_fn)
-        buf: torch.Tensor | None = None
-        loss_sum = torch.zeros(m, dtype=torch.float64, device=dev)
-        lr = torch.tensor([j.lr for j in jobs], dtype=W.dtype, device=dev)
-        for t in range(T):
-            It = gidx[:, t]
-            X, Y = src_x[It], src_y[It]  # padding rows gather a real sample, masked out
-            M = mask_all[:, t].to(W.dtype)
-            active = active_all[:, t].to(W.dtype)
-            if tr.augment is not None:  # each client's real rows, as LocalSGD.batch draws them
-                X = X.clone()
-                for k in range(m):
-                    if t < steps[k]:
-                        n = len(batches[k][t])
-                        X[k, :n] = tr.batch(X[k, :n], torch.arange(n, device=X.device),
-                                            jobs[k].gen_seed, t)
-            if batch_stats and not (bool(M.all()) and bool(active.all())):
-                G, L = torch.zeros_like(W), torch.zeros(m, dtype=W.dtype, device=dev)
-                for k in active.nonzero().flatten().tolist():
-                    n = int(M[k].sum())
-                    G[k], L[k] = one_fn(W[k], {b: v[k] for b, v in bufs.items()},
-                                        X[k, :n], Y[k, :n], M[k, :n])
-            else:
-                kept = ({b: v.clone() for b, v in bufs.items()}
-                        if bufs and not bool(active.all()) else None)
-                G, L = step_fn(W, bufs, X, Y, M)
-                if kept is not None:  # a finished client's buffers stay as they ended
-                    done = active == 0
-                    for b, v in bufs.items():
-                        v[done] = kept[b][done]
-            loss_sum += L.detach().to(torch.float64) * active.to(torch.float64)
-            with torch.no_grad():
-                if shift is not None:
-                    G = G + shift
-                for k, p in enumerate(pens):
-                    if p is not None and t < p.steps:
-                        G[k] = G[k] + p.grad(W[k])
-                if tr.weight_decay:
-                    G = G + tr.weight_decay * W
-                if tr.prox_mu:
-                    G = G + tr.prox_mu * (W - w_global)
-                if tr.momentum:
-                    # A client's buffer starts at its first gradient (torch.optim.SGD).
-                    buf = G.clone() if buf is None else buf * tr.momentum + G
-                    G = buf
-                # A finished client is masked out of the update (its buffer is never used
-                # again, so it need not be frozen).
-                # In place: a fresh [m, d] tensor every step costs page faults.
-                W.addcmul_((lr * active)[:, None], G, value=-1.0)
-        results = []
+    def _direction(self, G: torch.Tensor, W: torch.Tensor, w_global: torch.Tensor, t: int,
+                   shift: torch.Tensor | None, jobs: list[ClientJob],
+                   buf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The SGD direction from the stacked gradients, as LocalSGD's step: the
+        job's shift and penalty, weight decay, FedProx, then momentum (its buffer
+        starts at a client's first gradient, as torch.optim.SGD's)."""
+        tr = self.trainer
+        if shift is not None:
+            G = G + shift
         for k, j in enumerate(jobs):
-            update = (j.w - W[k]).contiguous()
-            results.append(ClientResult(j.client, update, int(j.y.shape[0]),
-                                        float(loss_sum[k]) / max(1, steps[k]), steps[k],
-                                        start_loss[k],
-                                        buffers={b: v[k].clone() for b, v in bufs.items()}))
-        return results
+            p = j.penalty
+            if p is not None and t < p.steps:
+                G[k] = G[k] + p.grad(W[k])
+        if tr.weight_decay:
+            G = G + tr.weight_decay * W
+        if tr.prox_mu:
+            G = G + tr.prox_mu * (W - w_global)
+        if tr.momentum:
+            buf = G.clone() if buf is None else buf * tr.momentum + G
+            G = buf
+        return G, buf
+
+
+@dataclass
+class _Schedule:
+    """A chunk's batches: per client, its batches and step count; the padded table
+    of sample positions into ``src_x``/``src_y`` ``[m, T, B]``, its sample mask
+    and ``active`` ``[m, T]`` (1 while a client still steps)."""
+
+    batches: list[list[torch.Tensor]]
+    steps: list[int]
+    T: int
+    src_x: torch.Tensor
+    src_y: torch.Tensor
+    gidx: torch.Tensor
+    mask: torch.Tensor
+    active: torch.Tensor
+
+
+def _masked_loss(module: nn.Module, layout: Layout) -> Callable[..., torch.Tensor]:
+    """One client's masked mean cross-entropy of flat parameters ``w`` and buffers ``b``."""
+    names = [t.name for t in layout.tensors]
+    shapes = [t.shape for t in layout.tensors]
+    sizes = [t.numel for t in layout.tensors]
+
+    def loss_fn(w: torch.Tensor, b: dict[str, torch.Tensor], x: torch.Tensor,
+                y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        params = {n: p.view(s) for n, p, s in zip(names, torch.split(w, sizes), shapes,
+                                                  strict=True)}
+        logits = functional_call(module, {**params, **b}, (x,))
+        ce = F.cross_entropy(logits, y, reduction="none")
+        return (ce * mask).sum() / mask.sum().clamp_min(1)
+
+    return loss_fn
+
+
+def _grads(one_fn: Callable[..., Any], step_fn: Callable[..., Any], W: torch.Tensor,
+           bufs: dict[str, torch.Tensor],
+           X: torch.Tensor, Y: torch.Tensor, M: torch.Tensor, active: torch.Tensor,
+           batch_stats: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every client's gradient and loss of one step. A batch-statistics layer must
+    see only a client's own samples: a step with a padded batch runs client by
+    client, on the unpadded batches."""
+    m = W.shape[0]
+    if batch_stats and not (bool(M.all()) and bool(active.all())):
+        G, L = torch.zeros_like(W), torch.zeros(m, dtype=W.dtype, device=W.device)
+        for k in active.nonzero().flatten().tolist():
+            n = int(M[k].sum())
+            G[k], L[k] = one_fn(W[k], {b: v[k] for b, v in bufs.items()},
+                                X[k, :n], Y[k, :n], M[k, :n])
+        return G, L
+    kept = ({b: v.clone() for b, v in bufs.items()}
+            if bufs and not bool(active.all()) else None)
+    G, L = step_fn(W, bufs, X, Y, M)
+    if kept is not None:  # a finished client's buffers stay as they ended
+        done = active == 0
+        for b, v in bufs.items():
+            v[done] = kept[b][done]
+    return G, L
 
 
 @register("backend", "vmap")

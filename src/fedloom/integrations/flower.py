@@ -93,11 +93,13 @@ from fedloom.compress import make_compressor
 from fedloom.compress.base import PayloadError
 from fedloom.compress.feedback import UplinkContext, UplinkResult, feedback_from_config
 from fedloom.config import Config, ConfigError, config_to_dict, load_config
+from fedloom.engine.dispatch import client_job
 from fedloom.engine.experiment import Experiment
+from fedloom.engine.fields import FEEDBACK
 from fedloom.engine.records import RunState, model_sha256
 from fedloom.params import Layout
 from fedloom.privacy import make_privacy
-from fedloom.rng import Purpose, derive_seed, torch_gen
+from fedloom.rng import Purpose, torch_gen
 
 try:
     from flwr.app import (
@@ -122,9 +124,8 @@ __all__ = ["FedloomMod", "FedloomStrategy", "FedloomTrainer", "client_app", "fro
 log = logging.getLogger("fedloom")
 
 SUPPORTED_FEEDBACK = ("none", "ef", "saef", "sapef", "flare", "ec_prox")
-# Their penalty on the first local steps is part of local training: it needs
-# FedloomTrainer (which reads the mod's state), not any train handler.
-PENALTY_FEEDBACK = ("flare", "ec_prox")
+# A policy's hooks on local training (FLARE's and EC+prox's penalty on the first
+# local steps) need FedloomTrainer, which reads the mod's state, not any train handler.
 STATE_KEY = "fedloom.feedback"   # Context.state record of the mod
 REPLY_KEY = "fedloom"            # ConfigRecord of a reply: payload, client-id, residual-norm
 HELLO_KEY = "fedloom.hello"      # ConfigRecord of the discovery query
@@ -376,18 +377,18 @@ class FedloomTrainer:
                              f"(0..{exp.fed.num_clients - 1})")
         w = from_arrays(exp.layout, msg.content["arrays"]).to(exp.dtype)
         x_k, y_k = _client_data(self.cfg, exp, k)
-        gen = torch.Generator()
-        gen.manual_seed(derive_seed(self.cfg.seed, r, k, Purpose.BATCH))
-        penalty = None
-        if self.cfg.compression.feedback in PENALTY_FEEDBACK:
-            # FLARE / EC+prox: the regulariser comes from the client's accumulator,
-            # which the mod keeps in Context.state (read here, written by the mod).
-            state = FedloomMod._load_state(context, exp.feedback, exp.layout.size, w.dtype)
-            penalty = exp.feedback.penalty(w, state, r)
+        # The feedback policy's rows live in Context.state (kept by FedloomMod);
+        # its hooks on local training (FLARE / EC+prox's penalty) come with the
+        # job, built as the engine builds it. The mod already shifted the model
+        # handed over to its start point (SA-PEF), so the job starts from it.
+        state = (FedloomMod._load_state(context, exp.feedback, exp.layout.size, w.dtype)
+                 if exp.fields.has(FEEDBACK) else {})
         bufs = self._start_buffers(exp, msg, context)
+        job = client_job(exp.feedback, seed=self.cfg.seed, client=k, round=r, w=w, lr=lr,
+                         x=x_k, y=y_k, fb_state=state, fb_server={}, alpha=0.0,
+                         buffers=bufs, shifted_here=False)
         # The prox anchor is the model received (SA-PEF's start point when shifted).
-        w_k, loss, steps = exp.trainer.descend(w, w, x_k, y_k, lr, gen,
-                                               penalty=penalty, buffers=bufs)
+        w_k, loss, steps, _ = exp.trainer.train(job)
         content = RecordDict({
             "arrays": to_arrays(exp.layout, w_k),
             "metrics": MetricRecord({"num-examples": len(y_k), "num-steps": steps,
