@@ -22,7 +22,7 @@ from fedloom.aggregate.base import Stateless
 from fedloom.compress import PayloadError
 from fedloom.config import ConfigError, load_config
 from fedloom.engine.experiment import Experiment
-from fedloom.engine.records import model_sha256
+from fedloom.engine.runstate import model_sha256
 from fedloom.engine.screen import clip_rows, screen_updates
 from fedloom.engine.screen import row_norms as _row_norms
 

@@ -31,8 +31,8 @@ _LAZY = {
     "ConfigError": "fedloom.config",
     "load_config": "fedloom.config",
     "DatasetUnavailable": "fedloom.data.sources",
-    "Result": "fedloom.engine.records",
-    "model_sha256": "fedloom.engine.records",
+    "Result": "fedloom.engine.runstate",
+    "model_sha256": "fedloom.engine.runstate",
     "run": "fedloom.engine.loop",
     "Layout": "fedloom.params",
     "functional_forward": "fedloom.params",
@@ -65,7 +65,7 @@ if TYPE_CHECKING:  # what static checkers and IDEs see
     from fedloom.config import Config, ConfigError, load_config
     from fedloom.data.sources import DatasetUnavailable
     from fedloom.engine.loop import run
-    from fedloom.engine.records import Result, model_sha256
+    from fedloom.engine.runstate import Result, model_sha256
     from fedloom.params import Layout, functional_forward
     from fedloom.state import ClientStateStore, FieldSpec
 

@@ -3,7 +3,7 @@
 Settings in, state out (the optax pattern): :class:`Privacy` holds the
 settings; its state (the clip bound ``C_t`` of adaptive clipping, the local
 mode's participation counts) goes in and comes back, and lives in the run's
-:class:`~fedloom.engine.records.RunState` and checkpoint, so a resumed run is
+:class:`~fedloom.engine.runstate.RunState` and checkpoint, so a resumed run is
 bit-identical to an uninterrupted one. Every noise draw comes from a generator
 derived from ``(seed, round, client, purpose)`` (:mod:`fedloom.rng`).
 

@@ -94,7 +94,7 @@ if TYPE_CHECKING:
 
 class RoundPlan(Protocol):
     """What the system model reads and changes of a round's plan
-    (:class:`fedloom.engine.records.RoundPlan`)."""
+    (:class:`fedloom.engine.runstate.RoundPlan`)."""
 
     round: int
     jobs: list[ClientJob]
@@ -116,7 +116,7 @@ class Experiment(Protocol):
 
 
 class RunState(Protocol):
-    """The run state's simulated clock (:class:`fedloom.engine.records.RunState`)."""
+    """The run state's simulated clock (:class:`fedloom.engine.runstate.RunState`)."""
 
     sim_time_s: float
 

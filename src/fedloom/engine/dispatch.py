@@ -19,7 +19,7 @@ import torch
 from fedloom.buffers import load_buffers, unflatten_buffers
 from fedloom.device import to_device
 from fedloom.engine.fields import BUFFERS, FEEDBACK, METHOD
-from fedloom.engine.records import RoundPlan, RunState
+from fedloom.engine.runstate import RoundPlan, RunState
 from fedloom.engine.setup import Setup
 from fedloom.job import ClientJob
 from fedloom.rng import Purpose, derive_seed

@@ -16,8 +16,8 @@ import torch
 from fedloom.compress.feedback import UplinkResult
 from fedloom.engine.dispatch import plan_round
 from fedloom.engine.evaluation import evaluate_global
-from fedloom.engine.records import RoundPlan, RunState
 from fedloom.engine.round import finish_round, run_round
+from fedloom.engine.runstate import RoundPlan, RunState
 from fedloom.engine.setup import Setup
 from fedloom.engine.uplink import uplink_round
 from fedloom.job import ClientResult

@@ -26,7 +26,6 @@ from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.data.sources import Dataset
 from fedloom.engine.checkpoint import lock_run_dir
 from fedloom.engine.experiment import Experiment
-from fedloom.engine.records import Callback, Result, RunState, model_sha256
 from fedloom.engine.rundir import (
     CHECKPOINT_FILE,
     METRICS_FILE,
@@ -37,6 +36,7 @@ from fedloom.engine.rundir import (
     write_outputs,
 )
 from fedloom.engine.runlog import METRICS_CSV_FILE, TENSORBOARD_DIR, MetricsCSV, TensorBoardSink
+from fedloom.engine.runstate import Callback, Result, RunState, model_sha256
 from fedloom.engine.setup import resolve_auto
 from fedloom.engine.summary import DivergenceWatch, summarize
 

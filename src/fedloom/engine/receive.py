@@ -19,7 +19,7 @@ import torch
 
 from fedloom.compress import coordinates_sent
 from fedloom.compress.feedback import UplinkResult
-from fedloom.engine.records import RoundPlan, RunState
+from fedloom.engine.runstate import RoundPlan, RunState
 from fedloom.engine.screen import (
     clip_rows,
     finite_rows,

@@ -18,7 +18,7 @@ import torch
 from fedloom.compress.feedback import UplinkResult
 from fedloom.engine.fields import FEEDBACK
 from fedloom.engine.receive import Received
-from fedloom.engine.records import RoundPlan
+from fedloom.engine.runstate import RoundPlan
 from fedloom.engine.server import ServerOutcome
 from fedloom.engine.setup import Setup
 from fedloom.job import ClientResult

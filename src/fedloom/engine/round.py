@@ -8,16 +8,44 @@ model (``system.*``), when on, wraps training and the uplink. The round names
 no algorithm.
 
 What never reaches the model (each counted in the round's metrics, the run's
-totals and the summary, and logged): **rejected updates** (non-finite,
-undecodable, a non-finite state row, or out of the size rules; checked on
-the dense update before encoding and on the decoded row), **clipped
-updates** (``server.clip_norm``) and **rejected rounds** (the rule raised or
-returned a bad direction, or a step or new state is not finite: the model
-and every server and client state stay exactly as before the round, so a
-resumed run is bit-identical through it; its bytes, counts and the iterate
-average are kept). Departure for the Flower integration
-(``client_state=False``): the clients hold their own state and have already
-updated it when they sent; the server cannot undo that.
+totals and the summary, and logged):
+
+- **Rejected updates** (``rejected_updates``, ids in ``rejected_clients``,
+  reasons in ``rejected_reasons``). A client is rejected, for the round only,
+  when its update is non-finite, cannot be encoded or decoded (a
+  :class:`~fedloom.compress.base.PayloadError`, ``ValueError`` or overflow
+  from its compressor: the run goes on), holds a non-finite state row, or
+  fails :func:`~fedloom.engine.screen.screen_updates` (``server.max_update_norm``,
+  ``server.max_norm_ratio``). The rules run twice: on the dense update before
+  encoding (a client never sends what the server would refuse, and a huge
+  value in a coordinate a sparsifier leaves out is still seen), and on the
+  decoded row the aggregator would receive (the server's own check, the one
+  that holds for deployed clients too). A rejected client is treated as one
+  whose worker failed: nothing of it is aggregated and its state rows stay as
+  they were.
+- **Clipped updates** (``clipped_updates``): with ``server.clip_norm`` every
+  accepted row is scaled to at most that norm before any aggregator
+  (:func:`~fedloom.engine.screen.clip_rows`), so it composes with every rule and compressor.
+- **Rejected rounds** (``rejected_rounds``, reason in
+  ``rejected_round_reason``): the aggregator raised (a ``LinAlgError`` or any
+  ``RuntimeError``/``ValueError``/``ArithmeticError``), or returned a
+  direction that is not a finite vector of the model's size, or the server
+  optimizer's step, the feedback policy's shift or the new server states are
+  not finite. The round's step is skipped: the model, the server optimizer's
+  state, the aggregator's state, the feedback policy's server state (SA-PEF's
+  ``L̂``, SCAFCOM's ``c``), the local method's server state and every client's
+  state rows (EF residuals, EF21's ``h_k``, SCAFFOLD/SCAFCOM control variates,
+  Ditto's personal models, FedBN's buffers) and the global module buffers
+  (BatchNorm statistics) are exactly those before the round — a resumed run
+  is bit-identical to an uninterrupted one through it. What the round did
+  happen is kept: its bytes (``uplink_bytes``/``downlink_bytes``), its counts,
+  and the running iterate average (``eval.average_iterates``), which averages
+  the unchanged model as that round's iterate so it stays the mean of
+  ``w_0 … w_{r+1}``. Departure for the Flower integration
+  (``client_state=False``): the clients hold their own state and have already
+  updated it when they sent; the server cannot undo that, so there a rejected
+  round leaves the clients' residuals (and, under ``model.buffers=local``,
+  their own buffers) as the clients wrote them.
 """
 
 from __future__ import annotations
@@ -32,7 +60,7 @@ from fedloom.engine.dispatch import plan_round
 from fedloom.engine.evaluation import evaluate_global, evaluate_personal
 from fedloom.engine.receive import receive
 from fedloom.engine.record import account_privacy, add_totals, round_metrics
-from fedloom.engine.records import RoundPlan, RunState
+from fedloom.engine.runstate import RoundPlan, RunState
 from fedloom.engine.scatter import next_buffers, scatter
 from fedloom.engine.server import server_round
 from fedloom.engine.setup import Setup

@@ -37,7 +37,7 @@ from fedloom.engine.checkpoint import (
     remove_leftovers,
     save_checkpoint,
 )
-from fedloom.engine.records import RunState
+from fedloom.engine.runstate import RunState
 from fedloom.engine.setup import Setup
 
 __all__ = ["CHECKPOINT_FILE", "CLIENT_ACC_FILE", "CONFIG_FILE", "LABELS_FILE", "METRICS_FILE",

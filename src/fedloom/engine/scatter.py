@@ -18,7 +18,7 @@ import torch
 from fedloom.buffers import average_buffers, flatten_buffers
 from fedloom.compress.feedback import UplinkResult
 from fedloom.engine.fields import BUFFERS, FEEDBACK, METHOD
-from fedloom.engine.records import RoundPlan, RunState
+from fedloom.engine.runstate import RoundPlan, RunState
 from fedloom.engine.setup import Setup
 from fedloom.job import ClientResult
 

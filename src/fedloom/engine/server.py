@@ -25,7 +25,7 @@ import torch
 from fedloom.aggregate.base import CohortInfo
 from fedloom.compress.feedback import UplinkResult
 from fedloom.engine.receive import Received
-from fedloom.engine.records import RoundPlan, RunState
+from fedloom.engine.runstate import RoundPlan, RunState
 from fedloom.engine.screen import all_finite, first_line
 from fedloom.engine.setup import Setup
 from fedloom.job import ClientResult

@@ -40,7 +40,7 @@ from fedloom.device import (
 )
 from fedloom.engine import compat
 from fedloom.engine.fields import BUFFERS, FEEDBACK, METHOD, ClientFields
-from fedloom.engine.records import RunState
+from fedloom.engine.runstate import RunState
 from fedloom.engine.screen import first_line
 from fedloom.hooks import metric_hooks, planner_from_config
 from fedloom.metrics import evaluate

@@ -18,7 +18,7 @@ from fedloom.aggregate.base import default_server_lr
 from fedloom.buffers import buffers_sha256
 from fedloom.config import Config
 from fedloom.device import describe, peak_memory_mb
-from fedloom.engine.records import RunState, model_sha256
+from fedloom.engine.runstate import RunState, model_sha256
 from fedloom.engine.setup import Setup, resolve_auto
 
 __all__ = ["DivergenceWatch", "summarize"]

@@ -20,7 +20,7 @@ import torch
 
 from fedloom.compress.feedback import UplinkContext, UplinkResult
 from fedloom.device import to_device
-from fedloom.engine.records import RoundPlan, RunState
+from fedloom.engine.runstate import RoundPlan, RunState
 from fedloom.engine.screen import first_line, non_finite_reason, row_norms, screen_updates
 from fedloom.engine.setup import Setup
 from fedloom.job import ClientResult

@@ -96,7 +96,7 @@ from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.engine.dispatch import client_job
 from fedloom.engine.experiment import Experiment
 from fedloom.engine.fields import FEEDBACK
-from fedloom.engine.records import RunState, model_sha256
+from fedloom.engine.runstate import RunState, model_sha256
 from fedloom.params import Layout
 from fedloom.privacy import make_privacy
 from fedloom.rng import Purpose, torch_gen
@@ -435,7 +435,7 @@ class FedloomStrategy(Strategy):
     """fedloom's server half of a round as a Flower strategy (see module doc).
 
     After (or during) a run: :attr:`state` is the engine's
-    :class:`~fedloom.engine.records.RunState` (the global buffers included),
+    :class:`~fedloom.engine.runstate.RunState` (the global buffers included),
     :attr:`history` the per-round metrics (the engine's, plus ``flower_bytes``:
     the serialized size of the replies' content), :meth:`model_sha256` and
     :meth:`buffers_sha256` the final model's hashes (those of the engine's

@@ -62,7 +62,7 @@ import torch
 
 from fedloom.config import Config, ConfigError, load_config
 from fedloom.engine.experiment import Experiment
-from fedloom.engine.records import RunState, model_sha256
+from fedloom.engine.runstate import RunState, model_sha256
 from fedloom.integrations.flower import (
     HELLO_KEY,
     ConfigSource,
@@ -188,7 +188,7 @@ def secagg_client_app(config: ConfigSource, overrides: Sequence[str] = ()) -> Cl
 class SecAggStrategy(LegacyStrategy):
     """fedloom's cohort and server step on the unmasked average (module docstring).
 
-    :attr:`state` is the engine's :class:`~fedloom.engine.records.RunState` (model
+    :attr:`state` is the engine's :class:`~fedloom.engine.runstate.RunState` (model
     and server optimizer state); :attr:`history` one entry per round.
     """
 

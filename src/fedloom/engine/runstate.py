@@ -1,4 +1,4 @@
-"""The records a round passes along: the run's state, a round's plan, a run's result."""
+"""The run's state, a round's plan and a run's result: what the stages pass along."""
 
 from __future__ import annotations
 
