@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import yaml
 
-from fedloom.config import Config, ConfigError, config_to_dict, load_config
+from fedloom.config import Config, ConfigError, config_to_dict, load_config, safe_load_bounded
 from fedloom.device import to_host
 from fedloom.engine.checkpoint import (
     LOCK_FILE,
@@ -186,7 +186,7 @@ def check_run_dir(run_dir: Path, resolved: dict[str, Any], resume: bool) -> None
         if not (saved.exists() or saved.is_symlink()):
             return
         try:
-            old = yaml.safe_load(saved.read_bytes().decode("utf-8"))
+            old = safe_load_bounded(saved.read_bytes().decode("utf-8"), str(saved))
         except IsADirectoryError:
             raise RunDirError(f"{saved}: is a directory, not the run's config") from None
         except UnicodeDecodeError as e:
