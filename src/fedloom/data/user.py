@@ -46,7 +46,14 @@ What is refused, and why:
   an empty, truncated or otherwise unreadable archive;
 - CSV files are UTF-8 (a byte-order mark is skipped); any other encoding is
   refused rather than guessed, since a guessed header may not match
-  ``data.label``.
+  ``data.label``;
+- features that are not finite (a CSV cell ``inf``, ``nan``, ``-Infinity``:
+  ``float()`` reads them) or beyond float32's range (``|x| > 3.4028e38``, which
+  the cast to float32 would turn into inf) are refused before anything is
+  computed from them, a CSV cell by its line and column, an array by its
+  sample: one line, no numpy warning first (the unscaled-features hint's std of
+  such a column was inf or NaN: a ``RuntimeWarning``, or for ``1e300`` an
+  ``IndexError``).
 """
 
 from __future__ import annotations
@@ -108,18 +115,29 @@ def _check_classes(ys: np.ndarray, yt: np.ndarray | None, source: str) -> int:
     return int(max(ys.max(), yt.max() if yt is not None and yt.size else 0)) + 1
 
 
+# Features are float32: a larger magnitude would become inf in the cast (numpy warns).
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 def _features(x: Any, where: str) -> np.ndarray:
     arr = np.asarray(x)
     if arr.dtype.kind not in "iufb":
         raise DataError(f"{where}: features must be numeric, got dtype {arr.dtype}")
-    arr = arr.astype(np.float32)
     if arr.ndim < 1 or arr.shape[0] == 0:
         raise DataError(f"{where}: no samples")
-    bad = ~np.isfinite(arr.reshape(arr.shape[0], -1)).all(axis=1)
+    # Checked before the cast, on the given values: NaN/Inf first, then the finite
+    # values float32 cannot hold (comparisons with NaN are False, and warn not).
+    rows = arr.reshape(arr.shape[0], -1)
+    bad = ~np.isfinite(rows).all(axis=1)
     if bad.any():
         raise DataError(f"{where}: NaN or Inf in sample {int(np.flatnonzero(bad)[0])} "
                         f"({int(bad.sum())} samples affected)")
-    return arr
+    big = (np.abs(rows) > _F32_MAX).any(axis=1) if arr.dtype.kind == "f" else bad
+    if big.any():
+        raise DataError(f"{where}: a value beyond float32's range (|x| > {_F32_MAX:.4g}) in "
+                        f"sample {int(np.flatnonzero(big)[0])} ({int(big.sum())} samples "
+                        "affected)")
+    return arr.astype(np.float32)
 
 
 def from_arrays(
@@ -274,7 +292,7 @@ def _table(p: Path, df: Any, cfg: DataConfig) -> Dataset:
         cells = df[col].str.strip().to_numpy()
         _no_empty(p, col, cells, lines)
         try:
-            return cells.astype(np.float64)  # Python's float(): what the file says, rounded once
+            nums = cells.astype(np.float64)  # Python's float(): what the file says, rounded once
         except ValueError:
             bad = next(i for i, v in enumerate(cells) if not _parses(v, float))
             hint = ("" if any(_parses(v, float) for v in cells) else
@@ -282,6 +300,8 @@ def _table(p: Path, df: Any, cfg: DataConfig) -> Dataset:
                     "data.label")
             raise DataError(f"{p}: line {lines[bad]}, column {col!r}: {cells[bad]!r} is not a "
                             f"number{hint}") from None
+        _in_float32(p, col, cells, nums, lines)
+        return nums
 
     X = np.stack([numbers(c) for c in features], axis=1)
     cols = {c: df[c].str.strip().to_numpy() for c in (cfg.label, cfg.client) if c}
@@ -299,6 +319,21 @@ def _table(p: Path, df: Any, cfg: DataConfig) -> Dataset:
     ds = from_arrays(X, y, client, name="csv", source=str(p))
     ds.classes = classes
     return ds
+
+
+def _in_float32(p: Path, col: str, cells: np.ndarray, nums: np.ndarray,
+                lines: np.ndarray) -> None:
+    """Refuse a cell that is not finite (``inf``, ``nan``: ``float()`` reads them) or
+    beyond float32's range, naming its line: before the unscaled-features hint,
+    whose std of such a column is inf or NaN (numpy warns, or the hint fails)."""
+    finite = np.isfinite(nums)
+    bad = np.flatnonzero(~finite | (np.abs(np.where(finite, nums, 0.0)) > _F32_MAX))
+    if not bad.size:
+        return
+    i = bad[0]
+    why = (f"beyond float32's range (|x| > {_F32_MAX:.4g}); features are float32"
+           if finite[i] else "not a finite number")
+    raise DataError(f"{p}: line {lines[i]}, column {col!r}: {cells[i]!r} is {why}")
 
 
 def _no_empty(p: Path, col: str, cells: np.ndarray, lines: np.ndarray) -> None:
