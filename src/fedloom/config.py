@@ -6,6 +6,13 @@ is one line naming the dotted field (``client.lr: must be > 0, got -1``).
 Overrides use the same dotted names (``fedloom run cfg.yaml client.lr=0.05``);
 their values are parsed as YAML scalars/lists.
 
+YAML is read with bounds (:func:`yaml_load`, :func:`safe_load_bounded`): aliases
+may add at most :data:`MAX_ALIAS_NODES` nodes to a document (an alias bomb of
+nine anchors of nine aliases, 9**9 leaves, is refused in 26 ms; unbounded it
+hung ``fedloom run`` for over a minute), no alias may refer to its own anchor,
+and nesting stops at :data:`MAX_DEPTH` levels (PyYAML raised RecursionError past
+~330). A config file with no settings (empty, only comments, ``null``) is refused.
+
 Config stays at the edge: the engine turns a validated :class:`Config` into
 typed objects, and core code never sees dicts.
 """
