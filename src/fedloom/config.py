@@ -11,7 +11,8 @@ may add at most :data:`MAX_ALIAS_NODES` nodes to a document (an alias bomb of
 nine anchors of nine aliases, 9**9 leaves, is refused in 26 ms; unbounded it
 hung ``fedloom run`` for over a minute), no alias may refer to its own anchor,
 and nesting stops at :data:`MAX_DEPTH` levels (PyYAML raised RecursionError past
-~330). A config file with no settings (empty, only comments, ``null``) is refused.
+~490, at Python's default recursion limit). A config file with no settings
+(empty, only comments, ``null``) is refused.
 
 Config stays at the edge: the engine turns a validated :class:`Config` into
 typed objects, and core code never sees dicts.
@@ -720,8 +721,9 @@ class _BoundedLoader(yaml.SafeLoader):
     :data:`MAX_ALIAS_NODES`. An alias to a node still being composed is recursive
     (a list that holds itself: an endless tree) and refused; so is nesting deeper
     than :data:`MAX_DEPTH` (PyYAML's composer recurses per level: a RecursionError
-    after ~330 levels otherwise). A merge key (``<<: *a``) is an alias like any
-    other, counted as its target's size, an upper bound of the entries it copies.
+    after ~490 levels otherwise, at the default recursion limit). A merge key
+    (``<<: *a``) is an alias like any other, counted as its target's size, an
+    upper bound of the entries it copies.
     The work is one step per composed node, whatever the expansion would be."""
 
     def __init__(self, stream: str) -> None:
