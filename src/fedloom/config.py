@@ -714,7 +714,7 @@ class _BoundedLoader(yaml.SafeLoader):
 
     PyYAML composes an alias as the anchored node itself, so the composed graph is
     as small as the file, but every consumer that walks it as a tree
-    (``dataclasses.asdict``, ``==``, ``yaml.safe_dump``) visits each alias's whole
+    (``dataclasses.asdict``, ``==``, the schema's own checks) visits each alias's whole
     subtree again. Each node's expanded size (itself plus its children's, an alias
     counting as its target's) is recorded when its composition ends; an alias adds
     its target's size to the document's running extra, refused past
