@@ -361,3 +361,20 @@ def test_tensorboard_config_errors(monkeypatch):
     with pytest.raises(ConfigError, match=r"^logging.tensorboard: needs the tensorboard "
                                           r"package \(pip install 'fedloom\[tensorboard\]'\)$"):
         load_config(TINY, ["logging.tensorboard=true"])
+
+
+def test_load_run_refuses_an_alias_bomb_in_config_yaml(tmp_path):
+    """A run directory's config.yaml is read with the config's bounded loader: nine
+    levels of nine aliases (9^9 nodes once expanded) are refused naming the file,
+    well under a second, instead of being expanded."""
+    import time
+
+    from fedloom.report.compare import load_run
+
+    lines = ["a0: &a0 [x]"] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]"
+                               for i in range(1, 10)]
+    (tmp_path / "config.yaml").write_text("\n".join(lines) + "\n")
+    t = time.perf_counter()
+    with pytest.raises(ValueError, match=r"config\.yaml: aliases expand"):
+        load_run(tmp_path)
+    assert time.perf_counter() - t < 10.0  # a hang guard: expanding took minutes

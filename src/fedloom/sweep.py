@@ -145,7 +145,9 @@ def load_suite(path: str | Path) -> Suite:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: suite file not found")
-    raw = yaml_load(p.read_text()) or {}
+    raw = yaml_load(p.read_text(), str(p)) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: a suite file holds a mapping of settings")
     known = {"name", "out", "doc", "seeds", "settings", "methods", "tune", "share_tuning",
              "tune_seed", "tune_metric", "report"}
     for key in raw:

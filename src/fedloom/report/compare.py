@@ -60,6 +60,8 @@ from typing import Any
 import numpy as np
 import yaml
 
+from fedloom.config import safe_load_bounded
+
 __all__ = [
     "Group",
     "Run",
@@ -174,7 +176,8 @@ def load_run(path: str | Path) -> Run:
     config: dict[str, Any] = {}
     if cfg_file.is_file():
         try:
-            loaded = yaml.safe_load(_read_bytes(cfg_file).decode("utf-8"))
+            # bounded: a saved config with an alias bomb is refused, not expanded
+            loaded = safe_load_bounded(_read_bytes(cfg_file).decode("utf-8"), str(cfg_file))
         except (UnicodeDecodeError, yaml.YAMLError):
             raise ValueError(f"{cfg_file}: not valid YAML") from None
         config = loaded if isinstance(loaded, dict) else {}
