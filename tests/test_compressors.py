@@ -101,10 +101,11 @@ def test_unbiased_compressors(name, opts, sigma_scale):
     assert ((mean - x.double()).abs() <= tol).all()
 
 
-def test_per_tensor_topk_keeps_max_1_k_per_tensor():
+def test_per_tensor_topk_round_rule_keeps_max_1_k_per_tensor():
+    # k_rule=round; the default per-tensor count (the public FLARE one) is in test_flare.py.
     layout = Layout([("a", (1000,)), ("b", (30,)), ("c", (3,))])
     x = _x(layout.size)
-    top = make_compressor("topk", ratio=0.01, scope="tensor", layout=layout)
+    top = make_compressor("topk", ratio=0.01, scope="tensor", layout=layout, k_rule="round")
     y = top.decode(top.encode(x))
     counts = [int((y[t.slice] != 0).sum()) for t in layout.tensors]
     assert counts == [10, 1, 1]  # round(1000·0.01), max(1, round(0.3)), max(1, round(0.03))

@@ -265,7 +265,8 @@ def test_per_tensor_counts_are_checked():
     # two tensors of 8, one index each; gaps rewritten to [9, 0]: indices 9 and 10,
     # both in the second tensor — in range and increasing, but not this budget.
     layout = Layout([("a", (8,)), ("b", (8,))])
-    top = make_compressor("topk", ratio=0.125, scope="tensor", layout=layout, checksum=False)
+    top = make_compressor("topk", ratio=0.125, scope="tensor", layout=layout, checksum=False,
+                          k_rule="round")
     x = torch.arange(16.0)
     p = bytearray(top.encode(x))
     assert p[12] == 0 and int.from_bytes(p[14:18], "little") == 2

@@ -9,12 +9,26 @@ from fedloom.compress.sparse import RandK, TopK, topk_indices
 
 
 def coordinates_sent(payload: bytes) -> int:
-    """How many coordinates a payload carries: ``k`` for sparse payloads, else ``d``."""
-    from fedloom.compress.base import HEADER
+    """How many coordinates a payload carries: ``k`` for sparse payloads, else ``d``.
+
+    Reads the header (and a sparse payload's u32 ``k``) only; it does not validate the
+    body, which ``decode`` does. A payload too short for what it reads, or not a fedloom
+    payload at all, is a :class:`PayloadError` naming this function."""
+    from fedloom.compress.base import HEADER, MAGIC
     from fedloom.compress.sparse import CODEC_RANDK, CODEC_TOPK
 
-    _, _, codec, d = HEADER.unpack_from(payload)
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise PayloadError(f"coordinates_sent: expected bytes, got {type(payload).__name__}")
+    if len(payload) < HEADER.size:
+        raise PayloadError(f"coordinates_sent: {len(payload)} bytes, shorter than the "
+                           f"{HEADER.size}-byte header")
+    magic, _, codec, d = HEADER.unpack_from(payload)
+    if magic != MAGIC:
+        raise PayloadError(f"coordinates_sent: bad magic {magic!r}, not a fedloom payload")
     if codec in (CODEC_TOPK, CODEC_RANDK):
+        if len(payload) < HEADER.size + 4:
+            raise PayloadError(f"coordinates_sent: sparse payload of {len(payload)} bytes "
+                               f"ends before its u32 k")
         return int.from_bytes(payload[HEADER.size : HEADER.size + 4], "little")
     return int(d)
 

@@ -54,6 +54,7 @@ engine and the Flower integration always pass the model's ``d``.
 
 from __future__ import annotations
 
+import math
 import struct
 import warnings
 from typing import Protocol
@@ -61,8 +62,9 @@ from typing import Protocol
 import google_crc32c
 import torch
 
-__all__ = ["HEADER", "TRAILER", "Compressor", "PayloadError", "check_checksum_option", "crc32c",
-           "pack", "pack_header", "unpack_header"]
+__all__ = ["HEADER", "TRAILER", "Compressor", "PayloadError", "check_checksum_option",
+           "check_fits", "check_scale", "check_vector", "crc32c", "pack", "pack_header",
+           "unpack_header"]
 
 MAGIC = b"FL"
 VERSION = 1            # no trailer (the format before the trailer, unchanged)
@@ -94,6 +96,40 @@ def check_checksum_option(checksum: object) -> bool:
     if not isinstance(checksum, bool):
         raise ValueError(f"compression.options.checksum: must be true or false, got {checksum!r}")
     return checksum
+
+
+def check_vector(x: object, name: str) -> None:
+    """``encode`` takes the flat update vector: anything else (a 2-D or 0-D tensor) is
+    refused by name, rather than indexed along its first axis."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}.encode: expects a 1-D vector, got {type(x).__name__}")
+    if x.dim() != 1:
+        raise ValueError(f"{name}.encode: expects a 1-D vector, got shape {tuple(x.shape)}")
+
+
+def check_fits(x: torch.Tensor, sent: torch.Tensor, name: str, dtype: str) -> None:
+    """Refuse finite entries of ``x`` that became ±inf in ``sent`` (``x`` cast to the wire
+    dtype, round to nearest: an entry overflows when ``|x|`` reaches the midpoint between
+    the dtype's largest finite value and the next power of two, 65520 for float16). Entries
+    that were inf or NaN already are sent as they are: the server screens such rows."""
+    over = torch.isinf(sent) & torch.isfinite(x)
+    if bool(over.any()):
+        big = float(x[over].abs().max())
+        raise ValueError(f"{name}.encode: {int(over.sum())} entries beyond {dtype}'s range "
+                         f"(largest |x| = {big:.4g}): refused rather than sent as ±inf")
+
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def check_scale(value: float, name: str, what: str) -> None:
+    """A scale sent as float32 must be finite there (its decoder rejects one that is not)."""
+    if not math.isfinite(value):
+        raise ValueError(f"{name}.encode: {what} = {value} (x holds a non-finite entry or "
+                         f"overflows float64)")
+    if math.isinf(float(torch.tensor(value, dtype=torch.float64).to(torch.float32))):
+        raise ValueError(f"{name}.encode: {what} = {value:.4g} is beyond float32's range "
+                         f"(max {_F32_MAX:.6g})")
 
 
 def pack_header(codec: int, d: int, checksum: bool = False) -> bytes:

@@ -8,6 +8,14 @@
   (unbiased). Payload: float32 norm, u16 s, then per entry a sign bit and a
   level of ``⌈log₂(s+1)⌉`` bits, bit-packed.
 
+What the wire cannot hold is refused by ``encode`` with a ``ValueError`` naming the
+compressor (the engine rejects and counts that client), never sent as ±inf: a finite entry
+that the cast turns into ±inf (float16: ``|x| ≥ 65520``, the midpoint between its largest
+finite value 65504 and 2¹⁶, which rounds to even, to inf; bfloat16: a float64 ``|x|`` past
+float32's range, ~3.39e38), and a float32 scale (sign's ``‖x‖₁/d``, QSGD's ``‖x‖₂``) that
+is not finite. Entries that are inf or NaN already are cast as they are (the server screens
+non-finite rows). A tensor that is not 1-D is refused too.
+
 Every payload ends with the CRC-32C trailer unless ``checksum=False`` (see
 :mod:`fedloom.compress.base`). The decoder checks the fields it can against its
 own settings: the cast's dtype code, QSGD's ``s`` (= ``levels``), the padding bits
@@ -24,7 +32,15 @@ from typing import Literal
 import numpy as np
 import torch
 
-from fedloom.compress.base import PayloadError, check_checksum_option, pack, unpack_header
+from fedloom.compress.base import (
+    PayloadError,
+    check_checksum_option,
+    check_fits,
+    check_scale,
+    check_vector,
+    pack,
+    unpack_header,
+)
 from fedloom.compress.coding import pack_bits, unpack_bits
 from fedloom.params import Layout
 from fedloom.registry import register
@@ -52,8 +68,11 @@ class Cast:
         self.checksum = check_checksum_option(checksum)
 
     def encode(self, x: torch.Tensor, *, gen: torch.Generator | None = None) -> bytes:
+        check_vector(x, self.name)
         tdt = torch.float16 if self.dtype == "float16" else torch.bfloat16
-        raw = x.detach().to(tdt).contiguous().view(torch.int16).cpu().numpy().astype("<i2")
+        cast = x.detach().to(tdt)
+        check_fits(x.detach(), cast, self.name, self.dtype)
+        raw = cast.contiguous().view(torch.int16).cpu().numpy().astype("<i2")
         return pack(self.codec, x.numel(), bytes([0 if tdt == torch.float16 else 1])
                     + raw.tobytes(), self.checksum)
 
@@ -82,8 +101,10 @@ class ScaledSign:
         self.checksum = check_checksum_option(checksum)
 
     def encode(self, x: torch.Tensor, *, gen: torch.Generator | None = None) -> bytes:
+        check_vector(x, self.name)
         d = x.numel()
         scale = float(x.detach().abs().sum(dtype=torch.float64) / d) if d else 0.0
+        check_scale(scale, self.name, "the scale ‖x‖₁/d")
         neg = (x.detach() < 0).cpu().numpy()
         return pack(self.codec, d, struct.pack("<f", scale) + pack_bits(neg), self.checksum)
 
@@ -122,11 +143,13 @@ class QSGD:
     def encode(self, x: torch.Tensor, *, gen: torch.Generator | None = None) -> bytes:
         if gen is None:
             raise ValueError("qsgd.encode: needs a generator (gen=...)")
+        check_vector(x, self.name)
         d, s = x.numel(), self.levels
         # On the host: the rounding draws come from a host generator, and every
         # level is sent anyway.
         xd = x.detach().cpu().to(torch.float64)
         norm = float(torch.linalg.vector_norm(xd))
+        check_scale(norm, self.name, "the norm ‖x‖₂")
         if norm > 0:
             r = s * xd.abs() / norm
             lower = torch.floor(r)
@@ -173,8 +196,9 @@ def _fp16(checksum: bool = True, layout: Layout | None = None) -> Cast:
     Reference:
         paper: none (a cast).
         code: none needed.
-        departures: values beyond float16's range become ±inf and the client's update is
-            rejected.
+        departures: a finite value beyond float16's range (``|x| ≥ 65520``, which the cast
+            would round to ±inf) makes ``encode`` raise a ``ValueError`` (the engine rejects
+            that client) rather than send ±inf.
     """
     return Cast("float16", checksum)
 
@@ -186,7 +210,8 @@ def _bf16(checksum: bool = True, layout: Layout | None = None) -> Cast:
     Reference:
         paper: none (a cast).
         code: none needed.
-        departures: none.
+        departures: a finite value beyond bfloat16's range (a float64 ``|x|`` past ~3.39e38)
+            makes ``encode`` raise a ``ValueError`` rather than send ±inf.
     """
     return Cast("bfloat16", checksum)
 

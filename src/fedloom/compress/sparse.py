@@ -20,10 +20,29 @@ decoder allocate more than the payload backs, except the dense output of length
 ``d`` (capped in :func:`fedloom.compress.base.unpack_header` when ``d`` is not given).
 
 Top-k keeps the ``k`` entries of largest magnitude, over the whole vector,
-per tensor or per layer group (``scope``); the per-tensor/-group budget is
-``k_l = max(1, round(n_l · ratio))`` (FLARE's code keeps at least one entry per
-tensor, so the real density is above the ratio: report it). Rand-k keeps ``k``
-uniformly random entries, scaled by ``d/k`` (unbiased) or not (SA-PEF's code).
+per tensor or per layer group (``scope``). The budget of a unit of ``n`` entries
+(``k_rule``; ``round`` is Python's, half to even):
+
+- ``flare`` (the default with ``scope=tensor``): ``k = min(n, round(n·ratio) + 1)``, the
+  public FLARE code's count (RanGreidi/FLARE, src/FLARE_utils.py, ``sparsify_layer``: it
+  takes the ``round(n·R) + 2`` largest magnitudes with ``tf.nn.top_k`` and keeps the entries
+  strictly above the smallest of them, ``round(n·R) + 1`` entries, ``tf.round`` also half to
+  even). Every tensor sends at least one entry, so the real density is above the ratio:
+  report it. On a 700-entry tensor at 1 %: 8 entries, where ``round`` keeps 7.
+- ``round`` (the default with ``scope=global`` or ``group``):
+  ``k = min(n, max(1, round(n·ratio)))``.
+
+Departures from the public count: ``n·ratio`` is computed in float64 from the fraction
+(the public code multiplies ``n`` by ``R/100`` in float32, ``R`` in percent: the counts
+agree unless ``n·ratio`` lies within float32 rounding, ~1e-7 relative, of a half-integer);
+exactly ``k`` entries are kept when magnitudes tie at the k-th (the public ``>`` keeps fewer,
+and none of an all-zero tensor); ``k`` is capped at ``n`` (the public ``top_k`` fails when
+``round(n·R) + 2 > n``). Rand-k keeps ``k`` uniformly random entries, scaled by ``d/k``
+(unbiased) or not (SA-PEF's code).
+
+Values that the wire dtype cannot hold (``|x| ≥ 65520`` for float16, a float64 ``|x|``
+beyond float32's range) are refused with a ``ValueError`` naming the compressor rather
+than sent as ±inf; so is a tensor that is not 1-D, and Rand-k of an empty vector.
 
 :func:`topk_indices` is exact — the same index set as ``torch.topk`` — and fast
 at large ``d``: a threshold from a strided sample keeps a few times ``k``
@@ -42,7 +61,14 @@ from typing import Literal
 import numpy as np
 import torch
 
-from fedloom.compress.base import PayloadError, check_checksum_option, pack, unpack_header
+from fedloom.compress.base import (
+    PayloadError,
+    check_checksum_option,
+    check_fits,
+    check_vector,
+    pack,
+    unpack_header,
+)
 from fedloom.compress.coding import decode_indices, encode_indices
 from fedloom.params import Layout
 from fedloom.registry import register
@@ -55,6 +81,8 @@ _SPARSE = struct.Struct("<IBBI")
 _VALUE_DTYPES = {0: ("<f4", 4), 1: ("<f2", 2)}
 _VCODE = {"float32": 0, "float16": 1}
 ValueDtype = Literal["float32", "float16"]
+KRule = Literal["flare", "round"]
+_CODEC_NAMES = {CODEC_TOPK: "topk", CODEC_RANDK: "randk"}
 
 
 def topk_indices(x: torch.Tensor, k: int, *, sample: int = 65536) -> torch.Tensor:
@@ -107,7 +135,11 @@ def encode_sparse(codec: int, d: int, idx: torch.Tensor, values: torch.Tensor,
     # The selection ran where x lives (the run's device): only the k indices and
     # values cross to the host to be encoded.
     kind, index_block = encode_indices(idx.cpu().numpy(), d)
-    vals = values.detach().to(torch.float32).cpu().numpy().astype(_VALUE_DTYPES[vcode][0])
+    # Through float32 to float16, as before the range check (the same bits on the wire).
+    wire = values.detach().to(torch.float32)
+    wire = wire.to(torch.float16) if vcode else wire
+    check_fits(values.detach(), wire, _CODEC_NAMES.get(codec, "sparse"), value_dtype)
+    vals = wire.cpu().numpy().astype(_VALUE_DTYPES[vcode][0])
     return pack(codec, d, _SPARSE.pack(idx.numel(), kind, vcode, len(index_block))
                 + index_block + vals.tobytes(), checksum)
 
@@ -159,7 +191,8 @@ def _densify(d: int, idx: np.ndarray, vals: np.ndarray) -> torch.Tensor:
     return out
 
 
-def _check_options(ratio: object, count: object, values: object) -> None:
+def _check_options(ratio: object, count: object, values: object, k_rule: object = None,
+                   ) -> None:
     """One-line errors naming the option, before anything is computed with it: a
     ``count`` of 0 would divide by zero in Rand-k's ``d/k``, a string ``ratio``
     would fail deep inside a comparison."""
@@ -173,12 +206,22 @@ def _check_options(ratio: object, count: object, values: object) -> None:
     if values not in ("float32", "float16"):
         raise ValueError(f"compression.options.values: must be float32 or float16, "
                          f"got {values!r}")
+    if k_rule is not None:
+        if k_rule not in ("flare", "round"):
+            raise ValueError(f"compression.options.k_rule: must be flare or round, "
+                             f"got {k_rule!r}")
+        if count is not None:
+            raise ValueError("compression.options.k_rule: only with ratio (count sets k)")
 
 
-def _budget(n: int, ratio: float | None, count: int | None) -> int:
+def _budget(n: int, ratio: float | None, count: int | None, rule: KRule = "round") -> int:
+    """``k`` for a unit of ``n`` entries (module docstring); ``round`` rounds half to even,
+    as ``tf.round`` in the public FLARE code."""
     if count is not None:
         return min(n, count)
     assert ratio is not None
+    if rule == "flare":
+        return min(n, round(n * ratio) + 1)
     return min(n, max(1, round(n * ratio)))
 
 
@@ -186,11 +229,15 @@ class TopK:
     """Top-k by magnitude.
 
     Args:
-        ratio: fraction of entries kept (``k = max(1, round(n·ratio))`` per scope unit).
+        ratio: fraction of entries kept per scope unit (``k_rule``).
         count: an absolute ``k`` instead (global scope only).
         scope: ``global`` (whole vector), ``tensor`` or ``group`` (needs ``layout``).
         values: ``float32`` or ``float16`` on the wire.
+        layout: the model's tensors (``scope`` tensor or group).
         checksum: send (and require) the CRC-32C trailer.
+        k_rule: ``flare`` (``round(n·ratio) + 1``, the public FLARE count) or ``round``
+            (``max(1, round(n·ratio))``); ``None`` is ``flare`` with ``scope=tensor``,
+            ``round`` otherwise (module docstring).
     """
 
     name = "topk"
@@ -199,8 +246,8 @@ class TopK:
     def __init__(self, ratio: float | None = 0.01, count: int | None = None,
                  scope: Literal["global", "tensor", "group"] = "global",
                  values: ValueDtype = "float32", layout: Layout | None = None,
-                 checksum: bool = True) -> None:
-        _check_options(ratio, count, values)
+                 checksum: bool = True, k_rule: KRule | None = None) -> None:
+        _check_options(ratio, count, values, k_rule)
         self.checksum = check_checksum_option(checksum)
         if count is not None:
             ratio = None
@@ -213,6 +260,7 @@ class TopK:
             raise ValueError(f"topk: scope {scope!r} needs the model's layout")
         self.ratio, self.count, self.scope, self.values = ratio, count, scope, values
         self.layout = layout
+        self.k_rule: KRule = k_rule or ("flare" if scope == "tensor" else "round")
 
     def _units(self, d: int) -> list[tuple[int, int]]:
         if self.scope == "global":
@@ -228,15 +276,17 @@ class TopK:
         """The sorted indices this compressor keeps."""
         parts = []
         for start, stop in self._units(x.numel()):
-            k = _budget(stop - start, self.ratio, self.count)
+            k = _budget(stop - start, self.ratio, self.count, self.k_rule)
             parts.append(topk_indices(x[start:stop], k) + start)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def budget(self, d: int) -> list[tuple[int, int, int]]:
         """``(start, stop, k_l)`` of each scope unit for a vector of size ``d``."""
-        return [(a, b, _budget(b - a, self.ratio, self.count)) for a, b in self._units(d)]
+        return [(a, b, _budget(b - a, self.ratio, self.count, self.k_rule))
+                for a, b in self._units(d)]
 
     def encode(self, x: torch.Tensor, *, gen: torch.Generator | None = None) -> bytes:
+        check_vector(x, self.name)
         idx = self.select(x)
         return encode_sparse(self.codec, x.numel(), idx, x[idx], self.values, self.checksum)
 
@@ -248,7 +298,7 @@ class TopK:
 
     def contraction(self, d: int) -> float:
         """``δ = d/k`` (``‖x − C(x)‖² ≤ (1 − 1/δ)‖x‖²``)."""
-        k = sum(_budget(b - a, self.ratio, self.count) for a, b in self._units(d))
+        k = sum(u[2] for u in self.budget(d))
         return d / k
 
 
@@ -270,7 +320,10 @@ class RandK:
     def encode(self, x: torch.Tensor, *, gen: torch.Generator | None = None) -> bytes:
         if gen is None:
             raise ValueError("randk.encode: needs a generator (gen=...)")
+        check_vector(x, self.name)
         d = x.numel()
+        if d == 0:  # k = 0, and d/k would divide by zero
+            raise ValueError("randk.encode: empty vector (d = 0), nothing to sample")
         k = _budget(d, self.ratio, self.count)
         idx = torch.randperm(d, generator=gen)[:k].sort().values  # host generator
         vals = x[idx.to(x.device)] * (d / k) if self.scaled else x[idx.to(x.device)]
@@ -291,19 +344,24 @@ class RandK:
 def _topk(ratio: float | None = 0.01, count: int | None = None,
           scope: Literal["global", "tensor", "group"] = "global",
           values: ValueDtype = "float32", checksum: bool = True,
-          layout: Layout | None = None) -> TopK:
+          layout: Layout | None = None, k_rule: KRule | None = None) -> TopK:
     """Top-k: the ``k`` entries of largest magnitude, over the vector, per tensor or per layer
     group (``scope``).
 
     Reference:
         paper: Stich, Cordonnier & Jaggi, "Sparsified SGD with Memory", NeurIPS 2018; the
             per-tensor budget of FLARE.
-        code: RanGreidi/FLARE (per tensor, ``k_l = max(1, round(n_l R))``).
+        code: RanGreidi/FLARE, src/FLARE_utils.py ``sparsify_layer`` (per tensor,
+            ``k_l = round(n_l R) + 1``: ``k_rule=flare``, the default with ``scope=tensor``;
+            checked against that rule written out on tensors of 3 to 700 entries, counts
+            equal; ``k_rule=round`` is ``max(1, round(n_l R))``).
         departures: the wire format (varint index gaps or a bitmap, whichever is smaller) is
-            fedloom's; the real density is reported (above ``ratio`` per tensor).
+            fedloom's; the real density is reported (above ``ratio`` per tensor); ties at the
+            k-th magnitude keep exactly ``k`` entries (the public ``>`` keeps fewer); ``k`` is
+            capped at ``n``; values beyond the wire dtype are refused, not sent as ±inf.
     """
     return TopK(ratio=ratio, count=count, scope=scope, values=values, layout=layout,
-                checksum=checksum)
+                checksum=checksum, k_rule=k_rule)
 
 
 @register("compressor", "randk")
