@@ -63,13 +63,17 @@ def _check_out(out: Path) -> Path:
 
     Permissions alone do not tell (root may write anywhere, yet ``mkdir`` in
     ``/proc`` fails), so a probe directory is made next to where the run
-    directory will be and removed at once.
+    directory will be and removed at once. An ``out`` that exists is not probed:
+    nothing is made in a directory before it is known to be a run directory
+    (the run's lock step tells, in one line).
     """
     import os
     import tempfile
 
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: exists and is not a directory")
+    if out.is_dir():
+        return out
     base = _first_existing(out)
     if not base.is_dir():
         raise ValueError(f"--out {out}: {base} is a file, not a directory")
@@ -124,8 +128,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         bar.set_postfix(post, refresh=False)
         bar.update(1)
 
+    from fedloom.engine.checkpoint import RunDirWriteError
+
     try:
         result = run(cfg, out=out, resume=args.resume, callbacks=[progress])
+    except RunDirWriteError as e:  # a full disk: the checkpoints so far are kept
+        _remove_new_dirs(out, base)
+        raise RunDirWriteError(f"{e}; free some space, then continue the run with --resume "
+                               f"--out {out}") from None
     except BaseException:
         _remove_new_dirs(out, base)
         raise

@@ -22,6 +22,24 @@ digest existed) is still read, with a warning that it could not be checked.
 (``keep_previous``): a run whose newest checkpoint is damaged resumes from the
 one before it.
 
+**Files that are not regular files** (a link to ``/dev/zero``, a FIFO, a
+device) are never read: :func:`load_checkpoint` and :func:`check_regular` name
+them instead. A checkpoint is read no further than its header says: a file of
+another size is refused from its size alone, before any of it is read.
+
+**Writes that fail** (a full disk: ``ENOSPC``, a quota, a read-only file system)
+raise :class:`RunDirWriteError`, one line naming the file that could not be
+written; the temporary file is removed and the file it was to replace is left
+as it was.
+
+**Run directories.** :func:`lock_run_dir` writes into a directory only if it
+is one: a directory it creates, an empty one (both get the marker file
+``RUN/.fedloom-run`` first), one holding the marker, or one written by a
+fedloom from before the marker (``config.yaml`` with ``checkpoints/`` or
+``metrics.jsonl``; it gets the marker when resumed). Any other directory (``/``,
+a home folder, a link to one) is refused with one line before anything in it is
+created, changed or deleted.
+
 **The run lock.** :func:`lock_run_dir` takes an exclusive ``flock`` on
 ``RUN/.lock`` for the run's life. The kernel drops it when the process ends in
 any way (``SIGKILL`` included), so a killed run never leaves a stale lock; a
@@ -38,6 +56,7 @@ import json
 import logging
 import os
 import secrets
+import stat
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -49,8 +68,10 @@ __all__ = [
     "CheckpointError",
     "RunDirError",
     "RunDirLock",
+    "RunDirWriteError",
     "atomic_write_bytes",
     "atomic_write_json",
+    "check_regular",
     "load_checkpoint",
     "lock_run_dir",
     "remove_leftovers",
@@ -63,6 +84,8 @@ _MAGIC = b"fedloom-checkpoint"
 _VERSION = 2
 _ZIP = b"PK\x03\x04"  # a bare torch.save file (no digest)
 LOCK_FILE = ".lock"
+MARKER_FILE = ".fedloom-run"
+_MARKER_TEXT = b"fedloom run directory\n"
 
 
 class RunDirError(ValueError):
@@ -71,6 +94,46 @@ class RunDirError(ValueError):
 
 class CheckpointError(RunDirError):
     """A checkpoint that is missing, damaged or not this run's; one line naming it."""
+
+
+class RunDirWriteError(RunDirError):
+    """A file of the run directory that could not be written (a full disk); one
+    line naming it. The file it was to replace is as it was."""
+
+
+def _cannot_write(path: Path, e: OSError) -> RunDirWriteError:
+    return RunDirWriteError(f"{path}: cannot be written ({e.strerror or type(e).__name__})")
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _not_regular(path: Path, mode: int, what: str) -> str:
+    kind = _kind(mode)
+    if stat.S_ISDIR(mode):  # the usual damage: say it as before
+        return f"{path}: is a directory, not {what}"
+    return f"{path}: is {kind}, not a regular file ({what} is one)"
+
+
+def check_regular(path: Path, what: str, error: type[RunDirError] = RunDirError) -> None:
+    """Raise ``error`` (one line naming ``path``) unless ``path`` is a regular
+    file, after following links: a link to ``/dev/zero``, a FIFO or a device is
+    never read (reading one never ends, or blocks). A missing file passes (the
+    caller's read names it)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise error(f"{path}: cannot be read ({e.strerror or e})") from None
+    if not stat.S_ISREG(mode):
+        raise error(_not_regular(path, mode, what))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -122,12 +185,17 @@ def _write_tmp(path: Path, data: bytes) -> Path:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = _write_tmp(path, data)
+    """Write ``data`` to ``path`` atomically; :class:`RunDirWriteError` naming
+    ``path`` when it cannot be written (the old file is left as it was)."""
     try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        tmp = _write_tmp(path, data)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    except OSError as e:
+        raise _cannot_write(path, e) from None
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -152,7 +220,15 @@ def save_checkpoint(path: Path, state: dict[str, Any], *,
     payload = buf.getvalue()
     header = (f"{_MAGIC.decode()} {_VERSION} sha256={hashlib.sha256(payload).hexdigest()} "
               f"bytes={len(payload)}\n").encode()
-    tmp = _write_tmp(path, header + payload)
+    try:
+        _write_rotated(path, header + payload, keep_previous)
+    except OSError as e:
+        raise _cannot_write(path, e) from None
+    _fsync_dir(path.parent)
+
+
+def _write_rotated(path: Path, data: bytes, keep_previous: Path | None) -> None:
+    tmp = _write_tmp(path, data)
     try:
         if keep_previous is not None and path.is_file():
             link = keep_previous.with_name(f".{keep_previous.name}.{secrets.token_hex(4)}.tmp")
@@ -169,19 +245,58 @@ def save_checkpoint(path: Path, state: dict[str, Any], *,
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
 
 
 def _read(path: Path) -> bytes:
+    """The bytes of checkpoint ``path``: a regular file only (``O_NONBLOCK``: a
+    FIFO is not waited on), and no more than its header says it holds."""
     try:
-        return path.read_bytes()
-    except IsADirectoryError:
-        raise CheckpointError(f"{path}: is a directory, not a checkpoint file") from None
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except FileNotFoundError:
         what = "a link to a missing file" if path.is_symlink() else "missing"
         raise CheckpointError(f"{path}: {what}") from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(_not_regular(path, st.st_mode, "a checkpoint file"))
+        head = _read_fd(fd, min(st.st_size, 256))
+        expected = _declared_size(head)
+        if expected is not None and expected != st.st_size:
+            end = head.find(b"\n")
+            raise CheckpointError(f"{path}: truncated or extended: {st.st_size - end - 1} bytes "
+                                  f"of content, the header says {expected - end - 1}")
+        return head + _read_fd(fd, st.st_size - len(head))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+
+
+def _read_fd(fd: int, n: int) -> bytes:
+    """``n`` bytes from ``fd`` (fewer at its end)."""
+    parts, left = [], n
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 24))
+        if not chunk:
+            break
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+def _declared_size(head: bytes) -> int | None:
+    """The whole file's length by a well-formed header in ``head``, else ``None``
+    (the file is then read as it is and :func:`_payload` says what is wrong)."""
+    end = head.find(b"\n")
+    fields = head[:end].split() if end > 0 else []
+    if len(fields) != 4 or fields[0] != _MAGIC or not fields[3].startswith(b"bytes="):
+        return None
+    try:
+        return end + 1 + int(fields[3].removeprefix(b"bytes="))
+    except ValueError:
+        return None
 
 
 def _payload(path: Path, data: bytes) -> tuple[bytes, bool]:
@@ -274,12 +389,48 @@ class RunDirLock:
             self.fd = None
 
 
-def lock_run_dir(run_dir: Path) -> tuple[RunDirLock, bool]:
-    """Create ``run_dir`` if needed and lock it; return the lock and whether this
-    call created the folder.
+def _is_run_dir(run_dir: Path) -> bool | None:
+    """Whether the existing directory ``run_dir`` is a run directory: ``True``
+    when it is, or is empty (a lock file of an older fedloom aside) and so may
+    become one, ``None`` for one of a fedloom from before the marker (it gets the
+    marker only when resumed), ``False`` for any other."""
+    names = {p.name for p in run_dir.iterdir()}
+    if not names - {LOCK_FILE, MARKER_FILE} or (run_dir / MARKER_FILE).is_file():
+        return True
+    return None if _is_run_dir_before_marker(run_dir) else False
 
-    Raises :class:`RunDirError` when the folder cannot be created or opened, or
-    when another process holds the lock (naming its pid).
+
+def _is_run_dir_before_marker(run_dir: Path) -> bool:
+    """``config.yaml`` with ``checkpoints/`` or ``metrics.jsonl``: what every run
+    directory held after its first round (the names are rundir's)."""
+    config, ckpt, metrics = (run_dir / n for n in ("config.yaml", "checkpoints", "metrics.jsonl"))
+    return (config.is_file() and not config.is_symlink()
+            and ((ckpt.is_dir() and not ckpt.is_symlink())
+                 or (metrics.is_file() and not metrics.is_symlink())))
+
+
+def _mark(run_dir: Path) -> None:
+    """Write the marker (before the lock file: the directory is a run directory
+    before fedloom puts anything else in it)."""
+    try:
+        fd = os.open(run_dir / MARKER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                     0o644)
+    except FileExistsError:  # a racing run marked it first, or an earlier life did
+        return
+    try:
+        os.write(fd, _MARKER_TEXT)
+    finally:
+        os.close(fd)
+
+
+def lock_run_dir(run_dir: Path, resume: bool = False) -> tuple[RunDirLock, bool]:
+    """Create ``run_dir`` if needed, mark it as a run directory and lock it;
+    return the lock and whether this call created the folder.
+
+    Raises :class:`RunDirError` when the folder cannot be created or opened, when
+    it is an existing directory that is not a run directory (see the module
+    docstring: nothing in it is touched), or when another process holds the
+    lock (naming its pid).
     """
     try:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -290,6 +441,15 @@ def lock_run_dir(run_dir: Path) -> tuple[RunDirLock, bool]:
             created = False
         if not run_dir.is_dir():
             raise RunDirError(f"{run_dir}: exists and is not a directory")
+        known = True if created else _is_run_dir(run_dir)
+        if known is False:
+            real = f" (a link to {run_dir.resolve()})" if run_dir.is_symlink() else ""
+            raise RunDirError(
+                f"{run_dir}: not a fedloom run directory{real}: it is not empty and holds "
+                f"neither {MARKER_FILE} nor a run's config.yaml with checkpoints/ or "
+                "metrics.jsonl; fedloom writes nothing into it (use another --out)")
+        if known or resume:
+            _mark(run_dir)
         fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise RunDirError(f"{run_dir}: cannot use it as a run directory "

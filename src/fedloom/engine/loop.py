@@ -6,16 +6,21 @@ algorithm and no stage of a round: a round is
 the run directory is :mod:`fedloom.engine.rundir`, the summary
 :mod:`fedloom.engine.summary`. After each round: log it (``metrics.jsonl``,
 CSV, TensorBoard), checkpoint on schedule (the metrics of the rounds a
-checkpoint covers are on disk before it), call the callbacks.
+checkpoint covers are on disk before it, and their digest is in it), call the
+callbacks. A file of the run directory that cannot be written (a full disk)
+ends the run with :class:`~fedloom.engine.checkpoint.RunDirWriteError` naming
+it; the checkpoints written so far stay, and ``resume`` continues from them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +29,15 @@ import torch
 from fedloom.buffers import load_buffers
 from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.data.sources import Dataset
-from fedloom.engine.checkpoint import lock_run_dir
+from fedloom.engine.checkpoint import RunDirWriteError, lock_run_dir
 from fedloom.engine.experiment import Experiment
 from fedloom.engine.rundir import (
     CHECKPOINT_FILE,
+    METRICS_DIGEST,
     METRICS_FILE,
     PREVIOUS_CHECKPOINT_FILE,
     check_run_dir,
+    metrics_digest,
     open_run_dir,
     save,
     write_outputs,
@@ -64,6 +71,11 @@ def run(
             A directory that holds a run is never overwritten unless ``resume``.
             It is locked for the run's life: a second run on it gets
             :class:`~fedloom.engine.checkpoint.RunDirError` naming the holder's pid.
+            An existing directory that is not a run directory (not empty, no
+            ``.fedloom-run`` marker; a link to ``/``, say) is refused before
+            anything in it is touched. A file in it that cannot be written (a full
+            disk) raises :class:`~fedloom.engine.checkpoint.RunDirWriteError`
+            naming it; ``resume`` then continues the run.
         resume: continue from ``out``'s newest intact checkpoint (``last.pt``, or
             ``prev.pt`` when ``last.pt`` is missing or damaged: a warning names
             both); the config must match the one saved there. The result is
@@ -97,12 +109,13 @@ def run(
             exp.close()
     # The lock comes first: nothing in the directory (its memmap state files
     # included, which Experiment creates) is touched by a run that does not hold it.
-    lock, created = lock_run_dir(run_dir)
+    lock, created = lock_run_dir(run_dir, resume)
     try:
         check_run_dir(run_dir, resolved, resume)
         exp = Experiment(cfg, state_dir=run_dir / "state", data=data, model=model)
         try:
-            return _loop(exp, cfg, resolved, run_dir, resume, callbacks)
+            with _write_errors(run_dir):
+                return _loop(exp, cfg, resolved, run_dir, resume, callbacks)
         finally:
             exp.close()
     except BaseException:
@@ -116,40 +129,82 @@ def run(
         lock.release()
 
 
+# What a full disk looks like: a write that fails for want of space, not a bug.
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
+@contextlib.contextmanager
+def _write_errors(path: Path) -> Iterator[None]:
+    """A full disk while writing ``path`` (a file, or the run directory when the
+    write is deeper, e.g. in TensorBoard's writer): :class:`RunDirWriteError`
+    naming it, not a traceback."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _FULL:
+            raise
+        where = Path(e.filename) if isinstance(e.filename, str) else path
+        what = "cannot be written" if where != path or path.suffix else \
+            "a file in it cannot be written"
+        raise RunDirWriteError(f"{where}: {what} ({e.strerror or type(e).__name__})") from None
+
+
 class _Sinks:
     """Where each round's metrics go: ``metrics.jsonl`` (appended, flushed), its
     CSV view and TensorBoard (rebuilt from the history on a resume)."""
 
     def __init__(self, cfg: Config, run_dir: Path | None, history: list[dict[str, Any]],
                  next_round: int, resume: bool) -> None:
-        self.csv = (MetricsCSV(run_dir / METRICS_CSV_FILE, history)
-                    if run_dir is not None and cfg.logging.csv else None)
-        if run_dir is not None and self.csv is None:
-            # resumed with logging.csv off: an older copy would disagree with metrics.jsonl
-            (run_dir / METRICS_CSV_FILE).unlink(missing_ok=True)
-        self.tb = (TensorBoardSink(run_dir / TENSORBOARD_DIR, next_round + 1 if resume else None)
-                   if run_dir is not None and cfg.logging.tensorboard else None)
-        self.jsonl = open(run_dir / METRICS_FILE, "a") if run_dir is not None else None
+        # The digest of the rows so far, for the next checkpoint (rundir.metrics_digest).
+        self.digest = metrics_digest(history)
+        self.csv: MetricsCSV | None = None
+        self.tb: TensorBoardSink | None = None
+        self.jsonl: Any = None
+        if run_dir is None:
+            return
+        self.paths = {k: run_dir / name for k, name in (
+            ("csv", METRICS_CSV_FILE), ("tb", TENSORBOARD_DIR), ("jsonl", METRICS_FILE))}
+        with _write_errors(self.paths["csv"]):
+            self.csv = MetricsCSV(self.paths["csv"], history) if cfg.logging.csv else None
+            if self.csv is None:
+                # resumed with logging.csv off: an older copy would disagree with metrics.jsonl
+                self.paths["csv"].unlink(missing_ok=True)
+        with _write_errors(self.paths["tb"]):
+            self.tb = (TensorBoardSink(self.paths["tb"], next_round + 1 if resume else None)
+                       if cfg.logging.tensorboard else None)
+        with _write_errors(self.paths["jsonl"]):
+            self.jsonl = open(self.paths["jsonl"], "a")
 
     def write(self, m: dict[str, Any]) -> None:
+        self.digest = metrics_digest([m], self.digest)
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps(m) + "\n")
-            self.jsonl.flush()
+            with _write_errors(self.paths["jsonl"]):
+                self.jsonl.write(json.dumps(m) + "\n")
+                self.jsonl.flush()
         if self.csv is not None:
-            self.csv.write_last()
+            with _write_errors(self.paths["csv"]):
+                self.csv.write_last()
         if self.tb is not None:
-            self.tb.write(m)
+            with _write_errors(self.paths["tb"]):
+                self.tb.write(m)
 
     def sync(self) -> None:
         """The metrics written so far are on disk (before a checkpoint that covers them)."""
         if self.jsonl is not None:
-            os.fsync(self.jsonl.fileno())
+            with _write_errors(self.paths["jsonl"]):
+                os.fsync(self.jsonl.fileno())
 
-    def close(self) -> None:
-        if self.jsonl is not None:
-            self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
+    def close(self, failing: bool = False) -> None:
+        """Close the files; while ``failing`` (the run is ending with an error),
+        their own errors (a full disk again, flushing) do not hide that one."""
+        for f in (self.jsonl, self.tb):
+            if f is None:
+                continue
+            try:
+                f.close()
+            except OSError:
+                if not failing:
+                    raise
 
 
 def _loop(exp: Experiment, cfg: Config, resolved: dict[str, Any], run_dir: Path | None,
@@ -170,7 +225,9 @@ def _loop(exp: Experiment, cfg: Config, resolved: dict[str, Any], run_dir: Path 
     def checkpoint(st: RunState) -> set[str]:
         sinks.sync()
         assert ckpt_dir is not None
-        return save(ckpt_dir, exp.checkpoint_state(st, ckpt_dir), snap_files)
+        state = exp.checkpoint_state(st, ckpt_dir)
+        state[METRICS_DIGEST] = sinks.digest  # the rows a resume from it must find
+        return save(ckpt_dir, state, snap_files)
 
     try:
         while st.next_round < cfg.rounds:
@@ -191,8 +248,10 @@ def _loop(exp: Experiment, cfg: Config, resolved: dict[str, Any], run_dir: Path 
                 snap_files = checkpoint(st)
             for cb in callbacks:
                 cb(st, m)
-    finally:
-        sinks.close()
+    except BaseException:
+        sinks.close(failing=True)
+        raise
+    sinks.close()
     exp.layout.load_into(exp.module, st.w)
     load_buffers(exp.module, st.buffers)  # model.pt's state_dict and Result.model hold them
     summary = summarize(exp, st, history, [watch.message] if watch.message else [],

@@ -4,7 +4,13 @@ checkpoints it rotates and the outputs a finished run writes.
 A new run needs an empty directory; a resumed one the same config (only
 ``rounds`` may grow, to extend the run), its newest intact checkpoint
 (``last.pt``, else ``prev.pt``) and the metrics of every round that
-checkpoint covers. Everything damaged is named in one line
+checkpoint covers, checked against it: each checkpoint holds the digest of the
+metrics rows it was written after (:func:`metrics_digest`), so rows of another
+run, or a file cut before the checkpoint's round, are never continued silently —
+the resume falls back to ``prev.pt`` when its rows are intact, as for a damaged
+``last.pt``, and says so. Only directories fedloom made run directories are
+written into (:func:`~fedloom.engine.checkpoint.lock_run_dir`). Everything
+damaged is named in one line
 (:class:`~fedloom.engine.checkpoint.RunDirError`,
 :class:`~fedloom.engine.checkpoint.CheckpointError`, or
 :class:`~fedloom.config.ConfigError` for a config that differs).
@@ -12,6 +18,7 @@ checkpoint covers. Everything damaged is named in one line
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -29,10 +36,12 @@ from fedloom.config import Config, ConfigError, config_to_dict, load_config, saf
 from fedloom.device import to_host
 from fedloom.engine.checkpoint import (
     LOCK_FILE,
+    MARKER_FILE,
     CheckpointError,
     RunDirError,
     atomic_write_bytes,
     atomic_write_json,
+    check_regular,
     load_checkpoint,
     remove_leftovers,
     save_checkpoint,
@@ -40,9 +49,10 @@ from fedloom.engine.checkpoint import (
 from fedloom.engine.runstate import RunState
 from fedloom.engine.setup import Setup
 
-__all__ = ["CHECKPOINT_FILE", "CLIENT_ACC_FILE", "CONFIG_FILE", "LABELS_FILE", "METRICS_FILE",
-           "MODEL_FILE", "PREVIOUS_CHECKPOINT_FILE", "SUMMARY_FILE", "check_run_dir",
-           "open_run_dir", "read_metrics", "save", "write_outputs"]
+__all__ = ["CHECKPOINT_FILE", "CLIENT_ACC_FILE", "CONFIG_FILE", "LABELS_FILE", "METRICS_DIGEST",
+           "METRICS_FILE", "MODEL_FILE", "PREVIOUS_CHECKPOINT_FILE", "SUMMARY_FILE",
+           "check_run_dir", "metrics_digest", "open_run_dir", "read_metrics", "save",
+           "write_outputs"]
 
 log = logging.getLogger("fedloom")
 
@@ -54,6 +64,19 @@ PREVIOUS_CHECKPOINT_FILE = "checkpoints/prev.pt"
 MODEL_FILE = "model.pt"
 CLIENT_ACC_FILE = "client_acc.json"
 LABELS_FILE = "labels.json"
+# The checkpoint key holding metrics_digest of the rows before its round.
+METRICS_DIGEST = "metrics_digest"
+
+
+def metrics_digest(rows: Sequence[dict[str, Any]], start: str = "") -> str:
+    """The chained SHA-256 of metrics rows: ``d_k = sha256(d_{k-1} + json.dumps(row_k))``
+    from ``d_0 = start`` (``""``). Of each row's JSON value, as ``metrics.jsonl``
+    holds it (``json.dumps(json.loads(line))`` is the line as written), so
+    reformatting the file keeps it and any changed, missing or foreign row changes it."""
+    d = start
+    for m in rows:
+        d = hashlib.sha256((d + json.dumps(m)).encode()).hexdigest()
+    return d
 
 
 def _ranges(rounds: Sequence[int]) -> str:
@@ -72,8 +95,8 @@ _TOTAL_KEYS = {"uplink_bytes": "uplink_bytes_total", "downlink_bytes": "downlink
                "rejected_updates": "rejected_updates_total"}
 
 
-def read_metrics(path: Path, upto: int,
-                  totals: dict[str, int] | None = None) -> list[dict[str, Any]]:
+def read_metrics(path: Path, upto: int, totals: dict[str, int] | None = None,
+                 digest: str | None = None) -> list[dict[str, Any]]:
     """The metrics of rounds ``1 … upto`` (the checkpoint's round), validated.
 
     Each line must be a UTF-8 JSON object with an integer ``round``. Lines of
@@ -81,15 +104,24 @@ def read_metrics(path: Path, upto: int,
     are dropped, and so is a torn last line (what a kill leaves; alone, it is not
     reported). Other damaged lines are dropped with a warning naming them when
     rounds ``1 … upto`` are all intact without them; otherwise — a
-    round missing, repeated or out of order, the file missing or not a file, or
-    the line of round ``upto`` whose totals differ from the checkpoint's
-    ``totals`` (a file from another run) — :class:`RunDirError`, one line naming
-    the file. Rounds are never dropped silently.
+    round missing, repeated or out of order, the file missing or not a regular
+    file, rows whose :func:`metrics_digest` differs from the checkpoint's
+    ``digest``, or (a checkpoint from before the digest) the line of round
+    ``upto`` whose totals differ from the checkpoint's ``totals`` (a file from
+    another run) — :class:`RunDirError`, one line naming the file. Rounds are
+    never dropped silently.
     """
     if upto == 0:
         return []
+    return _metrics_rows(path, _metrics_bytes(path, upto), upto, totals, digest)
+
+
+def _metrics_bytes(path: Path, upto: int) -> bytes:
+    """The metrics file's bytes; :class:`RunDirError` when there is no such file
+    to read (whatever checkpoint is resumed)."""
+    check_regular(path, "the metrics file")
     try:
-        raw = path.read_bytes()
+        return path.read_bytes()
     except IsADirectoryError:
         raise RunDirError(f"{path}: is a directory, not the metrics file") from None
     except FileNotFoundError:
@@ -97,6 +129,12 @@ def read_metrics(path: Path, upto: int,
                           f"metrics of rounds {_ranges(range(1, upto + 1))} are lost") from None
     except OSError as e:
         raise RunDirError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def _metrics_rows(path: Path, raw: bytes, upto: int, totals: dict[str, int] | None,
+                  digest: str | None) -> list[dict[str, Any]]:
+    """Rounds ``1 … upto`` of ``raw`` checked (see :func:`read_metrics`);
+    :class:`RunDirError` when they are not those of the checkpoint."""
     lines = raw.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # the file ends with a newline
@@ -121,6 +159,10 @@ def read_metrics(path: Path, upto: int,
         dmg = f" ({len(bad)} damaged lines: {_ranges(bad)})" if bad else ""
         raise RunDirError(f"{path}: rounds {_ranges(missing)} before the checkpoint's round "
                           f"{upto} are missing{dmg}")
+    if digest is not None and metrics_digest(out) != digest:
+        raise RunDirError(f"{path}: rounds 1–{upto} are not those the checkpoint of round "
+                          f"{upto} was written after (their digest differs): the file is not "
+                          "this run's")
     if totals is not None:
         last = out[-1]
         for key, name in _TOTAL_KEYS.items():
@@ -185,6 +227,7 @@ def check_run_dir(run_dir: Path, resolved: dict[str, Any], resume: bool) -> None
     if resume:
         if not (saved.exists() or saved.is_symlink()):
             return
+        check_regular(saved, "the run's config")  # a link to /dev/zero is never read
         try:
             old = safe_load_bounded(saved.read_bytes().decode("utf-8"), str(saved))
         except IsADirectoryError:
@@ -211,7 +254,7 @@ def check_run_dir(run_dir: Path, resolved: dict[str, Any], resume: bool) -> None
                     "same config and overrides (only rounds may change, to extend the run)"
                 )
             _check_extension(old.get("rounds"), resolved)
-    elif any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+    elif any(p.name not in (LOCK_FILE, MARKER_FILE) for p in run_dir.iterdir()):
         raise ConfigError(f"{run_dir}: run directory exists and is not empty "
                           "(use --resume to continue it, or another --out)")
 
@@ -222,9 +265,10 @@ _CKPT_KEYS = ("format", "next_round", "w", "opt_state", "agg_state", "method_sta
 
 
 def _restore_checked(exp: Setup, cfg: Config, resolved: dict[str, Any],
-                     path: Path) -> tuple[RunState, set[str]]:
-    """Load, check and restore one checkpoint; return its state and the snapshot
-    files it names. Raises :class:`CheckpointError` naming ``path``."""
+                     path: Path) -> tuple[RunState, set[str], str | None]:
+    """Load, check and restore one checkpoint; return its state, the snapshot
+    files it names and its metrics digest (``None`` in a checkpoint from before
+    it). Raises :class:`CheckpointError` naming ``path``."""
     ck = load_checkpoint(path, _CKPT_KEYS)
 
     def bad(what: str) -> CheckpointError:
@@ -254,6 +298,9 @@ def _restore_checked(exp: Setup, cfg: Config, resolved: dict[str, Any],
     for key in ("opt_state", "method_state", "feedback_state", "store"):
         if not isinstance(ck[key], dict):
             raise bad(f"{key!r} is a {type(ck[key]).__name__}, not a mapping")
+    digest = ck.get(METRICS_DIGEST)
+    if digest is not None and not isinstance(digest, str):
+        raise bad(f"{METRICS_DIGEST!r} is a {type(digest).__name__}, not a digest")
     try:
         st = exp.restore(ck, path.parent)
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError,
@@ -263,17 +310,23 @@ def _restore_checked(exp: Setup, cfg: Config, resolved: dict[str, Any],
         raise (CheckpointError(f"{msg} (named by {path})") if msg.startswith(str(path.parent))
                else bad(f"cannot be restored ({msg})")) from None
     files = {v["file"] for v in ck["store"].values() if isinstance(v, dict)}
-    return st, files
+    return st, files, digest
 
 
-def _open_checkpoint(exp: Setup, cfg: Config, resolved: dict[str, Any], ckpt_dir: Path
-                     ) -> tuple[RunState, set[str], str | None] | None:
-    """The newest intact checkpoint of ``ckpt_dir``: ``(state, its snapshot files,
-    why last.pt was passed over or None)``, or ``None`` when there is none at all.
+_Found = tuple[RunState, set[str], list[dict[str, Any]], str | None]
+
+
+def _open_checkpoint(exp: Setup, cfg: Config, resolved: dict[str, Any], run_dir: Path
+                     ) -> _Found | None:
+    """The newest intact checkpoint of ``run_dir`` whose rounds' metrics are all
+    in ``metrics.jsonl``: ``(state, its snapshot files, those metrics, why
+    last.pt was passed over or None)``, or ``None`` when there is no checkpoint.
 
     ``last.pt`` is tried first, then ``prev.pt``; if neither is intact,
-    :class:`CheckpointError` names both and what is wrong with each.
+    :class:`CheckpointError` names both and what is wrong with each (a
+    :class:`RunDirError` when the metrics are what is wrong with one of them).
     """
+    ckpt_dir = (run_dir / CHECKPOINT_FILE).parent
     last, prev = ckpt_dir / "last.pt", ckpt_dir / "prev.pt"
 
     def there(p: Path) -> bool:
@@ -282,16 +335,29 @@ def _open_checkpoint(exp: Setup, cfg: Config, resolved: dict[str, Any], ckpt_dir
     if not (there(last) or there(prev)):
         return None
     problems: list[str] = []
+    raw: bytes | None = None  # the metrics file, read once (its absence is no fallback)
+    metrics_bad = False
     for p in (last, prev):
         if not there(p):
             problems.append(f"{p}: missing")
             continue
         try:
-            st, files = _restore_checked(exp, cfg, resolved, p)
+            st, files, digest = _restore_checked(exp, cfg, resolved, p)
         except CheckpointError as e:
             problems.append(str(e))
             continue
-        return st, files, (problems[0] if problems else None)
+        path = run_dir / METRICS_FILE
+        raw = _metrics_bytes(path, st.next_round) if raw is None else raw
+        try:
+            history = _metrics_rows(path, raw, st.next_round, st.totals, digest)
+        except RunDirError as e:  # those rows are not this checkpoint's: as if it were damaged
+            problems.append(f"{e}, so {p.name} (round {st.next_round}) cannot be continued")
+            metrics_bad = True
+            continue
+        return st, files, history, (problems[0] if problems else None)
+    if metrics_bad:
+        raise RunDirError("; ".join(problems) + "; no checkpoint to resume from with the "
+                          "metrics of its rounds (start again with another --out)")
     raise CheckpointError("; ".join(problems) + "; no intact checkpoint to resume from (start "
                           "again with another --out)")
 
@@ -338,15 +404,13 @@ def open_run_dir(exp: Setup, cfg: Config, resolved: dict[str, Any], run_dir: Pat
         log.info("%s: removed %d temporary files left by a killed write (%s)", run_dir,
                  len(gone), ", ".join(sorted(gone)))
     if resume:
-        found = _open_checkpoint(exp, cfg, resolved, ckpt_dir)
+        found = _open_checkpoint(exp, cfg, resolved, run_dir)
         if found is None:
             log.info("%s: no checkpoint; starting at round 1", ckpt_dir)
         else:
-            st, snap_files, passed_over = found
+            st, snap_files, history, passed_over = found
             if passed_over is not None:
                 _set_aside(ckpt_dir, passed_over, st.next_round, snap_files)
-        history = read_metrics(run_dir / METRICS_FILE, st.next_round,
-                               st.totals if found is not None else None)
     atomic_write_bytes(run_dir / CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False).encode())
     classes = getattr(exp.fed.dataset, "classes", None)
     if classes:  # the user's class names (CSV text labels): class k is classes[k]
@@ -359,8 +423,9 @@ def open_run_dir(exp: Setup, cfg: Config, resolved: dict[str, Any], run_dir: Pat
 
 
 def _set_aside(ckpt_dir: Path, why: str, round_: int, snap_files: set[str]) -> None:
-    """``last.pt`` was passed over (``why``) for ``prev.pt``: keep it aside, out of
-    the rotation, and drop the snapshot files only it named."""
+    """``last.pt`` was passed over (``why``: it is damaged, or the metrics of its
+    rounds are) for ``prev.pt``: keep it aside, out of the rotation, and drop the
+    snapshot files only it named."""
     last = ckpt_dir / "last.pt"
     msg = f"{why}; resumed from {ckpt_dir / 'prev.pt'} (round {round_})"
     if last.exists() or last.is_symlink():
@@ -371,7 +436,7 @@ def _set_aside(ckpt_dir: Path, why: str, round_: int, snap_files: set[str]) -> N
         else:
             kept.unlink(missing_ok=True)
         os.replace(last, kept)
-        msg += f"; the damaged file is now {kept.name}"
+        msg += f"; {last.name} is now {kept.name}, out of the rotation"
     # Only prev.pt's snapshot files are of use now (the rounds after it are run
     # again and write their own).
     _drop_snapshots(ckpt_dir, snap_files)
