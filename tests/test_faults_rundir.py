@@ -256,17 +256,19 @@ def test_metrics_cut_mid_line_falls_back_to_prev(stopped, tmp_path, capsys, capl
 
 # ------------------------------------------------------------------ full disk
 class _Disk:
-    """A small file system under ``path``: a real tmpfs when this process may
-    mount one, else ENOSPC simulated where a full disk first shows (creating a
-    file). :meth:`fill` makes it full, :meth:`free` gives the space back."""
+    """A small file system under ``path``: a real 16 MiB tmpfs (``real``), or
+    ENOSPC simulated where a full disk first shows for a new file (its creation).
+    :meth:`fill` makes it full, :meth:`free` gives the space back."""
 
-    def __init__(self, path: Path, monkeypatch) -> None:
+    def __init__(self, path: Path, monkeypatch, real: bool) -> None:
         path.mkdir()
-        self.path, self.full = path, False
-        self.real = (os.geteuid() == 0 and shutil.which("mount") is not None
-                     and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs",
-                                         str(path)], capture_output=True).returncode == 0)
-        if not self.real:
+        self.path, self.full, self.real = path, False, real
+        if real:
+            if os.geteuid() != 0 or shutil.which("mount") is None or subprocess.run(
+                    ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)],
+                    capture_output=True).returncode != 0:
+                pytest.skip("cannot mount a tmpfs here (the simulated variant runs)")
+        else:
             import tempfile
 
             real_mkstemp = tempfile.mkstemp
@@ -299,9 +301,9 @@ class _Disk:
             subprocess.run(["umount", str(self.path)], check=True)
 
 
-@pytest.fixture
-def disk(tmp_path, monkeypatch):
-    d = _Disk(tmp_path / "disk", monkeypatch)
+@pytest.fixture(params=["tmpfs", "simulated"])
+def disk(tmp_path, monkeypatch, request):
+    d = _Disk(tmp_path / "disk", monkeypatch, request.param == "tmpfs")
     try:
         yield d
     finally:
@@ -347,14 +349,40 @@ def test_full_disk_one_line_exit_2_and_resume_continues(stopped, disk, tmp_path,
     assert not list(out.rglob("*.tmp"))
     monkeypatch.setattr(loop, "save", real_save)
     monkeypatch.setattr(loop, "write_outputs", real_outputs)
-    if disk.real:
-        before = {p: p.read_bytes() for p in (out / "metrics.jsonl", out / "checkpoints/last.pt")}
-        rc, err = _cli(cfg, out, capsys, "--resume")
-        assert rc == 2 and len(err) == 1 and "cannot be written" in err[0], err
-        assert {p: p.read_bytes() for p in before} == before
-        assert not list(out.rglob("*.tmp"))
+    before = {p: p.read_bytes() for p in (out / "metrics.jsonl", out / "checkpoints/last.pt")}
+    rc, err = _cli(cfg, out, capsys, "--resume")  # still full
+    assert rc == 2 and len(err) == 1 and "cannot be written" in err[0], err
+    assert {p: p.read_bytes() for p in before} == before
+    assert not list(out.rglob("*.tmp"))
     disk.free()
     rc, err = _cli(cfg, out, capsys, "--resume")
     assert rc == 0, err
     assert _sha(out) == stopped[1]
     assert _stable(_rows(out)) == _stable(stopped[2])
+
+
+# ------------------------------------------------------ state snapshot files
+MEMMAP = [*DENSE, "compression.name=topk", "compression.options.ratio=0.1",
+          "compression.feedback=ef", "state.storage=memmap"]
+
+
+@pytest.mark.parametrize("target", SPECIAL)
+def test_state_snapshot_that_is_a_special_file_falls_back(tmp_path, capsys, caplog, target):
+    """A state snapshot of ``last.pt`` (memmap state) that is a link to /dev/zero
+    or a FIFO: never read; the resume falls back to ``prev.pt`` and its snapshot."""
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump(TINY))
+    ref = fedloom.run(TINY, MEMMAP)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        fedloom.run(TINY, MEMMAP, out=out, callbacks=[_stop_at_2])
+    _link_special(out / "checkpoints" / "state-fb.residual-r2.bin", target)
+    caplog.set_level(logging.WARNING, logger="fedloom")
+    capsys.readouterr()
+    rc = cli.main(["run", str(cfg), *MEMMAP, "--out", str(out), "--quiet", "--resume"])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert rc == 0, err
+    assert _sha(out) == ref.summary["model_sha256"]
+    warn = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warn) == 1 and "state-fb.residual-r2.bin: is " in warn[0], warn
+    assert "not a regular file" in warn[0] and "prev.pt (round 1)" in warn[0]
