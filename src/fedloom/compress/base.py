@@ -188,6 +188,9 @@ def unpack_header(
 class Compressor(Protocol):
     """``decode(encode(x))`` is the vector the receiver sees.
 
+    ``encode`` takes the flat 1-D update and raises a ``ValueError`` naming the compressor
+    on what it cannot send faithfully (another shape, a finite value its wire dtype would
+    turn into ±inf); the engine rejects and counts that client.
     ``checksum``: whether payloads carry (and ``decode`` requires) the CRC-32C trailer.
     Optional ``linear`` (class attribute, ``False`` when absent): payloads are dense
     values on the same coordinates for every client, so a sum-only (secure
