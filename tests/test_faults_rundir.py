@@ -360,29 +360,3 @@ def test_full_disk_one_line_exit_2_and_resume_continues(stopped, disk, tmp_path,
     assert _sha(out) == stopped[1]
     assert _stable(_rows(out)) == _stable(stopped[2])
 
-
-# ------------------------------------------------------ state snapshot files
-MEMMAP = [*DENSE, "compression.name=topk", "compression.options.ratio=0.1",
-          "compression.feedback=ef", "state.storage=memmap"]
-
-
-@pytest.mark.parametrize("target", SPECIAL)
-def test_state_snapshot_that_is_a_special_file_falls_back(tmp_path, capsys, caplog, target):
-    """A state snapshot of ``last.pt`` (memmap state) that is a link to /dev/zero
-    or a FIFO: never read; the resume falls back to ``prev.pt`` and its snapshot."""
-    cfg = tmp_path / "tiny.yaml"
-    cfg.write_text(yaml.safe_dump(TINY))
-    ref = fedloom.run(TINY, MEMMAP)
-    out = tmp_path / "run"
-    with pytest.raises(KeyboardInterrupt):
-        fedloom.run(TINY, MEMMAP, out=out, callbacks=[_stop_at_2])
-    _link_special(out / "checkpoints" / "state-fb.residual-r2.bin", target)
-    caplog.set_level(logging.WARNING, logger="fedloom")
-    capsys.readouterr()
-    rc = cli.main(["run", str(cfg), *MEMMAP, "--out", str(out), "--quiet", "--resume"])
-    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
-    assert rc == 0, err
-    assert _sha(out) == ref.summary["model_sha256"]
-    warn = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warn) == 1 and "state-fb.residual-r2.bin: is " in warn[0], warn
-    assert "not a regular file" in warn[0] and "prev.pt (round 1)" in warn[0]

@@ -132,10 +132,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     try:
         result = run(cfg, out=out, resume=args.resume, callbacks=[progress])
-    except RunDirWriteError as e:  # a full disk: the checkpoints so far are kept
+    except RunDirWriteError as e:  # e.g. a full disk: the checkpoints so far are kept
         _remove_new_dirs(out, base)
-        raise RunDirWriteError(f"{e}; free some space, then continue the run with --resume "
-                               f"--out {out}") from None
+        then = "free some space" if e.full else "make it writable"
+        raise RunDirWriteError(f"{e}; {then}, then continue the run with --resume --out "
+                               f"{out}") from None
     except BaseException:
         _remove_new_dirs(out, base)
         raise

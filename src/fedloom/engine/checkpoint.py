@@ -49,6 +49,7 @@ pid (written into the lock file).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import io
@@ -97,12 +98,17 @@ class CheckpointError(RunDirError):
 
 
 class RunDirWriteError(RunDirError):
-    """A file of the run directory that could not be written (a full disk); one
-    line naming it. The file it was to replace is as it was."""
+    """A file of the run directory that could not be written; one line naming it.
+    The file it was to replace is as it was. ``full``: for want of space (a full
+    disk, a quota, a file-size limit)."""
+
+    full = False
 
 
 def _cannot_write(path: Path, e: OSError) -> RunDirWriteError:
-    return RunDirWriteError(f"{path}: cannot be written ({e.strerror or type(e).__name__})")
+    err = RunDirWriteError(f"{path}: cannot be written ({e.strerror or type(e).__name__})")
+    err.full = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    return err
 
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),

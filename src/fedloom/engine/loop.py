@@ -112,12 +112,12 @@ def run(
     lock, created = lock_run_dir(run_dir, resume)
     try:
         check_run_dir(run_dir, resolved, resume)
-        exp = Experiment(cfg, state_dir=run_dir / "state", data=data, model=model)
-        try:
-            with _write_errors(run_dir):
+        with _write_errors(run_dir):  # the memmap state files are made here
+            exp = Experiment(cfg, state_dir=run_dir / "state", data=data, model=model)
+            try:
                 return _loop(exp, cfg, resolved, run_dir, resume, callbacks)
-        finally:
-            exp.close()
+            finally:
+                exp.close()
     except BaseException:
         # A run dir made by this call that holds no checkpoint has nothing worth
         # keeping; one with a checkpoint stays so that --resume can continue it.
@@ -146,7 +146,9 @@ def _write_errors(path: Path) -> Iterator[None]:
         where = Path(e.filename) if isinstance(e.filename, str) else path
         what = "cannot be written" if where != path or path.suffix else \
             "a file in it cannot be written"
-        raise RunDirWriteError(f"{where}: {what} ({e.strerror or type(e).__name__})") from None
+        err = RunDirWriteError(f"{where}: {what} ({e.strerror or type(e).__name__})")
+        err.full = e.errno != errno.EROFS
+        raise err from None
 
 
 class _Sinks:
