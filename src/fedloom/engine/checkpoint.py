@@ -124,7 +124,11 @@ def _not_regular(path: Path, mode: int, what: str) -> str:
     kind = _kind(mode)
     if stat.S_ISDIR(mode):  # the usual damage: say it as before
         return f"{path}: is a directory, not {what}"
-    return f"{path}: is {kind}, not a regular file ({what} is one)"
+    try:
+        link = f"a link to {os.readlink(path)}, " if path.is_symlink() else ""
+    except OSError:  # pragma: no cover (replaced meanwhile)
+        link = ""
+    return f"{path}: is {link}{kind}, not a regular file (never read as {what})"
 
 
 def check_regular(path: Path, what: str, error: type[RunDirError] = RunDirError) -> None:
