@@ -7,8 +7,12 @@ drawn by hypothesis, derandomized, from these kinds: independent, correlated
 (pairwise cos ≈ 0.9), near-collinear (cos ≈ 0.9999), anti-correlated (a third
 of the rows reversed), norms spread over 1e-3 … 1e3, low rank, more rows than
 the narrowest layer group, an exact duplicate, a near duplicate (1e-4 apart,
-other weight), a zero row, one client; in float32 (the engine's dtype) and
-float64, on a three-group layout (widths 208, 27 and 4).
+other weight), a zero row, one client, and the edges of the floating-point
+range: huge rows (norms ~1e160 in float64, ~1e30 in float32: squares overflow),
+tiny rows (~1e-170, ~1e-25: squares underflow) and norms spread over 1e-150 …
+1e150 (float32: 1e-20 … 1e20); in float32 (the engine's dtype) and float64, on
+a three-group layout (widths 208, 27 and 4). The test's own norms are taken
+without squaring huge or tiny entries (``_norm``).
 
 Properties, each from a fresh state and from the state after one round on
 another cohort of the same kind (stateful rules: CRAFT's reference, FedFV's
@@ -65,7 +69,13 @@ N = 50   # population the cohort's client ids come from
 LR = 0.1
 
 KINDS = ("independent", "correlated", "near_collinear", "anti_correlated", "spread_norms",
-         "low_rank", "wide", "duplicated", "near_duplicate", "zero_row", "one_client")
+         "low_rank", "wide", "duplicated", "near_duplicate", "zero_row", "one_client",
+         "huge", "tiny", "range_spread")
+# The edges of the floating-point range (finite input must give a finite output):
+# rows whose squares overflow (float64 norms ~1e160; float32 ~1e30) or underflow
+# (float64 ~1e-170; float32 entries ~1e-25), and float32 norms spread over 1e-20 … 1e20
+# (float64: 1e-150 … 1e150).
+_RANGE = {"huge": (1e160, 1e30), "tiny": (1e-170, 1e-25)}
 
 
 @dataclass(frozen=True)
@@ -168,6 +178,11 @@ def make_cohort(kind: str, m: int, seed: int, dtype: torch.dtype, round: int = 1
     elif kind == "zero_row":
         R[-1] = 0
     scale = 10 ** (3 * float(torch.rand(1, generator=gen)) - 2)  # updates of 1e-2 … 10
+    if kind in _RANGE:
+        scale *= _RANGE[kind][0 if dtype == torch.float64 else 1]
+    elif kind == "range_spread":
+        e = 150 if dtype == torch.float64 else 20
+        R = R * 10 ** (2 * e * torch.rand(m, 1, generator=gen, dtype=torch.float64) - e)
     n = torch.randint(5, 500, (m,), generator=gen).to(dtype)
     info = CohortInfo(
         clients=torch.randperm(N, generator=gen)[:m], round=round, num_clients=N,
@@ -209,10 +224,21 @@ def _eps(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps
 
 
+def _norm(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """‖x‖ in float64 without squaring huge or tiny entries (the huge/tiny cohorts)."""
+    x = x.double()
+    if dim is None:
+        a = x.abs().max() if x.numel() else x.new_zeros(())
+        return a * (x / a).norm() if float(a) > 0 else a
+    a = x.abs().amax(dim, keepdim=True)
+    safe = torch.where(a > 0, a, torch.ones_like(a))
+    return a.squeeze(dim) * (x / safe).norm(dim=dim)
+
+
 def _norm_bound(rule: Rule, c: Cohort) -> float:
     """``B``: the family's bound on ‖out‖ (the box rules: their box's norm)."""
     U = c.U.double()
-    S = float(U.norm(dim=1).max())
+    S = float(_norm(U, 1).max())
     if rule.bound == "nova":
         p = c.n.double() / c.n.double().sum()
         a = c.info.steps.double()
@@ -220,7 +246,7 @@ def _norm_bound(rule: Rule, c: Cohort) -> float:
     if rule.bound == "afl":
         return S / LR
     if rule.bound == "box":
-        return float(U.abs().max(0).values.norm())
+        return float(_norm(U.abs().max(0).values))
     return S  # convex; CRAFT's own bound is checked per group
 
 
@@ -256,14 +282,14 @@ def test_finite_bounded_and_permutation_invariant(name, kind):
                 ref = None if prev is None else prev[grp.slice].double()
                 _check_craft_group(agg, c, grp.slice, o[grp.slice], ref)
         else:
-            assert float(o.norm()) <= B * (1 + 1e-5) + 1e-30, (
-                f"{name}: ‖out‖ = {float(o.norm()):.4g} > bound {B:.4g} on {c!r}")
+            assert float(_norm(o)) <= B * (1 + 1e-5), (
+                f"{name}: ‖out‖ = {float(_norm(o)):.4g} > bound {B:.4g} on {c!r}")
         # the same cohort in another order, from the same state
         perm = torch.randperm(c.m, generator=torch.Generator().manual_seed(perm_seed))
         b, _, _ = agg(c.U[perm], c.n[perm], state, info=c.permuted(perm).info)
-        diff = float((o - b.double()).norm())
+        diff = float(_norm(o - b.double()))
         if rule.solver:
-            tol = (1e-3 if dtype == torch.float32 else 1e-9) * (float(o.norm()) + B)
+            tol = (1e-3 if dtype == torch.float32 else 1e-9) * (float(_norm(o)) + B)
         else:
             tol = 8 * c.m * _eps(dtype) * B
         assert diff <= tol, f"{name}: permuted, ‖a − b‖ = {diff:.3g} > {tol:.3g} on {c!r}"
@@ -304,7 +330,7 @@ def _check_craft_group(agg, c: Cohort, sl: slice, g: torch.Tensor,
     """Constraints at full row rank, stationarity and the norm bound everywhere
     (see the module docstring)."""
     R = c.U[:, sl].double()
-    norms = R.norm(dim=1)
+    norms = _norm(R, 1)
     usable = norms > 0
     k = int(usable.sum())
     if k < 2:
@@ -348,7 +374,11 @@ def test_config_length_consistent_and_equal_angles(kind):
 def _config_properties(c: Cohort) -> None:
     _, _, _, out, _ = _apply("config", c, None)
     g, R = out.double(), c.U.double()
-    R = R[R.norm(dim=1) > 0]                       # zero rows are dropped (ConFIG's docstring)
+    # both sides are homogeneous of degree 2: divide by the largest entry so that no
+    # product overflows (the huge cohorts)
+    a = float(R.abs().max()) or 1.0
+    g, R = g / a, R / a
+    R = R[_norm(R, 1) > 0]                         # zero rows are dropped (ConFIG's docstring)
     gg = float(g @ g)
     if gg == 0:
         return
@@ -356,7 +386,7 @@ def _config_properties(c: Cohort) -> None:
     scale = float(g.norm() * R.norm(dim=1).mean())
     assert abs(gg - float(proj.mean())) <= 1e-4 * scale, (
         f"config: ‖g‖² = {gg:.4g} but mean ⟨g_i, g⟩ = {float(proj.mean()):.4g} on {c!r}")
-    norms = R.norm(dim=1)
+    norms = _norm(R, 1)
     Uu = R / norms[:, None]
     s = torch.linalg.svdvals(Uu)
     if Uu.shape[0] <= D and float(s[-1]) >= 1e-3 * float(s[0]):

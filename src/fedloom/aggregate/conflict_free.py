@@ -44,6 +44,20 @@ in float32) is less robust than its ``pinv``: on 20 anti-correlated rows at
 d = 1e4 (κ(U) = 20) it returned a direction whose equal-angle conditions
 ``U x = 1`` miss by 0.71 (pinv: 3e-6, float64: 2e-14).
 
+Range and degenerate cohorts. Where the squares over- or underflow (float32
+rows ≳ 1e19 or ≲ 1e-22 go to the float64 path; there, rows of norm ≳ 1e154 or
+entries ≲ 1e-162 are scaled by powers of two, exactly: gram.py's
+:func:`~fedloom.aggregate.gram.row_scales`), and where a float32 coefficient
+would overflow (float32 norms spread over ~1e40), ``g`` is formed in float64:
+before, each gave a non-finite direction. When ``1`` is orthogonal to every kept
+direction within rounding (``‖V_keptᵀ1‖ ≤ √k·max(8·k·eps, 8·k·eps64·κ)``, e.g.
+rows ``v, −2v, 3v, −0.5v``), ``U_cut⁺1 = 0`` and the result is 0 with
+``config_infeasible = 1``; before, the result was the solve's rounding: for
+those rows (d = 40, ‖v‖ = 6.4) ‖g‖ = 7.0 in one order under the test suite's
+thread settings and 0 in a plain process; 0, 3.7, 7.4 or 11 over the orders of
+another such cohort (d = 50). In-range cohorts are computed exactly as before
+(bit-identical on the property suite's ordinary cohorts).
+
 Departure: ConFIG sums the projections over its (few) losses. Over a cohort
 of m clients the sum is m times FedAvg's step, so the default here is the
 mean over the usable clients (``length="mean"``); ``length="sum"`` gives the
@@ -58,7 +72,16 @@ from typing import Literal
 import torch
 
 from fedloom.aggregate.base import CohortInfo, Stateless
-from fedloom.aggregate.gram import Precision, combine, gram, gram_noise, truncated_solve
+from fedloom.aggregate.gram import (
+    Precision,
+    TruncatedSolve,
+    combine,
+    gram,
+    gram_noise,
+    out_of_range,
+    row_scales,
+    truncated_solve,
+)
 from fedloom.registry import register
 
 __all__ = ["ConFIG"]
@@ -119,16 +142,21 @@ class ConFIG(Stateless):
     ) -> tuple[torch.Tensor, dict[str, float]] | None:
         m, d = updates.shape
         G_raw, _ = gram(updates, precision=precision)
-        if not bool(torch.isfinite(G_raw).all()):
+        scale = None
+        if out_of_range(G_raw, updates, updates.dtype if precision == "mixed" else torch.float64):
             if not final:
-                return None  # float32 products overflowed: redo in float64
+                return None  # float32 squares over- or underflowed: redo in float64
+            scale = row_scales(updates)  # powers of two: the unit-row Gram is unchanged
+            G_raw, _ = gram(updates, precision=precision, scale=scale)
+        if not bool(torch.isfinite(G_raw).all()):
             return updates.new_full((d,), float("nan")), {}  # non-finite input: rejected upstream
         sq = G_raw.diagonal()
         idx = (sq > 0).nonzero().squeeze(1)
         k = idx.numel()
         if k == 0:
             return updates.new_zeros(d), {}
-        norms = sq[idx].sqrt()
+        norms = sq[idx].sqrt()                  # of the (scaled) rows
+        true_norms = norms if scale is None else norms / scale[idx]   # ‖g_i‖
         G = G_raw[idx][:, idx] / (norms[:, None] * norms[None, :])
         ones = torch.ones(k, dtype=torch.float64, device=G.device)
         gram_dtype = updates.dtype if precision == "mixed" else torch.float64
@@ -139,22 +167,53 @@ class ConFIG(Stateless):
         # ‖g_u‖² = λᵀGλ summed over the kept eigenvalues (each term ≥ 0): never the
         # cancelling quadratic form, which went negative (NaN) on dependent rows
         gu_norm = sol.energy ** 0.5
-        if not gu_norm > 0:
-            return updates.new_zeros(d), {}
+        infeasible = float(bool(sol.dropped.abs().max() > 1e-6))
+        if not gu_norm > 0 or _unreachable(sol, ones, updates.dtype):
+            # g_u = U_cut⁺1 = 0: 1 is orthogonal to every kept direction (rows ± one
+            # direction whose signs cancel, e.g. v, −2v, 3v, −0.5v); what the solve gives
+            # is rounding, in a direction and length set by the rows' order
+            return updates.new_zeros(d), {"config_length": 0.0, "config_infeasible": infeasible}
         # Gλ = 1 − (the part of 1 no λ reaches): ⟨u_i, g_u⟩, exactly on the kept space
-        proj = norms * (ones - sol.dropped) / gu_norm            # ⟨g_i, ĝ⟩
+        proj = true_norms * (ones - sol.dropped) / gu_norm       # ⟨g_i, ĝ⟩
         length = proj.sum() if self.length == "sum" else proj.mean()
         # g = length · ĝ = length/‖g_u‖ · Σ λ_i u_i = Σ (length λ_i / (‖g_u‖ ‖g_i‖)) g_i
         coef = torch.zeros(m, dtype=torch.float64, device=updates.device)
         coef[idx] = (float(length) / gu_norm) * sol.lam / norms  # zero rows are not copied out
-        if precision == "float64":
-            g, _ = combine(updates, coef, precision="float64")  # formed in float64, rounded once
+        if precision == "float64" or not _fits(coef, updates.dtype):
+            # formed in float64 and rounded once; also where a coefficient is beyond the
+            # rows' dtype (float32 norms spread over ≳ 1e38 make some |coef| overflow)
+            g, _ = combine(updates, coef, precision="float64", scale=scale)
         else:
             g = coef.to(updates.dtype) @ updates
         metrics = {"config_length": float(length),
                    # no direction at equal angles exists: dependent rows (e.g. g and −g)
-                   "config_infeasible": float(bool(sol.dropped.abs().max() > 1e-6))}
+                   "config_infeasible": infeasible}
         return g, metrics
+
+
+def _fits(coef: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Every non-zero coefficient is a normal number of ``dtype`` with room for a sum."""
+    fi = torch.finfo(dtype)
+    a = coef.abs()
+    a = a[a > 0]
+    return not a.numel() or (float(a.max()) < fi.max / 16 and float(a.min()) > fi.tiny / fi.eps)
+
+
+def _unreachable(sol: TruncatedSolve, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    """``‖P b‖ = ‖V_keptᵀ b‖`` is zero within rounding, so ``G_cut⁺b = 0`` exactly.
+
+    Resolution ``√k·max(8·k·eps(dtype), 8·k·eps64·s_max/s_min)``: the rows' own rounding
+    (``3v`` in float32 is ``v``'s direction only to ``eps32``), and the float64 solve's
+    rounding of the eigenvectors (its Gram's error ``8·k·eps64·s_max`` over the
+    smallest kept eigenvalue). A cohort whose ``1`` is that close to orthogonal to
+    every kept direction has no direction of equal angles to round to.
+    """
+    if sol.rank == 0:
+        return True
+    k = b.numel()
+    res = max(8 * k * torch.finfo(dtype).eps,
+              8 * k * torch.finfo(torch.float64).eps * float(sol.s.max() / sol.s.min()))
+    return float(torch.linalg.vector_norm(sol.V.T @ b)) <= res * k**0.5
 
 
 # The class is its own factory: its constructor arguments are the config options.

@@ -62,8 +62,20 @@ group of full row rank at the cut meets ``|⟨u_i, g⟩ − ρ_i| ≤ atol`` (1e
 the rounding of ``g`` itself to float32, at most ``eps32/2·‖g‖`` per
 constraint (Cauchy–Schwarz) and in practice ``~eps32·‖g‖/√d``;
 ``craft_max_violation`` is measured on the returned ``g``. Rows whose float32
-products overflow (|values| ≳ 1e19) are solved in float64; non-finite rows
-give a NaN direction (the engine rejects it).
+products overflow (|values| ≳ 1e19) or underflow (a Gram diagonal below
+``d·tiny/eps``, or 0 for a row that is not zero: entries ≲ 1e-22) are solved in
+float64. Before, such a tiny row read as a zero row and lost its constraint:
+on 5 rows at d = 40 with one row times 1e-24, ``craft_max_violation`` said
+7.0e-8 while the row's real violation was 0.27, and two orders of the rows
+differed by 1.5e-8; after, 3.9e-9 reported, 3.3e-9 real, no difference. The
+float64 path scales the rows by powers of two (exact) where its own squares
+would over- or underflow (norms ≳ 1e154, entries ≲ 1e-162;
+:func:`~fedloom.aggregate.gram.row_scales`): the unit-row Gram, ``λ`` and ``g``
+are those of the unscaled rows, without the infinite Gram that gave a NaN
+direction before. Rows in range are never scaled (bit-identical outputs on
+the property suite's ordinary cohorts). Non-finite rows give a NaN direction
+(the engine rejects it). ``match_reference`` keeps the public arithmetic
+untouched.
 
 Measured (float32 rows, groups="global", round 1, worst of 5 draws; "public" is
 ``match_reference=True``, the public code bit for bit; "exact" the float64 SVD
@@ -135,7 +147,15 @@ from typing import Literal
 import torch
 
 from fedloom.aggregate.base import CohortInfo
-from fedloom.aggregate.gram import Precision, combine, gram, gram_noise, truncated_solve
+from fedloom.aggregate.gram import (
+    Precision,
+    combine,
+    gram,
+    gram_noise,
+    out_of_range,
+    row_scales,
+    truncated_solve,
+)
 from fedloom.params import Layout
 from fedloom.registry import register
 
@@ -281,11 +301,20 @@ class CRAFT:
         # One pass for the Gram and R·ĝ, one (fused) pass for g and the check R·g;
         # rows of the cohort are never copied (unusable ones get coefficient 0).
         G_raw, Rref = gram(R, ref, chunk=self.chunk, precision=precision)
+        scale = None
+        if out_of_range(G_raw, R, R.dtype if precision == "mixed" else torch.float64):
+            if not final:
+                # float32 squares overflowed (|values| ≳ 1e19) or underflowed (≲ 1e-22,
+                # where a row read as zero dropped its constraint): redo in float64
+                return None
+            # rows scaled by powers of two (exact): no square over- or underflows
+            scale = row_scales(R, chunk=self.chunk)
+            G_raw, Rref = gram(R, ref, chunk=self.chunk, precision=precision, scale=scale)
         if not (bool(torch.isfinite(G_raw).all())
                 and (Rref is None or bool(torch.isfinite(Rref).all()))):
             if not final:
-                return None  # float32 products overflowed (|values| ≳ 1e19): redo in float64
-            # non-finite input, or beyond float64: a NaN direction the engine rejects
+                return None
+            # non-finite input: a NaN direction the engine rejects
             return GroupSolve(R.new_full((dq,), nan), nan, nan, False)
         sq = G_raw.diagonal().clone()
         usable = sq > 0
@@ -312,7 +341,7 @@ class CRAFT:
             # the returned g (in its dtype), so a violation is visible, not assumed away.
             coef = torch.zeros(m, dtype=torch.float64, device=R.device)
             coef[idx] = lam / norms
-            g, Rg = combine(R, coef, ref, chunk=self.chunk, precision=precision)
+            g, Rg = combine(R, coef, ref, chunk=self.chunk, precision=precision, scale=scale)
             Ug = Rg[idx] / norms
             # U g − ρ = Gλ − b = −(the part of b no λ reaches); any other residual
             # is rounding in the Gram, the solve or the forming of g

@@ -38,6 +38,24 @@ by 2.5–8.4 % (relative L2) at α = 0.3 and not at all at α = 0.1.
 Departures (robustness only): a zero ``g`` is returned as zero instead of the
 public code's 0/0; rows with ``‖g_j‖ = 0`` never project (their dot is 0, so
 the public code skips them too).
+
+Degenerate cohorts. A projection that leaves less than
+``tol = max((8·m·eps)², 8·m·eps64)`` of what it acted on (``g_i'`` in step 1,
+measured as ``C_iᵀGC_i ≤ tol·|C_i|ᵀ|G||C_i|``; ``g`` in step 3, ``‖g'‖² ≤ tol·‖g‖²``)
+removed a direction parallel to it within the rows' rounding, and its result is
+set to exactly 0. On a numerically rank-one cohort (rows ``a_i v``) the exact
+result is then a multiple of ``v``, or 0; before, the remainder of such a
+projection (1.5e-17 of ‖v‖ in exact rational arithmetic on the rounded rows of
+``make_cohort("low_rank", 5, 2)`` in tests/test_aggregator_properties.py) was
+rescaled to ‖mean‖ = 0.10 in a direction set by rounding (|cos| with ``v`` down
+to 2e-8) that changed with the rows' order. On every other cohort of the
+property suite the output is unchanged (max difference 4.9e-16 relative).
+
+Range. Where the squares over- or underflow float64 (rows of norm ≳ 1e154 gave a
+non-finite direction, or entries ≲ 1e-162), the Gram and ``g`` are those of the
+rows times one power of two (exact; the projections are homogeneous), ``g_con``
+is rescaled by a power of two before its squared norm, and the final norms are
+taken without squaring the entries (:func:`~fedloom.aggregate.gram.safe_norm`).
 """
 
 from __future__ import annotations
@@ -49,7 +67,7 @@ from typing import TypedDict
 import torch
 
 from fedloom.aggregate.base import CohortInfo
-from fedloom.aggregate.gram import gram, matvec
+from fedloom.aggregate.gram import gram, lincomb64, matvec, out_of_range, row_scales, safe_norm
 from fedloom.params import Layout
 from fedloom.registry import register
 
@@ -78,13 +96,64 @@ def kept_count(m: int, alpha: float) -> int:
     return m - math.ceil((m - 1) * (1 - alpha))
 
 
-def _combine64(rows: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """``coefᵀ rows`` as a float64 d-vector, over column chunks (no float64 copy of rows)."""
-    out = torch.empty(rows.shape[1], dtype=torch.float64, device=rows.device)
-    c64 = coef.to(torch.float64)
-    for s in range(0, rows.shape[1], _CHUNK):
-        out[s : s + _CHUNK] = c64 @ rows[:, s : s + _CHUNK].to(torch.float64)
-    return out
+def _parallel_tol(m: int, dtype: torch.dtype) -> float:
+    """A projection that leaves less than ``(8·m·eps(dtype))²`` of ``‖x‖²`` (or of the
+    rounding scale of the Gram quadratic form, ``8·m·eps64``) removed a direction
+    parallel to ``x`` within the rows' rounding (``3v`` in float32 is ``v``'s
+    direction only to ``eps32``): the exact result is 0, and the remainder is
+    rounding whose direction and sign follow the rows' order."""
+    return max((8 * m * torch.finfo(dtype).eps) ** 2, 8 * m * torch.finfo(torch.float64).eps)
+
+
+def _internal(
+    G: torch.Tensor, order: list[int], keep: set[int], tol: float
+) -> tuple[torch.Tensor, int]:
+    """Step 1 as coefficients ``C`` (``g_i' = Σ_j C_ij g_j``) on the Gram ``G``.
+
+    A ``g_i'`` that a projection leaves at zero within rounding (``C_iᵀGC_i ≤
+    tol·|C_i|ᵀ|G||C_i|``: a numerically rank-one cohort, ``g_j = −c·g_i``) is set to
+    exactly 0, so that no later projection acts on its rounding noise.
+    """
+    m = G.shape[0]
+    C = torch.eye(m, dtype=torch.float64, device=G.device)
+    absG = G.abs()
+    conflicts = 0
+    for i in range(m):
+        if i in keep:
+            continue
+        for j in order:
+            if j == i or G[j, j] <= 0:
+                continue
+            dot = float(G[j] @ C[i])  # ⟨g_j, g_i'⟩
+            if dot < 0:
+                C[i, j] -= dot / float(G[j, j])
+                conflicts += 1
+                c = C[i]
+                if float(c @ G @ c) <= tol * float(c.abs() @ absG @ c.abs()):
+                    C[i] = 0.0
+                    break
+    return C, conflicts
+
+
+def _external(g: torch.Tensor, rows: torch.Tensor, tol: float) -> tuple[torch.Tensor, int]:
+    """Step 3 for one round's rows: ``g`` less its projection on the sum of the rows it
+    conflicts with; 0 where that removes ``g`` within rounding (``g ∥ g_con``)."""
+    if rows.shape[0] == 0:
+        return g, 0
+    sel = (matvec(rows, g) < 0).to(torch.float64)
+    if not bool(sel.any()):
+        return g, 0
+    g_con = lincomb64(rows, sel, chunk=_CHUNK)
+    # a power of two (exact) keeps ⟨g_con, g_con⟩ finite for rows of any size
+    g_con = g_con * float(row_scales(g_con[None, :])[0])
+    dot, nn = float(g @ g_con), float(g_con @ g_con)
+    if not (dot < 0 and nn > 0):
+        return g, 0
+    gg = float(g @ g)
+    g = g - (dot / nn) * g_con
+    if float(g @ g) <= tol * gg:
+        g = torch.zeros_like(g)
+    return g, 1
 
 
 class FedFV:
@@ -99,7 +168,8 @@ class FedFV:
     Reference:
         paper: Wang et al., "Federated Learning with Fair Averaging", IJCAI 2021, Algorithm 1.
         code: WwZzz/easyFL (``fedfv.py``).
-        departures: a zero aggregate is returned as zero (the public code divides 0 by 0).
+        departures: a zero aggregate is returned as zero (the public code divides 0 by 0); a
+            projection that leaves only rounding (a rank-one cohort) leaves exactly 0.
         measured: max difference 6.7e-16 against the public rule re-derived in NumPy (m = 2 …
             14, five rounds; tests/test_baselines_public.py).
     """
@@ -139,50 +209,36 @@ class FedFV:
         h_ids, h_rounds, h_rows = (state["clients"][old_ok], state["rounds"][old_ok],
                                    state["rows"][old_ok])
 
-        # 1. internal conflicts on the Gram matrix
+        # 1. internal conflicts on the Gram matrix, of the rows scaled by one power of
+        # two where their squares would over- or underflow (projections are homogeneous)
         G, _ = gram(updates)
+        scale = None
+        if out_of_range(G, updates, torch.float64):
+            scale = row_scales(updates, common=True)
+            G, _ = gram(updates, scale=scale)
         order = torch.argsort(info.start_losses.to(torch.float64), stable=True)  # ascending
         n_keep = kept_count(m, self.alpha)
         keep = set(order[m - n_keep :].tolist()) if n_keep else set()
-        C = torch.eye(m, dtype=torch.float64, device=G.device)
-        conflicts = 0
-        for i in range(m):
-            if i in keep:
-                continue
-            for j in order.tolist():
-                if j == i or G[j, j] <= 0:
-                    continue
-                dot = float(G[j] @ C[i])  # ⟨g_j, g_i'⟩
-                if dot < 0:
-                    C[i, j] -= dot / float(G[j, j])
-                    conflicts += 1
+        C, conflicts = _internal(G, order.tolist(), keep, _parallel_tol(m, updates.dtype))
 
-        # 2. uniform mean, as a float64 vector
-        g = _combine64(updates, C.mean(0))
+        # 2. uniform mean, as a float64 vector (times the scale: s·g)
+        g = lincomb64(updates, C.mean(0), scale=scale, chunk=_CHUNK)
 
         # 3. external conflicts with the clients of rounds t − τ + 1 … t, oldest first
         external = 0
         if self.tau and t >= self.tau:
-            for s in range(t - self.tau + 1, t + 1):
-                rows = updates if s == t else h_rows[h_rounds == s]
-                if rows.shape[0] == 0:
-                    continue
-                sel = (matvec(rows, g) < 0).to(torch.float64)
-                if not bool(sel.any()):
-                    continue
-                g_con = _combine64(rows, sel)
-                dot, nn = float(g @ g_con), float(g_con @ g_con)
-                if dot < 0 and nn > 0:
-                    g = g - (dot / nn) * g_con
-                    external += 1
+            for r in range(t - self.tau + 1, t + 1):
+                rows = updates if r == t else h_rows[h_rounds == r]
+                g, hit = _external(g, rows, _parallel_tol(m, updates.dtype))
+                external += hit
 
-        # 4. rescale to ‖mean_k g_k‖
-        mean = _combine64(updates, torch.full((m,), 1.0 / m, dtype=torch.float64,
-                                                  device=updates.device))
-        target = torch.linalg.vector_norm(mean)
-        norm = torch.linalg.vector_norm(g)
+        # 4. rescale to ‖mean_k g_k‖ (both norms without squaring the entries)
+        mean = lincomb64(updates, torch.full((m,), 1.0 / m, dtype=torch.float64,
+                                             device=updates.device), chunk=_CHUNK)
+        target = safe_norm(mean)
+        norm = safe_norm(g)
         if norm > 0:
-            g = g * (target / norm)
+            g = g * (target / norm) if scale is None else (g / norm) * target
 
         # Round t + 1 looks back to round t − τ + 2: keep only what it can use.
         live = h_rounds > t + 1 - self.tau

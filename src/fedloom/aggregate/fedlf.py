@@ -57,6 +57,28 @@ low-rank cohorts) gets a zero direction and is counted in ``fedlf_zero_groups``:
 in exact arithmetic it is 0, and its rounding-noise direction, blown up by the
 final rescaling, changed with the clients' order (relative differences above 1
 on a rank-2 cohort of 7 clients before this rule; 0 after).
+
+Numerics. Each group is solved on its unit rows (``Q = μ_q Û``, so the min-norm
+weights are those of ``[Û; f̂]``, free of the rows' scale), and
+:func:`min_norm_point` divides its Gram matrix by ``max‖q_i‖²`` before solving.
+Before, the solver worked on ``Q Qᵀ`` as given, and its bordered system
+``[P_S 1; 1ᵀ 0]`` balanced ``P`` against the 1s only for ``‖q‖`` between about
+1e-4 and 1e2: measured on 30 random 5 × 8 hulls (norms spread e^±1), ``λᵀQ`` was
+off by 7.6 % of ``max‖q‖`` at ``‖q‖ ~ 1e4 … 1e12`` and by 43–50 % at 1e-8 … 1e-12;
+after, 6.4e-15 at every scale from 1e-12 to 1e12 (tests/test_aggregate_numerics.py).
+That was the main cause of FedLF's order dependence: on the property suite's cohort
+``make_cohort("spread_norms", 8, 5, float64)`` (``μ_q ≈ 1e4``) the old output was
+15.8 % (relative L2) from the exact public rule (active-set enumeration on the
+normalised Gram), the new one 5.5e-15. The Gram is of the rows scaled by powers
+of two (exact) where squares would over- or underflow (float64 norms ≳ 1e154 or
+entries ≲ 1e-162; :func:`~fedloom.aggregate.gram.row_scales`), and the direction
+is formed in float64 and rounded once to the rows' dtype: before, float32
+coefficients ``μ_q/‖g_i‖`` overflowed when float32 norms spread over ~1e40 (NaN).
+At ordinary scales (the property suite's kinds but spread norms, m = 3 … 8, six
+seeds) the float64 output equals the old one to 3.5e-11 (relative L2). In float32
+it differs by up to 6.3e-6 (near-collinear) and 4.8e-4 (near-duplicate rows): there
+the old float32 combination was that far from the exact rule, the new output is
+within 2.8e-8 of it (float32 rounding).
 """
 
 from __future__ import annotations
@@ -67,7 +89,7 @@ import numpy as np
 import torch
 
 from fedloom.aggregate.base import CohortInfo
-from fedloom.aggregate.gram import gram
+from fedloom.aggregate.gram import gram, lincomb64, out_of_range, row_scales, safe_norm
 from fedloom.params import Layout
 from fedloom.registry import register
 
@@ -94,13 +116,25 @@ def min_norm_point(P: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     spread 1e-3 … 1e3, nearly duplicated rows: max error of ``λᵀQ`` 4.5e-11
     relative to ``max‖q_i‖`` against an exhaustive active-set search, where 2000
     FISTA steps reach 5.3e-3 and take several hundred times as long).
+
+    Scale-invariant: ``P`` is divided by ``max P_ii`` first (the weights of ``c·Q``
+    are those of ``Q``), so the result is the same for ``‖q‖`` from 1e-12 to 1e12
+    (max error 6.4e-15 of ``max‖q‖`` against the exact search; see the module
+    docstring for the error before). A non-finite ``P`` gives uniform weights.
     """
     G = P.detach().to(torch.float64).cpu().numpy()  # a small m × m solve, on the host
     n = G.shape[0]
     diag = np.diag(G)
     scale = float(diag.max()) if n else 0.0
-    if not scale > 0:  # every row is zero (or P is not a Gram matrix): any λ
+    if not scale > 0 or not np.isfinite(G).all():
+        # every row is zero, or P is not a (finite) Gram matrix: any λ
         return torch.full((n,), 1.0 / max(n, 1), dtype=torch.float64, device=P.device)
+    # The min-norm weights of c·Q are those of Q: solve on P / max‖q_i‖², so that the
+    # bordered system [P_S 1; 1ᵀ 0] is balanced whatever the rows' scale (unscaled,
+    # its lstsq lost the P block against the 1s: 2–3 % off at ‖q‖ = 1e4, up to 17 %
+    # or λ = 0 at 1e6, 5–27 % at 1e-8).
+    G = G / scale
+    scale = 1.0
     lam = np.zeros(n)
     S = [int(np.argmin(diag))]
     lam[S[0]] = 1.0
@@ -196,46 +230,68 @@ class FedLF:
             h = ((loss @ p) * loss / ln - p * ln) / ln**2
             if float(torch.linalg.vector_norm(h) * ln) < 1e-12:
                 h.zero_()  # equal losses: the row would not move d* (see the docstring)
-        out = torch.zeros(updates.shape[1], dtype=updates.dtype, device=updates.device)
+        out = torch.zeros(updates.shape[1], dtype=torch.float64, device=updates.device)
         zero_groups = 0
         for start, stop in state:
-            R = updates[:, start:stop]
-            G_raw, _ = gram(R)
-            norms = G_raw.diagonal().clamp_min(0).sqrt()
-            if not bool((norms > 0).all()):
-                zero_groups += 1
-                continue  # a client with a zero group: the hull holds 0, d_q = 0
-            mu = float(norms.mean())
-            D = mu / norms                               # Q = diag(D) R
-            GQ = G_raw * D[:, None] * D[None, :]         # Q Qᵀ
-            hD = h * D                                   # f ∝ (hD) R
-            f_norm = float(torch.sqrt((hD @ G_raw @ hD).clamp_min(0)))
-            if f_norm > 0:
-                s = mu / f_norm                          # f = s (hD) R
-                cross = s * (GQ @ h)                     # ⟨Q_i, f⟩ = s Σ_j GQ_ij h_j
-                Gp = torch.zeros(m + 1, m + 1, dtype=torch.float64, device=GQ.device)
-                Gp[:m, :m] = GQ
-                Gp[:m, m] = Gp[m, :m] = cross
-                Gp[m, m] = mu * mu
-                lam = min_norm_point(Gp)
-                coef = lam[:m] * D + lam[m] * s * hD
-            else:
-                coef = min_norm_point(GQ) * D
-            # ‖d_q‖² = coefᵀ G coef. When the hull (nearly) holds the origin the
-            # min-norm point is 0 up to the solver's gap test (‖x‖² − ⟨x, q_j⟩ ≤
-            # 1e-12·max‖q_i‖², so ‖x‖ ≲ 1e-6·μ_q): its direction is rounding noise that
-            # the final rescaling would blow up, and it depends on the clients' order.
-            dq2 = float(coef @ G_raw @ coef)
-            if not dq2 > (_ZERO_REL * mu) ** 2:
+            coef, scale = _group_coef(updates[:, start:stop], h)
+            if coef is None:
                 zero_groups += 1
                 continue
-            out[start:stop] = coef.to(R.dtype) @ R
-        target = torch.linalg.vector_norm(updates.mean(0).double())
-        norm = torch.linalg.vector_norm(out.double())
+            out[start:stop] = lincomb64(updates[:, start:stop], coef, scale=scale)
+        # rescaled to ‖(1/m) Σ g_k‖, both norms taken without squaring the entries
+        m_inv = torch.full((m,), 1.0 / m, dtype=torch.float64, device=updates.device)
+        target = safe_norm(lincomb64(updates, m_inv, scale=None))
+        norm = safe_norm(out)
         if norm > 0:
-            out = out * (target / norm).to(out.dtype)
-        return out, state, {"fedlf_zero_groups": float(zero_groups)}
+            out = (out / norm) * target
+        return out.to(updates.dtype), state, {"fedlf_zero_groups": float(zero_groups)}
 
+
+def _group_coef(
+    R: torch.Tensor, h: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One group's ``d_q = Σ_i c_i (s_i r_i)``: ``(c, s)``, or ``(None, None)`` for a zero
+    direction (a zero row, or a min-norm point below ``1e-6·μ_q``).
+
+    Solved on unit rows ``û_i = r_i/‖r_i‖``: ``Q = μ_q Û`` and ``f = μ_q f̂`` with
+    ``f̂ = Σ h_i û_i / ‖Σ h_i û_i‖``, so the min-norm weights are those of ``[Û; f̂]``
+    (scale-free) and ``d_q = μ_q (Σ_i λ_i û_i + λ_f f̂)``. The Gram is taken of the rows
+    scaled by powers of two where their squares would over- or underflow
+    (:func:`~fedloom.aggregate.gram.row_scales`).
+    """
+    G, _ = gram(R)
+    scale = None
+    if out_of_range(G, R, torch.float64):
+        scale = row_scales(R)
+        G, _ = gram(R, scale=scale)
+    if not bool(torch.isfinite(G).all()):  # non-finite input: a NaN direction, rejected
+        return torch.full((G.shape[0],), float("nan"), dtype=torch.float64,
+                          device=G.device), None
+    n = G.diagonal().clamp_min(0).sqrt()                 # ‖s_i r_i‖
+    if not bool((n > 0).all()):
+        return None, None  # a client with a zero group: the hull holds 0, d_q = 0
+    true_n = n if scale is None else n / scale           # ‖r_i‖
+    mu = float(true_n.mean())
+    Gu = G / (n[:, None] * n[None, :])                   # Û Ûᵀ
+    m = G.shape[0]
+    f2 = float((h @ Gu @ h).clamp_min(0))                # ‖Σ h_i û_i‖²
+    if f2 > 0:
+        fn = f2**0.5
+        Gp = torch.zeros(m + 1, m + 1, dtype=torch.float64, device=G.device)
+        Gp[:m, :m] = Gu
+        Gp[:m, m] = Gp[m, :m] = (Gu @ h) / fn            # ⟨û_i, f̂⟩
+        Gp[m, m] = 1.0
+        lam = min_norm_point(Gp)
+        w = lam[:m] + lam[m] * h / fn                    # d_q/μ_q = Σ w_i û_i
+    else:
+        w = min_norm_point(Gu)
+    # ‖d_q‖² = μ² wᵀ Ĝ w. When the hull (nearly) holds the origin the min-norm point is
+    # 0 up to the solver's gap test (‖x‖² − ⟨x, q_j⟩ ≤ 1e-12·max‖q_i‖², so ‖x‖ ≲ 1e-6·μ_q):
+    # its direction is rounding noise that the final rescaling would blow up, and it
+    # depends on the clients' order.
+    if not float(w @ Gu @ w) > _ZERO_REL**2:
+        return None, None
+    return mu * w / n, scale
 
 # The class is its own factory: its constructor arguments are the config options.
 register("aggregator", "fedlf")(FedLF)

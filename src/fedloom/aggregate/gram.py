@@ -28,6 +28,14 @@ of ±6e-7 where the exact ones are 0).
 At m = 100 the Gram is ``m² d`` flops and runs at the sgemm peak: it, not
 memory traffic, bounds the rules that need it (benchmarks/results.md).
 
+Range. Squares overflow for float64 rows of norm ≳ 1e154 (float32 ≳ 1e19) and
+underflow for entries ≲ 1e-162 (float32 ≲ 1e-22, where a row reads as zero).
+:func:`out_of_range` tells from a Gram whether that happened; :func:`row_scales`
+gives powers of two that bring each row's largest entry to [0.5, 1), and
+``gram``/``combine``/``lincomb64`` apply them chunk by chunk in float64. A power
+of two scales exactly, so the unit-row Gram of scaled rows is bit-identical to
+the unscaled one wherever the latter is in range; rows in range are never scaled.
+
 Devices. Every product runs where the rows are (the run's ``device``); the
 m × m results stay there in float64. TF32 is never used: :func:`gram`,
 :func:`matvec` and :func:`combine` run under :func:`full_precision`, which
@@ -51,7 +59,8 @@ from typing import Literal, ParamSpec, TypeVar
 import torch
 
 __all__ = ["Precision", "TruncatedSolve", "combine", "full_precision", "gram", "gram_noise",
-           "matvec", "project_simplex", "truncated_solve"]
+           "lincomb64", "matvec", "out_of_range", "project_simplex", "row_scales", "safe_norm",
+           "truncated_solve"]
 
 Precision = Literal["float64", "mixed"]
 _P = ParamSpec("_P")
@@ -87,15 +96,20 @@ def gram(
     *,
     chunk: int = 1 << 15,
     precision: Precision = "float64",
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(R Rᵀ, R v)`` in float64, accumulated over column chunks of width ``chunk``."""
+    """``(R Rᵀ, R v)`` in float64, accumulated over column chunks of width ``chunk``.
+
+    ``scale`` (float64 path only; powers of two from :func:`row_scales`): the Gram
+    of ``diag(scale) R``, each chunk scaled on the fly (exact), never copied whole.
+    """
     m, d = rows.shape
     G = torch.zeros(m, m, dtype=torch.float64, device=rows.device)
     Rv = torch.zeros(m, dtype=torch.float64, device=rows.device) if vec is not None else None
     for s in range(0, d, chunk):
         c = rows[:, s : s + chunk]
         if precision == "float64":
-            c = c.to(torch.float64)
+            c = _scaled(c, scale)
         G += (c @ c.T).to(torch.float64)
         if vec is not None and Rv is not None:
             Rv += (c @ vec[s : s + chunk].to(c.dtype)).to(torch.float64)
@@ -121,9 +135,12 @@ def matvec(
 @_no_tf32
 def combine(
     rows: torch.Tensor, coef: torch.Tensor, base: torch.Tensor | None = None, *,
-    chunk: int = 1 << 15, precision: Precision = "float64",
+    chunk: int = 1 << 15, precision: Precision = "float64", scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``g = base + Rᵀc`` (returned in the rows' dtype) and ``R g`` (float64) in one pass.
+
+    ``scale`` (float64 path only): the rows are ``diag(scale) R`` (as in :func:`gram`),
+    so ``coef`` applies to the scaled rows and ``R g`` is that of the scaled rows.
 
     Each column chunk of ``R`` is read once: its part of ``g`` is formed and
     immediately multiplied back while the chunk is in cache, so checking the
@@ -141,7 +158,7 @@ def combine(
     if precision == "float64":
         c64 = coef.to(rows.device, torch.float64)
         for s in range(0, d, chunk):
-            c = rows[:, s : s + chunk].to(torch.float64)
+            c = _scaled(rows[:, s : s + chunk], scale)
             gc = c64 @ c
             if base is not None:
                 gc = gc + base[s : s + chunk].to(torch.float64)
@@ -157,6 +174,81 @@ def combine(
         g[s : s + chunk] = gc
         Rg += (c @ gc).to(torch.float64)
     return g, Rg
+
+
+def _scaled(c: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    c = c.to(torch.float64)
+    return c if scale is None else c * scale[:, None]
+
+
+def row_scales(rows: torch.Tensor, *, common: bool = False, chunk: int = 1 << 15) -> torch.Tensor:
+    """Powers of two ``2^−e_i`` (float64, one a row) with ``max_j |r_ij|·2^−e_i ∈ [0.5, 1)``.
+
+    Multiplying by a power of two is exact (short of underflow), so the Gram of the
+    scaled rows is ``diag(s) G diag(s)`` to the last bit while no square overflows
+    (``‖r_i‖ ≳ 1e154`` in float64) or underflows (entries ≲ 1e-22 in float32,
+    ≲ 1e-162 in float64). Zero and non-finite rows get 1 (a non-finite row stays
+    non-finite). ``common``: one factor for all rows, from the largest entry (for
+    the rules whose arithmetic mixes rows, e.g. distances).
+    """
+    amax = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
+    for s in range(0, rows.shape[1], chunk):
+        amax = torch.maximum(amax, rows[:, s : s + chunk].abs().amax(1).to(torch.float64))
+    if common:
+        amax = amax.max().expand(rows.shape[0]) if rows.shape[0] else amax
+    _, e = torch.frexp(amax)
+    ok = torch.isfinite(amax) & (amax > 0)
+    one = torch.ones_like(amax)
+    return torch.where(ok, torch.ldexp(one, -e.to(torch.float64)), one)
+
+
+def out_of_range(G: torch.Tensor, rows: torch.Tensor, product_dtype: torch.dtype) -> bool:
+    """Whether the Gram ``G`` of ``rows`` (chunk products in ``product_dtype``) lost
+    rows to overflow or underflow, so the rows must be scaled (:func:`row_scales`).
+
+    Overflow: a non-finite ``G``, or a diagonal above ``max64/(16 m²)`` (sums of m
+    Gram entries, and products of two m-row combinations, would overflow float64).
+    Underflow: a diagonal ``0 < G_ii < d·tiny/eps`` (each of the d products may have
+    lost all its digits to the subnormal range, ``tiny``, relative to ``G_ii``), or
+    ``G_ii = 0`` for a row that is not zero (every square underflowed).
+    """
+    m, d = rows.shape
+    if not bool(torch.isfinite(G).all()):
+        return True
+    diag = G.diagonal()
+    if m and float(diag.max()) > torch.finfo(torch.float64).max / (16.0 * m * m):
+        return True
+    fi = torch.finfo(product_dtype)
+    small = diag < max(d, 1) * fi.tiny / fi.eps
+    if not bool(small.any()):
+        return False
+    if bool((diag[small] > 0).any()):
+        return True
+    return bool(rows[small.nonzero().squeeze(1)].ne(0).any())
+
+
+def lincomb64(
+    rows: torch.Tensor, coef: torch.Tensor, *, scale: torch.Tensor | None = None,
+    chunk: int = 1 << 15,
+) -> torch.Tensor:
+    """``Σ_i coef_i (scale_i r_i)`` as a float64 d-vector, over column chunks
+    (no float64 copy of the rows)."""
+    out = torch.empty(rows.shape[1], dtype=torch.float64, device=rows.device)
+    c64 = coef.to(rows.device, torch.float64)
+    for s in range(0, rows.shape[1], chunk):
+        out[s : s + chunk] = c64 @ _scaled(rows[:, s : s + chunk], scale)
+    return out
+
+
+def safe_norm(x: torch.Tensor) -> float:
+    """``‖x‖₂`` in float64 without overflow or underflow of the squares: the vector is
+    divided by its largest entry first (the LAPACK ``dnrm2`` idea). Non-finite
+    entries give a non-finite norm."""
+    x = x.to(torch.float64)
+    a = float(x.abs().max()) if x.numel() else 0.0
+    if not a > 0 or a == float("inf"):
+        return a if a == a else float("nan")
+    return a * float(torch.linalg.vector_norm(x / a))
 
 
 def gram_noise(k: int, dtype: torch.dtype) -> float:

@@ -41,6 +41,11 @@ Choices and departures, stated:
   a Byzantine client could claim any ``n_k``. ``weights`` are ignored.
 - The selected rows are averaged in float64 and the result cast back to the
   updates' dtype (equal rows give that row).
+- Range: where the squares overflow or underflow float64 (rows of norm ≳ 1e154,
+  where ``G`` was infinite and the tie count 0 raised ``ZeroDivisionError``, or
+  ≲ 1e-162), the distances are those of the rows times one power of two (exact,
+  the ranking is unchanged); ``krum_best_score`` is reported in the updates' units
+  (``inf`` beyond float64). Non-finite updates raise a ``ValueError`` naming krum.
 
 Metrics: ``krum_neighbours`` (``k``), ``krum_selected`` (updates with a
 non-zero share), ``krum_best_client`` (id of the lowest score; the row
@@ -54,7 +59,7 @@ from collections.abc import Mapping
 import torch
 
 from fedloom.aggregate.base import CohortInfo, Stateless, check_cohort
-from fedloom.aggregate.gram import gram
+from fedloom.aggregate.gram import gram, out_of_range, row_scales
 from fedloom.registry import register
 
 __all__ = ["Krum", "krum_scores"]
@@ -120,7 +125,16 @@ class Krum(Stateless):
                 "krum_best_client": float(ids[0]), "krum_best_score": 0.0}
         k = max(n - self.f - 2, 1)
         G, _ = gram(updates, chunk=self.chunk, precision="float64")
+        # Distances of rows scaled by one power of two where squares would over- or
+        # underflow (‖g‖ ≳ 1e154 or ≲ 1e-162): the ranking is unchanged (exact scaling).
+        s_common = 1.0
+        if out_of_range(G, updates, torch.float64):
+            scale = row_scales(updates, common=True, chunk=self.chunk)
+            G, _ = gram(updates, chunk=self.chunk, precision="float64", scale=scale)
+            s_common = float(scale[0])
         score, err = krum_scores(G, k, d)
+        if not bool(torch.isfinite(score).all()):
+            raise ValueError("krum: non-finite distances (an update is not finite)")
         coef = _selection(score, err, min(self.multi, n))
         out = torch.empty(d, dtype=updates.dtype, device=updates.device)
         for s in range(0, d, self.chunk):
@@ -131,7 +145,8 @@ class Krum(Stateless):
             "krum_neighbours": float(k),
             "krum_selected": float((coef > 0).sum()),
             "krum_best_client": float(ids[best]),
-            "krum_best_score": float(score[best]),
+            # in the updates' units (inf where that is beyond float64)
+            "krum_best_score": float(score[best]) / s_common / s_common,
         }
 
 

@@ -10,6 +10,24 @@ client k's training data (before local training) and ``L = 1/η_l``::
 The returned direction is ``Σ D_k / Σ h_k`` (apply it with ``server.lr = 1``).
 q = 0 is FedAvg with uniform weights and a step of ``1/m``·Σ g_k; larger q
 puts more weight on clients with high loss.
+
+``F_k`` is ``F_k + 1e-10``, as in the public code (WwZzz/easyFL,
+``algorithm/qfedavg.py``: ``np.float_power(li + 1e-10, q)`` in both ``Δ`` and
+``h``; Flower's ``QFedAvg`` strategy the same); it keeps ``F^(q−1)`` finite at a
+zero loss. Before, fedloom clamped ``F_k`` at 1e-10 instead: the relative
+difference to the public rule is ``≲ 1e-10/F``, measured 1.4e-10 (float64) on
+the property suite's cohorts (losses 0.5–1.5) and 2.2e-7 for losses of
+1e-4 … 1e-2 (m = 10, q = 1, 200 draws); an offset of 1e-8, which a report
+attributed to the public code, would be 2.2e-5 from it.
+tests/test_aggregate_numerics.py checks the rule against the public formula in
+exact rational arithmetic (q = 1, 2, losses 0 … 1e-2) to 1e-13.
+
+Range: ``‖g_k‖²`` is taken of the rows divided by one power of two ``a``
+(exact): with ``H₁ = Σ q F^(q−1) L² ‖g_k/a‖²`` and ``H₀ = Σ L F^q`` the direction
+is ``Σ_k F_k^q L (g_k/a) / (a H₁ + H₀/a)``, finite for any finite rows (before,
+rows of norm ≳ 1e154 made ``Σ h`` infinite and the direction 0). It is formed in
+float64 and rounded once to the rows' dtype (float32 outputs differ from the
+former float32 product by ≤ 9.4e-8 relative on the property suite's cohorts).
 """
 
 from __future__ import annotations
@@ -19,9 +37,12 @@ from collections.abc import Mapping
 import torch
 
 from fedloom.aggregate.base import CohortInfo, Stateless
+from fedloom.aggregate.gram import row_scales
 from fedloom.registry import register
 
 __all__ = ["QFedAvg"]
+
+_LOSS_OFFSET = 1e-10
 
 
 class QFedAvg(Stateless):
@@ -30,9 +51,11 @@ class QFedAvg(Stateless):
     Reference:
         paper: Li, Sanjabi, Beirami & Smith, "Fair Resource Allocation in Federated Learning",
             ICLR 2020, Algorithm 2.
-        code: none checked.
+        code: WwZzz/easyFL (``algorithm/qfedavg.py``): ``F_k + 1e-10`` as there.
         departures: ``L = 1/η_l`` of the round unless ``lipschitz`` is given; apply with
             ``server.lr = 1``.
+        measured: equal to the public formula in exact rational arithmetic to 1e-13
+            (tests/test_aggregate_numerics.py).
     """
     # server.lr=auto: Algorithm 2 applies Σ Δ_k / Σ h_k as is.
     default_server_lr = 1.0
@@ -52,13 +75,23 @@ class QFedAvg(Stateless):
         if info is None or info.start_losses is None or (info.lr is None and not self.lipschitz):
             raise ValueError("qfedavg: needs the start losses and the client lr (info)")
         L = self.lipschitz or 1.0 / float(info.lr)
-        F = info.start_losses.to(torch.float64).clamp_min(1e-10)
+        # F_k + 1e-10, as the public code (np.float_power(loss + 1e-10, q)): keeps F^(q−1)
+        # finite at a zero loss
+        F = info.start_losses.to(torch.float64) + _LOSS_OFFSET
         q = self.q
-        sq = (updates.to(torch.float64) ** 2).sum(1) * (L * L)
-        h = q * F ** (q - 1) * sq + L * F**q
-        coef = (F**q * L / h.sum()).to(updates.dtype)
-        return coef @ updates, state, {"qfedavg_h_sum": float(h.sum())}
-
+        # ‖g_k‖² of the rows divided by one power of two a (exact) so that no square
+        # overflows or underflows: ‖g_k‖² = a² ‖g_k/a‖², and with H1 = Σ q F^(q−1) L²‖g_k/a‖²,
+        # H0 = Σ L F^q: Σ_k F^q L g_k / Σ h = Σ_k F^q L (g_k/a) / (a H1 + H0/a)
+        s = row_scales(updates, common=True)                       # 1/a
+        rows = updates.to(torch.float64) * s[:, None]
+        sq = (rows * rows).sum(1) * (L * L)
+        a_inv = float(s[0]) if s.numel() else 1.0
+        H1 = float((q * F ** (q - 1) * sq).sum())
+        H0 = float((L * F**q).sum())
+        denom = H1 / a_inv + H0 * a_inv                             # Σ h / a
+        coef = F**q * L / denom
+        out = (coef @ rows).to(updates.dtype)
+        return out, state, {"qfedavg_h_sum": H1 / a_inv / a_inv + H0}
 
 # The class is its own factory: its constructor arguments are the config options.
 register("aggregator", "qfedavg")(QFedAvg)
