@@ -128,10 +128,14 @@ def test_out_that_is_not_a_run_directory_is_never_written(tmp_path, capsys, resu
 
 def test_run_directory_of_an_earlier_version_resumes(stopped, tmp_path, capsys):
     """A run directory written before the marker existed (config.yaml with
-    checkpoints/ and metrics.jsonl) is still one: it resumes to the uninterrupted
+    checkpoints/ and metrics.jsonl) is still one: a new run on it is refused as on
+    any run directory (and leaves it unmarked); it resumes to the uninterrupted
     model and gets its marker."""
     out = _copy(stopped, tmp_path)
     (out / MARKER_FILE).unlink()
+    rc, err = _cli(tmp_path / "tiny.yaml", out, capsys)  # a new run on it: refused, unmarked
+    assert rc == 2 and len(err) == 1 and "not empty (use --resume" in err[0], err
+    assert not (out / MARKER_FILE).exists()
     rc, err = _cli(tmp_path / "tiny.yaml", out, capsys, "--resume")
     assert rc == 0, err
     assert _sha(out) == stopped[1] and (out / MARKER_FILE).is_file()
