@@ -287,3 +287,49 @@ def test_fedfv_rank_one_cohort_is_exact_and_order_free(dtype):
             outs.append(o)
         spread = max(float((o - outs[0]).norm()) for o in outs)
         assert spread <= 1e-6 * target, f"seed {seed}: orders differ by {spread:.3g}"
+
+
+# ------------------------------------------------------------------ gram.py helpers
+def test_row_scales_are_powers_of_two_that_bring_rows_into_range():
+    """Each factor is 2^−e with max|s_i r_i| in [0.5, 1); zero and non-finite rows get 1;
+    ``common`` gives one factor, from the largest entry."""
+    from fedloom.aggregate.gram import row_scales
+
+    R = torch.tensor([[3e200, -1.0], [1e-300, 0.0], [0.0, 0.0], [float("nan"), 1.0],
+                      [0.75, 0.1]], dtype=torch.float64)
+    s = row_scales(R)
+    m, _ = torch.frexp(s)
+    assert bool((m == 0.5).all())                      # exact powers of two
+    top = (R[[0, 1, 4]] * s[[0, 1, 4], None]).abs().amax(1)
+    assert bool(((top >= 0.5) & (top < 1)).all())
+    assert float(s[2]) == 1.0 and float(s[3]) == 1.0
+    c = row_scales(R[[0, 1, 4]], common=True)
+    assert bool((c == c[0]).all()) and float((R[0] * c[0]).abs().max()) < 1
+
+
+def test_safe_norm_neither_overflows_nor_underflows():
+    """‖x‖ of entries 1e200 or 1e-200 (their squares are beyond float64) to 1e-15
+    relative (x = c·(3, 4): the norm is 5c); a NaN entry gives NaN, a zero vector 0."""
+    from fedloom.aggregate.gram import safe_norm
+
+    for c in (1e200, 1e-200, 1.0):
+        assert abs(safe_norm(torch.tensor([3.0, 4.0], dtype=torch.float64) * c) - 5 * c) <= (
+            1e-15 * 5 * c)
+    assert math.isnan(safe_norm(torch.tensor([1.0, float("nan")])))
+    assert safe_norm(torch.zeros(3)) == 0.0
+
+
+def test_out_of_range_tells_zero_rows_from_underflowed_ones():
+    """A zero row is in range; a float32 row whose squares underflow to 0 is not, nor
+    is a float64 Gram with an infinite entry."""
+    from fedloom.aggregate.gram import gram, out_of_range
+
+    R = torch.zeros(3, 8)
+    R[0] = 1.0
+    G, _ = gram(R, precision="mixed")
+    assert not out_of_range(G, R, torch.float32)
+    R[1] = 1e-24
+    G, _ = gram(R, precision="mixed")
+    assert out_of_range(G, R, torch.float32)
+    H = torch.ones(2, 8, dtype=torch.float64) * 1e160
+    assert out_of_range(gram(H)[0], H, torch.float64)
