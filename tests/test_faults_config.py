@@ -18,6 +18,7 @@ import fedloom.engine.loop  # noqa: F401  (imported before the deadlines start: 
 from conftest import cli_in_process
 from fedloom import config as fconfig
 from fedloom.config import ConfigError, load_config, yaml_load
+from fedloom.engine.checkpoint import MARKER_FILE
 from fedloom.engine.rundir import check_run_dir
 
 CFG = {"name": "faults", "seed": 1, "rounds": 1, "data": {"num_clients": 6, "partition":
@@ -62,13 +63,13 @@ def err_lines(p) -> list[str]:
 def test_the_issues_alias_bomb_is_refused_while_loading(tmp_path):
     cfg = tmp_path / "bomb.yaml"
     cfg.write_text(with_attack_options(bomb(9)))  # 9 ** 9 = 387,420,489 leaves
-    with deadline(1.0), pytest.raises(ConfigError) as e:
+    with deadline(5.0), pytest.raises(ConfigError) as e:
         load_config(cfg)
     msg = str(e.value)
     assert msg.startswith(f"{cfg}: ") and "aliases expand to more than" in msg, msg
     assert "(line " in msg and "\n" not in msg
     # the run directory's loader (YAML 1.1 resolvers, as yaml.safe_dump writes) too
-    with deadline(1.0), pytest.raises(ConfigError, match="aliases expand to more than"):
+    with deadline(5.0), pytest.raises(ConfigError, match="aliases expand to more than"):
         fconfig.safe_load_bounded(cfg.read_text(), str(cfg))
 
 
@@ -83,7 +84,7 @@ def test_the_issues_alias_bomb_is_refused_while_loading(tmp_path):
 ])
 def test_recursive_aliases_and_deep_nesting_are_one_line(text, what):
     for load in (yaml_load, lambda t: fconfig.safe_load_bounded(t, "given")):
-        with deadline(3.0), pytest.raises(ConfigError, match=re.escape(what)) as e:
+        with deadline(15.0), pytest.raises(ConfigError, match=re.escape(what)) as e:
             load(text)
         assert "\n" not in str(e.value)
 
@@ -118,7 +119,7 @@ def test_aliases_below_the_bound_still_load_and_merge_keys_count():
 
 def test_an_override_value_cannot_carry_a_bomb():
     value = "{" + bomb(7, indent="").replace("\n", ", ").rstrip(", ") + "}"
-    with deadline(1.0), pytest.raises(ConfigError) as e:
+    with deadline(5.0), pytest.raises(ConfigError) as e:
         load_config(CFG, [f"attack.options={value}"])
     assert str(e.value).startswith("override attack.options: ") and "aliases expand" in str(e.value)
 
@@ -127,10 +128,11 @@ def test_bomb_through_the_cli_is_one_line_exit_2(tmp_path):
     cfg = tmp_path / "bomb.yaml"
     cfg.write_text(with_attack_options(bomb(9)))
     t0 = time.perf_counter()
-    with deadline(2.0):
+    with deadline(10.0):
         p = cli_in_process([sys.executable, "-m", "fedloom.cli", "run", str(cfg),
                             "--out", str(tmp_path / "run"), "--quiet"])
-    assert time.perf_counter() - t0 < 1.0  # "well under a second" (the issue: over 60 s)
+    # a hang guard with room for a busy machine (refused in ~30 ms; the issue: over 60 s)
+    assert time.perf_counter() - t0 < 5.0
     assert p.returncode == 2
     err = err_lines(p)
     assert len(err) == 1 and str(cfg) in err[0] and "aliases expand" in err[0], err
@@ -142,15 +144,17 @@ def test_a_saved_config_bomb_is_refused_on_resume(tmp_path):
     cfg.write_text(yaml.safe_dump(CFG))
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    # a run directory (its marker): one that is not is refused before its config is read
+    (run_dir / MARKER_FILE).write_text("fedloom run directory\n")
     saved = run_dir / "config.yaml"
     saved.write_text(with_attack_options(bomb(9)))
-    with deadline(1.0), pytest.raises(ConfigError) as e:
+    with deadline(5.0), pytest.raises(ConfigError) as e:
         check_run_dir(run_dir, yaml.safe_load(cfg.read_text()), resume=True)
     assert str(e.value).startswith(f"{saved}: ") and "aliases expand" in str(e.value)
     # and through the CLI: one line, exit 2 (a smaller bomb: 9 ** 5 leaves, over the
     # bound, so that the code before the fix finished too rather than ran out of memory)
     saved.write_text(with_attack_options(bomb(5)))
-    with deadline(3.0):
+    with deadline(15.0):
         p = cli_in_process([sys.executable, "-m", "fedloom.cli", "run", str(cfg),
                             "--out", str(run_dir), "--resume", "--quiet"])
     err = err_lines(p)
@@ -171,7 +175,7 @@ def test_a_config_file_without_settings_is_refused(tmp_path, text):
 def test_an_empty_config_file_through_the_cli_does_not_run(tmp_path):
     cfg = tmp_path / "empty.yaml"
     cfg.write_text("# rounds: 3\n")
-    with deadline(3.0):
+    with deadline(15.0):
         p = cli_in_process([sys.executable, "-m", "fedloom.cli", "run", str(cfg), "rounds=1",
                             "--out", str(tmp_path / "run"), "--quiet"])
     err = err_lines(p)
@@ -201,7 +205,7 @@ def test_csv_cells_that_are_no_float32_number_are_one_line_and_no_warning(tmp_pa
     _table(path, 0, cell)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(CFG))
-    with warnings.catch_warnings(record=True) as seen, deadline(5.0):
+    with warnings.catch_warnings(record=True) as seen, deadline(20.0):
         warnings.simplefilter("always")
         p = cli_in_process([sys.executable, "-m", "fedloom.cli", "run", str(cfg),
                             "data.name=csv", f"data.path={path}", "data.label=label",
