@@ -70,7 +70,7 @@ LR = 0.1
 
 KINDS = ("independent", "correlated", "near_collinear", "anti_correlated", "spread_norms",
          "low_rank", "wide", "duplicated", "near_duplicate", "zero_row", "one_client",
-         "huge", "tiny", "range_spread")
+         "huge", "tiny", "range_spread", "rank_one")
 # The edges of the floating-point range (finite input must give a finite output):
 # rows whose squares overflow (float64 norms ~1e160; float32 ~1e30) or underflow
 # (float64 ~1e-170; float32 entries ~1e-25), and float32 norms spread over 1e-20 … 1e20
@@ -166,6 +166,9 @@ def make_cohort(kind: str, m: int, seed: int, dtype: torch.dtype, round: int = 1
         R[: max(1, m // 3)] *= -1
     elif kind == "spread_norms":
         R = mixed(0.9) * 10 ** (6 * torch.rand(m, 1, generator=gen, dtype=torch.float64) - 3)
+    elif kind == "rank_one":
+        # every row a signed multiple of one direction: [v, −2v, 3v, …] (numerical rank 1)
+        R = randn(m, 1) * randn(1, D)
     elif kind == "low_rank":
         r = 1 + int(torch.randint(0, max(1, m // 2), (1,), generator=gen))
         R = randn(m, r) @ randn(r, D) / math.sqrt(r)
