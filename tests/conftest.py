@@ -107,3 +107,33 @@ def cli_in_process(cmd, env=None, cwd=None, **kwargs):
             root.removeHandler(log)
             torch.set_num_threads(threads)
     return subprocess.CompletedProcess(list(cmd), rc, out.getvalue(), err.getvalue())
+
+
+def flower_simulation(server_app, client_app, num_supernodes: int) -> None:
+    """Flower's ``run_simulation`` on Ray with 2 CPUs, one per client, no dashboard.
+
+    Ray is started here, in the calling thread, before Flower starts its own
+    threads (Flower's backend uses a Ray that is already up, as its
+    ``init_ray`` says): Ray forks its head processes with a ``preexec_fn``, and a
+    fork made while another thread holds an OpenSSL lock left the child
+    waiting on that lock for ever (seen once, in ``SSL_CTX_free`` after the fork).
+    The runtime environment is Flower's own (the driver's ``sys.path`` for the
+    workers)."""
+    import ray
+    from flwr.simulation import run_simulation
+
+    if not ray.is_initialized():
+        pythonpath = os.pathsep.join(sys.path)
+        if os.environ.get("PYTHONPATH"):
+            pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+        ray.init(num_cpus=2, include_dashboard=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+    try:
+        run_simulation(server_app=server_app, client_app=client_app,
+                       num_supernodes=num_supernodes,
+                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                       "init_args": {"num_cpus": 2,
+                                                     "include_dashboard": False}})
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fedloom
+from conftest import flower_simulation
 
 flwr = pytest.importorskip("flwr")
 pytest.importorskip("ray")
@@ -36,17 +37,8 @@ FRAMING_BYTES_PER_REPLY = 600
 
 
 def _simulate(cfg, n):
-    from flwr.simulation import run_simulation
-
     strategy = FedloomStrategy(cfg)
-    run_simulation(server_app=server_app(strategy), client_app=client_app(cfg),
-                   num_supernodes=n,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
+    flower_simulation(server_app(strategy), client_app(cfg), n)
     return strategy
 
 
@@ -109,8 +101,6 @@ def test_secagg_plus_on_flower_ends_at_the_unmasked_model():
     client's clipped values are stochastically rounded to steps of Δ = 2·8/2²²
     ≈ 3.8e-6; the unmasked average is off by < Δ, the sum by < mΔ, and the
     aggregate (sum / m̄, m = m̄ = 3, server.lr = 1) — so the model — by < Δ."""
-    from flwr.simulation import run_simulation
-
     from fedloom.config import ConfigError, config_to_dict, load_config
     from fedloom.integrations.secagg import (
         SecAggStrategy,
@@ -126,14 +116,7 @@ def test_secagg_plus_on_flower_ends_at_the_unmasked_model():
     ref = fedloom.run(cfg)
     assert ref.metrics[0]["dp_clipped"] > 0  # the clip is active
     strategy = SecAggStrategy(cfg)
-    run_simulation(server_app=secagg_server_app(strategy), client_app=secagg_client_app(cfg),
-                   num_supernodes=6,
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
+    flower_simulation(secagg_server_app(strategy), secagg_client_app(cfg), 6)
     assert [m["cohort_size"] for m in strategy.history] == [3]
     assert strategy.history[0]["dp_epsilon"] == ref.metrics[0]["dp_epsilon"]
     w0 = strategy.exp.initial_state().w

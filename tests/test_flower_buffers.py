@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fedloom
+from conftest import flower_simulation
 from fedloom.buffers import BUFFER_POLICIES, buffers_sha256
 
 flwr = pytest.importorskip("flwr")
@@ -91,15 +92,7 @@ def _run_flower(policy: str, ray_runtime: bool) -> FedloomStrategy:
     strategy = FedloomStrategy(CFG, over)
     app = client_app(CFG, over)
     if ray_runtime:
-        import ray
-        from flwr.simulation import run_simulation
-
-        run_simulation(server_app=server_app(strategy), client_app=app, num_supernodes=4,
-                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                       "init_args": {"num_cpus": 2,
-                                                     "include_dashboard": False}})
-        if ray.is_initialized():
-            ray.shutdown()
+        flower_simulation(server_app(strategy), app, 4)
     else:
         strategy.start(grid=_LocalGrid(app, 4), initial_arrays=strategy.initial_arrays(),
                        num_rounds=CFG["rounds"])
