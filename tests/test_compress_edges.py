@@ -93,3 +93,16 @@ def test_scale_beyond_float32_is_refused(name, big, msg):
     x[2] = big
     with pytest.raises(ValueError, match=rf"{name}.encode: .*{msg}"):
         make_compressor(name).encode(x, gen=torch.Generator().manual_seed(0))
+
+
+def test_identity_refuses_a_float64_value_beyond_float32():
+    """identity sends float32: a finite float64 entry of 1e300 would arrive as inf.
+    It is refused by name (the engine rejects and counts that client); 3e38, inside
+    float32's range, and entries that are inf already are sent as they are."""
+    comp = make_compressor("identity")
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match=r"identity\.encode: 1 entries beyond float32"):
+        comp.encode(torch.tensor([1.0, 1e300, -2.0], dtype=torch.float64), gen=gen)
+    ok = torch.tensor([3e38, float("inf"), -1.0], dtype=torch.float64)
+    back = comp.decode(comp.encode(ok, gen=gen), 3)
+    assert back[0] == torch.tensor(3e38, dtype=torch.float32) and torch.isinf(back[1])

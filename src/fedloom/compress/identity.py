@@ -9,7 +9,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedloom.compress.base import PayloadError, check_checksum_option, pack, unpack_header
+from fedloom.compress.base import (
+    PayloadError,
+    check_checksum_option,
+    check_fits,
+    pack,
+    unpack_header,
+)
 from fedloom.registry import register
 
 __all__ = ["Identity"]
@@ -27,7 +33,10 @@ class Identity:
     def encode(self, x: torch.Tensor, *, gen: torch.Generator | None = None) -> bytes:
         if x.ndim != 1:
             raise ValueError(f"identity.encode: expected a vector, got shape {tuple(x.shape)}")
-        body = x.detach().to(torch.float32).contiguous().cpu().numpy().astype("<f4", copy=False)
+        sent = x.detach().to(torch.float32)
+        if x.dtype == torch.float64:  # a finite float64 entry beyond float32 is not sent as ±inf
+            check_fits(x.detach(), sent, "identity", "float32")
+        body = sent.contiguous().cpu().numpy().astype("<f4", copy=False)
         return pack(CODEC_IDENTITY, x.shape[0], body.tobytes(), self.checksum)
 
     def decode(self, payload: bytes, d: int | None = None) -> torch.Tensor:
