@@ -78,6 +78,7 @@ CSV. The optional ``report:`` section shapes the page; every key is optional::
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -91,6 +92,20 @@ from typing import Any
 import yaml
 
 from fedloom.config import ConfigError, yaml_load
+from fedloom.tuning import (
+    Protocol,
+    Range,
+    Space,
+    Trial,
+    best_trial,
+    grid_points,
+    load_protocol,
+    merge_space,
+    overrides,
+    parse_space,
+    point_slug,
+    tpe_point,
+)
 
 __all__ = ["RunSpec", "Suite", "SweepError", "drop_missing_data", "load_suite", "run_suite",
            "validate_suite"]
@@ -121,6 +136,27 @@ class Suite:
     path: Path | None = None
     method_settings: dict[str, list[str]] = field(default_factory=dict)
     report_text: str = ""  # the last report made (printed by the CLI when doc is None)
+    # The tuning protocol (fedloom.tuning); None for a suite without ``tuning:``.
+    tuning: Protocol | None = None
+    method_space: dict[str, Space] = field(default_factory=dict)
+    untuned: set[str] = field(default_factory=set)   # methods with ``tune: false``
+    claims: list[dict[str, Any]] = field(default_factory=list)
+    # Filled by run_suite: each (setting, method)'s trials, and its sensitivity runs
+    # {(setting, method): [(value, [RunSpec per seed])]}.
+    trials: dict[tuple[str, str], list[Trial]] = field(default_factory=dict)
+    sensitivity_specs: dict[tuple[str, str], list[tuple[Any, list[RunSpec]]]] = field(
+        default_factory=dict)
+
+    def space(self, setting: str, method: str) -> Space:
+        """The method's space in a setting: the suite's, the setting's, the method's."""
+        assert self.tuning is not None
+        return merge_space(self.tuning.space, self.settings[setting].get("_space", {}),
+                           self.method_space.get(method, {}))
+
+    def tuned(self, method: str) -> bool:
+        """Whether the protocol tunes ``method`` itself (not shared, not ``tune: false``)."""
+        return (self.tuning is not None and method not in self.untuned
+                and method not in self.share_tuning)
 
 
 @dataclass(frozen=True)
@@ -149,7 +185,7 @@ def load_suite(path: str | Path) -> Suite:
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: a suite file holds a mapping of settings")
     known = {"name", "out", "doc", "seeds", "settings", "methods", "tune", "share_tuning",
-             "tune_seed", "tune_metric", "report"}
+             "tune_seed", "tune_metric", "report", "tuning", "claims"}
     for key in raw:
         if key not in known:
             raise ConfigError(
@@ -165,18 +201,44 @@ def load_suite(path: str | Path) -> Suite:
         if not (isinstance(t, dict) and isinstance(t.get("grid"), list) and t["grid"]
                 and "key" in t):
             raise ConfigError(f"{p}: tune.{m}: needs key: and a non-empty grid: list")
+    if raw.get("tune") and raw.get("tuning") is not None:
+        raise ConfigError(f"{p}: tune: and tuning: both given (tuning: is the protocol; "
+                          "tune: its one-key predecessor)")
+    protocol = (load_protocol(raw["tuning"], f"{p}: tuning", [int(s) for s in raw["seeds"]])
+                if raw.get("tuning") is not None else None)
     for m, src in (raw.get("share_tuning") or {}).items():
-        if src not in (raw.get("tune") or {}):
+        if m not in raw["methods"]:
+            raise ConfigError(f"{p}: share_tuning.{m}: not a method of this suite")
+        if protocol is not None:
+            if src not in raw["methods"] or src in (raw.get("share_tuning") or {}):
+                raise ConfigError(f"{p}: share_tuning.{m}: {src!r} is not a tuned method")
+        elif src not in (raw.get("tune") or {}):
             raise ConfigError(f"{p}: share_tuning.{m}: {src!r} has no tune entry")
     settings: dict[str, dict[str, Any]] = {}
     for name, st in raw["settings"].items():
         if not isinstance(st, dict):
             raise ConfigError(f"{p}: settings.{name}: must be a mapping with config:")
         settings[name] = {**st, "config": _resolve_config(p, name, st.get("config"))}
+        if st.get("space") is not None:
+            if protocol is None:
+                raise ConfigError(f"{p}: settings.{name}.space: needs a tuning: section")
+            settings[name]["_space"] = parse_space(st["space"], f"{p}: settings.{name}.space")
     methods: dict[str, list[str]] = {}
     only: dict[str, list[str]] = {}
+    spaces: dict[str, Space] = {}
+    untuned: set[str] = set()
     for m, v in raw["methods"].items():
         if isinstance(v, dict):
+            extra = set(v) - {"overrides", "settings", "space", "tune"}
+            if extra:
+                raise ConfigError(f"{p}: methods.{m}.{sorted(extra)[0]}: unknown key "
+                                  "(expected overrides, settings, space, tune)")
+            if (v.get("space") is not None or "tune" in v) and protocol is None:
+                raise ConfigError(f"{p}: methods.{m}: space:/tune: need a tuning: section")
+            if v.get("space") is not None:
+                spaces[m] = parse_space(v["space"], f"{p}: methods.{m}.space")
+            if v.get("tune") is False:
+                untuned.add(m)
             methods[m] = list(v.get("overrides", []) or [])
             if v.get("settings"):
                 bad = [s for s in v["settings"] if s not in raw["settings"]]
@@ -185,6 +247,10 @@ def load_suite(path: str | Path) -> Suite:
                 only[m] = list(v["settings"])
         else:
             methods[m] = list(v or [])
+    if protocol is not None and any(TUNE in o for ov in methods.values() for o in ov):
+        raise ConfigError(f"{p}: methods: {TUNE} belongs to tune:; under tuning: a method's "
+                          "tuned keys are its space")
+    claims = _load_claims(p, raw.get("claims"), methods, settings)
     return Suite(
         name=raw["name"], out=Path(raw.get("out", f"runs/{raw['name']}")),
         doc=Path(raw["doc"]) if raw.get("doc") else None, seeds=[int(s) for s in raw["seeds"]],
@@ -192,8 +258,44 @@ def load_suite(path: str | Path) -> Suite:
         tune=raw.get("tune", {}) or {}, share_tuning=raw.get("share_tuning", {}) or {},
         tune_seed=int(raw.get("tune_seed", 0)), tune_metric=raw.get("tune_metric",
                                                                      "client_acc_mean"),
-        report=raw.get("report", {}) or {}, path=p,
+        report=raw.get("report", {}) or {}, path=p, tuning=protocol, method_space=spaces,
+        untuned=untuned, claims=claims,
     )
+
+
+CLAIM_KEYS = {"claim", "method", "against", "metric", "better", "margin", "settings"}
+
+
+def _load_claims(p: Path, raw: Any, methods: dict[str, list[str]],
+                 settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """A suite's ``claims:``: each ``{claim: text, method: A, against: [B, …], metric: M,
+    better: higher|lower, margin: x, settings: [...]}`` (see fedloom.report.sweep)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ConfigError(f"{p}: claims: needs a list")
+    out = []
+    for i, c in enumerate(raw):
+        at = f"{p}: claims[{i}]"
+        if not isinstance(c, dict):
+            raise ConfigError(f"{at}: needs a mapping")
+        extra = set(c) - CLAIM_KEYS
+        if extra:
+            raise ConfigError(f"{at}.{sorted(extra)[0]}: unknown key")
+        for key in ("claim", "method", "against", "metric"):
+            if key not in c:
+                raise ConfigError(f"{at}.{key}: missing")
+        against = c["against"] if isinstance(c["against"], list) else [c["against"]]
+        for m in [c["method"], *against]:
+            if m not in methods:
+                raise ConfigError(f"{at}: {m!r} is not a method of this suite")
+        if c.get("better", "higher") not in ("higher", "lower"):
+            raise ConfigError(f"{at}.better: expected higher or lower")
+        for s in c.get("settings") or []:
+            if s not in settings:
+                raise ConfigError(f"{at}.settings: unknown setting {s!r}")
+        out.append({**c, "against": against})
+    return out
 
 
 def _resolve_config(suite: Path, setting: str, given: Any) -> str:
@@ -221,6 +323,8 @@ def validate_suite(suite: Suite) -> int:
     method, the setting and the field."""
     from fedloom.config import load_config
 
+    if suite.tuning is not None:
+        return _validate_protocol(suite)
     n = 0
     for setting, st in suite.settings.items():
         for method, ov in suite.methods.items():
@@ -244,6 +348,61 @@ def validate_suite(suite: Suite) -> int:
                                       f"{at}): {str(e).splitlines()[0]}") from None
                 n += 1
     return n
+
+
+def _check_points(suite: Suite, setting: str, method: str, points: list[dict[str, Any]],
+                  extra: list[str] | None = None) -> int:
+    from fedloom.config import load_config
+
+    st = suite.settings[setting]
+    for point in points:
+        try:
+            load_config(st["config"], [*st.get("overrides", []), *suite.methods[method],
+                                       *overrides(point), *(extra or []),
+                                       f"seed={suite.seeds[0] if suite.seeds else 0}"])
+        except ConfigError as e:
+            at = f" at {point_slug(point)}" if point else ""
+            raise ConfigError(f"{suite.path}: methods.{method} (setting {setting}{at}): "
+                              f"{str(e).splitlines()[0]}") from None
+    return len(points)
+
+
+def _validate_protocol(suite: Suite) -> int:
+    """Every point a tuning or sensitivity run can take, loaded before anything runs; a
+    grid smaller than the budget is refused (fedloom.tuning)."""
+    proto = suite.tuning
+    assert proto is not None
+    n = 0
+    rounds = [f"rounds={proto.rounds}"] if proto.rounds else []
+    for setting in suite.settings:
+        for method in suite.methods:
+            if not _applies(suite, method, setting):
+                continue
+            if suite.tuned(method):
+                space = suite.space(setting, method)
+                if proto.sampler == "grid":
+                    pts = grid_points(space, proto.budget, proto.seed, setting, method)
+                else:
+                    # each range at both ends, each list value once (with the others' first)
+                    pts = []
+                    for k, v in space.items():
+                        vals = [v.low, v.high] if isinstance(v, Range) else list(v)
+                        base = {k2: (v2.low if isinstance(v2, Range) else v2[0])
+                                for k2, v2 in space.items()}
+                        pts += [{**base, k: x} for x in vals]
+                n += _check_points(suite, setting, method, pts, rounds)
+            else:
+                n += _check_points(suite, setting, method, [{}])
+            sens = proto.sensitivity
+            if sens and _sensitive(suite, method):
+                n += _check_points(suite, setting, method,
+                                   [{sens["key"]: v} for v in sens["values"]])
+    return n
+
+
+def _sensitive(suite: Suite, method: str) -> bool:
+    sens = suite.tuning.sensitivity if suite.tuning else None
+    return bool(sens) and (sens.get("methods") is None or method in sens["methods"])
 
 
 def drop_missing_data(suite: Suite, log: Callable[[str], None]) -> list[str]:
@@ -351,6 +510,148 @@ def tuned_values(
     return chosen
 
 
+def _trial_specs(suite: Suite, setting: str, method: str, point: dict[str, Any]
+                 ) -> list[RunSpec]:
+    proto = suite.tuning
+    assert proto is not None
+    ov = [*suite.methods[method], *overrides(point)]
+    if proto.rounds:
+        ov.append(f"rounds={proto.rounds}")
+    return [_spec(suite, setting, method, seed, ov, tag=f"@tune={point_slug(point)}")
+            for seed in proto.seeds]
+
+
+def _score(spec: RunSpec, metric: str) -> float:
+    from fedloom.report.compare import load_run, metric_value
+
+    if not spec.done:
+        return math.nan
+    return metric_value(load_run(spec.out), metric)
+
+
+def tune_protocol(suite: Suite, workers: int, log: Callable[[str], None]
+                  ) -> dict[tuple[str, str], dict[str, Any]]:
+    """Run the tuning protocol (fedloom.tuning); return {(setting, method): chosen
+    point} and keep every trial in ``suite.trials``. ``workers=0``: run nothing
+    (:class:`FileNotFoundError` when a trial has not finished)."""
+    from fedloom.report.compare import lower_is_better
+
+    proto = suite.tuning
+    assert proto is not None
+    lower = lower_is_better(proto.metric)
+    pairs = [(s, m) for s in suite.settings for m in suite.methods
+             if _applies(suite, m, s) and suite.tuned(m)]
+    trials: dict[tuple[str, str], list[Trial]] = {pair: [] for pair in pairs}
+    specs: dict[tuple[str, str, int], list[RunSpec]] = {}
+
+    def record(step_pairs: list[tuple[str, str]], index: int) -> None:
+        for pair in step_pairs:
+            t = trials[pair][index]
+            for spec in specs[(*pair, index)]:
+                t.scores[spec.seed] = _score(spec, proto.metric)
+
+    if proto.sampler == "grid":
+        for pair in pairs:
+            for i, point in enumerate(grid_points(suite.space(*pair), proto.budget, proto.seed,
+                                                  *pair)):
+                trials[pair].append(Trial(i, point))
+                specs[(*pair, i)] = _trial_specs(suite, *pair, point)
+        _run_trials([sp for v in specs.values() for sp in v], workers, log)
+        for i in range(proto.budget):
+            record(pairs, i)
+    else:
+        # TPE: trial i of every (setting, method) from its trials 0 … i−1, one step at a time
+        for i in range(proto.budget):
+            for pair in pairs:
+                point = tpe_point(suite.space(*pair), trials[pair], i, proto.seed, *pair,
+                                  lower=lower, startup=proto.startup)
+                trials[pair].append(Trial(i, point))
+                specs[(*pair, i)] = _trial_specs(suite, *pair, point)
+            _run_trials([sp for pair in pairs for sp in specs[(*pair, i)]], workers, log)
+            record(pairs, i)
+    suite.trials = trials
+    chosen = {pair: dict(best_trial(ts, lower).params) for pair, ts in trials.items()}
+    for method, source in suite.share_tuning.items():
+        for setting in suite.settings:
+            if _applies(suite, method, setting) and (setting, source) in chosen:
+                own = {o.split("=", 1)[0] for o in suite.methods[method]}
+                # a method's own overrides win over the values it borrows
+                chosen[(setting, method)] = {k: v for k, v in chosen[(setting, source)].items()
+                                             if k not in own}
+    _write_tuning_record(suite, chosen)
+    return chosen
+
+
+def _run_trials(specs: list[RunSpec], workers: int, log: Callable[[str], None]) -> None:
+    """Tuning runs: one that fails scores worst (NaN) and the tuning goes on."""
+    try:
+        _run_all(specs, workers, log)
+    except SweepError as e:
+        log(f"tuning: {e} (those trials score worst)")
+
+
+def _write_tuning_record(suite: Suite, chosen: dict[tuple[str, str], dict[str, Any]]) -> None:
+    """``OUT/tuning.json``: the protocol, every trial with its per-seed scores, the choice."""
+    proto = suite.tuning
+    assert proto is not None
+    rec: dict[str, Any] = {
+        "budget": proto.budget, "sampler": proto.sampler, "seeds": proto.seeds,
+        "metric": proto.metric, "rounds": proto.rounds, "settings": {}}
+    for (setting, method), ts in suite.trials.items():
+        rec["settings"].setdefault(setting, {})[method] = {
+            "chosen": chosen[(setting, method)],
+            "trials": [{"index": t.index, "params": t.params,
+                        "scores": {str(k): v for k, v in t.scores.items()},
+                        "score": t.score} for t in ts]}
+    suite.out.mkdir(parents=True, exist_ok=True)
+    tmp = suite.out / "tuning.json.tmp"
+    tmp.write_text(json.dumps(rec, indent=1, default=str))
+    os.replace(tmp, suite.out / "tuning.json")
+
+
+def sensitivity_specs(suite: Suite, chosen: dict[tuple[str, str], Any]
+                      ) -> dict[tuple[str, str], list[tuple[Any, list[RunSpec]]]]:
+    """The sensitivity runs (fedloom.tuning): per (setting, method), per value of the
+    key, the reported seeds with the other keys at their chosen values. A value equal
+    to the chosen one is the main run itself."""
+    proto = suite.tuning
+    if proto is None or not proto.sensitivity:
+        return {}
+    key, values = proto.sensitivity["key"], proto.sensitivity["values"]
+    out: dict[tuple[str, str], list[tuple[Any, list[RunSpec]]]] = {}
+    for setting in suite.settings:
+        for method in suite.methods:
+            if not (_applies(suite, method, setting) and _sensitive(suite, method)):
+                continue
+            point = dict(chosen.get((setting, method), {}))
+            rows = []
+            for v in values:
+                if key in point and point[key] == v:
+                    tag, pov = "", _point_overrides(suite, method, point)
+                else:
+                    tag = f"@sens={point_slug({key: v})}"
+                    pov = [*_point_overrides(suite, method, point), f"{key}={v!r}"
+                           if isinstance(v, float) else f"{key}={v}"]
+                rows.append((v, [_spec(suite, setting, method, seed, pov, tag=tag)
+                                 for seed in suite.seeds]))
+            out[(setting, method)] = rows
+    return out
+
+
+def _point_overrides(suite: Suite, method: str, point: dict[str, Any]) -> list[str]:
+    """A method's overrides with its chosen point: after its own (tuned), or before
+    them (borrowed by share_tuning: its own values win)."""
+    if method in suite.share_tuning:
+        return [*overrides(point), *suite.methods[method]]
+    return [*suite.methods[method], *overrides(point)]
+
+
+def _tune(suite: Suite, workers: int, log: Callable[[str], None]) -> dict[tuple[str, str], Any]:
+    if suite.tuning is not None:
+        return tune_protocol(suite, workers, log)
+    return tuned_values(suite, workers, log)
+
+
 def main_specs(suite: Suite, chosen: dict[tuple[str, str], Any]) -> list[RunSpec]:
     specs = []
     for setting in suite.settings:
@@ -358,6 +659,10 @@ def main_specs(suite: Suite, chosen: dict[tuple[str, str], Any]) -> list[RunSpec
             if method in suite.method_settings and setting not in suite.method_settings[method]:
                 continue
             value = chosen.get((setting, method))
+            if suite.tuning is not None:
+                pov = _point_overrides(suite, method, dict(value or {}))
+                specs += [_spec(suite, setting, method, seed, pov) for seed in suite.seeds]
+                continue
             if any(TUNE in o for o in ov) and value is None:
                 raise ConfigError(f"methods.{method}: uses {TUNE} but has no tune entry")
             ov2 = [o.replace(TUNE, str(value)) for o in ov]
@@ -382,22 +687,26 @@ def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = p
         state = suite.out / "sweep.json"
         prior = json.loads(state.read_text()) if state.exists() else {}
         try:
-            chosen = tuned_values(suite, 0, log)
+            chosen = _tune(suite, 0, log)
         except (FileNotFoundError, ValueError):
             chosen = {}
-        specs = main_specs(suite, chosen) if chosen or not suite.tune else []
+        specs = main_specs(suite, chosen) if chosen or not (suite.tune or suite.tuning) else []
+        suite.sensitivity_specs = sensitivity_specs(suite, chosen) if specs else {}
         suite.report_text = write_report(suite, chosen, specs,
                                          float(prior.get("elapsed_s", 0.0)), workers, csv)
         return suite
     try:
-        chosen = tuned_values(suite, workers, log)
+        chosen = _tune(suite, workers, log)
     except SweepError as e:  # no tuned value, no main runs: nothing to report
         e.suite = suite
         raise
     specs = main_specs(suite, chosen)
+    suite.sensitivity_specs = sensitivity_specs(suite, chosen)
+    extra = [sp for rows in suite.sensitivity_specs.values() for _, sps in rows for sp in sps
+             if sp.out not in {m.out for m in specs}]
     failure: SweepError | None = None
     try:
-        _run_all(specs, workers, log)
+        _run_all([*specs, *dict.fromkeys(extra)], workers, log)
     except SweepError as e:
         failure = e  # still report the runs that finished ("Incomplete" counts the rest)
     elapsed = time.perf_counter() - t0

@@ -13,15 +13,24 @@ from typing import Any
 
 import numpy as np
 
+from fedloom.report.claims import (
+    claim_table,
+    metric_scale,
+    plot_sensitivity,
+    seed_values,
+    sensitivity_table,
+)
 from fedloom.report.compare import (
     first_reach,
     load_run,
+    markdown_table,
     mean_sd,
     plot_cdf,
     plot_curves,
     run_stats,
     write_csv,
 )
+from fedloom.report.stats import paired
 
 __all__ = ["aggregate_runs", "write_report"]
 
@@ -42,7 +51,9 @@ def aggregate_runs(specs: list[Any]) -> dict[str, dict[str, dict[str, Any]]]:
         if not (spec.out / "summary.json").exists():
             continue  # not run (yet): the report says how many are missing
         row = table.setdefault(spec.setting, {}).setdefault(spec.method, {"runs": []})
-        row["runs"].append(run_stats(load_run(spec.out)))
+        stats = run_stats(load_run(spec.out))
+        stats["_seed"] = spec.seed  # the pairing key of paired comparisons
+        row["runs"].append(stats)
     for methods in table.values():
         for row in methods.values():
             runs = row["runs"]
@@ -155,23 +166,131 @@ def _sweep_plot(path: Path, title: str, xs: list[float], ys: list[tuple[float, f
 
 def _compare(setting: str, rows: dict[str, dict[str, Any]], base: str,
              cand: str) -> str | None:
+    """One line: the candidate against the baseline, paired over seeds (stats.paired)."""
     if base not in rows or cand not in rows:
         return None
-    b, c = rows[base], rows[cand]
+    keys: tuple[tuple[str, str, str], ...] = (
+        ("client_acc_mean", "mean", "higher"), ("client_acc_std", "std", "lower"),
+        ("client_acc_worst10", "worst 10 %", "higher"))
+    if not any(k in rows[base] for k, _, _ in keys):
+        keys = (("test_acc", "test acc", "higher"), ("test_acc_peak", "peak test acc", "higher"))
     parts = []
-    keys = (("client_acc_mean", "mean", 1), ("client_acc_std", "std", -1),
-            ("client_acc_worst10", "worst 10 %", 1))
-    if "client_acc_mean" not in b or "client_acc_mean" not in c:
-        keys = (("test_acc", "test acc", 1), ("test_acc_peak", "peak test acc", 1))
     for key, label, better in keys:
-        if key not in b or key not in c:
+        if key not in rows[base] or key not in rows[cand]:
             continue
-        d = (c[key][0] - b[key][0]) * 100
-        noise = math.hypot(b[key][1], c[key][1]) * 100
-        verdict = ("better" if d * better > noise else "worse" if d * better < -noise
-                   else "within seed spread")
-        parts.append(f"{label} {d:+.1f} pp ({verdict})")
+        a, _ = seed_values(rows[cand]["runs"], key)
+        b, _ = seed_values(rows[base]["runs"], key)
+        scale, unit = metric_scale(key)
+        parts.append(f"{label} {paired(a, b, better=better).text(scale, unit)}")
     return f"- **{setting}**, {cand} vs {base}: " + "; ".join(parts) + "."
+
+
+def _targets(suite: Any, table: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """Per setting, the target test accuracy of ``report.target`` (None without one)."""
+    cfg = suite.report.get("target")
+    out: dict[str, float | None] = {}
+    for setting, rows in table.items():
+        out[setting] = None
+        if cfg and cfg["baseline"] in rows:
+            base = rows[cfg["baseline"]].get(cfg.get("metric", "test_acc"))
+            if base is not None:
+                out[setting] = cfg.get("fraction", 0.9) * base[0]
+    return out
+
+
+def _t_crit(n: int) -> float:
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, max(n - 1, 1)))
+
+
+def _sensitivity_lines(suite: Any, setting: str, doc: Path | None,
+                       chosen: dict[tuple[str, str], Any]) -> list[str]:
+    """The metric across the sensitivity key (fedloom.tuning), one line per method."""
+    specs = {m: rows for (s, m), rows in suite.sensitivity_specs.items() if s == setting}
+    if not specs:
+        return []
+    proto = suite.tuning
+    key = proto.sensitivity["key"]
+    metric = suite.report.get("sensitivity_metric", proto.metric)
+    lines_by_m: dict[str, list[tuple[Any, list[float]]]] = {}
+    missing = 0
+    for m, rows in specs.items():
+        pts = []
+        for v, sps in rows:
+            vals = []
+            for sp in sps:
+                if not sp.done:
+                    missing += 1
+                    continue
+                stats = run_stats(load_run(sp.out))
+                x = stats.get(metric)
+                vals.append(float(x) if isinstance(x, int | float) else float("nan"))
+            pts.append((v, vals))
+        lines_by_m[m] = pts
+    header, rows = sensitivity_table(lines_by_m, metric)
+    unit = " (%)" if metric_scale(metric)[0] == 100 else ""
+    out = [f"**Sensitivity to `{key}`** (final `{metric}`{unit}, mean ± sd over seeds "
+           f"{suite.seeds}; every other key at its tuned value):", "",
+           markdown_table(header, rows), ""]
+    if missing:
+        out += [f"({missing} sensitivity runs have not finished.)", ""]
+    if doc is not None:
+        png = doc.parent / f"{suite.name}-{setting}-sensitivity.png"
+        picked = {m: chosen.get((setting, m), {}).get(key) for m in specs}
+        if plot_sensitivity(png, setting, lines_by_m, key, metric, picked):
+            out += [f"![{metric} across {key}, {setting}]({png.name})", ""]
+    return out
+
+
+def _protocol_lines(suite: Any, chosen: dict[tuple[str, str], Any]) -> list[str]:
+    """The tuning protocol, the chosen point of every method, and every trial."""
+    proto = suite.tuning
+    space_keys = sorted({k for s in suite.settings for m in suite.methods
+                         if (s, m) in suite.trials for k in suite.space(s, m)})
+    lines = ["## Tuning", "",
+             f"Every tuned method had the same budget: **{proto.budget} trials** per setting "
+             f"({proto.sampler} sampler, sampler seed {proto.seed}), each run on the tuning "
+             f"seed{'s' if len(proto.seeds) > 1 else ''} {proto.seeds} (not reported; the "
+             f"reported seeds are {suite.seeds}) for "
+             + (f"{proto.rounds} round{'s' if proto.rounds > 1 else ''}" if proto.rounds
+                else "the setting's rounds")
+             + f", scored by the final `{proto.metric}` (mean over tuning seeds; a diverged "
+             "run scores worst), best score chosen. Keys searched: "
+             + ", ".join(f"`{k}`" for k in space_keys) + ".", ""]
+    shared = {m: src for m, src in suite.share_tuning.items()}
+    for setting in suite.settings:
+        picks = []
+        for m in suite.methods:
+            if (setting, m) not in chosen and m not in suite.untuned:
+                continue
+            if m in suite.untuned:
+                picks.append([m, "not tuned (its config as given)"])
+                continue
+            point = ", ".join(f"`{k}` = {v:g}" if isinstance(v, float) else f"`{k}` = {v}"
+                              for k, v in chosen[(setting, m)].items())
+            how = f"from {shared[m]}" if m in shared else "tuned"
+            picks.append([m, f"{point} ({how})"])
+        if picks:
+            lines += [f"**{setting}**", "", markdown_table(["method", "chosen"], picks), ""]
+    trial_rows = []
+    for (setting, m), ts in suite.trials.items():
+        pick = chosen.get((setting, m))
+        best = next((t for t in ts if t.params == pick), None)
+        for t in ts:
+            scale, _ = metric_scale(proto.metric)
+            score = f"{t.score * scale:.2f}" if t.score == t.score else "diverged"
+            mark = " ←" if best is not None and t is best else ""
+            trial_rows.append([setting, m, str(t.index),
+                               ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                                         for k, v in t.params.items()), score + mark])
+    if trial_rows:
+        lines += ["<details><summary>Every trial (score: the selection metric"
+                  + (", in %" if metric_scale(proto.metric)[0] == 100 else "")
+                  + "; ← the chosen one)</summary>", "",
+                  markdown_table(["setting", "method", "trial", "point", "score"], trial_rows),
+                  "", "</details>", ""]
+    return lines
 
 
 def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any],
@@ -188,7 +307,28 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
         lines += [rep["intro"].strip(), ""]
     lines += ["Regenerate this page (runs that already finished are reused):", "", "```bash",
               rep.get("command", f"fedloom sweep {suite.path}"), "```", ""]
-    if chosen:
+    targets = _targets(suite, table)
+    claims = getattr(suite, "claims", None)
+    if claims:
+        header, rows, claim_recs = claim_table(claims, table, list(suite.settings), targets)
+        lines += ["## Claims", "",
+                  f"Each cell pairs the two methods seed by seed (seeds {suite.seeds}, the "
+                  "same partitions, cohorts and initial models) and gives the verdict, the "
+                  "mean difference (method − baseline) and its 95 % t-interval over the "
+                  "seeds: **better** or **worse** only when the interval excludes 0, "
+                  "**equivalent** when it lies within the claim's margin, else **no "
+                  "evidence**. "
+                  + (f"With {len(suite.seeds)} seeds the interval is wide (t = "
+                     f"{_t_crit(len(suite.seeds)):.2f}): a real difference smaller than "
+                     "the seed-to-seed spread shows as no evidence. " if len(suite.seeds) < 6
+                     else "")
+                  + "Intervals are per cell, not adjusted for the number of cells.", "",
+                  markdown_table(header, rows), ""]
+        if csv is not None:
+            records += [{"kind": "claim", **r} for r in claim_recs]
+    if getattr(suite, "tuning", None) is not None:
+        lines += _protocol_lines(suite, chosen)
+    elif chosen:
         lines += ["## Tuning", "", f"Tuned on seed {suite.tune_seed} (not one of the reported "
                   f"seeds {suite.seeds}) by the best `{suite.tune_metric}`:", ""]
 
@@ -214,14 +354,11 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
     for setting, rows in table.items():
         desc = suite.settings[setting].get("describe", "")
         lines += [f"### {setting}", ""] + ([desc.strip(), ""] if desc else [])
-        target = None
-        if target_cfg and target_cfg["baseline"] in rows:
-            base = rows[target_cfg["baseline"]].get(target_cfg.get("metric", "test_acc"))
-            if base is not None:
-                target = target_cfg.get("fraction", 0.9) * base[0]
-                lines += [f"Target: {target * 100:.1f} % test accuracy "
-                          f"({target_cfg.get('fraction', 0.9):g} × {target_cfg['baseline']}'s "
-                          "final accuracy).", ""]
+        target = targets.get(setting)
+        if target is not None:
+            lines += [f"Target: {target * 100:.1f} % test accuracy "
+                      f"({target_cfg.get('fraction', 0.9):g} × {target_cfg['baseline']}'s "
+                      "final accuracy).", ""]
         timed = _timed(rows)
         extra = (["rounds to target", "uplink MB to target"]
                  + (["sim. min to target"] if timed else []) if target is not None else [])
@@ -272,6 +409,8 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
             if plot_cdf(png, setting, {m: rows[m]["runs"] for m in cdf if m in rows},
                         "client_acc"):
                 lines += [f"![per-client accuracy CDF, {setting}]({png.name})", ""]
+        if getattr(suite, "sensitivity_specs", None):
+            lines += _sensitivity_lines(suite, setting, doc, chosen)
     sp = rep.get("sweep_plot")
     if sp and sp["setting"] in table:
         rows = table[sp["setting"]]
@@ -291,8 +430,8 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
     comp = rep.get("compare")
     if comp:
         lines += ["## Comparisons", "",
-                  "Differences of the seed means; a difference counts as better or worse only "
-                  "when it exceeds the combined seed sd.", ""]
+                  "Paired over the seeds (candidate − baseline): verdict, mean difference and "
+                  "95 % t-interval; better or worse only when the interval excludes 0.", ""]
         for setting, rows in table.items():
             for cand in comp.get("candidates", []):
                 s = _compare(setting, rows, comp["baseline"], cand)

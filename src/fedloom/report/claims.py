@@ -1,0 +1,194 @@
+"""Claims tables, paired comparison lines and step-size sensitivity for sweep pages.
+
+A suite's ``claims:`` list states what a paper claims, one entry each::
+
+    claims:
+      - claim: "CRAFT: higher worst 10 %"
+        method: CRAFT
+        against: [FedAvg, FedAvgM, FedProx]
+        metric: client_acc_worst10      # a final metric, or rounds_to_target
+        better: higher                  # higher (default) | lower
+        margin: 0.01                    # optional: "equivalent" inside ± margin
+        settings: [mnist]               # optional: where the claim applies
+
+The table has a row per (claim, baseline) and a column per setting; a cell is
+the paired comparison of the method against the baseline over the seeds both
+ran (:func:`fedloom.report.stats.paired`): its verdict, the mean difference and
+its 95 % interval. Accuracy metrics are differences in percentage points.
+
+``rounds_to_target``: the first evaluated round whose test accuracy reaches the
+page's target (``report.target``); a run that never reaches it counts as its
+last round + 1 (censored at the horizon: the method that does not get there is
+charged the least it could need, which can only favour it), and the cell says
+how many runs were censored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedloom.report.compare import first_reach, log_ticks
+from fedloom.report.stats import Paired, paired
+
+__all__ = ["claim_table", "metric_scale", "plot_sensitivity", "seed_values",
+           "sensitivity_table"]
+
+
+def metric_scale(metric: str) -> tuple[float, str]:
+    """(scale, unit) of a difference: accuracies in pp, rounds as they are."""
+    if "acc" in metric:
+        return 100.0, "pp"
+    if metric == "rounds_to_target":
+        return 1.0, "rounds"
+    return 1.0, ""
+
+
+def seed_values(runs: Sequence[dict[str, Any]], metric: str,
+                target: float | None = None) -> tuple[dict[Any, float], int]:
+    """{seed: value} of ``metric`` over ``runs`` (run_stats dicts with ``_seed``) and
+    how many were censored (``rounds_to_target`` only, module docstring)."""
+    out: dict[Any, float] = {}
+    censored = 0
+    for r in runs:
+        seed = r.get("_seed")
+        if metric == "rounds_to_target":
+            if target is None:
+                continue
+            hit = first_reach(r["_metrics"], "test_acc", target)
+            if hit is None:
+                censored += 1
+                last = r["_metrics"][-1]["round"] if r["_metrics"] else 0
+                out[seed] = float(last + 1)
+            else:
+                out[seed] = float(hit[0])
+        else:
+            v = r.get(metric)
+            out[seed] = float(v) if isinstance(v, int | float) and not isinstance(
+                v, bool) else math.nan
+    return out, censored
+
+
+def _cell(res: Paired, metric: str, censored: int) -> str:
+    scale, unit = metric_scale(metric)
+    text = res.text(scale, unit, digits=1)
+    if censored:
+        text += f"; {censored} run{'s' if censored > 1 else ''} never reached it"
+    return f"**{res.verdict}**" + text[len(res.verdict):] if res.n else text
+
+
+def claim_table(claims: Sequence[dict[str, Any]], table: dict[str, dict[str, Any]],
+                settings: Sequence[str], targets: dict[str, float | None]
+                ) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
+    """(header, rows, records): a row per (claim, baseline), a column per setting."""
+    cols = [s for s in settings if s in table]
+    header = ["claim", "against", *cols]
+    rows: list[list[str]] = []
+    records: list[dict[str, Any]] = []
+    for c in claims:
+        metric, better = c["metric"], c.get("better", "higher")
+        for base in c["against"]:
+            cells = []
+            for s in cols:
+                rows_s = table[s]
+                if (c.get("settings") and s not in c["settings"]) or c["method"] not in rows_s \
+                        or base not in rows_s:
+                    cells.append("–")
+                    continue
+                tgt = targets.get(s)
+                if metric == "rounds_to_target" and tgt is None:
+                    cells.append("no target")
+                    continue
+                a, ca = seed_values(rows_s[c["method"]]["runs"], metric, tgt)
+                b, cb = seed_values(rows_s[base]["runs"], metric, tgt)
+                res = paired(a, b, better=better, margin=c.get("margin"))
+                cells.append(_cell(res, metric, ca + cb))
+                records.append({"claim": c["claim"], "method": c["method"], "against": base,
+                                "setting": s, "metric": metric, "verdict": res.verdict,
+                                "diff": res.mean, "low": res.low, "high": res.high,
+                                "n": res.n, "censored": ca + cb})
+            rows.append([c["claim"], base, *cells])
+    return header, rows, records
+
+
+def sensitivity_table(lines: dict[str, list[tuple[Any, list[float]]]], metric: str
+                      ) -> tuple[list[str], list[list[str]]]:
+    """Methods × values of the swept key: mean ± sd over seeds."""
+    xs: list[Any] = sorted({x for pts in lines.values() for x, _ in pts}, key=_sort_key)
+    scale, _ = metric_scale(metric)
+    header = ["method", *[f"{x:g}" if isinstance(x, float) else str(x) for x in xs]]
+    rows = []
+    for method, pts in lines.items():
+        by_x = dict(pts)
+        cells = []
+        for x in xs:
+            v = [u for u in by_x.get(x, []) if math.isfinite(u)]
+            if not v:
+                cells.append("–")
+                continue
+            sd = float(np.std(v, ddof=1)) if len(v) > 1 else 0.0
+            cells.append(f"{np.mean(v) * scale:.1f} ± {sd * scale:.1f}"
+                         + (f" ({len(v)}/{len(by_x[x])})" if len(v) < len(by_x[x]) else ""))
+        rows.append([method, *cells])
+    return header, rows
+
+
+def _sort_key(x: Any) -> tuple[int, Any]:
+    return (0, float(x)) if isinstance(x, int | float) else (1, str(x))
+
+
+def plot_sensitivity(path: str | Path, title: str,
+                     lines: dict[str, list[tuple[Any, list[float]]]], xlabel: str,
+                     metric: str, chosen: dict[str, Any] | None = None) -> bool:
+    """The metric across the swept key's values: per method the seed mean as a line,
+    mean ± sd as a band, its chosen value ringed; log x when the values are positive
+    and span more than a decade. Legend outside the axes. False without matplotlib or
+    data."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    scale, _ = metric_scale(metric)
+    fig, ax = plt.subplots(figsize=(7.5, 3.8), dpi=120, layout="constrained")
+    drawn, allx = False, []
+    for method, pts in lines.items():
+        pts = sorted(((x, [v for v in vals if math.isfinite(v)]) for x, vals in pts
+                      if isinstance(x, int | float)), key=lambda p: p[0])
+        pts = [(x, v) for x, v in pts if v]
+        if not pts:
+            continue
+        xs = np.array([x for x, _ in pts], dtype=float)
+        mu = np.array([np.mean(v) for _, v in pts]) * scale
+        sd = np.array([np.std(v, ddof=1) if len(v) > 1 else 0.0 for _, v in pts]) * scale
+        line = ax.plot(xs, mu, marker="o", ms=3, label=method)[0]
+        ax.fill_between(xs, mu - sd, mu + sd, color=line.get_color(), alpha=0.15, lw=0)
+        if chosen and method in chosen and chosen[method] in list(xs):
+            i = list(xs).index(chosen[method])
+            ax.plot([xs[i]], [mu[i]], "o", ms=9, mfc="none", color=line.get_color())
+        allx += list(xs)
+        drawn = True
+    if not drawn:
+        plt.close(fig)
+        return False
+    pos = [x for x in allx if x > 0]
+    if pos and len(pos) == len(allx) and max(pos) / min(pos) > 10:
+        ax.set_xscale("log")
+        log_ticks(ax.xaxis, min(pos), max(pos))
+    ax.set_xlabel(xlabel)
+    ylabel = metric.replace("_", " ") + (" (%)" if scale == 100.0 else "")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.set_title(f"{title}: mean over seeds, band ± sd, ring = tuned value", fontsize=9)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside right upper", fontsize=7,
+               frameon=False)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True

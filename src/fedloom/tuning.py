@@ -1,0 +1,311 @@
+"""The tuning protocol of a sweep: one search space per method, one budget for all.
+
+A comparison is only fair when every method was tuned as much as every other,
+on data it is not judged on. A suite's ``tuning:`` section states the protocol
+once (:mod:`fedloom.sweep` reads it)::
+
+    tuning:
+      budget: 4                  # trials per method and setting: the same for every method
+      seeds: [101]               # tuning seeds; none of them is a reported seed
+      metric: client_acc_mean    # selection metric: a run's final value (lower is better
+                                 # for loss/bytes/seconds metrics, else higher)
+      rounds: 50                 # rounds of a tuning run (default: the setting's own)
+      sampler: grid              # grid | tpe
+      seed: 0                    # the sampler's seed
+      space:                     # the keys every method tunes (client and server step)
+        client.lr: [0.01, 0.03, 0.1]
+        server.lr: [0.5, 1.0]
+      sensitivity: {key: client.lr, values: [0.01, 0.03, 0.1]}   # optional
+
+and a method (or a setting) adds or replaces keys with its own ``space:``
+(FedProx's ``client.prox_mu``, SA-PEF's ``compression.alpha``, FLARE's
+``compression.tau``…). A key's values are a list, or (``tpe`` only) a range
+``{low: 1e-3, high: 1.0, log: true}``.
+
+Samplers.
+
+* ``grid``: the product of the lists, visited in an order drawn once per
+  (sampler seed, setting, method) — a permutation from a generator derived from
+  those names (:func:`fedloom.rng.derive_seed`), the same on every machine. The
+  first ``budget`` points are the trials: the whole grid when it has exactly
+  ``budget`` points, a random subset of it when it is larger (random search on
+  the grid), and a grid *smaller* than the budget is refused — that method would
+  be tuned less than the others. The order does not depend on the budget, so a
+  doubled budget keeps the first trials (and reuses their runs).
+* ``tpe``: Optuna's TPE sampler (``pip install optuna``). Trial ``i`` is asked
+  of a fresh study that holds trials ``0 … i−1`` with their scores and a sampler
+  seeded by (sampler seed, setting, method, ``i``), so trial ``i``'s point
+  depends only on that history: a stopped sweep proposes the same points when it
+  continues, and a doubled budget keeps the first trials. The first
+  ``startup`` trials (default 4) are drawn at random, as TPE does.
+
+A trial runs on every tuning seed; its score is the mean of the selection metric
+over them. A run that diverged (a NaN or missing metric) scores worst. The
+chosen point is the best score, the earliest trial on a tie.
+
+Sensitivity: every method is also run on the reported seeds at each value of
+``sensitivity.key`` with its other keys at their chosen values; the report draws
+the metric across those values (a conclusion that hinges on the step size shows).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fedloom.config import ConfigError
+from fedloom.rng import derive_seed
+
+__all__ = ["Protocol", "Range", "Trial", "best_trial", "grid_points", "load_protocol",
+           "merge_space", "overrides", "parse_space", "point_slug", "tpe_point"]
+
+SAMPLERS = ("grid", "tpe")
+
+
+@dataclass(frozen=True)
+class Range:
+    """A continuous dimension (``tpe`` only): ``low ≤ x ≤ high``, log-uniform if ``log``."""
+
+    low: float
+    high: float
+    log: bool = False
+
+
+Space = dict[str, list[Any] | Range]
+
+
+@dataclass
+class Protocol:
+    """A suite's ``tuning:`` section (module docstring)."""
+
+    budget: int
+    seeds: list[int]
+    metric: str = "client_acc_mean"
+    rounds: int | None = None
+    sampler: str = "grid"
+    seed: int = 0
+    startup: int = 4
+    space: Space = field(default_factory=dict)
+    sensitivity: dict[str, Any] | None = None
+
+
+@dataclass
+class Trial:
+    """One point of a method's space and its score (mean over the tuning seeds)."""
+
+    index: int
+    params: dict[str, Any]
+    scores: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def score(self) -> float:
+        vals = [v for v in self.scores.values()]
+        if not vals or any(not math.isfinite(v) for v in vals):
+            return math.nan  # a diverged tuning seed: the point scores worst
+        return float(np.mean(vals))
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def parse_space(raw: Any, where: str) -> Space:
+    """A ``space:`` mapping: key → non-empty list of scalars, or a range."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: must map config keys to lists of values")
+    space: Space = {}
+    for key, vals in raw.items():
+        at = f"{where}.{key}"
+        if not isinstance(key, str) or not key or "=" in key:
+            raise ConfigError(f"{at}: not a dotted config key")
+        if isinstance(vals, dict):
+            unknown = set(vals) - {"low", "high", "log"}
+            if unknown:
+                raise ConfigError(f"{at}: {sorted(unknown)[0]}: unknown key (a range has "
+                                  "low, high, log)")
+            lo, hi = vals.get("low"), vals.get("high")
+            if not (_number(lo) and _number(hi) and lo < hi):
+                raise ConfigError(f"{at}: a range needs numbers low < high")
+            log = bool(vals.get("log", False))
+            if log and lo <= 0:
+                raise ConfigError(f"{at}: a log range needs low > 0")
+            space[key] = Range(float(lo), float(hi), log)
+        elif isinstance(vals, list) and vals:
+            if any(isinstance(v, dict | list) or v is None for v in vals):
+                raise ConfigError(f"{at}: values must be numbers or strings")
+            if any(isinstance(v, float) and not math.isfinite(v) for v in vals):
+                raise ConfigError(f"{at}: values must be finite")
+            if len({json.dumps(v) for v in vals}) < len(vals):
+                raise ConfigError(f"{at}: a value is listed twice")
+            space[key] = list(vals)
+        else:
+            raise ConfigError(f"{at}: needs a non-empty list of values (or a range)")
+    return space
+
+
+def load_protocol(raw: Any, where: str, reported: Sequence[int]) -> Protocol:
+    """Read and check a ``tuning:`` section (``reported``: the suite's seeds)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: must be a mapping")
+    known = {"budget", "seeds", "metric", "rounds", "sampler", "seed", "startup", "space",
+             "sensitivity"}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"{where}.{key}: unknown key (expected one of: "
+                              f"{', '.join(sorted(known))})")
+    budget = raw.get("budget")
+    if not (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1):
+        raise ConfigError(f"{where}.budget: needs a whole number of trials ≥ 1")
+    seeds = raw.get("seeds")
+    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) for s in seeds)):
+        raise ConfigError(f"{where}.seeds: needs a non-empty list of integer seeds")
+    both = sorted(set(seeds) & set(reported))
+    if both:
+        raise ConfigError(f"{where}.seeds: {both[0]} is also a reported seed (tuning seeds "
+                          "must be separate)")
+    sampler = raw.get("sampler", "grid")
+    if sampler not in SAMPLERS:
+        raise ConfigError(f"{where}.sampler: {sampler!r} (expected one of: grid, tpe)")
+    rounds = raw.get("rounds")
+    if rounds is not None and not (isinstance(rounds, int) and rounds >= 1):
+        raise ConfigError(f"{where}.rounds: needs a whole number ≥ 1")
+    startup = raw.get("startup", 4)
+    if not (isinstance(startup, int) and startup >= 1):
+        raise ConfigError(f"{where}.startup: needs a whole number ≥ 1")
+    space = parse_space(raw.get("space"), f"{where}.space")
+    sens = raw.get("sensitivity")
+    if sens is not None:
+        if not (isinstance(sens, dict) and isinstance(sens.get("key"), str)):
+            raise ConfigError(f"{where}.sensitivity: needs key: and values:")
+        vals = parse_space({sens["key"]: sens.get("values")}, f"{where}.sensitivity")
+        if isinstance(vals[sens["key"]], Range):
+            raise ConfigError(f"{where}.sensitivity.values: needs a list")
+        extra = set(sens) - {"key", "values", "methods"}
+        if extra:
+            raise ConfigError(f"{where}.sensitivity.{sorted(extra)[0]}: unknown key")
+        sens = {"key": sens["key"], "values": vals[sens["key"]],
+                "methods": sens.get("methods")}
+    metric = raw.get("metric", "client_acc_mean")
+    if not isinstance(metric, str) or not metric:
+        raise ConfigError(f"{where}.metric: needs a metric name")
+    return Protocol(budget=budget, seeds=list(seeds), metric=metric, rounds=rounds,
+                    sampler=sampler, seed=int(raw.get("seed", 0)), startup=startup,
+                    space=space, sensitivity=sens)
+
+
+def merge_space(*layers: Space) -> Space:
+    """Later layers add keys or replace earlier ones (suite, setting, method)."""
+    out: Space = {}
+    for layer in layers:
+        out.update(layer)
+    return out
+
+
+def grid_size(space: Space) -> int | None:
+    """Points in the grid (None when a dimension is a range)."""
+    if any(isinstance(v, Range) for v in space.values()):
+        return None
+    return math.prod(len(v) for v in space.values())  # type: ignore[arg-type]
+
+
+def grid_points(space: Space, budget: int, seed: int, setting: str, method: str
+                ) -> list[dict[str, Any]]:
+    """The ``budget`` trials of the grid sampler (module docstring)."""
+    size = grid_size(space)
+    if size is None:
+        raise ConfigError(f"{method}: the grid sampler needs lists, not ranges "
+                          "(use sampler: tpe)")
+    if size < budget:
+        raise ConfigError(f"methods.{method} (setting {setting}): its space has {size} points, "
+                          f"fewer than tuning.budget {budget}: every method gets the same "
+                          "number of trials")
+    keys = list(space)
+    points = [dict(zip(keys, combo, strict=True))
+              for combo in itertools.product(*(space[k] for k in keys))]  # type: ignore[misc]
+    rng = np.random.default_rng(derive_seed(seed, purpose=f"tuning-grid/{setting}/{method}"))
+    order = rng.permutation(len(points))
+    return [points[i] for i in order[:budget]]
+
+
+def _distributions(space: Space) -> dict[str, Any]:
+    import optuna
+
+    dists: dict[str, Any] = {}
+    for k, v in space.items():
+        if isinstance(v, Range):
+            dists[k] = optuna.distributions.FloatDistribution(v.low, v.high, log=v.log)
+        else:
+            dists[k] = optuna.distributions.CategoricalDistribution(list(v))
+    return dists
+
+
+def tpe_point(space: Space, history: Sequence[Trial], index: int, seed: int, setting: str,
+              method: str, lower: bool, startup: int = 4) -> dict[str, Any]:
+    """Trial ``index`` of the TPE sampler, from trials ``0 … index−1`` (module docstring)."""
+    try:
+        import optuna
+    except ImportError:
+        raise ConfigError("tuning.sampler: tpe needs optuna (pip install optuna)") from None
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    dists = _distributions(space)
+    sampler = optuna.samplers.TPESampler(
+        seed=derive_seed(seed, round=index, purpose=f"tuning-tpe/{setting}/{method}") % 2**32,
+        n_startup_trials=startup)
+    study = optuna.create_study(direction="minimize" if lower else "maximize", sampler=sampler)
+    for t in history[:index]:
+        score = t.score
+        state = (optuna.trial.TrialState.COMPLETE if math.isfinite(score)
+                 else optuna.trial.TrialState.FAIL)  # a diverged point: TPE leaves it out
+        study.add_trial(optuna.trial.create_trial(
+            params=t.params, distributions=dists, state=state,
+            value=score if math.isfinite(score) else None))
+    trial = study.ask(dists)
+    point: dict[str, Any] = {}
+    for k, v in trial.params.items():
+        # a range's draw keeps 3 significant digits: readable run names, same runs reused
+        point[k] = float(f"{v:.3g}") if isinstance(space[k], Range) else v
+    return point
+
+
+def best_trial(trials: Sequence[Trial], lower: bool) -> Trial:
+    """The best score (NaN worst), the earliest trial on a tie."""
+    if not trials:
+        raise ValueError("no trials")
+
+    def key(t: Trial) -> tuple[float, int]:
+        s = t.score
+        if not math.isfinite(s):
+            return (math.inf, t.index)
+        return (s if lower else -s, t.index)
+
+    return min(trials, key=key)
+
+
+def _text(v: Any) -> str:
+    return repr(v) if isinstance(v, float) else str(v)
+
+
+def overrides(params: Mapping[str, Any]) -> list[str]:
+    """``key=value`` overrides of a point (floats by ``repr``: read back exactly)."""
+    return [f"{k}={_text(v)}" for k, v in params.items()]
+
+
+def point_slug(params: Mapping[str, Any]) -> str:
+    """A folder name for a point: ``client.lr=0.03,server.lr=1.0`` (characters outside
+    ``[A-Za-z0-9._=,-]`` become ``_``; a name over 120 characters is cut and ended by
+    a digest of the whole, so two points never share a folder)."""
+    text = ",".join(f"{k}={_text(v)}" for k, v in params.items())
+    safe = "".join(c if c.isalnum() or c in "-_.=," else "_" for c in text)
+    if len(safe) <= 120:
+        return safe
+    import hashlib
+
+    return safe[:100] + "~" + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()

@@ -1,0 +1,197 @@
+"""The tuning protocol (fedloom.tuning) and a sweep run under it (fedloom.sweep).
+
+Samplers and checks are tested directly; one tiny sweep (digits, 2 rounds, runs
+through ``fedloom.cli.main`` in this process) checks the bookkeeping: equal
+budgets, tuning seeds kept apart, the page's claims, trials and sensitivity."""
+
+import json
+import math
+
+import pytest
+import yaml
+
+from conftest import TINY, cli_in_process
+from fedloom.config import ConfigError
+from fedloom.sweep import load_suite, run_suite, validate_suite
+from fedloom.tuning import (
+    Range,
+    Trial,
+    best_trial,
+    grid_points,
+    load_protocol,
+    overrides,
+    parse_space,
+    point_slug,
+    tpe_point,
+)
+
+SPACE = {"client.lr": [0.01, 0.03, 0.1], "server.lr": [0.5, 1.0]}
+
+
+def test_grid_is_a_fixed_permutation_nested_in_larger_budgets():
+    six = grid_points(SPACE, 6, 0, "s", "m")
+    assert sorted(map(point_slug, six)) == sorted(
+        f"client.lr={a!r},server.lr={b!r}" for a in SPACE["client.lr"] for b in SPACE["server.lr"])
+    assert grid_points(SPACE, 3, 0, "s", "m") == six[:3]  # a doubled budget keeps the first
+    assert grid_points(SPACE, 6, 0, "s", "m") == six      # the same on every call
+    assert grid_points(SPACE, 6, 1, "s", "m") != six      # the sampler seed draws the order
+
+
+def test_grid_smaller_than_the_budget_is_refused_by_method_and_setting():
+    with pytest.raises(ConfigError, match=r"methods\.FedAvg \(setting mnist\): its space has 6 "
+                                          r"points, fewer than tuning\.budget 8"):
+        grid_points(SPACE, 8, 0, "mnist", "FedAvg")
+    with pytest.raises(ConfigError, match="needs lists"):
+        grid_points({"client.lr": Range(0.01, 0.1, True)}, 1, 0, "s", "m")
+
+
+def test_tpe_point_depends_only_on_its_history():
+    pytest.importorskip("optuna")
+    space = {"client.lr": Range(1e-3, 1.0, log=True), "server.lr": [0.5, 1.0]}
+    hist: list[Trial] = []
+    for i in range(6):
+        p = tpe_point(space, hist, i, 0, "s", "m", lower=False, startup=3)
+        assert p == tpe_point(space, hist, i, 0, "s", "m", lower=False, startup=3)
+        assert 1e-3 <= p["client.lr"] <= 1.0 and p["server.lr"] in (0.5, 1.0)
+        # a score that favours small steps; a NaN (diverged) trial on the way
+        score = math.nan if i == 2 else -abs(math.log10(p["client.lr"]) + 2)
+        hist.append(Trial(i, p, {101: score}))
+    # the first trials do not change when the budget grows (trial i sees trials < i only)
+    assert tpe_point(space, hist[:1], 1, 0, "s", "m", lower=False, startup=3) == hist[1].params
+
+
+def test_best_trial_nan_is_worst_and_ties_go_to_the_earliest():
+    ts = [Trial(0, {"a": 1}, {1: math.nan}), Trial(1, {"a": 2}, {1: 0.5, 2: 0.7}),
+          Trial(2, {"a": 3}, {1: 0.6}), Trial(3, {"a": 4}, {1: 0.6, 2: math.inf})]
+    assert best_trial(ts, lower=False).index == 1  # 0.6 == 0.6: trial 1 came first
+    assert best_trial(ts, lower=True).index == 1
+    assert best_trial(ts[:1], lower=False).index == 0  # all diverged: still a choice
+
+
+def test_overrides_read_back_exactly_and_slugs_stay_short_and_distinct():
+    from fedloom.config import load_config
+
+    cfg = load_config("configs/quickstart.yaml",
+                      overrides({"client.lr": 0.1 + 0.2, "server.lr": 1e-7}))
+    assert cfg.client.lr == 0.1 + 0.2 and cfg.server.lr == 1e-7
+    long_a = {f"aggregator.options.k{i}": 0.123456789 for i in range(12)}
+    long_b = {**long_a, "aggregator.options.k11": 0.5}
+    assert len(point_slug(long_a)) <= 120 and point_slug(long_a) != point_slug(long_b)
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"seeds": [1]}, "budget: needs a whole number"),
+    ({"budget": 2, "seeds": [1]}, "seeds: 1 is also a reported seed"),
+    ({"budget": 2, "seeds": []}, "seeds: needs a non-empty list"),
+    ({"budget": 2, "seeds": [9], "sampler": "random"}, "sampler: 'random'"),
+    ({"budget": 2, "seeds": [9], "bogus": 1}, "bogus: unknown key"),
+    ({"budget": 2, "seeds": [9], "space": {"client.lr": []}}, "client.lr: needs a non-empty"),
+    ({"budget": 2, "seeds": [9], "space": {"client.lr": [0.1, 0.1]}}, "listed twice"),
+    ({"budget": 2, "seeds": [9], "space": {"client.lr": {"low": 0, "high": 1, "log": True}}},
+     "log range needs low > 0"),
+    ({"budget": 2, "seeds": [9], "space": {"client.lr": [float("nan")]}}, "must be finite"),
+    ({"budget": 2, "seeds": [9], "sensitivity": {"key": "client.lr"}}, "sensitivity"),
+])
+def test_protocol_errors_name_the_field(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        load_protocol(raw, "suite.yaml: tuning", reported=[1, 2])
+
+
+def test_space_parses_ranges_and_lists():
+    sp = parse_space({"a": [1, 2], "b": {"low": 0.1, "high": 1.0, "log": True}}, "x")
+    assert sp == {"a": [1, 2], "b": Range(0.1, 1.0, True)}
+
+
+def _suite(tmp_path, **extra):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump({**TINY, "rounds": 2, "checkpoint": {"every": 0}}))
+    suite = {
+        "name": "t", "out": str(tmp_path / "runs"), "doc": str(tmp_path / "doc" / "t.md"),
+        "seeds": [1, 2],
+        "tuning": {"budget": 2, "seeds": [7], "metric": "test_acc", "rounds": 1,
+                   "space": {"client.lr": [0.05, 0.2], "server.lr": [1.0]},
+                   "sensitivity": {"key": "client.lr", "values": [0.05, 0.2]}},
+        "settings": {"digits": {"config": str(cfg)}},
+        "methods": {
+            "FedAvg": [],
+            "FedProx": {"overrides": [], "space": {"client.prox_mu": [0.0, 0.1]}},
+            "Prox-0.1": {"overrides": ["client.prox_mu=0.1"]},
+        },
+        "share_tuning": {"Prox-0.1": "FedProx"},
+        "claims": [{"claim": "FedProx beats FedAvg", "method": "FedProx",
+                    "against": ["FedAvg", "Prox-0.1"], "metric": "test_acc"}],
+        "report": {"compare": {"baseline": "FedAvg", "candidates": ["FedProx"]}},
+        **extra,
+    }
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump(suite, sort_keys=False))
+    return path
+
+
+def test_sweep_under_the_protocol_tunes_reports_and_resumes(tmp_path, monkeypatch):
+    monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
+    path = _suite(tmp_path)
+    logs: list[str] = []
+    suite = run_suite(path, workers=1, log=logs.append)
+    # equal budget: FedAvg's grid has 2 points, FedProx's 4, each got 2 trials on seed 7
+    assert {k: len(v) for k, v in suite.trials.items()} == {("digits", "FedAvg"): 2,
+                                                            ("digits", "FedProx"): 2}
+    tune_dirs = [p.parent.parent.name for p in (tmp_path / "runs").rglob("seed7/summary.json")]
+    assert len(tune_dirs) == 4 and all("@tune=" in d for d in tune_dirs)
+    # tuning seeds are never reported seeds, and reported runs never sit in tuning folders
+    assert not [p for p in (tmp_path / "runs").rglob("seed[12]") if "@tune=" in str(p)]
+    rec = json.loads((tmp_path / "runs" / "tuning.json").read_text())
+    assert rec["budget"] == 2 and set(rec["settings"]["digits"]) == {"FedAvg", "FedProx"}
+    for t in rec["settings"]["digits"]["FedProx"]["trials"]:
+        assert set(t["scores"]) == {"7"} and 0.0 <= t["score"] <= 1.0
+    # the shared method borrows FedProx's steps but keeps its own prox_mu
+    chosen = rec["settings"]["digits"]["FedProx"]["chosen"]
+    cfg = yaml.safe_load((tmp_path / "runs" / "digits" / "Prox-0.1" / "seed1" /
+                          "config.yaml").read_text())
+    assert cfg["client"]["prox_mu"] == 0.1 and cfg["client"]["lr"] == chosen["client.lr"]
+    assert cfg["rounds"] == 2  # main runs keep the setting's rounds; tuning runs used 1
+    doc = (tmp_path / "doc" / "t.md").read_text()
+    assert doc.index("## Claims") < doc.index("## Tuning") < doc.index("## Results")
+    assert "| FedProx beats FedAvg | FedAvg |" in doc and "(2 seeds)" in doc
+    assert "**2 trials** per setting" in doc and "<details>" in doc and "←" in doc
+    assert "Sensitivity to `client.lr`" in doc
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        assert (tmp_path / "doc" / "t-digits-sensitivity.png").stat().st_size > 0
+    assert "Paired over the seeds" in doc and "summed" not in doc
+    again: list[str] = []
+    run_suite(path, workers=1, log=again.append)
+    assert all("0 of" in s for s in again if "runs to do" in s)
+    only = run_suite(path, report_only=True, log=lambda s: None)
+    assert "## Claims" in only.report_text
+
+
+def test_protocol_suite_checks_every_point_before_running(tmp_path):
+    path = _suite(tmp_path, methods={"FedAvg": [], "Bad": {
+        "overrides": [], "space": {"client.batch_size": [0, 16]}}}, share_tuning={},
+        claims=[])
+    with pytest.raises(ConfigError, match=r"methods\.Bad \(setting digits at .*batch_size"):
+        validate_suite(load_suite(path))
+    path = _suite(tmp_path, tuning={"budget": 3, "seeds": [7],
+                                    "space": {"client.lr": [0.05, 0.2]}})
+    with pytest.raises(ConfigError, match=r"its space has 2 points, fewer than tuning\.budget 3"):
+        validate_suite(load_suite(path))
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"tune": {"FedAvg": {"key": "server.lr", "grid": [1.0]}}}, "tune: and tuning: both"),
+    ({"claims": [{"claim": "x", "method": "Nope", "against": ["FedAvg"], "metric": "m"}]},
+     "'Nope' is not a method"),
+    ({"claims": [{"claim": "x", "method": "FedAvg", "against": "FedProx"}]}, "metric: missing"),
+    ({"share_tuning": {"Prox-0.1": "Ghost"}}, "'Ghost' is not a tuned method"),
+    ({"methods": {"A": ["server.lr=$TUNE"]}}, r"\$TUNE belongs to tune:"),
+    ({"methods": {"A": {"overrides": [], "grid": [1]}}}, "methods.A.grid: unknown key"),
+])
+def test_protocol_suite_errors(tmp_path, extra, match):
+    if "methods" in extra:
+        extra = {**extra, "share_tuning": {}, "claims": []}
+    with pytest.raises(ConfigError, match=match):
+        load_suite(_suite(tmp_path, **extra))
