@@ -21,11 +21,17 @@ from conftest import TINY
 from fedloom.cli import main
 from fedloom.config import ConfigError, load_config
 from fedloom.report.compare import (
+    Group,
+    Run,
+    cap_lines,
     compare_table,
+    facet_groups,
+    facet_keys,
     find_run_dirs,
     group_runs,
     load_run,
     mean_sd,
+    panel_labels,
 )
 from fedloom.sweep import load_suite, main_specs
 
@@ -171,6 +177,192 @@ def test_plot_axes_integer_rounds_bands_and_log_labels_apart():
         boxes.sort(key=lambda b: b.x0)
         assert all(a.x1 <= b.x0 for a, b in itertools.pairwise(boxes))
         plt.close(fig)
+
+
+# ------------------------------------------------------------------ faceted plots
+def _group(label: str, **keys) -> Group:
+    """A group of one run whose config is ``keys`` (dotted) and nothing else."""
+    config: dict = {}
+    for k, v in keys.items():
+        *head, tail = k.split(".")
+        node = config
+        for h in head:
+            node = node.setdefault(h, {})
+        node[tail] = v
+    return Group(dict(keys), [Run(Path(label), config, {}, [])], label)
+
+
+def _stats(final: float, rounds: int = 4, clients: int = 5) -> dict:
+    """run_stats-like: test_acc rising to ``final``, 1 MB a round, per-client accuracy."""
+    rows = [{"round": r, "test_acc": final * r / rounds, "uplink_bytes_total": r * 10**6}
+            for r in range(1, rounds + 1)]
+    return {"_metrics": rows, "_client_acc": {"client_acc": list(
+        np.linspace(final - 0.1, final, clients))}}
+
+
+def test_facet_keys_prefer_data_name_then_partition():
+    groups = [_group(f"g{i}", **{"aggregator.name": agg, "data.num_clients": n,
+                                 "data.partition.alpha": a, "data.name": ds})
+              for i, (ds, a, n, agg) in enumerate(
+                  [("mnist", 0.1, 100, "fedavg"), ("mnist", 0.1, 100, "median"),
+                   ("digits", 0.5, 10, "fedavg")])]
+    assert facet_keys(groups) == ["data.name", "data.partition.alpha", "data.num_clients"]
+    facets = facet_groups(groups)
+    assert {k: [g.label for g in v] for k, v in facets.items()} == {
+        "data.name=mnist, alpha=0.1, num_clients=100": ["g0", "g1"],
+        "data.name=digits, alpha=0.5, num_clients=10": ["g2"]}
+    # nothing data-related differs: one facet, as without facets
+    same = [_group(f"h{i}", **{"data.name": "mnist", "aggregator.name": agg})
+            for i, agg in enumerate(("fedavg", "median"))]
+    assert facet_keys(same) == [] and facet_groups(same) == {"": same}
+    # keys named explicitly: any config key, also one that does not differ; a
+    # key no run's config has is refused by name
+    assert list(facet_groups(same, ["data.name"])) == ["data.name=mnist"]
+    assert list(facet_groups(groups, ["aggregator.name"])) == [
+        "aggregator.name=fedavg", "aggregator.name=median"]
+    with pytest.raises(ValueError, match=r"^--facet data\.nope: no run's config has that key$"):
+        facet_groups(groups, ["data.nope"])
+
+
+def test_panel_labels_drop_facet_key_and_keys_constant_in_the_panel():
+    keys = [("mnist", "fedavg", 1.0, 0.1), ("mnist", "median", 1.0, 0.1),
+            ("digits", "fedavg", 0.5, 0.1), ("digits", "median", 0.5, 0.05),
+            ("cifar10", "craft", 0.5, 0.1)]
+    groups = [_group(f"g{i}", **{"data.name": ds, "client.lr": clr, "server.lr": slr,
+                                 "aggregator.name": agg})
+              for i, (ds, agg, slr, clr) in enumerate(keys)]
+    fk = facet_keys(groups)
+    facets = facet_groups(groups, fk)
+    got = {f: panel_labels(gs, fk) for f, gs in facets.items()}
+    assert got == {
+        # server.lr and client.lr do not differ within the panel: only the method
+        "data.name=mnist": ["fedavg", "median"],
+        # client.lr differs too (by its last component: server.lr does not differ here)
+        "data.name=digits": ["fedavg, lr=0.1", "median, lr=0.05"],
+        # a panel of one: all its keys but the facet's, two lr keys told apart
+        "data.name=cifar10": ["craft, client.lr=0.1, server.lr=0.5"]}
+    # labels that would repeat are told apart rather than one group hiding the other
+    twins = [_group("a", **{"aggregator.name": "x"}), _group("b", **{"aggregator.name": "x"})]
+    assert panel_labels(twins) == ["x", "x #2"]
+
+
+def test_cap_lines_keeps_the_best_by_final_mean_in_panel_order():
+    finals = [0.5, 0.9, 0.7, 0.2, 0.8]
+    panel = {f"m{i}": [_stats(f), _stats(f)] for i, f in enumerate(finals)}
+    kept, left = cap_lines(panel, "test_acc", 3)
+    assert list(kept) == ["m1", "m2", "m4"] and left == ["m0", "m3"]
+    assert cap_lines(panel, "test_acc", 0) == (panel, [])  # 0: all
+    assert cap_lines(panel, "test_acc", 5) == (panel, [])
+    # lower is better for a loss; a group without the metric is the first left out
+    loss = {f"m{i}": [{"_metrics": [{"round": 1, "test_loss": f}]}] for i, f in enumerate(finals)}
+    loss["none"] = [{"_metrics": [{"round": 1}]}]
+    assert cap_lines(loss, "test_loss", 2) == ({"m0": loss["m0"], "m3": loss["m3"]},
+                                               ["m1", "m2", "m4", "none"])
+
+
+def _legends(fig) -> list:
+    return [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]
+
+
+def _assert_legends_outside_axes(fig) -> None:
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    legends = _legends(fig)
+    assert legends
+    for lg in legends:
+        box = lg.get_window_extent(r)
+        for ax in fig.axes:
+            assert not box.overlaps(ax.get_window_extent(r)), (lg, ax)
+
+
+@pytest.mark.parametrize("n_facets", [1, 3])
+def test_faceted_figures_cap_lines_and_keep_legends_off_the_axes(n_facets):
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from fedloom.report.compare import cdf_facets_figure, curves_facets_figure
+
+    cap, extra = 3, 2
+    facets = {f"data.name=d{j}": {f"method {i} with a long label, lr=0.{i}": [
+        _stats(0.3 + 0.05 * i + 0.01 * j), _stats(0.32 + 0.05 * i)]
+        for i in range(cap + extra)} for j in range(n_facets)}
+    capped = {f: cap_lines(p, "test_acc", cap) for f, p in facets.items()}
+    for kept, left in capped.values():
+        assert len(kept) == cap and len(left) == extra
+        # the best by final accuracy: the last ones here
+        assert left == [f"method {i} with a long label, lr=0.{i}" for i in range(extra)]
+    panels = {f: kept for f, (kept, _) in capped.items()}
+    notes = {f: f"{cap} of {cap + extra} groups" for f in facets}
+    fig = curves_facets_figure("test_acc", panels, notes=notes)
+    curve_axes = fig.axes
+    assert len(curve_axes) == 2 * n_facets
+    for ax in curve_axes:
+        assert len(ax.get_lines()) == cap and len(ax.collections) == cap  # lines, bands
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts] + [fig.get_suptitle()]
+    # each facet's name and note over its panels (one facet: in the figure's title)
+    assert all(any(f in t and notes[f] in t for t in texts) for f in facets)
+    _assert_legends_outside_axes(fig)
+    # the figure grows with the number of facets
+    if n_facets > 1:
+        assert fig.get_figheight() > 3 * n_facets
+    plt.close(fig)
+    fig = cdf_facets_figure("final model", panels, notes=notes)
+    assert len(fig.axes) == n_facets
+    assert all(len(ax.get_lines()) == cap for ax in fig.axes)
+    _assert_legends_outside_axes(fig)
+    plt.close(fig)
+
+
+def _fake_run(path: Path, config: dict, final: float, seed: int = 1) -> None:
+    """A run directory as a finished run leaves it, without running anything."""
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump({**config, "seed": seed}))
+    rows = [{"round": r, "test_acc": final * r / 3, "uplink_bytes": 10**6,
+             "uplink_bytes_total": r * 10**6} for r in range(1, 4)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows))
+    (path / "summary.json").write_text(json.dumps({**rows[-1], "seed": seed}))
+    (path / "client_acc.json").write_text(json.dumps({"client_acc": [final - 0.1, final]}))
+
+
+@pytest.fixture(scope="module")
+def facet_runs(tmp_path_factory):
+    """Two datasets × three aggregators, one seed each (fabricated, no training)."""
+    root = tmp_path_factory.mktemp("facets") / "runs"
+    for ds, shift in (("digits", 0.0), ("mnist", 0.05)):
+        for agg, final in (("fedavg", 0.8), ("median", 0.6), ("craft", 0.9)):
+            _fake_run(root / ds / agg, {"data": {"name": ds}, "aggregator": {"name": agg}},
+                      final - shift)
+    return root
+
+
+def test_cli_facet_and_max_lines(facet_runs, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    plots = tmp_path / "plots"
+    base = ["compare", str(facet_runs), "--metric", "test_acc"]
+    args = [*base, "--plots", str(plots)]
+    assert main([*args, "--max-lines", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    # facets by data.name (the key that differs), labels by the aggregator only
+    assert [x for x in out if x.startswith("plots: facet")] == [
+        "plots: facet data.name=digits: 3 groups, 2 drawn (best final test_acc); "
+        "not drawn: median",
+        "plots: facet data.name=mnist: 3 groups, 2 drawn (best final test_acc); "
+        "not drawn: median"]
+    assert (plots / "curves.png").stat().st_size > 0
+    assert (plots / "client_acc_cdf.png").stat().st_size > 0
+    # facets off: one panel of all six groups, labelled by both keys
+    assert main([*args, "--max-lines", "4", "--facet", "none"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [x for x in out if "drawn" in x] == [
+        "plots: 6 groups, 4 drawn (best final test_acc); not drawn: "
+        "digits, median | mnist, median"]
+    # a key no run has, or none with others: one line, exit 2, nothing written
+    assert main([*base, "--facet", "data.nope", "--plots", str(tmp_path / "p2")]) == 2
+    assert main([*base, "--facet", "none", "data.name"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "fedloom: error: --facet data.nope: no run's config has that key",
+        "fedloom: error: --facet none: give it alone (it turns facets off)"]
+    assert not (tmp_path / "p2").exists()
+    with pytest.raises(SystemExit):
+        main([*args, "--max-lines", "-1"])
 
 
 # -------------------------------------------------------------------------- sweep

@@ -265,13 +265,29 @@ def _at(text: str) -> str | int:
     return rnd
 
 
+def _max_lines(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a count ≥ 0 (0: all), got {text!r}")
+    return n
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from fedloom.report.compare import DEFAULT_METRICS, compare
 
+    facet = args.facet
+    if facet is not None and "none" in facet:
+        if len(facet) > 1:
+            raise ValueError("--facet none: give it alone (it turns facets off)")
+        facet = []
     text, notes = compare(args.runs, metrics=args.metric or DEFAULT_METRICS, at=args.at,
                           target=args.target, target_metric=args.target_metric,
                           group_by=args.group_by, csv_path=args.csv,
-                          markdown_path=args.markdown, plots_dir=args.plots)
+                          markdown_path=args.markdown, plots_dir=args.plots,
+                          facet=facet, max_lines=args.max_lines)
     print(text)
     for n in notes:
         print(n)
@@ -380,6 +396,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write curves.png (the first --metric, or --target-metric with "
                         "--target, vs round and vs uplink) and client_acc_cdf.png there "
                         "(matplotlib)")
+    c.add_argument("--facet", nargs="+", metavar="KEY",
+                   help="one row of plots per value of these dotted config keys (default: "
+                        "the data.* keys that differ between groups; 'none': one)")
+    c.add_argument("--max-lines", type=_max_lines, default=8, metavar="N",
+                   help="lines a plot's panel draws at most, the best by the plotted "
+                        "metric's final mean; the rest are named in the output "
+                        "(default 8; 0: all)")
     c.set_defaults(func=_cmd_compare)
     d = sub.add_parser("datasets", help="list datasets, whether they are here, how to install")
     d.add_argument("--root", help="look for on-disk datasets here (default: $FEDLOOM_DATA, "
