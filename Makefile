@@ -40,7 +40,7 @@ lint: $(VENV)/.dev
 	$(VENV)/bin/lint-imports --no-cache
 
 $(VENV)/.report: $(VENV)/.torch pyproject.toml
-	$(PIP) install -q -e '.[data,report]'
+	$(PIP) install -q -e '.[data,report,tune]'
 	touch $@
 
 # Reproductions (long: about an hour each on 2 cores; finished runs are reused).

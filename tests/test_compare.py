@@ -570,3 +570,22 @@ def test_load_run_refuses_an_alias_bomb_in_config_yaml(tmp_path):
     with pytest.raises(ValueError, match=r"config\.yaml: aliases expand"):
         load_run(tmp_path)
     assert time.perf_counter() - t < 10.0  # a hang guard: expanding took minutes
+
+
+def test_baseline_pairs_groups_by_seed(three_runs, capsys):
+    from fedloom.report.compare import paired_table
+
+    runs = [load_run(p) for p in find_run_dirs([three_runs])]
+    groups = group_runs(runs)
+    header, rows, recs = paired_table(groups, "fedavg", ["test_acc"])
+    # median ran seed 1 only: one pair, its difference exactly median − fedavg on seed 1
+    (rec,) = recs
+    a1, _, m1 = (_acc(three_runs, r) for r in RUNS)
+    assert rec["n"] == 1 and rec["diff"] == pytest.approx(m1[-1] - a1[-1], abs=1e-12)
+    assert rec["verdict"] == "no evidence" and "no interval" in rows[0][1]
+    with pytest.raises(ValueError, match=r"--baseline nope: no group has that label"):
+        paired_table(groups, "nope", ["test_acc"])
+    assert main(["compare", str(three_runs), "--baseline", "fedavg"]) == 0
+    assert "Paired with 'fedavg' seed by seed" in capsys.readouterr().out
+    assert main(["compare", str(three_runs), "--baseline", "nope"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

@@ -122,6 +122,9 @@ def test_run_dir_guards(tiny, tmp_path):
     assert len(summary["model_sha256"]) == 64
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["rounds"] == 1 and saved["data"]["name"] == "digits"
+    bare = tmp_path / "noplots"  # logging.plots=false (a sweep's runs): all but the plots
+    fedloom.run(tiny, ["rounds=1", "logging.plots=false"], out=bare)
+    assert (bare / "summary.json").exists() and not list(bare.glob("*.png"))
     with pytest.raises(ConfigError, match="not empty"):
         fedloom.run(tiny, ["rounds=1"], out=out)
     with pytest.raises(ConfigError, match="config differs"):  # rounds alone may change

@@ -287,7 +287,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                           target=args.target, target_metric=args.target_metric,
                           group_by=args.group_by, csv_path=args.csv,
                           markdown_path=args.markdown, plots_dir=args.plots,
-                          facet=facet, max_lines=args.max_lines)
+                          facet=facet, max_lines=args.max_lines, baseline=args.baseline)
     print(text)
     for n in notes:
         print(n)
@@ -399,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--facet", nargs="+", metavar="KEY",
                    help="one row of plots per value of these dotted config keys (default: "
                         "the data.* keys that differ between groups; 'none': one)")
+    c.add_argument("--baseline", metavar="LABEL",
+                   help="compare every group with this one seed by seed: mean paired "
+                        "difference, 95 %% t-interval and verdict (better/worse/no evidence)")
     c.add_argument("--max-lines", type=_max_lines, default=8, metavar="N",
                    help="lines a plot's panel draws at most, the best by the plotted "
                         "metric's final mean; the rest are named in the output "

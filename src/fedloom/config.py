@@ -284,6 +284,9 @@ class LoggingConfig:
 
     csv: bool = True           # RUN/metrics.csv, the same rows as metrics.jsonl
     tensorboard: bool = False  # RUN/tensorboard: scalars (needs the tensorboard package)
+    # RUN/curves.png etc. (matplotlib, when installed); a sweep's runs turn them off: its
+    # page draws its own, and importing matplotlib is a second of every short run
+    plots: bool = True
 
 
 @dataclass

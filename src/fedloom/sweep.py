@@ -169,8 +169,9 @@ class RunSpec:
     out: Path
 
     def command(self) -> list[str]:
+        # No per-run plots: the page draws its own (logging changes nothing computed).
         return [sys.executable, "-m", "fedloom.cli", "run", self.config, *self.overrides,
-                f"seed={self.seed}", "--out", str(self.out), "--quiet"]
+                f"seed={self.seed}", "logging.plots=false", "--out", str(self.out), "--quiet"]
 
     @property
     def done(self) -> bool:

@@ -457,6 +457,7 @@ def write_outputs(exp: Setup, st: RunState, run_dir: Path, history: Sequence[dic
                                     ("personal_acc", exp.last_personal_acc))
                   if arr is not None}
     atomic_write_json(run_dir / CLIENT_ACC_FILE, per_client)
-    from fedloom.report.plots import write_run_plots
+    if exp.cfg.logging.plots:
+        from fedloom.report.plots import write_run_plots
 
-    write_run_plots(run_dir, list(history))
+        write_run_plots(run_dir, list(history))

@@ -6,7 +6,8 @@ plotting runs).
 
 Runs. A run directory is one that holds ``summary.json`` (a finished run) or
 ``metrics.jsonl`` (one still running or stopped); a directory that is neither is
-searched below for run directories, except folders whose name holds ``@tune=``
+searched below for run directories, except folders whose name holds ``@tune=`` or
+``@sens=``
 (a sweep's tuning runs: pass one explicitly to include it). From a run this
 module reads ``config.yaml`` (the resolved config), ``summary.json``,
 ``metrics.jsonl`` (a torn last line, what a killed run leaves, is skipped) and
@@ -97,6 +98,7 @@ __all__ = [
     "load_run",
     "mean_sd",
     "metric_value",
+    "paired_table",
     "panel_labels",
     "plot_cdf",
     "plot_cdf_faceted",
@@ -153,7 +155,7 @@ def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
                 mine.append(here)
                 dirs[:] = []  # a run's own folders (checkpoints, state, tensorboard)
                 continue
-            dirs[:] = sorted(d for d in dirs if "@tune=" not in d)
+            dirs[:] = sorted(d for d in dirs if "@tune=" not in d and "@sens=" not in d)
         if not mine:
             raise ValueError(f"{p}: holds no run directory (one with summary.json or "
                              "metrics.jsonl)")
@@ -963,11 +965,13 @@ def compare(paths: Sequence[str | Path], metrics: Sequence[str] = DEFAULT_METRIC
             target_metric: str = "test_acc", group_by: Sequence[str] | None = None,
             csv_path: str | Path | None = None, markdown_path: str | Path | None = None,
             plots_dir: str | Path | None = None, facet: Sequence[str] | None = None,
-            max_lines: int = DEFAULT_MAX_LINES) -> tuple[str, list[str]]:
+            max_lines: int = DEFAULT_MAX_LINES, baseline: str | None = None
+            ) -> tuple[str, list[str]]:
     """Run ``fedloom compare``: return the terminal text and the notes (files written,
     plots skipped, groups a plot's panel left out). ``facet``: the keys to facet the
     plots by (None: :func:`facet_keys`; [] none); ``max_lines``: lines a panel draws
-    at most (0: all)."""
+    at most (0: all). ``baseline``: a group's label; every other group is then compared
+    with it seed by seed (:func:`paired_table`)."""
     runs = [load_run(p) for p in find_run_dirs(paths)]
     known: set[str] = set()
     for r in runs:
@@ -986,6 +990,13 @@ def compare(paths: Sequence[str | Path], metrics: Sequence[str] = DEFAULT_METRIC
     fkeys = facet_keys(groups) if facet is None else list(facet)
     facets = facet_groups(groups, fkeys)  # a bad --facet KEY fails before anything is written
     header, rows, records = compare_table(groups, metrics, at, target, target_metric)
+    paired_text = ""
+    if baseline is not None:
+        ph, prow, precs = paired_table(groups, baseline, metrics, at)
+        paired_text = (f"\n\nPaired with {baseline!r} seed by seed (group − baseline; 95 % "
+                       "t-interval over the seeds both ran; better/worse only when the "
+                       "interval excludes 0):\n\n" + text_table(ph, prow))
+        records += precs
     unfinished = sum(not r.finished for r in runs)
     lead = (f"{len(runs)} runs in {len(groups)} groups; mean ± sd over each group's runs"
             + (f"; {unfinished} not finished (their last logged round counts)"
@@ -1036,4 +1047,45 @@ def compare(paths: Sequence[str | Path], metrics: Sequence[str] = DEFAULT_METRIC
             notes.append("plots: " + (", ".join(map(str, written)) if written else
                                       f"none (no run logged {metric} or per-client accuracy)"))
             notes += capped
-    return lead + "\n\n" + text_table(header, rows), notes
+    return lead + "\n\n" + text_table(header, rows) + paired_text, notes
+
+
+def better_direction(metric: str) -> str:
+    """``lower`` for losses, bytes, seconds and spreads (``*_std``), else ``higher``."""
+    return "lower" if lower_is_better(metric) or metric.endswith("_std") else "higher"
+
+
+def paired_table(groups: Sequence[Group], baseline: str, metrics: Sequence[str],
+                 at: str | int = "final"
+                 ) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
+    """Every group against the ``baseline`` group, per metric: the verdict, the mean
+    paired difference and its 95 % t-interval over the seeds both ran
+    (:func:`fedloom.report.stats.paired`; accuracies in percentage points)."""
+    from fedloom.report.stats import paired
+
+    labels = [g.label for g in groups]
+    if baseline not in labels:
+        raise ValueError(f"--baseline {baseline}: no group has that label (groups: "
+                         + ", ".join(repr(lab) for lab in labels) + ")")
+    base = groups[labels.index(baseline)]
+
+    def by_seed(g: Group, m: str) -> dict[Any, float]:
+        return {r.seed: metric_value(r, m, at) for r in g.runs}
+
+    header = ["group", *[f"{m} vs baseline" for m in metrics]]
+    rows: list[list[str]] = []
+    records: list[dict[str, Any]] = []
+    for g in groups:
+        if g is base:
+            continue
+        cells = [g.label]
+        for m in metrics:
+            res = paired(by_seed(g, m), by_seed(base, m), better=better_direction(m))
+            pct = "acc" in m
+            cells.append(res.text(100.0 if pct else 1.0, "pp" if pct else "",
+                                  digits=1 if pct else 3))
+            records.append({"kind": "paired", "group": g.label, "baseline": baseline,
+                            "metric": m, "verdict": res.verdict, "diff": res.mean,
+                            "low": res.low, "high": res.high, "n": res.n})
+        rows.append(cells)
+    return header, rows, records
