@@ -577,7 +577,7 @@ def test_baseline_pairs_groups_by_seed(three_runs, capsys):
 
     runs = [load_run(p) for p in find_run_dirs([three_runs])]
     groups = group_runs(runs)
-    header, rows, recs = paired_table(groups, "fedavg", ["test_acc"])
+    _, rows, recs = paired_table(groups, "fedavg", ["test_acc"])
     # median ran seed 1 only: one pair, its difference exactly median − fedavg on seed 1
     (rec,) = recs
     a1, _, m1 = (_acc(three_runs, r) for r in RUNS)
