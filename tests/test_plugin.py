@@ -114,7 +114,7 @@ def test_sweep_runs_the_plugins(tmp_path):
     }
     path = tmp_path / "suite.yaml"
     path.write_text(yaml.safe_dump(suite, sort_keys=False))
-    run_suite(path, workers=1, log=lambda s: None)  # each run is a `python -m fedloom.cli`
+    run_suite(path, workers=1, log=lambda s: None)  # in a spawned sweep worker process
     summary = json.loads((tmp_path / "runs" / "digits" / "GeoMed" / "seed1" / "summary.json"
                           ).read_text())
     assert summary["rounds"] == 2 and 0 <= summary["test_acc"] <= 1

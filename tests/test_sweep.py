@@ -31,6 +31,7 @@ def _suite(tmp_path, **extra):
 
 
 def test_sweep_tunes_runs_reports_and_resumes(tmp_path, monkeypatch):
+    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")  # one process per run
     monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
     path = _suite(tmp_path)
     logs = []
@@ -50,3 +51,53 @@ def test_suite_errors(tmp_path):
     path = _suite(tmp_path, tune={})
     with pytest.raises(ConfigError, match=r"uses \$TUNE but has no tune entry"):
         main_specs(load_suite(path), {})
+
+
+def test_worker_processes_give_the_subprocess_result(tmp_path, monkeypatch):
+    """The default runner (long-lived spawned workers, several runs each) computes what
+    a fresh process per run computes: the same model, bit for bit, on this machine."""
+    import json
+
+    path = _suite(tmp_path, seeds=[1, 2])
+    run_suite(path, workers=2, log=lambda s: None)  # RUNNER = "worker": real processes
+    runs = tmp_path / "runs" / "digits"
+    worker = {p.parent.name + "/" + p.parent.parent.name: json.loads(p.read_text())
+              for p in runs.rglob("summary.json")}
+    assert len(worker) == 6  # FedAvg, CRAFT × 2 seeds, 2 tuning runs
+    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")
+    monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
+    other = tmp_path / "again"
+    path2 = _suite(tmp_path, seeds=[1, 2], out=str(other))
+    run_suite(path2, workers=1, log=lambda s: None)
+    fresh = {p.parent.name + "/" + p.parent.parent.name: json.loads(p.read_text())
+             for p in (other / "digits").rglob("summary.json")}
+    assert {k: v["model_sha256"] for k, v in worker.items()} == \
+        {k: v["model_sha256"] for k, v in fresh.items()}
+
+
+def test_a_dead_worker_fails_its_run_and_the_rest_run_in_subprocesses(monkeypatch):
+    from concurrent.futures.process import BrokenProcessPool
+
+    from fedloom.sweep import _Launcher
+
+    class DeadPool:
+        def submit(self, *a, **k):
+            raise BrokenProcessPool("killed")
+
+        def shutdown(self, **k):
+            pass
+
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        import subprocess
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr("fedloom.sweep.subprocess.run", fake_run)
+    launcher = _Launcher.__new__(_Launcher)
+    launcher.pool, launcher.broken = DeadPool(), False
+    rc, err = launcher(["python", "-m", "fedloom.cli", "run", "x"], {})
+    assert rc == 1 and "worker process died" in err and not calls
+    assert launcher(["python", "-m", "fedloom.cli", "run", "y"], {})[0] == 0
+    assert calls and calls[0][-1] == "y"

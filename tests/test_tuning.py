@@ -129,6 +129,7 @@ def _suite(tmp_path, **extra):
 
 
 def test_sweep_under_the_protocol_tunes_reports_and_resumes(tmp_path, monkeypatch):
+    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")  # one process per run
     monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
     path = _suite(tmp_path)
     logs: list[str] = []
