@@ -90,7 +90,9 @@ def test_overrides_read_back_exactly_and_slugs_stay_short_and_distinct():
     ({"budget": 2, "seeds": [9], "space": {"client.lr": {"low": 0, "high": 1, "log": True}}},
      "log range needs low > 0"),
     ({"budget": 2, "seeds": [9], "space": {"client.lr": [float("nan")]}}, "must be finite"),
-    ({"budget": 2, "seeds": [9], "sensitivity": {"key": "client.lr"}}, "sensitivity"),
+    ({"budget": 2, "seeds": [9], "sensitivity": {"key": "client.lr", "bogus": 1}},
+     "sensitivity.bogus: unknown key"),
+    ({"budget": 2, "seeds": [9], "sensitivity": {"values": [0.1]}}, "needs key:"),
 ])
 def test_protocol_errors_name_the_field(raw, match):
     with pytest.raises(ConfigError, match=match):
@@ -110,7 +112,8 @@ def _suite(tmp_path, **extra):
         "seeds": [1, 2],
         "tuning": {"budget": 2, "seeds": [7], "metric": "test_acc", "rounds": 1,
                    "space": {"client.lr": [0.05, 0.2], "server.lr": [1.0]},
-                   "sensitivity": {"key": "client.lr", "values": [0.05, 0.2]}},
+                   # values: client.lr's list in each method's space
+                   "sensitivity": {"key": "client.lr"}},
         "settings": {"digits": {"config": str(cfg)}},
         "methods": {
             "FedAvg": [],

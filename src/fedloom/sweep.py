@@ -398,8 +398,24 @@ def _validate_protocol(suite: Suite) -> int:
             sens = proto.sensitivity
             if sens and _sensitive(suite, method):
                 n += _check_points(suite, setting, method,
-                                   [{sens["key"]: v} for v in sens["values"]])
+                                   [{sens["key"]: v}
+                                    for v in _sens_values(suite, setting, method)])
     return n
+
+
+def _sens_values(suite: Suite, setting: str, method: str) -> list[Any]:
+    """The sensitivity key's values: as given, else its list in the method's space."""
+    sens = suite.tuning.sensitivity if suite.tuning else None
+    if not sens:
+        return []
+    if sens["values"] is not None:
+        return list(sens["values"])
+    dim = suite.space(setting, method).get(sens["key"])
+    if not isinstance(dim, list):
+        raise ConfigError(f"{suite.path}: tuning.sensitivity: {sens['key']} has no list of "
+                          f"values in methods.{method}'s space (setting {setting}); give "
+                          "values:")
+    return list(dim)
 
 
 def _sensitive(suite: Suite, method: str) -> bool:
@@ -710,7 +726,7 @@ def sensitivity_specs(suite: Suite, chosen: dict[tuple[str, str], Any]
     proto = suite.tuning
     if proto is None or not proto.sensitivity:
         return {}
-    key, values = proto.sensitivity["key"], proto.sensitivity["values"]
+    key = proto.sensitivity["key"]
     out: dict[tuple[str, str], list[tuple[Any, list[RunSpec]]]] = {}
     for setting in suite.settings:
         for method in suite.methods:
@@ -718,7 +734,7 @@ def sensitivity_specs(suite: Suite, chosen: dict[tuple[str, str], Any]
                 continue
             point = dict(chosen.get((setting, method), {}))
             rows = []
-            for v in values:
+            for v in _sens_values(suite, setting, method):
                 if key in point and point[key] == v:
                     tag, pov = "", _point_overrides(suite, method, point)
                 else:

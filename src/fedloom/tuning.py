@@ -15,7 +15,8 @@ once (:mod:`fedloom.sweep` reads it)::
       space:                     # the keys every method tunes (client and server step)
         client.lr: [0.01, 0.03, 0.1]
         server.lr: [0.5, 1.0]
-      sensitivity: {key: client.lr, values: [0.01, 0.03, 0.1]}   # optional
+      sensitivity: {key: client.lr}   # optional; values: [...] (default: the key's
+                                      # list in each method's space), methods: [...]
 
 and a method (or a setting) adds or replaces keys with its own ``space:``
 (FedProx's ``client.prox_mu``, SA-PEF's ``compression.alpha``, FLARE's
@@ -185,14 +186,16 @@ def load_protocol(raw: Any, where: str, reported: Sequence[int]) -> Protocol:
     if sens is not None:
         if not (isinstance(sens, dict) and isinstance(sens.get("key"), str)):
             raise ConfigError(f"{where}.sensitivity: needs key: and values:")
-        vals = parse_space({sens["key"]: sens.get("values")}, f"{where}.sensitivity")
-        if isinstance(vals[sens["key"]], Range):
-            raise ConfigError(f"{where}.sensitivity.values: needs a list")
         extra = set(sens) - {"key", "values", "methods"}
         if extra:
             raise ConfigError(f"{where}.sensitivity.{sorted(extra)[0]}: unknown key")
-        sens = {"key": sens["key"], "values": vals[sens["key"]],
-                "methods": sens.get("methods")}
+        values = None
+        if sens.get("values") is not None:
+            vals = parse_space({sens["key"]: sens["values"]}, f"{where}.sensitivity")
+            if isinstance(vals[sens["key"]], Range):
+                raise ConfigError(f"{where}.sensitivity.values: needs a list")
+            values = vals[sens["key"]]
+        sens = {"key": sens["key"], "values": values, "methods": sens.get("methods")}
     metric = raw.get("metric", "client_acc_mean")
     if not isinstance(metric, str) or not metric:
         raise ConfigError(f"{where}.metric: needs a metric name")
