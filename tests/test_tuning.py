@@ -154,6 +154,8 @@ def test_sweep_under_the_protocol_tunes_reports_and_resumes(tmp_path, monkeypatc
                           "config.yaml").read_text())
     assert cfg["client"]["prox_mu"] == 0.1 and cfg["client"]["lr"] == chosen["client.lr"]
     assert cfg["rounds"] == 2  # main runs keep the setting's rounds; tuning runs used 1
+    tcfg = next((tmp_path / "runs" / "digits").glob("FedAvg@tune=*/seed7/config.yaml"))
+    assert yaml.safe_load(tcfg.read_text())["rounds"] == 1
     doc = (tmp_path / "doc" / "t.md").read_text()
     assert doc.index("## Claims") < doc.index("## Tuning") < doc.index("## Results")
     assert "| FedProx beats FedAvg | FedAvg |" in doc and "(2 seeds)" in doc
@@ -193,6 +195,8 @@ def test_protocol_suite_checks_every_point_before_running(tmp_path):
     ({"share_tuning": {"Prox-0.1": "Ghost"}}, "'Ghost' is not a tuned method"),
     ({"methods": {"A": ["server.lr=$TUNE"]}}, r"\$TUNE belongs to tune:"),
     ({"methods": {"A": {"overrides": [], "grid": [1]}}}, "methods.A.grid: unknown key"),
+    ({"settings": {"digits": {"config": "tiny.yaml", "tuning_rounds": 0}}},
+     "settings.digits.tuning_rounds: needs"),
 ])
 def test_protocol_suite_errors(tmp_path, extra, match):
     if "methods" in extra:

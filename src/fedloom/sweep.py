@@ -221,6 +221,10 @@ def load_suite(path: str | Path) -> Suite:
         if not isinstance(st, dict):
             raise ConfigError(f"{p}: settings.{name}: must be a mapping with config:")
         settings[name] = {**st, "config": _resolve_config(p, name, st.get("config"))}
+        tr = st.get("tuning_rounds")
+        if tr is not None and (protocol is None or not isinstance(tr, int) or tr < 1):
+            raise ConfigError(f"{p}: settings.{name}.tuning_rounds: needs a tuning: section "
+                              "and a whole number ≥ 1")
         if st.get("space") is not None:
             if protocol is None:
                 raise ConfigError(f"{p}: settings.{name}.space: needs a tuning: section")
@@ -375,8 +379,9 @@ def _validate_protocol(suite: Suite) -> int:
     proto = suite.tuning
     assert proto is not None
     n = 0
-    rounds = [f"rounds={proto.rounds}"] if proto.rounds else []
     for setting in suite.settings:
+        tr = suite.settings[setting].get("tuning_rounds", proto.rounds)
+        rounds = [f"rounds={tr}"] if tr else []
         for method in suite.methods:
             if not _applies(suite, method, setting):
                 continue
@@ -624,8 +629,9 @@ def _trial_specs(suite: Suite, setting: str, method: str, point: dict[str, Any]
     proto = suite.tuning
     assert proto is not None
     ov = [*suite.methods[method], *overrides(point)]
-    if proto.rounds:
-        ov.append(f"rounds={proto.rounds}")
+    rounds = suite.settings[setting].get("tuning_rounds", proto.rounds)
+    if rounds:
+        ov.append(f"rounds={rounds}")
     return [_spec(suite, setting, method, seed, ov, tag=f"@tune={point_slug(point)}")
             for seed in proto.seeds]
 

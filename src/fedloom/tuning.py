@@ -9,7 +9,8 @@ once (:mod:`fedloom.sweep` reads it)::
       seeds: [101]               # tuning seeds; none of them is a reported seed
       metric: client_acc_mean    # selection metric: a run's final value (lower is better
                                  # for loss/bytes/seconds metrics, else higher)
-      rounds: 50                 # rounds of a tuning run (default: the setting's own)
+      rounds: 50                 # rounds of a tuning run (default: the setting's own;
+                                 # a setting's tuning_rounds: wins)
       sampler: grid              # grid | tpe
       seed: 0                    # the sampler's seed
       space:                     # the keys every method tunes (client and server step)

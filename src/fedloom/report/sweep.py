@@ -243,6 +243,16 @@ def _sensitivity_lines(suite: Any, setting: str, doc: Path | None,
     return out
 
 
+def _tuning_rounds(suite: Any) -> str:
+    """How many rounds the tuning runs had, per setting where they differ."""
+    base = suite.tuning.rounds
+    per = {s: st.get("tuning_rounds", base) for s, st in suite.settings.items()}
+    if len(set(per.values())) == 1:
+        r = next(iter(per.values()))
+        return f"{r} rounds" if r else "the setting's rounds"
+    return "; ".join(f"{r or 'all its'} rounds on {s}" for s, r in per.items())
+
+
 def _protocol_lines(suite: Any, chosen: dict[tuple[str, str], Any]) -> list[str]:
     """The tuning protocol, the chosen point of every method, and every trial."""
     proto = suite.tuning
@@ -253,8 +263,7 @@ def _protocol_lines(suite: Any, chosen: dict[tuple[str, str], Any]) -> list[str]
              f"({proto.sampler} sampler, sampler seed {proto.seed}), each run on the tuning "
              f"seed{'s' if len(proto.seeds) > 1 else ''} {proto.seeds} (not reported; the "
              f"reported seeds are {suite.seeds}) for "
-             + (f"{proto.rounds} round{'s' if proto.rounds > 1 else ''}" if proto.rounds
-                else "the setting's rounds")
+             + _tuning_rounds(suite)
              + f", scored by the final `{proto.metric}` (mean over tuning seeds; a diverged "
              "run scores worst), best score chosen. Keys searched: "
              + ", ".join(f"`{k}`" for k in space_keys) + ".", ""]
