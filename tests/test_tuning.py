@@ -144,7 +144,7 @@ def test_sweep_under_the_protocol_tunes_reports_and_resumes(tmp_path, monkeypatc
     assert len(tune_dirs) == 4 and all("@tune=" in d for d in tune_dirs)
     # tuning seeds are never reported seeds, and reported runs never sit in tuning folders
     assert not [p for p in (tmp_path / "runs").rglob("seed[12]") if "@tune=" in str(p)]
-    rec = json.loads((tmp_path / "runs" / "tuning.json").read_text())
+    rec = json.loads((tmp_path / "runs" / "t.tuning.json").read_text())
     assert rec["budget"] == 2 and set(rec["settings"]["digits"]) == {"FedAvg", "FedProx"}
     for t in rec["settings"]["digits"]["FedProx"]["trials"]:
         assert set(t["scores"]) == {"7"} and 0.0 <= t["score"] <= 1.0

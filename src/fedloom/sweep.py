@@ -706,7 +706,8 @@ def _run_trials(specs: list[RunSpec], workers: int, log: Callable[[str], None]) 
 
 
 def _write_tuning_record(suite: Suite, chosen: dict[tuple[str, str], dict[str, Any]]) -> None:
-    """``OUT/tuning.json``: the protocol, every trial with its per-seed scores, the choice."""
+    """``OUT/NAME.tuning.json``: the protocol, every trial with its per-seed scores, the
+    choice (named by the suite: suites may share ``out:`` and so reuse runs)."""
     proto = suite.tuning
     assert proto is not None
     rec: dict[str, Any] = {
@@ -719,9 +720,9 @@ def _write_tuning_record(suite: Suite, chosen: dict[tuple[str, str], dict[str, A
                         "scores": {str(k): v for k, v in t.scores.items()},
                         "score": t.score} for t in ts]}
     suite.out.mkdir(parents=True, exist_ok=True)
-    tmp = suite.out / "tuning.json.tmp"
+    tmp = suite.out / f"{suite.name}.tuning.json.tmp"
     tmp.write_text(json.dumps(rec, indent=1, default=str))
-    os.replace(tmp, suite.out / "tuning.json")
+    os.replace(tmp, suite.out / f"{suite.name}.tuning.json")
 
 
 def sensitivity_specs(suite: Suite, chosen: dict[tuple[str, str], Any]
@@ -786,6 +787,14 @@ def main_specs(suite: Suite, chosen: dict[tuple[str, str], Any]) -> list[RunSpec
     return specs
 
 
+def _state_file(suite: Suite) -> Path:
+    """``OUT/NAME.sweep.json`` (the sweep's wall time over its invocations); a sweep
+    written before suites named theirs kept ``OUT/sweep.json``."""
+    named = suite.out / f"{suite.name}.sweep.json"
+    legacy = suite.out / "sweep.json"
+    return named if named.exists() or not legacy.exists() else legacy
+
+
 def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = print,
               report_only: bool = False, csv: str | Path | None = None) -> Suite:
     """Run (or continue) a suite, then make its report (``report_only``: from the runs
@@ -799,7 +808,7 @@ def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = p
         drop_missing_data(suite, log)
     t0 = time.perf_counter()
     if report_only:
-        state = suite.out / "sweep.json"
+        state = _state_file(suite)
         prior = json.loads(state.read_text()) if state.exists() else {}
         try:
             chosen = _tune(suite, 0, log)
@@ -825,8 +834,9 @@ def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = p
     except SweepError as e:
         failure = e  # still report the runs that finished ("Incomplete" counts the rest)
     elapsed = time.perf_counter() - t0
-    state = suite.out / "sweep.json"
+    state = _state_file(suite)
     prior = json.loads(state.read_text()) if state.exists() else {}
+    state = suite.out / f"{suite.name}.sweep.json"
     # Wall time of the whole sweep: the sum over continued invocations.
     total = float(prior.get("elapsed_s", 0.0)) + elapsed
     state.parent.mkdir(parents=True, exist_ok=True)
