@@ -47,6 +47,8 @@ $(VENV)/.report: $(VENV)/.torch pyproject.toml
 repro-craft: $(VENV)/.report
 	@[ -d /usr/share/datasets/fashion-mnist ] || apt-get install -y -qq dataset-fashion-mnist
 	$(VENV)/bin/fedloom sweep configs/craft/suite.yaml --workers 2
+	# the budget check: the mnist verdicts with twice the trials (reuses the runs above)
+	$(VENV)/bin/fedloom sweep configs/craft/budget.yaml --workers 2
 
 repro-sapef: $(VENV)/.report
 	@[ -d /usr/share/datasets/fashion-mnist ] || apt-get install -y -qq dataset-fashion-mnist

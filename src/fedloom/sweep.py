@@ -475,15 +475,17 @@ def _worker_init() -> None:
     logging.getLogger().addHandler(logging.NullHandler())
 
 
-def _run_in_worker(argv: list[str]) -> tuple[int, str]:
-    """``fedloom <argv>`` in this (long-lived) worker: its exit code and stderr, as the
-    command line would give them (log lines included)."""
+def _run_in_worker(cmd_module: str, argv: list[str]) -> tuple[int, str]:
+    """``python -m <cmd_module> <argv>`` in this (long-lived) worker: its exit code and
+    stderr, as the command line would give them (log lines included)."""
     import contextlib
+    import importlib
     import io
     import logging
 
-    from fedloom import cli
-
+    # The command line by its module name, as `python -m fedloom.cli` names it for a
+    # subprocess: a sweep runs commands; it does not build on the CLI's code.
+    cli = importlib.import_module(cmd_module)
     err = io.StringIO()
     handler = logging.StreamHandler(err)
     handler.setFormatter(logging.Formatter("fedloom: %(message)s"))
@@ -527,7 +529,8 @@ class _Launcher:
 
         if not self.broken:
             try:
-                return self.pool.submit(_run_in_worker, list(cmd[3:])).result()
+                # cmd is [python, "-m", module, *argv]: the same command, in a worker
+                return self.pool.submit(_run_in_worker, cmd[2], list(cmd[3:])).result()
             except BrokenProcessPool:
                 self.broken = True
                 return 1, "a sweep worker process died during this run"
