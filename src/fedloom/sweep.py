@@ -18,6 +18,32 @@ A suite file (YAML) names the experiment grid::
       CRAFT-layer: {key: server.lr, grid: [0.1, 0.3, 1.0]}
     share_tuning: {Ditto+CRAFT: CRAFT-layer}   # reuse another method's tuned value
 
+The tuning protocol. Instead of ``tune:`` (one key per method, on ``tune_seed``), a
+suite may state a ``tuning:`` section: one budget of trials for every method, its
+own seeds, per-method search spaces, a sensitivity sweep (format and samplers in
+:mod:`fedloom.tuning`)::
+
+    tuning:
+      budget: 6
+      seeds: [100]
+      metric: client_acc_mean
+      rounds: 30
+      space: {client.lr: [0.003, 0.01, 0.03, 0.1], server.lr: [0.5, 1.0, 1.5]}
+      sensitivity: {key: client.lr}
+    settings:
+      synthetic: {config: …, space: {client.lr: [0.01, 0.1, 0.3]}, tuning_rounds: 40}
+    methods:
+      FedAvg: []
+      FedProx: {overrides: [], space: {client.prox_mu: [0.001, 0.01, 0.1]}}
+      Fixed: {overrides: [...], tune: false}          # run as given
+    share_tuning: {Ditto+CRAFT: CRAFT}                # borrow a chosen point
+    claims:                                           # fedloom.report.claims
+      - {claim: "…", method: CRAFT, against: [FedAvg], metric: client_acc_worst10}
+
+Tuning runs live in ``OUT/SETTING/METHOD@tune=POINT/seedS``, sensitivity runs in
+``…/METHOD@sens=KEY=V/seedS``; every trial and the choice go to
+``OUT/NAME.tuning.json`` and to the page.
+
 Paths. A setting's ``config:`` is looked up relative to the suite file's folder
 first, then relative to the current directory (where the suites under
 ``configs/`` name ``configs/…/x.yaml`` and are run from the repository root);
