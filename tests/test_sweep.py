@@ -5,6 +5,8 @@ Each run of a sweep is ``python -m fedloom.cli run …``; here the runs go throu
 tested is the sweep's bookkeeping. tests/test_plugin.py runs a sweep whose runs
 are real subprocesses."""
 
+import sys
+
 import pytest
 import yaml
 
@@ -101,3 +103,46 @@ def test_a_dead_worker_fails_its_run_and_the_rest_run_in_subprocesses(monkeypatc
     assert rc == 1 and "worker process died" in err and not calls
     assert launcher(["python", "-m", "fedloom.cli", "run", "y"], {})[0] == 0
     assert calls and calls[0][-1] == "y"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_die_with_a_killed_sweep(tmp_path):
+    """A sweep killed with SIGKILL leaves no worker running on (an orphan would go on
+    writing a run directory that a continued sweep runs again)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        "from fedloom.sweep import _Launcher\n"
+        "if __name__ == '__main__':\n"
+        "    launcher = _Launcher(1)\n"
+        "    f = launcher.pool.submit(time.sleep, 60)\n"
+        "    time.sleep(0.5)\n"
+        "    print(*[p.pid for p in launcher.pool._processes.values()], flush=True)\n"
+        "    f.result()\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids = [int(x) for x in parent.stdout.readline().split()]
+    assert pids
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 20
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in pids if _running(p)]
+    assert not alive, f"worker {alive} outlived the killed sweep"
+
+
+def _running(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has finished
+        return f.read().split(")")[-1].split()[0] != "Z"

@@ -488,11 +488,30 @@ def _spec(suite: Suite, setting: str, method: str, seed: int, overrides: list[st
                    (*s.get("overrides", []), *overrides), out)
 
 
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGTERM when the sweep that started it dies (killed,
+    out of memory), so no orphaned worker goes on writing a run directory that a
+    continued sweep is about to run again. Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # no prctl: the worker may outlive a killed sweep
+        return
+    if os.getppid() == 1:  # the parent was gone before the call took effect
+        os._exit(1)
+
+
 def _worker_init() -> None:
     """A sweep worker: one thread, and a root log handler so that ``cli.main``'s
     ``basicConfig`` binds no stream of an earlier run."""
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["MKL_NUM_THREADS"] = "1"
+    _die_with_parent()
     import logging
 
     import torch
