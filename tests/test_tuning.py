@@ -203,3 +203,24 @@ def test_protocol_suite_errors(tmp_path, extra, match):
         extra = {**extra, "share_tuning": {}, "claims": []}
     with pytest.raises(ConfigError, match=match):
         load_suite(_suite(tmp_path, **extra))
+
+
+def test_sweep_with_tpe_resumes_to_the_same_trials(tmp_path, monkeypatch):
+    pytest.importorskip("optuna")
+    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")
+    monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
+    path = _suite(tmp_path, tuning={
+        "budget": 3, "seeds": [7], "metric": "test_acc", "rounds": 1, "sampler": "tpe",
+        "startup": 2, "space": {"client.lr": {"low": 0.02, "high": 0.5, "log": True},
+                                "server.lr": [0.5, 1.0]}},
+        methods={"FedAvg": []}, share_tuning={}, claims=[], report={})
+    first = run_suite(path, workers=1, log=lambda s: None)
+    trials = first.trials[("digits", "FedAvg")]
+    assert len(trials) == 3
+    for t in trials:
+        assert 0.02 <= t.params["client.lr"] <= 0.5 and t.params["server.lr"] in (0.5, 1.0)
+        assert t.params["client.lr"] == float(f"{t.params['client.lr']:.3g}")
+    again: list[str] = []
+    second = run_suite(path, workers=1, log=again.append)  # the same points: nothing runs
+    assert [t.params for t in second.trials[("digits", "FedAvg")]] == [t.params for t in trials]
+    assert all("0 of" in s for s in again if "runs to do" in s)
