@@ -224,3 +224,21 @@ def test_sweep_with_tpe_resumes_to_the_same_trials(tmp_path, monkeypatch):
     second = run_suite(path, workers=1, log=again.append)  # the same points: nothing runs
     assert [t.params for t in second.trials[("digits", "FedAvg")]] == [t.params for t in trials]
     assert all("0 of" in s for s in again if "runs to do" in s)
+
+
+def test_a_finished_run_of_another_config_is_refused_not_reused(tmp_path, monkeypatch):
+    """Main runs are named by setting, method and seed: when a method's point changes,
+    its old run must not stand in for the new one."""
+    from fedloom.sweep import SweepError
+
+    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")
+    monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
+    path = _suite(tmp_path, methods={"FedAvg": {"overrides": [], "tune": False}},
+                  share_tuning={}, claims=[], report={})
+    run_suite(path, workers=1, log=lambda s: None)
+    raw = yaml.safe_load(path.read_text())
+    raw["methods"]["FedAvg"]["overrides"] = ["client.lr=0.2"]
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    with pytest.raises(SweepError, match=r"finished runs hold another config .*client\.lr: "
+                                         r"0\.1 → 0\.2"):
+        run_suite(path, workers=1, log=lambda s: None)

@@ -596,7 +596,42 @@ def _launch_subprocess(cmd: list[str], env: dict[str, str]) -> tuple[int, str]:
 RUNNER = "worker"
 
 
+def _stale(spec: RunSpec) -> str | None:
+    """What differs between a finished run's saved config and the one the suite asks of
+    it (``key: saved → asked``), else None. A run directory is named by setting, method
+    and seed, not by its tuned values: when a tuning choice or a method's overrides
+    change, the old run must not stand in for the new one."""
+    from fedloom.config import config_from_dict, config_to_dict, load_config
+    from fedloom.report.compare import _flatten
+
+    try:
+        saved = yaml.safe_load((spec.out / "config.yaml").read_text())
+        asked = config_to_dict(load_config(spec.config, [*spec.overrides,
+                                                         f"seed={spec.seed}"]))
+        saved = config_to_dict(config_from_dict(saved))
+    except (OSError, yaml.YAMLError, ConfigError, ValueError, TypeError):
+        return None  # unreadable: resuming or rerunning it reports the problem
+    a, b = _flatten(saved), _flatten(asked)
+    for key in sorted(set(a) | set(b)):
+        if key.split(".")[0] in ("name", "logging", "checkpoint"):
+            continue
+        if b.get(key) == "auto":  # the run saved what auto resolved to (server.lr: 1.0)
+            continue
+        if a.get(key) != b.get(key):
+            return f"{key}: {a.get(key)} → {b.get(key)}"
+    return None
+
+
+def _check_not_stale(specs: list[RunSpec]) -> None:
+    stale = [(s, why) for s in specs if s.done and (why := _stale(s))]
+    if stale:
+        s, why = stale[0]
+        raise SweepError(f"{len(stale)} finished runs hold another config than the suite asks "
+                         f"(first: {s.out}: {why}); remove them or give the suite its own out:")
+
+
 def _run_all(specs: list[RunSpec], workers: int, log: Callable[[str], None]) -> None:
+    _check_not_stale(specs)
     todo = [s for s in specs if not s.done]
     if workers <= 0:  # report only: run nothing
         if todo:
