@@ -579,8 +579,7 @@ class _Launcher:
             except BrokenProcessPool:
                 self.broken = True
                 return 1, "a sweep worker process died during this run"
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        return p.returncode, p.stderr
+        return _launch_subprocess(cmd, env)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -829,8 +828,7 @@ def sensitivity_specs(suite: Suite, chosen: dict[tuple[str, str], Any]
                     tag, pov = "", _point_overrides(suite, method, point)
                 else:
                     tag = f"@sens={point_slug({key: v})}"
-                    pov = [*_point_overrides(suite, method, point), f"{key}={v!r}"
-                           if isinstance(v, float) else f"{key}={v}"]
+                    pov = [*_point_overrides(suite, method, point), *overrides({key: v})]
                 rows.append((v, [_spec(suite, setting, method, seed, pov, tag=tag)
                                  for seed in suite.seeds]))
             out[(setting, method)] = rows

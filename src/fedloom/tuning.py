@@ -107,7 +107,7 @@ class Trial:
 
     @property
     def score(self) -> float:
-        vals = [v for v in self.scores.values()]
+        vals = list(self.scores.values())
         if not vals or any(not math.isfinite(v) for v in vals):
             return math.nan  # a diverged tuning seed: the point scores worst
         return float(np.mean(vals))
