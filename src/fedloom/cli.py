@@ -322,6 +322,30 @@ def _config_sections() -> str:
     return "\n".join(lines)
 
 
+def _cmd_partition(args: argparse.Namespace) -> int:
+    from fedloom.config import load_config
+    from fedloom.data.heterogeneity import heterogeneity, measures_table, split_counts
+
+    cfg = load_config(args.config, args.overrides)
+    counts = split_counts(cfg)
+    p = cfg.data.partition
+    print(f"{cfg.data.name}, partition {p.name}, seed {cfg.seed}"
+          + (f", feature skew {cfg.data.feature.name} (scale {cfg.data.feature.scale:g}; "
+             "not in the label measures)" if cfg.data.feature.name != "none" else ""))
+    print(measures_table(counts))
+    if args.plot:
+        from fedloom.report.partition_plot import write_partition_plot
+
+        plot = Path(args.plot)
+        if not plot.parent.is_dir():
+            raise ValueError(f"--plot: folder {plot.parent} does not exist")
+        if write_partition_plot(plot, counts, heterogeneity(counts),
+                                f"{cfg.data.name}, {p.name}") is None:
+            raise ValueError("--plot: needs matplotlib (pip install 'fedloom[report]')")
+        print(f"plot: {plot}")
+    return 0
+
+
 def _cmd_schema(args: argparse.Namespace) -> int:
     import json
 
@@ -414,6 +438,12 @@ def build_parser() -> argparse.ArgumentParser:
     mo = sub.add_parser("models", help="list models, their parameter counts and options")
     mo.add_argument("--json", action="store_true", help="machine-readable output")
     mo.set_defaults(func=_cmd_models)
+    pa = sub.add_parser("partition", help="the split a config makes: heterogeneity "
+                                          "measures (and --plot FILE), no training")
+    pa.add_argument("config", help="YAML config file")
+    pa.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.partition.k=2")
+    pa.add_argument("--plot", metavar="FILE", help="also write the picture (PNG)")
+    pa.set_defaults(func=_cmd_partition)
     sc = sub.add_parser("schema", help="print the config's JSON Schema (editors complete keys "
                                        "with it: fedloom schema > fedloom.schema.json)")
     sc.set_defaults(func=_cmd_schema)

@@ -79,16 +79,46 @@ class ShakespeareConfig:
 
 @dataclass
 class PartitionConfig:
-    # A partitioner: iid, contiguous, dirichlet, shards, natural, a plug-in or module:attr
-    # (a plug-in takes the keys below that its signature names).
+    # A partitioner: iid, contiguous, dirichlet, shards, natural, classes, sizes, mixed,
+    # flwr:NAME (a flwr-datasets partitioner), a plug-in or module:attr (a plug-in takes
+    # the keys below that its signature names). See fedloom.data.partition.
     name: str = "dirichlet"
-    alpha: float = _f(0.5, gt=0)
+    # dirichlet, classes (split dirichlet), sizes (then dirichlet): one α, or one per class
+    alpha: float | list[float] = _f(0.5, gt=0)
     min_samples: int = _f(10, ge=1)
     shards_per_client: int = _f(2, ge=1)
     max_tries: int = _f(1000, ge=1)
     # dirichlet: how the minimum is met (see fedloom.data.partition.dirichlet)
     min_policy: Literal["resample", "move"] = "resample"
     balance: bool = False
+    # classes: k classes per client, how they are assigned and split among holders
+    k: int = _f(2, ge=1)
+    assign: Literal["random", "round_robin"] = "random"
+    split: Literal["even", "dirichlet"] = "even"
+    # sizes: the client-size distribution (powerlaw: Pareto exponent; lognormal: sigma;
+    # list: counts, one relative size per client)
+    distribution: Literal["powerlaw", "lognormal", "list"] = "powerlaw"
+    exponent: float = _f(1.5, gt=0)
+    sigma: float = _f(1.0, ge=0)
+    counts: list[float] = _f([], ge=0)
+    # sizes: labels "iid" or "dirichlet"; mixed: the partitioner of the non-IID clients
+    # ("" = the partitioner's default: sizes iid, mixed dirichlet)
+    then: str = ""
+    # mixed: the fraction of clients that are IID
+    iid_fraction: float = _f(0.5, ge=0, le=1)
+    # flwr:NAME: the flwr-datasets partitioner's own options (num_partitions,
+    # partition_by and seed are fedloom's)
+    options: dict[str, Any] = _f({})
+
+
+@dataclass
+class FeatureConfig:
+    """Feature skew (fedloom.data.feature): a per-client transform of the inputs."""
+
+    # none, noise (Gaussian of level scale·k/(N−1)), permute (scale: the fraction of
+    # features), rotate (angles ~ U(−scale, scale) degrees)
+    name: Literal["none", "noise", "permute", "rotate"] = "none"
+    scale: float = _f(0.0, ge=0)
 
 
 @dataclass
@@ -96,6 +126,7 @@ class DataConfig:
     name: str = "mnist"
     num_clients: int = _f(100, ge=1)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
+    feature: FeatureConfig = field(default_factory=FeatureConfig)
     test_fraction: float = _f(0.2, ge=0, lt=1)
     # Use only the first N training samples of the source (0 = all): small tests.
     max_samples: int = _f(0, ge=0)
@@ -234,7 +265,9 @@ class CompressionConfig:
     feedback: str = "none"
     feedback_options: dict[str, Any] = _f({})
     alpha: float = _f(0.85, ge=0, le=1)          # SA-PEF step-ahead coefficient
-    alpha_schedule: Literal["constant", "theory"] = "constant"
+    # constant, theory (α* from an online L̂), residual (min(alpha, κ·median ‖Δ‖/‖e‖))
+    alpha_schedule: Literal["constant", "theory", "residual"] = "constant"
+    alpha_kappa: float = _f(1.0, gt=0)            # κ of the residual schedule
     period: int = _f(5, ge=1)                     # CSER: reset every H rounds
     reset_ratio: float = _f(0.1, gt=0, le=1)      # CSER: top fraction of e sent at a reset
     beta: float = _f(0.2, gt=0, le=1)             # SCAFCOM momentum
@@ -651,6 +684,32 @@ def check_system_config(cfg: SystemConfig) -> None:
         raise ConfigError("system.amplitude: only used by pattern sine")
 
 
+def _check_partition_keys(p: PartitionConfig) -> None:
+    """A ``data.partition`` key set away from its default that the partitioner does not
+    take is refused (one line), as an unknown option is: it would be ignored."""
+    import inspect
+
+    factory = registry.get("partitioner", p.name)
+    takes = set(inspect.signature(factory).parameters)
+    if any(v.kind is inspect.Parameter.VAR_KEYWORD
+           for v in inspect.signature(factory).parameters.values()):
+        if p.name != "mixed" or not getattr(factory, "__module__", "").startswith("fedloom."):
+            return
+        then = p.then or "dirichlet"
+        try:
+            takes |= set(inspect.signature(registry.get("partitioner", then)).parameters)
+        except KeyError as e:
+            raise ConfigError(f"data.partition.then: {e.args[0] if e.args else e}") from None
+    if not getattr(factory, "__module__", "").startswith("fedloom."):
+        return  # a plug-in takes the keys it names; the others are its business
+    default = PartitionConfig()
+    for f in dataclasses.fields(PartitionConfig):
+        if f.name == "name" or getattr(p, f.name) == getattr(default, f.name):
+            continue
+        if f.name not in takes:
+            raise ConfigError(f"data.partition.{f.name}: not used by partitioner {p.name!r}")
+
+
 def _check_cross_fields(cfg: Config) -> None:
     check_name("data.name", "dataset", cfg.data.name)
     check_name("model.name", "model", cfg.model.name)
@@ -662,6 +721,7 @@ def _check_cross_fields(cfg: Config) -> None:
     check_name("compression.feedback", "feedback", cfg.compression.feedback)
     check_name("compression.adaptive", "planner", cfg.compression.adaptive)
     check_name("data.partition.name", "partitioner", cfg.data.partition.name)
+    _check_partition_keys(cfg.data.partition)
     for i, hook in enumerate(cfg.metrics.hooks):
         check_name(f"metrics.hooks[{i}]", "metric", hook)
     on = metric_names(cfg.metrics)

@@ -18,6 +18,9 @@ Three ways to name a component, accepted by every name field of a config
   Entry points are listed without importing them; a plug-in's module is
   imported the first time its name is built. A built-in name wins over an
   entry point of the same name (a warning names the distribution);
+- a **family** ``PREFIX:NAME`` whose prefix a module registered with
+  :func:`register_family` (``data.partition.name=flwr:DirichletPartitioner``): the
+  family's resolver turns ``NAME`` into the factory; it wins over a reference;
 - a **reference** ``module:attr`` (``aggregator.name=my_fl.geomed:GeometricMedian``):
   the module is imported and ``attr`` is the factory. A module that is not
   importable from ``sys.path`` is looked for in the current directory too.
@@ -66,6 +69,8 @@ ENTRY_POINT_GROUPS: dict[str, str] = {
 }
 
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {k: {} for k in _KINDS}
+# PREFIX -> resolver(NAME) -> factory, per kind (register_family)
+_FAMILIES: dict[str, dict[str, Callable[[str], Callable[..., Any]]]] = {k: {} for k in _KINDS}
 # Entry points found but not loaded yet: kind → name → entry point.
 _ENTRY_POINTS: dict[str, dict[str, importlib.metadata.EntryPoint]] = {k: {} for k in _KINDS}
 # Where a name that is not built in comes from (for listings): kind → name → text.
@@ -79,6 +84,7 @@ _MODULES = (
     "fedloom.data.shakespeare",
     "fedloom.data.disk",
     "fedloom.data.partition",
+    "fedloom.data.flwr_partition",
     "fedloom.models",
     "fedloom.models.zoo",
     "fedloom.aggregate.mean",
@@ -181,6 +187,21 @@ def _import_reference(name: str) -> Any:
     return obj
 
 
+def register_family(kind: str, prefix: str
+                    ) -> Callable[[Callable[[str], Callable[..., Any]]],
+                                  Callable[[str], Callable[..., Any]]]:
+    """Decorator: ``@register_family("partitioner", "flwr")`` on ``resolve(name) ->
+    factory``, which raises ``KeyError`` (one line) for a name it does not know."""
+    if kind not in _FAMILIES:
+        raise KeyError(f"unknown component kind {kind!r}")
+
+    def deco(resolve: Callable[[str], Callable[..., Any]]) -> Callable[[str], Callable[..., Any]]:
+        _FAMILIES[kind][prefix] = resolve
+        return resolve
+
+    return deco
+
+
 def available(kind: str) -> list[str]:
     """The names of ``kind``: built-ins, names registered in this process and
     installed entry points (``module:attr`` references are not listed)."""
@@ -217,6 +238,9 @@ def get(kind: str, name: str) -> Callable[..., Any]:
             raise KeyError(f"{kind} {name!r}: entry point {ep.value} is not callable")
         _REGISTRY[kind][name] = factory
         return factory
+    prefix, sep, rest = name.partition(":")
+    if sep and prefix in _FAMILIES[kind]:
+        return _FAMILIES[kind][prefix](rest)
     if is_reference(name):
         try:
             factory = _import_reference(name)

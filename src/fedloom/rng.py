@@ -48,6 +48,7 @@ class Purpose(StrEnum):
     CLIENT_DROPOUT = "client-dropout"  # whether a sampled client drops out mid-round
     DROPOUT = "dropout"      # randomness inside a train-mode forward (dropout masks)
     AUGMENT = "augment"      # training augmentation (random crops and flips)
+    FEATURE = "feature"      # a client's feature skew (fedloom.data.feature)
 
 
 def derive_seed(seed: int, round: int = -1, client: int = -1, purpose: str = "") -> int:

@@ -97,6 +97,10 @@ CSV. The optional ``report:`` section shapes the page; every key is optional::
       sweep_plot:             # one metric across methods that form a 1-D sweep
         {setting: s, methods: [A, B], x: [0.1, 0.5], xlabel: α, title: "…",
          metric: test_acc}
+      heterogeneity:          # settings ordered by a split measure (summary.json's
+        {x: partition_hellinger, xlabel: "…", methods: [A, B],   # partition_*), each
+         metrics: [client_acc_mean, client_acc_worst10]}         # method's metrics
+                              # beside it, and their plot against it
       compare: {baseline: FedAvg, candidates: [CRAFT]}
                               # "better/worse/within seed spread" lines
       notes: "…"              # closing paragraph

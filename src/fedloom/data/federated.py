@@ -83,19 +83,27 @@ def partition_indices(ds: Dataset, cfg: DataConfig, seed: int) -> list[np.ndarra
             f"data.partition.shards_per_client: {cfg.num_clients} clients (data.num_clients) "
             f"x {p.shards_per_client} shards exceed the {len(labels)} samples")
     fn = get("partitioner", p.name)
-    if p.name == "dirichlet":
-        return fn(labels, cfg.num_clients, rng=rng, alpha=p.alpha, min_samples=p.min_samples,
-                  max_tries=p.max_tries, min_policy=p.min_policy, balance=p.balance)
-    if p.name == "shards":
-        return fn(labels, cfg.num_clients, rng=rng, shards_per_client=p.shards_per_client)
     if p.name == "natural":
         return fn(labels, cfg.num_clients, rng=rng, groups=ds.groups)
-    # iid, contiguous and plug-ins: the section's keys the factory names (a plug-in
-    # may also take `groups`, the source's client ids or None).
+    # Every partitioner (built-in, flwr:NAME, plug-in) takes the section's keys its
+    # signature names (a plug-in may also take `groups`, the source's client ids or
+    # None); `then` left empty keeps the partitioner's own default.
     section = {"alpha": p.alpha, "min_samples": p.min_samples,
                "shards_per_client": p.shards_per_client, "max_tries": p.max_tries,
-               "min_policy": p.min_policy, "balance": p.balance, "groups": ds.groups}
-    return fn(labels, cfg.num_clients, rng=rng, **accepted_options(fn, section))
+               "min_policy": p.min_policy, "balance": p.balance, "k": p.k,
+               "assign": p.assign, "split": p.split, "distribution": p.distribution,
+               "exponent": p.exponent, "sigma": p.sigma, "counts": p.counts,
+               "iid_fraction": p.iid_fraction, "options": p.options, "groups": ds.groups}
+    if p.then:
+        section["then"] = p.then
+    if p.name == "mixed":  # its `then` partitioner takes the keys it names, not groups
+        section.pop("groups")
+    try:
+        return fn(labels, cfg.num_clients, rng=rng, **accepted_options(fn, section))
+    except PartitionError as e:  # worded with the config's section
+        msg = str(e)
+        raise PartitionError(msg if msg.startswith("data.") else f"data.partition: {msg}"
+                             ) from None
 
 
 def uses_natural_split(ds: Dataset, cfg: DataConfig) -> bool:

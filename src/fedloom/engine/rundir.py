@@ -461,3 +461,9 @@ def write_outputs(exp: Setup, st: RunState, run_dir: Path, history: Sequence[dic
         from fedloom.report.plots import write_run_plots
 
         write_run_plots(run_dir, list(history))
+        from fedloom.data.heterogeneity import heterogeneity
+        from fedloom.report.partition_plot import write_partition_plot
+
+        write_partition_plot(run_dir / "partition.png", exp.partition_counts,
+                             heterogeneity(exp.partition_counts),
+                             f"{exp.cfg.data.name}, {exp.cfg.data.partition.name}")

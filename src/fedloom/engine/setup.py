@@ -27,7 +27,9 @@ from fedloom.compress import make_compressor
 from fedloom.compress.feedback import feedback_from_config
 from fedloom.compress.identity import Identity
 from fedloom.config import Config, ConfigError, config_to_dict
+from fedloom.data.feature import apply_feature_skew
 from fedloom.data.federated import FederatedData, build_federated
+from fedloom.data.heterogeneity import class_counts
 from fedloom.data.sources import Dataset, load_dataset
 from fedloom.device import (
     apply_threads,
@@ -67,7 +69,7 @@ def resolve_auto(cfg: Config) -> Config:
     if cfg.server.lr != "auto":
         return cfg
     try:
-        lr = default_server_lr(cfg.aggregator.name)
+        lr = default_server_lr(cfg.aggregator.name, cfg.aggregator.options)
     except (KeyError, ValueError) as e:
         raise ConfigError(f"server.lr: auto: {e.args[0] if e.args else e}") from None
     return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, lr=lr))
@@ -132,6 +134,17 @@ class Setup:
         ds = self.fed.dataset
         self.x = _to_run(ds.x, self.dtype, self.device)
         self.y = ds.y.to(self.device)
+        # Each client's whole part (train and its own test split): the heterogeneity
+        # measures of summary.json and partition.png, and the rows its feature skew
+        # (data.feature) transforms, once, on the run's device.
+        parts = [np.concatenate([tr, te]) for tr, te in zip(self.fed.train, self.fed.test,
+                                                             strict=True)]
+        self.partition_counts = class_counts(ds.y.numpy(), parts, ds.num_classes)
+        f = cfg.data.feature
+        try:
+            self.x = apply_feature_skew(self.x, parts, f.name, f.scale, cfg.seed)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.n_train = torch.from_numpy(self.fed.num_train())
 
     def _build_model(self, model: torch.nn.Module | Callable[[], torch.nn.Module] | None

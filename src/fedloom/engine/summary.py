@@ -17,6 +17,7 @@ import torch
 from fedloom.aggregate.base import default_server_lr
 from fedloom.buffers import buffers_sha256
 from fedloom.config import Config
+from fedloom.data.heterogeneity import heterogeneity
 from fedloom.device import describe, peak_memory_mb
 from fedloom.engine.runstate import RunState, model_sha256
 from fedloom.engine.setup import Setup, resolve_auto
@@ -74,7 +75,7 @@ class DivergenceWatch:
     def _culprit(self) -> str:
         s, c, name = self.cfg.server, self.cfg.client, self.cfg.aggregator.name
         try:
-            default = default_server_lr(name)
+            default = default_server_lr(name, self.cfg.aggregator.options)
         except (KeyError, ValueError):
             default = s.lr
         if s.lr > default:
@@ -113,6 +114,10 @@ def summarize(exp: Setup, st: RunState, history: list[dict[str, Any]],
         summary["warnings"] = list(warnings)
     for m in history:  # final value of each metric (eval metrics from the last eval round)
         summary.update({k: v for k, v in m.items() if k not in _PER_ROUND_ONLY})
+    # How heterogeneous the split is (fedloom.data.heterogeneity), as partition_* keys
+    counts = getattr(exp, "partition_counts", None)
+    if counts is not None:
+        summary.update({f"partition_{k}": v for k, v in heterogeneity(counts).items()})
     summary["rejected_updates_total"] = st.totals["rejected_updates"]
     summary["rejected_rounds_total"] = st.totals.get("rejected_rounds", 0)
     summary["clipped_updates_total"] = st.totals.get("clipped_updates", 0)

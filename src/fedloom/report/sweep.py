@@ -8,6 +8,7 @@ section asks for (see :mod:`fedloom.sweep` for its keys).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,71 @@ def _sweep_plot(path: Path, title: str, xs: list[float], ys: list[tuple[float, f
     fig.savefig(path)
     plt.close(fig)
     return True
+
+
+def _heterogeneity_lines(spec: Mapping[str, Any], table: dict[str, dict[str, Any]],
+                         name: str, doc: Path | None) -> list[str]:
+    """``report.heterogeneity``: every setting's split measures (``partition_*`` of the
+    runs' summaries) beside each method's accuracies, settings ordered by ``x``, and a
+    plot of each metric against ``x`` (one line per method, ± sd over seeds)."""
+    x = spec.get("x", "partition_hellinger")
+    metrics = list(spec.get("metrics", ["client_acc_mean", "client_acc_worst10"]))
+    labels = dict(COLUMNS)
+    methods = list(spec.get("methods") or [])
+    measures = [("partition_hellinger", "Hellinger"), ("partition_eff_classes", "eff. classes"),
+                ("partition_size_gini", "size Gini")]
+
+    def xval(setting: str) -> float:
+        vals = [r[x][0] for r in table[setting].values() if x in r]
+        return vals[0] if vals else float("nan")
+
+    settings = sorted((s for s in table if not math.isnan(xval(s))), key=xval)
+    if not settings:
+        return []
+    methods = methods or sorted({m for s in settings for m in table[s]})
+    header = ["setting", *[h for _, h in measures]] + [
+        f"{m} {labels.get(k, k)}" for m in methods for k in metrics]
+    rows = []
+    for s in settings:
+        any_row = next(iter(table[s].values()))
+        cells = [s] + [f"{any_row[k][0]:.3f}" if k in any_row else "–" for k, _ in measures]
+        cells += [_fmt(table[s][m].get(k)) if m in table[s] else "–"
+                  for m in methods for k in metrics]
+        rows.append(cells)
+    out = ["## Accuracy against heterogeneity", "",
+           f"Settings ordered by `{x}` (the split's measure; the same for every method and "
+           "seed-averaged over the reported seeds' partitions). Client accuracies in %, mean ± "
+           "sd over seeds.", "", markdown_table(header, rows), ""]
+    if doc is None:
+        return out
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return out
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.2 * len(metrics), 3.8), dpi=120,
+                             layout="constrained", squeeze=False)
+    for ax, k in zip(axes[0], metrics, strict=True):
+        for m in methods:
+            pts = [(xval(s), table[s][m][k]) for s in settings
+                   if m in table[s] and k in table[s][m]]
+            if pts:
+                ax.errorbar([p[0] for p in pts], [100 * p[1][0] for p in pts],
+                            yerr=[100 * p[1][1] for p in pts], marker="o", capsize=2,
+                            label=m, alpha=0.85)
+        for s in settings:
+            ax.annotate(s, (xval(s), 0), xycoords=("data", "axes fraction"), fontsize=6,
+                        rotation=90, va="bottom", ha="center", color="0.4")
+        ax.set_xlabel(spec.get("xlabel", x))
+        ax.set_ylabel(f"{labels.get(k, k)} (%)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    png = doc.parent / f"{name}-heterogeneity.png"
+    fig.savefig(png)
+    plt.close(fig)
+    return [*out, f"![client accuracy against {x}]({png.name})", ""]
 
 
 def _compare(setting: str, rows: dict[str, dict[str, Any]], base: str,
@@ -436,6 +502,9 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
             if png is not None and _sweep_plot(png, sp.get("title", "Sweep"), [x for x, _ in pts],
                            [v for _, v in pts], sp.get("xlabel", "x"), f"{metric} (%)"):
                 lines += [f"![{sp.get('title', 'sweep')}]({png.name})", ""]
+    het = rep.get("heterogeneity")
+    if het:
+        lines += _heterogeneity_lines(het, table, suite.name, doc)
     comp = rep.get("compare")
     if comp:
         lines += ["## Comparisons", "",
