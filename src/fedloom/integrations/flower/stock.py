@@ -1,0 +1,191 @@
+"""Compression and error feedback for a stock Flower ClientApp, as one mod.
+
+:class:`CompressionMod` wraps a train handler written the Flower way (it loads
+``msg.content["arrays"]``, trains, and replies with
+``ArrayRecord(model.state_dict())`` and a ``MetricRecord`` with
+``num-examples``) and turns its reply into a compressed payload::
+
+    app = ClientApp(mods=[CompressionMod("topk", {"ratio": 0.01}, feedback="sapef",
+                                         alpha=0.5)])
+
+and the server's strategy decodes it with the same settings::
+
+    strategy = CRAFT(compression="topk", compression_options={"ratio": 0.01})
+
+For each train message the mod splits the incoming record into the model's
+parameters ``w`` and its buffers
+(:class:`~fedloom.integrations.flower.records.StateLayout`, the same rule as the
+strategy), loads the client's feedback state (EF's and SA-PEF's residual
+``e``) from ``Context.state``, and for SA-PEF hands the wrapped app the model
+moved to its start point ``w − α e`` (the arrays it loads; buffers untouched).
+After training it computes ``g = w − w_k`` against the model *received*
+(fedloom's SA-PEF: the server's model is ``w``), sends ``C(g + (1 − α) e)``
+(EF: α = 0) and keeps the new residual in ``Context.state`` — in
+``state_dtype``, and only when the sent vector and the residual are finite
+(a non-finite reply is rejected by the server, and the engine keeps a rejected
+client's state). The reply carries a ``ConfigRecord`` ``"fedloom"`` (the
+payload, the residual norm and, when the model has buffers, the trained buffers
+as raw little-endian bytes in the record's order and dtypes:
+:func:`~fedloom.integrations.flower.records.pack_buffers`) and the wrapped
+app's ``MetricRecord`` unchanged. It is a valid Flower message with no
+``ArrayRecord`` at all, so a strategy that does not decode it (Flower's
+``FedAvg``) stops with ``InconsistentMessageReplies`` instead of averaging a
+payload or taking the buffers for the model.
+
+The compressor's random stream (rand-k, QSGD) derives from (``seed``, round,
+client, ``compress``): the round is ``server-round − 1`` of the train config,
+the client ``node_config["partition-id"]`` (or ``client-id``), else the node id.
+The learning rate α's theory schedule would need comes from ``"lr"`` in the
+train config; only ``alpha_schedule="constant"`` is offered here.
+
+What each feedback policy needs from the wrapped app:
+
+- ``none``, ``ef``, ``saef``, ``sapef``: nothing — the mod reads the trained
+  arrays; SA-PEF's start point is applied to the arrays the app loads.
+- ``flare``, ``ec_prox``: a penalty on the first local steps, which lives in the
+  local loss; a stock train handler computes its own loss, so the mod refuses
+  them (one line). Use fedloom's own ClientApp
+  (:func:`fedloom.integrations.flower.client_app`) for FLARE.
+- ``ef21``, ``cser``, ``scafcom``: server-side copies of client state or a
+  gradient shift: refused, as on fedloom's own Flower path.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedloom.compress import make_compressor
+from fedloom.compress.feedback import UplinkContext, make_feedback
+from fedloom.integrations.flower.records import StateLayout, pack_buffers
+from fedloom.integrations.flower.strategies import BUFFERS_KEY, PAYLOAD_KEY
+from fedloom.rng import Purpose, torch_gen
+
+try:
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+except ImportError as e:  # pragma: no cover (the extra is missing)
+    raise ImportError("fedloom.integrations.flower needs Flower: pip install 'fedloom[flower]'"
+                      ) from e
+
+__all__ = ["STOCK_FEEDBACK", "CompressionMod"]
+
+STOCK_FEEDBACK = ("none", "ef", "saef", "sapef")
+STATE_KEY = "fedloom.stock-feedback"   # Context.state: the policy's rows
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16}
+
+
+class CompressionMod:
+    """A Flower mod: a fedloom compressor and error-feedback policy on a stock
+    ClientApp's reply (module doc).
+
+    Args:
+        compression: a registered compressor (``topk``, ``randk``, ``qsgd``, …).
+        options: its options by name (``{"ratio": 0.01}``).
+        feedback: ``none``, ``ef``, ``saef`` or ``sapef``.
+        alpha: SA-PEF's α in [0, 1] (``sapef`` only).
+        seed: the run seed of the compressor's random stream.
+        dtype: precision of ``g`` and the residual on the client.
+        state_dtype: precision the residual is kept in between rounds.
+        model, buffers: as :class:`~fedloom.integrations.flower.strategies.FedloomRule`.
+    """
+
+    def __init__(self, compression: str, options: Mapping[str, Any] | None = None, *,
+                 feedback: str = "ef", alpha: float | None = None, seed: int = 0,
+                 dtype: str = "float32", state_dtype: str = "float32",
+                 model: nn.Module | None = None,
+                 buffers: Iterable[str] | Callable[[str], bool] | None = None) -> None:
+        if feedback not in STOCK_FEEDBACK:
+            raise ValueError(f"feedback: {feedback!r} needs fedloom's own train handler or "
+                             f"server-side state; a stock app takes one of "
+                             f"{', '.join(STOCK_FEEDBACK)}")
+        fb_opts: dict[str, Any] = {}
+        if alpha is not None:
+            if feedback != "sapef":
+                raise ValueError(f"alpha: only for feedback 'sapef', not {feedback!r}")
+            fb_opts["alpha"] = alpha
+        self.feedback = make_feedback(feedback, **fb_opts)
+        self.compression, self.options = compression, dict(options or {})
+        for name, v in (("dtype", dtype), ("state_dtype", state_dtype)):
+            if v not in _DTYPES:
+                raise ValueError(f"{name}: must be one of {', '.join(_DTYPES)}, got {v!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed: must be an integer >= 0, got {seed!r}")
+        self.seed = seed
+        self.dtype, self.state_dtype = _DTYPES[dtype], _DTYPES[state_dtype]
+        self.model, self.buffer_names = model, buffers
+        self._parts: tuple[StateLayout, Any] | None = None
+        # Check the compressor's name and options now, on a one-tensor layout, so a
+        # typo fails when the app is built, not on the first message.
+        from fedloom.params import Layout
+
+        make_compressor(compression, layout=Layout.flat(16), **self.options)
+
+    def _setup(self, arrays: ArrayRecord) -> tuple[StateLayout, Any]:
+        if self._parts is None:
+            sl = StateLayout.from_arrays(arrays, model=self.model, buffers=self.buffer_names)
+            comp = make_compressor(self.compression, layout=sl.layout, **self.options)
+            self._parts = (sl, comp)
+        return self._parts
+
+    def __call__(self, msg: Message, context: Context, call_next: Any) -> Message:
+        if not msg.metadata.message_type.startswith(MessageType.TRAIN):
+            return call_next(msg, context)
+        sl, comp = self._setup(msg.content["arrays"])
+        w, bufs = sl.split(msg.content["arrays"], self.dtype)
+        conf = msg.content.config_records.get("config", ConfigRecord())
+        r = int(conf["server-round"]) - 1 if "server-round" in conf else 0
+        lr = float(conf["lr"]) if "lr" in conf else 0.0
+        k = _client(context)
+        state = self._load(context, sl.layout.size)
+        alpha = self.feedback.alpha(lr, 1, {})
+        start = self.feedback.start_point(w, state, alpha)
+        if start is not None:  # SA-PEF: the app trains from w − α e
+            # A new RecordDict: the one received may be shared with other messages.
+            content = RecordDict(dict(msg.content.items()))
+            content["arrays"] = sl.join(start, bufs)
+            msg.content = content
+        reply = call_next(msg, context)
+        if reply.has_error():
+            return reply
+        w_k, bufs_k = sl.split(reply.content["arrays"], self.dtype)
+        g = (w - w_k).contiguous()
+        ctx = UplinkContext(r, lr, 1, alpha, torch_gen(self.seed, r, k, Purpose.COMPRESS))
+        up = self.feedback.uplink(g, state, comp, ctx, {})
+        if bool(torch.isfinite(up.sent).all()) and all(
+                bool(torch.isfinite(v).all()) for v in up.state.values()):
+            self._save(context, up.state)
+        fields: dict[str, Any] = {"payload": up.payload,
+                                  "residual-norm": float(up.residual_norm)}
+        if bufs_k:  # raw bytes, in the layout's order and dtypes (see the module doc)
+            fields[BUFFERS_KEY] = pack_buffers(sl, bufs_k)
+        content = RecordDict({PAYLOAD_KEY: ConfigRecord(fields)})
+        for name, rec in reply.content.metric_records.items():
+            content[name] = rec
+        return Message(content, reply_to=msg)
+
+    def _load(self, context: Context, d: int) -> dict[str, torch.Tensor]:
+        fields = self.feedback.fields(d)
+        if STATE_KEY in context.state:
+            rec = context.state[STATE_KEY].to_torch_state_dict()
+            if all(f in rec and rec[f].numel() == d for f in fields):
+                return {f: rec[f].to(self.dtype) for f in fields}
+            raise ValueError(f"Context.state[{STATE_KEY!r}]: the kept residual is not of "
+                             f"this model (size {d})")
+        return {f: torch.zeros(d, dtype=self.dtype) for f in fields}
+
+    def _save(self, context: Context, state: Mapping[str, torch.Tensor]) -> None:
+        if state:
+            context.state[STATE_KEY] = ArrayRecord(OrderedDict(
+                (f, v.detach().to(self.state_dtype).clone()) for f, v in state.items()))
+
+
+def _client(context: Context) -> int:
+    cfg = context.node_config
+    for key in ("partition-id", "client-id"):
+        if key in cfg:
+            return int(cfg[key])
+    return int(context.node_id)

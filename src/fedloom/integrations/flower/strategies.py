@@ -1,0 +1,511 @@
+"""fedloom's aggregation rules as drop-in Flower strategies for stock apps.
+
+A Flower app whose ClientApp trains the model it receives under ``"arrays"``
+and replies with ``ArrayRecord(model.state_dict())`` and a ``MetricRecord``
+holding ``num-examples`` (the way Flower's PyTorch examples are written) adopts
+CRAFT, Krum or any other fedloom rule by changing the strategy it constructs::
+
+    strategy = FedAvg(fraction_train=0.5)          # before
+    strategy = CRAFT(fraction_train=0.5)           # after
+
+Everything else is Flower's: node sampling (``fraction_train``,
+``min_train_nodes``, ``min_available_nodes``), the train config it sends,
+client-side evaluation (``configure_evaluate`` / ``aggregate_evaluate`` are
+:class:`flwr.serverapp.strategy.FedAvg`'s), ``start(..., evaluate_fn=...)``
+and its :class:`Result`. What fedloom adds happens in :meth:`FedloomRule.aggregate_train`:
+
+1. **Pseudo-gradients** ``g_k = w − w_k`` of the parameters, against the arrays
+   this round sent (kept by :meth:`~FedloomRule.configure_train`), in
+   ``dtype``; the record's buffers (BatchNorm statistics) are not part of ``w``
+   (:class:`~fedloom.integrations.flower.records.StateLayout`). A reply from
+   :class:`~fedloom.integrations.flower.stock.CompressionMod` carries the
+   encoded ``g_k`` instead, decoded with ``compression=`` (the same compressor
+   and options as the mod; a payload of another codec, size or checksum is
+   undecodable).
+2. **Screening** as the engine's (:mod:`fedloom.engine.screen`): a reply that
+   cannot be read (no arrays, other keys or shapes, a ``num-examples`` that is
+   not a finite number > 0 or above ``max_num_examples``, a missing metric the
+   rule needs) is rejected as undecodable; a non-finite ``g_k`` or buffer is
+   rejected; then ``‖g_k‖ > max_update_norm`` or ``> max_norm_ratio ×`` the
+   lower median norm is rejected, and ``clip_norm`` bounds the rest. Rejected
+   replies are counted (``fedloom-rejected`` in the round's metrics,
+   :attr:`~FedloomRule.history` with the reasons), never averaged.
+3. **The rule**: the registered aggregator ``aggregator`` with its options by
+   name, on the accepted rows and their ``num-examples``; its state is kept
+   across rounds (:attr:`~FedloomRule.agg_state`); CRAFT's layer groups are the
+   record's (state-dict names; ``model=`` for a module's exact groups).
+4. **The server step** ``w ← w − η_g·opt(direction)`` (``server_optimizer``:
+   sgd, momentum, adam, yogi, adagrad; ``server_lr="auto"``: the rule's public
+   step, 0.1 for CRAFT). A rule that fails on an ill-posed cohort, a direction
+   that is not finite or not of the model's size, or a step or new state that
+   is not finite skips the round's step (``fedloom-step-skipped`` = 1): the
+   arrays it returns are the ones it sent and no state changes. A bad aggregate
+   is never applied.
+5. **Buffers**: the ``num-examples``-weighted mean of the accepted replies'
+   floating buffers, the maximum of integer ones (``num_batches_tracked``),
+   as the engine's ``model.buffers: average``; ``buffers_policy="keep_global"``
+   keeps the server's.
+
+The cohort's rows are ordered by node id (Flower returns replies in arrival
+order), so the same replies give the same model whatever order they came in.
+Flower's node ids are numbered 0, 1, … in the order they are first sampled
+(sorted within a round) for the rules that keep per-client state (AFL's λ).
+
+What a rule needs from the replies beyond the arrays: ``fednova`` the local
+step count (metric ``num-steps``), ``qfedavg``, ``afl``, ``fedfv``, ``fedlf``
+the loss of the received model on the client's data before training (metric
+``start-loss``, the ``F_k(w)`` of q-FFL), and ``qfedavg`` the client learning
+rate (``client_lr=``, or ``"lr"`` in the train config). A reply without such a
+metric is rejected (named); a stock app opts in by adding the metric. The
+training loss ``train-loss`` is used where present (round metrics only).
+
+Checked: for the same replies, the new arrays equal fedloom's aggregator and
+server optimizer applied to the same rows (max difference 0 in float64, CRAFT,
+Krum, FedAvg with momentum and Adam), and a 3-round simulation of a stock
+ClientApp with :class:`CRAFT` ends with the model fedloom's engine
+(``Experiment.finish_round``) gives when fed the recorded replies (max
+difference below 1e-12 in float64; tests/test_flower_strategies.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedloom.aggregate.base import CohortInfo, default_server_lr, make_aggregator
+from fedloom.buffers import average_buffers
+from fedloom.compress import make_compressor
+from fedloom.compress.base import PayloadError
+from fedloom.engine.screen import (
+    all_finite,
+    clip_rows,
+    first_line,
+    non_finite_reason,
+    row_norms,
+    screen_updates,
+)
+from fedloom.integrations.flower.records import StateLayout, unpack_buffers
+from fedloom.registry import build
+from fedloom.rng import Purpose, derive_seed, seeded_global_rng
+
+try:
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.serverapp import Grid
+    from flwr.serverapp.strategy import FedAvg
+except ImportError as e:  # pragma: no cover (the extra is missing)
+    raise ImportError("fedloom.integrations.flower needs Flower: pip install 'fedloom[flower]'"
+                      ) from e
+
+__all__ = ["AFL", "CRAFT", "ConFIG", "CoordMean", "FedFV", "FedLF", "FedNova", "FedloomRule",
+           "Krum", "Median", "MultiKrum", "QFedAvg", "TrimmedMean"]
+
+log = logging.getLogger("fedloom")
+
+PAYLOAD_KEY = "fedloom"      # the ConfigRecord of a CompressionMod reply
+BUFFERS_KEY = "buffers"      # its field of the trained buffers' bytes (absent: none)
+# What a rule's CohortInfo field is read from in a reply's MetricRecord.
+METRIC_OF = {"steps": "num-steps", "start_losses": "start-loss"}
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+class FedloomRule(FedAvg):
+    """A fedloom aggregator as a Flower strategy for stock replies (module doc).
+
+    Args:
+        aggregator: a registered fedloom aggregator (``fedloom algorithms``).
+        server_lr: ``η_g``; ``"auto"``: the rule's public default.
+        server_optimizer: ``sgd``, ``momentum``, ``adam``, ``yogi``, ``adagrad``.
+        server_options: the optimizer's options by name (``momentum``, ``beta1``, …).
+        max_update_norm, max_norm_ratio, clip_norm: the engine's screening
+            (``server.*`` of a fedloom config; same defaults).
+        max_num_examples: reject a reply claiming more examples (``None``: no bound).
+        compression, compression_options: the compressor of
+            :class:`~fedloom.integrations.flower.stock.CompressionMod` replies
+            (``None``: every reply must carry its arrays).
+        client_lr: the clients' learning rate, for rules that need it (q-FedAvg).
+        dtype: ``"float32"`` or ``"float64"``, the precision of ``g_k`` and the step.
+        model: the module the arrays belong to (exact parameters and layer groups).
+        buffers: names (or a predicate) of record keys that are buffers, beside
+            BatchNorm's (without ``model``).
+        buffers_policy: ``"average"`` or ``"keep_global"``.
+        seed: Flower's node sampling (``random.sample``, Python's global generator)
+            runs under that generator seeded from (seed, round, cohort) and restored
+            after, so a run samples the same nodes again; ``None``: Flower's own draw.
+        fraction_train, …, evaluate_metrics_aggr_fn: Flower's ``FedAvg`` arguments.
+        **options: the aggregator's options by name (CRAFT's ``groups``, ``rtol``,
+            Krum's ``f`` and ``multi``, …); an unknown one raises ``ValueError``.
+    """
+
+    def __init__(self, aggregator: str = "fedavg", *, server_lr: float | str = "auto",
+                 server_optimizer: str = "sgd", server_options: Mapping[str, float] | None = None,
+                 max_update_norm: float | None = None, max_norm_ratio: float | None = 1e4,
+                 clip_norm: float | None = None, max_num_examples: float | None = None,
+                 compression: str | None = None,
+                 compression_options: Mapping[str, Any] | None = None,
+                 client_lr: float | None = None, dtype: str = "float32",
+                 model: nn.Module | None = None,
+                 buffers: Iterable[str] | Callable[[str], bool] | None = None,
+                 buffers_policy: str = "average", seed: int | None = 0,
+                 fraction_train: float = 1.0, fraction_evaluate: float = 1.0,
+                 min_train_nodes: int = 2, min_evaluate_nodes: int = 2,
+                 min_available_nodes: int = 2, weighted_by_key: str = "num-examples",
+                 arrayrecord_key: str = "arrays", configrecord_key: str = "config",
+                 train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
+                 | None = None,
+                 evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord]
+                 | None = None,
+                 **options: Any) -> None:
+        super().__init__(fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
+                         min_train_nodes=min_train_nodes, min_evaluate_nodes=min_evaluate_nodes,
+                         min_available_nodes=min_available_nodes,
+                         weighted_by_key=weighted_by_key, arrayrecord_key=arrayrecord_key,
+                         configrecord_key=configrecord_key,
+                         train_metrics_aggr_fn=train_metrics_aggr_fn,
+                         evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn)
+        self.aggregator_name = aggregator
+        self.aggregator = make_aggregator(aggregator, **options)
+        self.requires = frozenset(getattr(self.aggregator, "requires", ()))
+        lr = default_server_lr(aggregator) if server_lr == "auto" else server_lr
+        _check_number("server_lr", lr, low=0.0)
+        self.server = build("server_optimizer", server_optimizer,
+                            {"lr": float(lr), **(server_options or {})}, "server_options")
+        for name, v in (("max_update_norm", max_update_norm), ("clip_norm", clip_norm),
+                        ("max_num_examples", max_num_examples)):
+            if v is not None:
+                _check_number(name, v, low=0.0)
+        if max_norm_ratio is not None:
+            _check_number("max_norm_ratio", max_norm_ratio, low=1.0)
+        self.max_update_norm, self.max_norm_ratio = max_update_norm, max_norm_ratio
+        self.clip_norm, self.max_num_examples = clip_norm, max_num_examples
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype: must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+        self.dtype = _DTYPES[dtype]
+        if buffers_policy not in ("average", "keep_global"):
+            raise ValueError(f"buffers_policy: must be 'average' or 'keep_global', "
+                             f"got {buffers_policy!r}")
+        self.buffers_policy = buffers_policy
+        if "lr" in self.requires and client_lr is not None:
+            _check_number("client_lr", client_lr, low=0.0)
+        self.client_lr = client_lr
+        self.compression = compression
+        self.compression_options = dict(compression_options or {})
+        self.model, self.buffer_names = model, buffers
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or seed < 0):
+            raise ValueError(f"seed: must be an integer >= 0 or None, got {seed!r}")
+        self.seed = seed
+        # Built from the first arrays the strategy sees (configure_train).
+        self.state_layout: StateLayout | None = None
+        self.compressor: Any = None
+        self.agg_state: Any = None
+        self.opt_state: Any = None
+        self.node_index: dict[int, int] = {}
+        self.history: list[dict[str, Any]] = []
+        self.totals = {"accepted": 0, "rejected": 0, "failed": 0, "skipped_rounds": 0}
+        self._sent: tuple[ArrayRecord, torch.Tensor, OrderedDict[str, torch.Tensor]] | None = None
+        self._round_lr: float | None = None
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self, arrays: ArrayRecord) -> StateLayout:
+        if self.state_layout is None:
+            sl = StateLayout.from_arrays(arrays, model=self.model, buffers=self.buffer_names)
+            w, _ = sl.split(arrays, self.dtype)
+            if self.compression is not None:
+                self.compressor = make_compressor(self.compression, layout=sl.layout,
+                                                  **self.compression_options)
+            self.agg_state = self.aggregator.init(sl.layout)
+            self.opt_state = self.server.init(w)
+            self.state_layout = sl
+        return self.state_layout
+
+    def summary(self) -> None:
+        super().summary()
+        log.info("fedloom rule: %s, server %s at lr %g%s", self.aggregator_name,
+                 self.server.kind, self.server.lr,
+                 f", decoding {self.compression}" if self.compression else "")
+
+    # ------------------------------------------------------------------ round
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        sl = self._setup(arrays)
+        w, bufs = sl.split(arrays, self.dtype)
+        self._sent = (arrays, w, bufs)
+        lr = config.get("lr", self.client_lr) if config is not None else self.client_lr
+        if "lr" in self.requires and lr is None:
+            raise ValueError(f"client_lr: aggregator {self.aggregator_name!r} needs the "
+                             "clients' learning rate (client_lr= or 'lr' in the train config)")
+        self._round_lr = None if lr is None else float(lr)
+        if self.seed is None:
+            messages = list(super().configure_train(server_round, arrays, config, grid))
+        else:  # Flower samples with Python's global generator: fork and seed it
+            with seeded_global_rng(derive_seed(self.seed, server_round - 1, -1,
+                                               Purpose.COHORT)):
+                messages = list(super().configure_train(server_round, arrays, config, grid))
+        for node in sorted({m.metadata.dst_node_id for m in messages}):
+            self.node_index.setdefault(node, len(self.node_index))
+        return messages
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        if self._sent is None:
+            raise RuntimeError("aggregate_train: configure_train has not run this round")
+        sent_rec, w, bufs = self._sent
+        self._sent = None
+        replies = sorted(replies, key=lambda m: m.metadata.src_node_id)
+        failed = [m for m in replies if m.has_error()]
+        for m in failed:
+            log.warning("flower: round %d: node %d failed: %s", server_round,
+                        m.metadata.src_node_id, m.error.reason)
+        rows, kept, reasons = self._read(server_round, [m for m in replies if not m.has_error()],
+                                         w)
+        ok, clipped = self._screen(rows, kept, reasons)
+        accepted = [kept[i] for i in range(len(kept)) if ok[i]]
+        record: dict[str, Any] = {"round": server_round, "failed": len(failed),
+                                  "accepted": len(accepted),
+                                  "rejected": dict(sorted(reasons.items())),
+                                  "clipped": clipped}
+        new_w, new_bufs, skipped, agg_metrics = w, bufs, None, {}
+        if accepted:
+            sel = torch.tensor(ok, dtype=torch.bool)
+            step = self._step(server_round, w, rows[sel] if not bool(sel.all()) else rows,
+                              accepted)
+            if isinstance(step, str):
+                skipped = step
+            else:
+                new_w, agg_metrics = step
+                if self.buffers_policy == "average" and bufs:
+                    new_bufs = OrderedDict(average_buffers(
+                        [r["buffers"] for r in accepted], [r["n"] for r in accepted]))
+        else:
+            skipped = "no update accepted"
+        if skipped is not None:
+            log.warning("flower: round %d: step skipped, model and state unchanged: %s",
+                        server_round, skipped)
+        record["skipped"] = skipped
+        record.update(agg_metrics)
+        self.history.append(record)
+        self.totals["accepted"] += len(accepted)
+        self.totals["rejected"] += len(reasons)
+        self.totals["failed"] += len(failed)
+        self.totals["skipped_rounds"] += skipped is not None
+        metrics = self._metrics(accepted, len(reasons), len(failed), skipped, agg_metrics)
+        if skipped is not None:
+            return sent_rec, metrics
+        assert self.state_layout is not None
+        return self.state_layout.join(new_w, new_bufs), metrics
+
+    # ---------------------------------------------------------------- helpers
+    def _read(self, server_round: int, replies: list[Message], w: torch.Tensor
+              ) -> tuple[torch.Tensor, list[dict[str, Any]], dict[int, str]]:
+        """Decode each reply into its row ``g_k``; the unreadable ones get a reason
+        (keyed by node id)."""
+        sl = self.state_layout
+        assert sl is not None
+        rows: list[torch.Tensor] = []
+        kept: list[dict[str, Any]] = []
+        reasons: dict[int, str] = {}
+        for m in replies:
+            try:
+                kept.append(self._decode(m, w))
+                rows.append(kept[-1].pop("row"))
+            except (KeyError, ValueError, TypeError, PayloadError) as e:
+                why = reasons[m.metadata.src_node_id] = (
+                    f"reply could not be decoded ({first_line(e)})")
+                log.warning("flower: round %d: rejected the reply of node %d: %s",
+                            server_round, m.metadata.src_node_id, why)
+        d = sl.layout.size
+        stacked = torch.stack(rows) if rows else torch.empty((0, d), dtype=self.dtype)
+        return stacked, kept, reasons
+
+    def _decode(self, m: Message, w: torch.Tensor) -> dict[str, Any]:
+        sl = self.state_layout
+        assert sl is not None
+        content = m.content
+        metrics = _only_metric_record(content)
+        n = _number(metrics, self.weighted_by_key)
+        if not (math.isfinite(n) and n > 0):
+            raise ValueError(f"{self.weighted_by_key}: must be a finite number > 0, got {n}")
+        if self.max_num_examples is not None and n > self.max_num_examples:
+            raise ValueError(f"{self.weighted_by_key}: {n:g} above max_num_examples="
+                             f"{self.max_num_examples:g}")
+        if PAYLOAD_KEY in content.config_records:
+            if self.compressor is None:
+                raise ValueError("a compressed reply, and the strategy has no compression=")
+            fields = content.config_records[PAYLOAD_KEY]
+            payload = fields["payload"]
+            if not isinstance(payload, bytes):
+                raise ValueError("payload: not bytes")
+            row = self.compressor.decode(payload, sl.layout.size).to(self.dtype)
+            bufs = _buffers_of(sl, fields)
+        else:
+            if self.arrayrecord_key not in content.array_records:
+                raise ValueError(f"no ArrayRecord {self.arrayrecord_key!r} in the reply")
+            w_k, bufs = sl.split(content.array_records[self.arrayrecord_key], self.dtype)
+            row = w - w_k
+        out: dict[str, Any] = {"row": row, "n": n, "buffers": bufs, "node": m.metadata.src_node_id,
+                               "content": content,
+                               "loss": _number(metrics, "train-loss", float("nan"))}
+        for field, key in METRIC_OF.items():
+            if field in self.requires:
+                if key not in metrics:
+                    raise ValueError(f"{key}: aggregator {self.aggregator_name!r} needs this "
+                                     "metric in the reply")
+                out[field] = _number(metrics, key)
+        return out
+
+    def _screen(self, rows: torch.Tensor, kept: list[dict[str, Any]],
+                reasons: dict[int, str]) -> tuple[list[bool], int]:
+        """The engine's screening (fedloom.engine.receive): non-finite rows or buffers,
+        then the norm rules, then clipping."""
+        if not kept:
+            return [], 0
+        norms = row_norms(rows)
+        finite = torch.isfinite(norms)
+        why: dict[int, str] = {}
+        for i, r in enumerate(kept):
+            if not bool(finite[i]):
+                why[i] = non_finite_reason(rows[i])
+            elif not all_finite(dict(r["buffers"])):
+                finite[i] = False
+                why[i] = "non-finite buffers"
+        big = screen_updates(norms, finite, max_norm=self.max_update_norm,
+                             max_ratio=self.max_norm_ratio)
+        for i, reason in big.items():
+            finite[i] = False
+            why[i] = reason
+        clipped = clip_rows(rows, norms, finite, self.clip_norm) if (
+            self.clip_norm is not None and bool(finite.any())) else 0
+        for i, reason in sorted(why.items()):
+            log.warning("flower: rejected the update of node %d: %s", kept[i]["node"], reason)
+            reasons[kept[i]["node"]] = reason
+        return finite.tolist(), clipped
+
+    def _step(self, server_round: int, w: torch.Tensor, rows: torch.Tensor,
+              accepted: list[dict[str, Any]]) -> tuple[torch.Tensor, dict[str, float]] | str:
+        """Aggregate and step, or why the step is skipped (nothing changes then)."""
+        sl = self.state_layout
+        assert sl is not None
+        info = self._info(server_round, accepted)
+        weights = torch.tensor([r["n"] for r in accepted], dtype=self.dtype)
+        try:
+            agg, cand_state, metrics = self.aggregator(rows, weights, self.agg_state, info=info)
+        except (NotImplementedError, RecursionError):
+            raise  # a missing feature or a bug, not a bad cohort
+        except (RuntimeError, ValueError, ArithmeticError) as e:
+            return f"the aggregator failed ({first_line(e)})"
+        d = sl.layout.size
+        if not isinstance(agg, torch.Tensor) or tuple(agg.shape) != (d,):
+            return f"the aggregate has shape {getattr(agg, 'shape', type(agg))}, expected ({d},)"
+        if not all_finite(agg):
+            return "the aggregate is not finite"
+        cand_w, cand_opt = self.server.step(w, agg.to(w.dtype), self.opt_state)
+        if not (all_finite(cand_w) and all_finite(cand_opt)):
+            return "the server optimizer's step is not finite"
+        if not all_finite(cand_state):
+            return "the new aggregator state is not finite"
+        self.agg_state, self.opt_state = cand_state, cand_opt
+        scalars = {k: float(v) for k, v in dict(metrics).items()
+                   if isinstance(v, int | float) and not isinstance(v, bool)}
+        return cand_w, scalars
+
+    def _info(self, server_round: int, accepted: list[dict[str, Any]]) -> CohortInfo:
+        ids = [self.node_index.setdefault(r["node"], len(self.node_index)) for r in accepted]
+
+        def col(field: str) -> torch.Tensor | None:
+            if field not in self.requires:
+                return None
+            dtype = torch.int64 if field == "steps" else torch.float64
+            return torch.tensor([r[field] for r in accepted], dtype=dtype)
+
+        return CohortInfo(clients=torch.tensor(ids, dtype=torch.int64), round=server_round - 1,
+                          num_clients=len(self.node_index),
+                          losses=torch.tensor([r["loss"] for r in accepted], dtype=torch.float64),
+                          steps=col("steps"), lr=self._round_lr,
+                          start_losses=col("start_losses"))
+
+    def _metrics(self, accepted: list[dict[str, Any]], rejected: int, failed: int,
+                 skipped: str | None, agg_metrics: Mapping[str, float]) -> MetricRecord:
+        out: dict[str, float] = {}
+        if accepted:
+            try:
+                out.update(self.train_metrics_aggr_fn([r["content"] for r in accepted],
+                                                      self.weighted_by_key))
+            except (KeyError, ValueError, TypeError) as e:  # a user function's business
+                log.warning("flower: train_metrics_aggr_fn failed: %s", first_line(e))
+        out.update({"fedloom-accepted": len(accepted), "fedloom-rejected": rejected,
+                    "fedloom-failed": failed, "fedloom-step-skipped": int(skipped is not None)})
+        out.update({k: v for k, v in agg_metrics.items() if math.isfinite(v)})
+        return MetricRecord(out)
+
+
+def _only_metric_record(content: RecordDict) -> MetricRecord:
+    recs = list(content.metric_records.values())
+    if len(recs) != 1:
+        raise ValueError(f"metrics: the reply holds {len(recs)} MetricRecords, expected one")
+    return recs[0]
+
+
+def _number(metrics: MetricRecord, key: str, default: float | None = None) -> float:
+    if key not in metrics:
+        if default is None:
+            raise KeyError(f"{key}: not in the reply's metrics")
+        return default
+    v = metrics[key]
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError(f"{key}: a {type(v).__name__}, not a number")
+    return float(v)
+
+
+def _buffers_of(sl: StateLayout, fields: ConfigRecord) -> OrderedDict[str, torch.Tensor]:
+    """The trained buffers of a compressed reply (raw bytes; records.pack_buffers)."""
+    if not sl.buffers:
+        return OrderedDict()
+    if BUFFERS_KEY not in fields:
+        raise ValueError("buffers: the model has buffers and the reply carries none")
+    return unpack_buffers(sl, fields[BUFFERS_KEY])
+
+
+def _check_number(name: str, v: object, *, low: float) -> None:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not (
+            math.isfinite(v) and v > low):
+        raise ValueError(f"{name}: must be a finite number > {low:g}, got {v!r}")
+
+
+# ------------------------------------------------------------------ the rules by name
+def _rule(name: str, aggregator: str, doc: str) -> type[FedloomRule]:
+    def __init__(self: FedloomRule, **kwargs: Any) -> None:
+        FedloomRule.__init__(self, aggregator, **kwargs)
+
+    cls = type(name, (FedloomRule,), {"__init__": __init__, "__doc__": doc,
+                                      "__module__": __name__})
+    return cls
+
+
+CRAFT = _rule("CRAFT", "craft", "CRAFT (conflict-resolved aggregation; fedloom.aggregate.craft). "
+              "Options: groups, rtol, sv_floor, atol, precision, match_reference.")
+FedFV = _rule("FedFV", "fedfv", "FedFV (Wang et al. 2021); needs the 'start-loss' metric.")
+ConFIG = _rule("ConFIG", "config", "ConFIG (Liu et al. 2025; fedloom.aggregate.conflict_free).")
+FedLF = _rule("FedLF", "fedlf", "FedLF (Pan et al. 2024); needs the 'start-loss' metric.")
+QFedAvg = _rule("QFedAvg", "qfedavg", "q-FedAvg (Li et al. 2020); needs 'start-loss' and "
+                "client_lr.")
+AFL = _rule("AFL", "afl", "Agnostic FL (Mohri et al. 2019); needs the 'start-loss' metric.")
+FedNova = _rule("FedNova", "fednova", "FedNova (Wang et al. 2020); needs the 'num-steps' metric.")
+Median = _rule("Median", "median", "Coordinate-wise median (Yin et al. 2018).")
+TrimmedMean = _rule("TrimmedMean", "trimmed_mean", "Coordinate-wise trimmed mean "
+                    "(Yin et al. 2018).")
+Krum = _rule("Krum", "krum", "Krum (Blanchard et al. 2017); option f: the Byzantine count.")
+CoordMean = _rule("CoordMean", "coordmean", "SA-PEF's coordinate-wise mean of the sent "
+                  "coordinates (fedloom.aggregate.coordmean).")
+
+
+class MultiKrum(FedloomRule):
+    """Multi-Krum (Blanchard et al. 2017): the mean of the ``multi`` best-scored updates."""
+
+    def __init__(self, *, f: int = 0, multi: int = 2, **kwargs: Any) -> None:
+        super().__init__("krum", f=f, multi=multi, **kwargs)
