@@ -54,7 +54,7 @@ def flwr_partitioner(name: str) -> Any:
     cls = getattr(fp, name, None)
     names = sorted(n for n in dir(fp) if n.endswith("Partitioner") and n != "Partitioner")
     if not (isinstance(cls, type) and issubclass(cls, fp.Partitioner)) or name == "Partitioner":
-        raise KeyError(f"unknown flwr-datasets partitioner {name!r} (available: "
+        raise KeyError(f"flwr-datasets has no partitioner {name!r} (available: "
                        f"{', '.join(names)})")
 
     def factory(labels: np.ndarray, num_clients: int, *, rng: np.random.Generator,

@@ -350,12 +350,12 @@ def classes(
         holders = [np.flatnonzero((held == c).any(axis=1)) for c in range(c_n)]
         counts = np.array([len(h) for h in holders])
         if counts.min() == 0:
-            why = f"class {cls[int(np.argmin(counts))]!r} has no holder"
+            why = f"class {cls[int(np.argmin(counts))].item()!r} has no holder"
             continue
         short = [c for c in range(c_n) if len(by_class[c]) < counts[c]]
         if short:
             c = short[0]
-            why = (f"class {cls[c]!r} has {len(by_class[c])} samples for "
+            why = (f"class {cls[c].item()!r} has {len(by_class[c])} samples for "
                    f"{counts[c]} holders")
             continue
         parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
