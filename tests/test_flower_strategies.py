@@ -50,6 +50,7 @@ from fedloom.integrations.flower.strategies import (  # noqa: E402
     CRAFT,
     FedloomRule,
     Krum,
+    QFedAvg,
 )
 from fedloom.params import Layout  # noqa: E402
 
@@ -593,3 +594,44 @@ def test_craft_in_flowers_run_simulation():
     res, strategy = out["result"], out["strategy"]
     assert finite(res.arrays) and global_loss(res.arrays) < global_loss(initial_arrays())
     assert strategy.totals["accepted"] == 2 * NODES and strategy.totals["rejected"] == 0
+
+
+def test_rules_that_need_metrics_reject_replies_without_them():
+    """q-FedAvg needs F_k(w) (metric ``start-loss``) and the client step: a reply
+    without the metric is rejected and named, the others aggregate."""
+    torch.manual_seed(0)
+    arrays = initial_arrays()
+    sl = StateLayout.from_arrays(arrays)
+    w, bufs = sl.split(arrays, torch.float32)
+    with pytest.raises(ValueError, match="client_lr"):
+        QFedAvg().configure_train(1, arrays, ConfigRecord(), _Nodes([1000, 1001]))
+    strat = QFedAvg(client_lr=0.1, q=1.0)
+    strat.configure_train(1, arrays, ConfigRecord(), _Nodes([1000, 1001, 1002]))
+    replies = [_reply(sl.join(w - 0.01 * torch.randn(sl.layout.size), bufs), 10, 1000 + i,
+                      {"start-loss": 1.0 + i} if i else None) for i in range(3)]
+    new, metrics = strat.aggregate_train(1, replies)
+    assert metrics["fedloom-rejected"] == 1 and metrics["fedloom-accepted"] == 2
+    assert "start-loss" in strat.history[-1]["rejected"][1000]
+    assert finite(new) and not torch.equal(sl.split(new, torch.float32)[0], w)
+
+
+def test_flowers_node_sampling_runs_seeded_and_leaves_the_global_generator():
+    """Flower samples with ``random.sample``: under ``seed`` the same nodes are drawn
+    by two strategies, another seed draws others, and Python's global generator is
+    where it was."""
+    import random
+
+    def cohorts(seed):
+        strat = FedloomRule("fedavg", seed=seed, fraction_train=0.3, min_train_nodes=1,
+                            min_available_nodes=1)
+        nodes = _Nodes(list(range(1000, 1020)))
+        return [sorted(m.metadata.dst_node_id
+                       for m in strat.configure_train(r, initial_arrays(), ConfigRecord(),
+                                                      nodes)) for r in range(1, 6)]
+
+    random.seed(123)
+    before = random.getstate()
+    a, b, c = cohorts(0), cohorts(0), cohorts(1)
+    assert random.getstate() == before
+    assert a == b and a != c and len(a[0]) == 6
+    assert len({tuple(x) for x in a}) > 1  # rounds differ

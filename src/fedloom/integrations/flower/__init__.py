@@ -23,6 +23,10 @@ Three pieces, each usable alone:
   the model's parameters) and ``"metrics"`` (``num-examples``; optionally
   ``num-steps`` and ``train-loss``) — and, for a model with buffers, the
   trained buffers under ``"buffers"``, which the mod passes on as they are.
+- For a stock Flower app (its own ClientApp, its own data), the rules are
+  drop-in strategies instead (:mod:`fedloom.integrations.flower.strategies`:
+  ``CRAFT``, ``Krum``, …, and :class:`~fedloom.integrations.flower.stock.CompressionMod`
+  for compression): no fedloom config on the SuperNodes.
 - :func:`client_app` / :func:`server_app` — build both apps from a fedloom
   config: the ClientApp trains with fedloom's local SGD on client ``k``'s
   partition of the config's data (the same generators as the engine), so a
@@ -496,7 +500,12 @@ class FedloomStrategy(Strategy):
             self.nodes[k] = rep.metadata.src_node_id
         missing = sorted(set(range(n)) - set(self.nodes))
         if missing:
-            raise RuntimeError(f"flower: no SuperNode for clients {missing[:10]}")
+            # A stock ClientApp cannot answer the hello (it fails on the missing
+            # "arrays"): say where such an app's strategies are.
+            raise RuntimeError(f"flower: no SuperNode for clients {missing[:10]} (this "
+                               "strategy needs fedloom's client_app or FedloomMod on every "
+                               "node; for a stock Flower ClientApp use "
+                               "fedloom.integrations.flower.strategies)")
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
