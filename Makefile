@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 
-.PHONY: run test lint bench bench-gpu gpu-bundle clean repro-craft repro-sapef repro-flare
+.PHONY: run test lint bench bench-gpu gpu-bundle clean repro-craft repro-sapef repro-flare repro-heterogeneity
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,9 @@ repro-craft: $(VENV)/.report
 	$(VENV)/bin/fedloom sweep configs/craft/suite.yaml --workers 2
 	# the budget check: the mnist verdicts with twice the trials (reuses the runs above)
 	$(VENV)/bin/fedloom sweep configs/craft/budget.yaml --workers 2
+
+repro-heterogeneity: $(VENV)/.report
+	$(VENV)/bin/fedloom sweep configs/heterogeneity/suite.yaml --workers 1
 
 repro-sapef: $(VENV)/.report
 	@[ -d /usr/share/datasets/fashion-mnist ] || apt-get install -y -qq dataset-fashion-mnist

@@ -38,6 +38,7 @@ def write_partition_plot(path: Path, counts: np.ndarray,
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.colors import PowerNorm
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         return None
     counts = np.asarray(counts)
@@ -59,6 +60,7 @@ def write_partition_plot(path: Path, counts: np.ndarray,
     bx.hist(sizes, bins=bins, color="tab:blue", edgecolor="white", linewidth=0.5)
     bx.set_xlabel("client size (samples)")
     bx.set_ylabel("clients")
+    bx.yaxis.set_major_locator(MaxNLocator(integer=True))
     bx.set_title(f"sizes: min {int(sizes.min())}, median {int(np.median(sizes))}, "
                  f"max {int(sizes.max())}", fontsize=9)
     head = title
