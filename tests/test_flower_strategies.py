@@ -45,7 +45,7 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 from fedloom.aggregate.base import CohortInfo, make_aggregator  # noqa: E402
 from fedloom.aggregate.server_opt import ServerOptimizer  # noqa: E402
 from fedloom.integrations.flower.records import StateLayout  # noqa: E402
-from fedloom.integrations.flower.stock import CompressionMod  # noqa: E402
+from fedloom.integrations.flower.stock import CompressionMod, LocalPenalty  # noqa: E402
 from fedloom.integrations.flower.strategies import (  # noqa: E402
     CRAFT,
     FedloomRule,
@@ -409,8 +409,13 @@ def test_options_are_checked_by_name_with_one_line():
         CRAFT(server_lr=-1)
     with pytest.raises(ValueError, match="dtype"):
         CRAFT(dtype="float8")
-    with pytest.raises(ValueError, match="feedback: 'flare'"):
+    with pytest.raises(ValueError, match="feedback: 'flare' adds a penalty"):
         CompressionMod("topk", {"ratio": 0.01}, feedback="flare")
+    with pytest.raises(ValueError, match="feedback: 'ef21'"):
+        CompressionMod("topk", {"ratio": 0.01}, feedback="ef21")
+    with pytest.raises(ValueError, match="tau"):
+        CompressionMod("topk", {"ratio": 0.01}, feedback="flare", app_applies_penalty=True,
+                       feedback_options={"tau": -1.0})
     with pytest.raises(ValueError, match="ratio"):
         CompressionMod("topk", {"ratio": 7})
     assert CRAFT().server.lr == 0.1  # server_lr="auto": CRAFT's public step
@@ -635,3 +640,65 @@ def test_flowers_node_sampling_runs_seeded_and_leaves_the_global_generator():
     assert random.getstate() == before
     assert a == b and a != c and len(a[0]) == 6
     assert len({tuple(x) for x in a}) > 1  # rounds differ
+
+
+def test_flare_on_a_stock_app_that_opts_in():
+    """FLARE through the mod, the app adding the penalty with LocalPenalty: on the
+    first local step of a client's second round the gradient grows by exactly
+    fedloom's ``Penalty.grad`` (``τ_r m sign(w − (w − A))`` of the accumulator A it
+    kept after round 1), on the next step by nothing; the run is finite, nothing
+    is rejected, and it ends elsewhere than plain EF (the penalty changed training)."""
+    from fedloom.job import Penalty
+
+    seen = []
+
+    def flare_app(mods):
+        app = ClientApp(mods=mods)
+
+        @app.train()
+        def train(msg, context):
+            model = Net()
+            model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+            pen = LocalPenalty.from_message(msg, model)
+            pid = int(context.node_config["partition-id"])
+            x, y = load_data(pid)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step, i in enumerate(range(0, len(y), 16)):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x[i:i + 16]), y[i:i + 16]).backward()
+                before = {n: p.grad.clone() for n, p in model.named_parameters()}
+                pen.apply(model, step)
+                if pid == 1 and step < 2:
+                    seen.append((int(msg.content["config"]["server-round"]), step, pen,
+                                 {n: p.detach().clone() for n, p in model.named_parameters()},
+                                 {n: p.grad - before[n] for n, p in model.named_parameters()},
+                                 msg.content.array_records.get("fedloom.penalty")))
+                opt.step()
+            return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
+                                       "metrics": MetricRecord({"num-examples": len(y)})}),
+                           reply_to=msg)
+
+        return app
+
+    def strategy():
+        return FedloomRule("fedavg", compression="topk", compression_options={"ratio": 0.05},
+                           fraction_evaluate=0.0, min_available_nodes=NODES)
+
+    mod = CompressionMod("topk", {"ratio": 0.05}, feedback="flare", app_applies_penalty=True,
+                         feedback_options={"tau": 0.5, "penalty_steps": 1})
+    strat = strategy()
+    res, _ = run(strat, flare_app([mod]), rounds=2)
+    assert finite(res.arrays) and strat.totals["rejected"] == 0
+    r2 = [x for x in seen if x[0] == 2]
+    (_, _, pen, w0, d0, rec), (_, _, _, _, d1, _) = r2
+    sl = StateLayout.from_arrays(initial_arrays())
+    vec = rec.to_torch_state_dict()
+    flat = lambda m: torch.cat([m[n].reshape(-1) for n in sl.layout.names])  # noqa: E731
+    ref = Penalty(vec["target"], pen.tau, 1, "l1", vec["mask"]).grad(flat(w0))
+    assert pen.tau == pytest.approx(0.5 / 1.1 ** 2) and float(vec["mask"].sum()) > 0
+    assert torch.allclose(flat(d0), ref, rtol=0, atol=1e-6)
+    assert float(flat(d1).abs().max()) == 0.0
+    ef, _ = run(strategy(), flare_app([CompressionMod("topk", {"ratio": 0.05}, feedback="ef")]),
+                rounds=2)
+    assert not torch.equal(sl.split(ef.arrays, torch.float32)[0],
+                           sl.split(res.arrays, torch.float32)[0])

@@ -42,10 +42,23 @@ What each feedback policy needs from the wrapped app:
 
 - ``none``, ``ef``, ``saef``, ``sapef``: nothing — the mod reads the trained
   arrays; SA-PEF's start point is applied to the arrays the app loads.
-- ``flare``, ``ec_prox``: a penalty on the first local steps, which lives in the
-  local loss; a stock train handler computes its own loss, so the mod refuses
-  them (one line). Use fedloom's own ClientApp
-  (:func:`fedloom.integrations.flower.client_app`) for FLARE.
+- ``flare``, ``ec_prox``: a penalty on the first local steps, which lives in
+  the local loss a stock train handler computes itself. The app opts in with
+  two lines and the mod is told so (``app_applies_penalty=True``; without it
+  these policies are refused, one line)::
+
+      pen = LocalPenalty.from_message(msg, model)   # after load_state_dict
+      …
+      loss.backward()
+      pen.apply(model, step)                        # step = 0, 1, … of this round
+      optimizer.step()
+
+  The mod sends the round's penalty beside the arrays (an ArrayRecord
+  ``"fedloom.penalty"`` with FLARE's target ``w − A`` and mask, a ConfigRecord
+  ``"fedloom.penalty-config"`` with τ_r, the step count and the kind), and
+  :meth:`LocalPenalty.apply` adds its gradient (``τ m sign(w − t)``, or
+  ``2τ m (w − t)`` for ``l2``) to the parameters' gradients on the first
+  ``penalty_steps`` steps, what fedloom's local SGD adds (``fedloom.job.Penalty``).
 - ``ef21``, ``cser``, ``scafcom``: server-side copies of client state or a
   gradient shift: refused, as on fedloom's own Flower path.
 """
@@ -71,9 +84,12 @@ except ImportError as e:  # pragma: no cover (the extra is missing)
     raise ImportError("fedloom.integrations.flower needs Flower: pip install 'fedloom[flower]'"
                       ) from e
 
-__all__ = ["STOCK_FEEDBACK", "CompressionMod"]
+__all__ = ["PENALTY_FEEDBACK", "STOCK_FEEDBACK", "CompressionMod", "LocalPenalty"]
 
 STOCK_FEEDBACK = ("none", "ef", "saef", "sapef")
+PENALTY_FEEDBACK = ("flare", "ec_prox")   # need app_applies_penalty=True
+PENALTY_KEY = "fedloom.penalty"           # ArrayRecord: target (and mask) of the round
+PENALTY_CONFIG_KEY = "fedloom.penalty-config"
 STATE_KEY = "fedloom.stock-feedback"   # Context.state: the policy's rows
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16}
 
@@ -85,8 +101,12 @@ class CompressionMod:
     Args:
         compression: a registered compressor (``topk``, ``randk``, ``qsgd``, …).
         options: its options by name (``{"ratio": 0.01}``).
-        feedback: ``none``, ``ef``, ``saef`` or ``sapef``.
+        feedback: ``none``, ``ef``, ``saef``, ``sapef``; ``flare`` or ``ec_prox``
+            with ``app_applies_penalty=True``.
         alpha: SA-PEF's α in [0, 1] (``sapef`` only).
+        feedback_options: the policy's other options by name (FLARE's ``tau``,
+            ``tau_decay``, ``penalty_steps``, ``penalty``).
+        app_applies_penalty: the wrapped app calls :class:`LocalPenalty`.
         seed: the run seed of the compressor's random stream.
         dtype: precision of ``g`` and the residual on the client.
         state_dtype: precision the residual is kept in between rounds.
@@ -94,20 +114,26 @@ class CompressionMod:
     """
 
     def __init__(self, compression: str, options: Mapping[str, Any] | None = None, *,
-                 feedback: str = "ef", alpha: float | None = None, seed: int = 0,
+                 feedback: str = "ef", alpha: float | None = None,
+                 feedback_options: Mapping[str, Any] | None = None,
+                 app_applies_penalty: bool = False, seed: int = 0,
                  dtype: str = "float32", state_dtype: str = "float32",
                  model: nn.Module | None = None,
                  buffers: Iterable[str] | Callable[[str], bool] | None = None) -> None:
-        if feedback not in STOCK_FEEDBACK:
+        if feedback in PENALTY_FEEDBACK and not app_applies_penalty:
+            raise ValueError(f"feedback: {feedback!r} adds a penalty to the local loss; a "
+                             "stock app applies it only when it calls LocalPenalty "
+                             "(then pass app_applies_penalty=True)")
+        if feedback not in STOCK_FEEDBACK + PENALTY_FEEDBACK:
             raise ValueError(f"feedback: {feedback!r} needs fedloom's own train handler or "
                              f"server-side state; a stock app takes one of "
-                             f"{', '.join(STOCK_FEEDBACK)}")
-        fb_opts: dict[str, Any] = {}
+                             f"{', '.join(STOCK_FEEDBACK + PENALTY_FEEDBACK)}")
+        fb_opts: dict[str, Any] = dict(feedback_options or {})
         if alpha is not None:
             if feedback != "sapef":
                 raise ValueError(f"alpha: only for feedback 'sapef', not {feedback!r}")
             fb_opts["alpha"] = alpha
-        self.feedback = make_feedback(feedback, **fb_opts)
+        self.feedback_name, self.feedback_options = feedback, fb_opts
         self.compression, self.options = compression, dict(options or {})
         for name, v in (("dtype", dtype), ("state_dtype", state_dtype)):
             if v not in _DTYPES:
@@ -117,36 +143,54 @@ class CompressionMod:
         self.seed = seed
         self.dtype, self.state_dtype = _DTYPES[dtype], _DTYPES[state_dtype]
         self.model, self.buffer_names = model, buffers
-        self._parts: tuple[StateLayout, Any] | None = None
-        # Check the compressor's name and options now, on a one-tensor layout, so a
-        # typo fails when the app is built, not on the first message.
+        self._parts: tuple[StateLayout, Any, Any] | None = None
+        # Check the names and options now, on a one-tensor layout, so a typo fails
+        # when the app is built, not on the first message.
         from fedloom.params import Layout
 
-        make_compressor(compression, layout=Layout.flat(16), **self.options)
+        probe = Layout.flat(16)
+        make_compressor(compression, layout=probe, **self.options)
+        self.feedback = self._feedback(probe)
 
-    def _setup(self, arrays: ArrayRecord) -> tuple[StateLayout, Any]:
+    def _feedback(self, layout: Any) -> Any:
+        from fedloom.registry import accepted_options, get
+
+        extra = accepted_options(get("feedback", self.feedback_name), {"layout": layout})
+        return make_feedback(self.feedback_name, **self.feedback_options, **extra)
+
+    def _setup(self, arrays: ArrayRecord) -> tuple[StateLayout, Any, Any]:
         if self._parts is None:
             sl = StateLayout.from_arrays(arrays, model=self.model, buffers=self.buffer_names)
             comp = make_compressor(self.compression, layout=sl.layout, **self.options)
-            self._parts = (sl, comp)
+            self._parts = (sl, comp, self._feedback(sl.layout))
         return self._parts
 
     def __call__(self, msg: Message, context: Context, call_next: Any) -> Message:
         if not msg.metadata.message_type.startswith(MessageType.TRAIN):
             return call_next(msg, context)
-        sl, comp = self._setup(msg.content["arrays"])
+        sl, comp, fb = self._setup(msg.content["arrays"])
         w, bufs = sl.split(msg.content["arrays"], self.dtype)
         conf = msg.content.config_records.get("config", ConfigRecord())
         r = int(conf["server-round"]) - 1 if "server-round" in conf else 0
         lr = float(conf["lr"]) if "lr" in conf else 0.0
         k = _client(context)
         state = self._load(context, sl.layout.size)
-        alpha = self.feedback.alpha(lr, 1, {})
-        start = self.feedback.start_point(w, state, alpha)
-        if start is not None:  # SA-PEF: the app trains from w − α e
+        alpha = fb.alpha(lr, 1, {})
+        start = fb.start_point(w, state, alpha)
+        penalty = fb.penalty(w, state, r)
+        if start is not None or penalty is not None:
             # A new RecordDict: the one received may be shared with other messages.
             content = RecordDict(dict(msg.content.items()))
-            content["arrays"] = sl.join(start, bufs)
+            if start is not None:  # SA-PEF: the app trains from w − α e
+                content["arrays"] = sl.join(start, bufs)
+            if penalty is not None:  # FLARE / EC+prox: for LocalPenalty
+                vecs = OrderedDict(target=penalty.target.detach().clone())
+                if penalty.mask is not None:
+                    vecs["mask"] = penalty.mask.detach().clone()
+                content[PENALTY_KEY] = ArrayRecord(vecs)
+                content[PENALTY_CONFIG_KEY] = ConfigRecord({
+                    "tau": float(penalty.tau), "steps": int(min(penalty.steps, 2**62)),
+                    "kind": penalty.kind})
             msg.content = content
         reply = call_next(msg, context)
         if reply.has_error():
@@ -154,7 +198,7 @@ class CompressionMod:
         w_k, bufs_k = sl.split(reply.content["arrays"], self.dtype)
         g = (w - w_k).contiguous()
         ctx = UplinkContext(r, lr, 1, alpha, torch_gen(self.seed, r, k, Purpose.COMPRESS))
-        up = self.feedback.uplink(g, state, comp, ctx, {})
+        up = fb.uplink(g, state, comp, ctx, {})
         if bool(torch.isfinite(up.sent).all()) and all(
                 bool(torch.isfinite(v).all()) for v in up.state.values()):
             self._save(context, up.state)
@@ -168,7 +212,8 @@ class CompressionMod:
         return Message(content, reply_to=msg)
 
     def _load(self, context: Context, d: int) -> dict[str, torch.Tensor]:
-        fields = self.feedback.fields(d)
+        assert self._parts is not None
+        fields = self._parts[2].fields(d)
         if STATE_KEY in context.state:
             rec = context.state[STATE_KEY].to_torch_state_dict()
             if all(f in rec and rec[f].numel() == d for f in fields):
@@ -189,3 +234,55 @@ def _client(context: Context) -> int:
         if key in cfg:
             return int(cfg[key])
     return int(context.node_id)
+
+
+class LocalPenalty:
+    """FLARE's / EC+prox's penalty for a stock train handler (module doc).
+
+    ``from_message(msg, model)`` reads what :class:`CompressionMod` sent with the
+    arrays (an inactive penalty when it sent none: a round without one, or
+    another policy); ``apply(model, step)`` adds the penalty's gradient to each
+    parameter's ``.grad`` on the first ``steps`` local steps of the round, as
+    fedloom's local SGD adds it to its flat gradient.
+    """
+
+    def __init__(self, views: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
+                 tau: float, steps: int, kind: str) -> None:
+        self.views, self.tau, self.steps, self.kind = views, tau, steps, kind
+
+    @classmethod
+    def from_message(cls, msg: Message, model: nn.Module) -> LocalPenalty:
+        content = msg.content
+        if PENALTY_KEY not in content.array_records:
+            return cls({}, 0.0, 0, "l1")
+        conf = content.config_records[PENALTY_CONFIG_KEY]
+        vecs = content.array_records[PENALTY_KEY].to_torch_state_dict()
+        sl = StateLayout.from_arrays(content["arrays"])
+        target = sl.layout.unflatten(vecs["target"])
+        mask = sl.layout.unflatten(vecs["mask"]) if "mask" in vecs else None
+        params = dict(model.named_parameters())
+        missing = [n for n in target if n not in params]
+        if missing:
+            raise ValueError(f"{PENALTY_KEY}: the model has no parameter {missing[0]!r}")
+        views = {n: (t, None if mask is None else mask[n]) for n, t in target.items()}
+        return cls(views, float(conf["tau"]), int(conf["steps"]), str(conf["kind"]))
+
+    @property
+    def active(self) -> bool:
+        return bool(self.views) and self.steps > 0 and self.tau > 0
+
+    def apply(self, model: nn.Module, step: int) -> None:
+        """Add ``τ m sign(w − t)`` (``l1``) or ``2τ m (w − t)`` (``l2``) to the grads."""
+        if not self.active or step >= self.steps:
+            return
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, (t, m) in self.views.items():
+                p = params[name]
+                diff = p - t.to(p.device, p.dtype)
+                g = torch.sign(diff) if self.kind == "l1" else 2.0 * diff
+                if m is not None:
+                    g = g * m.to(p.device, p.dtype)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.add_(self.tau * g)
