@@ -302,6 +302,10 @@ class EvalConfig:
     batch_size: int = _f(2048, ge=1)
     # Evaluate the running average of the global iterates (AFL reports it).
     average_iterates: bool = False
+    # Personalised evaluation by fine-tuning (FedBABU, Per-FedAvg): this many local
+    # steps from the global model on each client's training data, then its test split
+    # (finetune_acc_*; fedloom.engine.evaluation.evaluate_finetuned). 0: off.
+    finetune_steps: int = _f(0, ge=0)
 
 
 @dataclass
@@ -684,9 +688,17 @@ def check_system_config(cfg: SystemConfig) -> None:
         raise ConfigError("system.amplitude: only used by pattern sine")
 
 
+_OLDER_PARTITION_KEYS = frozenset({"name", "alpha", "min_samples", "shards_per_client",
+                                   "max_tries", "min_policy", "balance"})
+
+
 def _check_partition_keys(p: PartitionConfig) -> None:
-    """A ``data.partition`` key set away from its default that the partitioner does not
-    take is refused (one line), as an unknown option is: it would be ignored."""
+    """A key of the heterogeneity partitioners (``k``, ``sizes``' and ``mixed``'s keys,
+    ``options``) set away from its default for a partitioner that does not take it is
+    refused (one line), as an unknown option is: it would be ignored. The older keys
+    (``alpha``, ``min_samples``, …) stay ignored by partitioners that do not take them,
+    as before: configs switch the partitioner by override (``data.partition.name=iid``)
+    and keep their Dirichlet keys."""
     import inspect
 
     factory = registry.get("partitioner", p.name)
@@ -704,7 +716,7 @@ def _check_partition_keys(p: PartitionConfig) -> None:
         return  # a plug-in takes the keys it names; the others are its business
     default = PartitionConfig()
     for f in dataclasses.fields(PartitionConfig):
-        if f.name == "name" or getattr(p, f.name) == getattr(default, f.name):
+        if f.name in _OLDER_PARTITION_KEYS or getattr(p, f.name) == getattr(default, f.name):
             continue
         if f.name not in takes:
             raise ConfigError(f"data.partition.{f.name}: not used by partitioner {p.name!r}")

@@ -16,6 +16,7 @@ these types without importing each other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -72,6 +73,13 @@ class ClientJob:
     # At most this many local steps (the first of those it would run): partial work
     # of a client cut by a round deadline (fedloom.system, late: partial).
     max_steps: int | None = None
+    # Set by a local method's run (fedloom.client): the prox weight μ towards w in
+    # place of client.prox_mu (FedDyn's α), a 0/1 mask of the coordinates the local
+    # steps may move (FedRep's and FedBABU's frozen layers), and an objective that
+    # replaces the forward + cross-entropy of a step (MOON's contrastive term).
+    prox_mu: float | None = None
+    grad_mask: torch.Tensor | None = None
+    objective: Any = None
 
 
 @dataclass

@@ -43,7 +43,7 @@ class Ditto(LocalMethod):
     def fields(self, d: int) -> dict[str, FieldSpec]:
         return {"personal": FieldSpec(d), "personal_set": FieldSpec(1)}
 
-    def personal_models(self, rows: Mapping[str, torch.Tensor]
+    def personal_models(self, rows: Mapping[str, torch.Tensor], w: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         return rows["personal"], rows["personal_set"][:, 0] > 0
 

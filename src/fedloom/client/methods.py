@@ -34,13 +34,20 @@ class LocalMethod:
     def init_server(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         return {}
 
-    def personal_models(self, rows: Mapping[str, torch.Tensor]
+    def personal_models(self, rows: Mapping[str, torch.Tensor], w: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """From this method's rows of some clients (its own field names, ``[n, ...]``
-        each): their personal models ``[n, d]`` and which of them have one yet
-        (``[n]`` bool). ``None``: the method keeps no personal model (``personal``
-        is False); a client without one is evaluated with the global model."""
+        each) and the global model ``w``: their personal models ``[n, d]`` and which
+        of them have one yet (``[n]`` bool). ``None``: the method keeps no personal
+        model (``personal`` is False). A client without one is reported apart
+        (``unsampled_acc_*``, the global model's accuracy on it)."""
         return None
+
+    def adjust_model(self, w: torch.Tensor, server: Mapping[str, torch.Tensor]
+                     ) -> torch.Tensor:
+        """The global model after an applied server step and :meth:`server_update`
+        (FedDyn's ``− h/α``); by default ``w`` itself."""
+        return w
 
     def prepare(self, job: ClientJob, server: Mapping[str, torch.Tensor]) -> ClientJob:
         return job

@@ -218,16 +218,25 @@ class LocalSGD:
         grad_shift: torch.Tensor | None = None,
         penalty: Penalty | None = None,
         buffers: dict[str, torch.Tensor] | None = None,
+        grad_mask: torch.Tensor | None = None,
+        objective: Any = None,
+        epochs: int | None = None,
+        max_steps: int | None = None,
     ) -> tuple[torch.Tensor, float, int]:
         """Local SGD from ``x0``; the prox term pulls towards ``anchor``; ``penalty``
         regularises the first local steps (FLARE); ``buffers`` are the module
-        buffers to start from (default: the module's own).
+        buffers to start from (default: the module's own); ``grad_mask`` (0/1 per
+        coordinate) multiplies every step's direction, so masked coordinates stay
+        where they start; ``objective(module, xb, yb, step)`` returns a step's loss
+        in place of the cross-entropy of ``module(xb)`` (MOON).
 
         Returns the final parameters, the mean batch loss and the number of steps.
         """
         w, loss, steps, _ = self._descend(x0, anchor, x, y, lr, gen, prox_mu=prox_mu,
                                           grad_shift=grad_shift, probe=False, penalty=penalty,
-                                          buffers=buffers)
+                                          buffers=buffers, grad_mask=grad_mask,
+                                          objective=objective, epochs=epochs,
+                                          max_steps=max_steps)
         return w, loss, steps
 
     def _descend(self, x0: torch.Tensor, anchor: torch.Tensor, x: torch.Tensor,
@@ -272,6 +281,7 @@ class LocalSGD:
         lr: float, gen: torch.Generator, *, prox_mu: float | None,
         grad_shift: torch.Tensor | None, probe: bool, penalty: Penalty | None = None,
         epochs: int | None = None, max_steps: int | None = None,
+        grad_mask: torch.Tensor | None = None, objective: Any = None,
     ) -> tuple[torch.Tensor, float, int, float | None]:
         mu = self.prox_mu if prox_mu is None else prox_mu
         fm = self._flat_module()
@@ -289,7 +299,10 @@ class LocalSGD:
             fm.g.zero_()
             reseed(derive_seed(dseed, step, -1, Purpose.DROPOUT), w.device)
             xb = self.batch(x, idx, dseed, step)
-            if self.amp == "none":
+            if objective is not None:
+                loss = objective(fm.module, xb, y[idx], step)
+                loss.backward()
+            elif self.amp == "none":
                 loss = F.cross_entropy(fm.module(xb), y[idx])
                 loss.backward()  # accumulates into fm.g through the parameters' .grad views
             else:
@@ -316,6 +329,8 @@ class LocalSGD:
                     grad = grad.add(w, alpha=self.weight_decay)
                 if mu:
                     grad = grad.add(w - anchor, alpha=mu)
+                if grad_mask is not None:  # frozen coordinates: no step, no momentum
+                    grad = grad * grad_mask
                 if self.momentum:
                     buf = grad.clone() if buf is None else buf.mul_(self.momentum).add_(grad)
                     grad = buf
@@ -354,10 +369,11 @@ class LocalSGD:
         gen = torch.Generator()
         gen.manual_seed(job.gen_seed)
         x0 = job.start if job.start is not None else job.w
-        return self._descend(x0, job.w, job.x, job.y, job.lr, gen, prox_mu=None,
+        return self._descend(x0, job.w, job.x, job.y, job.lr, gen, prox_mu=job.prox_mu,
                              grad_shift=job.grad_shift, probe=job.probe_smoothness,
                              penalty=job.penalty, epochs=job.epochs, max_steps=job.max_steps,
-                             buffers=job.buffers)
+                             buffers=job.buffers, grad_mask=job.grad_mask,
+                             objective=job.objective)
 
     def run(self, job: ClientJob) -> ClientResult:
         """Train from ``job.start`` (default ``w``); the update is measured from ``w``."""

@@ -9,6 +9,7 @@ per-client rows): the engine knows no method's fields.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,7 +21,7 @@ from fedloom.engine.fields import BUFFERS, METHOD
 from fedloom.engine.setup import Setup
 from fedloom.metrics import accuracy_stats, evaluate, evaluate_clients
 
-__all__ = ["evaluate_global", "evaluate_personal", "local_buffers"]
+__all__ = ["evaluate_finetuned", "evaluate_global", "evaluate_personal", "local_buffers"]
 
 
 def evaluate_global(exp: Setup, w: torch.Tensor) -> dict[str, float]:
@@ -62,15 +63,19 @@ def local_buffers(exp: Setup, ids: Sequence[int], chunk: int = 256
 
 
 def evaluate_personal(exp: Setup, w: torch.Tensor, chunk: int = 64) -> dict[str, float]:
-    """Per-client accuracy of the local method's personal models (``w`` where a
-    client has none yet)."""
+    """Per-client accuracy of the local method's personal models, each on its
+    client's own test split (``personal_acc_*``, over the clients that have one);
+    the clients that have none yet — never sampled, so no personal state — are
+    reported apart, with the global model (``unsampled_acc_*``), and
+    ``personal_clients`` counts the first group."""
     acc = np.full(exp.fed.num_clients, np.nan)
+    unsampled = np.full(exp.fed.num_clients, np.nan)
     bs = exp.cfg.eval.batch_size
     f = exp.fields
     for s in range(0, exp.fed.num_clients, chunk):
         ids = list(range(s, min(s + chunk, exp.fed.num_clients)))
         rows = {n: exp.store.gather(f.key(METHOD, n), ids) for n in f.names(METHOD)}
-        found = exp.method.personal_models(rows)
+        found = exp.method.personal_models(rows, w)
         if found is None:
             continue
         models, have = to_device(found[0], exp.device), found[1]
@@ -78,10 +83,44 @@ def evaluate_personal(exp: Setup, w: torch.Tensor, chunk: int = 64) -> dict[str,
             te = exp.fed.test[k]
             if len(te) == 0:
                 continue
-            v = models[j] if bool(have[j]) else w
             idx = torch.from_numpy(te)
             own = dict(local_buffers(exp, [k])) if f.has(BUFFERS) else {}
-            acc[k], _ = evaluate(exp.module, exp.layout, v, exp.x[idx], exp.y[idx], bs,
-                                 buffers=own.get(k))
+            target = acc if bool(have[j]) else unsampled
+            target[k], _ = evaluate(exp.module, exp.layout, models[j] if bool(have[j]) else w,
+                                    exp.x[idx], exp.y[idx], bs, buffers=own.get(k))
     exp.last_personal_acc = acc
-    return accuracy_stats(acc, prefix="personal_acc")
+    out = accuracy_stats(acc, prefix="personal_acc")
+    out.update(accuracy_stats(unsampled, prefix="unsampled_acc"))
+    out["personal_clients"] = float(np.count_nonzero(~np.isnan(acc)))
+    return out
+
+
+def evaluate_finetuned(exp: Setup, w: torch.Tensor, round: int) -> dict[str, float]:
+    """``eval.finetune_steps`` local SGD steps from the global model on each
+    client's own training data, then its own test split (``finetune_acc_*``): how
+    FedBABU (Oh et al., ICLR 2022) and Per-FedAvg evaluate, for any method. The
+    steps use the client's training settings (lr, batch, momentum, weight decay;
+    no prox), every parameter free, batches from (seed, round, client,
+    ``finetune``); the global model is not changed."""
+    from fedloom.rng import derive_seed
+
+    steps = exp.cfg.eval.finetune_steps
+    acc = np.full(exp.fed.num_clients, np.nan)
+    bs = exp.cfg.eval.batch_size
+    for k in range(exp.fed.num_clients):
+        te, tr = exp.fed.test[k], exp.fed.train[k]
+        if len(te) == 0 or len(tr) == 0:
+            continue
+        own = dict(local_buffers(exp, [k])) if exp.fields.has(BUFFERS) else {}
+        gen = torch.Generator()
+        gen.manual_seed(derive_seed(exp.cfg.seed, round, k, "finetune"))
+        itr = torch.from_numpy(tr)
+        # epochs enough for `steps` steps (with client.steps set: at most that many)
+        epochs = max(1, math.ceil(steps / math.ceil(len(tr) / exp.trainer.batch_size)))
+        v, _, _ = exp.trainer.descend(w, w, exp.x[itr], exp.y[itr], exp.cfg.client.lr, gen,
+                                      prox_mu=0.0, buffers=own.get(k), epochs=epochs,
+                                      max_steps=steps)
+        ite = torch.from_numpy(te)
+        acc[k], _ = evaluate(exp.module, exp.layout, v, exp.x[ite], exp.y[ite], bs,
+                             buffers=own.get(k))
+    return accuracy_stats(acc, prefix="finetune_acc")

@@ -50,6 +50,7 @@ totals and the summary, and logged):
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -57,17 +58,20 @@ from typing import Any
 from fedloom.buffers import load_buffers
 from fedloom.compress.feedback import UplinkResult
 from fedloom.engine.dispatch import plan_round
-from fedloom.engine.evaluation import evaluate_global, evaluate_personal
+from fedloom.engine.evaluation import evaluate_finetuned, evaluate_global, evaluate_personal
 from fedloom.engine.receive import receive
 from fedloom.engine.record import account_privacy, add_totals, round_metrics
 from fedloom.engine.runstate import RoundPlan, RunState
 from fedloom.engine.scatter import next_buffers, scatter
+from fedloom.engine.screen import all_finite
 from fedloom.engine.server import server_round
 from fedloom.engine.setup import Setup
 from fedloom.engine.uplink import uplink_round
 from fedloom.job import ClientResult
 
 __all__ = ["finish_round", "run_round"]
+
+log = logging.getLogger("fedloom")
 
 
 def run_round(exp: Setup, st: RunState) -> tuple[RunState, dict[str, Any]]:
@@ -107,6 +111,14 @@ def finish_round(exp: Setup, st: RunState, plan: RoundPlan, results: Sequence[Cl
         method_state = scatter(exp, st, plan, results, ups, rx.ok, client_state=client_state,
                                client_buffers=client_buffers)
         buffers = next_buffers(exp, st, results, rx.ok)
+        # a local method's server-side correction of the new model (FedDyn's − h/α);
+        # one that is not finite is not applied
+        adjusted = exp.method.adjust_model(out.w, method_state)
+        if all_finite(adjusted):
+            out.w = adjusted
+        else:
+            log.warning("round %d: the local method's model correction is not finite; "
+                        "not applied", r + 1)
     t_agg = time.perf_counter() - t1
     w_avg = st.w_avg
     if w_avg is not None:  # mean of w_0 … w_{r+1}
@@ -118,6 +130,8 @@ def finish_round(exp: Setup, st: RunState, plan: RoundPlan, results: Sequence[Cl
         metrics.update(evaluate_global(exp, w_avg if w_avg is not None else out.w))
         if exp.method.personal:
             metrics.update(evaluate_personal(exp, out.w))
+        if exp.cfg.eval.finetune_steps:
+            metrics.update(evaluate_finetuned(exp, out.w, r))
     metrics["train_s"] = t_train
     metrics["agg_s"] = t_agg
     metrics["wall_s"] = time.perf_counter() - t0

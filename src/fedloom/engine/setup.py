@@ -66,6 +66,7 @@ def resolve_auto(cfg: Config) -> Config:
     step (:func:`~fedloom.aggregate.base.default_server_lr`); other configs as given.
     The run directory's ``config.yaml`` holds the number, so a rerun from it needs
     no default of this version."""
+    cfg = _resolve_method_buffers(cfg)
     if cfg.server.lr != "auto":
         return cfg
     try:
@@ -73,6 +74,22 @@ def resolve_auto(cfg: Config) -> Config:
     except (KeyError, ValueError) as e:
         raise ConfigError(f"server.lr: auto: {e.args[0] if e.args else e}") from None
     return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, lr=lr))
+
+
+def _resolve_method_buffers(cfg: Config) -> Config:
+    """A local method that *is* a buffer policy (FedBN: ``model_buffers = "local"``
+    on its factory) sets ``model.buffers`` to it; a config asking for another policy
+    than the default is refused, one line."""
+    try:
+        want = getattr(get("method", cfg.client.method), "model_buffers", None)
+    except KeyError:
+        return cfg  # an unknown method is reported where it is built
+    if want is None or cfg.model.buffers == want:
+        return cfg
+    if cfg.model.buffers != "average":
+        raise ConfigError(f"model.buffers: client.method {cfg.client.method!r} keeps "
+                          f"buffers {want!r}, not {cfg.model.buffers!r}")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, buffers=want))
 
 
 def _check_output(module: torch.nn.Module, x: torch.Tensor, num_classes: int) -> None:
@@ -189,7 +206,14 @@ class Setup:
         )
         try:
             self.aggregator = make_aggregator(cfg.aggregator.name, **cfg.aggregator.options)
-            self.method = build("method", c.method, c.method_options, "client.method_options")
+            # A method that names layers (FedPer's personal head, MOON's representation)
+            # takes the model's Layout; one that needs the trainer's settings checks them.
+            extra = accepted_options(get("method", c.method), {"layout": self.layout})
+            self.method = build("method", c.method, {**c.method_options, **extra},
+                                "client.method_options")
+            check = getattr(self.method, "check_trainer", None)
+            if check is not None:
+                check(self.trainer)
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e).splitlines()[0]) from None
         compat.check_full_participation(cfg, self.aggregator, self.fed.num_clients)

@@ -1,0 +1,57 @@
+"""FedBABU: only the body is learned federatedly; the head is fine-tuned to evaluate.
+
+Oh, Kim, Yun, "FedBABU: Toward Enhanced Representation for Federated Image
+Classification" (ICLR 2022). During federated training every client trains
+the body only: the head (the layer groups ``personal``, by default the last)
+stays at its random initialisation — its coordinates take no step, no
+momentum and no weight decay, so its update is exactly zero. Evaluation is by
+fine-tuning: set ``eval.finetune_steps`` (the paper fine-tunes the whole
+model for a few epochs on each client's data;
+:func:`fedloom.engine.evaluation.evaluate_finetuned`), reported as
+``finetune_acc_*`` beside the global model's ``client_acc_*``.
+
+Checked against FL-bench's FedBABU (KarhouTam/FL-bench, src/client/fedbabu.py:
+the classifier's gradients zeroed before every step): the rule written out in
+tests/test_personalised.py gives the same round (max difference 0 in float64;
+without weight decay, where FL-bench's optimizer would still decay the head).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from fedloom.client.layers import head_groups, head_mask
+from fedloom.client.methods import LocalMethod
+from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
+from fedloom.params import Layout
+from fedloom.registry import register
+
+__all__ = ["FedBABU"]
+
+
+class FedBABU(LocalMethod):
+    name = "fedbabu"
+
+    def __init__(self, layout: Layout, personal: Sequence[str] | None = None) -> None:
+        groups = head_groups(layout, personal, "client.method_options.personal")
+        self.body = 1 - head_mask(layout, groups)
+
+    def run(self, trainer: LocalSGD, job: ClientJob) -> ClientResult:
+        mask = self.body.to(job.w.device, job.w.dtype)
+        return trainer.run(dataclasses.replace(job, grad_mask=mask))
+
+
+@register("method", "fedbabu")
+def _fedbabu(layout: Layout, personal: Sequence[str] | None = None) -> FedBABU:
+    """FedBABU: the head (``personal``, default the last group) frozen at its initialisation.
+
+    Reference:
+        paper: Oh, Kim & Yun, "FedBABU: Toward Enhanced Representation for Federated Image
+            Classification", ICLR 2022.
+        code: KarhouTam/FL-bench, src/client/fedbabu.py (checked: one round, max
+            difference 0 in float64, tests/test_personalised.py); jhoon-oh/FedBABU.
+        departures: the frozen head takes no weight decay either (its gradient is masked
+            after decay and prox are added); evaluation by fine-tuning is eval.finetune_steps.
+    """
+    return FedBABU(layout, personal)
