@@ -113,6 +113,7 @@ _MODULES = (
     "fedloom.engine.backends",
     "fedloom.engine.vmap",
     "fedloom.engine.lockstep",
+    "fedloom.engine.lockstep",
     "fedloom.engine.parallel",
     "fedloom.engine.auto",
     "fedloom.engine.ray_backend",

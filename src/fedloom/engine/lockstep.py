@@ -1,0 +1,413 @@
+"""The ``lockstep`` backend: a cohort's clients train as one batched model.
+
+All clients of a chunk keep their parameters in one ``W ∈ R^{m×d}`` (the flat
+vectors of :mod:`fedloom.params`, stacked); a layer's weights are views
+``W[:, slice].view(m, out, in)``. One local step runs every client's forward
+and backward as batched tensor operations — ``torch.baddbmm`` for Linear,
+``log_softmax`` over the last dimension of ``[m, B, C]`` — with the backward
+written out by hand, the same operations autograd runs on one client:
+
+    z = a Wᵀ + b                 (addmm per client → baddbmm)
+    ℓ = −(1/B) Σ_i log softmax(z_i)[y_i]
+    ∂ℓ/∂z = log_softmax_backward(−(1/B) e_{y}, log softmax(z))
+    ∂ℓ/∂W = (∂ℓ/∂z)ᵀ a,  ∂ℓ/∂b = Σ_i ∂ℓ/∂z_i,  ∂ℓ/∂a = (∂ℓ/∂z) W
+    ReLU: ∂ℓ/∂a = ∂ℓ/∂r · [r > 0]   (threshold_backward on the output, as autograd)
+
+then applies :class:`~fedloom.client.sgd.LocalSGD`'s rule as one update of
+all rows (``torch.optim.SGD``: dampening 0, no Nesterov; d = g + shift +
+penalty + wd·w + μ(w − w₀), b ← β b + d, w ← w − η b). The Python and
+autograd overhead of a step is paid once per chunk instead of once per client:
+that is where it is faster than ``sequential`` on a CPU (and ``vmap``, whose
+``functional_call`` tracing costs more than it saves there).
+
+**Bit for bit.** On CPU, ``torch.bmm``/``baddbmm`` run one GEMM per client with
+the operands' own strides, the same BLAS call ``mm``/``addmm`` makes for one
+client, except for products with ``contraction × rows × columns < 400``,
+which torch computes with its own loop; those run client by client with
+``mm``/``addmm``. Gradients are accumulated into a zeroed buffer (``0 + g``,
+as autograd adds into the flat ``.grad``), elementwise updates on ``[m, d]``
+give each row the bits of the same update on ``[d]``, and a client's loss is
+``nll_loss`` of its own rows (torch's cascade summation, reported as the
+sequential trainer does: the mean of the per-step Python floats). Clients'
+batches are drawn exactly as the sequential trainer draws them (the same
+derived generator and :meth:`LocalSGD.batch_indices`); clients whose batches
+differ in size at a step (short last batches, ragged client sizes) run in one
+group per batch size — no padding, which would change the GEMMs' shapes — and
+a client whose steps are done (fewer samples, ``max_steps``) is masked out of
+the update. Measured (``tests/test_lockstep.py``, torch 2.13 with MKL on
+x86-64 AVX2): in float64 every client update, the final ``w`` and its
+``model_sha256`` equal ``sequential``'s bit for bit for MLPs with ragged
+client sizes, momentum, weight decay, FedProx's μ, SCAFFOLD's shift and
+FLARE's penalty. In float32 they agree to float32 rounding (the test bounds
+the final ``w`` at rtol 1e-5, atol 1e-6): MKL's float32 batched GEMM sums the
+``(∂ℓ/∂z)ᵀ a`` product of a narrow layer (10 outputs) in another order than
+its single GEMM. On other BLAS builds or devices the equality is what the
+tests measure there, not a guarantee.
+
+Supported models: ones ``torch.fx`` traces to a chain (each node feeds the
+next) of ``nn.Linear`` (with or without bias), ``nn.ReLU`` /
+``torch.relu`` / ``F.relu``, ``nn.Flatten`` / ``torch.flatten`` (from dim 1),
+``nn.Identity``, ending in the logits of the cross-entropy; every parameter
+trained (in the layout), no buffers, no module called twice. Everything else
+trains on the sequential path with one line in the log naming why:
+other layers (convolutions, normalisation, dropout, recurrent), local methods
+other than plain SGD/FedProx (``client.method``), ``client.amp``, data
+augmentation, a random train-mode forward, and jobs that ask for a smoothness
+probe or carry a method's objective, mask or μ (these per chunk).
+
+The cohort runs in chunks of ``chunk`` clients (default: as many as fit in
+256 MB of stacked parameters of the run's dtype).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fedloom.buffers import buffer_names
+from fedloom.client.methods import LocalMethod
+from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
+from fedloom.config import BackendConfig
+from fedloom.params import Layout
+from fedloom.registry import register
+
+__all__ = ["LockstepBackend", "lockstep_plan"]
+
+log = logging.getLogger("fedloom")
+
+# torch's bmm/baddbmm compute products below this size (contraction × rows ×
+# columns) with their own loop, not the BLAS GEMM that mm/addmm call.
+_SMALL_GEMM = 400
+
+
+@dataclass(frozen=True)
+class _Op:
+    """One layer of the chain: ``linear`` (weight/bias slices of ``w``),
+    ``relu`` or ``flatten`` (per-sample dims ``start..end`` → one)."""
+
+    kind: str
+    weight: slice | None = None
+    bias: slice | None = None
+    shape: tuple[int, int] = (0, 0)   # linear: (out, in)
+    start: int = 1                    # flatten: per-sample dims, as nn.Flatten's
+    end: int = -1
+
+
+def lockstep_plan(module: nn.Module, layout: Layout) -> tuple[list[_Op] | None, str | None]:
+    """The module as a chain of supported layers, or ``(None, why not)``."""
+    if buffer_names(module):
+        return None, "the model has buffers (normalisation statistics)"
+    names = {n for n, _ in module.named_parameters()}
+    if names != set(layout._by_name):
+        return None, "the model has frozen parameters"
+    import torch.fx  # only here: tracing is this backend's business
+
+    try:
+        gm = torch.fx.symbolic_trace(module)
+    except Exception as e:  # anything fx cannot trace is not a chain we know
+        return None, f"the model cannot be traced by torch.fx ({type(e).__name__})"
+    mods = dict(module.named_modules())
+    ops: list[_Op] = []
+    prev = None
+    seen: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if prev is not None:
+                return None, "the model takes more than one input"
+            prev = node
+            continue
+        if node.op == "output":
+            if node.args[0] is not prev:
+                return None, "the model's output is not the last layer's"
+            break
+        tensors = [a for a in node.all_input_nodes]
+        if tensors != [prev] or len(prev.users) != 1:
+            return None, f"the model is not a chain of layers (at {node.name})"
+        op = _as_op(node, mods, layout, seen)
+        if isinstance(op, str):
+            return None, op
+        if op is not None:
+            ops.append(op)
+        prev = node
+    if not any(o.kind == "linear" for o in ops):
+        return None, "the model has no Linear layer"
+    return ops, None
+
+
+def _as_op(node, mods: dict[str, nn.Module], layout: Layout,
+           seen: set[str]) -> _Op | str | None:
+    """The node as an op, ``None`` for an identity, or why it is not supported."""
+    if node.op == "call_module":
+        if node.target in seen:
+            return "a layer is called twice (shared weights)"
+        seen.add(node.target)
+        mod = mods[node.target]
+        if isinstance(mod, nn.Identity):
+            return None
+        if isinstance(mod, nn.ReLU):
+            return _Op("relu")
+        if isinstance(mod, nn.Flatten):
+            return _flatten(mod.start_dim, mod.end_dim)
+        if type(mod) is nn.Linear:
+            p = node.target + "."
+            w = layout._by_name[p + "weight"]
+            b = layout._by_name.get(p + "bias")
+            return _Op("linear", w.slice, b.slice if b is not None else None,
+                       (mod.out_features, mod.in_features))
+        return f"layer {type(mod).__name__} ({node.target}) is not supported"
+    if node.op == "call_function" and node.target in (torch.relu, F.relu):
+        if node.kwargs.get("inplace") or len(node.args) > 1:
+            return "in-place relu is not supported"
+        return _Op("relu")
+    if node.op == "call_function" and node.target is torch.flatten:
+        args = list(node.args[1:]) + [node.kwargs[k] for k in ("start_dim", "end_dim")
+                                      if k in node.kwargs]
+        return _flatten(*args) if args else "torch.flatten from dim 0 is not supported"
+    return f"operation {node.target} ({node.name}) is not supported"
+
+
+def _flatten(start: int = 1, end: int = -1) -> _Op | str:
+    if start != 1:
+        return "a flatten that merges the batch dimension is not supported"
+    return _Op("flatten", start=start, end=end)
+
+
+def trainer_reason(trainer: LocalSGD, method: LocalMethod) -> str | None:
+    """Why local training with these settings is not lock-step's (None: it is)."""
+    if type(method) is not LocalMethod:
+        return f"local method {method.name} is not plain SGD/FedProx"
+    if getattr(trainer, "amp", "none") != "none":
+        return f"client.amp {trainer.amp}"
+    if trainer.augment is not None:
+        return "data augmentation"
+    if getattr(trainer, "random_forward", False):
+        return "the train-mode forward draws random numbers"
+    return None
+
+
+def _job_reason(jobs: Sequence[ClientJob]) -> str | None:
+    for j in jobs:
+        if j.probe_smoothness:
+            return "a job asks for the smoothness probe"
+        if j.objective is not None or j.grad_mask is not None or j.prox_mu is not None:
+            return "a job carries a local method's objective, mask or prox weight"
+    return None
+
+
+class LockstepBackend:
+    """See the module docstring."""
+
+    name = "lockstep"
+
+    def __init__(self, trainer: LocalSGD, method: LocalMethod, chunk: int | None = None,
+                 x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> None:
+        self.trainer, self.method, self.x, self.y = trainer, method, x, y
+        self.plan, reason = lockstep_plan(trainer.module, trainer.layout)
+        self.reason = trainer_reason(trainer, method) or reason
+        self.enabled = self.reason is None
+        p = next(trainer.module.parameters(), None)
+        size = p.element_size() if p is not None else 4
+        self.chunk = chunk or max(1, (256 << 20) // (size * max(1, trainer.layout.size)))
+        self._noted: set[str] = set()
+
+    def _note(self, why: str) -> None:
+        if why not in self._noted:  # one line per reason, not one per round
+            self._noted.add(why)
+            log.info("backend lockstep: %s; training on the sequential path", why)
+
+    def _sequential(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
+        return [self.method.run(self.trainer, j) for j in jobs]
+
+    def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
+        if self.reason is not None:
+            self._note(self.reason)
+            return self._sequential(jobs)
+        out: list[ClientResult | None] = []
+        for s in range(0, len(jobs), self.chunk):
+            part = list(jobs[s : s + self.chunk])
+            why = _job_reason(part)
+            if why is not None:
+                self._note(why)
+                out += self._sequential(part)
+            else:
+                out += self._train(part)
+        return out
+
+    # ------------------------------------------------------------------ training
+    def _train(self, jobs: list[ClientJob]) -> list[ClientResult]:
+        tr, m = self.trainer, len(jobs)
+        assert self.plan is not None
+        W0 = torch.stack([j.w for j in jobs])
+        W = torch.stack([j.start if j.start is not None else j.w for j in jobs])
+        start_loss = [tr.full_loss(j.w, j.x, j.y, buffers=j.buffers) if j.start_loss else None
+                      for j in jobs]
+        batches = []
+        for j in jobs:
+            gen = torch.Generator()
+            gen.manual_seed(j.gen_seed)
+            batches.append(tr.batch_indices(int(j.y.shape[0]), gen, j.epochs, j.max_steps))
+        steps = [len(b) for b in batches]
+        src_x, src_y, table = self._table(jobs, batches, W.device)
+        shift = None
+        if any(j.grad_shift is not None for j in jobs):
+            shift = torch.stack([j.grad_shift if j.grad_shift is not None
+                                 else torch.zeros_like(j.w) for j in jobs])
+        lrs = [float(j.lr) for j in jobs]
+        lr_col = torch.tensor(lrs, dtype=W.dtype, device=W.device)[:, None]
+        G = torch.zeros_like(W)
+        buf: torch.Tensor | None = None
+        losses: list[list[torch.Tensor]] = [[] for _ in range(m)]
+        every = torch.arange(m, device=W.device)
+        for t in range(max(steps)):
+            # Clients with a batch at step t, grouped by its size (one group: all).
+            groups: dict[int, list[int]] = {}
+            for k in range(m):
+                if t < steps[k]:
+                    groups.setdefault(len(batches[k][t]), []).append(k)
+            active = sum(len(g) for g in groups.values())
+            G.zero_()
+            for n, ks in groups.items():
+                rows = every if len(ks) == m else torch.tensor(ks, device=W.device)
+                idx = table[rows, t, :n]
+                whole = len(ks) == m
+                Gr = G if whole else torch.zeros(len(ks), W.shape[1], dtype=W.dtype,
+                                                 device=W.device)
+                lsm, Y = _step(self.plan, W if whole else W[rows], src_x[idx], src_y[idx], Gr)
+                if not whole:
+                    G[rows] = Gr
+                for r, k in enumerate(ks):
+                    # the client's own loss: nll_loss of its rows, the sequential bits
+                    losses[k].append(F.nll_loss(lsm[r], Y[r]).detach())
+            with torch.no_grad():
+                D = G
+                if shift is not None:
+                    D = D + shift
+                for k, j in enumerate(jobs):
+                    p = j.penalty
+                    if p is not None and t < p.steps and t < steps[k]:
+                        D[k] = D[k] + p.grad(W[k])
+                if tr.weight_decay:
+                    D = D.add(W, alpha=tr.weight_decay)
+                if tr.prox_mu:
+                    D = D.add(W - W0, alpha=tr.prox_mu)
+                if tr.momentum:
+                    # a finished client's buffer is never used again
+                    buf = D.clone() if buf is None else buf.mul_(tr.momentum).add_(D)
+                    D = buf
+                if active == m and len(set(lrs)) == 1:
+                    W.sub_(D, alpha=lrs[0])
+                else:  # per-client η, finished clients η = 0 (w − 0 is w, bit for bit)
+                    live = torch.tensor([1.0 if t < s else 0.0 for s in steps],
+                                        dtype=W.dtype, device=W.device)[:, None]
+                    W.addcmul_(lr_col * live, D, value=-1.0)
+        out = []
+        for k, j in enumerate(jobs):
+            loss_sum = 0.0
+            for v in losses[k]:  # Python floats in step order, as LocalSGD sums them
+                loss_sum += float(v)
+            out.append(ClientResult(j.client, (j.w - W[k]).contiguous(), int(j.y.shape[0]),
+                                    loss_sum / max(1, steps[k]), steps[k], start_loss[k],
+                                    buffers={}))
+        return out
+
+    def _table(self, jobs: list[ClientJob], batches: list[list[torch.Tensor]],
+               dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The source rows and an ``[m, T, B]`` table of every client's batch
+        positions into them (unused cells: −1, never read)."""
+        m = len(jobs)
+        if self.x is not None and all(j.data_index is not None for j in jobs):
+            src_x, src_y = self.x, self.y
+            owners = [j.data_index for j in jobs]
+        else:
+            src_x = torch.cat([j.x for j in jobs])
+            src_y = torch.cat([j.y for j in jobs])
+            offs = [0]
+            for j in jobs:
+                offs.append(offs[-1] + int(j.y.shape[0]))
+            owners = [torch.arange(offs[k], offs[k + 1]) for k in range(m)]
+        T = max(len(b) for b in batches)
+        B = max(len(i) for b in batches for i in b)
+        table = torch.full((m, T, B), -1, dtype=torch.long)
+        for k, b in enumerate(batches):
+            own = owners[k].cpu()
+            for t, i in enumerate(b):
+                table[k, t, : len(i)] = own[i]
+        assert src_y is not None
+        return src_x, src_y, table.to(dev)
+
+
+# -------------------------------------------------------------------- the step
+def _addmm(bias: torch.Tensor | None, a: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """``a @ wt (+ bias)`` per client, with the GEMM one client's F.linear calls."""
+    if a.shape[2] * a.shape[1] * wt.shape[2] < _SMALL_GEMM:
+        if bias is None:
+            return torch.stack([a[k].mm(wt[k]) for k in range(a.shape[0])])
+        return torch.stack([torch.addmm(bias[k], a[k], wt[k]) for k in range(a.shape[0])])
+    if bias is None:
+        return torch.bmm(a, wt)
+    return torch.baddbmm(bias[:, None, :], a, wt)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.shape[2] * a.shape[1] * b.shape[2] < _SMALL_GEMM:
+        return torch.stack([a[k].mm(b[k]) for k in range(a.shape[0])])
+    return torch.bmm(a, b)
+
+
+def _step(plan: list[_Op], W: torch.Tensor, X: torch.Tensor, Y: torch.Tensor,
+          G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One local step's forward and backward for every row of ``W`` on its batch
+    ``X [m, n, ...]``, ``Y [m, n]``: the gradients are added into ``G`` (zeroed);
+    returns the log-probabilities and the labels."""
+    m, n = X.shape[0], X.shape[1]
+    a = X
+    saved: list[torch.Tensor | torch.Size] = []
+    for op in plan:
+        if op.kind == "linear":
+            out, inp = op.shape
+            saved.append(a)
+            wt = W[:, op.weight].view(m, out, inp).transpose(1, 2)
+            a = _addmm(W[:, op.bias] if op.bias is not None else None, a, wt)
+        elif op.kind == "relu":
+            a = torch.relu(a)
+            saved.append(a)
+        else:  # flatten the per-sample dims start..end (2.. in [m, n, ...])
+            saved.append(a.shape)
+            end = op.end if op.end < 0 else op.end + 1
+            a = a.flatten(2, end)
+    lsm = torch.log_softmax(a, -1)
+    # ∂ℓ/∂log-softmax of the mean cross-entropy, as nll_loss's backward: −1/n at y
+    g = torch.zeros_like(lsm)
+    g.scatter_(2, Y[:, :, None], float(-(1.0 / torch.tensor(float(n), dtype=lsm.dtype))))
+    g = torch._log_softmax_backward_data(g, lsm, -1, lsm.dtype)
+    first = next(i for i, op in enumerate(plan) if op.kind == "linear")
+    for i in range(len(plan) - 1, first - 1, -1):
+        op, s = plan[i], saved[i]
+        if op.kind == "linear":
+            assert isinstance(s, torch.Tensor)
+            out, inp = op.shape
+            G[:, op.weight].view(m, out, inp).add_(_mm(g.transpose(1, 2), s))
+            if op.bias is not None:
+                G[:, op.bias].add_(g.sum(1))
+            if i > first:
+                g = _mm(g, W[:, op.weight].view(m, out, inp))
+        elif op.kind == "relu":
+            assert isinstance(s, torch.Tensor)
+            g = torch.ops.aten.threshold_backward(g, s, 0)
+        else:
+            assert isinstance(s, torch.Size)
+            g = g.reshape(s)
+    return lsm, Y
+
+
+@register("backend", "lockstep")
+def _lockstep(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig | None = None,
+              x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> LockstepBackend:
+    return LockstepBackend(trainer, method,
+                           chunk=(cfg.chunk or None) if cfg is not None else None, x=x, y=y)
+
