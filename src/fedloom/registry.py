@@ -112,8 +112,6 @@ _MODULES = (
     "fedloom.aggregate.server_opt",
     "fedloom.engine.backends",
     "fedloom.engine.vmap",
-    "fedloom.engine.lockstep",
-    "fedloom.engine.lockstep",
     "fedloom.engine.parallel",
     "fedloom.engine.auto",
     "fedloom.engine.ray_backend",
