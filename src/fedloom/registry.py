@@ -114,6 +114,7 @@ _MODULES = (
     "fedloom.engine.vmap",
     "fedloom.engine.parallel",
     "fedloom.engine.auto",
+    "fedloom.engine.lockstep",
     "fedloom.engine.ray_backend",
     "fedloom.compress.identity",
     "fedloom.compress.sparse",
