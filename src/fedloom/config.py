@@ -267,7 +267,7 @@ class CompressionConfig:
     alpha: float = _f(0.85, ge=0, le=1)          # SA-PEF step-ahead coefficient
     # constant, theory (α* from an online L̂), residual (min(alpha, κ·median ‖Δ‖/‖e‖))
     alpha_schedule: Literal["constant", "theory", "residual"] = "constant"
-    alpha_kappa: float = _f(1.0, gt=0)            # κ of the residual schedule
+    alpha_kappa: float = _f(10.0, gt=0)           # κ of the residual schedule
     period: int = _f(5, ge=1)                     # CSER: reset every H rounds
     reset_ratio: float = _f(0.1, gt=0, le=1)      # CSER: top fraction of e sent at a reset
     beta: float = _f(0.2, gt=0, le=1)             # SCAFCOM momentum

@@ -488,6 +488,9 @@ def check_privacy(privacy: Privacy, *, aggregator: Any, aggregator_name: str, fe
     if getattr(feedback, "schedule", "constant") == "theory":
         raise ConfigError("compression.alpha_schedule: theory sends unnoised smoothness probes; "
                           f"not covered by privacy.mode={mode}")
+    if getattr(feedback, "schedule", "constant") == "residual":
+        raise ConfigError("compression.alpha_schedule: residual sends unnoised update and "
+                          f"residual norms; not covered by privacy.mode={mode}")
     if privacy.central:
         if not (getattr(aggregator, "linear", False) and getattr(aggregator, "dp_mean", False)):
             raise ConfigError(

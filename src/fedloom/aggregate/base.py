@@ -12,7 +12,8 @@ returned direction is applied by the server optimizer as ``w ← w − η_g·opt
 
 A rule states the public default of ``η_g`` for its direction as the class
 attribute ``default_server_lr`` (``server.lr: auto`` uses it; FedAvg's 1.0 when
-a rule does not say): the same ``η_g`` means very different steps for rules
+a rule does not say), or as a class method ``server_lr_for(options)`` where it
+depends on the rule's options: the same ``η_g`` means very different steps for rules
 whose directions differ in scale (CRAFT's is about unit length per layer).
 
 Two optional class attributes say what privacy and secure aggregation may
@@ -84,11 +85,16 @@ def make_aggregator(name: str, **options: Any) -> Aggregator:
     return build("aggregator", name, options, "aggregator.options")
 
 
-def default_server_lr(name: str) -> float:
-    """The public default server step of aggregator ``name`` (``server.lr: auto``)."""
+def default_server_lr(name: str, options: Mapping[str, Any] | None = None) -> float:
+    """The public default server step of aggregator ``name`` (``server.lr: auto``);
+    a rule whose step scale depends on its options says so with a class method
+    ``server_lr_for(options)`` (CRAFT's ``step``)."""
     from fedloom.registry import get
 
-    value = getattr(get("aggregator", name), "default_server_lr", FEDAVG_SERVER_LR)
+    cls = get("aggregator", name)
+    pick = getattr(cls, "server_lr_for", None)
+    value = (pick(dict(options or {})) if callable(pick)
+             else getattr(cls, "default_server_lr", FEDAVG_SERVER_LR))
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e300:
         raise ValueError(f"aggregator {name!r}: default_server_lr must be a number > 0, "
                          f"got {value!r}")

@@ -133,16 +133,88 @@ default 0.1 (``default_server_lr``), not FedAvg's 1.0; it is a safe start, not a
 tuned step: on configs/quickstart.yaml (MNIST MLP, 30 rounds, seed 0) test
 accuracy is 0.33 at 0.1 and 0.86 at 1.0 (FedAvg at 1.0: 0.90).
 
+Step modes (``step``; the issue's "scale-aware CRAFT", the paper's future work).
+Per layer group ``q`` with CRAFT's direction ``g^q`` (above) and the weighted mean
+update ``ḡ^q = Σ_i p_i g_i^q`` (``p_i = n_i/Σn`` over the accepted clients, zero rows
+included), the returned group is ``c^q g^q`` with
+
+- ``fixed`` (default; the public code): ``c^q = 1``, so ``‖g^q‖ ≈ 0.1 … 1`` and
+  ``server.lr`` is the step length per layer (``server.lr: auto`` → 0.1);
+- ``norm_matched``: ``c^q = ‖ḡ^q‖ / ‖g^q‖``: CRAFT's direction at FedAvg's length,
+  so ``server.lr: auto`` → 1.0 (FedAvg's step) and the length follows the client
+  step and the round as FedAvg's does;
+- ``rprop``: ``c^q = τ_t^q ‖ḡ^q‖ / ‖g^q‖``, norm-matched times a per-group trust
+  factor adapted from round to round by the overshoot test of Rprop (Riedmiller &
+  Braun, ICNN 1993; sign agreement as in Jacobs' delta-bar-delta, 1988): with
+  ``s_{t−1}^q`` the previous **accepted** aggregate of the group (the state; a step
+  the engine skipped never becomes it) and ``κ_t^q = ⟨ḡ_t^q, s_{t−1}^q⟩``,
+  ``τ_t^q = clip(τ_{t−1}^q · step_up, step_min, step_max)`` if ``κ > 0`` (the clients
+  still pull along the last step: it stopped short of the minimum along it),
+  ``clip(τ_{t−1}^q · step_down, …)`` if ``κ < 0`` (they pull back: it overshot),
+  unchanged if ``κ = 0`` or either vector is zero; ``τ_0 = 1``, defaults
+  ``step_up = 1.2``, ``step_down = 0.5`` (Rprop's η⁺, η⁻), ``[step_min, step_max] =
+  [0.1, 10]``. On a quadratic along ``s_{t−1}`` the sign of ``κ`` is exactly whether
+  the last step passed the line minimum. With random signs (noise only) ``log τ``
+  drifts down (``0.5·log 1.2 + 0.5·log 0.5 < 0``): τ grows only while at least 79 %
+  of the rounds agree. ``ḡ_t`` rather than CRAFT's own ``g_t`` is tested because
+  ``g_t = ĝ + Uᵀλ`` is anchored on ``s_{t−1}``'s direction and leans towards it.
+  The state ``τ`` (float64, one per group) goes in and comes back with the
+  reference, so a resumed run continues bit for bit.
+
+Constraint preservation: for any ``c^q > 0``, ``⟨u_i, c^q g^q⟩ = c^q ρ_i > 0`` for
+every usable client, so no client conflicts with the returned step and the
+alignments keep their ratios ``ρ_i/ρ_j``; ``craft_max_violation`` and
+``craft_min_alignment`` are measured on the unscaled ``g`` (the constraints as
+solved). Where ``ḡ^q = 0`` (updates that cancel, every row zero) ``c^q = 0`` and the
+group does not move: the weaker guarantee ``⟨u_i, 0⟩ = 0`` (no client's loss
+increases to first order). ``c^q`` is formed in float64 from norms taken without
+squaring huge or tiny entries; a non-finite row gives a non-finite ``c^q`` and a NaN
+group (rejected by the engine, never averaged).
+
+Composition with the server optimizer. ``fixed`` and ``norm_matched`` compose with
+``server.optimizer: momentum`` as the FedAvg family does: the momentum buffer
+multiplies the step by up to ``1/(1 − β)``, so ``server.lr`` must be FedAvgM's
+(≈ 0.1–0.3 at β = 0.9 for ``norm_matched``, ~10× smaller for ``fixed``), not
+``auto``'s 1.0. ``adam``/``yogi``/``adagrad`` divide each coordinate by its own
+running scale, so the three modes differ there only through how the length
+changes over rounds (Adam is invariant to a constant ``c^q``); ``server.lr`` is
+Adam's (≈ 1e-3 … 1e-2). ``rprop``'s test reads the aggregate, not the step the
+optimizer applied: with momentum the overshoot it detects is that of the
+aggregate's direction, a weaker signal; ``rprop`` is meant for ``sgd``
+(tests/test_craft_adaptive.py runs every mode with momentum and Adam: finite,
+and the training loss falls).
+
+Targets (``targets``): ``data`` (default; the paper): ``ρ_i = n_i/Σn``.
+``loss``: ``ρ_i ∝ n_i (F_i(w) + 1e-10)^q`` normalised (``q`` = ``targets_q``, default 1),
+``F_i(w)`` the client's loss at the received model before training (the start
+losses q-FedAvg reads; the engine computes them only for rules that ask), the
+weights of q-FFL's gradient ``Σ p_i F_i^q ∇F_i`` (Li et al., ICLR 2020; ``+ 1e-10``
+as q-FedAvg's public code). Guarantee: every usable client still gets
+``⟨u_i, g⟩ = ρ_i > 0`` (no conflict), and the first-order decrease of client ``i``'s
+loss along ``−η g``, ``η ‖g_i‖ ρ_i`` (with ``u_i`` standing for the direction of
+its gradient), is in the ratio ``(n_i/n_j)(F_i/F_j)^q`` between clients: the
+clients that are behind get proportionally more alignment; ``q = 0`` is ``data``.
+Computed as a softmax of ``log n_i + q·log F_i`` (no overflow at any loss or
+``q``); a non-finite start loss counts as the cohort's largest finite one (the
+client is the furthest behind), all non-finite → ``data`` targets. Negative
+losses are refused (ValueError: the round is skipped). Relative weights are kept
+at ``≥ e^-700`` of the largest, so ``ρ_i > 0`` always; a target below ``atol``
+(1e-6; e.g. q = 50 and losses 1 against 1e300) is met only to that tolerance, so
+the alignment it guarantees is ``⟨u_i, g⟩ ≥ −atol``, not a resolvable ``> 0``.
+
 Metrics each round: ``craft_max_violation`` (max over groups and usable
 clients of ``|⟨u_i, g⟩ − ρ_i|``, over groups solved with ≥ 2 clients),
-``craft_min_alignment`` (min of ``⟨u_i, g⟩``), ``craft_infeasible_groups``.
+``craft_min_alignment`` (min of ``⟨u_i, g⟩``), ``craft_infeasible_groups``; with
+``step`` other than ``fixed`` also ``craft_step_scale`` (the median of ``c^q`` over
+the groups) and, for ``rprop``, ``craft_trust`` (the median of ``τ^q``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -152,20 +224,34 @@ from fedloom.aggregate.gram import (
     combine,
     gram,
     gram_noise,
+    lincomb64,
     out_of_range,
     row_scales,
+    safe_norm,
     truncated_solve,
 )
 from fedloom.params import Layout
 from fedloom.registry import register
 
-__all__ = ["CRAFT", "CraftState"]
+__all__ = ["CRAFT", "STEPS", "TARGETS", "CraftState"]
+
+Step = Literal["fixed", "norm_matched", "rprop"]
+Targets = Literal["data", "loss"]
+STEPS: tuple[str, ...] = ("fixed", "norm_matched", "rprop")
+TARGETS: tuple[str, ...] = ("data", "loss")
+# The step mode a config that names none gets (see README: what `craft` alone gives).
+DEFAULT_STEP: Step = "fixed"
+# q-FedAvg's public code: F_k + 1e-10 keeps log F (and F^q) finite at a zero loss.
+_LOSS_OFFSET = 1e-10
 
 
 @dataclass
 class CraftState:
     groups: tuple[tuple[int, int], ...]   # [start, stop) of each layer group
-    previous: torch.Tensor | None = None  # last round's aggregate g (before η_g)
+    previous: torch.Tensor | None = None  # last accepted aggregate (before η_g)
+    # step="rprop": the trust factor τ^q of each group (float64; None before the first
+    # round). A default, so checkpoints written before it load (the class attribute).
+    trust: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -190,12 +276,23 @@ class CRAFT:
         chunk: column chunk of the Gram accumulation.
         match_reference: reproduce the public code's float32
             ``torch.linalg.pinv(U)`` path (in the input dtype) exactly.
+        step: ``"fixed"`` (the public code: CRAFT's direction as solved),
+            ``"norm_matched"`` (each group at its weighted mean update's length) or
+            ``"rprop"`` (norm-matched times a per-group trust factor from the overshoot
+            test); module docstring.
+        step_up, step_down, step_min, step_max: ``rprop``'s growth and shrink factors
+            and the bounds of its trust factor.
+        targets: ``"data"`` (``ρ_i = n_i/Σn``, the paper) or ``"loss"`` (``ρ_i ∝ n_i
+            F_i(w)^q``, q-FFL's weights; needs the start losses).
+        targets_q: ``q`` of ``targets="loss"``.
 
     Reference:
         paper: "CRAFT: Conflict-Resolved Aggregation for Federated Training", arXiv 2605.21317.
         code: tum-pbs/CRAFT (``fed/craft.py``); ``match_reference=True`` reproduces it bit for
             bit.
-        departures: the Gram matrix in column chunks and the m × m system in float64 with the
+        departures: ``step`` and ``targets`` other than the defaults are fedloom's (the
+            paper's future work: scale-aware steps, targets from training progress);
+            the Gram matrix in column chunks and the m × m system in float64 with the
             cut ``σ_cut = max(sv_floor, rtol·σ_max)``, a float64 fallback and iterative
             refinement (the public float32 ``pinv`` drops or keeps directions by ``max(m,
             d)·eps``); layer groups from the model's Layout.
@@ -207,6 +304,12 @@ class CRAFT:
     # ‖g^q‖ is about 0.1–1 whatever the updates' size, so 1.0 steps each layer ~10× further.
     default_server_lr = 0.1
 
+    @classmethod
+    def server_lr_for(cls, options: Mapping[str, Any]) -> float:
+        """``server.lr: auto`` for these options: the public 0.1 for ``step: fixed``,
+        FedAvg's 1.0 for the modes at the mean update's length."""
+        return cls.default_server_lr if options.get("step", DEFAULT_STEP) == "fixed" else 1.0
+
     def __init__(
         self,
         groups: Literal["layer", "global"] = "layer",
@@ -216,6 +319,13 @@ class CRAFT:
         precision: Precision = "mixed",
         chunk: int = 1 << 15,
         match_reference: bool = False,
+        step: Literal["fixed", "norm_matched", "rprop"] = DEFAULT_STEP,
+        step_up: float = 1.2,
+        step_down: float = 0.5,
+        step_min: float = 0.1,
+        step_max: float = 10.0,
+        targets: Literal["data", "loss"] = "data",
+        targets_q: float = 1.0,
     ) -> None:
         if groups not in ("layer", "global"):
             raise ValueError(
@@ -231,6 +341,26 @@ class CRAFT:
             raise ValueError(
                 f"aggregator.options.precision: must be 'float64' or 'mixed', got {precision!r}"
             )
+        if step not in STEPS:
+            raise ValueError(f"aggregator.options.step: must be one of {', '.join(STEPS)}, "
+                             f"got {step!r}")
+        if targets not in TARGETS:
+            raise ValueError(f"aggregator.options.targets: must be one of "
+                             f"{', '.join(TARGETS)}, got {targets!r}")
+        for key, v, ok, what in (
+            ("step_up", step_up, 1 <= step_up < math.inf, ">= 1 and finite"),
+            ("step_down", step_down, 0 < step_down <= 1, "in (0, 1]"),
+            ("step_min", step_min, 0 < step_min <= 1, "in (0, 1]"),
+            ("step_max", step_max, 1 <= step_max < math.inf, ">= 1 and finite"),
+            ("targets_q", targets_q, 0 <= targets_q < math.inf, ">= 0 and finite"),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int | float) or not ok:
+                raise ValueError(f"aggregator.options.{key}: must be {what}, got {v!r}")
+        self.step = step
+        self.step_up, self.step_down = float(step_up), float(step_down)
+        self.step_min, self.step_max = float(step_min), float(step_max)
+        self.targets = targets
+        self.targets_q = float(targets_q)
         self.groups = groups
         self.rtol = rtol
         self.sv_floor = sv_floor
@@ -238,6 +368,11 @@ class CRAFT:
         self.precision = precision
         self.chunk = int(chunk)
         self.match_reference = match_reference
+
+    @property
+    def requires(self) -> frozenset[str]:
+        """``targets="loss"`` reads the start losses (the engine computes them only then)."""
+        return frozenset({"start_losses"}) if self.targets == "loss" else frozenset()
 
     def init(self, layout: Layout) -> CraftState:
         lay = layout.regroup(self.groups)
@@ -258,12 +393,31 @@ class CRAFT:
             )
         if weights.shape != (m,) or bool((weights < 0).any()):
             raise ValueError("craft: weights must be a non-negative vector, one per update")
+        rho_w = self._target_weights(weights, info)
         out = torch.empty(d, dtype=updates.dtype, device=updates.device)
         viol, align, infeasible = [], [], 0
-        for start, stop in state.groups:
+        scaled = self.step != "fixed"
+        p = _normalise(weights.to(torch.float64)) if scaled else None  # FedAvg's weights
+        trust_old = getattr(state, "trust", None)
+        trust = torch.ones(len(state.groups), dtype=torch.float64)
+        if self.step == "rprop" and trust_old is not None:
+            trust = trust_old.detach().to("cpu", torch.float64).clone()
+        scales = []
+        for q, (start, stop) in enumerate(state.groups):
             prev = state.previous[start:stop] if state.previous is not None else None
-            solve = self._solve(updates[:, start:stop], weights, prev)
-            out[start:stop] = solve.g
+            R = updates[:, start:stop]
+            solve = self._solve(R, rho_w, prev)
+            g = solve.g
+            if scaled:
+                assert p is not None
+                mean = lincomb64(R, p.to(R.device), chunk=self.chunk)
+                if self.step == "rprop":
+                    trust[q] = self._trusted(float(trust[q]), mean, prev)
+                c = _length_ratio(mean, g) * (float(trust[q]) if self.step == "rprop" else 1.0)
+                scales.append(c)
+                g = (g.to(torch.float64) * c).to(updates.dtype) if c == c else g.new_full(
+                    g.shape, float("nan"))
+            out[start:stop] = g
             if solve.violation == solve.violation:  # not NaN
                 viol.append(solve.violation)
                 align.append(solve.min_alignment)
@@ -273,7 +427,55 @@ class CRAFT:
             "craft_min_alignment": min(align) if align else float("nan"),
             "craft_infeasible_groups": float(infeasible),
         }
+        if scaled:
+            metrics["craft_step_scale"] = _median(scales)
+        if self.step == "rprop":
+            metrics["craft_trust"] = float(trust.median())
+            return out, CraftState(state.groups, out.detach().clone(), trust), metrics
         return out, CraftState(state.groups, out.detach().clone()), metrics
+
+    # ------------------------------------------------------------ step, targets
+    def _trusted(self, tau: float, mean: torch.Tensor, prev: torch.Tensor | None) -> float:
+        """``rprop``: τ grown by ``step_up`` where the clients' mean update still points
+        along the last accepted step (``⟨ḡ, s⟩ > 0``), shrunk by ``step_down`` where it
+        points back, kept where the test is undefined; clipped to the bounds."""
+        if prev is None:
+            return tau
+        a, b = _unit64(mean), _unit64(prev.to(mean.device))
+        if a is None or b is None:
+            return tau
+        kappa = float(a @ b)
+        if kappa > 0:
+            tau *= self.step_up
+        elif kappa < 0:
+            tau *= self.step_down
+        return min(self.step_max, max(self.step_min, tau))
+
+    def _target_weights(self, weights: torch.Tensor, info: CohortInfo | None) -> torch.Tensor:
+        """The unnormalised targets: ``n_i`` (``data``) or ``n_i (F_i + 1e-10)^q``
+        (``loss``, as ``exp(log n_i + q log F_i − max)``: no overflow at any ``F`` or ``q``)."""
+        if self.targets == "data":
+            return weights
+        if info is None or info.start_losses is None:
+            raise ValueError("craft: targets=loss needs the clients' start losses (info)")
+        F = info.start_losses.detach().to("cpu", torch.float64)
+        if F.shape != weights.shape:
+            raise ValueError(f"craft: {F.numel()} start losses for {weights.numel()} updates")
+        if bool((F < 0).any()):
+            raise ValueError("craft: targets=loss needs losses >= 0")
+        finite = torch.isfinite(F)
+        if not bool(finite.any()):
+            return weights  # no usable progress measure: the data targets
+        # a non-finite loss counts as the largest finite one: that client is furthest behind
+        F = torch.where(finite, F, F[finite].max()) + _LOSS_OFFSET
+        n = weights.detach().to("cpu", torch.float64)
+        logw = torch.where(n > 0, n.clamp_min(1e-300).log() + self.targets_q * F.log(),
+                           torch.full_like(n, -math.inf))
+        if not bool(torch.isfinite(logw).any()):
+            return weights
+        # relative weights ≥ e^-700 ≈ 1e-304: every client with n_i > 0 keeps ρ_i > 0
+        rel = (logw - logw[torch.isfinite(logw)].max()).clamp_min(-700.0).exp()
+        return torch.where(n > 0, rel, torch.zeros_like(rel)).to(weights.device)
 
     # ------------------------------------------------------------------ solve
     def _solve(
@@ -412,16 +614,52 @@ class CRAFT:
         return GroupSolve(g, viol, float(Ug.min()), rank < Ru.shape[0])
 
 
+def _length_ratio(mean: torch.Tensor, g: torch.Tensor) -> float:
+    """``‖ḡ‖ / ‖g‖`` in float64, norms taken without squaring huge or tiny entries;
+    0 where either is 0 (the group does not move), NaN where either is not finite."""
+    a, b = safe_norm(mean), safe_norm(g)
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return float("nan")
+    if a == 0.0 or b == 0.0:
+        return 0.0
+    return a / b
+
+
+def _unit64(v: torch.Tensor) -> torch.Tensor | None:
+    """``v/‖v‖`` in float64, or None for a zero or non-finite ``v``."""
+    n = safe_norm(v)
+    if not (n > 0 and math.isfinite(n)):
+        return None
+    x = v.to(torch.float64)
+    a = x.abs().max()
+    return (x / a) / (n / float(a))
+
+
+def _median(xs: list[float]) -> float:
+    finite = sorted(x for x in xs if x == x)
+    if not finite:
+        return float("nan")
+    k = len(finite)
+    return finite[k // 2] if k % 2 else 0.5 * (finite[k // 2 - 1] + finite[k // 2])
+
+
 def _normalise(w: torch.Tensor) -> torch.Tensor:
     total = w.sum()
     return w / total if float(total) > 0 else torch.full_like(w, 1.0 / w.numel())
 
 
 def _unit(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    n = torch.linalg.vector_norm(v.to(torch.float64))
-    if not bool(n > 0):
-        return torch.zeros_like(v, dtype=dtype)
-    return (v.to(torch.float64) / n).to(dtype)
+    x = v.to(torch.float64)
+    n = torch.linalg.vector_norm(x)
+    if not (bool(n > 1e-150) and bool(torch.isfinite(n))):
+        # the squares over- or underflowed (a norm-matched reference of huge or tiny
+        # updates): divide by the largest entry first; a zero vector stays zero
+        a = x.abs().max() if x.numel() else x.new_zeros(())
+        if not (bool(a > 0) and bool(torch.isfinite(a))):
+            return torch.zeros_like(v, dtype=dtype)
+        x = x / a
+        n = torch.linalg.vector_norm(x)
+    return (x / n).to(dtype)
 
 
 # The class is its own factory: its constructor arguments are the config options.
