@@ -128,8 +128,9 @@ usable client, or a zero result → zeros.
 The server step keeps the public meaning ``w ← w − η_g g``. Scale trap:
 ``‖g^q‖`` is about 0.1–1 whatever the size of the client updates, so ``η_g``
 (``server.lr``) sets each layer's step length directly (public defaults: 0.1
-for CIFAR-10, 1.0 for CIFAR-100). ``server.lr: auto`` takes the public code's
-default 0.1 (``default_server_lr``), not FedAvg's 1.0; it is a safe start, not a
+for CIFAR-10, 1.0 for CIFAR-100). With ``step: fixed``, ``server.lr: auto`` takes the
+public code's default 0.1 (``default_server_lr``), not FedAvg's 1.0 (the other step
+modes below take 1.0: their length is the mean update's); it is a safe start, not a
 tuned step: on configs/quickstart.yaml (MNIST MLP, 30 rounds, seed 0) test
 accuracy is 0.33 at 0.1 and 0.86 at 1.0 (FedAvg at 1.0: 0.90).
 
