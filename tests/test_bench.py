@@ -22,7 +22,10 @@ def test_bench_quick_writes_every_section(tmp_path):
     got = json.loads((tmp_path / "results-quick.json").read_text())
     s = got["sections"]
     assert set(s) == {"round_time", "first_round", "aggregation", "topk", "memory",
-                      "fp16_state"}
+                      "fp16_state", "lockstep"}
+    ls = s["lockstep"]
+    assert all(ls[k] > 0 for k in ("lockstep", "sequential", "vmap"))
+    assert ls["max_abs_diff_vs_sequential"] <= 1e-5  # the same training, float32 rounding
     for row in s["round_time"]["per_round"].values():
         assert {"sequential", "vmap", "process", "plain_torch"} <= set(row)
         assert all(v > 0 for v in row.values())
@@ -32,3 +35,4 @@ def test_bench_quick_writes_every_section(tmp_path):
     assert s["first_round"]["seconds_to_end_of_round_1"] > 0
     md = (tmp_path / "results-quick.md").read_text()
     assert "## 1. Round time" in md and "## 6. fp16 client state" in md
+    assert "## 7. Lock-step trainer" in md

@@ -47,8 +47,8 @@ def test_auto_backend_measures_then_keeps_the_faster(tiny):
     exp = Experiment(load_config(SYN, ["backend=auto", "backend.workers=2", "dtype=float64"]))
     assert exp.backend.name == "auto"
     st, _ = exp.round(exp.initial_state())
-    # a cohort of 4 on 2 workers: sequential, vmap and process were all timed
-    assert set(exp.backend.times) == {"sequential", "vmap", "process"}
+    # a cohort of 4 on 2 workers: sequential, vmap, lockstep and process were all timed
+    assert set(exp.backend.times) == {"sequential", "vmap", "lockstep", "process"}
     assert exp.backend.name == min(exp.backend.times, key=exp.backend.times.get)
     ref = Experiment(load_config(SYN, ["dtype=float64"]))
     st2, _ = ref.round(ref.initial_state())

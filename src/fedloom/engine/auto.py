@@ -1,13 +1,15 @@
 """``backend: auto``: time the first cohort on every backend that applies, keep the fastest.
 
 Candidates: ``sequential``; ``vmap`` where it applies (plain local SGD, no
-recurrent layers); ``process`` with ``backend.workers`` workers (default: the
-cores; on a CUDA run, the GPUs) where there is more than one and the cohort has
-at least two clients per worker. The first cohort's results come from the sequential
-backend; the other runs of the same jobs only measure (every backend gives the
-same results, see their tests). The process pool is started before it is timed
-and shut down when it is not chosen. The choice and the times are logged and
-the choice is kept in :attr:`AutoBackend.name`.
+recurrent layers); ``lockstep`` where it applies (plain local SGD on a chain of
+Linear/ReLU/Flatten layers, :mod:`fedloom.engine.lockstep`); ``process`` with
+``backend.workers`` workers (default: the cores; on a CUDA run, the GPUs) where
+there is more than one and the cohort has at least two clients per worker. The
+first cohort's results come from the sequential backend; the other runs of the
+same jobs only measure (every backend gives the same results, see their
+tests). The process pool is started before it is timed and shut down when it
+is not chosen. The choice and the times are logged and the choice is kept in
+:attr:`AutoBackend.name`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig
 from fedloom.engine.backends import SequentialBackend
+from fedloom.engine.lockstep import LockstepBackend
 from fedloom.engine.vmap import VmapBackend
 from fedloom.registry import register
 
@@ -41,6 +44,7 @@ class AutoBackend:
         self.workers = workers or gpus or os.cpu_count() or 1
         self.seq = SequentialBackend(trainer, method)
         self.vmap = VmapBackend(trainer, method, x=x, y=y)
+        self.lockstep = LockstepBackend(trainer, method, x=x, y=y)
         self.chosen: Any = None
         self.name = "auto"
         self.times: dict[str, float] = {}
@@ -57,6 +61,11 @@ class AutoBackend:
             self.vmap.train_cohort(jobs)
             self.times["vmap"] = time.perf_counter() - t
             backends["vmap"] = self.vmap
+        if self.lockstep.enabled:
+            t = time.perf_counter()
+            self.lockstep.train_cohort(jobs)
+            self.times["lockstep"] = time.perf_counter() - t
+            backends["lockstep"] = self.lockstep
         if self.workers > 1 and len(jobs) >= 2 * self.workers and self.x is not None:
             from fedloom.engine.parallel import ProcessBackend
 

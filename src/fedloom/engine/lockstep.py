@@ -55,8 +55,14 @@ other than plain SGD/FedProx (``client.method``), ``client.amp``, data
 augmentation, a random train-mode forward, and jobs that ask for a smoothness
 probe or carry a method's objective, mask or μ (these per chunk).
 
-The cohort runs in chunks of ``chunk`` clients (default: as many as fit in
-256 MB of stacked parameters of the run's dtype).
+The cohort runs in chunks of ``chunk`` clients (``backend.chunk``; default: as
+many as fit in 4 MB of stacked parameters of the run's dtype — 6 clients of the
+reference MLP in float32). Measured on the reference workload (100 clients a
+round, MLP 784-200-10, one intra-op thread, the 2-core machine shared with
+other jobs at load 7): a round's local training took 4.3–4.4 s in chunks of 4
+or 8 clients, 4.3–5.3 s in chunks of 16–32 and 5.4–6.3 s with all 100 at once,
+against 6.6–6.9 s on the sequential path: the stacked weights of a whole
+cohort (64 MB) fall out of the cache at every step.
 """
 
 from __future__ import annotations
@@ -212,7 +218,9 @@ class LockstepBackend:
         self.enabled = self.reason is None
         p = next(trainer.module.parameters(), None)
         size = p.element_size() if p is not None else 4
-        self.chunk = chunk or max(1, (256 << 20) // (size * max(1, trainer.layout.size)))
+        # Cache-sized chunks: a step streams each client's weights, gradient and
+        # momentum several times; 4 MB of stacked weights keeps them in cache.
+        self.chunk = chunk or max(1, (4 << 20) // (size * max(1, trainer.layout.size)))
         self._noted: set[str] = set()
 
     def _note(self, why: str) -> None:

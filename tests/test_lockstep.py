@@ -1,0 +1,188 @@
+"""The lockstep backend gives the sequential backend's results: bit for bit in float64."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import fedloom
+from fedloom.client.methods import LocalMethod
+from fedloom.client.sgd import ClientJob, LocalSGD
+from fedloom.config import load_config
+from fedloom.engine.backends import SequentialBackend
+from fedloom.engine.experiment import Experiment
+from fedloom.engine.lockstep import LockstepBackend, lockstep_plan
+from fedloom.job import Penalty
+from fedloom.params import Layout
+
+# 8 clients of the natural split of the synthetic data: ragged sizes (asserted below).
+SYN = {"name": "syn", "seed": 2, "rounds": 2,
+       "data": {"name": "synthetic", "num_clients": 8, "partition": {"name": "natural"},
+                "max_samples": 1200},
+       "model": {"name": "mlp", "hidden": [12]}, "cohort": {"size": 4},
+       "client": {"lr": 0.05, "batch_size": 16, "epochs": 1}, "checkpoint": {"every": 0},
+       "eval": {"every": 2},
+       # one intra-op thread: the tests stay quick on a machine shared with other jobs
+       "backend": {"threads": 1}}
+
+
+def _rounds(over: list[str], rounds: int = 2):
+    """The global model after ``rounds`` rounds, and the experiment's backend."""
+    exp = Experiment(load_config(SYN, over))
+    st = exp.initial_state()
+    losses = []
+    for _ in range(rounds):
+        st, rec = exp.round(st)
+        losses.append(rec.get("train_loss"))
+    exp.close()
+    return st.w, losses, exp.backend
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    ["client.momentum=0.9", "client.weight_decay=0.001", "client.prox_mu=0.1"],
+    ["client.steps=7", "client.momentum=0.5"],
+    # SCAFFOLD-style shift; FLARE's penalty on the first steps
+    ["compression.name=topk", "compression.options.ratio=0.2", "compression.feedback=scafcom"],
+    ["compression.name=topk", "compression.options.ratio=0.2", "compression.options.scope=tensor",
+     "compression.feedback=flare", "compression.tau=0.5"],
+])
+def test_lockstep_equals_sequential_bit_for_bit_in_float64(extra):
+    wa, la, _ = _rounds(["dtype=float64", *extra])
+    wb, lb, backend = _rounds(["dtype=float64", "backend.name=lockstep", *extra])
+    assert backend.name == "lockstep" and backend.reason is None  # not a fallback
+    assert torch.equal(wa, wb)
+    assert la == lb and None not in la  # the mean local losses too
+
+
+def test_the_synthetic_clients_are_ragged():
+    exp = Experiment(load_config(SYN, ["dtype=float64"]))
+    assert len(set(exp.n_train.tolist())) > 1
+
+
+def test_lockstep_float32_tolerance():
+    wa, _, _ = _rounds(["model.hidden=[64]"])
+    wb, _, _ = _rounds(["model.hidden=[64]", "backend.name=lockstep"])
+    # float32: agreement to float32 rounding (MKL's batched sgemm orders some sums apart)
+    assert torch.allclose(wa, wb, rtol=1e-5, atol=1e-6)
+
+
+def test_model_sha256_and_rerun_are_identical():
+    over = ["dtype=float64", "client.momentum=0.9", "rounds=2"]
+    a = fedloom.run(SYN, over)
+    b = fedloom.run(SYN, [*over, "backend.name=lockstep"])
+    c = fedloom.run(SYN, [*over, "backend.name=lockstep"])
+    assert a.summary["model_sha256"] == b.summary["model_sha256"] == c.summary["model_sha256"]
+    assert fedloom.model_sha256(b.w) == a.summary["model_sha256"]
+
+
+# ----------------------------------------------------------------- the trainer itself
+class _Funcs(nn.Module):
+    """torch.flatten / F.relu / torch.relu and a bias-free Linear: a chain fx traces."""
+
+    def __init__(self, d: int, h: int, c: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, h)
+        self.b = nn.Linear(h, h, bias=False)
+        self.c = nn.Linear(h, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.flatten(x, 1)
+        return self.c(torch.relu(self.b(F.relu(self.a(x)))))
+
+
+def _jobs(model: nn.Module, sizes: list[int], shape: tuple[int, ...], dtype, *,
+          penalty: bool = False, shift: bool = False) -> tuple[LocalSGD, list[ClientJob]]:
+    g = torch.Generator().manual_seed(0)
+    layout = Layout.from_module(model)
+    w = torch.randn(layout.size, generator=g, dtype=dtype) * 0.3
+    jobs = []
+    for k, n in enumerate(sizes):
+        x = torch.randn(n, *shape, generator=g, dtype=dtype)
+        y = torch.randint(0, 3, (n,), generator=g)
+        pen = (Penalty(torch.zeros_like(w), 0.01, 2, "l1") if penalty and k % 2 == 0 else None)
+        sh = torch.randn(layout.size, generator=g, dtype=dtype) * 0.01 if shift else None
+        jobs.append(ClientJob(client=k, round=0, w=w, lr=0.1 if k != 1 else 0.05, x=x, y=y,
+                              gen_seed=100 + k, start_loss=k == 0, penalty=pen,
+                              grad_shift=sh, max_steps=3 if k == 2 else None))
+    return layout, jobs
+
+
+@pytest.mark.parametrize("model,shape", [
+    # products of 6·n·5 < 400: the client-by-client GEMMs of torch's small-matrix case
+    (lambda: nn.Sequential(nn.Flatten(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)), (2, 3)),
+    (lambda: _Funcs(40, 24, 3), (40,)),
+    (lambda: nn.Sequential(nn.Flatten(), nn.Identity(), nn.Linear(30, 32), nn.ReLU(),
+                           nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 3)), (5, 6)),
+])
+def test_trainer_updates_equal_sequential_per_client(model, shape):
+    torch.manual_seed(0)
+    net = model().double()
+    layout, jobs = _jobs(net, [5, 9, 16, 33, 1], shape, torch.float64, penalty=True, shift=True)
+    tr = LocalSGD(net, layout, batch_size=4, epochs=2, momentum=0.9, weight_decay=0.01,
+                  prox_mu=0.1)
+    ls = LockstepBackend(tr, LocalMethod(), chunk=3)  # chunks of 3 and 2 clients
+    assert ls.reason is None
+    got = ls.train_cohort(jobs)
+    want = SequentialBackend(tr, LocalMethod()).train_cohort(jobs)
+    for a, b in zip(got, want, strict=True):
+        assert a is not None and b is not None
+        assert torch.equal(a.update, b.update)
+        assert (a.loss, a.steps, a.start_loss, a.num_samples) == (
+            b.loss, b.steps, b.start_loss, b.num_samples)
+    assert [r.steps for r in got if r is not None] == [4, 6, 3, 18, 2]  # ragged, max_steps
+
+
+@pytest.mark.parametrize("model,why", [
+    (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 3)), "Conv2d"),
+    (nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)),
+     "buffers"),
+    (nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 3)), "Dropout"),
+    (nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)), "Tanh"),
+])
+def test_unsupported_layers_are_named(model, why):
+    ops, reason = lockstep_plan(model, Layout.from_module(model))
+    assert ops is None and why in reason
+
+
+def test_frozen_and_shared_layers_are_refused():
+    lin = nn.Linear(4, 4)
+    shared = nn.Sequential(nn.Flatten(), lin, nn.ReLU(), lin, nn.Linear(4, 3))
+    assert "twice" in lockstep_plan(shared, Layout.from_module(shared))[1]
+    frozen = nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.Linear(4, 3))
+    frozen[1].weight.requires_grad_(False)
+    assert "frozen" in lockstep_plan(frozen, Layout.from_module(frozen))[1]
+
+
+def test_fallbacks_log_one_line_and_equal_sequential(caplog):
+    for extra, why in ((["client.method=ditto"], "local method ditto"),
+                       (["model.name=cnn", "model.channels=[2,4]", "data.name=digits",
+                         "data.partition.name=iid", "data.max_samples=300"],
+                        "Conv2d"),
+                       (["client.amp=bf16", "dtype=float32"], "client.amp bf16")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fedloom"):
+            wb, _, backend = _rounds(["dtype=float64", "backend.name=lockstep", *extra])
+        lines = [r.getMessage() for r in caplog.records if "backend lockstep" in r.getMessage()]
+        assert len(lines) == 1 and why in lines[0], lines  # one line, not one per round
+        assert backend.reason is not None
+        wa, _, _ = _rounds(["dtype=float64", *extra])
+        assert torch.equal(wa, wb)
+
+
+def test_auto_times_lockstep_and_keeps_the_fastest():
+    exp = Experiment(load_config(SYN, ["backend.name=auto", "backend.workers=1", "dtype=float64"]))
+    st, _ = exp.round(exp.initial_state())
+    assert set(exp.backend.times) == {"sequential", "vmap", "lockstep"}
+    assert exp.backend.name == min(exp.backend.times, key=exp.backend.times.get)
+    ref = Experiment(load_config(SYN, ["dtype=float64"]))
+    st2, _ = ref.round(ref.initial_state())
+    st, _ = exp.round(st)
+    st2, _ = ref.round(st2)
+    if exp.backend.name in ("sequential", "lockstep"):
+        assert torch.equal(st.w, st2.w)
+    exp.close()
