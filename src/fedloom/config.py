@@ -341,7 +341,11 @@ class BackendConfig:
 
     - ``sequential``: one client after another in this process;
     - ``vmap``: a cohort in lock-step with ``torch.func`` (chunks of ``chunk`` clients);
-    - ``auto``: times the first cohort on sequential, vmap and process (where they
+    - ``lockstep``: a cohort as one batched model (``baddbmm`` forward, hand-written
+      backward, one fused SGD step; chunks of ``chunk`` clients) for chains of
+      Linear/ReLU/Flatten, bit for bit the sequential results in float64; anything
+      else trains on the sequential path (one log line; :mod:`fedloom.engine.lockstep`);
+    - ``auto``: times the first cohort on sequential, vmap, lockstep and process (where they
       apply), keeps the fastest and logs the times;
     - ``process``: ``workers`` single-thread processes on this machine, each running
       ``inner`` (sequential or vmap) on its share of the cohort;
@@ -377,7 +381,7 @@ class BackendConfig:
     name: str = "sequential"
     workers: int = _f(0, ge=0)        # process / ray: parallel workers (0 = every core)
     inner: Literal["sequential", "vmap"] = "sequential"
-    chunk: int = _f(0, ge=0)          # vmap: clients per lock-step chunk (0 = cache-sized)
+    chunk: int = _f(0, ge=0)          # vmap, lockstep: clients per chunk (0 = cache-sized)
     address: str = ""                 # ray: cluster address ("" = start a local instance)
     on_failure: Literal["retry", "drop"] = "retry"
     max_retries: int = _f(2, ge=0)    # process / ray: reruns of work whose worker died
