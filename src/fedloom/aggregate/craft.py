@@ -181,9 +181,12 @@ running scale, so the three modes differ there only through how the length
 changes over rounds (Adam is invariant to a constant ``c^q``); ``server.lr`` is
 Adam's (≈ 1e-3 … 1e-2). ``rprop``'s test reads the aggregate, not the step the
 optimizer applied: with momentum the overshoot it detects is that of the
-aggregate's direction, a weaker signal; ``rprop`` is meant for ``sgd``
-(tests/test_craft_adaptive.py runs every mode with momentum and Adam: finite,
-and the training loss falls).
+aggregate's direction, a weaker signal, and τ (up to 10) multiplies the momentum
+step too: ``rprop`` is meant for ``sgd``; with momentum take ~10× less than
+FedAvgM's step. tests/test_craft_adaptive.py runs every mode with momentum and
+Adam on a federated least-squares problem (6 clients, 40 rounds): finite, and the
+gap to the minimum shrinks, at momentum steps 0.001 (``fixed``), 0.1
+(``norm_matched``) and 0.01 (``rprop``; 0.1 diverged there) and Adam 0.01 for all.
 
 Targets (``targets``): ``data`` (default; the paper): ``ρ_i = n_i/Σn``.
 ``loss``: ``ρ_i ∝ n_i (F_i(w) + 1e-10)^q`` normalised (``q`` = ``targets_q``, default 1),
