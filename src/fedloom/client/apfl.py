@@ -25,8 +25,9 @@ forward draws no random number (no dropout). Models with BatchNorm train each
 pass on its own copy of the round's buffers; the global copy's are the ones
 returned.
 
-Checked against the rule written out from the paper (tests/test_personalised.py,
-float64): one local round, max difference below 1e-12. Departures: FL-bench's
+Checked against the rule written out from the paper with a plain module
+(tests/test_personalised.py: digits, a 16-unit MLP, a client's second round,
+float64): the global copy max difference 1.4e-17, ``v_k`` and ``α_k`` 0. Departures: FL-bench's
 APFL (KarhouTam/FL-bench, src/client/apfl.py) mixes the two models' *logits*
 and updates α only in the first epoch, with a 0.02 α regulariser; fedloom
 follows the paper's parameter mixing and updates α every step.
@@ -137,7 +138,7 @@ def _apfl(alpha: float = 0.5, adaptive: bool = True, alpha_lr: float | None = No
             arXiv 2003.13461, 2020, Algorithm 1.
         code: KarhouTam/FL-bench, src/client/apfl.py (read; it mixes logits, see the
             module docstring); checked against the paper's rule written out
-            (tests/test_personalised.py, max difference < 1e-12 in float64).
+            (tests/test_personalised.py, max difference 1.4e-17 in float64).
         departures: α updated every local step from the step's batch; plain SGD only.
     """
     return APFL(alpha, adaptive, alpha_lr)
