@@ -139,8 +139,12 @@ def _ensure_loaded() -> None:
 
 
 def _find_entry_points() -> None:
+    # One scan of the installed distributions for every group: entry_points(group=g)
+    # scans them all again for each of the 12 groups (0.13 s against 0.015 s, loaded
+    # 2-core machine, this venv), a tenth of a short run's start.
+    found = importlib.metadata.entry_points()
     for group, kind in ENTRY_POINT_GROUPS.items():
-        for ep in importlib.metadata.entry_points(group=group):
+        for ep in found.select(group=group):
             dist = ep.dist.name if ep.dist is not None else "?"
             if ep.name in _REGISTRY[kind]:
                 if _REGISTRY[kind][ep.name].__module__.startswith("fedloom."):
