@@ -209,17 +209,24 @@ def _heterogeneity_lines(spec: Mapping[str, Any], table: dict[str, dict[str, Any
         return out
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.2 * len(metrics), 3.8), dpi=120,
                              layout="constrained", squeeze=False)
+    # Markers, not lines: the settings are different kinds of skew, not one axis. Each
+    # method is shifted a little sideways so that the seed bars do not hide each other.
+    xs = [xval(s) for s in settings]
+    span = (max(xs) - min(xs)) or 1.0
+    shift = 0.012 * span
     for ax, k in zip(axes[0], metrics, strict=True):
-        for m in methods:
-            pts = [(xval(s), table[s][m][k]) for s in settings
+        for i, m in enumerate(methods):
+            off = (i - (len(methods) - 1) / 2) * shift
+            pts = [(xval(s) + off, table[s][m][k]) for s in settings
                    if m in table[s] and k in table[s][m]]
             if pts:
                 ax.errorbar([p[0] for p in pts], [100 * p[1][0] for p in pts],
-                            yerr=[100 * p[1][1] for p in pts], marker="o", capsize=2,
-                            label=m, alpha=0.85)
-        for s in settings:
-            ax.annotate(s, (xval(s), 0), xycoords=("data", "axes fraction"), fontsize=6,
-                        rotation=90, va="bottom", ha="center", color="0.4")
+                            yerr=[100 * p[1][1] for p in pts], marker="o", markersize=4,
+                            linestyle="none", capsize=2, label=m, alpha=0.9)
+        for j, s in enumerate(settings):  # setting names along the top, staggered
+            ax.annotate(s, (xval(s), 1.0 - 0.045 * (j % 2)), xycoords=("data", "axes fraction"),
+                        fontsize=7, va="top", ha="center", color="0.35")
+            ax.axvline(xval(s), color="0.85", linewidth=0.6, zorder=0)
         ax.set_xlabel(spec.get("xlabel", x))
         ax.set_ylabel(f"{labels.get(k, k)} (%)")
         ax.grid(alpha=0.3)
