@@ -91,7 +91,7 @@ class _Funcs(nn.Module):
         self.c = nn.Linear(h, c)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.flatten(x, 1)
+        x = torch.flatten(x, start_dim=1)
         return self.c(torch.relu(self.b(F.relu(self.a(x)))))
 
 
@@ -156,6 +156,20 @@ def test_frozen_and_shared_layers_are_refused():
     frozen = nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.Linear(4, 3))
     frozen[1].weight.requires_grad_(False)
     assert "frozen" in lockstep_plan(frozen, Layout.from_module(frozen))[1]
+
+
+def test_a_linear_on_unflattened_samples_falls_back(caplog):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Flatten(), nn.Linear(8, 3)).double()
+    layout, jobs = _jobs(net, [6, 9], (2, 3), torch.float64)
+    tr = LocalSGD(net, layout, batch_size=4)
+    ls = LockstepBackend(tr, LocalMethod())
+    assert ls.reason is None  # the chain itself is supported; the samples are not
+    with caplog.at_level(logging.INFO, logger="fedloom"):
+        got = ls.train_cohort(jobs)
+    assert any("2-dimensional samples" in r.getMessage() for r in caplog.records)
+    want = SequentialBackend(tr, LocalMethod()).train_cohort(jobs)
+    assert all(torch.equal(a.update, b.update) for a, b in zip(got, want, strict=True))
 
 
 def test_fallbacks_log_one_line_and_equal_sequential(caplog):

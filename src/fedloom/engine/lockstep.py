@@ -171,9 +171,10 @@ def _as_op(node, mods: dict[str, nn.Module], layout: Layout,
             return "in-place relu is not supported"
         return _Op("relu")
     if node.op == "call_function" and node.target is torch.flatten:
-        args = list(node.args[1:]) + [node.kwargs[k] for k in ("start_dim", "end_dim")
-                                      if k in node.kwargs]
-        return _flatten(*args) if args else "torch.flatten from dim 0 is not supported"
+        a, kw = node.args, node.kwargs
+        start = a[1] if len(a) > 1 else kw.get("start_dim", 0)
+        end = a[2] if len(a) > 2 else kw.get("end_dim", -1)
+        return _flatten(start, end)
     return f"operation {node.target} ({node.name}) is not supported"
 
 
@@ -181,6 +182,20 @@ def _flatten(start: int = 1, end: int = -1) -> _Op | str:
     if start != 1:
         return "a flatten that merges the batch dimension is not supported"
     return _Op("flatten", start=start, end=end)
+
+
+def shape_reason(plan: list[_Op], sample: tuple[int, ...]) -> str | None:
+    """Why the chain cannot run on samples of shape ``sample`` (None: it can): every
+    Linear must see one feature vector per sample (``F.linear`` on more dimensions is
+    another kernel) and the logits must be one vector per sample."""
+    dims = len(sample)
+    for op in plan:
+        if op.kind == "flatten":
+            end = op.end if op.end >= 0 else dims + 1 + op.end  # nn.Flatten counts the batch
+            dims -= max(0, end - op.start)
+        elif op.kind == "linear" and dims != 1:
+            return f"a Linear layer on {dims}-dimensional samples"
+    return None if dims == 1 else f"logits of {dims} dimensions per sample"
 
 
 def trainer_reason(trainer: LocalSGD, method: LocalMethod) -> str | None:
@@ -238,7 +253,8 @@ class LockstepBackend:
         out: list[ClientResult | None] = []
         for s in range(0, len(jobs), self.chunk):
             part = list(jobs[s : s + self.chunk])
-            why = _job_reason(part)
+            assert self.plan is not None
+            why = _job_reason(part) or shape_reason(self.plan, tuple(part[0].x.shape[1:]))
             if why is not None:
                 self._note(why)
                 out += self._sequential(part)
