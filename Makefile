@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 
-.PHONY: run test lint bench bench-gpu gpu-bundle clean repro-craft repro-sapef repro-flare repro-heterogeneity
+.PHONY: run test lint bench bench-gpu gpu-bundle clean repro-craft repro-sapef repro-flare repro-heterogeneity repro-personalised
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,10 @@ repro-craft: $(VENV)/.report
 
 repro-heterogeneity: $(VENV)/.report
 	$(VENV)/bin/fedloom sweep configs/heterogeneity/suite.yaml --workers 1
+
+repro-personalised: $(VENV)/.report
+	@[ -d /usr/share/datasets/fashion-mnist ] || apt-get install -y -qq dataset-fashion-mnist
+	$(VENV)/bin/fedloom sweep configs/personalised/suite.yaml --workers 2
 
 repro-sapef: $(VENV)/.report
 	@[ -d /usr/share/datasets/fashion-mnist ] || apt-get install -y -qq dataset-fashion-mnist
