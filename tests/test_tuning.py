@@ -242,3 +242,17 @@ def test_a_finished_run_of_another_config_is_refused_not_reused(tmp_path, monkey
     with pytest.raises(SweepError, match=r"finished runs hold another config .*client\.lr: "
                                          r"0\.1 → 0\.2"):
         run_suite(path, workers=1, log=lambda s: None)
+
+
+def test_a_finished_run_whose_method_resolved_its_config_is_reused(tmp_path, monkeypatch):
+    """FedBN's run saves ``model.buffers: local`` (the method resolves it), the suite
+    asks for the default: the run is the same config and is reused, not refused."""
+    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")
+    monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
+    path = _suite(tmp_path, methods={"FedBN": {"overrides": ["client.method=fedbn"],
+                                               "tune": False}},
+                  share_tuning={}, claims=[], report={})
+    run_suite(path, workers=1, log=lambda s: None)
+    again: list[str] = []
+    run_suite(path, workers=1, log=again.append)
+    assert all("0 of" in s for s in again if "runs to do" in s)

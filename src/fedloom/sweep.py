@@ -605,12 +605,14 @@ def _stale(spec: RunSpec) -> str | None:
     and seed, not by its tuned values: when a tuning choice or a method's overrides
     change, the old run must not stand in for the new one."""
     from fedloom.config import config_from_dict, config_to_dict, load_config
+    from fedloom.engine.setup import resolve_auto
     from fedloom.report.compare import _flatten
 
     try:
         saved = yaml.safe_load((spec.out / "config.yaml").read_text())
-        asked = config_to_dict(load_config(spec.config, [*spec.overrides,
-                                                         f"seed={spec.seed}"]))
+        # resolved as a run resolves it (server.lr: auto, a method's buffer policy: FedBN)
+        asked = config_to_dict(resolve_auto(load_config(spec.config, [*spec.overrides,
+                                                                      f"seed={spec.seed}"])))
         saved = config_to_dict(config_from_dict(saved))
     except (OSError, yaml.YAMLError, ConfigError, ValueError, TypeError):
         return None  # unreadable: resuming or rerunning it reports the problem
