@@ -36,7 +36,8 @@ def test_overrides_parse_yaml_values_and_nest():
         ("rounds=1.5", "rounds: must be an integer"),
         ("rounds=0", "rounds: must be >= 1"),
         ("data.partition.name=random", "data.partition.name: unknown partitioner 'random' "
-                                       "(available: classes, contiguous, dirichlet, iid, mixed, natural, shards, sizes)"),
+                                       "(available: classes, contiguous, dirichlet, iid, "
+                                       "mixed, natural, shards, sizes)"),
         ("compression.feedback=ef3", "compression.feedback: unknown feedback 'ef3'"),
         ("compression.adaptive=fl", "compression.adaptive: unknown planner 'fl'"),
         ("model.hidden=[8, -1]", "model.hidden: must be >= 1"),
