@@ -223,9 +223,10 @@ def _heterogeneity_lines(spec: Mapping[str, Any], table: dict[str, dict[str, Any
                 ax.errorbar([p[0] for p in pts], [100 * p[1][0] for p in pts],
                             yerr=[100 * p[1][1] for p in pts], marker="o", markersize=4,
                             linestyle="none", capsize=2, label=m, alpha=0.9)
-        for j, s in enumerate(settings):  # setting names along the top, staggered
-            ax.annotate(s, (xval(s), 1.0 - 0.045 * (j % 2)), xycoords=("data", "axes fraction"),
-                        fontsize=7, va="top", ha="center", color="0.35")
+        for j, s in enumerate(settings):  # setting names above the panel, staggered
+            ax.annotate(s, (xval(s), 1.01 + 0.045 * (j % 2)), xycoords=("data", "axes fraction"),
+                        fontsize=7, va="bottom", ha="center", color="0.35",
+                        annotation_clip=False)
             ax.axvline(xval(s), color="0.85", linewidth=0.6, zorder=0)
         ax.set_xlabel(spec.get("xlabel", x))
         ax.set_ylabel(f"{labels.get(k, k)} (%)")
