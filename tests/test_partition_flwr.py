@@ -17,6 +17,12 @@ pytest.importorskip("flwr_datasets", reason="flwr:NAME needs flwr-datasets "
                     "(pip install 'fedloom[partition]')")
 stats = pytest.importorskip("scipy.stats", reason="the two-sample tests need scipy")
 
+# flwr-datasets warns when a random assignment leaves a class unused (its samples are
+# then left out: its departure from covering, which fedloom's `classes` redraws instead)
+# and when it redraws a Dirichlet split below min_partition_size (as fedloom's does)
+pytestmark = [pytest.mark.filterwarnings("ignore:Classes.*will NOT be used:UserWarning"),
+              pytest.mark.filterwarnings("ignore:The specified min_partition_size:UserWarning")]
+
 N, C, SEEDS = 20, 10, 6
 LABELS = np.arange(2000) % C
 
