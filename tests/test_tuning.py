@@ -256,3 +256,30 @@ def test_a_finished_run_whose_method_resolved_its_config_is_reused(tmp_path, mon
     again: list[str] = []
     run_suite(path, workers=1, log=again.append)
     assert all("0 of" in s for s in again if "runs to do" in s)
+
+
+def test_a_method_can_be_chosen_on_its_own_metric(tmp_path, monkeypatch):
+    """``methods.M.metric``: that method's trials are scored and chosen on its metric
+    (a loss: lowest wins), the others on the protocol's; the record says which."""
+    import json
+
+    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")
+    monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
+    path = _suite(tmp_path, methods={"FedAvg": [],
+                                     "ByLoss": {"overrides": [], "metric": "test_loss"}},
+                  share_tuning={}, claims=[], report={})
+    res = run_suite(path, workers=1, log=lambda s: None)
+    by_loss = res.trials[("digits", "ByLoss")]
+    by_acc = res.trials[("digits", "FedAvg")]
+    # the same points (the whole 2-point grid), scored by different metrics
+    assert sorted(map(str, (t.params for t in by_loss))) == sorted(
+        map(str, (t.params for t in by_acc)))
+    assert all(0 < t.score < 10 for t in by_loss) and all(0 <= t.score <= 1 for t in by_acc)
+    best = min(by_loss, key=lambda t: t.score)
+    record = json.loads((tmp_path / "runs" / "t.tuning.json").read_text())
+    assert record["method_metric"] == {"ByLoss": "test_loss"}
+    chosen = record["settings"]["digits"]["ByLoss"]["chosen"]
+    assert chosen == best.params
+    with pytest.raises(ConfigError, match=r"methods\.X\.metric"):
+        load_suite(_suite(tmp_path, methods={"X": {"metric": ""}}, share_tuning={},
+                          claims=[], report={}))

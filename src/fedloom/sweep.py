@@ -171,6 +171,9 @@ class Suite:
     tuning: Protocol | None = None
     method_space: dict[str, Space] = field(default_factory=dict)
     untuned: set[str] = field(default_factory=set)   # methods with ``tune: false``
+    # a method's own selection metric (``methods.M.metric``; personal models are chosen
+    # on ``personal_acc_mean``), else the protocol's
+    method_metric: dict[str, str] = field(default_factory=dict)
     claims: list[dict[str, Any]] = field(default_factory=list)
     # Filled by run_suite: each (setting, method)'s trials, and its sensitivity runs
     # {(setting, method): [(value, [RunSpec per seed])]}.
@@ -263,14 +266,21 @@ def load_suite(path: str | Path) -> Suite:
     only: dict[str, list[str]] = {}
     spaces: dict[str, Space] = {}
     untuned: set[str] = set()
+    method_metric: dict[str, str] = {}
     for m, v in raw["methods"].items():
         if isinstance(v, dict):
-            extra = set(v) - {"overrides", "settings", "space", "tune"}
+            extra = set(v) - {"overrides", "settings", "space", "tune", "metric"}
             if extra:
                 raise ConfigError(f"{p}: methods.{m}.{sorted(extra)[0]}: unknown key "
-                                  "(expected overrides, settings, space, tune)")
-            if (v.get("space") is not None or "tune" in v) and protocol is None:
-                raise ConfigError(f"{p}: methods.{m}: space:/tune: need a tuning: section")
+                                  "(expected overrides, settings, space, tune, metric)")
+            if (v.get("space") is not None or "tune" in v or "metric" in v) and (
+                    protocol is None):
+                raise ConfigError(f"{p}: methods.{m}: space:/tune:/metric: need a tuning: "
+                                  "section")
+            if "metric" in v:
+                if not isinstance(v["metric"], str) or not v["metric"]:
+                    raise ConfigError(f"{p}: methods.{m}.metric: needs a metric name")
+                method_metric[m] = v["metric"]
             if v.get("space") is not None:
                 spaces[m] = parse_space(v["space"], f"{p}: methods.{m}.space")
             if v.get("tune") is False:
@@ -295,7 +305,7 @@ def load_suite(path: str | Path) -> Suite:
         tune_seed=int(raw.get("tune_seed", 0)), tune_metric=raw.get("tune_metric",
                                                                      "client_acc_mean"),
         report=raw.get("report", {}) or {}, path=p, tuning=protocol, method_space=spaces,
-        untuned=untuned, claims=claims,
+        untuned=untuned, claims=claims, method_metric=method_metric,
     )
 
 
@@ -741,7 +751,10 @@ def tune_protocol(suite: Suite, workers: int, log: Callable[[str], None]
 
     proto = suite.tuning
     assert proto is not None
-    lower = lower_is_better(proto.metric)
+
+    def metric_of(method: str) -> str:
+        return suite.method_metric.get(method, proto.metric)
+
     pairs = [(s, m) for s in suite.settings for m in suite.methods
              if _applies(suite, m, s) and suite.tuned(m)]
     trials: dict[tuple[str, str], list[Trial]] = {pair: [] for pair in pairs}
@@ -751,7 +764,7 @@ def tune_protocol(suite: Suite, workers: int, log: Callable[[str], None]
         for pair in step_pairs:
             t = trials[pair][index]
             for spec in specs[(*pair, index)]:
-                t.scores[spec.seed] = _score(spec, proto.metric)
+                t.scores[spec.seed] = _score(spec, metric_of(pair[1]))
 
     if proto.sampler == "grid":
         for pair in pairs:
@@ -767,13 +780,15 @@ def tune_protocol(suite: Suite, workers: int, log: Callable[[str], None]
         for i in range(proto.budget):
             for pair in pairs:
                 point = tpe_point(suite.space(*pair), trials[pair], i, proto.seed, *pair,
-                                  lower=lower, startup=proto.startup)
+                                  lower=lower_is_better(metric_of(pair[1])),
+                                  startup=proto.startup)
                 trials[pair].append(Trial(i, point))
                 specs[(*pair, i)] = _trial_specs(suite, *pair, point)
             _run_trials([sp for pair in pairs for sp in specs[(*pair, i)]], workers, log)
             record(pairs, i)
     suite.trials = trials
-    chosen = {pair: dict(best_trial(ts, lower).params) for pair, ts in trials.items()}
+    chosen = {pair: dict(best_trial(ts, lower_is_better(metric_of(pair[1]))).params)
+              for pair, ts in trials.items()}
     for method, source in suite.share_tuning.items():
         for setting in suite.settings:
             if _applies(suite, method, setting) and (setting, source) in chosen:
@@ -800,7 +815,8 @@ def _write_tuning_record(suite: Suite, chosen: dict[tuple[str, str], dict[str, A
     assert proto is not None
     rec: dict[str, Any] = {
         "budget": proto.budget, "sampler": proto.sampler, "seeds": proto.seeds,
-        "metric": proto.metric, "rounds": proto.rounds, "settings": {}}
+        "metric": proto.metric, "method_metric": dict(suite.method_metric),
+        "rounds": proto.rounds, "settings": {}}
     for (setting, method), ts in suite.trials.items():
         rec["settings"].setdefault(setting, {})[method] = {
             "chosen": chosen[(setting, method)],

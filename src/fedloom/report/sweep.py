@@ -338,8 +338,10 @@ def _protocol_lines(suite: Any, chosen: dict[tuple[str, str], Any]) -> list[str]
              f"seed{'s' if len(proto.seeds) > 1 else ''} {proto.seeds} (not reported; the "
              f"reported seeds are {suite.seeds}) for "
              + _tuning_rounds(suite)
-             + f", scored by the final `{proto.metric}` (mean over tuning seeds; a diverged "
-             "run scores worst), best score chosen. Keys searched: "
+             + f", scored by the final `{proto.metric}`"
+             + _own_metrics(suite)
+             + " (mean over tuning seeds; a diverged run scores worst), best score chosen. "
+             "Keys searched: "
              + ", ".join(f"`{k}`" for k in space_keys) + ".", ""]
     shared = {m: src for m, src in suite.share_tuning.items()}
     for setting in suite.settings:
@@ -374,6 +376,14 @@ def _protocol_lines(suite: Any, chosen: dict[tuple[str, str], Any]) -> list[str]
                   markdown_table(["setting", "method", "trial", "point", "score"], trial_rows),
                   "", "</details>", ""]
     return lines
+
+
+def _own_metrics(suite: Any) -> str:
+    """``, … (M: its metric)`` for the methods that are chosen on their own metric."""
+    own = getattr(suite, "method_metric", {}) or {}
+    if not own:
+        return ""
+    return " (" + "; ".join(f"{m}: `{v}`" for m, v in own.items()) + ")"
 
 
 def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any],
