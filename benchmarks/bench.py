@@ -56,8 +56,18 @@ import torch  # noqa: E402
 import workload  # noqa: E402
 
 PY = sys.executable
+# Sections written as their own modules (``benchmarks/<module>.py``), each with
+# ``run(quick, repeats) -> dict``, ``markdown(section) -> list[str]`` and
+# ``goals(section) -> list[(goal, this run, met, why not)]``: a new section is one
+# module and one line here, not three edits of this file.
+MODULE_SECTIONS: dict[str, str] = {}
 SECTIONS = ("round_time", "first_round", "aggregation", "topk", "memory", "fp16_state",
-            "lockstep")
+            "lockstep", *MODULE_SECTIONS)
+
+
+def _section_module(name: str):
+    import importlib
+    return importlib.import_module(MODULE_SECTIONS[name])
 
 
 def median_time(fn: Callable[[], Any], repeats: int) -> float:
@@ -459,6 +469,9 @@ def markdown(res: dict[str, Any]) -> str:
         for name in ("lockstep", "sequential", "vmap"):
             lines.append(f"| {name} | {ls[name]:.3f} | {ls[name] / ls['lockstep']:.2f}× |")
         lines.append("")
+    for name in MODULE_SECTIONS:
+        if name in s:
+            lines += _section_module(name).markdown(s[name])
     lines += goals(res)
     # measured by its own script: a Flower deployment starts a dozen processes
     lines += ["Deployed on Flower over loopback (round time against the in-process round "
@@ -471,6 +484,9 @@ def goals(res: dict[str, Any]) -> list[str]:
     """The issue's goals against this run's figures, and why where one is missed."""
     s = res["sections"]
     rows: list[tuple[str, str, bool, str]] = []
+    for name in MODULE_SECTIONS:
+        if name in s:
+            rows += list(_section_module(name).goals(s[name]))
     rt = s.get("round_time", {}).get("per_round", {})
     for m, want in (("100", 4.0), ("10", 5.0)):
         row = rt.get(m, {})
@@ -560,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.only or SECTIONS:
         t = time.perf_counter()
         print(f"bench: {name} …", file=sys.stderr, flush=True)
-        res["sections"][name] = globals()[name](args.quick, repeats)
+        fn = _section_module(name).run if name in MODULE_SECTIONS else globals()[name]
+        res["sections"][name] = fn(args.quick, repeats)
         print(f"bench: {name} done in {time.perf_counter() - t:.0f} s", file=sys.stderr,
               flush=True)
         # written after every section: a long run that stops keeps what it measured
