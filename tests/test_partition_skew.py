@@ -198,6 +198,18 @@ def test_heterogeneity_golden_values():
     assert m["size_cv"] == pytest.approx(0.5)
 
 
+def test_size_gini_equals_the_pairwise_sum_of_differences():
+    """The sorted-rank form of the Gini coefficient (no N × N matrix) equals its
+    definition Σ_k Σ_l |n_k − n_l| / (2 N² mean(n)), empty clients included."""
+    rng = np.random.default_rng(0)
+    for n_clients in (1, 2, 7, 300):
+        counts = rng.integers(0, 40, size=(n_clients, 3))
+        counts[0] = [1, 0, 0]  # at least one sample
+        n = counts.sum(axis=1).astype(np.float64)
+        want = np.abs(n[:, None] - n[None, :]).sum() / (2 * n_clients ** 2 * n.mean())
+        assert heterogeneity(counts)["size_gini"] == pytest.approx(want, rel=1e-12, abs=0)
+
+
 # ------------------------------------------------------------------ feature skew
 def test_feature_skew_is_per_client_seeded_and_leaves_labels():
     x = torch.zeros(40, 1, 4, 4)

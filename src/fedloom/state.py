@@ -397,10 +397,14 @@ class _RowFile:
     def flush(self) -> None:
         os.fsync(self.fd)
 
+    # bound here: at interpreter exit the module's globals (``os``) may be gone
+    # before the last store is collected
+    _close = staticmethod(os.close)
+
     def __del__(self) -> None:
         fd = getattr(self, "fd", None)
         if fd is not None:
             try:
-                os.close(fd)
+                self._close(fd)
             except OSError:  # pragma: no cover
                 pass

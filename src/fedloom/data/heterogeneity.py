@@ -61,7 +61,12 @@ def heterogeneity(counts: np.ndarray) -> dict[str, float]:
     with np.errstate(divide="ignore", invalid="ignore"):
         ent = -np.where(p > 0, p * np.log(p), 0.0).sum(axis=1)
     mean = n.mean()
-    gini = float(np.abs(n[:, None] - n[None, :]).sum() / (2 * len(n) ** 2 * mean))
+    # Σ_k Σ_l |n_k − n_l| = 2 Σ_i (2i − N − 1) n_(i) over the sizes sorted
+    # increasingly (i = 1…N): O(N log N) time and O(N) memory, not the N × N
+    # matrix of differences (800 MB at 10,000 clients)
+    ns = np.sort(n)
+    rank = 2.0 * np.arange(1, len(ns) + 1) - len(ns) - 1
+    gini = float(2.0 * (rank * ns).sum() / (2 * len(n) ** 2 * mean))
     return {"hellinger": float(hell.mean()), "tv": float(tv.mean()),
             "eff_classes": float(np.exp(ent).mean()),
             "classes": float((p > 0).sum(axis=1).mean()),
