@@ -15,8 +15,10 @@ from fedloom.client.sgd import ClientJob, LocalSGD
 from fedloom.config import load_config
 from fedloom.engine.backends import SequentialBackend
 from fedloom.engine.experiment import Experiment
-from fedloom.engine.lockstep import LockstepBackend, lockstep_plan
+from fedloom.engine.lockstep import LockstepBackend, lockstep_plan, shape_reason
 from fedloom.job import Penalty
+from fedloom.models import CNN
+from fedloom.models.zoo import FlareCNN, LeafCNN
 from fedloom.params import Layout
 
 # 8 clients of the natural split of the synthetic data: ragged sizes (asserted below).
@@ -30,9 +32,16 @@ SYN = {"name": "syn", "seed": 2, "rounds": 2,
        "backend": {"threads": 1}}
 
 
-def _rounds(over: list[str], rounds: int = 2):
+# The built-in CNN (McMahan et al.'s, narrowed) on 8×8 digits, Dirichlet-split: ragged
+# clients of images; two convolutions, ReLU, max-pools, flatten, two Linear layers.
+CNNCFG = {**SYN, "data": {"name": "digits", "num_clients": 6, "max_samples": 300,
+                          "partition": {"name": "dirichlet", "alpha": 0.5}},
+          "model": {"name": "cnn", "channels": [2, 4]}, "cohort": {"size": 3}}
+
+
+def _rounds(over: list[str], rounds: int = 2, base: dict = SYN):
     """The global model after ``rounds`` rounds, and the experiment's backend."""
-    exp = Experiment(load_config(SYN, over))
+    exp = Experiment(load_config(base, over))
     st = exp.initial_state()
     losses = []
     for _ in range(rounds):
@@ -59,15 +68,35 @@ def test_lockstep_equals_sequential_bit_for_bit_in_float64(extra):
     assert la == lb and None not in la  # the mean local losses too
 
 
-def test_the_synthetic_clients_are_ragged():
-    exp = Experiment(load_config(SYN, ["dtype=float64"]))
+@pytest.mark.parametrize("extra", [
+    [],
+    ["client.momentum=0.9", "client.weight_decay=0.001", "client.prox_mu=0.1",
+     "client.batch_size=7"],
+    ["compression.name=topk", "compression.options.ratio=0.2", "compression.feedback=scafcom"],
+])
+def test_lockstep_cnn_equals_sequential_bit_for_bit_in_float64(extra):
+    wa, la, _ = _rounds(["dtype=float64", *extra], base=CNNCFG)
+    wb, lb, backend = _rounds(["dtype=float64", "backend.name=lockstep", *extra], base=CNNCFG)
+    assert backend.name == "lockstep" and backend.reason is None  # not a fallback
+    assert backend.plan is not None and [o.kind for o in backend.plan][:3] == [
+        "conv", "relu", "maxpool"]
+    assert torch.equal(wa, wb)
+    assert la == lb and None not in la
+
+
+@pytest.mark.parametrize("base", [SYN, CNNCFG])
+def test_the_clients_are_ragged(base):
+    exp = Experiment(load_config(base, ["dtype=float64"]))
     assert len(set(exp.n_train.tolist())) > 1
 
 
-def test_lockstep_float32_tolerance():
-    wa, _, _ = _rounds(["model.hidden=[64]"])
-    wb, _, _ = _rounds(["model.hidden=[64]", "backend.name=lockstep"])
-    # float32: agreement to float32 rounding (MKL's batched sgemm orders some sums apart)
+@pytest.mark.parametrize("base,over", [(SYN, ["model.hidden=[64]"]),
+                                       (CNNCFG, ["client.momentum=0.9"])])
+def test_lockstep_float32_tolerance(base, over):
+    wa, _, _ = _rounds(over, base=base)
+    wb, _, _ = _rounds([*over, "backend.name=lockstep"], base=base)
+    # float32: agreement to float32 rounding (MKL's batched sgemm orders some sums apart;
+    # the convolutions are the per-client calls of sequential)
     assert torch.allclose(wa, wb, rtol=1e-5, atol=1e-6)
 
 
@@ -118,11 +147,30 @@ def _jobs(model: nn.Module, sizes: list[int], shape: tuple[int, ...], dtype, *,
     (lambda: _Funcs(40, 24, 3), (40,)),
     (lambda: nn.Sequential(nn.Flatten(), nn.Identity(), nn.Linear(30, 32), nn.ReLU(),
                            nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 3)), (5, 6)),
+    # every 2-d layer: padded and bias-free convolutions, max- and average pools
+    (lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                           nn.Conv2d(3, 4, 3, bias=False), nn.ReLU(),
+                           nn.AvgPool2d(2, ceil_mode=True), nn.Flatten(), nn.Linear(4, 5),
+                           nn.ReLU(), nn.Linear(5, 3)), (2, 8, 8)),
+    # a pool first (no gradient below the first convolution), strides, dilations,
+    # padding="valid", avg-pool's count_include_pad and divisor_override
+    (lambda: nn.Sequential(nn.MaxPool2d(2, stride=1, padding=1, dilation=2),
+                           nn.Conv2d(1, 2, 3, stride=2, dilation=2, padding="valid"),
+                           nn.AvgPool2d(2, stride=1, padding=1, count_include_pad=False),
+                           nn.Conv2d(2, 2, (2, 2), stride=(1, 2)),
+                           nn.AvgPool2d(2, divisor_override=3), nn.Flatten(),
+                           nn.Linear(2, 3)), (1, 9, 9)),
+    # the papers' CNNs, narrowed: McMahan et al.'s / LEAF's ("same" 5×5) and FLARE's
+    # ("valid" 5×5)
+    (lambda: CNN((1, 8, 8), 3, (2, 4)), (1, 8, 8)),
+    (lambda: LeafCNN((1, 8, 8), 3, (3, 4), hidden=16), (1, 8, 8)),
+    (lambda: FlareCNN((1, 16, 16), 3, (2, 3)), (1, 16, 16)),
 ])
-def test_trainer_updates_equal_sequential_per_client(model, shape):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_trainer_updates_equal_sequential_per_client(model, shape, dtype):
     torch.manual_seed(0)
-    net = model().double()
-    layout, jobs = _jobs(net, [5, 9, 16, 33, 1], shape, torch.float64, penalty=True, shift=True)
+    net = model().to(dtype)
+    layout, jobs = _jobs(net, [5, 9, 16, 33, 1], shape, dtype, penalty=True, shift=True)
     tr = LocalSGD(net, layout, batch_size=4, epochs=2, momentum=0.9, weight_decay=0.01,
                   prox_mu=0.1)
     ls = LockstepBackend(tr, LocalMethod(), chunk=3)  # chunks of 3 and 2 clients
@@ -131,14 +179,24 @@ def test_trainer_updates_equal_sequential_per_client(model, shape):
     want = SequentialBackend(tr, LocalMethod()).train_cohort(jobs)
     for a, b in zip(got, want, strict=True):
         assert a is not None and b is not None
-        assert torch.equal(a.update, b.update)
-        assert (a.loss, a.steps, a.start_loss, a.num_samples) == (
-            b.loss, b.steps, b.start_loss, b.num_samples)
+        if dtype == torch.float64:
+            assert torch.equal(a.update, b.update)
+            assert (a.loss, a.start_loss) == (b.loss, b.start_loss)
+        else:  # float32: to float32 rounding (see test_lockstep_float32_tolerance)
+            assert torch.allclose(a.update, b.update, rtol=1e-5, atol=1e-6)
+            assert a.loss == pytest.approx(b.loss, rel=1e-5)
+        assert (a.steps, a.num_samples) == (b.steps, b.num_samples)
     assert [r.steps for r in got if r is not None] == [4, 6, 3, 18, 2]  # ragged, max_steps
 
 
 @pytest.mark.parametrize("model,why", [
-    (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 3)), "Conv2d"),
+    (nn.Sequential(nn.Conv2d(2, 2, 3, groups=2), nn.Flatten(), nn.Linear(8, 3)), "groups"),
+    (nn.Sequential(nn.Conv2d(1, 2, 3, padding="same"), nn.Flatten(), nn.Linear(8, 3)),
+     "padding='same'"),
+    (nn.Sequential(nn.Conv2d(1, 2, 3, padding_mode="reflect"), nn.Flatten(), nn.Linear(8, 3)),
+     "reflect"),
+    (nn.Sequential(nn.Conv2d(1, 2, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2, 3)),
+     "AdaptiveAvgPool2d"),
     (nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)),
      "buffers"),
     (nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 3)), "Dropout"),
@@ -172,11 +230,22 @@ def test_a_linear_on_unflattened_samples_falls_back(caplog):
     assert all(torch.equal(a.update, b.update) for a, b in zip(got, want, strict=True))
 
 
+def test_sample_shapes_are_checked_through_the_convolutions():
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 3))
+    plan, _ = lockstep_plan(net, Layout.from_module(net))
+    assert plan is not None
+    assert shape_reason(plan, (1, 4, 4)) is None  # 2 × 2 × 2 = 8 features
+    assert "8 inputs on 16 features" in shape_reason(plan, (1, 4, 6))  # 2 × 2 × 4
+    assert "2-dimensional samples" in shape_reason(plan, (4, 4))
+    assert "conv layer on samples of shape [1, 2, 2]" in shape_reason(plan, (1, 2, 2))
+
+
 def test_fallbacks_log_one_line_and_equal_sequential(caplog):
     for extra, why in ((["client.method=ditto"], "local method ditto"),
-                       (["model.name=cnn", "model.channels=[2,4]", "data.name=digits",
-                         "data.partition.name=iid", "data.max_samples=300"],
-                        "Conv2d"),
+                       (["model.name=resnet", "model.depth=8", "model.width=4",
+                         "model.norm=group", "data.name=digits", "data.partition.name=iid",
+                         "data.max_samples=300"],
+                        "GroupNorm"),
                        (["client.amp=bf16", "dtype=float32"], "client.amp bf16")):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="fedloom"):

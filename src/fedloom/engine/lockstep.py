@@ -2,9 +2,10 @@
 
 All clients of a chunk keep their parameters in one ``W ∈ R^{m×d}`` (the flat
 vectors of :mod:`fedloom.params`, stacked); a layer's weights are views
-``W[:, slice].view(m, out, in)``. One local step runs every client's forward
-and backward as batched tensor operations — ``torch.baddbmm`` for Linear,
-``log_softmax`` over the last dimension of ``[m, B, C]`` — with the backward
+``W[:, slice].view(m, …)``. One local step runs every client's forward and
+backward on activations ``[m, n, …]`` (client, sample, …) — ``torch.baddbmm``
+for Linear, one call on the ``[m·n, C, H, W]`` view for ReLU and pooling,
+``log_softmax`` over the last dimension of ``[m, n, C]`` — with the backward
 written out by hand, the same operations autograd runs on one client:
 
     z = a Wᵀ + b                 (addmm per client → baddbmm)
@@ -12,13 +13,32 @@ written out by hand, the same operations autograd runs on one client:
     ∂ℓ/∂z = log_softmax_backward(−(1/B) e_{y}, log softmax(z))
     ∂ℓ/∂W = (∂ℓ/∂z)ᵀ a,  ∂ℓ/∂b = Σ_i ∂ℓ/∂z_i,  ∂ℓ/∂a = (∂ℓ/∂z) W
     ReLU: ∂ℓ/∂a = ∂ℓ/∂r · [r > 0]   (threshold_backward on the output, as autograd)
+    Conv2d: z_k = conv2d(a_k, K_k, b_k); (∂ℓ/∂a_k, ∂ℓ/∂K_k, ∂ℓ/∂b_k) =
+            convolution_backward(∂ℓ/∂z_k, a_k, K_k)       (client by client)
+    MaxPool2d: r, i = max_pool2d_with_indices(a); ∂ℓ/∂a = max_pool2d_with_indices_backward
+    AvgPool2d: ∂ℓ/∂a = avg_pool2d_backward(∂ℓ/∂r, a)
 
-then applies :class:`~fedloom.client.sgd.LocalSGD`'s rule as one update of
-all rows (``torch.optim.SGD``: dampening 0, no Nesterov; d = g + shift +
-penalty + wd·w + μ(w − w₀), b ← β b + d, w ← w − η b). The Python and
-autograd overhead of a step is paid once per chunk instead of once per client:
-that is where it is faster than ``sequential`` on a CPU (and ``vmap``, whose
-``functional_call`` tracing costs more than it saves there).
+(``convolution_backward`` and the pools' ``*_backward`` are the ops autograd's
+``ConvolutionBackward0`` / ``MaxPool2DWithIndicesBackward0`` /
+``AvgPool2DBackward0`` call) then applies :class:`~fedloom.client.sgd.LocalSGD`'s
+rule as one update of all rows (``torch.optim.SGD``: dampening 0, no Nesterov;
+d = g + shift + penalty + wd·w + μ(w − w₀), b ← β b + d, w ← w − η b). The
+Python and autograd overhead of a step is paid once per chunk instead of once
+per client: that is where it is faster than ``sequential`` on a CPU (and
+``vmap``, whose ``functional_call`` tracing costs more than it saves there).
+
+**Convolutions.** A grouped convolution over the clients (input
+``[n, m·C, H, W]``, kernels ``[m·out, C, k, k]``, ``groups = m``) measured bit
+for bit equal to per-client ``conv2d`` forward and ``convolution_backward`` in
+float64 (torch's own ``slow_conv2d`` loops over the groups), but in float32 it
+is oneDNN's grouped kernel: 2× slower than m calls of the per-client kernel
+(profiled: 10 clients × 5 steps of a 8/16-channel CNN on 3×32×32, 274 ms
+against 136 ms forward) and not the same sums. So each convolution runs client
+by client with the call ``nn.Conv2d`` makes (``F.conv2d`` on ``a[k]``, a
+contiguous ``[n, C, H, W]`` slice, and ``K_k`` a view of ``W``), and only the
+layers around it are batched: the same kernels as ``sequential`` in both
+dtypes. Pools and ReLU act per channel plane, so one call on ``[m·n, C, H, W]``
+gives each plane the bits of its own call.
 
 **Bit for bit.** On CPU, ``torch.bmm``/``baddbmm`` run one GEMM per client with
 the operands' own strides, the same BLAS call ``mm``/``addmm`` makes for one
@@ -36,48 +56,60 @@ group per batch size — no padding, which would change the GEMMs' shapes — an
 a client whose steps are done (fewer samples, ``max_steps``) is masked out of
 the update. Measured (``tests/test_lockstep.py``, torch 2.13 with MKL on
 x86-64 AVX2): in float64 every client update, the final ``w`` and its
-``model_sha256`` equal ``sequential``'s bit for bit for MLPs with ragged
-client sizes, momentum, weight decay, FedProx's μ, SCAFFOLD's shift and
-FLARE's penalty. In float32 they agree to float32 rounding (the test bounds
-the final ``w`` at rtol 1e-5, atol 1e-6): MKL's float32 batched GEMM sums the
-``(∂ℓ/∂z)ᵀ a`` product of a narrow layer (10 outputs) in another order than
-its single GEMM. On other BLAS builds or devices the equality is what the
-tests measure there, not a guarantee.
+``model_sha256`` equal ``sequential``'s bit for bit — MLPs, and CNNs (the
+built-in ``cnn``, ``leaf_cnn``, ``flare_cnn``, narrowed, and chains with
+strided, dilated, padded and bias-free convolutions, max- and average pools)
+— with ragged client sizes, momentum, weight decay, FedProx's μ, SCAFFOLD's
+shift and FLARE's penalty. In float32 they agree to float32 rounding (the test
+bounds the final ``w`` at rtol 1e-5, atol 1e-6; the narrowed CNNs measured
+bit-equal): MKL's float32 batched GEMM sums the ``(∂ℓ/∂z)ᵀ a`` product of a
+narrow layer (10 outputs) in another order than its single GEMM. On other
+BLAS builds or devices the equality is what the tests measure there, not a
+guarantee.
 
 Supported models: ones ``torch.fx`` traces to a chain (each node feeds the
-next) of ``nn.Linear`` (with or without bias), ``nn.ReLU`` /
+next) of ``nn.Linear`` (with or without bias), ``nn.Conv2d`` (zero padding,
+numeric or ``"valid"``, any stride/dilation, ``groups = 1``),
+``nn.MaxPool2d`` (without ``return_indices``), ``nn.AvgPool2d``, ``nn.ReLU`` /
 ``torch.relu`` / ``F.relu``, ``nn.Flatten`` / ``torch.flatten`` (from dim 1),
 ``nn.Identity``, ending in the logits of the cross-entropy; every parameter
-trained (in the layout), no buffers, no module called twice. Everything else
-trains on the sequential path with one line in the log naming why:
-other layers (convolutions, normalisation, dropout, recurrent), local methods
+trained (in the layout), no buffers, no module called twice; the samples'
+shape is carried through the chain (a Conv2d or pool sees ``[C, H, W]``, a
+Linear one vector). Everything else trains on the sequential path with one
+line in the log naming why: other layers (normalisation, dropout, adaptive
+pools, grouped or ``"same"``-padded convolutions, recurrent), local methods
 other than plain SGD/FedProx (``client.method``), ``client.amp``, data
 augmentation, a random train-mode forward, and jobs that ask for a smoothness
 probe or carry a method's objective, mask or μ (these per chunk).
 
 The cohort runs in chunks of ``chunk`` clients (``backend.chunk``; default: as
-many as fit in 4 MB of stacked parameters of the run's dtype — 6 clients of the
-reference MLP in float32). Measured on the reference workload (100 clients a
-round, MLP 784-200-10, one intra-op thread, the 2-core machine shared with
-other jobs at load 7): a round's local training took 4.3–4.4 s in chunks of 4
-or 8 clients, 4.3–5.3 s in chunks of 16–32 and 5.4–6.3 s with all 100 at once,
-against 6.6–6.9 s on the sequential path: the stacked weights of a whole
-cohort (64 MB) fall out of the cache at every step. Whole rounds (same
-machine, load 4.6–6.5, one thread, five rounds of each backend interleaved):
-lockstep 8.4 s, sequential 14.5 s, vmap 10.3 s (medians), 1.7× sequential;
-the final float32 models were bit-equal to sequential's with one thread
-(with two, 1.5e-8 apart). The GEMMs are the same as sequential's (one per client
-and layer); what lock-step saves is the per-client Python, module and
-autograd work of every step.
+many as fit in 4 MB of stacked parameters of the run's dtype, but at least 8
+while they fit in 64 MB — 8 clients of the reference MLP in float32). Measured
+on the reference workload (100 clients a round, MLP 784-200-10, one intra-op
+thread, the 2-core machine shared with other jobs at load 7): a round's local
+training took 4.3–4.4 s in chunks of 4 or 8 clients, 4.3–5.3 s in chunks of
+16–32 and 5.4–6.3 s with all 100 at once, against 6.6–6.9 s on the sequential
+path: the stacked weights of a whole cohort (64 MB) fall out of the cache at
+every step. For a CNN (``cnn`` with 8/16 channels on 3×32×32, 533,754
+parameters, 24 clients × 50 images, batch 10; load 9–10, one thread, second
+of two interleaved passes) local training took 4.4 s in chunks of 1, 3.1 s of
+2, 2.9 s of 4 and 2.8 s of 8 against 4.0 s sequential: the 4 MB rule alone
+would give chunks of 1. Whole rounds (same machine, load 4.6–6.5, one thread,
+five rounds of each backend interleaved): lockstep 8.4 s, sequential 14.5 s,
+vmap 10.3 s (medians), 1.7× sequential; the final float32 models were
+bit-equal to sequential's with one thread (with two, 1.5e-8 apart). The GEMMs
+and convolutions are the same as sequential's (one per client and layer);
+what lock-step saves is the per-client Python, module and autograd work of
+every step — a larger share of a step the smaller the model.
 
-Not supported yet (they fall back): Conv2d, pooling, BatchNorm/GroupNorm. In
-float64 a grouped convolution (``groups = m``) measured bit-equal to per-client
-``conv2d`` forward; its backward is not written.
+Not supported yet (they fall back): BatchNorm/GroupNorm, dropout, adaptive
+pools.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -103,15 +135,27 @@ _SMALL_GEMM = 400
 
 @dataclass(frozen=True)
 class _Op:
-    """One layer of the chain: ``linear`` (weight/bias slices of ``w``),
-    ``relu`` or ``flatten`` (per-sample dims ``start..end`` → one)."""
+    """One layer of the chain: ``linear`` / ``conv`` (weight/bias slices of ``w``),
+    ``relu``, ``flatten`` (per-sample dims ``start..end`` → one), ``maxpool`` or
+    ``avgpool``; the 2-d layers' geometry as pairs."""
 
     kind: str
     weight: slice | None = None
     bias: slice | None = None
-    shape: tuple[int, int] = (0, 0)   # linear: (out, in)
+    shape: tuple[int, ...] = (0, 0)   # linear: (out, in); conv: (out, in, kh, kw)
     start: int = 1                    # flatten: per-sample dims, as nn.Flatten's
     end: int = -1
+    kernel: tuple[int, int] = (1, 1)  # pooling
+    stride: tuple[int, int] = (1, 1)
+    padding: tuple[int, int] = (0, 0)
+    dilation: tuple[int, int] = (1, 1)
+    ceil_mode: bool = False
+    count_include_pad: bool = True    # avgpool
+    divisor: int | None = None        # avgpool's divisor_override
+
+    @property
+    def params(self) -> bool:
+        return self.kind in ("linear", "conv")
 
 
 def lockstep_plan(module: nn.Module, layout: Layout) -> tuple[list[_Op] | None, str | None]:
@@ -150,8 +194,8 @@ def lockstep_plan(module: nn.Module, layout: Layout) -> tuple[list[_Op] | None, 
         if op is not None:
             ops.append(op)
         prev = node
-    if not any(o.kind == "linear" for o in ops):
-        return None, "the model has no Linear layer"
+    if not any(o.params for o in ops):
+        return None, "the model has no Linear or Conv2d layer"
     return ops, None
 
 
@@ -175,6 +219,10 @@ def _as_op(node, mods: dict[str, nn.Module], layout: Layout,
             b = layout._by_name.get(p + "bias")
             return _Op("linear", w.slice, b.slice if b is not None else None,
                        (mod.out_features, mod.in_features))
+        if type(mod) is nn.Conv2d:
+            return _conv(node.target, mod, layout)
+        if type(mod) in (nn.MaxPool2d, nn.AvgPool2d):
+            return _pool(node.target, mod)
         return f"layer {type(mod).__name__} ({node.target}) is not supported"
     if node.op == "call_function" and node.target in (torch.relu, F.relu):
         if node.kwargs.get("inplace") or len(node.args) > 1:
@@ -188,6 +236,45 @@ def _as_op(node, mods: dict[str, nn.Module], layout: Layout,
     return f"operation {node.target} ({node.name}) is not supported"
 
 
+def _conv(name: str, mod: nn.Conv2d, layout: Layout) -> _Op | str:
+    if mod.groups != 1:
+        return f"a grouped Conv2d ({name}, groups={mod.groups}) is not supported"
+    if mod.padding_mode != "zeros":
+        return f"Conv2d padding_mode {mod.padding_mode} ({name}) is not supported"
+    pad = mod.padding
+    if isinstance(pad, str):
+        if pad != "valid":  # "same" may pad asymmetrically: another kernel call
+            return f"Conv2d padding='{pad}' ({name}) is not supported"
+        pad = (0, 0)
+    w = layout._by_name[name + ".weight"]
+    b = layout._by_name.get(name + ".bias")
+    kh, kw = mod.kernel_size
+    return _Op("conv", w.slice, b.slice if b is not None else None,
+               (mod.out_channels, mod.in_channels, kh, kw), stride=_pair(mod.stride),
+               padding=_pair(pad), dilation=_pair(mod.dilation))
+
+
+def _pool(name: str, mod: nn.MaxPool2d | nn.AvgPool2d) -> _Op | str:
+    k = _pair(mod.kernel_size)
+    # nn's pools take stride None (or empty) for "the kernel size"
+    stride = _pair(mod.stride) if mod.stride not in (None, ()) else k
+    if isinstance(mod, nn.MaxPool2d):
+        if mod.return_indices:
+            return f"MaxPool2d with return_indices ({name}) is not supported"
+        return _Op("maxpool", kernel=k, stride=stride, padding=_pair(mod.padding),
+                   dilation=_pair(mod.dilation), ceil_mode=bool(mod.ceil_mode))
+    return _Op("avgpool", kernel=k, stride=stride, padding=_pair(mod.padding),
+               ceil_mode=bool(mod.ceil_mode), count_include_pad=bool(mod.count_include_pad),
+               divisor=mod.divisor_override)
+
+
+def _pair(v) -> tuple[int, int]:
+    if isinstance(v, int):
+        return (v, v)
+    t = tuple(int(x) for x in v)
+    return (t[0], t[0]) if len(t) == 1 else (t[0], t[1])
+
+
 def _flatten(start: int = 1, end: int = -1) -> _Op | str:
     if start != 1:
         return "a flatten that merges the batch dimension is not supported"
@@ -197,15 +284,31 @@ def _flatten(start: int = 1, end: int = -1) -> _Op | str:
 def shape_reason(plan: list[_Op], sample: tuple[int, ...]) -> str | None:
     """Why the chain cannot run on samples of shape ``sample`` (None: it can): every
     Linear must see one feature vector per sample (``F.linear`` on more dimensions is
-    another kernel) and the logits must be one vector per sample."""
-    dims = len(sample)
+    another kernel), every Conv2d and pool an image ``[C, H, W]`` per sample (fewer
+    dimensions would be read as one unbatched image), and the logits must be one
+    vector per sample. The shapes are carried through the chain on the meta device."""
+    shape = tuple(sample)
     for op in plan:
         if op.kind == "flatten":
-            end = op.end if op.end >= 0 else dims + 1 + op.end  # nn.Flatten counts the batch
-            dims -= max(0, end - op.start)
-        elif op.kind == "linear" and dims != 1:
-            return f"a Linear layer on {dims}-dimensional samples"
-    return None if dims == 1 else f"logits of {dims} dimensions per sample"
+            end = op.end if op.end >= 0 else len(shape) + 1 + op.end  # nn.Flatten counts the batch
+            end = max(end, 1)
+            shape = (math.prod(shape[:end]), *shape[end:])
+        elif op.kind == "linear":
+            if len(shape) != 1:
+                return f"a Linear layer on {len(shape)}-dimensional samples"
+            if shape[0] != op.shape[1]:
+                return f"a Linear layer of {op.shape[1]} inputs on {shape[0]} features"
+            shape = (op.shape[0],)
+        elif op.kind in ("conv", "maxpool", "avgpool"):
+            if len(shape) != 3:
+                return f"a {op.kind} layer on {len(shape)}-dimensional samples"
+            try:
+                shape = tuple(_forward(op, torch.empty((1, *shape), device="meta"),
+                                       torch.empty(op.shape, device="meta"), None)[0]
+                              .shape[1:])
+            except RuntimeError as e:  # the layer cannot take these images
+                return f"a {op.kind} layer on samples of shape {list(shape)} ({e})"
+    return None if len(shape) == 1 else f"logits of {len(shape)} dimensions per sample"
 
 
 def trainer_reason(trainer: LocalSGD, method: LocalMethod) -> str | None:
@@ -244,8 +347,11 @@ class LockstepBackend:
         p = next(trainer.module.parameters(), None)
         size = p.element_size() if p is not None else 4
         # Cache-sized chunks: a step streams each client's weights, gradient and
-        # momentum several times; 4 MB of stacked weights keeps them in cache.
-        self.chunk = chunk or max(1, (4 << 20) // (size * max(1, trainer.layout.size)))
+        # momentum several times; 4 MB of stacked weights keeps them in cache. At
+        # least 8 clients (up to 64 MB): a CNN's few weights are not what its step
+        # streams, and chunks of 1-2 clients save little of the per-client work.
+        per = size * max(1, trainer.layout.size)
+        self.chunk = chunk or max(1, min(max((4 << 20) // per, 8), (64 << 20) // per))
         self._noted: set[str] = set()
 
     def _note(self, why: str) -> None:
@@ -393,20 +499,49 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a, b)
 
 
+def _forward(op: _Op, a: torch.Tensor, weight: torch.Tensor | None,
+             bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A 2-d layer on ``a [N, C, H, W]``: the output, and the max-pool's indices —
+    the calls ``nn.Conv2d`` / ``nn.MaxPool2d`` / ``nn.AvgPool2d`` make in training."""
+    if op.kind == "conv":
+        return F.conv2d(a, weight, bias, op.stride, op.padding, op.dilation), None
+    if op.kind == "maxpool":
+        return torch.ops.aten.max_pool2d_with_indices(
+            a, list(op.kernel), list(op.stride), list(op.padding), list(op.dilation),
+            op.ceil_mode)
+    return F.avg_pool2d(a, list(op.kernel), list(op.stride), list(op.padding), op.ceil_mode,
+                        op.count_include_pad, op.divisor), None
+
+
 def _step(plan: list[_Op], W: torch.Tensor, X: torch.Tensor, Y: torch.Tensor,
           G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One local step's forward and backward for every row of ``W`` on its batch
     ``X [m, n, ...]``, ``Y [m, n]``: the gradients are added into ``G`` (zeroed);
-    returns the log-probabilities and the labels."""
+    returns the log-probabilities and the labels. Activations are ``[m, n, ...]``
+    throughout; a pool runs once on the ``[m·n, C, H, W]`` view of them."""
     m, n = X.shape[0], X.shape[1]
     a = X
-    saved: list[torch.Tensor | torch.Size] = []
+    saved: list[object] = []
     for op in plan:
         if op.kind == "linear":
             out, inp = op.shape
             saved.append(a)
             wt = W[:, op.weight].view(m, out, inp).transpose(1, 2)
             a = _addmm(W[:, op.bias] if op.bias is not None else None, a, wt)
+        elif op.kind == "conv":
+            # client by client: the convolution one client's nn.Conv2d runs (a grouped
+            # convolution over the clients is another, slower kernel in float32)
+            a = a.contiguous()
+            saved.append(a)
+            wk = W[:, op.weight].view(m, *op.shape)
+            bk = W[:, op.bias] if op.bias is not None else None
+            a = torch.stack([_forward(op, a[k], wk[k], bk[k] if bk is not None else None)[0]
+                             for k in range(m)])
+        elif op.kind in ("maxpool", "avgpool"):
+            flat = a.reshape(m * n, *a.shape[2:])
+            out_, idx = _forward(op, flat, None, None)
+            saved.append((flat, idx))
+            a = out_.view(m, n, *out_.shape[1:])
         elif op.kind == "relu":
             a = torch.relu(a)
             saved.append(a)
@@ -419,7 +554,8 @@ def _step(plan: list[_Op], W: torch.Tensor, X: torch.Tensor, Y: torch.Tensor,
     g = torch.zeros_like(lsm)
     g.scatter_(2, Y[:, :, None], float(-(1.0 / torch.tensor(float(n), dtype=lsm.dtype))))
     g = torch._log_softmax_backward_data(g, lsm, -1, lsm.dtype)
-    first = next(i for i, op in enumerate(plan) if op.kind == "linear")
+    # nothing before the first trained layer needs a gradient
+    first = next(i for i, op in enumerate(plan) if op.params)
     for i in range(len(plan) - 1, first - 1, -1):
         op, s = plan[i], saved[i]
         if op.kind == "linear":
@@ -430,6 +566,37 @@ def _step(plan: list[_Op], W: torch.Tensor, X: torch.Tensor, Y: torch.Tensor,
                 G[:, op.bias].add_(g.sum(1))
             if i > first:
                 g = _mm(g, W[:, op.weight].view(m, out, inp))
+        elif op.kind == "conv":
+            assert isinstance(s, torch.Tensor)
+            wk = W[:, op.weight].view(m, *op.shape)
+            gw = G[:, op.weight].view(m, *op.shape)
+            gb = G[:, op.bias] if op.bias is not None else None
+            dxs = []
+            for k in range(m):
+                # the op autograd's ConvolutionBackward0 calls for one client
+                dx, dw, db = torch.ops.aten.convolution_backward(
+                    g[k], s[k], wk[k], [op.shape[0]] if gb is not None else None,
+                    list(op.stride), list(op.padding), list(op.dilation), False, [0, 0], 1,
+                    [i > first, True, gb is not None])
+                gw[k].add_(dw)
+                if gb is not None:
+                    gb[k].add_(db)
+                dxs.append(dx)
+            if i > first:
+                g = torch.stack(dxs)
+        elif op.kind in ("maxpool", "avgpool"):
+            assert isinstance(s, tuple)
+            flat, idx = s
+            gf = g.reshape(m * n, *g.shape[2:])
+            if op.kind == "maxpool":
+                gf = torch.ops.aten.max_pool2d_with_indices_backward(
+                    gf, flat, list(op.kernel), list(op.stride), list(op.padding),
+                    list(op.dilation), op.ceil_mode, idx)
+            else:
+                gf = torch.ops.aten.avg_pool2d_backward(
+                    gf, flat, list(op.kernel), list(op.stride), list(op.padding),
+                    op.ceil_mode, op.count_include_pad, op.divisor)
+            g = gf.view(m, n, *gf.shape[1:])
         elif op.kind == "relu":
             assert isinstance(s, torch.Tensor)
             g = torch.ops.aten.threshold_backward(g, s, 0)
