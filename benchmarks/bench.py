@@ -60,7 +60,9 @@ PY = sys.executable
 # ``run(quick, repeats) -> dict``, ``markdown(section) -> list[str]`` and
 # ``goals(section) -> list[(goal, this run, met, why not)]``: a new section is one
 # module and one line here, not three edits of this file.
-MODULE_SECTIONS: dict[str, str] = {}
+MODULE_SECTIONS: dict[str, str] = {
+    "peers": "peers",  # pfl-research and FLGo beside fedloom, same workloads
+}
 SECTIONS = ("round_time", "first_round", "aggregation", "topk", "memory", "fp16_state",
             "lockstep", *MODULE_SECTIONS)
 

@@ -22,7 +22,7 @@ def test_bench_quick_writes_every_section(tmp_path):
     got = json.loads((tmp_path / "results-quick.json").read_text())
     s = got["sections"]
     assert set(s) == {"round_time", "first_round", "aggregation", "topk", "memory",
-                      "fp16_state", "lockstep"}
+                      "fp16_state", "lockstep", "peers"}
     ls = s["lockstep"]
     assert all(ls[k] > 0 for k in ("lockstep", "sequential", "vmap"))
     assert ls["max_abs_diff_vs_sequential"] <= 1e-5  # the same training, float32 rounding

@@ -123,6 +123,8 @@ def init_parameters(module: nn.Module, gen: torch.Generator) -> None:
     """
     scheme = getattr(module, "fedloom_init", "")
     kaiming_normal = scheme == "kaiming_normal"
+    # pfl-research's benchmark CNN: Glorot-uniform weights, PyTorch's default biases
+    xavier = scheme == "xavier_uniform"
     if scheme in ("glorot_normal", "glorot_uniform"):
         _init_glorot(module, gen, scheme)
         return
@@ -152,6 +154,9 @@ def init_parameters(module: nn.Module, gen: torch.Generator) -> None:
                     continue
                 if p.ndim >= 2 and kaiming_normal:  # He et al. (2015), as CRAFT's ResNet
                     nn.init.kaiming_normal_(p, generator=gen)
+                    fan_in = nn.init._calculate_fan_in_and_fan_out(p)[0]
+                elif p.ndim >= 2 and xavier:
+                    nn.init.xavier_uniform_(p, generator=gen)
                     fan_in = nn.init._calculate_fan_in_and_fan_out(p)[0]
                 elif p.ndim >= 2:
                     nn.init.kaiming_uniform_(p, a=math.sqrt(5), generator=gen)

@@ -32,6 +32,7 @@ on them (one softmax). Keras flattens channels-last; the order of the flat
 features differs, not the function class or the parameter count.
 
 - ``craft_cnn``: the CRAFT code's CNN for FEMNIST (see :class:`CraftCNN`).
+- ``pfl_cnn``: pfl-research's CIFAR-10 benchmark CNN (see :class:`PflCNN`).
 - ``leaf_cnn``: LEAF's FEMNIST CNN (Caldas et al. 2018): two 5×5 "same"
   convolutions of 32 and 64 channels, each followed by ReLU and a 2×2
   max-pool, then Dense(2048) → ReLU → Dense(classes); PyTorch's default
@@ -316,6 +317,45 @@ def _craft_cnn(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) ->
     return CraftCNN(in_shape, num_classes, (ch[0], ch[1]))
 
 
+class PflCNN(nn.Module):
+    """pfl-research's CIFAR-10 benchmark CNN (its ``simple_cnn``; Granqvist et al. 2024,
+    arXiv 2404.06430): conv 3×3 "valid" (32) → ReLU → conv 3×3 "valid" (64) → ReLU →
+    max-pool 2 → Dropout(0.25) → Dense(128) → ReLU → Dropout(0.5) → Dense(classes).
+    Glorot-uniform weights and PyTorch's default biases, as that code (it re-draws the
+    weights with ``xavier_uniform_`` after construction). 1,626,442 parameters for 10
+    classes on 3×32×32 inputs. Departure: that code takes channels-last images and
+    transposes them in the model; fedloom's images are channels-first already, so the
+    transpose is left out (the flattened features are in the same order).
+    ``model.channels`` narrows the two convolutions."""
+
+    fedloom_init = "xavier_uniform"
+
+    def __init__(self, in_shape: tuple[int, ...], num_classes: int,
+                 channels: tuple[int, int] = (32, 64)) -> None:
+        super().__init__()
+        if len(in_shape) != 3:
+            raise ValueError(f"model.name: pfl_cnn needs image inputs [C, H, W], got {in_shape}")
+        c, h, w = in_shape
+        if h < 6 or w < 6:
+            raise ValueError(f"model.name: pfl_cnn needs images of at least 6x6, got {h}x{w}")
+        flat = channels[1] * ((h - 4) // 2) * ((w - 4) // 2)
+        self.features = nn.Sequential(
+            nn.Conv2d(c, channels[0], 3), nn.ReLU(), nn.Conv2d(channels[0], channels[1], 3),
+            nn.ReLU(), nn.MaxPool2d(2), nn.Dropout(0.25))
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(flat, 128), nn.ReLU(),
+                                        nn.Dropout(0.5), nn.Linear(128, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+@register("model", "pfl_cnn")
+def _pfl_cnn(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    if len(cfg.channels) != 2:
+        raise ValueError(f"model.channels: pfl_cnn needs two conv widths, got {cfg.channels}")
+    return PflCNN(in_shape, num_classes, (cfg.channels[0], cfg.channels[1]))
+
+
 # name: (what it is, the model.* options it reads, the input it is counted on, classes)
 CATALOG: dict[str, tuple[str, tuple[str, ...], tuple[int, ...], int]] = {
     "mlp": ("MLP, ReLU or none between layers (CRAFT's 2 x 200)", ("hidden", "activation"),
@@ -340,6 +380,8 @@ CATALOG: dict[str, tuple[str, tuple[str, ...], tuple[int, ...], int]] = {
                   ("channels",), (1, 28, 28), 10),
     "craft_cnn": ("the CRAFT code's CNN: two 5x5 valid convolutions (64) + Dense 384-192, "
                   "dropout", ("channels",), (1, 28, 28), 62),
+    "pfl_cnn": ("pfl-research's CIFAR-10 benchmark CNN: two 3x3 valid convolutions + "
+                "Dense(128), dropout", ("channels",), (3, 32, 32), 10),
     "char_rnn": ("character GRU/LSTM (LEAF's Shakespeare model: 2 x LSTM 256)",
                  ("hidden", "embed", "cell"), (80,), 80),
 }

@@ -1,0 +1,445 @@
+"""Section ``peers`` of ``make bench``: fedloom against pfl-research and FLGo, side by side.
+
+    python benchmarks/bench.py --only peers [--quick] [--repeats N]
+
+Two workloads, each run by every framework on the same data, model,
+initialisation, optimiser, cohorts, batch order and rounds:
+
+- ``reference`` (:mod:`workload`): 100 clients × 600 samples × 784 features,
+  MLP 784-200-10, 1 epoch of batch 32, SGD lr 0.05, FedAvg; 10 and 100 clients
+  a round;
+- ``pfl_cifar10``: pfl-research's CIFAR-10 benchmark shape (Granqvist et al.
+  2024, arXiv 2404.06430; its ``benchmarks/image_classification`` baseline
+  config): 1,000 clients × 50 images of 3 × 32 × 32, 50 a round, 1 epoch of
+  batch 10, local SGD lr 0.1, central step 1 (FedAvg), its ``simple_cnn``
+  (fedloom's ``pfl_cnn``). CIFAR-10's training images from ``data.root`` /
+  ``$FEDLOOM_DATA`` where they are on disk (normalised with CIFAR-10's channel
+  means and deviations), otherwise uniform random images of that shape
+  labelled by a fixed random linear teacher (the page says which). Departure:
+  pfl's benchmark evaluates centrally every 10 rounds; no framework evaluates
+  here.
+
+fedloom writes a spec folder (:mod:`peer_common`: the arrays, fedloom's
+initial parameters, its cohort of every round and every cohort client's
+sample order), and each framework runs as its own process on it —
+:mod:`peer_fedloom` (fedloom's venv, one process per backend),
+:mod:`peer_pfl` and :mod:`peer_flgo`, each in its own virtualenv under
+``.bench-venvs/NAME`` created here with pinned versions (torch 2.13.0 first,
+then the peer; a peer that cannot be installed is skipped with one line).
+``--quick`` never creates a venv: a peer whose venv is not there yet is
+skipped with one line; it runs the reference MLP alone at toy sizes (10
+clients × 40 samples, 5 a round) on fedloom's ``sequential`` backend and the
+peers.
+
+Timing: every driver runs round 1 at once — launch → end of round 1 is
+measured from the parent's start of that process, one framework at a time —
+then waits; the parent then sends each framework a ``go`` in turn, so their
+rounds interleave (the order rotates each round) and the machine's load falls
+on all of them alike. A framework's figure is the median of its rounds after
+round 1 (``repeats`` of them).
+
+Equivalence: every driver writes its final parameters. On the MLP (no random
+forward) all frameworks trained the same cohorts on the same batches from the
+same start, so the final models of the timing run are compared directly
+(max |Δ| against fedloom's ``sequential``). The CNN's dropout masks come from
+each framework's own generator, so for it one extra round is run by fedloom
+``sequential`` and each peer with the dropout layers at ``p = 0``, and those
+are compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+VENVS = ROOT / ".bench-venvs"
+TORCH_PIN = "torch==2.13.0"
+# FLGo 0.4.4 lists an unpinned torchvision, whose PyPI wheels need another torch
+# than 2.13.0 (pip would replace torch with a CUDA build of several GB); FLGo's core
+# never imports it, so FLGo goes in with --no-deps and its other requirements, pinned.
+PEERS: dict[str, dict[str, Any]] = {
+    "pfl": {"pins": ["pfl==0.6.0"], "no_deps": [], "module": "pfl",
+            "script": "peer_pfl.py"},
+    "flgo": {"pins": ["numpy==2.4.6", "scipy==1.17.1", "matplotlib==3.11.2", "tqdm==4.70.1",
+                      "prettytable==3.18.0", "ujson==6.1.0", "pynvml==13.0.1",
+                      "PyYAML==6.0.4", "networkx==3.6.1", "requests==2.34.2", "toolz==1.2.0"],
+             "no_deps": ["flgo==0.4.4"], "module": "flgo", "script": "peer_flgo.py"},
+}
+# torch's intra-op threads of every framework's training process. One: on a machine
+# shared with other jobs, two OpenMP threads spin-wait for cores other processes
+# hold (a round of the toy spec took 3.2 s on 2 threads and 0.03 s on 1 here, at
+# load 10), and FLGo's own default is 1. fedloom's process backend runs its 2
+# workers with 1 thread each, its default.
+THREADS = 1
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+
+
+# ------------------------------------------------------------------ workloads
+def workloads(quick: bool) -> dict[str, dict[str, Any]]:
+    """The runs of the section: the model, sizes and training settings of each."""
+    import workload
+
+    ref = {"model": "mlp", "hidden": workload.HIDDEN, "in_shape": [workload.DIM],
+           "classes": workload.CLASSES, "lr": workload.LR, "batch": workload.BATCH,
+           "epochs": 1, "data": "reference"}
+    cifar = {"model": "pfl_cnn", "in_shape": [3, 32, 32], "classes": 10, "lr": 0.1,
+             "batch": 10, "epochs": 1, "data": "cifar10"}
+    if quick:  # one toy run: every driver's process start is seconds on a loaded machine
+        return {"reference/5": {**ref, "clients": 10, "samples": 40, "per_round": 5}}
+    return {"reference/10": {**ref, "clients": workload.CLIENTS, "samples": workload.SAMPLES,
+                             "per_round": 10},
+            "reference/100": {**ref, "clients": workload.CLIENTS,
+                              "samples": workload.SAMPLES, "per_round": 100},
+            "pfl_cifar10/50": {**cifar, "clients": 1000, "samples": 50, "per_round": 50}}
+
+
+def make_data(wl: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, str]:
+    """``(x float32, y int64, where they come from)``; client ``k`` owns rows
+    ``k·n … (k+1)·n − 1``."""
+    clients, n = wl["clients"], wl["samples"]
+    if wl["data"] == "reference":
+        import workload
+
+        xs, ys = zip(*(workload.client_arrays(k, n) for k in range(clients)), strict=True)
+        return (torch.cat(xs).numpy(), torch.cat(ys).numpy(),
+                "the reference workload's synthetic data")
+    total = clients * n
+    try:
+        from fedloom.data.disk import data_root, read_cifar
+
+        arrs = read_cifar("cifar10", data_root())
+        if len(arrs["train_y"]) < total:
+            raise ValueError("too few images")
+        u8 = torch.from_numpy(arrs["train_x"][:total]).permute(0, 3, 1, 2).float() / 255
+        mean = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1)
+        std = torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
+        x = ((u8 - mean) / std).numpy()
+        return (np.ascontiguousarray(x, dtype=np.float32),
+                arrs["train_y"][:total].astype(np.int64),
+                f"CIFAR-10's first {total:,} training images (from disk)")
+    except Exception:
+        pass
+    gen = torch.Generator().manual_seed(2024)  # images, then the teacher: fixed draws
+    x = (torch.rand(total, 3, 32, 32, generator=gen) - 0.5) / 0.25
+    teacher = torch.randn(3 * 32 * 32, 10, generator=gen)
+    y = (x.reshape(total, -1) @ teacher).argmax(1)
+    return (x.numpy(), y.numpy(),
+            "random images (CIFAR-10 is not on disk): uniform pixels, normalised, "
+            "labelled by the argmax of a fixed random linear map")
+
+
+def export_spec(wl: dict[str, Any], folder: Path, rounds: int,
+                data: tuple[np.ndarray, np.ndarray, str] | None = None) -> dict[str, Any]:
+    """Write the spec folder of :mod:`peer_common` for ``rounds`` rounds of ``wl``
+    and return the spec: fedloom's initial parameters, cohorts and sample orders,
+    read off the fedloom run the fedloom driver makes."""
+    from peer_fedloom import dataset, fedloom_config
+
+    from fedloom.config import load_config
+    from fedloom.engine.experiment import Experiment
+    from fedloom.rng import Purpose, derive_seed
+
+    x, y, source = data if data is not None else make_data(wl)
+    folder.mkdir(parents=True, exist_ok=True)
+    np.save(folder / "x.npy", x)
+    np.save(folder / "y.npy", y)
+    spec: dict[str, Any] = {k: wl[k] for k in ("model", "in_shape", "classes", "lr", "batch",
+                                               "epochs", "clients", "samples", "per_round")}
+    if wl["model"] == "mlp":
+        spec["hidden"] = wl["hidden"]
+    cfg = load_config(fedloom_config(spec), ["backend=sequential"])
+    exp = Experiment(cfg, data=dataset(spec, x, y))
+    spec["init"] = [p.detach().clone() for p in exp.module.parameters()]
+    cohorts = [exp.sample_cohort(r) for r in range(rounds)]
+    spec["cohorts"] = torch.stack(cohorts)
+    # fedloom's batch order (LocalSGD.job_batches): one permutation per epoch from a
+    # generator seeded with derive_seed(seed, round, client, "batch")
+    perms = []
+    for r, cohort in enumerate(cohorts):
+        row = []
+        for k in cohort.tolist():
+            gen = torch.Generator()
+            gen.manual_seed(derive_seed(cfg.seed, r, k, Purpose.BATCH))
+            row.append(torch.randperm(wl["samples"], generator=gen))
+        perms.append(torch.stack(row))
+    spec["perms"] = torch.stack(perms)
+    exp.close()
+    torch.save(spec, folder / "spec.pt")
+    spec["source"] = source
+    return spec
+
+
+# --------------------------------------------------------------------- venvs
+def venv_python(name: str) -> Path:
+    return VENVS / name / "bin" / "python"
+
+
+def _pins(name: str) -> str:
+    p = PEERS[name]
+    return "\n".join([TORCH_PIN, *p["no_deps"], *p["pins"]]) + "\n"
+
+
+def ensure_venv(name: str, quick: bool) -> tuple[Path | None, str]:
+    """``(python of the peer's venv, "")``, or ``(None, the one line why it is skipped)``.
+    A venv counts as there when its stamp lists the pins asked for now."""
+    py, stamp = venv_python(name), VENVS / name / "fedloom-pins.txt"
+    if py.exists() and stamp.exists() and stamp.read_text() == _pins(name):
+        return py, ""
+    if quick:
+        return None, (f"peers: {name} skipped: --quick does not install (no .bench-venvs/"
+                      f"{name} yet; `python benchmarks/bench.py --only peers` creates it)")
+    base = getattr(sys, "_base_executable", sys.executable)
+    p = PEERS[name]
+    steps = [[base, "-m", "venv", "--clear", str(VENVS / name)],
+             [str(py), "-m", "pip", "install", "-q", TORCH_PIN]]
+    if p["no_deps"]:
+        steps.append([str(py), "-m", "pip", "install", "-q", "--no-deps", *p["no_deps"]])
+    steps.append([str(py), "-m", "pip", "install", "-q", TORCH_PIN, *p["pins"]])
+    steps.append([str(py), "-c", f"import {p['module']}"])
+    first = ", ".join([TORCH_PIN, *p["no_deps"], *p["pins"][:1]])
+    print(f"peers: creating .bench-venvs/{name} ({first}{', …' if len(p['pins']) > 1 else ''})",
+          file=sys.stderr, flush=True)
+    for cmd in steps:
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return None, f"peers: {name} skipped: `{' '.join(cmd[-3:])}` failed: {e}"
+        if res.returncode != 0:
+            errs = [ln for ln in res.stderr.splitlines() if ln.strip()
+                    and not ln.startswith("WARNING")] or ["(no message)"]
+            return None, f"peers: {name} skipped: `{' '.join(cmd[2:])}` failed: {errs[-1]}"
+    stamp.write_text(_pins(name))
+    return py, ""
+
+
+# ------------------------------------------------------------------ running
+def _read_round(proc: subprocess.Popen, name: str) -> dict[str, Any]:
+    """The next round line of a driver (other output on its stdout is skipped)."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.strip()
+        if line.startswith("{") and '"round"' in line:
+            return json.loads(line)
+    raise RuntimeError(f"{name} ended before reporting a round (exit {proc.wait()})")
+
+
+def run_frameworks(frameworks: list[tuple[str, list[str]]], folder: Path, rounds: int,
+                   final: bool = True) -> dict[str, dict[str, Any]]:
+    """Launch each driver in turn (its launch → end of round 1 measured alone), then
+    interleave the remaining rounds; return each framework's figures, or its error."""
+    procs: dict[str, subprocess.Popen] = {}
+    logs: dict[str, Any] = {}
+    out: dict[str, dict[str, Any]] = {}
+    for name, cmd in frameworks:
+        log = tempfile.TemporaryFile(mode="w+")
+        logs[name] = log
+        extra = ["--final", str(folder / f"final-{name.replace(':', '-')}.pt")] if final else []
+        t0 = time.monotonic()
+        proc = subprocess.Popen([*cmd, "--spec", str(folder), "--rounds", str(rounds), *extra],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                text=True, cwd=str(ROOT))
+        try:
+            first = _read_round(proc, name)
+        except RuntimeError as e:
+            log.seek(0)
+            tail = [ln for ln in log.read().splitlines() if ln.strip()][-1:] or [""]
+            out[name] = {"error": f"{e}: {tail[0][:300]}"}
+            print(f"peers: {name} failed: {out[name]['error']}", file=sys.stderr, flush=True)
+            continue
+        procs[name] = proc
+        out[name] = {"launch_s": first["end"] - t0, "rounds_s": []}
+    order = list(procs)
+    for r in range(1, rounds):
+        turn = order[r % len(order):] + order[:r % len(order)] if order else []
+        for name in turn:
+            proc = procs[name]
+            if "error" in out[name]:
+                continue
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+                out[name]["rounds_s"].append(_read_round(proc, name)["s"])
+            except (RuntimeError, BrokenPipeError) as e:
+                out[name] = {"error": str(e)}
+    for name, proc in procs.items():
+        try:
+            rc = proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = -9
+        if rc != 0 and "error" not in out[name]:
+            logs[name].seek(0)
+            tail = [ln for ln in logs[name].read().splitlines() if ln.strip()][-1:] or [""]
+            out[name] = {"error": f"exit {rc}: {tail[0][:300]}"}
+        if "error" not in out[name] and out[name]["rounds_s"]:
+            out[name]["round_s"] = statistics.median(out[name]["rounds_s"])
+    for log in logs.values():
+        log.close()
+    return out
+
+
+def _fedloom_backends(wl: dict[str, Any], quick: bool = False) -> list[tuple[str, str]]:
+    rows = [("sequential", f"sequential,backend.threads={THREADS}")]
+    if quick:
+        return rows
+    # lockstep trains chains of Linear/ReLU only; on the CNN it would be sequential
+    if wl["model"] == "mlp":
+        rows.append(("lockstep", f"lockstep,backend.threads={THREADS}"))
+    rows.append(("process", "process,backend.workers=2"))
+    return rows
+
+
+def _max_diff(a: Path, b: Path) -> dict[str, float] | None:
+    if not (a.exists() and b.exists()):
+        return None
+    wa, wb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    d = float((wa - wb).abs().max())
+    return {"max_abs_diff": d, "relative": d / max(float(wb.abs().max()), 1e-30)}
+
+
+def run(quick: bool, repeats: int) -> dict[str, Any]:
+    py = sys.executable
+    out: dict[str, Any] = {"load_before": list(os.getloadavg()), "skipped": {},
+                           "workloads": {}, "repeats": repeats, "quick": quick}
+    peers: dict[str, Path] = {}
+    for name in PEERS:
+        path, why = ensure_venv(name, quick)
+        if path is None:
+            print(why, file=sys.stderr, flush=True)
+            out["skipped"][name] = why
+        else:
+            peers[name] = path
+    rounds = repeats + 1
+    for key, wl in workloads(quick).items():
+        print(f"peers: {key} …", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(prefix="fedloom-peers-") as d:
+            folder = Path(d)
+            data = make_data(wl)
+            spec = export_spec(wl, folder, rounds, data)
+            del data
+            fws = [(f"fedloom:{label}", [py, str(HERE / "peer_fedloom.py"), "--backend", over])
+                   for label, over in _fedloom_backends(wl, quick)]
+            for name, path in peers.items():
+                script = str(HERE / PEERS[name]["script"])
+                if name == "flgo":  # FLGo keeps its task on disk: made once, untimed
+                    subprocess.run([str(path), script, "--spec", str(folder), "--prepare"],
+                                   capture_output=True, text=True, check=True, timeout=1800)
+                fws.append((name, [str(path), script, "--threads", str(THREADS)]))
+            res = run_frameworks(fws, folder, rounds)
+            row: dict[str, Any] = {**{k: wl[k] for k in ("model", "clients", "samples",
+                                                          "per_round", "batch", "lr")},
+                                   "data": spec["source"], "rounds": rounds,
+                                   "frameworks": res}
+            ref = folder / "final-fedloom-sequential.pt"
+            if wl["model"] == "mlp":
+                row["equivalence"] = {
+                    "rounds": rounds, "dropout": False,
+                    **{n: _max_diff(folder / f"final-{n.replace(':', '-')}.pt", ref)
+                       for n in res if n != "fedloom:sequential"}}
+            else:
+                chk = [(n, [*c, "--no-dropout"]) for n, c in fws
+                       if n == "fedloom:sequential" or not n.startswith("fedloom")]
+                run_frameworks(chk, folder, 1)
+                row["equivalence"] = {
+                    "rounds": 1, "dropout": "off (p = 0) for the check",
+                    **{n: _max_diff(folder / f"final-{n}.pt", ref) for n, _ in chk
+                       if n != "fedloom:sequential"}}
+            out["workloads"][key] = row
+    out["load_after"] = list(os.getloadavg())
+    return out
+
+
+# ------------------------------------------------------------------- report
+def _best_fedloom(fws: dict[str, Any]) -> tuple[str, float] | None:
+    got = [(n.split(":", 1)[1], v["round_s"]) for n, v in fws.items()
+           if n.startswith("fedloom:") and "round_s" in v]
+    return min(got, key=lambda t: t[1]) if got else None
+
+
+def markdown(section: dict[str, Any]) -> list[str]:
+    lb, la = section.get("load_before", [0, 0, 0]), section.get("load_after", [0, 0, 0])
+    lines = ["## Peers: pfl-research and FLGo", "",
+             "`python benchmarks/bench.py --only peers`: every framework in its own process "
+             "(pfl 0.6.0 and FLGo 0.4.4 each in its own virtualenv with torch 2.13.0) on the "
+             "same data, initial parameters, cohorts, batch order and rounds, exported by "
+             "fedloom; rounds interleaved (one round of each framework in turn, the order "
+             "rotating). Seconds per round: median of the "
+             f"{section.get('repeats', '?')} rounds after round 1; speed-up = the framework's "
+             "time / fedloom's best backend's, measured in the same run. Launch = from "
+             "starting the framework's process to the end of its round 1 (imports, data, "
+             "set-up, round 1), one framework at a time. Load average (1 min) before / after: "
+             f"{lb[0]:.1f} / {la[0]:.1f} on {os.cpu_count()} cores shared with other jobs.", ""]
+    for why in section.get("skipped", {}).values():
+        lines += [f"{why}", ""]
+    for row in section.get("workloads", {}).values():
+        fws = row["frameworks"]
+        best = _best_fedloom(fws)
+        title = ("reference workload" if row["model"] == "mlp" else
+                 "pfl-research's CIFAR-10 benchmark shape")
+        lines += [f"### {title}, {row['per_round']} clients a round", "",
+                  f"{row['clients']:,} clients × {row['samples']} samples, model "
+                  f"`{row['model']}`, batch {row['batch']}, lr {row['lr']}, 1 epoch; data: "
+                  f"{row['data']}.", "",
+                  "| framework | s/round | fedloom's best speed-up | launch → end of round 1 (s) |",
+                  "|---|---|---|---|"]
+        for name, v in fws.items():
+            if "error" in v:
+                lines.append(f"| {name} | failed: {v['error'][:120]} | | |")
+                continue
+            t = v.get("round_s")
+            sp = f"{t / best[1]:.2f}×" if best and t else "—"
+            lines.append(f"| {name} | {_fmt(t)} | {sp} | {v['launch_s']:.1f} |")
+        eq = row.get("equivalence", {})
+        diffs = [f"{n} {d['max_abs_diff']:.1e} (relative {d['relative']:.1e})"
+                 for n, d in eq.items() if isinstance(d, dict)]
+        if diffs:
+            what = (f"the final models of this run ({eq['rounds']} rounds)" if
+                    eq.get("dropout") is False else
+                    "the model after one round with dropout off in every framework")
+            lines += ["", f"Equivalence, {what}, max |Δ| against fedloom's sequential: "
+                      + "; ".join(diffs) + "."]
+        lines.append("")
+    return lines
+
+
+def _fmt(t: float | None) -> str:
+    return "—" if t is None else f"{t:.3f}"
+
+
+def goals(section: dict[str, Any]) -> list[tuple[str, str, bool, str]]:
+    """Round time ≥ 1.5× pfl and ≥ 1.5× FLGo on each workload (CPU)."""
+    rows: list[tuple[str, str, bool, str]] = []
+    for key, row in section.get("workloads", {}).items():
+        fws = row["frameworks"]
+        best = _best_fedloom(fws)
+        for peer in PEERS:
+            goal = f"round time ≥ 1.5× {peer} ({key} clients/round)"
+            v = fws.get(peer)
+            if v is None or "round_s" not in v or best is None:
+                why = (section.get("skipped", {}).get(peer) or (v or {}).get("error")
+                       or "not measured")
+                rows.append((goal, "—", False, why))
+                continue
+            got = v["round_s"] / best[1]
+            seq = fws.get("fedloom:sequential", {}).get("round_s")
+            why = (f"fedloom's best ({best[0]}) {best[1]:.3f} s against {peer}'s "
+                   f"{v['round_s']:.3f} s; the goal needs {v['round_s'] / 1.5:.3f} s. "
+                   + (f"fedloom sequential is {seq:.3f} s: " if seq else "")
+                   + f"{peer} runs the same PyTorch kernels on the same batches, so what is "
+                   "left to win is only its per-client and per-step overhead")
+            rows.append((goal, f"{got:.2f}×", got >= 1.5, why))
+    return rows
