@@ -75,3 +75,32 @@ def test_batch_indices_of_a_client_without_samples_is_an_error_not_a_hang():
     trainer = LocalSGD(model, Layout.from_module(model), batch_size=4, steps=5)
     with pytest.raises(ValueError, match="no training sample"):
         trainer.batch_indices(0, torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("epochs,max_steps", [(None, None), (3, None), (2, 4)])
+def test_job_batches_are_the_batches_train_draws(epochs, max_steps, monkeypatch):
+    """The batched backends and APFL draw a client's batches with ``job_batches``:
+    it must give exactly the index batches ``train`` steps over (recorded here by
+    wrapping ``batch_indices``), and another ``gen_seed`` another order."""
+    model = MLP(4, [4], 2)
+    layout = Layout.from_module(model)
+    x, y = torch.randn(11, 4), torch.randint(0, 2, (11,))
+    trainer = LocalSGD(model, layout, batch_size=3, epochs=1)
+    job = ClientJob(0, 0, layout.flatten(model), 0.1, x, y, gen_seed=13, epochs=epochs,
+                    max_steps=max_steps)
+    seen: list[list[torch.Tensor]] = []
+    real = LocalSGD.batch_indices
+
+    def record(self, *a, **k):
+        seen.append(real(self, *a, **k))
+        return seen[-1]
+
+    monkeypatch.setattr(LocalSGD, "batch_indices", record)  # a frozen dataclass: the class
+    _, _, steps, _ = trainer.train(job)
+    monkeypatch.setattr(LocalSGD, "batch_indices", real)
+    got = trainer.job_batches(job)
+    assert len(seen) == 1 and steps == len(got) == len(seen[0])
+    assert all(torch.equal(a, b) for a, b in zip(got, seen[0], strict=True))
+    other = trainer.job_batches(ClientJob(0, 0, job.w, 0.1, x, y, gen_seed=14, epochs=epochs,
+                                          max_steps=max_steps))
+    assert not all(torch.equal(a, b) for a, b in zip(got, other, strict=True))

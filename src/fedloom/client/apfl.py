@@ -89,9 +89,7 @@ class APFL(LocalMethod):
         a = float(job.state["mix"][0]) if started else self.alpha
         lr = job.lr
         a_lr = self.alpha_lr if self.alpha_lr is not None else lr
-        gen = torch.Generator()
-        gen.manual_seed(job.gen_seed)
-        batches = trainer.batch_indices(int(job.y.shape[0]), gen, job.epochs, job.max_steps)
+        batches = trainer.job_batches(job)
         module, layout = trainer.module, trainer.layout
         template = job.buffers or trainer._flat_module().init_buffers
         bufs_w = {n: t.clone() for n, t in template.items()}

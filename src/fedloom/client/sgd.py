@@ -205,6 +205,15 @@ class LocalSGD:
                     break
         return out
 
+    def job_batches(self, job: ClientJob) -> list[torch.Tensor]:
+        """The index batches :meth:`train` draws for ``job`` (a generator seeded with
+        ``job.gen_seed``, then :meth:`batch_indices`): the batched backends and
+        methods with their own loop draw through this, so a client sees the same
+        samples in the same order on every path."""
+        gen = torch.Generator()
+        gen.manual_seed(job.gen_seed)
+        return self.batch_indices(int(job.y.shape[0]), gen, job.epochs, job.max_steps)
+
     def descend(
         self,
         x0: torch.Tensor,

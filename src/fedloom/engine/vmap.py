@@ -143,11 +143,7 @@ class VmapBackend:
         """Every client's batches, as the sequential trainer draws them, padded into
         one ``[m, T, B]`` table of sample positions with its masks."""
         tr, m = self.trainer, len(jobs)
-        batches = []
-        for j in jobs:
-            gen = torch.Generator()
-            gen.manual_seed(j.gen_seed)
-            batches.append(tr.batch_indices(int(j.y.shape[0]), gen, j.epochs, j.max_steps))
+        batches = [tr.job_batches(j) for j in jobs]
         steps = [len(b) for b in batches]
         T = max(steps)
         B = max(len(i) for b in batches for i in b)
