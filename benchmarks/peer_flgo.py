@@ -21,7 +21,11 @@ sample trains, as in the other frameworks), no evaluation
 (``eval_interval=-1``) and no console log. FLGo's default
 ``torch_num_threads`` is 1 and its default ``num_parallels`` 1 (clients one
 after another in the server's process); both are kept unless
-``--threads``/``--parallels`` say otherwise.
+``--threads``/``--parallels`` say otherwise. ``--parallels N`` trains N clients
+at a time in threads of the server's process (``parallel_type="t"``; torch
+releases the GIL in its kernels): FLGo's process pools (``"r"`` without Ray)
+pickle the whole server, every client's dataset included, to a new pool in
+every round, and cannot pickle algorithm classes defined in a function.
 
 Departure, stated: FLGo 0.4.4's client dataset class fails a check torch added
 in 2.6 (a ``Subset`` subclass that overrides ``__getitem__`` must define
@@ -88,7 +92,11 @@ def prepare(spec_dir: Path) -> None:
     bmk = flgo.gen_benchmark_from_file(BENCHMARK, str(config), target_path=".",
                                        data_type="cv", task_type="classification",
                                        overwrite=True)
-    flgo.gen_task_by_(importlib.import_module(bmk), Natural(), task_path=TASK, overwrite=True)
+    module = importlib.import_module(bmk)
+    # no partition plot: matplotlib on every client's label counts takes minutes on a
+    # loaded machine and is not part of a run
+    module.visualize = lambda *args, **kwargs: None
+    flgo.gen_task_by_(module, Natural(), task_path=TASK, overwrite=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         option["torch_num_threads"] = args.threads
     if args.parallels:
-        option["num_parallels"] = args.parallels
+        # threads of one process (FLGo's parallel_type "t"): its process pools pickle
+        # the whole server, every client's data included, in every round
+        option.update(num_parallels=args.parallels, parallel_type="t")
     runner = flgo.init(TASK, FedAvg, option=option)
     peer_common.load_flat(runner.model, spec["init"])
     pacer = peer_common.Pacer(rounds)
