@@ -146,3 +146,29 @@ def _running(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie has finished
         return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_across_panel_tables_and_plots_a_metric_against_the_settings_number(tmp_path):
+    """``report.across``: one table row per method, one column per setting ordered by its
+    number (mean ± sd over the seeds, in %), a setting the table lacks left out, and the
+    plot written beside the page."""
+    from fedloom.report.sweep import _across_lines
+
+    def runs(*vals):
+        return {"runs": [{"_seed": i, "client_acc_mean": v} for i, v in enumerate(vals)]}
+
+    table = {"lr1": {"A": runs(0.5, 0.7), "B": runs(0.9, 0.9)},
+             "lr4": {"A": runs(0.8, 0.8)}}
+    spec = {"title": "Sensitivity", "xlabel": "lr ×",
+            "panels": [{"name": "p", "title": "P", "metric": "client_acc_mean",
+                        "x": {"lr4": 4, "lr1": 1, "lr16": 16}, "methods": ["A", "B"]}]}
+    out = _across_lines(spec, table, "t", tmp_path / "t.md")
+    text = "\n".join(out)
+    assert out[0] == "## Sensitivity"
+    assert "× 1: lr1, × 4: lr4" in text and "lr16" not in text
+    assert "| method | × 1 | × 4 |" in text
+    # A: mean of 50 and 70 % is 60, sd (ddof 1) 14.1; B has no run at × 4
+    assert "| A | 60.0 ± 14.1 | 80.0 ± 0.0 |" in text
+    assert "| B | 90.0 ± 0.0 | – |" in text
+    assert (tmp_path / "t-p.png").exists() and "(t-p.png)" in text
+    assert _across_lines({"panels": [{"x": {"other": 1}}]}, table, "t", None) == []

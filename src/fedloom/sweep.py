@@ -101,6 +101,10 @@ CSV. The optional ``report:`` section shapes the page; every key is optional::
         {x: partition_hellinger, xlabel: "…", methods: [A, B],   # partition_*), each
          metrics: [client_acc_mean, client_acc_worst10]}         # method's metrics
                               # beside it, and their plot against it
+      across:                 # a metric against a number given to settings (e.g. the
+        {title: "…", xlabel: "client lr ×", intro: "…",   # client-lr multiplier), a
+         panels: [{name: n, title: "…", metric: client_acc_mean,  # table and plot each
+                   x: {setting-a: 0.25, setting-b: 1}, methods: [A, B]}]}
       compare: {baseline: FedAvg, candidates: [CRAFT]}
                               # "better/worse/within seed spread" lines
       notes: "…"              # closing paragraph

@@ -185,7 +185,8 @@ def plot_sensitivity(path: str | Path, title: str,
     ylabel = metric.replace("_", " ") + (" (%)" if scale == 100.0 else "")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.set_title(f"{title}: mean over seeds, band ± sd, ring = tuned value", fontsize=9)
+    ring = ", ring = tuned value" if chosen and any(v is not None for v in chosen.values()) else ""
+    ax.set_title(f"{title}: mean over seeds, band ± sd{ring}", fontsize=9)
     fig.legend(*ax.get_legend_handles_labels(), loc="outside right upper", fontsize=7,
                frameon=False)
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -386,6 +386,47 @@ def _own_metrics(suite: Any) -> str:
     return " (" + "; ".join(f"{m}: `{v}`" for m, v in own.items()) + ")"
 
 
+def _across_lines(spec: Mapping[str, Any], table: dict[str, dict[str, Any]], name: str,
+                  doc: Path | None) -> list[str]:
+    """``report.across``: a metric against a number the suite attaches to settings (for
+    example the client-lr multiplier of settings that differ only in it), one panel per
+    entry of ``panels``: a table (methods × that number, mean ± sd over the seeds) and a
+    plot (one line per method, ± sd band; log x when it spans more than a decade). Each
+    point is the method as it ran in that setting (tuned methods tuned there)."""
+    out: list[str] = []
+    for panel in spec.get("panels", []):
+        xs = {s: float(x) for s, x in panel["x"].items() if s in table}
+        if not xs:
+            continue
+        metric = panel.get("metric", "client_acc_mean")
+        methods = list(panel.get("methods") or sorted({m for s in xs for m in table[s]}))
+        lines_by_m: dict[str, list[tuple[Any, list[float]]]] = {}
+        for m in methods:
+            pts = [(x, list(seed_values(table[s][m]["runs"], metric)[0].values()))
+                   for s, x in xs.items() if m in table[s]]
+            if pts:
+                lines_by_m[m] = pts
+        if not lines_by_m:
+            continue
+        header, rows = sensitivity_table(lines_by_m, metric)
+        header = [header[0], *[f"× {h}" for h in header[1:]]]
+        unit = " (%)" if metric_scale(metric)[0] == 100 else ""
+        where = ", ".join(f"× {x:g}: {s}" for s, x in sorted(xs.items(), key=lambda p: p[1]))
+        if not out:
+            out = [f"## {spec.get('title', 'Across settings')}", ""]
+            if spec.get("intro"):
+                out += [spec["intro"].strip(), ""]
+        out += [f"**{panel.get('title', panel.get('name', metric))}** (final `{metric}`{unit}, "
+                f"mean ± sd over the seeds; {where}):", "", markdown_table(header, rows), ""]
+        if doc is not None:
+            png = doc.parent / f"{name}-{panel.get('name', metric)}.png"
+            if plot_sensitivity(png, panel.get("title", ""), lines_by_m,
+                                spec.get("xlabel", "x"), metric):
+                out += [f"![{metric} against {spec.get('xlabel', 'x')}, "
+                        f"{panel.get('title', '')}]({png.name})", ""]
+    return out
+
+
 def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any],
                  elapsed_s: float, workers: int, csv: str | Path | None = None) -> str:
     """The page's markdown; written to ``suite.doc`` with its plots beside it when the
@@ -523,6 +564,8 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
     het = rep.get("heterogeneity")
     if het:
         lines += _heterogeneity_lines(het, table, suite.name, doc)
+    if rep.get("across"):
+        lines += _across_lines(rep["across"], table, suite.name, doc)
     comp = rep.get("compare")
     if comp:
         lines += ["## Comparisons", "",
