@@ -8,6 +8,7 @@ line ``fedloom: error: …`` and exit with status 2; nothing is left behind.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -460,13 +461,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fedloom.config import ConfigError
-    from fedloom.data.partition import PartitionError
-    from fedloom.data.sources import DatasetUnavailable
+    # As a process of its own (the console script, `python -m fedloom.cli`; argv is
+    # None), the cyclic garbage collector is off while torch and fedloom are imported
+    # and what the imports made is then frozen out of its later passes (gc.freeze):
+    # the imports create some 170,000 long-lived objects, and the collector's full
+    # passes over them as they are made found nothing to free and cost about a fifth of
+    # `import torch` (CPU seconds, interleaved runs; benchmarks/results.md, start-up).
+    # Called with argv (the tests, a sweep's worker) the caller's heap is left alone.
+    own = argv is None
+    if own:
+        gc.disable()
+    try:
+        from fedloom.config import ConfigError
+        from fedloom.data.partition import PartitionError
+        from fedloom.data.sources import DatasetUnavailable
 
-    logging.basicConfig(level=logging.WARNING, format="fedloom: %(message)s")
-    logging.getLogger("fedloom").setLevel(logging.INFO)
-    args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.WARNING, format="fedloom: %(message)s")
+        logging.getLogger("fedloom").setLevel(logging.INFO)
+        args = build_parser().parse_args(argv)
+        if own and args.func is _cmd_run:
+            import fedloom.engine.loop  # noqa: F401  (imported here, while collection is off)
+    finally:
+        if own:
+            gc.freeze()
+            gc.enable()
     try:
         return int(args.func(args))
     except (ConfigError, DatasetUnavailable, PartitionError, ValueError) as e:
