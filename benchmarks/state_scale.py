@@ -107,8 +107,12 @@ def run(quick: bool, repeats: int) -> dict[str, Any]:
         sizes, hidden, rounds, cohort, every = (50, 500), [64], 3, 5, 1
     else:
         sizes, hidden, rounds, cohort, every = (1000, 10_000), [1024, 200], 50, 10, 10
-    return {"samples_per_client": SAMPLES_PER_CLIENT,
-            "runs": {str(n): _one(n, hidden, rounds, cohort, every) for n in sizes}}
+    load = [os.getloadavg()[0]]  # the machine's 1-minute load, before and after each run
+    runs = {}
+    for n in sizes:
+        runs[str(n)] = _one(n, hidden, rounds, cohort, every)
+        load.append(os.getloadavg()[0])
+    return {"samples_per_client": SAMPLES_PER_CLIENT, "runs": runs, "load_avg": load}
 
 
 def _big(section: dict[str, Any]) -> dict[str, Any]:
@@ -140,8 +144,11 @@ def markdown(section: dict[str, Any]) -> list[str]:
             f"({r['expected_clients_sampled']:.0f}) | {snaps['apparent_gb']:.1f} / "
             f"{snaps['disk_mb']:.0f} | {r['s_per_round']:.3f} | {r['round_1_s']:.2f} | "
             f"{r['wall_s']:.0f} |")
+    load = section.get("load_avg")
     lines += ["", f"Seconds per round at {big['clients']:,} clients against "
-              f"{small['clients']:,}: {big['s_per_round'] / small['s_per_round']:.2f}×.", ""]
+              f"{small['clients']:,}: {big['s_per_round'] / small['s_per_round']:.2f}×"
+              + (f" (1-minute load average {min(load):.1f}–{max(load):.1f} over the runs)"
+                 if load else "") + ".", ""]
     return lines
 
 
