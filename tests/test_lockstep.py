@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,12 +14,13 @@ import fedloom
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, LocalSGD
 from fedloom.config import load_config
+from fedloom.engine.auto import LOCKSTEP_MIN_COHORT, lockstep_reason
 from fedloom.engine.backends import SequentialBackend
 from fedloom.engine.experiment import Experiment
 from fedloom.engine.lockstep import LockstepBackend, lockstep_plan, shape_reason
 from fedloom.job import Penalty
 from fedloom.models import CNN
-from fedloom.models.zoo import FlareCNN, LeafCNN
+from fedloom.models.zoo import CraftCNN, FlareCNN, LeafCNN
 from fedloom.params import Layout
 
 # 8 clients of the natural split of the synthetic data: ragged sizes (asserted below).
@@ -189,6 +191,46 @@ def test_trainer_updates_equal_sequential_per_client(model, shape, dtype):
     assert [r.steps for r in got if r is not None] == [4, 6, 3, 18, 2]  # ragged, max_steps
 
 
+def _pfl_like() -> nn.Module:
+    """pfl-research's benchmark CNN's chain (conv, conv, max-pool, Dropout(0.25), Dense,
+    Dropout(0.5)), narrowed to 8×8 images."""
+    return nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Conv2d(3, 4, 3), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Dropout(0.25), nn.Flatten(), nn.Linear(16, 8),
+                         nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("model,shape", [
+    (_pfl_like, (2, 8, 8)),
+    # the CRAFT code's CNN: Dropout(0.2) and (0.5) before ReLUs; Dropout(p=0) draws nothing
+    (lambda: nn.Sequential(CraftCNN((1, 16, 16), 3, (2, 3)), nn.Dropout(0.0)), (1, 16, 16)),
+])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_dropout_masks_are_the_sequential_trainers(model, shape, dtype):
+    torch.manual_seed(0)
+    net = model().to(dtype)
+    layout, jobs = _jobs(net, [5, 9, 16, 33, 1], shape, dtype, penalty=True, shift=True)
+    kw = {"batch_size": 4, "epochs": 2, "momentum": 0.9, "weight_decay": 0.01}
+    tr = LocalSGD(net, layout, random_forward=True, **kw)
+    ls = LockstepBackend(tr, LocalMethod(), chunk=3)
+    assert ls.reason is None
+    got = ls.train_cohort(jobs)
+    want = SequentialBackend(tr, LocalMethod()).train_cohort(jobs)
+    for a, b in zip(got, want, strict=True):
+        assert a is not None and b is not None
+        if dtype == torch.float64:
+            assert torch.equal(a.update, b.update) and a.loss == b.loss
+        else:
+            assert torch.allclose(a.update, b.update, rtol=1e-5, atol=1e-6)
+    # the masks matter: without dropout the updates are others
+    for mod in net.modules():
+        if isinstance(mod, nn.Dropout):
+            mod.p = 0.0
+    plain = LockstepBackend(LocalSGD(net, layout, **kw), LocalMethod(), chunk=3)
+    assert plain.plan is not None and all(o.kind != "dropout" for o in plain.plan)
+    again = plain.train_cohort(jobs)
+    assert not torch.equal(again[3].update, got[3].update)
+
+
 @pytest.mark.parametrize("model,why", [
     (nn.Sequential(nn.Conv2d(2, 2, 3, groups=2), nn.Flatten(), nn.Linear(8, 3)), "groups"),
     (nn.Sequential(nn.Conv2d(1, 2, 3, padding="same"), nn.Flatten(), nn.Linear(8, 3)),
@@ -199,7 +241,10 @@ def test_trainer_updates_equal_sequential_per_client(model, shape, dtype):
      "AdaptiveAvgPool2d"),
     (nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)),
      "buffers"),
-    (nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 3)), "Dropout"),
+    (nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.Dropout(0.5, inplace=True),
+                   nn.Linear(4, 3)), "in-place Dropout"),
+    (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Dropout2d(0.5), nn.Flatten(), nn.Linear(8, 3)),
+     "Dropout2d"),
     (nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)), "Tanh"),
 ])
 def test_unsupported_layers_are_named(model, why):
@@ -257,12 +302,42 @@ def test_fallbacks_log_one_line_and_equal_sequential(caplog):
         assert torch.equal(wa, wb)
 
 
-def test_auto_times_lockstep_and_keeps_the_fastest():
-    exp = Experiment(load_config(SYN, ["backend.name=auto", "backend.workers=1", "dtype=float64"]))
-    st, _ = exp.round(exp.initial_state())
+def test_auto_picks_lockstep_by_its_rule(caplog):
+    over = ["backend.name=auto", "backend.workers=1", "dtype=float64"]
+    with caplog.at_level(logging.INFO, logger="fedloom"):
+        w, _, backend = _rounds(over)
+    assert backend.name == "lockstep" and backend.times == {}  # chosen, nothing timed
+    assert any("backend auto: using lockstep" in r.getMessage() for r in caplog.records)
+    assert torch.equal(w, _rounds(["dtype=float64"])[0])  # sequential's model, bit for bit
+
+
+def test_auto_rule_reasons():
+    net = CNN((1, 8, 8), 3, (2, 4)).double()
+    layout, jobs = _jobs(net, [5, 9, 6], (1, 8, 8), torch.float64)
+    ls = LockstepBackend(LocalSGD(net, layout, batch_size=4), LocalMethod())
+    cpu = torch.device("cpu")
+    assert lockstep_reason(ls, jobs, cpu) is None
+    assert "on cuda" in lockstep_reason(ls, jobs, torch.device("cuda"))
+    small = jobs[: LOCKSTEP_MIN_COHORT - 1]
+    assert f"a cohort of {len(small)} < {LOCKSTEP_MIN_COHORT}" in lockstep_reason(ls, small, cpu)
+    assert "probe" in lockstep_reason(ls, [replace(j, probe_smoothness=True) for j in jobs], cpu)
+    bad = [replace(j, x=j.x[:, :, :6, :6]) for j in jobs]  # 6×6: 4 × 1 × 1 features, not 16
+    assert "features" in lockstep_reason(ls, bad, cpu)
+    tanh = nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    ls = LockstepBackend(LocalSGD(tanh, Layout.from_module(tanh)), LocalMethod())
+    assert "Tanh" in lockstep_reason(ls, jobs, cpu)
+
+
+def test_auto_times_the_backends_where_the_rule_does_not_apply(caplog):
+    over = ["backend.name=auto", "backend.workers=1", "dtype=float64",
+            f"cohort.size={LOCKSTEP_MIN_COHORT - 1}"]
+    exp = Experiment(load_config(SYN, over))
+    with caplog.at_level(logging.INFO, logger="fedloom"):
+        st, _ = exp.round(exp.initial_state())
+    assert any("not lockstep (a cohort of" in r.getMessage() for r in caplog.records)
     assert set(exp.backend.times) == {"sequential", "vmap", "lockstep"}
     assert exp.backend.name == min(exp.backend.times, key=exp.backend.times.get)
-    ref = Experiment(load_config(SYN, ["dtype=float64"]))
+    ref = Experiment(load_config(SYN, over[2:]))
     st2, _ = ref.round(ref.initial_state())
     st, _ = exp.round(st)
     st2, _ = ref.round(st2)

@@ -43,7 +43,12 @@ def test_vmap_float32_tolerance_and_chunks():
     assert torch.allclose(st.w, st2.w, rtol=0, atol=1e-12)
 
 
-def test_auto_backend_measures_then_keeps_the_faster(tiny):
+def test_auto_backend_measures_then_keeps_the_faster(tiny, monkeypatch):
+    from fedloom.engine import auto
+
+    # the lock-step rule would pick lockstep for this MLP without timing (its own test
+    # is in test_lockstep.py); here: the timing where the rule does not apply
+    monkeypatch.setattr(auto, "LOCKSTEP_MIN_COHORT", 10**9)
     exp = Experiment(load_config(SYN, ["backend=auto", "backend.workers=2", "dtype=float64"]))
     assert exp.backend.name == "auto"
     st, _ = exp.round(exp.initial_state())

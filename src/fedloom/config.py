@@ -343,10 +343,12 @@ class BackendConfig:
     - ``vmap``: a cohort in lock-step with ``torch.func`` (chunks of ``chunk`` clients);
     - ``lockstep``: a cohort as one batched model (``baddbmm`` forward, hand-written
       backward, one fused SGD step; chunks of ``chunk`` clients) for chains of
-      Linear/ReLU/Flatten, bit for bit the sequential results in float64; anything
-      else trains on the sequential path (one log line; :mod:`fedloom.engine.lockstep`);
-    - ``auto``: times the first cohort on sequential, vmap, lockstep and process (where they
-      apply), keeps the fastest and logs the times;
+      Linear/Conv2d/pooling/ReLU/Dropout/Flatten, bit for bit the sequential results in
+      float64; anything else trains on the sequential path (one log line;
+      :mod:`fedloom.engine.lockstep`);
+    - ``auto``: lockstep on a CPU run it supports with a cohort of at least 2 (its rule,
+      :mod:`fedloom.engine.auto`); otherwise times the first cohort on sequential, vmap,
+      lockstep and process (where they apply), keeps the fastest and logs the times;
     - ``process``: ``workers`` single-thread processes on this machine, each running
       ``inner`` (sequential or vmap) on its share of the cohort;
     - ``ray``: Ray tasks (``address`` joins a cluster; empty starts a local one).

@@ -17,6 +17,7 @@ written out by hand, the same operations autograd runs on one client:
             convolution_backward(∂ℓ/∂z_k, a_k, K_k)       (client by client)
     MaxPool2d: r, i = max_pool2d_with_indices(a); ∂ℓ/∂a = max_pool2d_with_indices_backward
     AvgPool2d: ∂ℓ/∂a = avg_pool2d_backward(∂ℓ/∂r, a)
+    Dropout(p): r_k = a_k · u_k, u_k = Bernoulli(1 − p)/(1 − p); ∂ℓ/∂a = ∂ℓ/∂r · u
 
 (``convolution_backward`` and the pools' ``*_backward`` are the ops autograd's
 ``ConvolutionBackward0`` / ``MaxPool2DWithIndicesBackward0`` /
@@ -40,6 +41,15 @@ layers around it are batched: the same kernels as ``sequential`` in both
 dtypes. Pools and ReLU act per channel plane, so one call on ``[m·n, C, H, W]``
 gives each plane the bits of its own call.
 
+**Dropout.** torch's CPU dropout (``_dropout_impl``) draws ``noise``, shaped as
+its input, with ``bernoulli_(1 − p)`` from the global generator, divides it by
+``1 − p`` and multiplies; the sequential trainer reseeds that generator with
+``derive_seed(gen_seed, step, −1, "dropout")`` before every step's forward.
+Lock-step gives each client a ``torch.Generator`` of that seed at every step and
+draws its masks on tensors of its own activations' shape, layer by layer in
+the chain's order: the same draws, so the same masks (the global generator is
+not touched). ``Dropout(p=0)`` draws nothing in torch and is an identity here.
+
 **Bit for bit.** On CPU, ``torch.bmm``/``baddbmm`` run one GEMM per client with
 the operands' own strides, the same BLAS call ``mm``/``addmm`` makes for one
 client, except for products with ``contraction × rows × columns < 400``,
@@ -60,7 +70,8 @@ x86-64 AVX2): in float64 every client update, the final ``w`` and its
 built-in ``cnn``, ``leaf_cnn``, ``flare_cnn``, narrowed, and chains with
 strided, dilated, padded and bias-free convolutions, max- and average pools)
 — with ragged client sizes, momentum, weight decay, FedProx's μ, SCAFFOLD's
-shift and FLARE's penalty. In float32 they agree to float32 rounding (the test
+shift and FLARE's penalty; with dropout (a chain of pfl-research's benchmark
+CNN's layers, the CRAFT code's CNN) too. In float32 they agree to float32 rounding (the test
 bounds the final ``w`` at rtol 1e-5, atol 1e-6; the narrowed CNNs measured
 bit-equal): MKL's float32 batched GEMM sums the ``(∂ℓ/∂z)ᵀ a`` product of a
 narrow layer (10 outputs) in another order than its single GEMM. On other
@@ -70,16 +81,18 @@ guarantee.
 Supported models: ones ``torch.fx`` traces to a chain (each node feeds the
 next) of ``nn.Linear`` (with or without bias), ``nn.Conv2d`` (zero padding,
 numeric or ``"valid"``, any stride/dilation, ``groups = 1``),
-``nn.MaxPool2d`` (without ``return_indices``), ``nn.AvgPool2d``, ``nn.ReLU`` /
+``nn.MaxPool2d`` (without ``return_indices``), ``nn.AvgPool2d``, ``nn.Dropout``
+(not in place, p < 1), ``nn.ReLU`` /
 ``torch.relu`` / ``F.relu``, ``nn.Flatten`` / ``torch.flatten`` (from dim 1),
 ``nn.Identity``, ending in the logits of the cross-entropy; every parameter
 trained (in the layout), no buffers, no module called twice; the samples'
 shape is carried through the chain (a Conv2d or pool sees ``[C, H, W]``, a
 Linear one vector). Everything else trains on the sequential path with one
-line in the log naming why: other layers (normalisation, dropout, adaptive
+line in the log naming why: other layers (normalisation, ``Dropout2d``, adaptive
 pools, grouped or ``"same"``-padded convolutions, recurrent), local methods
 other than plain SGD/FedProx (``client.method``), ``client.amp``, data
-augmentation, a random train-mode forward, and jobs that ask for a smoothness
+augmentation, a random train-mode forward other than the chain's dropout, and
+jobs that ask for a smoothness
 probe or carry a method's objective, mask or μ (these per chunk).
 
 The cohort runs in chunks of ``chunk`` clients (``backend.chunk``; default: as
@@ -102,8 +115,10 @@ and convolutions are the same as sequential's (one per client and layer);
 what lock-step saves is the per-client Python, module and autograd work of
 every step — a larger share of a step the smaller the model.
 
-Not supported yet (they fall back): BatchNorm/GroupNorm, dropout, adaptive
-pools.
+Not supported yet (they fall back): BatchNorm/GroupNorm — in the papers'
+models they sit inside residual networks (``resnet``, ``resnet9``,
+``resnet18``), which are not chains, so they wait for branching graphs —,
+``Dropout2d``, adaptive pools.
 """
 
 from __future__ import annotations
@@ -123,8 +138,9 @@ from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig
 from fedloom.params import Layout
 from fedloom.registry import register
+from fedloom.rng import Purpose, derive_seed
 
-__all__ = ["LockstepBackend", "lockstep_plan"]
+__all__ = ["LockstepBackend", "job_reason", "lockstep_plan", "shape_reason"]
 
 log = logging.getLogger("fedloom")
 
@@ -152,6 +168,7 @@ class _Op:
     ceil_mode: bool = False
     count_include_pad: bool = True    # avgpool
     divisor: int | None = None        # avgpool's divisor_override
+    p: float = 0.0                    # dropout
 
     @property
     def params(self) -> bool:
@@ -223,6 +240,14 @@ def _as_op(node, mods: dict[str, nn.Module], layout: Layout,
             return _conv(node.target, mod, layout)
         if type(mod) in (nn.MaxPool2d, nn.AvgPool2d):
             return _pool(node.target, mod)
+        if type(mod) is nn.Dropout:
+            if mod.inplace:
+                return f"in-place Dropout ({node.target}) is not supported"
+            if mod.p == 0:  # torch's dropout returns its input and draws nothing
+                return None
+            if mod.p >= 1:
+                return f"Dropout(p={mod.p}) ({node.target}) is not supported"
+            return _Op("dropout", p=float(mod.p))
         return f"layer {type(mod).__name__} ({node.target}) is not supported"
     if node.op == "call_function" and node.target in (torch.relu, F.relu):
         if node.kwargs.get("inplace") or len(node.args) > 1:
@@ -311,20 +336,25 @@ def shape_reason(plan: list[_Op], sample: tuple[int, ...]) -> str | None:
     return None if len(shape) == 1 else f"logits of {len(shape)} dimensions per sample"
 
 
-def trainer_reason(trainer: LocalSGD, method: LocalMethod) -> str | None:
-    """Why local training with these settings is not lock-step's (None: it is)."""
+def trainer_reason(trainer: LocalSGD, method: LocalMethod,
+                   plan: list[_Op] | None = None) -> str | None:
+    """Why local training with these settings is not lock-step's (None: it is). A
+    random train-mode forward is lock-step's where it is the plan's dropout (the only
+    random layer a plan admits)."""
     if type(method) is not LocalMethod:
         return f"local method {method.name} is not plain SGD/FedProx"
     if getattr(trainer, "amp", "none") != "none":
         return f"client.amp {trainer.amp}"
     if trainer.augment is not None:
         return "data augmentation"
-    if getattr(trainer, "random_forward", False):
+    if getattr(trainer, "random_forward", False) and not (
+            plan is not None and any(o.kind == "dropout" for o in plan)):
         return "the train-mode forward draws random numbers"
     return None
 
 
-def _job_reason(jobs: Sequence[ClientJob]) -> str | None:
+def job_reason(jobs: Sequence[ClientJob]) -> str | None:
+    """Why these jobs are not lock-step's (None: they are)."""
     for j in jobs:
         if j.probe_smoothness:
             return "a job asks for the smoothness probe"
@@ -342,7 +372,7 @@ class LockstepBackend:
                  x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> None:
         self.trainer, self.method, self.x, self.y = trainer, method, x, y
         self.plan, reason = lockstep_plan(trainer.module, trainer.layout)
-        self.reason = trainer_reason(trainer, method) or reason
+        self.reason = trainer_reason(trainer, method, self.plan) or reason
         self.enabled = self.reason is None
         p = next(trainer.module.parameters(), None)
         size = p.element_size() if p is not None else 4
@@ -370,7 +400,7 @@ class LockstepBackend:
         for s in range(0, len(jobs), self.chunk):
             part = list(jobs[s : s + self.chunk])
             assert self.plan is not None
-            why = _job_reason(part) or shape_reason(self.plan, tuple(part[0].x.shape[1:]))
+            why = job_reason(part) or shape_reason(self.plan, tuple(part[0].x.shape[1:]))
             if why is not None:
                 self._note(why)
                 out += self._sequential(part)
@@ -403,6 +433,7 @@ class LockstepBackend:
         buf: torch.Tensor | None = None
         losses: list[list[torch.Tensor]] = [[] for _ in range(m)]
         every = torch.arange(m, device=W.device)
+        dropout = any(o.kind == "dropout" for o in self.plan)
         for t in range(max(steps)):
             # Clients with a batch at step t, grouped by its size (one group: all).
             groups: dict[int, list[int]] = {}
@@ -417,7 +448,11 @@ class LockstepBackend:
                 whole = len(ks) == m
                 Gr = G if whole else torch.zeros(len(ks), W.shape[1], dtype=W.dtype,
                                                  device=W.device)
-                lsm, Y = _step(self.plan, W if whole else W[rows], src_x[idx], src_y[idx], Gr)
+                # the seed of step t's dropout masks, as the sequential trainer reseeds
+                seeds = ([derive_seed(jobs[k].gen_seed, t, -1, Purpose.DROPOUT) for k in ks]
+                         if dropout else None)
+                lsm, Y = _step(self.plan, W if whole else W[rows], src_x[idx], src_y[idx], Gr,
+                               seeds)
                 if not whole:
                     G[rows] = Gr
                 for r, k in enumerate(ks):
@@ -514,12 +549,19 @@ def _forward(op: _Op, a: torch.Tensor, weight: torch.Tensor | None,
 
 
 def _step(plan: list[_Op], W: torch.Tensor, X: torch.Tensor, Y: torch.Tensor,
-          G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+          G: torch.Tensor, seeds: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One local step's forward and backward for every row of ``W`` on its batch
     ``X [m, n, ...]``, ``Y [m, n]``: the gradients are added into ``G`` (zeroed);
     returns the log-probabilities and the labels. Activations are ``[m, n, ...]``
-    throughout; a pool runs once on the ``[m·n, C, H, W]`` view of them."""
+    throughout; a pool runs once on the ``[m·n, C, H, W]`` view of them. ``seeds``:
+    each row's seed of this step's dropout masks."""
     m, n = X.shape[0], X.shape[1]
+    gens = None
+    if seeds is not None:
+        gens = []
+        for sd in seeds:
+            gens.append(torch.Generator(device=W.device))
+            gens[-1].manual_seed(sd)
     a = X
     saved: list[object] = []
     for op in plan:
@@ -545,6 +587,15 @@ def _step(plan: list[_Op], W: torch.Tensor, X: torch.Tensor, Y: torch.Tensor,
         elif op.kind == "relu":
             a = torch.relu(a)
             saved.append(a)
+        elif op.kind == "dropout":
+            # torch's CPU dropout: noise ~ Bernoulli(1 − p) drawn on a tensor shaped as
+            # the client's activations, noise /= 1 − p, out = a·noise — each client
+            # from its own generator, in the order of its layers, as it draws them
+            assert gens is not None
+            noise = torch.stack([torch.empty_like(a[k]).bernoulli_(1 - op.p, generator=gens[k])
+                                 for k in range(m)]).div_(1 - op.p)
+            a = a * noise
+            saved.append(noise)
         else:  # flatten the per-sample dims start..end (2.. in [m, n, ...])
             saved.append(a.shape)
             end = op.end if op.end < 0 else op.end + 1
@@ -600,6 +651,9 @@ def _step(plan: list[_Op], W: torch.Tensor, X: torch.Tensor, Y: torch.Tensor,
         elif op.kind == "relu":
             assert isinstance(s, torch.Tensor)
             g = torch.ops.aten.threshold_backward(g, s, 0)
+        elif op.kind == "dropout":  # MulBackward0: grad · noise
+            assert isinstance(s, torch.Tensor)
+            g = g * s
         else:
             assert isinstance(s, torch.Size)
             g = g.reshape(s)
