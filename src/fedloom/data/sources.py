@@ -366,9 +366,29 @@ def _image_dataset(name: str, title: str, arrs: dict[str, np.ndarray], train_cou
     )
 
 
-def _normalise_images(u8: np.ndarray, mean: float, std: float) -> torch.Tensor:
-    x = torch.from_numpy(u8.astype(np.float32)).div_(255.0).sub_(mean).div_(std)
-    return x.reshape(u8.shape[0], 1, *u8.shape[1:])
+def _normalise_images(u8: np.ndarray, mean: float, std: float,
+                      chunk: int = 1 << 16) -> torch.Tensor:
+    """``(u8 / 255 − mean) / std`` in float32, as ``[N, 1, H, W]``.
+
+    The float32 operations of converting the whole array and then dividing,
+    subtracting and dividing it in three passes, done ``chunk`` pixels (256 kB of
+    float32) at a time, so that each piece stays in the cache through the four
+    steps: the 220 MB of MNIST are written once instead of streamed through memory
+    four times. Each is one correctly rounded IEEE operation on float32 operands,
+    so the bits are those of the three passes (tests/test_data.py checks every
+    pixel value). Measured on MNIST (train and test, 2 cores shared with other
+    jobs at load 8–13, six interleaved calls each): 0.09 s of CPU against 0.15 s.
+    """
+    src = u8.reshape(-1)
+    out = np.empty(src.size, dtype=np.float32)
+    scale, shift, spread = np.float32(255.0), np.float32(mean), np.float32(std)
+    for s in range(0, src.size, chunk):
+        piece = out[s : s + chunk]
+        piece[...] = src[s : s + chunk]  # exact: every uint8 is a float32
+        np.divide(piece, scale, out=piece)
+        np.subtract(piece, shift, out=piece)
+        np.divide(piece, spread, out=piece)
+    return torch.from_numpy(out).reshape(u8.shape[0], 1, *u8.shape[1:])
 
 
 # ---------------------------------------------------------------------- Fashion-MNIST
