@@ -35,11 +35,27 @@ writes the report as it stands and exits 3):
    10 clients × 500 samples through :func:`fedloom.data.from_arrays`,
    ``model.norm`` batch and group, one round ``sequential`` against ``vmap``
    (both chunk settings).
-5. ``aggregation`` — FedAvg and CRAFT at d = 11.3M (bench.py's ResNet-20 of
+5. ``pfl_cifar10`` — pfl-research's CIFAR-10 benchmark workload (Granqvist et
+   al. 2024, arXiv 2404.06430; its ``benchmarks/image_classification``
+   baseline config, the ``peers`` section of ``benchmarks/bench.py``): 1,000
+   clients × 50 images of 3×32×32, 50 a round, one epoch of batch 10, local SGD
+   lr 0.1, FedAvg with server step 1, pfl's ``simple_cnn`` (fedloom's
+   ``pfl_cnn``, 1,626,442 parameters); CIFAR-10 from disk where it is, else
+   random images with a fixed labelling (:func:`peers.make_data` says which).
+   fedloom's ``sequential``, ``vmap`` (both chunk settings) and ``lockstep``
+   backends; ``lockstep`` falls back to the sequential path for a model it
+   does not support (dropout, today), and the record says so. pfl itself is
+   not run here: its wheel is pure Python (2.4 MB), but ``import pfl`` imports
+   SciPy (``pfl.privacy``), whose binary wheel (about 35 MB) does not fit
+   beside Flower's and Ray's (about 50 MB) in what a lent machine's call
+   carries (64 MiB), and the lent machine has no registry. Departure from pfl's
+   benchmark: no central evaluation every 10 rounds. ``--quick``: 20 clients ×
+   10 images, 5 a round.
+6. ``aggregation`` — FedAvg and CRAFT at d = 11.3M (bench.py's ResNet-20 of
    width 104, 59 tensors), m = 10 and 100 correlated random updates on the
    device, TF32 off (as fedloom sets it for a run), and CRAFT's constraint
    error ``max_i |⟨u_i, g⟩ − ρ_i|`` as CRAFT reports it.
-6. ``peak_memory`` — the peak device memory of each step (and of each
+7. ``peak_memory`` — the peak device memory of each step (and of each
    measurement inside it): ``torch.cuda.max_memory_allocated`` after a reset
    for in-process work; for Flower's actors, which are other processes, the
    device's used memory (``torch.cuda.mem_get_info``, every process, CUDA
@@ -49,7 +65,8 @@ writes the report as it stands and exits 3):
 Goals it reports (met / by how much / why not): ``vmap`` at 100 clients per
 round ≥ 10× ``sequential`` on the GPU and ≥ 20× Flower's GPU simulation; 1000
 clients per round in under 1 s; CRAFT ≤ 3× FedAvg at m = 100; constraint error
-≤ 1e-6.
+≤ 1e-6; the pfl workload at 50 clients per round ≥ 5× pfl's time on the same GPU
+(not measured while pfl does not travel, see step 5).
 
 On a lent machine (no registry there: Flower, Ray and google-crc32c travel as
 ``.gpu/site.tar.xz``, built here by ``make gpu-bundle``)::
@@ -91,12 +108,12 @@ import torch  # noqa: E402
 import workload  # noqa: E402
 
 PY = sys.executable
-STEPS = ("pytest_cuda", "quickstart", "round_time", "resnet", "aggregation")
+STEPS = ("pytest_cuda", "quickstart", "round_time", "resnet", "pfl_cifar10", "aggregation")
 # Each step's share of --budget-s (seconds of the default 420); the rest is slack
 # for start-up (importing torch, creating the CUDA context) and writing the report.
 # A step may also use what the steps before it left unused, never the later ones' shares.
-SHARES = {"pytest_cuda": 60, "quickstart": 50, "round_time": 195, "resnet": 40,
-          "aggregation": 35, "repro_flare_fc": 0}
+SHARES = {"pytest_cuda": 60, "quickstart": 50, "round_time": 175, "resnet": 40,
+          "pfl_cifar10": 25, "aggregation": 35, "repro_flare_fc": 0}
 # Not part of the default check (--repro-flare-fc adds it with its own --repro-budget-s).
 OPTIONAL_STEPS = ("repro_flare_fc",)
 DEFAULT_BUDGET = 420.0
@@ -693,7 +710,70 @@ def step_resnet(ck: Check, rec: dict[str, Any]) -> None:
         _best_vmap(row)
 
 
-# --------------------------------------------------------------- 5. aggregation
+# ------------------------------------------------------ 5. pfl's CIFAR-10 workload
+PFL_BACKENDS: dict[str, Callable[[int], list[str]]] = {
+    **BACKENDS, "lockstep": lambda m: ["backend=lockstep"]}
+
+
+def step_pfl_cifar10(ck: Check, rec: dict[str, Any]) -> None:
+    import peers
+    from peer_fedloom import dataset, fedloom_config
+
+    from fedloom.config import ConfigError, load_config
+    from fedloom.engine.experiment import Experiment
+
+    wl = dict(peers.workloads(False)["pfl_cifar10/50"])  # the section's own settings
+    if ck.args.quick:
+        wl.update(clients=20, samples=10, per_round=5)
+    m = wl["per_round"]
+    t = time.perf_counter()
+    x, y, source = peers.make_data(wl)
+    hold = {"data": dataset(wl, x, y)}
+    del x, y
+    rec.update(clients=wl["clients"], samples=wl["samples"], per_round=m,
+               batch_size=wl["batch"], lr=wl["lr"], model=wl["model"], data=source,
+               steps_per_client=math.ceil(wl["samples"] / wl["batch"]),
+               data_build_s=round(time.perf_counter() - t, 2), results={},
+               pfl={"not_run": "pfl does not travel to a lent machine: `import pfl` needs "
+                    "SciPy, whose wheel does not fit beside Flower's and Ray's in a call's "
+                    "64 MiB (the module docstring, step 5)"})
+    on_dev = device_overrides(ck.dev)
+
+    def one(backend: str) -> dict[str, Any]:
+        cfg = load_config(fedloom_config(wl), [*PFL_BACKENDS[backend](m), *on_dev])
+        t = time.perf_counter()
+        try:
+            exp = Experiment(cfg, data=hold["data"])
+        except ConfigError as e:  # e.g. vmap refuses dropout: per-client masks
+            raise NotAvailable(_one_line(e)) from e
+        build = time.perf_counter() - t
+        try:
+            got = _rounds(exp, 1, 1 if ck.args.quick else 3, ck.dev)
+            got["num_parameters"] = exp.layout.size
+            # lockstep trains a model it does not support on the sequential path
+            why = getattr(exp.backend, "reason", None)
+            if why:
+                got["fallback"] = f"sequential path: {why}"
+        finally:
+            exp.close()
+        got["build_s"] = round(build, 2)
+        return got
+
+    row = rec["results"]
+    for backend in PFL_BACKENDS:
+        ck.measure(row, backend, lambda b=backend: one(b))
+    _best_vmap(row)
+    seq = _get(row, "sequential", "round_s")
+    lock = _get(row, "lockstep", "round_s")
+    if seq and lock:
+        row["lockstep_speedup"] = seq / lock
+    best = [(r["round_s"], k) for k, r in row.items() if isinstance(r, dict) and "round_s" in r]
+    if best:
+        row["fastest_s"], row["fastest"] = min(best)
+    hold.clear()
+
+
+# --------------------------------------------------------------- 6. aggregation
 def step_aggregation(ck: Check, rec: dict[str, Any]) -> None:
     dev = ck.dev
     layout = bench._layout_for(20_000 if ck.args.quick else 11_000_000)
@@ -812,7 +892,8 @@ def step_repro_flare_fc(ck: Check, rec: dict[str, Any]) -> None:
 
 STEP_FNS: dict[str, Callable[[Check, dict[str, Any]], None]] = {
     "pytest_cuda": step_pytest_cuda, "quickstart": step_quickstart,
-    "round_time": step_round_time, "resnet": step_resnet, "aggregation": step_aggregation,
+    "round_time": step_round_time, "resnet": step_resnet, "pfl_cifar10": step_pfl_cifar10,
+    "aggregation": step_aggregation,
     "repro_flare_fc": step_repro_flare_fc}
 
 
@@ -902,6 +983,14 @@ def goals(res: dict[str, Any]) -> list[dict[str, Any]]:
         _why_missing(res, "aggregation", "results", "m=100", "craft"),
         lambda: f"max |⟨u_i, g⟩ − ρ_i| = {vmax:.2e} (TF32 matmul "
                 f"{_get(res, 'steps', 'aggregation', 'tf32_matmul')})")
+    pc = _get(res, "steps", "pfl_cifar10") or {}
+    fast, pfl_s = _get(pc, "results", "fastest_s"), _get(pc, "pfl", "round_s")
+    add(f"pfl workload at {pc.get('per_round', 50)} clients/round ≥ 5× pfl on the same "
+        "device", 5.0, pfl_s / fast if pfl_s and fast else None, True, "×",
+        _why_missing(res, "pfl_cifar10", "pfl") if not pfl_s else
+        _why_missing(res, "pfl_cifar10", "results", "sequential"),
+        lambda: f"pfl {pfl_s:.3f} s a round, fedloom's fastest {fast:.3f} s",
+        f"fedloom: {_get(pc, 'results', 'fastest')}")
     return out
 
 
@@ -1006,9 +1095,30 @@ def markdown(res: dict[str, Any]) -> str:
                          f"{_cell(row.get('vmap'))} | {_cell(row.get('vmap_whole'))} | "
                          f"{_f(row.get('vmap_speedup'), '×')} | {peaks} |")
         lines.append("")
+    pc = st.get("pfl_cifar10")
+    if pc and pc.get("results"):
+        row = pc["results"]
+        lines += ["## 5. pfl-research's CIFAR-10 benchmark workload", "",
+                  f"{pc['clients']:,} clients × {pc['samples']} images 3×32×32, "
+                  f"{pc['per_round']} a round, one epoch of batch {pc['batch_size']} "
+                  f"({pc['steps_per_client']} steps), SGD lr {pc['lr']}, FedAvg, "
+                  f"`{pc['model']}`; data: {pc['data']}. Seconds per round, median of 3 "
+                  "rounds after a warm-up round. pfl: "
+                  + (_f(_get(pc, "pfl", "round_s")) + " s a round" if _get(pc, "pfl", "round_s")
+                     else f"not run ({_get(pc, 'pfl', 'not_run')})") + ".", "",
+                  "| backend | s/round | × sequential | peak MB | note |",
+                  "|---|---|---|---|---|"]
+        seq = _get(row, "sequential", "round_s")
+        for name in PFL_BACKENDS:
+            r = row.get(name)
+            t = _get(r, "round_s")
+            lines.append(f"| {name} | {_cell(r)} | {_f(seq / t if seq and t else None, '×')}"
+                         f" | {_f(_get(r, 'peak_device_mb'), nd=5)} | "
+                         f"{(_get(r, 'fallback') or '')[:200]} |")
+        lines.append("")
     ag = st.get("aggregation")
     if ag and ag.get("results"):
-        lines += ["## 5. Aggregation", "",
+        lines += ["## 6. Aggregation", "",
                   f"d = {ag['d']:,} ({ag['tensors']} tensors), random correlated updates on "
                   f"{res['device']}, TF32 matmul {ag['tf32_matmul']}; median of "
                   f"{ag['repeats']} calls after a warm-up.", "",
@@ -1022,7 +1132,7 @@ def markdown(res: dict[str, Any]) -> str:
                          f"{_f(row.get('craft_over_fedavg'), '×')} | "
                          f"{_f(_get(row, 'craft', 'max_violation'))} | {peaks} |")
         lines.append("")
-    lines += ["## 6. Peak memory of each step", "",
+    lines += ["## 7. Peak memory of each step", "",
               "| step | MB | what it measures |", "|---|---|---|"]
     for name, pm in res.get("peak_memory", {}).items():
         lines.append(f"| {name} | {_f(pm['mb'], nd=5)} | {pm['measures']} |")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = {"pytest_cuda", "quickstart", "round_time", "resnet", "aggregation"}
+STEPS = {"pytest_cuda", "quickstart", "round_time", "resnet", "pfl_cifar10", "aggregation"}
 
 
 def _module():
@@ -64,18 +64,29 @@ def test_quick_cpu_run_reports_every_step(tmp_path):
     for norm in ("batch", "group"):
         row = steps["resnet"]["results"][norm]
         assert min(row[b]["round_s"] for b in ("sequential", "vmap", "vmap_whole")) > 0
-    # 5: CRAFT's constraints hold
+    # 5: pfl's CIFAR-10 workload on fedloom's backends (vmap refuses dropout, saying why)
+    pc = steps["pfl_cifar10"]
+    assert pc["per_round"] == 5 and pc["model"] == "pfl_cnn" and pc["pfl"]["not_run"]
+    row = pc["results"]
+    assert row["sequential"]["round_s"] > 0 and row["lockstep"]["round_s"] > 0
+    assert row["sequential"]["num_parameters"] == 1_626_442  # pfl's simple_cnn on 3×32×32
+    for b in ("vmap", "vmap_whole"):
+        assert row[b].get("round_s", 0) > 0 or "dropout" in row[b]["error"]
+    assert row["fastest_s"] == min(r["round_s"] for r in row.values()
+                                   if isinstance(r, dict) and "round_s" in r)
+    # 6: CRAFT's constraints hold
     for row in steps["aggregation"]["results"].values():
         assert row["craft"]["max_violation"] <= 1e-6 and row["fedavg"]["seconds"] > 0
-    # 6: a peak for every step
+    # 7: a peak for every step
     assert set(got["peak_memory"]) == STEPS
     goals = {g["goal"]: g for g in got["goals"]}
-    assert len(goals) == 5
+    assert len(goals) == 6
     for g in goals.values():
         assert g["met"] is True or g["why"], g
     md = (tmp_path / "gpu_results-smoke.md").read_text()
     assert md.startswith("# GPU check — smoke run (not GPU results)")
-    assert "## Goals" in md and "## 5. Aggregation" in md
+    assert "## Goals" in md and "## 6. Aggregation" in md
+    assert "## 5. pfl-research's CIFAR-10 benchmark workload" in md
 
 
 def _res(seq, vmap, flower, big, craft, fedavg, violation):
@@ -118,6 +129,21 @@ def test_goals_are_judged_from_the_figures():
     assert by["20 clients/round in < 1 s"]["met"] is True
     assert by["CRAFT ≤ 3× FedAvg"]["met"] is False
     assert by["CRAFT constraint error ≤ 1e-6"]["met"] is True
+
+
+def test_pfl_goal_is_judged_from_pfl_and_the_fastest_backend():
+    goals = _module().goals
+    step = {"per_round": 50, "results": {"fastest_s": 0.2, "fastest": "lockstep"},
+            "pfl": {"round_s": 1.4}}
+    g = next(x for x in goals({"steps": {"pfl_cifar10": step}}) if "pfl" in x["goal"])
+    assert g["met"] is True and g["value"] == pytest.approx(7.0) and g["note"].endswith(
+        "lockstep")
+    step["pfl"] = {"round_s": 0.6}
+    g = next(x for x in goals({"steps": {"pfl_cifar10": step}}) if "pfl" in x["goal"])
+    assert g["met"] is False and g["by"] == "1.67× short" and "0.200 s" in g["why"]
+    step["pfl"] = {"not_run": "pfl does not travel"}
+    g = next(x for x in goals({"steps": {"pfl_cifar10": step}}) if "pfl" in x["goal"])
+    assert g["met"] is None and "pfl does not travel" in g["why"]
 
 
 def test_spent_budget_skips_steps_with_a_reason(tmp_path):
