@@ -465,8 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     # None), the cyclic garbage collector is off while torch and fedloom are imported
     # and what the imports made is then frozen out of its later passes (gc.freeze):
     # the imports create some 170,000 long-lived objects, and the collector's full
-    # passes over them as they are made found nothing to free and cost about a fifth of
-    # `import torch` (CPU seconds, interleaved runs; benchmarks/results.md, start-up).
+    # passes over them as they are made found nothing to free and cost about a sixth of
+    # `import torch` (11-19 % of its CPU seconds in 4 interleaved pairs on the shared
+    # 2-core machine; benchmarks/results.md, the start-up goal).
     # Called with argv (the tests, a sweep's worker) the caller's heap is left alone.
     own = argv is None
     if own:
