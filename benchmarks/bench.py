@@ -27,7 +27,9 @@ Sections:
 7. ``lockstep``: the reference workload at 100 clients per round on the
    ``lockstep``, ``sequential`` and ``vmap`` backends, their rounds interleaved
    (one round of each in turn, so a change in the machine's load falls on all
-   three), with lockstep's speed-up over the other two (``--only lockstep``).
+   three), with lockstep's speed-up over the other two (``--only lockstep``); one
+   intra-op thread. ``lockstep_cnn`` (7b, :mod:`lockstep_cnn`): the same on a small CNN
+   at 50 clients per round.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ PY = sys.executable
 MODULE_SECTIONS: dict[str, str] = {
     "state_scale": "state_scale",  # 10,000 clients × 1M parameters of EF state
     "peers": "peers",  # pfl-research and FLGo beside fedloom, same workloads
+    "lockstep_cnn": "lockstep_cnn",  # 7b: lock-step on a small CNN, pfl's shape
 }
 SECTIONS = ("round_time", "first_round", "aggregation", "topk", "memory", "fp16_state",
             "lockstep", *MODULE_SECTIONS)
@@ -193,7 +196,9 @@ def lockstep(quick: bool, repeats: int) -> dict[str, Any]:
     names = ("lockstep", "sequential", "vmap")
     exps, states = {}, {}
     for name in names:
-        exps[name] = Experiment(load_config(base, [f"backend={name}"]), data=data)
+        # one intra-op thread: on a shared machine two threads measure OpenMP's spin-waits
+        exps[name] = Experiment(load_config(base, [f"backend.name={name}",
+                                                   "backend.threads=1"]), data=data)
         states[name], _ = exps[name].round(exps[name].initial_state())  # warm-up
     times: dict[str, list[float]] = {k: [] for k in names}
     for _ in range(repeats):
@@ -465,7 +470,8 @@ def markdown(res: dict[str, Any]) -> str:
         ls = s["lockstep"]
         lines += ["## 7. Lock-step trainer", "",
                   f"{ls['clients']} clients × {ls['samples']} samples, {ls['per_round']} per "
-                  "round, MLP 784-200-10, float32; rounds of the three backends interleaved. "
+                  "round, MLP 784-200-10, float32, one thread; rounds of the three backends "
+                  "interleaved. "
                   f"Final models of lockstep and sequential differ by at most "
                   f"{ls['max_abs_diff_vs_sequential']:.1e}.", "",
                   "| backend | s/round | lockstep speed-up |", "|---|---|---|"]
