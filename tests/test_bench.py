@@ -22,7 +22,7 @@ def test_bench_quick_writes_every_section(tmp_path):
     got = json.loads((tmp_path / "results-quick.json").read_text())
     s = got["sections"]
     assert set(s) == {"round_time", "first_round", "aggregation", "topk", "memory",
-                      "fp16_state", "lockstep", "state_scale", "peers"}
+                      "fp16_state", "lockstep", "state_scale", "peers", "lockstep_cnn"}
     for r in s["state_scale"]["runs"].values():
         # memory-mapped EF state: the live file holds the sampled clients' rows only
         assert 0 < r["live"]["rows_with_data"][0] <= r["cohort"] * r["rounds"]
@@ -30,6 +30,9 @@ def test_bench_quick_writes_every_section(tmp_path):
     ls = s["lockstep"]
     assert all(ls[k] > 0 for k in ("lockstep", "sequential", "vmap"))
     assert ls["max_abs_diff_vs_sequential"] <= 1e-5  # the same training, float32 rounding
+    cnn = s["lockstep_cnn"]
+    assert all(cnn[k] > 0 for k in ("lockstep", "sequential", "vmap"))
+    assert cnn["max_abs_diff_vs_sequential"] <= 1e-5
     for row in s["round_time"]["per_round"].values():
         assert {"sequential", "vmap", "process", "plain_torch"} <= set(row)
         assert all(v > 0 for v in row.values())
@@ -40,4 +43,5 @@ def test_bench_quick_writes_every_section(tmp_path):
     md = (tmp_path / "results-quick.md").read_text()
     assert "## 1. Round time" in md and "## 6. fp16 client state" in md
     assert "## 7. Lock-step trainer" in md
+    assert "## 7b. Lock-step trainer on a CNN" in md
     assert "## State at scale" in md
