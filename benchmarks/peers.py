@@ -38,6 +38,10 @@ single-thread workers) and FLGo's ``num_parallels=2`` (two clients at a time
 in threads) use both cores. pfl's multi-worker mode needs a distributed
 launcher and is not run.
 
+``python benchmarks/peers.py --workload KEY --frameworks A,B,…`` runs some of
+the frameworks on one workload the same way and prints their figures as JSON
+(it never installs a venv).
+
 Timing: every driver runs round 1 at once — launch → end of round 1 is
 measured from the parent's start of that process, one framework at a time —
 then waits; the parent then sends each framework a ``go`` in turn, so their
@@ -475,3 +479,49 @@ def goals(section: dict[str, Any]) -> list[tuple[str, str, bool, str]]:
                             f"{max(0.0, best[1] - floor) / best[1]:.0%} of its round")
             rows.append((goal, f"{got:.2f}×", got >= 1.5, why))
     return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Some frameworks on one workload, interleaved as in :func:`run`, as JSON:
+
+        python benchmarks/peers.py --workload pfl_cifar10/50 \\
+            --frameworks fedloom:sequential,fedloom:lockstep,pfl [--repeats 3]
+    """
+    import argparse
+
+    p = argparse.ArgumentParser(description="some frameworks of the peers section")
+    p.add_argument("--workload", required=True, choices=list(workloads(False)))
+    p.add_argument("--frameworks", required=True, help="comma-separated names")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    wl = workloads(False)[args.workload]
+    cmds = {f"fedloom:{label}": [sys.executable, str(HERE / "peer_fedloom.py"), "--backend",
+                                 over] for label, over in _fedloom_backends(wl)}
+    cmds["plain_torch"] = [sys.executable, str(HERE / "peer_torch.py"), "--threads",
+                           str(THREADS)]
+    for name in PEERS:
+        py, _ = ensure_venv(name, quick=True)  # never installs
+        if py is not None:
+            cmds[name] = [str(py), str(HERE / PEERS[name]["script"]), "--threads", str(THREADS)]
+    want = args.frameworks.split(",")
+    missing = [n for n in want if n not in cmds]
+    if missing:
+        print(f"--frameworks: {', '.join(missing)} not available (have {', '.join(cmds)})",
+              file=sys.stderr)
+        return 2
+    load_before = list(os.getloadavg())
+    with tempfile.TemporaryDirectory(prefix="fedloom-peers-") as d:
+        folder = Path(d)
+        spec = export_spec(wl, folder, args.repeats + 1)
+        if "flgo" in want:
+            subprocess.run([*cmds["flgo"][:2], "--spec", str(folder), "--prepare"],
+                           capture_output=True, text=True, check=True, timeout=1800)
+        res = run_frameworks([(n, cmds[n]) for n in want], folder, args.repeats + 1)
+    print(json.dumps({"workload": args.workload, "data": spec["source"],
+                      "load_before": load_before, "load_after": list(os.getloadavg()),
+                      "frameworks": res}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

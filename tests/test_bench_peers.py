@@ -180,3 +180,10 @@ def test_markdown_reports_every_framework():
     assert "| pfl | 0.400 | 4.00× | 9.0 |" in md
     assert "peers: flgo skipped: no venv" in md
     assert "pfl 2.0e-08" in md and "7.5" in md  # equivalence and the load after
+
+
+def test_cli_names_a_framework_it_lacks(capsys):
+    argv = ["--workload", "reference/10", "--frameworks", "fedloom:sequential,nope"]
+    assert peers.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("--frameworks: nope not available") and "\n" not in err
