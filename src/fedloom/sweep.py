@@ -104,7 +104,8 @@ CSV. The optional ``report:`` section shapes the page; every key is optional::
       across:                 # a metric against a number given to settings (e.g. the
         {title: "…", xlabel: "client lr ×", intro: "…",   # client-lr multiplier), a
          panels: [{name: n, title: "…", metric: client_acc_mean,  # table and plot each
-                   x: {setting-a: 0.25, setting-b: 1}, methods: [A, B]}]}
+                   x: {setting-a: 0.25, setting-b: 1}, methods: [A, B],
+                   xlabel: "…"}]}    # (a panel's xlabel, else the section's)
       compare: {baseline: FedAvg, candidates: [CRAFT]}
                               # "better/worse/within seed spread" lines
       notes: "…"              # closing paragraph

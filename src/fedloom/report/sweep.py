@@ -420,9 +420,9 @@ def _across_lines(spec: Mapping[str, Any], table: dict[str, dict[str, Any]], nam
                 f"mean ± sd over the seeds; {where}):", "", markdown_table(header, rows), ""]
         if doc is not None:
             png = doc.parent / f"{name}-{panel.get('name', metric)}.png"
-            if plot_sensitivity(png, panel.get("title", ""), lines_by_m,
-                                spec.get("xlabel", "x"), metric):
-                out += [f"![{metric} against {spec.get('xlabel', 'x')}, "
+            xlabel = panel.get("xlabel", spec.get("xlabel", "x"))
+            if plot_sensitivity(png, panel.get("title", ""), lines_by_m, xlabel, metric):
+                out += [f"![{metric} against {xlabel}, "
                         f"{panel.get('title', '')}]({png.name})", ""]
     return out
 
