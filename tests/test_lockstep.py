@@ -167,6 +167,13 @@ def _jobs(model: nn.Module, sizes: list[int], shape: tuple[int, ...], dtype, *,
     (lambda: CNN((1, 8, 8), 3, (2, 4)), (1, 8, 8)),
     (lambda: LeafCNN((1, 8, 8), 3, (3, 4), hidden=16), (1, 8, 8)),
     (lambda: FlareCNN((1, 16, 16), 3, (2, 3)), (1, 16, 16)),
+    # GroupNorm after convolutions (one and two groups, its own ε), first in the chain
+    # (no input gradient) and on the features of a Linear layer
+    (lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(),
+                           nn.MaxPool2d(2), nn.Conv2d(4, 4, 3), nn.GroupNorm(1, 4, eps=1e-3),
+                           nn.ReLU(), nn.Flatten(), nn.Linear(16, 3)), (2, 8, 8)),
+    (lambda: nn.Sequential(nn.GroupNorm(1, 2), nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(),
+                           nn.Linear(108, 8), nn.GroupNorm(2, 8), nn.Linear(8, 3)), (2, 8, 8)),
 ])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_trainer_updates_equal_sequential_per_client(model, shape, dtype):
@@ -239,6 +246,8 @@ def test_dropout_masks_are_the_sequential_trainers(model, shape, dtype):
      "reflect"),
     (nn.Sequential(nn.Conv2d(1, 2, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2, 3)),
      "AdaptiveAvgPool2d"),
+    (nn.Sequential(nn.Conv2d(1, 2, 3), nn.GroupNorm(1, 2, affine=False), nn.Flatten(),
+                   nn.Linear(2, 3)), "GroupNorm without affine"),
     (nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)),
      "buffers"),
     (nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.Dropout(0.5, inplace=True),
@@ -290,7 +299,7 @@ def test_fallbacks_log_one_line_and_equal_sequential(caplog):
                        (["model.name=resnet", "model.depth=8", "model.width=4",
                          "model.norm=group", "data.name=digits", "data.partition.name=iid",
                          "data.max_samples=300"],
-                        "GroupNorm"),
+                        "not a chain"),
                        (["client.amp=bf16", "dtype=float32"], "client.amp bf16")):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="fedloom"):

@@ -343,7 +343,7 @@ class BackendConfig:
     - ``vmap``: a cohort in lock-step with ``torch.func`` (chunks of ``chunk`` clients);
     - ``lockstep``: a cohort as one batched model (``baddbmm`` forward, hand-written
       backward, one fused SGD step; chunks of ``chunk`` clients) for chains of
-      Linear/Conv2d/pooling/ReLU/Dropout/Flatten, bit for bit the sequential results in
+      Linear/Conv2d/pooling/GroupNorm/ReLU/Dropout/Flatten, bit for bit the sequential results in
       float64; anything else trains on the sequential path (one log line;
       :mod:`fedloom.engine.lockstep`);
     - ``auto``: lockstep on a CPU run it supports with a cohort of at least 2 (its rule,

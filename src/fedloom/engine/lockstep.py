@@ -18,9 +18,12 @@ written out by hand, the same operations autograd runs on one client:
     MaxPool2d: r, i = max_pool2d_with_indices(a); ∂ℓ/∂a = max_pool2d_with_indices_backward
     AvgPool2d: ∂ℓ/∂a = avg_pool2d_backward(∂ℓ/∂r, a)
     Dropout(p): r_k = a_k · u_k, u_k = Bernoulli(1 − p)/(1 − p); ∂ℓ/∂a = ∂ℓ/∂r · u
+    GroupNorm: r_k, μ_k, 1/σ_k = native_group_norm(a_k, γ_k, β_k);
+               (∂ℓ/∂a_k, ∂ℓ/∂γ_k, ∂ℓ/∂β_k) = native_group_norm_backward(…)  (client by client)
 
-(``convolution_backward`` and the pools' ``*_backward`` are the ops autograd's
-``ConvolutionBackward0`` / ``MaxPool2DWithIndicesBackward0`` /
+(``convolution_backward``, ``native_group_norm_backward`` and the pools'
+``*_backward`` are the ops autograd's ``ConvolutionBackward0`` /
+``NativeGroupNormBackward0`` / ``MaxPool2DWithIndicesBackward0`` /
 ``AvgPool2DBackward0`` call) then applies :class:`~fedloom.client.sgd.LocalSGD`'s
 rule as one update of all rows (``torch.optim.SGD``: dampening 0, no Nesterov;
 d = g + shift + penalty + wd·w + μ(w − w₀), b ← β b + d, w ← w − η b). The
@@ -71,7 +74,8 @@ built-in ``cnn``, ``leaf_cnn``, ``flare_cnn``, narrowed, and chains with
 strided, dilated, padded and bias-free convolutions, max- and average pools)
 — with ragged client sizes, momentum, weight decay, FedProx's μ, SCAFFOLD's
 shift and FLARE's penalty; with dropout (a chain of pfl-research's benchmark
-CNN's layers, the CRAFT code's CNN) too. In float32 they agree to float32 rounding (the test
+CNN's layers, the CRAFT code's CNN) and GroupNorm chains too. In float32 they
+agree to float32 rounding (the test
 bounds the final ``w`` at rtol 1e-5, atol 1e-6; the narrowed CNNs measured
 bit-equal): MKL's float32 batched GEMM sums the ``(∂ℓ/∂z)ᵀ a`` product of a
 narrow layer (10 outputs) in another order than its single GEMM. On other
@@ -82,13 +86,14 @@ Supported models: ones ``torch.fx`` traces to a chain (each node feeds the
 next) of ``nn.Linear`` (with or without bias), ``nn.Conv2d`` (zero padding,
 numeric or ``"valid"``, any stride/dilation, ``groups = 1``),
 ``nn.MaxPool2d`` (without ``return_indices``), ``nn.AvgPool2d``, ``nn.Dropout``
-(not in place, p < 1), ``nn.ReLU`` /
+(not in place, p < 1), ``nn.GroupNorm`` (affine; client by client, as Conv2d),
+``nn.ReLU`` /
 ``torch.relu`` / ``F.relu``, ``nn.Flatten`` / ``torch.flatten`` (from dim 1),
 ``nn.Identity``, ending in the logits of the cross-entropy; every parameter
 trained (in the layout), no buffers, no module called twice; the samples'
 shape is carried through the chain (a Conv2d or pool sees ``[C, H, W]``, a
 Linear one vector). Everything else trains on the sequential path with one
-line in the log naming why: other layers (normalisation, ``Dropout2d``, adaptive
+line in the log naming why: other layers (BatchNorm, ``Dropout2d``, adaptive
 pools, grouped or ``"same"``-padded convolutions, recurrent), local methods
 other than plain SGD/FedProx (``client.method``), ``client.amp``, data
 augmentation, a random train-mode forward other than the chain's dropout, and
@@ -128,10 +133,11 @@ fewer, larger calls leave fewer OpenMP barriers to spin at) and final models
 1.4e-4 apart: with two threads, sequential's and lock-step's float32 sums
 were not the same.
 
-Not supported yet (they fall back): BatchNorm/GroupNorm — in the papers'
-models they sit inside residual networks (``resnet``, ``resnet9``,
-``resnet18``), which are not chains, so they wait for branching graphs —,
-``Dropout2d``, adaptive pools.
+Not supported yet (they fall back): BatchNorm (its running statistics would
+be per-client buffers) and residual networks — in the papers' models the
+normalisation layers sit inside ``resnet``, ``resnet9`` and ``resnet18``,
+which are not chains, so GroupNorm helps only user chains until branching
+graphs are supported —, ``Dropout2d``, adaptive pools.
 """
 
 from __future__ import annotations
@@ -182,10 +188,12 @@ class _Op:
     count_include_pad: bool = True    # avgpool
     divisor: int | None = None        # avgpool's divisor_override
     p: float = 0.0                    # dropout
+    groups: int = 1                   # groupnorm: groups and ε
+    eps: float = 1e-5
 
     @property
     def params(self) -> bool:
-        return self.kind in ("linear", "conv")
+        return self.kind in ("linear", "conv", "groupnorm")
 
 
 def lockstep_plan(module: nn.Module, layout: Layout) -> tuple[list[_Op] | None, str | None]:
@@ -253,6 +261,13 @@ def _as_op(node, mods: dict[str, nn.Module], layout: Layout,
             return _conv(node.target, mod, layout)
         if type(mod) in (nn.MaxPool2d, nn.AvgPool2d):
             return _pool(node.target, mod)
+        if type(mod) is nn.GroupNorm:
+            if not mod.affine:
+                return f"GroupNorm without affine parameters ({node.target}) is not supported"
+            w = layout._by_name[node.target + ".weight"]
+            b = layout._by_name[node.target + ".bias"]
+            return _Op("groupnorm", w.slice, b.slice, (mod.num_channels,),
+                       groups=mod.num_groups, eps=float(mod.eps))
         if type(mod) is nn.Dropout:
             if mod.inplace:
                 return f"in-place Dropout ({node.target}) is not supported"
@@ -337,6 +352,9 @@ def shape_reason(plan: list[_Op], sample: tuple[int, ...]) -> str | None:
             if shape[0] != op.shape[1]:
                 return f"a Linear layer of {op.shape[1]} inputs on {shape[0]} features"
             shape = (op.shape[0],)
+        elif op.kind == "groupnorm":
+            if len(shape) < 1 or shape[0] != op.shape[0]:
+                return f"a GroupNorm of {op.shape[0]} channels on samples of shape {list(shape)}"
         elif op.kind in ("conv", "maxpool", "avgpool"):
             if len(shape) != 3:
                 return f"a {op.kind} layer on {len(shape)}-dimensional samples"
@@ -592,6 +610,21 @@ def _step(plan: list[_Op], W: torch.Tensor, X: torch.Tensor, Y: torch.Tensor,
             bk = W[:, op.bias] if op.bias is not None else None
             a = torch.stack([_forward(op, a[k], wk[k], bk[k] if bk is not None else None)[0]
                              for k in range(m)])
+        elif op.kind == "groupnorm":
+            # client by client, the call nn.GroupNorm makes (F.group_norm →
+            # native_group_norm on the contiguous input); saved: its mean and 1/σ
+            a = a.contiguous()
+            c = op.shape[0]
+            hw = math.prod(a.shape[3:])
+            gam, bet = W[:, op.weight], W[:, op.bias]
+            outs, stats = [], []
+            for k in range(m):
+                o, mu, rstd = torch.ops.aten.native_group_norm(
+                    a[k], gam[k], bet[k], n, c, hw, op.groups, op.eps)
+                outs.append(o)
+                stats.append((mu, rstd))
+            saved.append((a, stats))
+            a = torch.stack(outs)
         elif op.kind in ("maxpool", "avgpool"):
             flat = a.reshape(m * n, *a.shape[2:])
             out_, idx = _forward(op, flat, None, None)
@@ -645,6 +678,25 @@ def _step(plan: list[_Op], W: torch.Tensor, X: torch.Tensor, Y: torch.Tensor,
                 gw[k].add_(dw)
                 if gb is not None:
                     gb[k].add_(db)
+                dxs.append(dx)
+            if i > first:
+                g = torch.stack(dxs)
+        elif op.kind == "groupnorm":
+            assert isinstance(s, tuple)
+            a_in, stats = s
+            c = op.shape[0]
+            hw = math.prod(a_in.shape[3:])
+            gam = W[:, op.weight]
+            gg, gb = G[:, op.weight], G[:, op.bias]
+            g = g.contiguous()
+            dxs = []
+            for k in range(m):
+                # the op autograd's NativeGroupNormBackward0 calls for one client
+                dx, dgam, dbet = torch.ops.aten.native_group_norm_backward(
+                    g[k], a_in[k], stats[k][0], stats[k][1], gam[k], n, c, hw, op.groups,
+                    [i > first, True, True])
+                gg[k].add_(dgam)
+                gb[k].add_(dbet)
                 dxs.append(dx)
             if i > first:
                 g = torch.stack(dxs)
