@@ -22,7 +22,8 @@ in the log says why and the timing below decides.
 
 Candidates: ``sequential``; ``vmap`` where it applies (plain local SGD, no
 recurrent layers); ``lockstep`` where it applies (plain local SGD on a chain of
-Linear/ReLU/Flatten layers, :mod:`fedloom.engine.lockstep`); ``process`` with
+Linear/Conv2d/pooling/GroupNorm/ReLU/Dropout/Flatten layers,
+:mod:`fedloom.engine.lockstep`); ``process`` with
 ``backend.workers`` workers (default: the cores; on a CUDA run, the GPUs) where
 there is more than one and the cohort has at least two clients per worker. The
 first cohort's results come from the sequential backend; the other runs of the
