@@ -160,7 +160,11 @@ included), the returned group is ``c^q g^q`` with
   of the rounds agree. ``ḡ_t`` rather than CRAFT's own ``g_t`` is tested because
   ``g_t = ĝ + Uᵀλ`` is anchored on ``s_{t−1}``'s direction and leans towards it.
   The state ``τ`` (float64, one per group) goes in and comes back with the
-  reference, so a resumed run continues bit for bit.
+  reference, so a resumed run continues bit for bit. Measured (docs/results/adaptive.md,
+  untuned against CRAFT with its server step tuned): at the cap 10 rprop trails by 40 pp
+  at a small client step (lr 0.0025), where τ sits at the cap; ``step_max = 100``
+  (chosen on one tuning seed) is worse on none of the page's seven CRAFT settings. The
+  default stays 10 so that runs made with it keep their meaning.
 
 Constraint preservation: for any ``c^q > 0``, ``⟨u_i, c^q g^q⟩ = c^q ρ_i > 0`` for
 every usable client, so no client conflicts with the returned step and the
