@@ -35,7 +35,9 @@ test: $(VENV)/.dev
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	# the package's layers (pyproject [tool.importlinter]): no upward import, no cycle
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest
+	# one pytest worker per core; the Ray/Flower simulations share one worker
+	# (xdist_group "ray"), so two Ray clusters never compete for the same cores
+	$(PY) -m pytest -n auto --dist loadgroup
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check src tests benchmarks examples

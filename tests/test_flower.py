@@ -21,6 +21,10 @@ from fedloom.integrations.flower import (  # noqa: E402
     to_arrays,
 )
 
+# under `pytest -n`: every test of this file on one worker, with the other Ray/Flower
+# simulations, so two Ray clusters never compete for the two cores
+pytestmark = pytest.mark.xdist_group("ray")
+
 CFG = {"name": "flower", "seed": 4, "rounds": 3, "dtype": "float64",
        "data": {"name": "synthetic", "num_clients": 6, "partition": {"name": "natural"},
                 "max_samples": 4000},

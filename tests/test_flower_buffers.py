@@ -40,6 +40,10 @@ from fedloom.integrations.flower import (  # noqa: E402
     to_arrays,
 )
 
+# under `pytest -n`: every test of this file on one worker, with the other Ray/Flower
+# simulations, so two Ray clusters never compete for the two cores
+pytestmark = pytest.mark.xdist_group("ray")
+
 CFG = {"name": "flower-bn", "seed": 5, "rounds": 3, "dtype": "float64",
        "data": {"name": "digits", "num_clients": 4,
                 "partition": {"name": "dirichlet", "alpha": 0.5, "min_samples": 20}},

@@ -578,6 +578,7 @@ def test_three_stock_rounds_of_craft_end_at_the_engines_model():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # with the other Ray simulations, under `pytest -n`
 def test_craft_in_flowers_run_simulation():
     """The one-line swap in Flower's own simulation runtime (Ray, 5 SuperNodes)."""
     pytest.importorskip("ray")

@@ -31,9 +31,12 @@ def _gpu_results() -> dict[str, int]:
 @pytest.mark.slow
 def test_quick_cpu_run_reports_every_step(tmp_path):
     before = _gpu_results()
+    # The step budgets are the GPU check's (a lent machine's minutes); a slow or loaded
+    # CPU must not turn them into failures of this smoke test, hence a budget no CPU
+    # run of --quick reaches (it checks that every step runs, not how fast)
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu_check.py"), "--device",
-                          "cpu", "--quick", "--out", str(tmp_path)], capture_output=True,
-                         text=True, timeout=600, check=False, cwd=ROOT)
+                          "cpu", "--quick", "--budget-s", "3000", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=3300, check=False, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     assert _gpu_results() == before  # the smoke run wrote only into --out
     # CPU figures are never named as the GPU results

@@ -11,6 +11,10 @@ import pytest
 import fedloom
 from conftest import TINY
 
+# under `pytest -n`: every test of this file on one worker, with the other Ray/Flower
+# simulations, so two Ray clusters never compete for the two cores
+pytestmark = pytest.mark.xdist_group("ray")
+
 ray = pytest.importorskip("ray")
 
 EF = ["compression.name=topk", "compression.options.ratio=0.1", "compression.feedback=sapef"]

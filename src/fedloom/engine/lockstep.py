@@ -450,11 +450,7 @@ class LockstepBackend:
         W = torch.stack([j.start if j.start is not None else j.w for j in jobs])
         start_loss = [tr.full_loss(j.w, j.x, j.y, buffers=j.buffers) if j.start_loss else None
                       for j in jobs]
-        batches = []
-        for j in jobs:
-            gen = torch.Generator()
-            gen.manual_seed(j.gen_seed)
-            batches.append(tr.batch_indices(int(j.y.shape[0]), gen, j.epochs, j.max_steps))
+        batches = [tr.job_batches(j) for j in jobs]
         steps = [len(b) for b in batches]
         src_x, src_y, table = self._table(jobs, batches, W.device)
         shift = None
