@@ -43,7 +43,7 @@ def test_quick_cpu_run_reports_every_step(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_results-smoke.json",
                                                           "gpu_results-smoke.md"]
     got = json.loads((tmp_path / "gpu_results-smoke.json").read_text())
-    assert got["command"] == "python benchmarks/gpu_check.py --device cpu --quick"
+    assert got["command"] == "python benchmarks/gpu_check.py --device cpu --quick --budget-s 3000"
     steps = got["steps"]
     assert set(steps) == STEPS
     for name, rec in steps.items():
