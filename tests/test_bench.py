@@ -39,7 +39,8 @@ def test_bench_quick_writes_every_section(tmp_path):
     for row in s["aggregation"].values():
         assert row["craft_max_violation"] <= 1e-6  # CRAFT's constraints hold
     assert all(v["same_indices"] for k, v in s["topk"].items() if k != "d")
-    assert s["first_round"]["seconds_to_end_of_round_1"] > 0 and s["first_round"]["import_torch_s"] > 0
+    fr = s["first_round"]
+    assert fr["seconds_to_end_of_round_1"] > 0 and fr["import_torch_s"] > 0
     md = (tmp_path / "results-quick.md").read_text()
     assert "## 1. Round time" in md and "## 6. fp16 client state" in md
     assert "## 7. Lock-step trainer" in md
