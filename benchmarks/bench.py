@@ -193,22 +193,13 @@ def lockstep(quick: bool, repeats: int) -> dict[str, Any]:
     clients, n, m = (20, 60, 10) if quick else (workload.CLIENTS, workload.SAMPLES, 100)
     data = workload.fedloom_data(clients, n)
     base = workload.fedloom_config(m, clients)
-    names = ("lockstep", "sequential", "vmap")
-    exps, states = {}, {}
-    for name in names:
-        # one intra-op thread: on a shared machine two threads measure OpenMP's spin-waits
-        exps[name] = Experiment(load_config(base, [f"backend.name={name}",
-                                                   "backend.threads=1"]), data=data)
-        states[name], _ = exps[name].round(exps[name].initial_state())  # warm-up
-    times: dict[str, list[float]] = {k: [] for k in names}
-    for _ in range(repeats):
-        for name in names:
-            t = time.perf_counter()
-            states[name], _ = exps[name].round(states[name])
-            times[name].append(time.perf_counter() - t)
+    # one intra-op thread: on a shared machine two threads measure OpenMP's spin-waits
+    exps = {name: Experiment(load_config(base, [f"backend.name={name}", "backend.threads=1"]),
+                             data=data) for name in ("lockstep", "sequential", "vmap")}
+    medians, states = workload.interleaved_rounds(exps, repeats)
     for e in exps.values():
         e.close()
-    row: dict[str, Any] = {k: statistics.median(v) for k, v in times.items()}
+    row: dict[str, Any] = dict(medians)
     row.update({"clients": clients, "samples": n, "per_round": m,
                 "speedup_vs_sequential": row["sequential"] / row["lockstep"],
                 "speedup_vs_vmap": row["vmap"] / row["lockstep"],

@@ -21,12 +21,11 @@ thread (``backend.threads: 1``) for all three.
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
 import numpy as np
 import torch
+import workload
 
 SAMPLES, SHAPE, PER_ROUND, CLIENTS, CHANNELS = 50, (3, 32, 32), 50, 100, [8, 16]
 
@@ -61,19 +60,11 @@ def run(quick: bool, repeats: int) -> dict[str, Any]:
             # one intra-op thread: on a shared machine two threads measure OpenMP's
             # spin-waits (see fedloom.config.BackendConfig), not the backends
             "backend": {"threads": 1}}
-    names = ("lockstep", "sequential", "vmap")
-    exps, states = {}, {}
-    for name in names:
-        exps[name] = Experiment(load_config(base, [f"backend.name={name}"]), data=data)
-        states[name], _ = exps[name].round(exps[name].initial_state())  # warm-up
+    exps = {name: Experiment(load_config(base, [f"backend.name={name}"]), data=data)
+            for name in ("lockstep", "sequential", "vmap")}
+    medians, states = workload.interleaved_rounds(exps, repeats)
     assert exps["lockstep"].backend.reason is None, exps["lockstep"].backend.reason
-    times: dict[str, list[float]] = {k: [] for k in names}
-    for _ in range(repeats):
-        for name in names:
-            t = time.perf_counter()
-            states[name], _ = exps[name].round(states[name])
-            times[name].append(time.perf_counter() - t)
-    row: dict[str, Any] = {k: statistics.median(v) for k, v in times.items()}
+    row: dict[str, Any] = dict(medians)
     row.update({"clients": clients, "samples": n, "shape": list(shape), "per_round": m,
                 "channels": CHANNELS, "parameters": exps["lockstep"].layout.size,
                 "chunk": exps["lockstep"].backend.chunk,

@@ -23,6 +23,7 @@ it writes the final parameters (``--final``) for the equivalence check.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -32,6 +33,16 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+
+def arg_parser() -> argparse.ArgumentParser:
+    """The arguments every driver takes; a driver adds its own."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--spec", required=True)
+    p.add_argument("--final", default=None)
+    p.add_argument("--rounds", type=int, default=None, help="the first N rounds of the spec")
+    p.add_argument("--no-dropout", action="store_true")
+    return p
 
 
 def mlp(spec: dict[str, Any]) -> nn.Module:

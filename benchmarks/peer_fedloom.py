@@ -13,7 +13,6 @@ own generator).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -46,12 +45,8 @@ def dataset(spec: dict, x: np.ndarray, y: np.ndarray):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--spec", required=True)
+    p = peer_common.arg_parser()
     p.add_argument("--backend", default="sequential", help="fedloom overrides, comma-separated")
-    p.add_argument("--final", default=None)
-    p.add_argument("--rounds", type=int, default=None, help="the first N rounds of the spec")
-    p.add_argument("--no-dropout", action="store_true")
     args = p.parse_args(argv)
     folder = Path(args.spec)
     spec = torch.load(folder / "spec.pt", weights_only=True)

@@ -38,7 +38,6 @@ error message proposes, which is what torch's data loader did before.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -100,12 +99,8 @@ def prepare(spec_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--spec", required=True)
+    p = peer_common.arg_parser()
     p.add_argument("--prepare", action="store_true")
-    p.add_argument("--final", default=None)
-    p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--no-dropout", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="FLGo's torch_num_threads")
     p.add_argument("--parallels", type=int, default=None, help="FLGo's num_parallels")
     args = p.parse_args(argv)

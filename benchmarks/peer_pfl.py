@@ -27,7 +27,6 @@ cores it is left at pfl's default of one worker.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import logging
 import sys
@@ -40,11 +39,7 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--spec", required=True)
-    p.add_argument("--final", default=None)
-    p.add_argument("--rounds", type=int, default=None, help="the first N rounds of the spec")
-    p.add_argument("--no-dropout", action="store_true")
+    p = peer_common.arg_parser()
     p.add_argument("--threads", type=int, default=None, help="torch's intra-op threads")
     args = p.parse_args(argv)
     if args.threads:

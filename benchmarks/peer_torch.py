@@ -12,7 +12,6 @@ round time above this is the framework's own work.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -23,12 +22,8 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--spec", required=True)
-    p.add_argument("--final", default=None)
-    p.add_argument("--rounds", type=int, default=None)
+    p = peer_common.arg_parser()
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--no-dropout", action="store_true")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

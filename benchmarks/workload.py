@@ -9,6 +9,10 @@ without shipping it.
 
 from __future__ import annotations
 
+import statistics
+import time
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
@@ -77,3 +81,18 @@ def plain_torch_round(per_round: int, data: list[tuple[torch.Tensor, torch.Tenso
         for name, v in model.state_dict().items():
             acc[name] += v / per_round
     model.load_state_dict(acc)
+
+
+def interleaved_rounds(exps: dict[str, Any], repeats: int
+                       ) -> tuple[dict[str, float], dict[str, Any]]:
+    """Median seconds per round of each fedloom ``Experiment`` and its final state:
+    one warm-up round of each, then ``repeats`` rounds of each in turn, so that a
+    change in the machine's load falls on all of them."""
+    states = {k: e.round(e.initial_state())[0] for k, e in exps.items()}
+    times: dict[str, list[float]] = {k: [] for k in exps}
+    for _ in range(repeats):
+        for k, e in exps.items():
+            t = time.perf_counter()
+            states[k], _ = e.round(states[k])
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}, states
