@@ -198,6 +198,93 @@ def test_trainer_updates_equal_sequential_per_client(model, shape, dtype):
     assert [r.steps for r in got if r is not None] == [4, 6, 3, 18, 2]  # ragged, max_steps
 
 
+@pytest.mark.parametrize("model,shape", [
+    # BatchNorm2d after convolutions (momentum 0.1, and None: the cumulative average
+    # over num_batches_tracked); BatchNorm1d on a Linear layer's features, its own ε
+    (lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                           nn.MaxPool2d(2), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4, momentum=None),
+                           nn.ReLU(), nn.Flatten(), nn.Linear(16, 3)), (2, 8, 8)),
+    (lambda: nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.BatchNorm1d(8, eps=1e-3),
+                           nn.ReLU(), nn.Linear(8, 3)), (12,)),
+    # first in the chain (no input gradient) without affine parameters; batch
+    # statistics only (track_running_stats=False: no buffers)
+    (lambda: nn.Sequential(nn.BatchNorm2d(2, affine=False), nn.Conv2d(2, 3, 3),
+                           nn.BatchNorm2d(3, track_running_stats=False), nn.ReLU(),
+                           nn.Flatten(), nn.Linear(108, 3)), (2, 8, 8)),
+    # BatchNorm1d on [C, L] samples
+    (lambda: nn.Sequential(nn.BatchNorm1d(3), nn.Flatten(), nn.Linear(15, 3)), (3, 5)),
+])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("start", ["module", "job"])
+def test_batchnorm_updates_and_running_statistics_equal_sequential(model, shape, dtype, start):
+    torch.manual_seed(0)
+    net = model().to(dtype)
+    # no batch of one sample (BatchNorm1d refuses to train on it, on both paths)
+    layout, jobs = _jobs(net, [6, 10, 16, 34, 2], shape, dtype, penalty=True, shift=True)
+    if start == "job":  # the jobs carry their own buffers (model.buffers: local, FedBN)
+        g = torch.Generator().manual_seed(1)
+        for k, j in enumerate(jobs):
+            bufs = {n: (torch.rand(v.shape, generator=g, dtype=dtype) + 0.5
+                        if v.is_floating_point() else torch.full_like(v, 3 + k))
+                    for n, v in net.named_buffers()}
+            jobs[k] = replace(j, buffers=bufs)
+    tr = LocalSGD(net, layout, batch_size=4, epochs=2, momentum=0.9, weight_decay=0.01,
+                  prox_mu=0.1)
+    ls = LockstepBackend(tr, LocalMethod(), chunk=3)
+    assert ls.reason is None and any(o.kind == "batchnorm" for o in ls.plan)
+    got = ls.train_cohort(jobs)
+    want = SequentialBackend(tr, LocalMethod()).train_cohort(jobs)
+    for a, b in zip(got, want, strict=True):
+        assert a is not None and b is not None
+        assert set(a.buffers) == set(b.buffers) == {n for n, _ in net.named_buffers()}
+        # both dtypes: each client's BatchNorm and convolutions are its own calls,
+        # the batched Linear GEMMs here are under MKL's small-product bound
+        assert torch.equal(a.update, b.update) and a.loss == b.loss
+        for n in b.buffers:
+            assert torch.equal(a.buffers[n], b.buffers[n]), n
+    # the running statistics moved (and differently per client)
+    stats = [r.buffers for r in got if r is not None and r.buffers]
+    if stats:
+        name = next(n for n in stats[0] if n.endswith("running_mean"))
+        assert not torch.equal(stats[0][name], stats[1][name])
+
+
+def test_batchnorm_on_a_single_sample_is_refused_as_sequential_refuses_it():
+    net = nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    layout, jobs = _jobs(net, [5], (4,), torch.float64)  # batches of 4 and 1
+    tr = LocalSGD(net.double(), layout, batch_size=4)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        SequentialBackend(tr, LocalMethod()).train_cohort(jobs)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        LockstepBackend(tr, LocalMethod()).train_cohort(jobs)
+
+
+def _bn_chain() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64, 10))
+
+
+@pytest.mark.parametrize("policy", ["average", "local"])
+def test_batchnorm_runs_equal_sequential_with_their_buffers(policy):
+    # whole runs: the server's averaged (or each client's FedBN) buffers are the same
+    over = ["dtype=float64", "client.momentum=0.9", f"model.buffers={policy}"]
+    out = []
+    for backend in ("sequential", "lockstep"):
+        exp = Experiment(load_config(CNNCFG, [*over, f"backend.name={backend}"]),
+                         model=_bn_chain)
+        st = exp.initial_state()
+        for _ in range(2):
+            st, _ = exp.round(st)
+        out.append((st, exp.backend))
+        exp.close()
+    (a, _), (b, ls) = out
+    assert ls.name == "lockstep" and ls.reason is None
+    assert torch.equal(a.w, b.w)
+    assert set(a.buffers) == set(b.buffers) and a.buffers
+    for n in a.buffers:
+        assert torch.equal(a.buffers[n], b.buffers[n]), n
+
+
 def _pfl_like() -> nn.Module:
     """pfl-research's benchmark CNN's chain (conv, conv, max-pool, Dropout(0.25), Dense,
     Dropout(0.5)), narrowed to 8×8 images."""
@@ -238,6 +325,14 @@ def test_dropout_masks_are_the_sequential_trainers(model, shape, dtype):
     assert not torch.equal(again[3].update, got[3].update)
 
 
+class _WithBuffer(nn.Sequential):
+    """A chain with a buffer of its own (not BatchNorm's running statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Flatten(), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+        self.register_buffer("mask", torch.ones(4))
+
+
 @pytest.mark.parametrize("model,why", [
     (nn.Sequential(nn.Conv2d(2, 2, 3, groups=2), nn.Flatten(), nn.Linear(8, 3)), "groups"),
     (nn.Sequential(nn.Conv2d(1, 2, 3, padding="same"), nn.Flatten(), nn.Linear(8, 3)),
@@ -248,8 +343,9 @@ def test_dropout_masks_are_the_sequential_trainers(model, shape, dtype):
      "AdaptiveAvgPool2d"),
     (nn.Sequential(nn.Conv2d(1, 2, 3), nn.GroupNorm(1, 2, affine=False), nn.Flatten(),
                    nn.Linear(2, 3)), "GroupNorm without affine"),
-    (nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)),
-     "buffers"),
+    (_WithBuffer(), "buffers other than BatchNorm's (mask)"),
+    (nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm3d(2), nn.Flatten(), nn.Linear(8, 3)),
+     "BatchNorm3d"),
     (nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.Dropout(0.5, inplace=True),
                    nn.Linear(4, 3)), "in-place Dropout"),
     (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Dropout2d(0.5), nn.Flatten(), nn.Linear(8, 3)),

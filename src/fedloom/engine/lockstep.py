@@ -20,10 +20,15 @@ written out by hand, the same operations autograd runs on one client:
     Dropout(p): r_k = a_k · u_k, u_k = Bernoulli(1 − p)/(1 − p); ∂ℓ/∂a = ∂ℓ/∂r · u
     GroupNorm: r_k, μ_k, 1/σ_k = native_group_norm(a_k, γ_k, β_k);
                (∂ℓ/∂a_k, ∂ℓ/∂γ_k, ∂ℓ/∂β_k) = native_group_norm_backward(…)  (client by client)
+    BatchNorm (train mode): c_k ← c_k + 1;  f = momentum (1/c_k if None);
+               r_k, μ_k, 1/σ_k = native_batch_norm(a_k, γ_k, β_k, m̄_k, v̄_k, f)  — which
+               sets m̄_k ← (1−f) m̄_k + f μ_k, v̄_k ← (1−f) v̄_k + f s²_k (unbiased) in place;
+               (∂ℓ/∂a_k, ∂ℓ/∂γ_k, ∂ℓ/∂β_k) = native_batch_norm_backward(…)  (client by client)
 
-(``convolution_backward``, ``native_group_norm_backward`` and the pools'
-``*_backward`` are the ops autograd's ``ConvolutionBackward0`` /
-``NativeGroupNormBackward0`` / ``MaxPool2DWithIndicesBackward0`` /
+(``convolution_backward``, ``native_group_norm_backward``,
+``native_batch_norm_backward`` and the pools' ``*_backward`` are the ops
+autograd's ``ConvolutionBackward0`` / ``NativeGroupNormBackward0`` /
+``NativeBatchNormBackward0`` / ``MaxPool2DWithIndicesBackward0`` /
 ``AvgPool2DBackward0`` call) then applies :class:`~fedloom.client.sgd.LocalSGD`'s
 rule as one update of all rows (``torch.optim.SGD``: dampening 0, no Nesterov;
 d = g + shift + penalty + wd·w + μ(w − w₀), b ← β b + d, w ← w − η b). The
@@ -53,6 +58,18 @@ draws its masks on tensors of its own activations' shape, layer by layer in
 the chain's order: the same draws, so the same masks (the global generator is
 not touched). ``Dropout(p=0)`` draws nothing in torch and is an identity here.
 
+**BatchNorm.** Its running statistics (``running_mean``, ``running_var``,
+``num_batches_tracked``) are buffers, not parameters (:mod:`fedloom.buffers`):
+each client gets its own copy of the buffers it starts from — its job's
+(``model.buffers: local``, FedBN) or else the module's initial ones, as the
+sequential trainer loads them — and its train-mode forwards update that copy
+in place, step by step, exactly as ``nn.BatchNorm1d/2d`` updates the module's
+(the count first, then the momentum or cumulative factor, then the kernel
+``F.batch_norm`` reaches on the CPU); the client's result carries it, and the
+server treats it as it treats the sequential path's. A batch with one value
+per channel is refused with BatchNorm's own ``ValueError``, as on the
+sequential path. Any other buffer sends the model to the sequential path.
+
 **Bit for bit.** On CPU, ``torch.bmm``/``baddbmm`` run one GEMM per client with
 the operands' own strides, the same BLAS call ``mm``/``addmm`` makes for one
 client, except for products with ``contraction × rows × columns < 400``,
@@ -74,7 +91,12 @@ built-in ``cnn``, ``leaf_cnn``, ``flare_cnn``, narrowed, and chains with
 strided, dilated, padded and bias-free convolutions, max- and average pools)
 — with ragged client sizes, momentum, weight decay, FedProx's μ, SCAFFOLD's
 shift and FLARE's penalty; with dropout (a chain of pfl-research's benchmark
-CNN's layers, the CRAFT code's CNN) and GroupNorm chains too. In float32 they
+CNN's layers, the CRAFT code's CNN), GroupNorm and BatchNorm chains too
+(BatchNorm1d/2d, momentum 0.1 and ``None``, with and without affine
+parameters or running statistics, from the module's buffers and from each
+job's: every update, loss and running statistic equal in float64 and float32;
+whole runs under ``model.buffers: average`` and ``local``: the same global
+model and buffers). In float32 they
 agree to float32 rounding (the test
 bounds the final ``w`` at rtol 1e-5, atol 1e-6; the narrowed CNNs measured
 bit-equal): MKL's float32 batched GEMM sums the ``(∂ℓ/∂z)ᵀ a`` product of a
@@ -87,14 +109,15 @@ next) of ``nn.Linear`` (with or without bias), ``nn.Conv2d`` (zero padding,
 numeric or ``"valid"``, any stride/dilation, ``groups = 1``),
 ``nn.MaxPool2d`` (without ``return_indices``), ``nn.AvgPool2d``, ``nn.Dropout``
 (not in place, p < 1), ``nn.GroupNorm`` (affine; client by client, as Conv2d),
-``nn.ReLU`` /
+``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` (client by client, each client's own
+running statistics), ``nn.ReLU`` /
 ``torch.relu`` / ``F.relu``, ``nn.Flatten`` / ``torch.flatten`` (from dim 1),
 ``nn.Identity``, ending in the logits of the cross-entropy; every parameter
-trained (in the layout), no buffers, no module called twice; the samples'
+trained (in the layout), no buffers but BatchNorm's, no module called twice; the samples'
 shape is carried through the chain (a Conv2d or pool sees ``[C, H, W]``, a
 Linear one vector). Everything else trains on the sequential path with one
-line in the log naming why: other layers (BatchNorm, ``Dropout2d``, adaptive
-pools, grouped or ``"same"``-padded convolutions, recurrent), local methods
+line in the log naming why: other layers (``BatchNorm3d``, ``Dropout2d``,
+adaptive pools, ``LayerNorm``, grouped or ``"same"``-padded convolutions, recurrent), local methods
 other than plain SGD/FedProx (``client.method``), ``client.amp``, data
 augmentation, a random train-mode forward other than the chain's dropout, and
 jobs that ask for a smoothness
@@ -136,11 +159,11 @@ two threads: the updates of the CNN, and of its convolutions with one Linear
 layer, 7.5e-9 apart, of an MLP 3072-512-10 1.9e-8; a chain of convolutions and
 pools alone 0.0; all three 0.0 with one thread).
 
-Not supported yet (they fall back): BatchNorm (its running statistics would
-be per-client buffers) and residual networks — in the papers' models the
-normalisation layers sit inside ``resnet``, ``resnet9`` and ``resnet18``,
-which are not chains, so GroupNorm helps only user chains until branching
-graphs are supported —, ``Dropout2d``, adaptive pools.
+Not supported yet (they fall back): residual networks — in the papers'
+models the normalisation layers sit inside ``resnet``, ``resnet9`` and
+``resnet18``, which are not chains, so GroupNorm and BatchNorm help only
+user chains until branching graphs are supported —, ``Dropout2d``, adaptive
+pools.
 """
 
 from __future__ import annotations
@@ -193,16 +216,18 @@ class _Op:
     p: float = 0.0                    # dropout
     groups: int = 1                   # groupnorm: groups and ε
     eps: float = 1e-5
+    momentum: float | None = 0.1      # batchnorm: None is the cumulative average
+    stats: tuple[str, str, str] | None = None  # batchnorm: its buffers' names
+    dims: tuple[int, ...] = ()        # batchnorm: the per-sample ranks it takes
 
     @property
     def params(self) -> bool:
-        return self.kind in ("linear", "conv", "groupnorm")
+        return self.kind in ("linear", "conv", "groupnorm") or (
+            self.kind == "batchnorm" and self.weight is not None)
 
 
 def lockstep_plan(module: nn.Module, layout: Layout) -> tuple[list[_Op] | None, str | None]:
     """The module as a chain of supported layers, or ``(None, why not)``."""
-    if buffer_names(module):
-        return None, "the model has buffers (normalisation statistics)"
     names = {n for n, _ in module.named_parameters()}
     if names != set(layout._by_name):
         return None, "the model has frozen parameters"
@@ -237,6 +262,11 @@ def lockstep_plan(module: nn.Module, layout: Layout) -> tuple[list[_Op] | None, 
         prev = node
     if not any(o.params for o in ops):
         return None, "the model has no Linear or Conv2d layer"
+    # every buffer must be a BatchNorm's running statistics (per client, see _train)
+    owned = {n for o in ops if o.stats is not None for n in o.stats}
+    other = [n for n in buffer_names(module) if n not in owned]
+    if other:
+        return None, f"the model has buffers other than BatchNorm's ({other[0]})"
     return ops, None
 
 
@@ -271,6 +301,8 @@ def _as_op(node, mods: dict[str, nn.Module], layout: Layout,
             b = layout._by_name[node.target + ".bias"]
             return _Op("groupnorm", w.slice, b.slice, (mod.num_channels,),
                        groups=mod.num_groups, eps=float(mod.eps))
+        if type(mod) in (nn.BatchNorm1d, nn.BatchNorm2d):
+            return _batchnorm(node.target, mod, layout)
         if type(mod) is nn.Dropout:
             if mod.inplace:
                 return f"in-place Dropout ({node.target}) is not supported"
@@ -308,6 +340,18 @@ def _conv(name: str, mod: nn.Conv2d, layout: Layout) -> _Op | str:
     return _Op("conv", w.slice, b.slice if b is not None else None,
                (mod.out_channels, mod.in_channels, kh, kw), stride=_pair(mod.stride),
                padding=_pair(pad), dilation=_pair(mod.dilation))
+
+
+def _batchnorm(name: str, mod: nn.BatchNorm1d | nn.BatchNorm2d, layout: Layout) -> _Op:
+    w = layout._by_name.get(name + ".weight") if mod.affine else None
+    b = layout._by_name.get(name + ".bias") if mod.affine else None
+    stats = None
+    if mod.track_running_stats:
+        stats = (f"{name}.running_mean", f"{name}.running_var", f"{name}.num_batches_tracked")
+    return _Op("batchnorm", w.slice if w is not None else None,
+               b.slice if b is not None else None, (mod.num_features,), eps=float(mod.eps),
+               momentum=None if mod.momentum is None else float(mod.momentum), stats=stats,
+               dims=(1, 2) if isinstance(mod, nn.BatchNorm1d) else (3,))
 
 
 def _pool(name: str, mod: nn.MaxPool2d | nn.AvgPool2d) -> _Op | str:
@@ -358,6 +402,10 @@ def shape_reason(plan: list[_Op], sample: tuple[int, ...]) -> str | None:
         elif op.kind == "groupnorm":
             if len(shape) < 1 or shape[0] != op.shape[0]:
                 return f"a GroupNorm of {op.shape[0]} channels on samples of shape {list(shape)}"
+        elif op.kind == "batchnorm":
+            if len(shape) not in op.dims or shape[0] != op.shape[0]:
+                return (f"a BatchNorm of {op.shape[0]} features on samples of shape "
+                        f"{list(shape)}")
         elif op.kind in ("conv", "maxpool", "avgpool"):
             if len(shape) != 3:
                 return f"a {op.kind} layer on {len(shape)}-dimensional samples"
@@ -464,6 +512,7 @@ class LockstepBackend:
         losses: list[list[torch.Tensor]] = [[] for _ in range(m)]
         every = torch.arange(m, device=W.device)
         dropout = any(o.kind == "dropout" for o in self.plan)
+        bufs = self._start_buffers(jobs)
         for t in range(max(steps)):
             # Clients with a batch at step t, grouped by its size (one group: all).
             groups: dict[int, list[int]] = {}
@@ -482,7 +531,7 @@ class LockstepBackend:
                 seeds = ([derive_seed(jobs[k].gen_seed, t, -1, Purpose.DROPOUT) for k in ks]
                          if dropout else None)
                 lsm, Y = _step(self.plan, W if whole else W[rows], src_x[idx], src_y[idx], Gr,
-                               seeds)
+                               seeds, [bufs[k] for k in ks])
                 if not whole:
                     G[rows] = Gr
                 for r, k in enumerate(ks):
@@ -517,7 +566,21 @@ class LockstepBackend:
                 loss_sum += float(v)
             out.append(ClientResult(j.client, (j.w - W[k]).contiguous(), int(j.y.shape[0]),
                                     loss_sum / max(1, steps[k]), steps[k], start_loss[k],
-                                    buffers={}))
+                                    buffers=bufs[k]))
+        return out
+
+    def _start_buffers(self, jobs: list[ClientJob]) -> list[dict[str, torch.Tensor]]:
+        """Each client's own copy of the buffers it starts from — the job's, else the
+        module's initial ones, as the sequential trainer loads them — which its
+        train-mode forwards update in place and its result carries."""
+        fm = self.trainer._flat_module()
+        if not fm.buffers:
+            return [{} for _ in jobs]
+        out = []
+        for j in jobs:
+            start = j.buffers if j.buffers else fm.init_buffers
+            out.append({n: torch.empty_like(v).copy_(start.get(n, fm.init_buffers[n]))
+                        for n, v in fm.buffers.items()})
         return out
 
     def _table(self, jobs: list[ClientJob], batches: list[list[torch.Tensor]],
@@ -579,12 +642,15 @@ def _forward(op: _Op, a: torch.Tensor, weight: torch.Tensor | None,
 
 
 def _step(plan: list[_Op], W: torch.Tensor, X: torch.Tensor, Y: torch.Tensor,
-          G: torch.Tensor, seeds: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          G: torch.Tensor, seeds: list[int] | None = None,
+          bufs: list[dict[str, torch.Tensor]] | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """One local step's forward and backward for every row of ``W`` on its batch
     ``X [m, n, ...]``, ``Y [m, n]``: the gradients are added into ``G`` (zeroed);
     returns the log-probabilities and the labels. Activations are ``[m, n, ...]``
     throughout; a pool runs once on the ``[m·n, C, H, W]`` view of them. ``seeds``:
-    each row's seed of this step's dropout masks."""
+    each row's seed of this step's dropout masks; ``bufs``: each row's buffers
+    (BatchNorm's running statistics, updated in place)."""
     m, n = X.shape[0], X.shape[1]
     gens = None
     if seeds is not None:
@@ -622,6 +688,11 @@ def _step(plan: list[_Op], W: torch.Tensor, X: torch.Tensor, Y: torch.Tensor,
                     a[k], gam[k], bet[k], n, c, hw, op.groups, op.eps)
                 outs.append(o)
                 stats.append((mu, rstd))
+            saved.append((a, stats))
+            a = torch.stack(outs)
+        elif op.kind == "batchnorm":
+            a = a.contiguous()
+            outs, stats = _batchnorm_forward(op, a, W, bufs)
             saved.append((a, stats))
             a = torch.stack(outs)
         elif op.kind in ("maxpool", "avgpool"):
@@ -699,6 +770,26 @@ def _step(plan: list[_Op], W: torch.Tensor, X: torch.Tensor, Y: torch.Tensor,
                 dxs.append(dx)
             if i > first:
                 g = torch.stack(dxs)
+        elif op.kind == "batchnorm":
+            assert isinstance(s, tuple)
+            a_in, stats = s
+            gam = W[:, op.weight] if op.weight is not None else None
+            g = g.contiguous()
+            dxs = []
+            for k in range(m):
+                # the op autograd's NativeBatchNormBackward0 calls for one client (train
+                # mode: the batch's saved mean and 1/σ; the running statistics unused)
+                rm, rv, mu, rstd = stats[k]
+                dx, dgam, dbet = torch.ops.aten.native_batch_norm_backward(
+                    g[k], a_in[k], gam[k] if gam is not None else None, rm, rv, mu, rstd,
+                    True, op.eps, [i > first, gam is not None, op.bias is not None])
+                if gam is not None:
+                    G[k, op.weight].add_(dgam)
+                if op.bias is not None:
+                    G[k, op.bias].add_(dbet)
+                dxs.append(dx)
+            if i > first:
+                g = torch.stack(dxs)
         elif op.kind in ("maxpool", "avgpool"):
             assert isinstance(s, tuple)
             flat, idx = s
@@ -722,6 +813,36 @@ def _step(plan: list[_Op], W: torch.Tensor, X: torch.Tensor, Y: torch.Tensor,
             assert isinstance(s, torch.Size)
             g = g.reshape(s)
     return lsm, Y
+
+
+def _batchnorm_forward(op: _Op, a: torch.Tensor, W: torch.Tensor,
+                       bufs: list[dict[str, torch.Tensor]] | None
+                       ) -> tuple[list[torch.Tensor], list[tuple]]:
+    """Train-mode BatchNorm client by client, as ``nn.BatchNorm1d/2d`` runs it: count
+    the batch (``num_batches_tracked += 1``), the factor ``momentum`` (``1/count`` for
+    ``momentum=None``), then ``native_batch_norm`` (what ``F.batch_norm`` reaches on
+    the CPU) on the client's contiguous activations with its own running statistics,
+    updated in place. Returns the outputs and what the backward needs."""
+    gam = W[:, op.weight] if op.weight is not None else None
+    bet = W[:, op.bias] if op.bias is not None else None
+    outs, saved = [], []
+    for k in range(a.shape[0]):
+        rm = rv = None
+        factor = 0.0 if op.momentum is None else op.momentum
+        if op.stats is not None:
+            assert bufs is not None
+            b = bufs[k]
+            rm, rv, count = b[op.stats[0]], b[op.stats[1]], b[op.stats[2]]
+            count.add_(1)
+            if op.momentum is None:
+                factor = 1.0 / float(count)
+        F._verify_batch_size(a[k].size())  # F.batch_norm's own check (one value a channel)
+        o, mu, rstd = torch.ops.aten.native_batch_norm(
+            a[k], gam[k] if gam is not None else None, bet[k] if bet is not None else None,
+            rm, rv, True, factor, op.eps)
+        outs.append(o)
+        saved.append((rm, rv, mu, rstd))
+    return outs, saved
 
 
 @register("backend", "lockstep")
