@@ -30,6 +30,24 @@ def test_process_backend_same_bits(extra, inner):
     assert [m["uplink_bytes"] for m in res.metrics] == [m["uplink_bytes"] for m in ref.metrics]
 
 
+def test_process_backend_runs_lockstep_in_its_workers():
+    """``backend.inner: lockstep``: each worker trains its group lock-step (the TINY
+    MLP is lock-step's), and the run has the sequential backend's bits in float64."""
+    from fedloom.config import load_config
+    from fedloom.engine.experiment import Experiment
+    from fedloom.engine.lockstep import LockstepBackend
+    from fedloom.engine.parallel import make_inner
+
+    exp = Experiment(load_config(TINY, ["dtype=float64"]))
+    inner = make_inner(exp.trainer, exp.method, "lockstep", 0, exp.x, exp.y)
+    exp.close()
+    assert isinstance(inner, LockstepBackend) and inner.enabled and inner.x is exp.x
+    ref = fedloom.run(TINY, ["dtype=float64", "backend=sequential"])
+    res = fedloom.run(TINY, ["dtype=float64", "backend=process", "backend.workers=2",
+                             "backend.inner=lockstep"])
+    assert res.summary["model_sha256"] == ref.summary["model_sha256"]
+
+
 def test_process_backend_float32_is_single_thread_sequential():
     """float32: the workers run one thread each, so they give the bits of the
     sequential backend at one thread; against two threads here they differ by

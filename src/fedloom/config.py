@@ -343,14 +343,14 @@ class BackendConfig:
     - ``vmap``: a cohort in lock-step with ``torch.func`` (chunks of ``chunk`` clients);
     - ``lockstep``: a cohort as one batched model (``baddbmm`` forward, hand-written
       backward, one fused SGD step; chunks of ``chunk`` clients) for chains of
-      Linear/Conv2d/pooling/GroupNorm/ReLU/Dropout/Flatten, bit for bit the sequential results in
-      float64; anything else trains on the sequential path (one log line;
+      Linear/Conv2d/pooling/GroupNorm/BatchNorm/ReLU/Dropout/Flatten, bit for bit the
+      sequential results in float64; anything else trains on the sequential path (one log line;
       :mod:`fedloom.engine.lockstep`);
     - ``auto``: lockstep on a CPU run it supports with a cohort of at least 2 (its rule,
       :mod:`fedloom.engine.auto`); otherwise times the first cohort on sequential, vmap,
       lockstep and process (where they apply), keeps the fastest and logs the times;
     - ``process``: ``workers`` single-thread processes on this machine, each running
-      ``inner`` (sequential or vmap) on its share of the cohort;
+      ``inner`` (sequential, vmap or lockstep) on its share of the cohort;
     - ``ray``: Ray tasks (``address`` joins a cluster; empty starts a local one).
 
     ``process`` and ``ray``: work whose worker process dies is run again up to
@@ -382,7 +382,7 @@ class BackendConfig:
 
     name: str = "sequential"
     workers: int = _f(0, ge=0)        # process / ray: parallel workers (0 = every core)
-    inner: Literal["sequential", "vmap"] = "sequential"
+    inner: Literal["sequential", "vmap", "lockstep"] = "sequential"
     chunk: int = _f(0, ge=0)          # vmap, lockstep: clients per chunk (0 = cache-sized)
     address: str = ""                 # ray: cluster address ("" = start a local instance)
     on_failure: Literal["retry", "drop"] = "retry"

@@ -6,8 +6,8 @@ training data; a round then ships only the jobs without their samples
 (:func:`~fedloom.engine.backends.light_job`) and gets the results back. The
 cohort is split into ``workers`` groups of similar work
 (:func:`~fedloom.engine.backends.balanced_groups`); each worker runs its
-group with the ``inner`` backend (``sequential`` or ``vmap``), so vmap's
-lock-step and process parallelism compose.
+group with the ``inner`` backend (``sequential``, ``vmap`` or ``lockstep``), so
+lock-step training and process parallelism compose.
 
 Same results: a worker runs the same code on the same jobs, with the same
 derived generators. Workers use one thread unless ``backend.threads`` says
@@ -82,12 +82,18 @@ log = logging.getLogger("fedloom")
 _WORKER: dict[str, Any] = {}
 
 
-def make_inner(trainer: LocalSGD, method: LocalMethod, inner: str, chunk: int = 0) -> Any:
-    """The in-process backend a worker runs its share of the cohort with."""
+def make_inner(trainer: LocalSGD, method: LocalMethod, inner: str, chunk: int = 0,
+               x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> Any:
+    """The in-process backend a worker runs its share of the cohort with (``x``, ``y``:
+    the worker's copy of the training data, which lockstep indexes directly)."""
     if inner == "vmap":
         from fedloom.engine.vmap import VmapBackend
 
         return VmapBackend(trainer, method, chunk=chunk or None)
+    if inner == "lockstep":
+        from fedloom.engine.lockstep import LockstepBackend
+
+        return LockstepBackend(trainer, method, chunk=chunk or None, x=x, y=y)
     return SequentialBackend(trainer, method)
 
 
@@ -100,7 +106,7 @@ def _init_worker(trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: tor
         configure(dev)
         trainer = dataclasses.replace(trainer, module=trainer.module.to(dev))
         x, y = x.to(dev), y.to(dev)
-    _WORKER.update(backend=make_inner(trainer, method, inner, chunk), x=x, y=y,
+    _WORKER.update(backend=make_inner(trainer, method, inner, chunk, x, y), x=x, y=y,
                    kill_once=kill_once, device=dev)
 
 

@@ -71,7 +71,7 @@ def _train_group(setup: dict[str, Any], x_np: np.ndarray, y_np: np.ndarray,
         configure(dev)
         trainer = dataclasses.replace(trainer, module=trainer.module.to(dev))
         x, y, jobs = x.to(dev), y.to(dev), to_device(jobs, dev)
-    backend = make_inner(trainer, setup["method"], setup["inner"], setup["chunk"])
+    backend = make_inner(trainer, setup["method"], setup["inner"], setup["chunk"], x, y)
     return to_host(run_group(backend, x, y, jobs))
 
 
