@@ -11,9 +11,10 @@ to a baseline measured in the same run, never as an absolute goal.
 Sections:
 
 1. ``round_time``: the reference workload (:mod:`workload`) at 10 and 100
-   clients per round: fedloom's sequential, vmap, process (and process+vmap)
-   and ray backends, plain PyTorch (the in-process floor) and Flower's
-   simulation (skipped with a message where ``flwr[simulation]`` is missing).
+   clients per round: fedloom's sequential, vmap, lockstep, process (with
+   sequential, vmap or lockstep in its workers) and ray backends, plain
+   PyTorch (the in-process floor) and Flower's simulation (skipped with a
+   message where ``flwr[simulation]`` is missing).
 2. ``first_round``: seconds from launching ``fedloom run configs/quickstart.yaml``
    to the end of its round 1 (first line of metrics.jsonl), and its peak RSS.
 3. ``aggregation``: FedAvg, CRAFT and ConFIG at d = 1M / 11M, m = 10 / 100 on
@@ -116,7 +117,11 @@ def round_time(quick: bool, repeats: int) -> dict[str, Any]:
         ("vmap", ["backend=vmap"]),
         ("process", ["backend=process", "backend.workers=2"]),
         ("process+vmap", ["backend=process", "backend.workers=2", "backend.inner=vmap"]),
+        ("lockstep", ["backend=lockstep"]),
     ]
+    if not quick:  # --quick: one process pool is enough to keep the path from rotting
+        backends.append(("process+lockstep", ["backend=process", "backend.workers=2",
+                                              "backend.inner=lockstep"]))
     try:
         import ray
 
@@ -393,8 +398,8 @@ def markdown(res: dict[str, Any]) -> str:
                   "|---|---|---|---|---|"]
         for m, row in rt["per_round"].items():
             fl = row.get("flower")
-            for name in ("plain_torch", "sequential", "vmap", "process", "process+vmap", "ray",
-                         "flower"):
+            for name in ("plain_torch", "sequential", "vmap", "process", "process+vmap",
+                         "lockstep", "process+lockstep", "ray", "flower"):
                 if name not in row:
                     continue
                 t = row[name]
@@ -498,8 +503,8 @@ def goals(res: dict[str, Any]) -> list[str]:
     for m, want in (("100", 4.0), ("10", 5.0)):
         row = rt.get(m, {})
         if "flower" in row:
-            best = min(row[k] for k in ("sequential", "vmap", "process", "process+vmap")
-                       if k in row)
+            best = min(row[k] for k in ("sequential", "vmap", "process", "process+vmap",
+                                        "lockstep", "process+lockstep") if k in row)
             got = row["flower"] / best
             rows.append((f"round time at {m}/round ≥ {want:g}× Flower", f"{got:.1f}×",
                          got >= want,

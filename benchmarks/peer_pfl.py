@@ -16,10 +16,17 @@ its batches are fedloom's), :class:`pfl.aggregate.simulate.SimulatedBackend`,
 Departures, stated: pfl evaluates every user of the first iteration before and
 after its training (``iteration % evaluation_frequency == 0`` at iteration 0);
 that is in its launch → end of round 1, not in its round times. No central
-evaluation (``val_cohort_size=0``), as no framework evaluates here. One
-process: pfl's multi-process simulation needs a distributed launcher
-(Horovod or ``torch.distributed``) and shards users across processes; on two
-cores it is left at pfl's default of one worker.
+evaluation (``val_cohort_size=0``), as no framework evaluates here.
+
+Several workers: pfl's multi-process simulation runs under torch's own launcher
+(``python -m torch.distributed.run --standalone --nproc-per-node N
+peer_pfl.py …``; pfl sees ``TORCHELASTIC_RUN_ID``, joins a ``gloo`` process
+group and sums the workers' aggregates with ``all_reduce``). pfl's user
+sampler calls the spec's sampler ``N`` times per user and gives worker ``r``
+the ``r``-th draw, so the workers together train exactly the spec's cohort
+(when ``N`` divides the cohort; otherwise the driver stops with exit 2).
+Worker 0 alone speaks the round protocol; the others wait for it at a barrier
+after each round, so no worker starts a round before its ``go``.
 
     python benchmarks/peer_pfl.py --spec DIR [--final W.pt] [--rounds N] [--threads N]
         [--no-dropout]
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -86,11 +94,23 @@ def main(argv: list[str] | None = None) -> int:
     val = FederatedDataset(lambda j: Dataset(raw_data=[x[:1], y[:1]]), lambda: 0)
     model = PyTorchModel(model=net, local_optimizer_create=torch.optim.SGD,
                          central_optimizer=torch.optim.SGD(net.parameters(), lr=1.0))
-    pacer = peer_common.Pacer(rounds)
+    # under torch.distributed.run (pfl joined the process group when it was imported)
+    launched = "TORCHELASTIC_RUN_ID" in os.environ
+    rank = int(os.environ["RANK"]) if launched else 0
+    workers = int(os.environ["WORLD_SIZE"]) if launched else 1
+    if m % workers:  # pfl hands worker r users r, r + N, …: a round must split evenly
+        print(f"pfl: {m} clients a round do not split over {workers} workers", file=sys.stderr)
+        return 2
+    pacer = peer_common.Pacer(rounds) if rank == 0 else None
+    done = [0]
 
     class Pace(TrainingProcessCallback):
         def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
-            pacer.round_done()
+            if pacer is not None:
+                pacer.round_done()
+            done[0] += 1
+            if workers > 1:
+                torch.distributed.barrier()
             return False, type(aggregate_metrics)()
 
     FederatedAveraging().run(
@@ -104,10 +124,11 @@ def main(argv: list[str] | None = None) -> int:
                                               local_batch_size=spec["batch"]),
         model_eval_params=NNEvalHyperParams(local_batch_size=1000),
         callbacks=[Pace()])
-    if pacer.done != rounds:
-        print(f"pfl: {pacer.done} of {rounds} rounds ran", file=sys.stderr)
+    if done[0] != rounds:
+        print(f"pfl: {done[0]} of {rounds} rounds ran (worker {rank})", file=sys.stderr)
         return 1
-    peer_common.save_final(args.final, net)
+    if rank == 0:
+        peer_common.save_final(args.final, net)
     return 0
 
 

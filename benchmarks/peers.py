@@ -32,11 +32,14 @@ clients × 40 samples, 5 a round) on fedloom's ``sequential`` backend and the
 peers.
 
 :mod:`peer_torch` runs the same batches in plain PyTorch (no framework): the
-floor the goals' reasons compare with. Every training process runs torch on
-one intra-op thread (``THREADS``); fedloom's ``process`` backend (two
-single-thread workers) and FLGo's ``num_parallels=2`` (two clients at a time
-in threads) use both cores. pfl's multi-worker mode needs a distributed
-launcher and is not run.
+floor the goals' reasons compare with. :mod:`peer_flower` runs Flower's
+simulation (``flwr[simulation]``, fedloom's venv; skipped with one line where
+it is missing, and with ``--quick``). Every training process runs torch on
+one intra-op thread (``THREADS``). Both cores: fedloom's ``process`` backend
+(two single-thread workers, each ``sequential`` or ``lockstep`` on its half of
+the cohort), FLGo's ``num_parallels=2`` (two clients at a time in threads),
+pfl's multi-worker simulation (two workers under ``torch.distributed.run``,
+where the cohort splits evenly) and Flower (Ray, one CPU a client).
 
 ``python benchmarks/peers.py --workload KEY --frameworks A,B,…`` runs some of
 the frameworks on one workload the same way and prints their figures as JSON
@@ -47,7 +50,10 @@ measured from the parent's start of that process, one framework at a time —
 then waits; the parent then sends each framework a ``go`` in turn, so their
 rounds interleave (the order rotates each round) and the machine's load falls
 on all of them alike. A framework's figure is the median of its rounds after
-round 1 (``repeats`` of them).
+round 1 (``repeats`` of them; at least 9 on the reference workload at 10 a
+round, whose rounds take a fraction of a second). Flower's simulation runs
+after the others, on its own (:data:`ALONE`): Ray's processes keep the cores
+busy while they wait, which slowed the frameworks beside it 5×.
 
 Equivalence: every driver writes its final parameters. On the MLP (no random
 forward) all frameworks trained the same cohorts on the same batches from the
@@ -110,8 +116,9 @@ def workloads(quick: bool) -> dict[str, dict[str, Any]]:
              "batch": 10, "epochs": 1, "data": "cifar10"}
     if quick:  # one toy run: every driver's process start is seconds on a loaded machine
         return {"reference/5": {**ref, "clients": 10, "samples": 40, "per_round": 5}}
+    # reference/10: rounds of a fraction of a second, the medians of more of them
     return {"reference/10": {**ref, "clients": workload.CLIENTS, "samples": workload.SAMPLES,
-                             "per_round": 10},
+                             "per_round": 10, "min_repeats": 9},
             "reference/100": {**ref, "clients": workload.CLIENTS,
                               "samples": workload.SAMPLES, "per_round": 100},
             "pfl_cifar10/50": {**cifar, "clients": 1000, "samples": 50, "per_round": 50}}
@@ -303,6 +310,23 @@ def run_frameworks(frameworks: list[tuple[str, list[str]]], folder: Path, rounds
     return out
 
 
+# Run after the others, on their own: Ray's processes keep the cores busy while they
+# wait (the reference workload at 10 a round, idle machine: fedloom sequential 1.58 s a
+# round with Flower's simulation alive beside it, 0.32 s without).
+ALONE = ("flower",)
+
+
+def run_interleaved_then_alone(fws: list[tuple[str, list[str]]], folder: Path, rounds: int,
+                               final: bool = True) -> dict[str, dict[str, Any]]:
+    """:func:`run_frameworks` on every framework but :data:`ALONE`'s, then on each of
+    those alone."""
+    res = run_frameworks([f for f in fws if f[0] not in ALONE], folder, rounds, final)
+    for f in fws:
+        if f[0] in ALONE:
+            res.update(run_frameworks([f], folder, rounds, final))
+    return res
+
+
 def _fedloom_backends(wl: dict[str, Any], quick: bool = False) -> list[tuple[str, str]]:
     rows = [("sequential", f"sequential,backend.threads={THREADS}")]
     if quick:
@@ -310,7 +334,44 @@ def _fedloom_backends(wl: dict[str, Any], quick: bool = False) -> list[tuple[str
     # lockstep: Linear, Conv2d, pooling, dropout (the sequential trainer's masks), ReLU
     rows.append(("lockstep", f"lockstep,backend.threads={THREADS}"))
     rows.append(("process", "process,backend.workers=2"))
+    # both cores, each worker lock-step on its half of the cohort
+    rows.append(("process+lockstep", "process,backend.workers=2,backend.inner=lockstep"))
     return rows
+
+
+def flower_reason() -> str | None:
+    """Why Flower's simulation cannot run here (None: it can): it needs
+    ``flwr[simulation]`` (Ray) in fedloom's own venv."""
+    import importlib.util
+
+    missing = [m for m in ("flwr", "ray") if importlib.util.find_spec(m) is None]
+    return (f"peers: flower skipped: {', '.join(missing)} not installed "
+            "(pip install 'flwr[simulation]')" if missing else None)
+
+
+def framework_commands(wl: dict[str, Any], peers: dict[str, Path], quick: bool
+                       ) -> list[tuple[str, list[str]]]:
+    """Every framework's driver command for ``wl`` (the spec's arguments follow)."""
+    py = sys.executable
+    fws = [(f"fedloom:{label}", [py, str(HERE / "peer_fedloom.py"), "--backend", over])
+           for label, over in _fedloom_backends(wl, quick)]
+    # the floor: the same batches in plain PyTorch, no framework
+    fws.append(("plain_torch", [py, str(HERE / "peer_torch.py"), "--threads", str(THREADS)]))
+    if not quick and flower_reason() is None:  # Ray's start-up is too slow for --quick
+        fws.append(("flower", [py, str(HERE / "peer_flower.py"), "--threads", str(THREADS)]))
+    for name, path in peers.items():
+        script = str(HERE / PEERS[name]["script"])
+        fws.append((name, [str(path), script, "--threads", str(THREADS)]))
+        if quick:
+            continue
+        if name == "flgo":  # FLGo's parallel clients, on 2 cores
+            fws.append(("flgo:parallel2", [str(path), script, "--threads", str(THREADS),
+                                           "--parallels", "2"]))
+        if name == "pfl" and wl["per_round"] % 2 == 0:  # pfl's 2 workers, torch's launcher
+            fws.append(("pfl:torchrun2", [str(path), "-m", "torch.distributed.run",
+                                          "--standalone", "--nproc-per-node", "2", script,
+                                          "--threads", str(THREADS)]))
+    return fws
 
 
 def _max_diff(a: Path, b: Path) -> dict[str, float] | None:
@@ -322,7 +383,6 @@ def _max_diff(a: Path, b: Path) -> dict[str, float] | None:
 
 
 def run(quick: bool, repeats: int) -> dict[str, Any]:
-    py = sys.executable
     out: dict[str, Any] = {"load_before": list(os.getloadavg()), "skipped": {},
                            "workloads": {}, "repeats": repeats, "quick": quick}
     peers: dict[str, Path] = {}
@@ -333,29 +393,25 @@ def run(quick: bool, repeats: int) -> dict[str, Any]:
             out["skipped"][name] = why
         else:
             peers[name] = path
-    rounds = repeats + 1
+    if flower_reason() is not None:
+        print(flower_reason(), file=sys.stderr, flush=True)
+        out["skipped"]["flower"] = flower_reason()
+    elif quick:
+        out["skipped"]["flower"] = "peers: flower not run with --quick (Ray's start-up)"
     for key, wl in workloads(quick).items():
         print(f"peers: {key} …", file=sys.stderr, flush=True)
+        rounds = max(repeats, 0 if quick else wl.get("min_repeats", 0)) + 1
         with tempfile.TemporaryDirectory(prefix="fedloom-peers-") as d:
             folder = Path(d)
             data = make_data(wl)
             spec = export_spec(wl, folder, rounds, data)
             del data
-            fws = [(f"fedloom:{label}", [py, str(HERE / "peer_fedloom.py"), "--backend", over])
-                   for label, over in _fedloom_backends(wl, quick)]
-            # the floor: the same batches in plain PyTorch, no framework
-            fws.append(("plain_torch", [py, str(HERE / "peer_torch.py"), "--threads",
-                                        str(THREADS)]))
-            for name, path in peers.items():
-                script = str(HERE / PEERS[name]["script"])
-                if name == "flgo":  # FLGo keeps its task on disk: made once, untimed
-                    subprocess.run([str(path), script, "--spec", str(folder), "--prepare"],
-                                   capture_output=True, text=True, check=True, timeout=1800)
-                fws.append((name, [str(path), script, "--threads", str(THREADS)]))
-                if name == "flgo" and not quick:  # FLGo's parallel clients, on 2 cores
-                    fws.append(("flgo:parallel2", [str(path), script, "--threads",
-                                                   str(THREADS), "--parallels", "2"]))
-            res = run_frameworks(fws, folder, rounds)
+            if "flgo" in peers:  # FLGo keeps its task on disk: made once, untimed
+                subprocess.run([str(peers["flgo"]), str(HERE / PEERS["flgo"]["script"]),
+                                "--spec", str(folder), "--prepare"],
+                               capture_output=True, text=True, check=True, timeout=1800)
+            fws = framework_commands(wl, peers, quick)
+            res = run_interleaved_then_alone(fws, folder, rounds)
             row: dict[str, Any] = {**{k: wl[k] for k in ("model", "clients", "samples",
                                                           "per_round", "batch", "lr")},
                                    "data": spec["source"], "rounds": rounds,
@@ -369,7 +425,7 @@ def run(quick: bool, repeats: int) -> dict[str, Any]:
             else:
                 chk = [(n, [*c, "--no-dropout"]) for n, c in fws
                        if n == "fedloom:sequential" or not n.startswith("fedloom")]
-                run_frameworks(chk, folder, 1)
+                run_interleaved_then_alone(chk, folder, 1)
                 row["equivalence"] = {
                     "rounds": 1, "dropout": "off (p = 0) for the check",
                     **{n: _max_diff(folder / f"final-{n.replace(':', '-')}.pt", ref)
@@ -389,17 +445,28 @@ def _best_fedloom(fws: dict[str, Any]) -> tuple[str, float] | None:
 
 def markdown(section: dict[str, Any]) -> list[str]:
     lb, la = section.get("load_before", [0, 0, 0]), section.get("load_after", [0, 0, 0])
-    lines = ["## Peers: pfl-research and FLGo", "",
+    lines = ["## Peers: pfl-research, FLGo and Flower", "",
              "`python benchmarks/bench.py --only peers`: every framework in its own process "
-             "(pfl 0.6.0 and FLGo 0.4.4 each in its own virtualenv with torch 2.13.0) on the "
+             "(pfl 0.6.0 and FLGo 0.4.4 each in its own virtualenv with torch 2.13.0; Flower's "
+             "simulation in fedloom's) on the "
              "same data, initial parameters, cohorts, batch order and rounds, exported by "
              "fedloom; rounds interleaved (one round of each framework in turn, the order "
-             "rotating). Seconds per round: median of the "
-             f"{section.get('repeats', '?')} rounds after round 1; speed-up = the framework's "
+             "rotating), Flower's after the others, alone (its Ray processes keep the cores "
+             "busy while they wait, slowing whatever runs beside them). Seconds per round: "
+             "median of the "
+             f"{section.get('repeats', '?')} rounds after round 1 (9 on the reference "
+             "workload at 10 a round, whose rounds take a fraction of a second); "
+             "speed-up = the framework's "
              "time / fedloom's best backend's, measured in the same run. Launch = from "
              "starting the framework's process to the end of its round 1 (imports, data, "
              "set-up, round 1), one framework at a time. Load average (1 min) before / after: "
-             f"{lb[0]:.1f} / {la[0]:.1f} on {os.cpu_count()} cores shared with other jobs.", ""]
+             f"{lb[0]:.1f} / {la[0]:.1f} on {os.cpu_count()} cores.", "",
+             "Cores: every framework's training runs on one intra-op thread. "
+             "`fedloom:process` and `fedloom:process+lockstep` (2 worker processes), "
+             "`flgo:parallel2` (2 clients at a time in threads), `pfl:torchrun2` (pfl's 2 "
+             "workers under torch's launcher, `gloo` all-reduce) and `flower` (Ray, one CPU a "
+             "client: 2 at a time) use both cores; the others one. `plain_torch` is the floor "
+             "of one core: the same batches in plain PyTorch, no framework.", ""]
     for why in section.get("skipped", {}).values():
         lines += [f"{why}", ""]
     for row in section.get("workloads", {}).values():
@@ -462,21 +529,17 @@ def goals(section: dict[str, Any]) -> list[tuple[str, str, bool, str]]:
                    f"{t:.3f} s; the goal needs {t / 1.5:.3f} s")
             floor = fws.get("plain_torch", {}).get("round_s")
             if floor:
-                why += (f"; plain PyTorch on the same batches (no framework, {THREADS} "
-                        f"thread) takes {floor:.3f} s in this run")
-                if t / 1.5 < floor and t <= floor:
-                    why += (f", so the goal is below the cost of the training itself: "
-                            f"{peer_name}'s round is no slower than plain PyTorch's (the "
-                            "difference is this run's noise); the convolutions' arithmetic "
-                            "on one core is the whole round, and no framework overhead is "
-                            "left to cut")
-                elif t / 1.5 < floor:
-                    why += (f", so the goal is below the cost of the training itself: "
-                            f"{peer_name} spends {(t - floor) / t:.0%} of its round "
-                            "outside plain PyTorch's work, all a framework can take away")
+                cores = os.cpu_count() or 1
+                ideal = floor / cores  # the same batches split perfectly over every core
+                why += (f"; plain PyTorch on the same batches takes {floor:.3f} s on one core, "
+                        f"{ideal:.3f} s split perfectly over {cores}")
+                if t / 1.5 < ideal:
+                    why += (": the goal is below the cost of the training itself on these "
+                            f"cores, and {peer_name} spends "
+                            f"{max(0.0, t - ideal) / t:.0%} of its round above that floor, "
+                            "all a framework can take away")
                 else:
-                    why += (f"; fedloom's overhead above it is "
-                            f"{max(0.0, best[1] - floor) / best[1]:.0%} of its round")
+                    why += (f"; fedloom's round is {best[1] / ideal:.2f}× that floor")
             rows.append((goal, f"{got:.2f}×", got >= 1.5, why))
     return rows
 
@@ -495,14 +558,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
     wl = workloads(False)[args.workload]
-    cmds = {f"fedloom:{label}": [sys.executable, str(HERE / "peer_fedloom.py"), "--backend",
-                                 over] for label, over in _fedloom_backends(wl)}
-    cmds["plain_torch"] = [sys.executable, str(HERE / "peer_torch.py"), "--threads",
-                           str(THREADS)]
+    peers = {}
     for name in PEERS:
         py, _ = ensure_venv(name, quick=True)  # never installs
         if py is not None:
-            cmds[name] = [str(py), str(HERE / PEERS[name]["script"]), "--threads", str(THREADS)]
+            peers[name] = py
+    cmds = dict(framework_commands(wl, peers, quick=False))
     want = args.frameworks.split(",")
     missing = [n for n in want if n not in cmds]
     if missing:
@@ -513,10 +574,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fedloom-peers-") as d:
         folder = Path(d)
         spec = export_spec(wl, folder, args.repeats + 1)
-        if "flgo" in want:
+        if any(n.startswith("flgo") for n in want):
             subprocess.run([*cmds["flgo"][:2], "--spec", str(folder), "--prepare"],
                            capture_output=True, text=True, check=True, timeout=1800)
-        res = run_frameworks([(n, cmds[n]) for n in want], folder, args.repeats + 1)
+        res = run_interleaved_then_alone([(n, cmds[n]) for n in want], folder,
+                                         args.repeats + 1)
     print(json.dumps({"workload": args.workload, "data": spec["source"],
                       "load_before": load_before, "load_after": list(os.getloadavg()),
                       "frameworks": res}, indent=1))

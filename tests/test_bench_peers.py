@@ -187,3 +187,44 @@ def test_cli_names_a_framework_it_lacks(capsys):
     assert peers.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("--frameworks: nope not available") and "\n" not in err
+
+
+def test_both_core_modes_are_listed_where_they_apply(monkeypatch):
+    monkeypatch.setattr(peers, "flower_reason", lambda: None)
+    wl = peers.workloads(False)
+    have = {"pfl": Path("/venv/pfl/bin/python"), "flgo": Path("/venv/flgo/bin/python")}
+    names = [n for n, _ in peers.framework_commands(wl["reference/10"], have, quick=False)]
+    assert {"fedloom:process+lockstep", "flgo:parallel2", "pfl:torchrun2", "flower"} <= set(names)
+    cmd = dict(peers.framework_commands(wl["reference/10"], have, quick=False))["pfl:torchrun2"]
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"] and "2" in cmd
+    # pfl hands worker r users r, r + 2, …: a cohort that does not split evenly is not run
+    odd = {**wl["reference/10"], "per_round": 5}
+    assert "pfl:torchrun2" not in dict(peers.framework_commands(odd, have, quick=False))
+    quick = [n for n, _ in peers.framework_commands(peers.workloads(True)["reference/5"], have,
+                                                    quick=True)]
+    assert quick == ["fedloom:sequential", "plain_torch", "pfl", "flgo"]
+    monkeypatch.setattr(peers, "flower_reason", lambda: "peers: flower skipped: no flwr")
+    assert "flower" not in dict(peers.framework_commands(wl["reference/10"], have, quick=False))
+
+
+def test_flower_runs_after_the_others_alone(monkeypatch, tmp_path):
+    calls = []
+
+    def fake(fws, folder, rounds, final=True):
+        calls.append([n for n, _ in fws])
+        return {n: {"round_s": 1.0} for n, _ in fws}
+
+    monkeypatch.setattr(peers, "run_frameworks", fake)
+    fws = [("fedloom:sequential", []), ("flower", []), ("pfl", [])]
+    res = peers.run_interleaved_then_alone(fws, tmp_path, 3)
+    assert calls == [["fedloom:sequential", "pfl"], ["flower"]] and set(res) == {
+        "fedloom:sequential", "flower", "pfl"}
+
+
+def test_a_peers_fastest_mode_is_the_one_its_goal_compares_with():
+    sec = _section()
+    sec["workloads"]["reference/10"]["frameworks"]["pfl:torchrun2"] = {
+        "round_s": 0.3, "rounds_s": [0.3], "launch_s": 9.0}
+    got, met, why = {g: (a, b, c) for g, a, b, c in peers.goals(sec)}[
+        "round time ≥ 1.5× pfl (reference/10 clients/round)"]
+    assert got == "3.00×" and met and "pfl:torchrun2's 0.300 s" in why
