@@ -41,6 +41,7 @@ def test_bench_quick_writes_every_section(tmp_path):
     assert all(v["same_indices"] for k, v in s["topk"].items() if k != "d")
     fr = s["first_round"]
     assert fr["seconds_to_end_of_round_1"] > 0 and fr["import_torch_s"] > 0
+    assert fr["import_torch_exit_s"] >= fr["import_torch_s"]
     md = (tmp_path / "results-quick.md").read_text()
     assert "## 1. Round time" in md and "## 6. fp16 client state" in md
     assert "## 7. Lock-step trainer" in md
