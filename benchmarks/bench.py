@@ -217,6 +217,10 @@ def lockstep(quick: bool, repeats: int) -> dict[str, Any]:
 # --------------------------------------------------------------- 2. first round
 def first_round(quick: bool, repeats: int) -> dict[str, Any]:
     exe = str(Path(PY).with_name("fedloom"))
+    # as after `pip install`, which byte-compiles a package: an editable install's
+    # sources are compiled on import, and not cached where PYTHONDONTWRITEBYTECODE is set
+    subprocess.run([PY, "-m", "compileall", "-q", str(ROOT / "src")], check=False,
+                   stdout=subprocess.DEVNULL)
     starts, rss, torch_s, exit_s = [], [], [], []
     for _ in range(1 if quick else repeats):
         with tempfile.TemporaryDirectory() as d:
