@@ -159,6 +159,15 @@ two threads: the updates of the CNN, and of its convolutions with one Linear
 layer, 7.5e-9 apart, of an MLP 3072-512-10 1.9e-8; a chain of convolutions and
 pools alone 0.0; all three 0.0 with one thread).
 
+On the idle machine (one full ``make bench``, ``benchmarks/results.md``) the
+gain is smaller: at one thread, interleaved, the MLP at 100 a round 2.80 s
+against sequential's 3.05 s (1.09×) and the CNN 2.53 s against 2.55 s (1.01×)
+— a loaded machine taxes per-call overhead most, and that is what lock-step
+saves; at the default two threads (section 1, not interleaved) lockstep 1.77 s
+against sequential's 2.93 s (1.65×), and inside the ``process`` backend's two
+single-thread workers (``backend.inner: lockstep``) 1.59 s, the fastest
+fedloom round there.
+
 Not supported yet (they fall back): residual networks — in the papers'
 models the normalisation layers sit inside ``resnet``, ``resnet9`` and
 ``resnet18``, which are not chains, so GroupNorm and BatchNorm help only
