@@ -42,7 +42,11 @@ def test_bench_quick_writes_every_section(tmp_path):
     fr = s["first_round"]
     assert fr["seconds_to_end_of_round_1"] > 0 and fr["import_torch_s"] > 0
     assert fr["import_torch_exit_s"] >= fr["import_torch_s"]
+    # each section's conditions travel with its figures, and the page shows them
+    assert set(got["conditions"]) == set(s)
+    assert all(c["wall_s"] >= 0 and c["load_before"] >= 0 for c in got["conditions"].values())
     md = (tmp_path / "results-quick.md").read_text()
+    assert "Conditions of each section" in md and "| peers |" in md
     assert "## 1. Round time" in md and "## 6. fp16 client state" in md
     assert "## 7. Lock-step trainer" in md
     assert "## 7b. Lock-step trainer on a CNN" in md
