@@ -745,60 +745,46 @@ def _step(plan: list[_Op], W: torch.Tensor, X: torch.Tensor, Y: torch.Tensor,
         elif op.kind == "conv":
             assert isinstance(s, torch.Tensor)
             wk = W[:, op.weight].view(m, *op.shape)
-            gw = G[:, op.weight].view(m, *op.shape)
-            gb = G[:, op.bias] if op.bias is not None else None
-            dxs = []
-            for k in range(m):
+            bias = op.bias is not None
+
+            def conv_bwd(k: int, g=g, s=s, wk=wk, op=op, i=i, bias=bias):
                 # the op autograd's ConvolutionBackward0 calls for one client
-                dx, dw, db = torch.ops.aten.convolution_backward(
-                    g[k], s[k], wk[k], [op.shape[0]] if gb is not None else None,
+                return torch.ops.aten.convolution_backward(
+                    g[k], s[k], wk[k], [op.shape[0]] if bias else None,
                     list(op.stride), list(op.padding), list(op.dilation), False, [0, 0], 1,
-                    [i > first, True, gb is not None])
-                gw[k].add_(dw)
-                if gb is not None:
-                    gb[k].add_(db)
-                dxs.append(dx)
-            if i > first:
-                g = torch.stack(dxs)
+                    [i > first, True, bias])
+
+            g = _client_backward(m, conv_bwd, G, op, i > first, g)
         elif op.kind == "groupnorm":
             assert isinstance(s, tuple)
             a_in, stats = s
             c = op.shape[0]
             hw = math.prod(a_in.shape[3:])
             gam = W[:, op.weight]
-            gg, gb = G[:, op.weight], G[:, op.bias]
             g = g.contiguous()
-            dxs = []
-            for k in range(m):
+
+            def gn_bwd(k: int, g=g, a_in=a_in, stats=stats, gam=gam, c=c, hw=hw, op=op, i=i):
                 # the op autograd's NativeGroupNormBackward0 calls for one client
-                dx, dgam, dbet = torch.ops.aten.native_group_norm_backward(
+                return torch.ops.aten.native_group_norm_backward(
                     g[k], a_in[k], stats[k][0], stats[k][1], gam[k], n, c, hw, op.groups,
                     [i > first, True, True])
-                gg[k].add_(dgam)
-                gb[k].add_(dbet)
-                dxs.append(dx)
-            if i > first:
-                g = torch.stack(dxs)
+
+            g = _client_backward(m, gn_bwd, G, op, i > first, g)
         elif op.kind == "batchnorm":
             assert isinstance(s, tuple)
             a_in, stats = s
             gam = W[:, op.weight] if op.weight is not None else None
             g = g.contiguous()
-            dxs = []
-            for k in range(m):
+
+            def bn_bwd(k: int, g=g, a_in=a_in, stats=stats, gam=gam, op=op, i=i):
                 # the op autograd's NativeBatchNormBackward0 calls for one client (train
                 # mode: the batch's saved mean and 1/σ; the running statistics unused)
                 rm, rv, mu, rstd = stats[k]
-                dx, dgam, dbet = torch.ops.aten.native_batch_norm_backward(
+                return torch.ops.aten.native_batch_norm_backward(
                     g[k], a_in[k], gam[k] if gam is not None else None, rm, rv, mu, rstd,
                     True, op.eps, [i > first, gam is not None, op.bias is not None])
-                if gam is not None:
-                    G[k, op.weight].add_(dgam)
-                if op.bias is not None:
-                    G[k, op.bias].add_(dbet)
-                dxs.append(dx)
-            if i > first:
-                g = torch.stack(dxs)
+
+            g = _client_backward(m, bn_bwd, G, op, i > first, g)
         elif op.kind in ("maxpool", "avgpool"):
             assert isinstance(s, tuple)
             flat, idx = s
@@ -822,6 +808,24 @@ def _step(plan: list[_Op], W: torch.Tensor, X: torch.Tensor, Y: torch.Tensor,
             assert isinstance(s, torch.Size)
             g = g.reshape(s)
     return lsm, Y
+
+
+def _client_backward(m: int, one, G: torch.Tensor, op: _Op, need_input: bool,
+                     g: torch.Tensor) -> torch.Tensor:
+    """A layer's backward client by client: ``one(k)`` is client ``k``'s
+    ``(∂ℓ/∂input, ∂ℓ/∂weight, ∂ℓ/∂bias)`` (autograd's own op for the layer); the
+    parameter gradients are added into ``G``'s rows (``0 + g``, elementwise: the bits
+    of adding them in the layer's shape); returns the stacked input gradients, or
+    ``g`` as it was where no layer below needs them."""
+    dxs = []
+    for k in range(m):
+        dx, dw, db = one(k)
+        if op.weight is not None:
+            G[k, op.weight].add_(dw.reshape(-1))
+        if op.bias is not None:
+            G[k, op.bias].add_(db.reshape(-1))
+        dxs.append(dx)
+    return torch.stack(dxs) if need_input else g
 
 
 def _batchnorm_forward(op: _Op, a: torch.Tensor, W: torch.Tensor,
