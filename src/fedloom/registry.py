@@ -40,6 +40,7 @@ import logging
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -126,16 +127,34 @@ _MODULES = (
     "fedloom.attack",
 )
 _loaded = False
+# Held while the built-ins load. Flower's simulation builds components from two
+# threads at once (the ClientApp module's CompressionMod at import, the ServerApp's
+# CRAFT): a thread that saw loading begun must wait for its end, not look up a
+# registry still being filled (a KeyError "unknown aggregator 'craft'").
+_LOAD_LOCK = threading.RLock()
+_loading = False
 _REFERENCE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
 def _ensure_loaded() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for mod in _MODULES:
-            importlib.import_module(mod)
-        _find_entry_points()
+    """Every built-in is registered and every entry point listed when this returns,
+    in any thread (one thread loads, the others wait for it). A call made by the
+    loading thread itself (a component module that looks a name up while it is
+    imported) returns at once, as it always did."""
+    global _loaded, _loading
+    if _loaded:  # set only after everything is in: no lock on the common path
+        return
+    with _LOAD_LOCK:
+        if _loaded or _loading:
+            return
+        _loading = True
+        try:
+            for mod in _MODULES:
+                importlib.import_module(mod)
+            _find_entry_points()
+            _loaded = True
+        finally:
+            _loading = False
 
 
 def _find_entry_points() -> None:
