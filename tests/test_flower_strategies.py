@@ -49,6 +49,7 @@ from fedloom.integrations.flower.stock import CompressionMod, LocalPenalty  # no
 from fedloom.integrations.flower.strategies import (  # noqa: E402
     CRAFT,
     FedloomRule,
+    IncompatibleReplies,
     Krum,
     QFedAvg,
 )
@@ -484,10 +485,12 @@ def test_top1_sapef_through_the_mod():
     for rep in grid.log:
         assert not rep.content.array_records and "buffers" in rep.content["fedloom"]
         assert len(rep.content["fedloom"]["payload"]) < 0.1 * 4 * d
-    # Undecodable without compression=: every compressed reply is rejected, counted.
+    # Undecodable without compression=: every compressed reply is rejected, counted,
+    # and a round where all are rejected for that reason stops the run, saying the fix.
     plain = CRAFT(fraction_evaluate=0.0, min_available_nodes=NODES)
-    run(plain, stock_app(mods=[CompressionMod("topk", {"ratio": 0.01},
-                                                         feedback="ef")]), rounds=1)
+    with pytest.raises(IncompatibleReplies, match=r"no compression=.*fix: give the strategy"):
+        run(plain, stock_app(mods=[CompressionMod("topk", {"ratio": 0.01},
+                                                  feedback="ef")]), rounds=1)
     assert plain.totals["rejected"] == NODES and plain.totals["skipped_rounds"] == 1
     from flwr.serverapp.exception import InconsistentMessageReplies
 
@@ -703,3 +706,130 @@ def test_flare_on_a_stock_app_that_opts_in():
                 rounds=2)
     assert not torch.equal(sl.split(ef.arrays, torch.float32)[0],
                            sl.split(res.arrays, torch.float32)[0])
+
+
+# ------------------------------------------- what a stock app gets wrong (#36, 6-8)
+def test_a_rule_whose_metric_no_reply_sends_stops_the_run_naming_the_fix():
+    """FedFV on a stock app that sends no ``start-loss``: every reply is rejected for
+    that one reason, so the run stops (``IncompatibleReplies``) naming the metric and
+    how to compute it, instead of ending with the untrained model."""
+    strat = FedloomRule("fedfv", fraction_evaluate=0.0, min_available_nodes=NODES)
+    with pytest.raises(IncompatibleReplies, match=r"all 5 replies were rejected.*start-loss"
+                       r".*fix: send 'start-loss'.*before training"):
+        run(strat, stock_app())
+    assert strat.totals["rejected"] == NODES and strat.totals["accepted"] == 0
+
+
+def _bad_reply_round(strat, field, value, good_metrics=None):
+    """One round of 3 good replies and one whose ``field`` is ``value`` (a metric, or
+    the buffer ``bn1.num_batches_tracked``); returns (new arrays, metrics, sent w)."""
+    torch.manual_seed(0)
+    arrays = initial_arrays()
+    sl = StateLayout.from_arrays(arrays)
+    w, bufs = sl.split(arrays, torch.float32)
+    strat.configure_train(1, arrays, ConfigRecord({"lr": 0.1}),
+                          _Nodes(list(range(1000, 1004))))
+    replies = []
+    for i in range(4):
+        b = OrderedDict(bufs)
+        b["bn1.num_batches_tracked"] = b["bn1.num_batches_tracked"] + 3
+        metrics = dict(good_metrics or {})
+        if i == 3 and field == "buffer":
+            b["bn1.num_batches_tracked"] = torch.tensor(value, dtype=torch.float32)
+        n = 10 + i
+        if i == 3 and field == "num-examples":
+            n = value
+        elif i == 3 and field != "buffer":
+            metrics[field] = value
+        rec = sl.join(w - 0.01 * torch.randn(sl.layout.size), b)
+        if i == 3 and field == "buffer":  # join casts to the record's dtype: send it as is
+            sd = rec.to_torch_state_dict()
+            sd["bn1.num_batches_tracked"] = b["bn1.num_batches_tracked"]
+            rec = ArrayRecord(sd)
+        replies.append(_reply(rec, n, 1000 + i, metrics))
+    new, metrics = strat.aggregate_train(1, replies)
+    return new, metrics, sl, w
+
+
+@pytest.mark.parametrize("make,field,value", [
+    (lambda: FedloomRule("fednova", server_lr=1.0), "num-steps", float("nan")),
+    (lambda: FedloomRule("fednova", server_lr=1.0), "num-steps", float("inf")),
+    (lambda: FedloomRule("fednova", server_lr=1.0), "num-steps", 1e30),
+    (lambda: FedloomRule("fedavg", server_lr=1.0), "num-examples", 1e39),
+    (lambda: FedloomRule("fedavg", server_lr=1.0), "num-examples", 1e300),
+    (lambda: FedloomRule("afl", server_lr=1.0), "start-loss", float("nan")),
+    (lambda: FedloomRule("afl", server_lr=1.0), "start-loss", float("inf")),
+    (lambda: QFedAvg(client_lr=0.1, q=1.0), "start-loss", float("nan")),
+    (lambda: QFedAvg(client_lr=0.1, q=1.0), "start-loss", float("inf")),
+    (lambda: FedloomRule("fedavg", server_lr=1.0), "buffer", 1e30),
+])
+def test_one_absurd_number_is_rejected_and_the_round_goes_on(make, field, value):
+    """A non-finite or absurd count, loss or integer buffer in one reply: that reply
+    is rejected and counted, with its reason, before aggregation; the other three
+    step the model, and the global ``num_batches_tracked`` is theirs."""
+    strat = make()
+    good = {"num-steps": 5, "start-loss": 1.5}
+    new, metrics, sl, w = _bad_reply_round(strat, field, value, good)
+    assert metrics["fedloom-rejected"] == 1 and metrics["fedloom-accepted"] == 3
+    assert metrics["fedloom-step-skipped"] == 0
+    why = strat.history[-1]["rejected"][1003]
+    assert ("num_batches_tracked" if field == "buffer" else field) in why
+    got, bufs = sl.split(new, torch.float32)
+    assert finite(new) and not torch.equal(got, w)
+    assert int(bufs["bn1.num_batches_tracked"]) == 3
+
+
+def test_rejections_name_the_partition_and_reach_flowers_log_with_level_and_time():
+    """With ``partition_id_mod`` a rejected client is named by its partition-id; fedloom's
+    warning reaches the handlers of Flower's logger, as a WARNING with fedloom's name
+    and time; Flower's "Received N results" line is there; the round's metrics say
+    what the replies carried against the dense model."""
+    import logging
+
+    from flwr.common.logger import FLOWER_LOGGER
+
+    from fedloom.integrations.flower.stock import partition_id_mod
+
+    def nan_from_2(pid, rnd, sd, _):
+        if pid == 2:
+            sd = OrderedDict(sd)
+            sd["fc1.weight"] = torch.full_like(sd["fc1.weight"], float("nan"))
+        return sd
+
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record)
+
+    keep = Keep(level=logging.INFO)
+    FLOWER_LOGGER.addHandler(keep)
+    try:
+        strat = CRAFT(fraction_evaluate=0.0, min_available_nodes=NODES, server_lr=1.0)
+        res, _ = run(strat, stock_app(attack=nan_from_2, mods=[partition_id_mod]), rounds=1)
+    finally:
+        FLOWER_LOGGER.removeHandler(keep)
+    lines = [(r.levelname, r.getMessage()) for r in seen]
+    warned = [m for lvl, m in lines if lvl == "WARNING" and "partition-id 2 (node 1002)" in m]
+    assert warned and warned[0].startswith("[fedloom ") and "non-finite update" in warned[0]
+    assert ("INFO", "aggregate_train: Received 5 results and 0 failures") in lines
+    assert strat.partitions == {1000 + k: k for k in range(NODES)}
+    m = res.train_metrics_clientapp[1]
+    d = strat.state_layout.layout.size
+    assert m["fedloom-dense-bytes"] == m["fedloom-uplink-bytes"] == NODES * 4 * d
+
+
+def test_the_round_metrics_say_what_the_mod_saved():
+    """Top-1 % through CompressionMod: the round's ``fedloom-uplink-bytes`` (the
+    payloads) against ``fedloom-dense-bytes`` (the same replies' parameters dense)."""
+    mod = CompressionMod("topk", {"ratio": 0.01}, feedback="sapef", alpha=0.5)
+    strat = CRAFT(compression="topk", compression_options={"ratio": 0.01}, server_lr=1.0,
+                  fraction_evaluate=0.0, min_available_nodes=NODES)
+    res, grid = run(strat, stock_app(mods=[mod]), rounds=1)
+    m = res.train_metrics_clientapp[1]
+    d = strat.state_layout.layout.size
+    assert m["fedloom-dense-bytes"] == NODES * 4 * d
+    assert m["fedloom-uplink-bytes"] == sum(len(r.content["fedloom"]["payload"])
+                                            for r in grid.log)
+    assert m["fedloom-uplink-bytes"] < 0.1 * m["fedloom-dense-bytes"]
+    assert strat.partitions == {1000 + k: k for k in range(NODES)}  # the mod says it

@@ -7,13 +7,20 @@ aggregator would get) and by the guards of :mod:`fedloom.engine.server`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["all_finite", "clip_rows", "finite_rows", "first_line", "non_finite_reason",
-           "row_norms", "screen_updates"]
+__all__ = ["MAX_COUNT", "all_finite", "clip_rows", "count_reason", "finite_rows", "first_line",
+           "loss_reason", "non_finite_reason", "row_norms", "screen_updates"]
+
+# The largest count (samples, local steps) a client may report: 2**53, above which
+# float64 no longer holds every whole number. No real client trains on more, and a
+# larger one (1e30, 1e300) overflows the int64 and float32 tensors the rules build
+# from the counts, failing the round for every client.
+MAX_COUNT = float(2**53)
 
 
 def finite_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -119,6 +126,42 @@ def clip_rows(rows: torch.Tensor, norms: torch.Tensor, ok: torch.Tensor,
             rows[i].mul_(bound / v)
             n += 1
     return n
+
+
+def count_reason(name: str, v: object, *, low: float = 0.0, strict: bool = False,
+                 whole: bool = False, high: float | None = None) -> str | None:
+    """Why a client's reported count ``v`` (samples, local steps) is refused, or
+    ``None`` when it is a real number, finite, ``>= low`` (``> low`` when
+    ``strict``), a whole number when ``whole``, and at most ``high`` and
+    :data:`MAX_COUNT`. The reason names ``name`` and the value."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return f"{name}: a {type(v).__name__}, not a number"
+    try:
+        x = float(v)
+    except OverflowError:  # an int beyond float64
+        return f"{name}: above {MAX_COUNT:.0f}, no client's count"
+    if not math.isfinite(x) or x < low or (strict and x == low):
+        return f"{name}: must be a finite number {'>' if strict else '>='} {low:g}, got {x:g}"
+    if whole and x != math.floor(x):
+        return f"{name}: must be a whole number, got {x:g}"
+    if x > MAX_COUNT:
+        return f"{name}: {x:.3g} is above {MAX_COUNT:.0f}, no client's count"
+    if high is not None and x > high:
+        return f"{name}: {x:g} above the bound {high:g}"
+    return None
+
+
+def loss_reason(name: str, v: object) -> str | None:
+    """Why a client's reported loss ``v`` is refused (not a finite real number), or
+    ``None``. A rule that weighs clients by their loss (AFL, q-FedAvg, FedFV, FedLF)
+    turns one NaN or infinite loss into a NaN step for everyone."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return f"{name}: a {type(v).__name__}, not a number"
+    try:
+        x = float(v)
+    except OverflowError:
+        return f"{name}: {v} overflows float64"
+    return None if math.isfinite(x) else f"{name}: must be a finite number, got {x}"
 
 
 def non_finite_reason(v: torch.Tensor) -> str:

@@ -131,6 +131,29 @@ class StateLayout:
         bufs = OrderedDict((k, sd[k]) for k in self.buffers)
         return w, bufs
 
+    def cast_buffers(self, bufs: Mapping[str, torch.Tensor], what: str = "buffers"
+                     ) -> OrderedDict[str, torch.Tensor]:
+        """``bufs`` (of :meth:`split`) in the record's dtypes. A buffer that holds a
+        value its dtype cannot (``num_batches_tracked`` sent as float32 ``1e30``, or
+        ``2.5``, NaN) raises a one-line ``ValueError`` naming it: cast, it would
+        wrap to ``−2**63`` and become the global count."""
+        out: OrderedDict[str, torch.Tensor] = OrderedDict()
+        for k, v in bufs.items():
+            dt = self.dtypes[k]
+            if v.dtype != dt and v.is_floating_point() and not dt.is_floating_point:
+                x = v.double()
+                info = torch.iinfo(dt) if dt != torch.bool else None
+                bad = ~torch.isfinite(x) | (x != torch.round(x))
+                if info is not None:
+                    # the int64 bounds, as float64 (2**63 itself is out of range)
+                    bad |= (x < float(info.min)) | (x >= -float(info.min))
+                if bool(bad.any()):
+                    first = float(x[bad].reshape(-1)[0])
+                    raise ValueError(f"{what}: {k!r} holds {first:g} as {v.dtype}, not a "
+                                     f"{dt} value")
+            out[k] = v if v.dtype == dt else v.to(dt)
+        return out
+
     def join(self, w: torch.Tensor, buffers: Mapping[str, torch.Tensor]) -> ArrayRecord:
         """The record of ``w`` and ``buffers``: this layout's keys, order and dtypes."""
         params = self.layout.unflatten(w.detach())

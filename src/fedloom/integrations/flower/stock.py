@@ -75,7 +75,12 @@ from torch import nn
 from fedloom.compress import make_compressor
 from fedloom.compress.feedback import UplinkContext, make_feedback
 from fedloom.integrations.flower.records import StateLayout, pack_buffers
-from fedloom.integrations.flower.strategies import BUFFERS_KEY, PAYLOAD_KEY
+from fedloom.integrations.flower.strategies import (
+    BUFFERS_KEY,
+    NODE_KEY,
+    PARTITION_FIELD,
+    PAYLOAD_KEY,
+)
 from fedloom.rng import Purpose, torch_gen
 
 try:
@@ -84,7 +89,8 @@ except ImportError as e:  # pragma: no cover (the extra is missing)
     raise ImportError("fedloom.integrations.flower needs Flower: pip install 'fedloom[flower]'"
                       ) from e
 
-__all__ = ["PENALTY_FEEDBACK", "STOCK_FEEDBACK", "CompressionMod", "LocalPenalty"]
+__all__ = ["PENALTY_FEEDBACK", "STOCK_FEEDBACK", "CompressionMod", "LocalPenalty",
+           "partition_id_mod"]
 
 STOCK_FEEDBACK = ("none", "ef", "saef", "sapef")
 PENALTY_FEEDBACK = ("flare", "ec_prox")   # need app_applies_penalty=True
@@ -206,6 +212,9 @@ class CompressionMod:
                                   "residual-norm": float(up.residual_norm)}
         if bufs_k:  # raw bytes, in the layout's order and dtypes (see the module doc)
             fields[BUFFERS_KEY] = pack_buffers(sl, bufs_k)
+        pid = _partition_id(context)
+        if pid is not None:  # the strategy names the client by it in its log
+            fields[PARTITION_FIELD] = pid
         content = RecordDict({PAYLOAD_KEY: ConfigRecord(fields)})
         for name, rec in reply.content.metric_records.items():
             content[name] = rec
@@ -226,6 +235,25 @@ class CompressionMod:
         if state:
             context.state[STATE_KEY] = ArrayRecord(OrderedDict(
                 (f, v.detach().to(self.state_dtype).clone()) for f, v in state.items()))
+
+
+def _partition_id(context: Context) -> int | None:
+    v = context.node_config.get("partition-id", context.node_config.get("client-id"))
+    return int(v) if isinstance(v, int | float | str) and str(v).lstrip("-").isdigit() else None
+
+
+def partition_id_mod(msg: Message, context: Context, call_next: Any) -> Message:
+    """A Flower mod that adds the SuperNode's ``partition-id`` (``node_config``) to
+    each train reply, in a ConfigRecord ``"fedloom.node"``, so that fedloom's
+    strategies name a rejected or failed client by it rather than by Flower's
+    64-bit node id. Flower's own strategies ignore the record.
+    (:class:`CompressionMod` replies carry it already.)"""
+    reply = call_next(msg, context)
+    pid = _partition_id(context)
+    if (pid is not None and not reply.has_error()
+            and msg.metadata.message_type.startswith(MessageType.TRAIN)):
+        reply.content[NODE_KEY] = ConfigRecord({PARTITION_FIELD: pid})
+    return reply
 
 
 def _client(context: Context) -> int:

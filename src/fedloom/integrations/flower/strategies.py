@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -93,7 +94,9 @@ from fedloom.compress.base import PayloadError
 from fedloom.engine.screen import (
     all_finite,
     clip_rows,
+    count_reason,
     first_line,
+    loss_reason,
     non_finite_reason,
     row_norms,
     screen_updates,
@@ -104,6 +107,7 @@ from fedloom.rng import Purpose, derive_seed, seeded_global_rng
 
 try:
     from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.common.logger import FLOWER_LOGGER
     from flwr.serverapp import Grid
     from flwr.serverapp.strategy import FedAvg
 except ImportError as e:  # pragma: no cover (the extra is missing)
@@ -111,15 +115,72 @@ except ImportError as e:  # pragma: no cover (the extra is missing)
                       ) from e
 
 __all__ = ["AFL", "CRAFT", "ConFIG", "CoordMean", "FedFV", "FedLF", "FedNova", "FedloomRule",
-           "Krum", "Median", "MultiKrum", "QFedAvg", "TrimmedMean"]
+           "IncompatibleReplies", "Krum", "Median", "MultiKrum", "QFedAvg", "ReplyFormatError",
+           "TrimmedMean"]
 
 log = logging.getLogger("fedloom")
 
 PAYLOAD_KEY = "fedloom"      # the ConfigRecord of a CompressionMod reply
 BUFFERS_KEY = "buffers"      # its field of the trained buffers' bytes (absent: none)
+NODE_KEY = "fedloom.node"    # the ConfigRecord partition_id_mod adds to a plain reply
+PARTITION_FIELD = "partition-id"  # its field (and the CompressionMod record's)
 # What a rule's CohortInfo field is read from in a reply's MetricRecord.
 METRIC_OF = {"steps": "num-steps", "start_losses": "start-loss"}
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# What the app changes when every reply lacks a metric a rule needs.
+_METRIC_FIX = {
+    "start-loss": "send 'start-loss' in the reply's MetricRecord: the loss of the received "
+                  "model on the client's training data, computed before training "
+                  "(docs/deploy.md, 'Metrics a rule needs')",
+    "num-steps": "send 'num-steps' in the reply's MetricRecord: the local optimizer steps "
+                 "the client took this round",
+}
+
+
+class ReplyFormatError(ValueError):
+    """A reply the strategy cannot read for a reason of the app's making (a metric it
+    does not send, a payload of another codec, the arrays of another model): the
+    same for every client until the app or the strategy's settings change. ``fix``
+    says what to change."""
+
+    def __init__(self, message: str, fix: str) -> None:
+        super().__init__(message)
+        self.fix = fix
+
+
+class IncompatibleReplies(RuntimeError):
+    """Every reply of a round was rejected for the same reason of the app's making
+    (:class:`ReplyFormatError`): the run cannot train, so it stops, naming the
+    reason and the fix, instead of returning the untrained model."""
+
+
+class _FlowerLogBridge(logging.Handler):
+    """Hands fedloom's log records to the handlers of Flower's logger (its console,
+    its log file, the uploader behind ``flwr log``), so they appear where Flower's
+    own lines do, with Flower's level and fedloom's name and time in the text.
+    Flower's handlers are looked up at each record: a deployment adds its uploader
+    after the strategy is built. Only Flower's own handlers are called (not the
+    root's), so a process that also logs ``fedloom`` to the root sees each line
+    once there."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            rec = logging.makeLogRecord(record.__dict__)
+            stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
+            rec.msg = f"[fedloom {stamp}.{int(record.msecs):03d}] {record.getMessage()}"
+            rec.args = None
+            for h in FLOWER_LOGGER.handlers:
+                if rec.levelno >= h.level:
+                    h.handle(rec)
+        except Exception:  # logging never breaks a round
+            self.handleError(record)
+
+
+def bridge_logs_to_flower() -> None:
+    """Route the ``fedloom`` logger's records to Flower's log as well (idempotent;
+    done by every strategy here when it is built)."""
+    if not any(isinstance(h, _FlowerLogBridge) for h in log.handlers):
+        log.addHandler(_FlowerLogBridge())
 
 
 class FedloomRule(FedAvg):
@@ -216,6 +277,9 @@ class FedloomRule(FedAvg):
         self.node_index: dict[int, int] = {}
         self.history: list[dict[str, Any]] = []
         self.totals = {"accepted": 0, "rejected": 0, "failed": 0, "skipped_rounds": 0}
+        self.partitions: dict[int, int] = {}   # node id → partition-id, where replies say
+        self._fixes: dict[int, str] = {}       # this round: node → fix of its ReplyFormatError
+        bridge_logs_to_flower()
         self._sent: tuple[ArrayRecord, torch.Tensor, OrderedDict[str, torch.Tensor]] | None = None
         self._round_lr: float | None = None
 
@@ -234,7 +298,7 @@ class FedloomRule(FedAvg):
 
     def summary(self) -> None:
         super().summary()
-        log.info("fedloom rule: %s, server %s at lr %g%s", self.aggregator_name,
+        FLOWER_LOGGER.info("fedloom rule: %s, server %s at lr %g%s", self.aggregator_name,
                  self.server.kind, self.server.lr,
                  f", decoding {self.compression}" if self.compression else "")
 
@@ -261,23 +325,35 @@ class FedloomRule(FedAvg):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Screen, aggregate and step (module doc). Raises :class:`IncompatibleReplies`
+        when every reply that came back was rejected for one reason of the app's making."""
         if self._sent is None:
             raise RuntimeError("aggregate_train: configure_train has not run this round")
         sent_rec, w, bufs = self._sent
         self._sent = None
         replies = sorted(replies, key=lambda m: m.metadata.src_node_id)
         failed = [m for m in replies if m.has_error()]
+        # Flower's FedAvg says this line; a strategy in its place says it too.
+        FLOWER_LOGGER.info("aggregate_train: Received %s results and %s failures",
+                           len(replies) - len(failed), len(failed))
         for m in failed:
-            log.warning("flower: round %d: node %d failed: %s", server_round,
-                        m.metadata.src_node_id, m.error.reason)
-        rows, kept, reasons = self._read(server_round, [m for m in replies if not m.has_error()],
-                                         w)
-        ok, clipped = self._screen(rows, kept, reasons)
+            log.warning("flower: round %d: %s failed: %s", server_round,
+                        self._who(m.metadata.src_node_id), m.error.reason)
+        read = [m for m in replies if not m.has_error()]
+        self._fixes = {}
+        rows, kept, reasons = self._read(server_round, read, w)
+        ok, clipped = self._screen(server_round, rows, kept, reasons)
         accepted = [kept[i] for i in range(len(kept)) if ok[i]]
+        up_bytes, dense_bytes = self._bytes(read)
         record: dict[str, Any] = {"round": server_round, "failed": len(failed),
                                   "accepted": len(accepted),
                                   "rejected": dict(sorted(reasons.items())),
-                                  "clipped": clipped}
+                                  "clipped": clipped, "uplink_bytes": up_bytes,
+                                  "dense_bytes": dense_bytes}
+        if read:
+            FLOWER_LOGGER.info("fedloom: round %d: %d replies carried %d bytes of model "
+                               "updates (%.2f %% of %d bytes dense)", server_round, len(read),
+                               up_bytes, 100.0 * up_bytes / max(dense_bytes, 1), dense_bytes)
         new_w, new_bufs, skipped, agg_metrics = w, bufs, None, {}
         if accepted:
             sel = torch.tensor(ok, dtype=torch.bool)
@@ -292,9 +368,6 @@ class FedloomRule(FedAvg):
                         [r["buffers"] for r in accepted], [r["n"] for r in accepted]))
         else:
             skipped = "no update accepted"
-        if skipped is not None:
-            log.warning("flower: round %d: step skipped, model and state unchanged: %s",
-                        server_round, skipped)
         record["skipped"] = skipped
         record.update(agg_metrics)
         self.history.append(record)
@@ -302,13 +375,48 @@ class FedloomRule(FedAvg):
         self.totals["rejected"] += len(reasons)
         self.totals["failed"] += len(failed)
         self.totals["skipped_rounds"] += skipped is not None
-        metrics = self._metrics(accepted, len(reasons), len(failed), skipped, agg_metrics)
+        fixes = set(self._fixes.values())
+        if read and not accepted and len(self._fixes) == len(read) and len(fixes) == 1:
+            # Not a bad client but an app that cannot work with this strategy: every
+            # round would end the same way, with the untrained model. Stop and say why.
+            node = next(iter(self._fixes))
+            raise IncompatibleReplies(
+                f"flower: round {server_round}: all {len(read)} replies were rejected: "
+                f"{reasons[node]}; fix: {fixes.pop()}")
+        if skipped is not None:
+            log.warning("flower: round %d: step skipped, model and state unchanged: %s",
+                        server_round, skipped)
+        metrics = self._metrics(accepted, len(reasons), len(failed), skipped, agg_metrics,
+                                up_bytes, dense_bytes)
         if skipped is not None:
             return sent_rec, metrics
         assert self.state_layout is not None
         return self.state_layout.join(new_w, new_bufs), metrics
 
     # ---------------------------------------------------------------- helpers
+    def _who(self, node: int) -> str:
+        """A node as the app's user knows it: its partition-id when its replies say it
+        (CompressionMod, partition_id_mod), with Flower's node id."""
+        pid = self.partitions.get(node)
+        return f"node {node}" if pid is None else f"partition-id {pid} (node {node})"
+
+    def _bytes(self, replies: list[Message]) -> tuple[int, int]:
+        """(what the replies carried for the parameters, what that is dense): a
+        compressed reply's payload, a plain reply's parameters in the record's dtypes."""
+        sl = self.state_layout
+        assert sl is not None
+        dense = sum(t.numel * torch.empty(0, dtype=sl.dtypes[t.name]).element_size()
+                    for t in sl.layout.tensors)
+        up = 0
+        for m in replies:
+            fields = m.content.config_records.get(PAYLOAD_KEY)
+            payload = fields.get("payload") if fields is not None else None
+            if isinstance(payload, bytes):
+                up += len(payload)
+            elif self.arrayrecord_key in m.content.array_records:
+                up += dense
+        return up, dense * len(replies)
+
     def _read(self, server_round: int, replies: list[Message], w: torch.Tensor
               ) -> tuple[torch.Tensor, list[dict[str, Any]], dict[int, str]]:
         """Decode each reply into its row ``g_k``; the unreadable ones get a reason
@@ -319,55 +427,94 @@ class FedloomRule(FedAvg):
         kept: list[dict[str, Any]] = []
         reasons: dict[int, str] = {}
         for m in replies:
+            node = m.metadata.src_node_id
+            pid = _partition_of(m.content)
+            if pid is not None:
+                self.partitions[node] = pid
             try:
                 kept.append(self._decode(m, w))
                 rows.append(kept[-1].pop("row"))
             except (KeyError, ValueError, TypeError, PayloadError) as e:
-                why = reasons[m.metadata.src_node_id] = (
-                    f"reply could not be decoded ({first_line(e)})")
-                log.warning("flower: round %d: rejected the reply of node %d: %s",
-                            server_round, m.metadata.src_node_id, why)
+                if isinstance(e, ReplyFormatError):
+                    self._fixes[node] = e.fix
+                why = reasons[node] = f"reply could not be decoded ({first_line(e)})"
+                log.warning("flower: round %d: rejected the reply of %s: %s",
+                            server_round, self._who(node), why)
         d = sl.layout.size
         stacked = torch.stack(rows) if rows else torch.empty((0, d), dtype=self.dtype)
         return stacked, kept, reasons
 
     def _decode(self, m: Message, w: torch.Tensor) -> dict[str, Any]:
+        """The reply's row and numbers; a ``ValueError`` for a bad value of this client
+        (a count or loss that is not finite or absurd: rejected, the round goes on), a
+        :class:`ReplyFormatError` for what the app or the settings must fix."""
         sl = self.state_layout
         assert sl is not None
         content = m.content
         metrics = _only_metric_record(content)
-        n = _number(metrics, self.weighted_by_key)
-        if not (math.isfinite(n) and n > 0):
-            raise ValueError(f"{self.weighted_by_key}: must be a finite number > 0, got {n}")
+        key = self.weighted_by_key
+        if key not in metrics:
+            raise ReplyFormatError(f"{key}: not in the reply's metrics",
+                                   f"send '{key}' (the client's training examples) in the "
+                                   "reply's MetricRecord")
+        why = count_reason(key, metrics[key], low=0.0, strict=True)
+        if why is not None:
+            raise ValueError(why)
+        n = float(metrics[key])  # type: ignore[arg-type]
         if self.max_num_examples is not None and n > self.max_num_examples:
-            raise ValueError(f"{self.weighted_by_key}: {n:g} above max_num_examples="
-                             f"{self.max_num_examples:g}")
+            raise ValueError(f"{key}: {n:g} above max_num_examples={self.max_num_examples:g}")
         if PAYLOAD_KEY in content.config_records:
             if self.compressor is None:
-                raise ValueError("a compressed reply, and the strategy has no compression=")
+                raise ReplyFormatError(
+                    "a compressed reply, and the strategy has no compression=",
+                    "give the strategy the mod's compressor: compression=, "
+                    "compression_options= as CompressionMod's")
             fields = content.config_records[PAYLOAD_KEY]
             payload = fields["payload"]
             if not isinstance(payload, bytes):
                 raise ValueError("payload: not bytes")
-            row = self.compressor.decode(payload, sl.layout.size).to(self.dtype)
+            try:
+                row = self.compressor.decode(payload, sl.layout.size).to(self.dtype)
+            except PayloadError as e:
+                raise ReplyFormatError(
+                    f"payload: {first_line(e)}", "the strategy's compression= and "
+                    "compression_options= must be CompressionMod's") from None
             bufs = _buffers_of(sl, fields)
         else:
             if self.arrayrecord_key not in content.array_records:
-                raise ValueError(f"no ArrayRecord {self.arrayrecord_key!r} in the reply")
-            w_k, bufs = sl.split(content.array_records[self.arrayrecord_key], self.dtype)
+                raise ReplyFormatError(
+                    f"no ArrayRecord {self.arrayrecord_key!r} in the reply",
+                    f"reply with ArrayRecord(model.state_dict()) under "
+                    f"{self.arrayrecord_key!r} (or wrap the ClientApp in CompressionMod and "
+                    "give the strategy compression=)")
+            try:
+                w_k, bufs = sl.split(content.array_records[self.arrayrecord_key], self.dtype)
+            except ValueError as e:
+                raise ReplyFormatError(
+                    str(e), "reply with the state dict of the model the strategy sends "
+                    "(its keys, shapes and floating-point parameters)") from None
+            bufs = sl.cast_buffers(bufs)  # a value no buffer of the model holds: ValueError
             row = w - w_k
+        loss = metrics.get("train-loss", float("nan"))
         out: dict[str, Any] = {"row": row, "n": n, "buffers": bufs, "node": m.metadata.src_node_id,
                                "content": content,
-                               "loss": _number(metrics, "train-loss", float("nan"))}
-        for field, key in METRIC_OF.items():
+                               # round metrics only: a bad one is not the update's fault
+                               "loss": float(loss) if loss_reason("", loss) is None
+                               else float("nan")}
+        for field, mkey in METRIC_OF.items():
             if field in self.requires:
-                if key not in metrics:
-                    raise ValueError(f"{key}: aggregator {self.aggregator_name!r} needs this "
-                                     "metric in the reply")
-                out[field] = _number(metrics, key)
+                if mkey not in metrics:
+                    raise ReplyFormatError(f"{mkey}: aggregator {self.aggregator_name!r} needs "
+                                           "this metric in the reply", _METRIC_FIX[mkey])
+                v = metrics[mkey]
+                why = (count_reason(mkey, v, low=1.0, whole=True) if field == "steps"
+                       else loss_reason(mkey, v))
+                if why is not None:
+                    raise ValueError(why)
+                out[field] = int(v) if field == "steps" else float(v)  # type: ignore[arg-type]
         return out
 
-    def _screen(self, rows: torch.Tensor, kept: list[dict[str, Any]],
+    def _screen(self, server_round: int, rows: torch.Tensor, kept: list[dict[str, Any]],
                 reasons: dict[int, str]) -> tuple[list[bool], int]:
         """The engine's screening (fedloom.engine.receive): non-finite rows or buffers,
         then the norm rules, then clipping."""
@@ -390,7 +537,8 @@ class FedloomRule(FedAvg):
         clipped = clip_rows(rows, norms, finite, self.clip_norm) if (
             self.clip_norm is not None and bool(finite.any())) else 0
         for i, reason in sorted(why.items()):
-            log.warning("flower: rejected the update of node %d: %s", kept[i]["node"], reason)
+            log.warning("flower: round %d: rejected the update of %s: %s", server_round,
+                        self._who(kept[i]["node"]), reason)
             reasons[kept[i]["node"]] = reason
         return finite.tolist(), clipped
 
@@ -438,7 +586,8 @@ class FedloomRule(FedAvg):
                           start_losses=col("start_losses"))
 
     def _metrics(self, accepted: list[dict[str, Any]], rejected: int, failed: int,
-                 skipped: str | None, agg_metrics: Mapping[str, float]) -> MetricRecord:
+                 skipped: str | None, agg_metrics: Mapping[str, float], up_bytes: int,
+                 dense_bytes: int) -> MetricRecord:
         out: dict[str, float] = {}
         if accepted:
             try:
@@ -447,7 +596,9 @@ class FedloomRule(FedAvg):
             except (KeyError, ValueError, TypeError) as e:  # a user function's business
                 log.warning("flower: train_metrics_aggr_fn failed: %s", first_line(e))
         out.update({"fedloom-accepted": len(accepted), "fedloom-rejected": rejected,
-                    "fedloom-failed": failed, "fedloom-step-skipped": int(skipped is not None)})
+                    "fedloom-failed": failed, "fedloom-step-skipped": int(skipped is not None),
+                    # what the round's replies carried for the model, and the same dense
+                    "fedloom-uplink-bytes": up_bytes, "fedloom-dense-bytes": dense_bytes})
         out.update({k: v for k, v in agg_metrics.items() if math.isfinite(v)})
         return MetricRecord(out)
 
@@ -455,19 +606,20 @@ class FedloomRule(FedAvg):
 def _only_metric_record(content: RecordDict) -> MetricRecord:
     recs = list(content.metric_records.values())
     if len(recs) != 1:
-        raise ValueError(f"metrics: the reply holds {len(recs)} MetricRecords, expected one")
+        raise ReplyFormatError(f"metrics: the reply holds {len(recs)} MetricRecords, "
+                               "expected one", "reply with exactly one MetricRecord")
     return recs[0]
 
 
-def _number(metrics: MetricRecord, key: str, default: float | None = None) -> float:
-    if key not in metrics:
-        if default is None:
-            raise KeyError(f"{key}: not in the reply's metrics")
-        return default
-    v = metrics[key]
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise ValueError(f"{key}: a {type(v).__name__}, not a number")
-    return float(v)
+def _partition_of(content: RecordDict) -> int | None:
+    """The partition-id a reply says it comes from (CompressionMod's record, or
+    partition_id_mod's), else ``None``."""
+    for key in (PAYLOAD_KEY, NODE_KEY):
+        rec = content.config_records.get(key)
+        v = rec.get(PARTITION_FIELD) if rec is not None else None
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
 
 
 def _buffers_of(sl: StateLayout, fields: ConfigRecord) -> OrderedDict[str, torch.Tensor]:
