@@ -283,3 +283,50 @@ def test_a_method_can_be_chosen_on_its_own_metric(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"methods\.X\.metric"):
         load_suite(_suite(tmp_path, methods={"X": {"metric": ""}}, share_tuning={},
                           claims=[], report={}))
+
+
+def test_a_stale_trial_is_refused_not_scored_and_a_stopped_trial_resumes(tmp_path, monkeypatch):
+    """A sweep stopped mid-tuning and continued with a method's overrides changed: its
+    trials in ``out:`` hold the old config, finished or stopped, and the sweep stops
+    there (nothing run, no trial of the old config scored or chosen). Continued as it
+    was, the stopped trial resumes and scores."""
+    import shutil
+
+    from fedloom.sweep import StaleRunsError
+
+    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")
+    cmds: list[list[str]] = []
+
+    def run(cmd, **kw):
+        cmds.append(list(cmd))
+        return cli_in_process(cmd, **kw)
+
+    monkeypatch.setattr("fedloom.sweep.subprocess.run", run)
+    tuning = {"budget": 2, "seeds": [7], "metric": "test_acc", "rounds": 1,
+              "space": {"client.lr": [0.05, 0.2]}}
+    path = _suite(tmp_path, tuning=tuning, methods={"FedAvg": []}, share_tuning={}, claims=[],
+                  report={})
+    run_suite(path, workers=1, log=lambda s: None)
+    runs = tmp_path / "runs" / "digits"
+    done, stopped = sorted(runs.glob("FedAvg@tune=*/seed7"))
+    # stopped mid-tuning: the second trial has not finished, no main run has started
+    (stopped / "summary.json").unlink()
+    shutil.rmtree(runs / "FedAvg")
+    changed = yaml.safe_load(path.read_text())
+    changed["methods"]["FedAvg"] = ["client.batch_size=8"]
+    path.write_text(yaml.safe_dump(changed, sort_keys=False))
+    cmds.clear()
+    with pytest.raises(StaleRunsError, match=r"^1 finished and 1 stopped runs hold another "
+                                             r"config .*client\.batch_size: 16 → 8"):
+        run_suite(path, workers=1, log=lambda s: None)
+    assert not cmds and not (runs / "FedAvg").exists()
+    shutil.rmtree(done)  # the stopped trial alone: it could not resume either
+    with pytest.raises(StaleRunsError, match=r"^1 stopped runs hold another config"):
+        run_suite(path, workers=1, log=lambda s: None)
+    assert not cmds and not (stopped / "summary.json").exists()
+    changed["methods"]["FedAvg"] = []
+    path.write_text(yaml.safe_dump(changed, sort_keys=False))
+    suite = run_suite(path, workers=1, log=lambda s: None)
+    assert [c for c in cmds if str(stopped) in c and "--resume" in c]
+    assert (stopped / "summary.json").exists() and (done / "summary.json").exists()
+    assert all(math.isfinite(t.score) for t in suite.trials[("digits", "FedAvg")])

@@ -47,8 +47,14 @@ def _fmt_device(s: dict[str, Any]) -> str:
 
 
 def _default_out(config: str, name: str | None) -> Path:
-    stem = name or Path(config).stem
-    return Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """``runs/NAME-TIMESTAMP`` (NAME: the config's ``name``, else the file's stem), a
+    folder directly under ``runs/``: a name that is not one folder name (``../x``, an
+    absolute path, ``a/b`` from an override) is refused, one line naming ``name``."""
+    from fedloom.names import path_component
+
+    field = "name (the run folder's name without --out)"
+    stem = path_component(name or Path(config).stem, field)
+    return Path("runs") / path_component(f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}", field)
 
 
 def _first_existing(path: Path) -> Path:
@@ -239,8 +245,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                           log=lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", flush=True),
                           report_only=args.report_only, csv=args.csv)
     except SweepError as e:  # runs failed: the report of the others, then one line
-        if e.suite is None:
-            raise
+        if e.suite is None:  # nothing to report (e.g. --report-only over stale runs)
+            print(f"fedloom: error: {e}", file=sys.stderr)
+            return 1
         suite, failed = e.suite, e
     if suite.report_text and suite.doc is not None:
         print(f"report: {suite.doc}")

@@ -48,7 +48,18 @@ Paths. A setting's ``config:`` is looked up relative to the suite file's folder
 first, then relative to the current directory (where the suites under
 ``configs/`` name ``configs/…/x.yaml`` and are run from the repository root);
 an absolute path is taken as it is. ``out:`` and ``doc:`` are relative to the
-current directory.
+current directory. Nothing is written outside ``out:`` (and ``doc:``'s folder):
+every name that becomes part of a path — the suite's ``name``, each setting's and
+method's, a tuned value, a ``report.across`` panel's — passes
+:func:`fedloom.names.path_component` (one folder name, never ``..``, ``/`` or an
+absolute path) when the suite is loaded; method names and tuned values are first
+encoded (characters other than letters, digits and ``-_.`` or ``-_.=,`` become
+``_``). A name that cannot be one is one line naming the field (exit 2).
+
+One sweep per ``out:``. A sweep holds an exclusive lock on ``OUT/.fedloom-sweep.lock``
+for its life (the kernel drops it when the process ends, however it ends); a
+second sweep on the same folder is refused in one line naming the first's pid
+(exit 2) before it writes anything. ``--report-only`` takes no lock.
 
 Checks first. Before any run starts, every method × setting config (the
 setting's overrides, then the method's; ``$TUNE`` replaced by each value of its
@@ -63,8 +74,12 @@ Each run is ``fedloom run CONFIG OVERRIDES seed=S --out DIR`` with one thread
 (``OMP_NUM_THREADS=1``), ``workers`` at a time, in long-lived worker processes
 (:class:`_Launcher`; ``RUNNER = "subprocess"``: a fresh process per run). A run whose
 ``summary.json`` exists is not run again, so a stopped sweep continues where
-it stopped. ``$TUNE`` is replaced by the value the tuning runs chose: the grid
-value with the best ``tune_metric`` on ``tune_seed``. A run that fails does not
+it stopped (a run stopped mid-way resumes). A run in ``out:``, finished or stopped,
+whose saved config differs from the one the suite now asks of it (a method's
+overrides changed) stops the sweep before anything runs, main runs and tuning
+trials alike: one line naming it and the key (exit 1), no page made. ``$TUNE`` is
+replaced by the value the tuning runs chose: the grid value with the best
+``tune_metric`` on ``tune_seed``. A run that fails does not
 stop the others; the report is made from those that finished, then
 :class:`SweepError` says how many failed and the first one's error
 (``fedloom sweep``: one line, exit 1).
@@ -128,6 +143,7 @@ from typing import Any
 import yaml
 
 from fedloom.config import ConfigError, yaml_load
+from fedloom.names import encode_component, path_component
 from fedloom.tuning import (
     Protocol,
     Range,
@@ -154,6 +170,17 @@ class SweepError(RuntimeError):
     other runs went on; ``suite`` is the suite, its report made from what finished."""
 
     suite: Suite | None = None
+
+
+class StaleRunsError(SweepError):
+    """Runs already in ``out:`` (finished, or stopped mid-way) hold another config than
+    the suite asks of them: nothing is run and no page is made from them (one line
+    naming the first and the key that differs)."""
+
+
+class SweepInUse(ValueError):
+    """Another sweep holds the suite's ``out:`` folder (one line naming its pid); this
+    one wrote nothing."""
 
 
 @dataclass
@@ -221,7 +248,7 @@ def load_suite(path: str | Path) -> Suite:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: suite file not found")
-    raw = yaml_load(p.read_text(), str(p)) or {}
+    raw = _read_suite(p) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: a suite file holds a mapping of settings")
     known = {"name", "out", "doc", "seeds", "settings", "methods", "tune", "share_tuning",
@@ -234,6 +261,7 @@ def load_suite(path: str | Path) -> Suite:
     for key in ("name", "seeds", "settings", "methods"):
         if key not in raw:
             raise ConfigError(f"{p}: {key}: missing")
+    _check_names(p, raw)
     for m in raw.get("tune", {}):
         if m not in raw["methods"]:
             raise ConfigError(f"{p}: tune.{m}: not a method of this suite")
@@ -303,7 +331,7 @@ def load_suite(path: str | Path) -> Suite:
                           "tuned keys are its space")
     claims = _load_claims(p, raw.get("claims"), methods, settings)
     return Suite(
-        name=raw["name"], out=Path(raw.get("out", f"runs/{raw['name']}")),
+        name=_suite_name(raw), out=Path(raw.get("out", f"runs/{_suite_name(raw)}")),
         doc=Path(raw["doc"]) if raw.get("doc") else None, seeds=[int(s) for s in raw["seeds"]],
         settings=settings, methods=methods, method_settings=only,
         tune=raw.get("tune", {}) or {}, share_tuning=raw.get("share_tuning", {}) or {},
@@ -312,6 +340,66 @@ def load_suite(path: str | Path) -> Suite:
         report=raw.get("report", {}) or {}, path=p, tuning=protocol, method_space=spaces,
         untuned=untuned, claims=claims, method_metric=method_metric,
     )
+
+
+def _read_suite(p: Path) -> Any:
+    """The suite file's YAML; :class:`ConfigError` (one line naming the file and the
+    line) for text that is not UTF-8 or not YAML, a Python tag included (the loader
+    constructs no objects)."""
+    try:
+        text = p.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not a UTF-8 text file (byte 0x{e.object[e.start]:02x} at "
+                          f"offset {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read the suite ({e.strerror or e})") from None
+    try:
+        return yaml_load(text, str(p))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{p}: not valid YAML{where} ({problem})") from None
+
+
+def _suite_name(raw: dict[str, Any]) -> str:
+    # a number is a name too (name: 2024)
+    name = raw["name"]
+    return str(name) if isinstance(name, int) and not isinstance(name, bool) else name
+
+
+def _check_names(p: Path, raw: dict[str, Any]) -> None:
+    """Every name of the suite that becomes part of a path is one file or folder name
+    (fedloom.names): the suite's (``OUT/NAME.sweep.json``, the page's plots), each
+    setting's (``OUT/SETTING``), each method's folder (``OUT/SETTING/METHOD``, its name
+    encoded; two methods never share one) and each ``report.across`` panel's (its
+    plot). :class:`ConfigError` naming the field otherwise, before anything is
+    written."""
+    path_component(_suite_name(raw), f"{p}: name")
+    if "out" in raw and not (isinstance(raw["out"], str) and raw["out"]):
+        raise ConfigError(f"{p}: out: needs a folder path")
+    if not isinstance(raw["settings"], dict) or not isinstance(raw["methods"], dict):
+        what = "settings" if not isinstance(raw["settings"], dict) else "methods"
+        raise ConfigError(f"{p}: {what}: needs a mapping of names")
+    for setting in raw["settings"]:
+        path_component(setting, f"{p}: settings")
+    folders: dict[str, str] = {}
+    for method in raw["methods"]:
+        if not isinstance(method, str):
+            path_component(method, f"{p}: methods")
+        folder = path_component(_slug(method), f"{p}: methods: the folder of {method!r}")
+        if folder in folders:
+            raise ConfigError(f"{p}: methods.{method}: its folder name {folder!r} is also "
+                              f"that of methods.{folders[folder]} (rename one)")
+        folders[folder] = method
+    report = raw.get("report")
+    across = report.get("across") if isinstance(report, dict) else None
+    panels = across.get("panels") if isinstance(across, dict) else None
+    for i, panel in enumerate(panels if isinstance(panels, list) else []):
+        if isinstance(panel, dict):
+            # the plot's file: NAME-PANEL.png, PANEL its name, else its metric
+            path_component(panel.get("name", panel.get("metric", "client_acc_mean")),
+                           f"{p}: report.across.panels[{i}].name")
 
 
 CLAIM_KEYS = {"claim", "method", "against", "metric", "better", "margin", "settings"}
@@ -376,6 +464,9 @@ def validate_suite(suite: Suite) -> int:
 
     if suite.tuning is not None:
         return _validate_protocol(suite)
+    for method, t in suite.tune.items():  # each tuning run's folder is one folder name
+        for v in t["grid"]:
+            _run_folder(suite, method, _tune_tag(v))
     n = 0
     for setting, st in suite.settings.items():
         for method, ov in suite.methods.items():
@@ -443,13 +534,16 @@ def _validate_protocol(suite: Suite) -> int:
                                 for k2, v2 in space.items()}
                         pts += [{**base, k: x} for x in vals]
                 n += _check_points(suite, setting, method, pts, rounds)
+                for pt in pts:  # each trial's folder is one folder name
+                    _run_folder(suite, method, f"@tune={point_slug(pt)}")
             else:
                 n += _check_points(suite, setting, method, [{}])
             sens = proto.sensitivity
             if sens and _sensitive(suite, method):
-                n += _check_points(suite, setting, method,
-                                   [{sens["key"]: v}
-                                    for v in _sens_values(suite, setting, method)])
+                sens_pts = [{sens["key"]: v} for v in _sens_values(suite, setting, method)]
+                n += _check_points(suite, setting, method, sens_pts)
+                for pt in sens_pts:
+                    _run_folder(suite, method, f"@sens={point_slug(pt)}")
     return n
 
 
@@ -496,13 +590,30 @@ def drop_missing_data(suite: Suite, log: Callable[[str], None]) -> list[str]:
 
 
 def _slug(text: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+    """A method's folder name: its name with characters other than letters, digits and
+    ``-_.`` as ``_`` (``SA-PEF (α=0.85)`` → ``SA-PEF__α_0.85_``)."""
+    return encode_component(text)
+
+
+def _tune_tag(value: Any) -> str:
+    """``@tune=V`` of an old-style ``tune:`` value, encoded as :func:`point_slug` encodes
+    a point's values (``0.5`` and ``1e-05`` stay as they are; ``/`` and a YAML tag's
+    ``!`` do not)."""
+    return "@tune=" + encode_component(str(value), keep="-_.=,")
+
+
+def _run_folder(suite: Suite, method: str, tag: str = "") -> str:
+    """The folder of a method's runs in a setting, checked as one folder name."""
+    return path_component(_slug(method) + tag,
+                          f"{suite.path}: methods: a run folder of {method!r}")
 
 
 def _spec(suite: Suite, setting: str, method: str, seed: int, overrides: list[str],
           tag: str = "") -> RunSpec:
+    """A run of the suite: ``OUT/SETTING/FOLDER/seedS``, every part of it one folder
+    name (fedloom.names), so the run is always under ``out:``."""
     s = suite.settings[setting]
-    out = suite.out / setting / (_slug(method) + tag) / f"seed{seed}"
+    out = suite.out / setting / _run_folder(suite, method, tag) / f"seed{seed}"
     return RunSpec(setting, method, seed, s["config"],
                    (*s.get("overrides", []), *overrides), out)
 
@@ -643,11 +754,17 @@ def _stale(spec: RunSpec) -> str | None:
 
 
 def _check_not_stale(specs: list[RunSpec]) -> None:
-    stale = [(s, why) for s in specs if s.done and (why := _stale(s))]
+    """:class:`StaleRunsError` when a run of ``specs`` in ``out:`` holds another config:
+    a finished one would stand in for the run asked, a stopped one could not resume."""
+    stale = [(s, why) for s in specs if s.out.exists() and (why := _stale(s))]
     if stale:
         s, why = stale[0]
-        raise SweepError(f"{len(stale)} finished runs hold another config than the suite asks "
-                         f"(first: {s.out}: {why}); remove them or give the suite its own out:")
+        done = sum(sp.done for sp, _ in stale)
+        what = " and ".join([*([f"{done} finished"] if done else []),
+                             *([f"{len(stale) - done} stopped"] if done < len(stale) else [])])
+        raise StaleRunsError(f"{what} runs hold another config than the suite asks "
+                             f"(first: {s.out}: {why}); remove them or give the suite its own "
+                             "out:")
 
 
 def _run_all(specs: list[RunSpec], workers: int, log: Callable[[str], None]) -> None:
@@ -679,13 +796,17 @@ def _run_all(specs: list[RunSpec], workers: int, log: Callable[[str], None]) -> 
 
     failed: list[str] = []
     log(f"{len(todo)} of {len(specs)} runs to do, {workers} at a time")
-    try:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        try:
             for f in [pool.submit(one, s) for s in todo]:
                 f.result()
-    finally:
-        if isinstance(launcher, _Launcher):
-            launcher.close()
+        finally:
+            # Closed while the threads that started the workers are alive: a worker gets
+            # SIGTERM when the *thread* that spawned it ends (_die_with_parent's
+            # PR_SET_PDEATHSIG), which would kill it before its clean exit and leave its
+            # semaphores to the resource tracker's "leaked semaphore" warning.
+            if isinstance(launcher, _Launcher):
+                launcher.close()
     if failed:
         raise SweepError(f"{len(failed)} of {len(todo)} runs failed; first: {failed[0]}")
 
@@ -709,7 +830,7 @@ def tuned_values(
             for value in t["grid"]:
                 ov = [o.replace(TUNE, str(value)) for o in suite.methods[method]]
                 specs[(setting, method, value)] = _spec(suite, setting, method, suite.tune_seed,
-                                                        ov, tag=f"@tune={value}")
+                                                        ov, tag=_tune_tag(value))
     _run_all(list(specs.values()), workers, log)
     chosen: dict[tuple[str, str], Any] = {}
     for setting in suite.settings:
@@ -806,9 +927,13 @@ def tune_protocol(suite: Suite, workers: int, log: Callable[[str], None]
 
 
 def _run_trials(specs: list[RunSpec], workers: int, log: Callable[[str], None]) -> None:
-    """Tuning runs: one that fails scores worst (NaN) and the tuning goes on."""
+    """Tuning runs: one that fails scores worst (NaN) and the tuning goes on. Trials
+    in ``out:`` that hold another config stop the sweep (:class:`StaleRunsError`), as
+    main runs do: a stale trial must not be scored, nor chosen."""
     try:
         _run_all(specs, workers, log)
+    except StaleRunsError:
+        raise
     except SweepError as e:
         log(f"tuning: {e} (those trials score worst)")
 
@@ -903,30 +1028,88 @@ def _state_file(suite: Suite) -> Path:
     return named if named.exists() or not legacy.exists() else legacy
 
 
+SWEEP_LOCK = ".fedloom-sweep.lock"
+
+
+def _lock_out(out: Path) -> int:
+    """Create ``out`` if needed and take an exclusive ``flock`` on ``OUT/.fedloom-sweep.lock``
+    (as :func:`fedloom.engine.checkpoint.lock_run_dir` locks a run directory); return
+    its descriptor, to close when the sweep ends. The kernel drops the lock when the
+    process ends in any way (``SIGKILL`` included), so a killed sweep leaves no stale
+    lock. Another sweep holding it: :class:`SweepInUse` naming its pid, and nothing in
+    ``out`` is touched but the lock file."""
+    import fcntl
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / SWEEP_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise SweepInUse(f"out: {out}: cannot use it as a sweep's folder "
+                         f"({e.strerror or type(e).__name__})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        finally:
+            os.close(fd)
+        raise SweepInUse(f"out: {out}: in use by another fedloom sweep (pid {holder}); wait "
+                         "for it to end or give this suite its own out:") from None
+    except OSError as e:  # e.g. a file system without locks
+        os.close(fd)
+        raise SweepInUse(f"out: {out}: cannot lock it ({e.strerror or type(e).__name__})"
+                         ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = print,
               report_only: bool = False, csv: str | Path | None = None) -> Suite:
     """Run (or continue) a suite, then make its report (``report_only``: from the runs
     that have finished, running nothing); ``suite.report_text`` holds it, and
-    ``doc:`` gets it when the suite names one. ``csv``: the results tables as CSV."""
+    ``doc:`` gets it when the suite names one. ``csv``: the results tables as CSV.
+
+    A sweep that runs holds ``out:`` for its whole life (:func:`_lock_out`): a second
+    sweep on the same folder is refused (:class:`SweepInUse`) before it writes anything,
+    so runs of two suites never mix. ``report_only`` reads and takes no lock (a page of
+    the runs finished so far, while the sweep goes on). Runs in ``out:`` that hold
+    another config than the suite asks stop the sweep before anything runs
+    (:class:`StaleRunsError`), and no page is made from them."""
+    suite = load_suite(path)
+    if report_only:
+        return _report_only(suite, workers, log, csv)
+    validate_suite(suite)  # every config, before the first run starts
+    drop_missing_data(suite, log)
+    fd = _lock_out(suite.out)
+    try:
+        return _run_locked(suite, workers, log, csv)
+    finally:
+        os.close(fd)  # the lock ends with it
+
+
+def _report_only(suite: Suite, workers: int, log: Callable[[str], None],
+                 csv: str | Path | None) -> Suite:
     from fedloom.report.sweep import write_report
 
-    suite = load_suite(path)
-    if not report_only:
-        validate_suite(suite)  # every config, before the first run starts
-        drop_missing_data(suite, log)
+    state = _state_file(suite)
+    prior = json.loads(state.read_text()) if state.exists() else {}
+    try:
+        chosen = _tune(suite, 0, log)
+    except (FileNotFoundError, ValueError):
+        chosen = {}
+    specs = main_specs(suite, chosen) if chosen or not (suite.tune or suite.tuning) else []
+    suite.sensitivity_specs = sensitivity_specs(suite, chosen) if specs else {}
+    suite.report_text = write_report(suite, chosen, specs, float(prior.get("elapsed_s", 0.0)),
+                                     workers, csv)
+    return suite
+
+
+def _run_locked(suite: Suite, workers: int, log: Callable[[str], None],
+                csv: str | Path | None) -> Suite:
+    from fedloom.report.sweep import write_report
+
     t0 = time.perf_counter()
-    if report_only:
-        state = _state_file(suite)
-        prior = json.loads(state.read_text()) if state.exists() else {}
-        try:
-            chosen = _tune(suite, 0, log)
-        except (FileNotFoundError, ValueError):
-            chosen = {}
-        specs = main_specs(suite, chosen) if chosen or not (suite.tune or suite.tuning) else []
-        suite.sensitivity_specs = sensitivity_specs(suite, chosen) if specs else {}
-        suite.report_text = write_report(suite, chosen, specs,
-                                         float(prior.get("elapsed_s", 0.0)), workers, csv)
-        return suite
     try:
         chosen = _tune(suite, workers, log)
     except SweepError as e:  # no tuned value, no main runs: nothing to report
@@ -939,6 +1122,9 @@ def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = p
     failure: SweepError | None = None
     try:
         _run_all([*specs, *dict.fromkeys(extra)], workers, log)
+    except StaleRunsError as e:  # no page made of runs of another config
+        e.suite = suite
+        raise
     except SweepError as e:
         failure = e  # still report the runs that finished ("Incomplete" counts the rest)
     elapsed = time.perf_counter() - t0

@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from fedloom.config import ConfigError
+from fedloom.names import encode_component
 from fedloom.rng import derive_seed
 
 __all__ = ["Protocol", "Range", "Trial", "best_trial", "grid_points", "load_protocol",
@@ -307,7 +308,7 @@ def point_slug(params: Mapping[str, Any]) -> str:
     ``[A-Za-z0-9._=,-]`` become ``_``; a name over 120 characters is cut and ended by
     a digest of the whole, so two points never share a folder)."""
     text = ",".join(f"{k}={_text(v)}" for k, v in params.items())
-    safe = "".join(c if c.isalnum() or c in "-_.=," else "_" for c in text)
+    safe = encode_component(text, keep="-_.=,")
     if len(safe) <= 120:
         return safe
     import hashlib
