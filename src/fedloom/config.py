@@ -12,7 +12,15 @@ nine anchors of nine aliases, 9**9 leaves, is refused in 26 ms; unbounded it
 hung ``fedloom run`` for over a minute), no alias may refer to its own anchor,
 and nesting stops at :data:`MAX_DEPTH` levels (PyYAML raised RecursionError past
 ~490, at Python's default recursion limit). A config file with no settings
-(empty, only comments, ``null``) is refused.
+(empty, only comments, ``null``) is refused. An integer literal longer than
+Python's int-parsing limit (``sys.get_int_max_str_digits()``, 4300 digits) is
+refused naming the source and line (int() raised a ValueError that named neither).
+
+Counts are bounded: every integer field but ``seed`` (rounds, clients, samples,
+batch sizes, local steps and epochs, eval and checkpoint intervals, widths) is at
+most :data:`MAX_COUNT` = 10**9, stated as ``maximum`` in ``fedloom schema``
+(``rounds=10**12`` and ``2**63`` were accepted and ran). ``seed`` is an identifier,
+hashed into every random stream (:mod:`fedloom.rng`), and has no bound.
 
 Config stays at the edge: the engine turns a validated :class:`Config` into
 typed objects, and core code never sees dicts.
@@ -21,7 +29,9 @@ typed objects, and core code never sees dicts.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -45,6 +55,16 @@ __all__ = [
 
 class ConfigError(ValueError):
     """A config problem; ``str(err)`` is one line naming the field."""
+
+
+# The bound of every integer field but ``seed``. Each counts something that costs
+# time or memory (rounds, clients, samples, steps, widths); a billion of any is past
+# what a run can finish or hold (a round takes milliseconds at least: 10**9 rounds
+# are weeks), so a larger value is a typo or a probe, refused before anything
+# starts. And the product of any two bounded counts (rounds x cohort, steps x
+# batch) is 10**18 < 2**63: below the int64 that numpy and torch count in, so no
+# count derived from two of them wraps around.
+MAX_COUNT = 10**9
 
 
 def _rng(**bounds: float) -> dict[str, Any]:
@@ -479,7 +499,8 @@ class PrivacyConfig:
 @dataclass
 class Config:
     name: str = "experiment"
-    seed: int = 0
+    # an identifier, hashed into every random stream: no MAX_COUNT (field_bounds)
+    seed: int = field(default=0, metadata={"unbounded": True})
     rounds: int = _f(30, ge=1)
     # cpu | cuda | cuda:N | auto (CUDA when available); see fedloom.device
     device: str = "cpu"
@@ -524,7 +545,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     if origin is Literal:
         if value not in typing.get_args(tp):
-            raise ConfigError(f"{path}: must be {_type_name(tp)}, got {value!r}")
+            raise ConfigError(f"{path}: must be {_type_name(tp)}, got {_shown(value)}")
         return value
     if origin in (typing.Union, types.UnionType):
         for arg in typing.get_args(tp):
@@ -532,46 +553,88 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 return _convert(value, arg, path)
             except ConfigError:
                 continue
-        raise ConfigError(f"{path}: must be {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{path}: must be {_type_name(tp)}, got {_shown(value)}")
     if tp is type(None):
         if value is not None:
-            raise ConfigError(f"{path}: must be null, got {value!r}")
+            raise ConfigError(f"{path}: must be null, got {_shown(value)}")
         return None
     if origin is list:
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{path}: must be {_type_name(tp)}, got {value!r}")
+            raise ConfigError(f"{path}: must be {_type_name(tp)}, got {_shown(value)}")
         (inner,) = typing.get_args(tp)
         return [_convert(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{path}: must be a mapping, got {value!r}")
+            raise ConfigError(f"{path}: must be a mapping, got {_shown(value)}")
         return {str(k): v for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{path}: must be a mapping, got {value!r}")
+            raise ConfigError(f"{path}: must be a mapping, got {_shown(value)}")
         return _build(tp, value, path)
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{path}: must be true or false, got {value!r}")
+            raise ConfigError(f"{path}: must be true or false, got {_shown(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: must be an integer, got {value!r}")
+            raise ConfigError(f"{path}: must be an integer, got {_shown(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{path}: must be a number, got {value!r}")
-        value = float(value)
+            raise ConfigError(f"{path}: must be a number, got {_shown(value)}")
+        try:
+            value = float(value)
+        except OverflowError:  # an int beyond float's range (10**309): not finite either
+            raise ConfigError(f"{path}: must be finite, got {_shown(value)}") from None
         if value != value or value in (float("inf"), float("-inf")):
             raise ConfigError(f"{path}: must be finite, got {value!r}")
         return value
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{path}: must be a string, got {value!r}")
+            raise ConfigError(f"{path}: must be a string, got {_shown(value)}")
         return value
     if tp is Any:
         return value
     raise TypeError(f"config schema: unsupported type {tp!r} at {path}")  # pragma: no cover
+
+
+def _digits(n: int) -> int:
+    """The decimal digits of ``n``, without ``str(n)`` (which raises past Python's
+    int-to-str limit, 4300 digits)."""
+    n = abs(n)
+    if n < 10:
+        return 1
+    d = int(math.log10(n)) + 1
+    if 10 ** (d - 1) > n:  # log10's rounding, near a power of ten
+        return d - 1
+    return d + 1 if 10**d <= n else d
+
+
+def _shown(v: Any) -> str:
+    """``repr(v)`` for a message; an integer of more than 30 digits by its length (a
+    message stays one short line, and repr raises past Python's int-to-str limit)."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**30:
+        return f"an integer of {_digits(v)} digits"
+    return repr(v)
+
+
+def field_bounds(f: dataclasses.Field[Any], tp: Any) -> dict[str, float]:
+    """The bounds loading checks ``f`` (of type ``tp``) against, and the schema states:
+    its own (``_f(default, ge=…)``), plus ``le=MAX_COUNT`` for a field that holds
+    integers (``int``, ``int | None``, ``list[int]``) without an upper bound of its
+    own, unless it is marked ``unbounded`` (``seed``)."""
+    bounds = dict(f.metadata.get("bounds", {}))
+    if not f.metadata.get("unbounded") and _holds_int(tp) and not {"le", "lt"} & set(bounds):
+        bounds["le"] = MAX_COUNT
+    return bounds
+
+
+def _holds_int(tp: Any) -> bool:
+    if tp is int:
+        return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType, list):
+        return any(_holds_int(a) for a in typing.get_args(tp))
+    return False
 
 
 def _check_bounds(value: Any, bounds: Mapping[str, float], path: str) -> None:
@@ -583,7 +646,10 @@ def _check_bounds(value: Any, bounds: Mapping[str, float], path: str) -> None:
             ok = {"ge": v >= b, "gt": v > b, "le": v <= b, "lt": v < b}[op]
             if not ok:
                 sym = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}[op]
-                raise ConfigError(f"{path}: must be {sym} {b:g}, got {v!r}")
+                why = " (the bound of every count: fedloom.config.MAX_COUNT)" if (
+                    op == "le" and b == MAX_COUNT) else ""
+                shown = str(b) if isinstance(b, int) else f"{b:g}"
+                raise ConfigError(f"{path}: must be {sym} {shown}{why}, got {_shown(v)}")
 
 
 def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
@@ -600,7 +666,7 @@ def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
         where = f"{path}.{name}" if path else name
         if name in data:
             value = _convert(data[name], hints[name], where)
-            _check_bounds(value, f.metadata.get("bounds", {}), where)
+            _check_bounds(value, field_bounds(f, hints[name]), where)
             kwargs[name] = value
     return cls(**kwargs)
 
@@ -842,6 +908,20 @@ class _BoundedLoader(yaml.SafeLoader):
                                    "nodes; write the values out", problem_mark=event.start_mark)
         if self._open:
             self._open[-1] += size
+
+
+def _construct_int(loader: _BoundedLoader, node: yaml.ScalarNode) -> int:
+    """``SafeConstructor.construct_yaml_int``, refusing (with its line) an integer
+    longer than Python's int-parsing limit: ``int()`` raises a ValueError that names
+    neither the file nor the line."""
+    try:
+        return int(yaml.SafeLoader.construct_yaml_int(loader, node))
+    except ValueError:
+        raise _Refused(problem=f"an integer of more than {sys.get_int_max_str_digits()} "
+                               "digits", problem_mark=node.start_mark) from None
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
 class _Loader(_BoundedLoader):

@@ -10,7 +10,8 @@ What it carries, from the same dataclasses and field metadata that
 every section and key (``additionalProperties: false``: an unknown key is
 flagged, as loading refuses it), each key's type, ``Literal`` choices as
 ``enum``, defaults, and the numeric bounds (``ge``/``gt``/``le``/``lt`` →
-``minimum``/``exclusiveMinimum``/``maximum``/``exclusiveMaximum``). Name fields
+``minimum``/``exclusiveMinimum``/``maximum``/``exclusiveMaximum``; every integer
+key but ``seed`` has ``maximum`` :data:`fedloom.config.MAX_COUNT` at most). Name fields
 that the registry resolves (``aggregator.name``, ``compression.name``, …) list
 the registered names as suggestions but accept any string, as plug-ins
 (entry points, ``module:attr``) may add names. Cross-field rules (``cohort.size
@@ -29,7 +30,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from fedloom.config import Config
+from fedloom.config import Config, field_bounds
 
 __all__ = ["config_schema"]
 
@@ -99,7 +100,7 @@ def _object(cls: type, path: str) -> dict[str, Any]:
     for f in dataclasses.fields(cls):
         where = f"{path}.{f.name}" if path else f.name
         tp = hints[f.name]
-        prop = _type(tp, where, dict(f.metadata.get("bounds", {})))
+        prop = _type(tp, where, field_bounds(f, tp))  # MAX_COUNT on counts, as loading
         if f.default is not dataclasses.MISSING:
             prop["default"] = f.default
         elif f.default_factory is not dataclasses.MISSING and not dataclasses.is_dataclass(tp):
