@@ -375,3 +375,48 @@ def test_cli_summary_shows_clipped_updates(tiny, tmp_path, capsys):
     line = next(x for x in out.splitlines() if x.startswith("clipped updates"))
     assert int(line.split()[-1]) == tiny["cohort"]["size"]
     assert "rejected rounds" not in out  # shown only when a step was skipped
+
+
+# ------------------------------------------- absurd numbers beside the update (#36, 7)
+@pytest.mark.parametrize("aggregator,field,value", [
+    ("fednova", "steps", float("nan")),
+    ("fednova", "steps", float("inf")),
+    ("fednova", "steps", 10**30),
+    ("fedavg", "num_samples", 10**39),
+    ("fedavg", "num_samples", 1e300),
+    ("fedavg", "num_samples", float("nan")),
+    ("afl", "start_loss", float("nan")),
+    ("afl", "start_loss", float("inf")),
+    ("qfedavg", "start_loss", float("nan")),
+])
+def test_absurd_client_numbers_are_rejected_and_the_round_goes_on(tiny, aggregator, field,
+                                                                  value):
+    """A client (a deployed one, a broken plug-in method) reports a step count, sample
+    count or start loss no client has: receive rejects it, with its reason, before
+    aggregation; the round steps with the rest, to the model of the same round
+    without that client."""
+    def report(res):
+        setattr(res, field, value)
+
+    every = ["cohort.size=10"] if aggregator == "afl" else []  # AFL: the whole federation
+    cfg = load_config(tiny, ["rounds=1", f"aggregator.name={aggregator}", *every])
+    exp = Experiment(cfg)
+    inner = exp.backend
+
+    class Wrapped:
+        def train_cohort(self, jobs):
+            res = inner.train_cohort(jobs)
+            report(res[1])
+            return res
+
+    exp.backend = Wrapped()
+    start = exp.initial_state()
+    new, m = exp.round(start)
+    assert m["rejected_updates"] == 1
+    assert m["rejected_clients"] == [int(exp.sample_cohort(0)[1])]
+    assert field in m["rejected_reasons"][0]
+    assert torch.isfinite(new.w).all() and not torch.equal(new.w, start.w)
+    ref = Experiment(cfg)
+    _dropping(ref, 1)
+    want, _ = ref.round(ref.initial_state())
+    assert torch.equal(new.w, want.w)

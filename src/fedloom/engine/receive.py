@@ -1,11 +1,16 @@
 """Receive: what the server makes of the kept clients' payloads.
 
 Decode each payload into the row the aggregator would receive (the feedback
-policy's ``server_row``), then screen the rows as the clients screened their
-dense updates (non-finite, :func:`~fedloom.engine.screen.screen_updates`: the
-server's own check, the one that holds for deployed clients too), reject a
-client whose new state rows are not finite, and clip (``server.clip_norm``).
-Nothing is aggregated here; :class:`Received` says what may be.
+policy's ``server_row``); reject a client whose reported numbers are not ones a
+client has (a sample or step count that is not a finite whole number in
+``[0, 2**53]`` — samples ``> 0`` —, a start loss that is not finite where the rule
+needs it: one such number would fail the round's step for everyone); then screen
+the rows as the clients screened their dense updates (non-finite,
+:func:`~fedloom.engine.screen.screen_updates`: the server's own check, the one
+that holds for deployed clients too), reject a client whose new state rows are
+not finite, and clip (``server.clip_norm``). Nothing is aggregated here;
+:class:`Received` says what may be, and holds the accepted clients' numbers as
+tensors (a rejected client's are placeholders, never read).
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from fedloom.compress.feedback import UplinkResult
 from fedloom.engine.runstate import RoundPlan, RunState
 from fedloom.engine.screen import (
     clip_rows,
+    count_reason,
     finite_rows,
+    loss_reason,
     non_finite_reason,
     row_norms,
     screen_updates,
@@ -49,6 +56,8 @@ class Received:
     up_bytes: int                  # every byte the cohort sent
     down_bytes: int                # the broadcast to every planned client
     density: float                 # mean fraction of coordinates sent (NaN: none sent)
+    steps: torch.Tensor | None = None         # [m] local step counts (int64, host)
+    start_losses: torch.Tensor | None = None  # [m] F_k(w) where the rule needs it (float64)
 
 
 def receive(exp: Setup, st: RunState, plan: RoundPlan, results: Sequence[ClientResult],
@@ -71,6 +80,8 @@ def receive(exp: Setup, st: RunState, plan: RoundPlan, results: Sequence[ClientR
     finite = finite.cpu()
     for i in refused:
         finite[i] = False
+    needs_start = "start_losses" in getattr(exp, "requires", ())
+    _reject_absurd_numbers(results, finite, reasons, needs_start)
     _reject_non_finite(rows, finite, reasons, results, ups)
     clipped = 0
     if norms is not None and bool(finite.any()):
@@ -86,12 +97,41 @@ def receive(exp: Setup, st: RunState, plan: RoundPlan, results: Sequence[ClientR
     if rejected:
         log.warning("round %d: rejected updates from clients %s: %s", plan.round + 1, rejected,
                     "; ".join(f"{int(cohort[i])}: {reasons[i]}" for i in sorted(reasons)))
-    weights = torch.tensor([res.num_samples for res in results], dtype=exp.dtype,
+    # A rejected client's numbers may not even fit a tensor (1e39 samples): a
+    # placeholder stands in for them; only accepted positions are ever read.
+    bad = set(reasons)
+    weights = torch.tensor([1.0 if i in bad else float(res.num_samples)
+                            for i, res in enumerate(results)], dtype=exp.dtype,
                            device=exp.device).reshape(-1)
-    losses = torch.tensor([res.loss for res in results], dtype=torch.float64)
+    losses = torch.tensor([_loss(res.loss) for res in results], dtype=torch.float64)
+    steps = torch.tensor([1 if i in bad else int(res.steps) for i, res in enumerate(results)],
+                         dtype=torch.int64)
+    start = (torch.tensor([1.0 if i in bad else float(res.start_loss)  # type: ignore[arg-type]
+                           for i, res in enumerate(results)], dtype=torch.float64)
+             if needs_start else None)
     up_bytes = sum(len(u.payload) + sum(len(x) for x in u.extra_payloads) for u in ups)
     return Received(rows, finite, reasons, rejected, clipped, weights, losses, up_bytes,
-                    exp.downlink_size * len(plan.jobs), density)
+                    exp.downlink_size * len(plan.jobs), density, steps, start)
+
+
+def _loss(v: object) -> float:
+    """A training loss for the round's metrics (NaN where it is not a finite number)."""
+    return float(v) if loss_reason("loss", v) is None else float("nan")  # type: ignore[arg-type]
+
+
+def _reject_absurd_numbers(results: Sequence[ClientResult], finite: torch.Tensor,
+                           reasons: dict[int, str], needs_start: bool) -> None:
+    """Reject a client whose sample count, step count or (where the rule needs it)
+    start loss no client could report; the others go on."""
+    for i, res in enumerate(results):
+        if i in reasons:
+            continue
+        why = (count_reason("num_samples", res.num_samples, low=0.0, strict=True, whole=True)
+               or count_reason("steps", res.steps, low=0.0, whole=True)
+               or (loss_reason("start_loss", res.start_loss) if needs_start else None))
+        if why is not None:
+            finite[i] = False
+            reasons[i] = why
 
 
 def _decode(exp: Setup, st: RunState, plan: RoundPlan, ups: Sequence[UplinkResult]

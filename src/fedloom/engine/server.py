@@ -131,16 +131,19 @@ def _cohort_info(exp: Setup, plan: RoundPlan, results: Sequence[ClientResult],
                  rx: Received) -> CohortInfo:
     """What some rules need of the accepted clients (losses, steps, start losses)."""
     ok = rx.ok if not bool(rx.ok.all()) else slice(None)
+    # The screened numbers of receive (a rejected client's may not fit a tensor).
     start = None
     if "start_losses" in exp.requires:
-        start = torch.tensor([res.start_loss for res in results], dtype=torch.float64)[ok]
+        start = (rx.start_losses if rx.start_losses is not None else torch.tensor(
+            [res.start_loss for res in results], dtype=torch.float64))[ok]
+    steps = rx.steps if rx.steps is not None else torch.tensor([res.steps for res in results])
     # Client ids on the host (they index host-side state); the per-client
     # numbers on the device, where the rules combine them with the rows.
     dev = exp.device
     return CohortInfo(
         clients=plan.cohort[ok], round=plan.round, num_clients=exp.fed.num_clients,
         losses=rx.losses[ok].to(dev),
-        steps=torch.tensor([res.steps for res in results])[ok].to(dev), lr=plan.lr,
+        steps=steps[ok].to(dev), lr=plan.lr,
         momentum=exp.cfg.client.momentum,
         start_losses=start.to(dev) if start is not None else None,
     )

@@ -564,7 +564,7 @@ class FedloomStrategy(Strategy):
                 res = ClientResult(k, torch.empty(0), int(met["num-examples"]),
                                    float(met.get("train-loss", float("nan"))),
                                    int(met.get("num-steps", 1)), buffers=bufs)
-            except (KeyError, ValueError, PayloadError) as e:
+            except (KeyError, ValueError, OverflowError, PayloadError) as e:  # int(inf) overflows
                 why = str(e).splitlines()[0] if str(e) else type(e).__name__
                 log.warning("flower: round %d: rejected a malformed reply from node %d: %s",
                             server_round, rep.metadata.src_node_id, why)
