@@ -47,6 +47,19 @@ What is refused, and why:
 - CSV files are UTF-8 (a byte-order mark is skipped); any other encoding is
   refused rather than guessed, since a guessed header may not match
   ``data.label``;
+- CSV files larger than :data:`MAX_CSV_BYTES` (256 MiB) or whose header names more
+  than :data:`MAX_CSV_COLUMNS` (100,000) columns, checked before the file is parsed
+  (the size from the file system, the columns from the header line alone): read as
+  text, a table takes 7x (six-character numbers) to 17x (one-digit cells) its size
+  in memory at its peak, and every column costs about 0.35 ms and 8 kB beyond its
+  cells (measured: pandas holds each cell as a Python string until the column is
+  converted). A 2 GB table or one of 10**6 columns ended in a MemoryError traceback
+  after 1.6-5 GB. The bounds are fixed rather than derived from the memory available
+  when the run starts, so that a file is accepted or refused alike on every machine
+  and whatever else runs (a sweep's parallel runs); at the bounds a table needs
+  about 2-4.5 GB, or half a minute and 0.8 GB for its columns. Larger data belongs
+  in an ``.npz`` file (4 bytes a float32 value, read as arrays). A parse that runs
+  out of memory all the same is one line too;
 - features that are not finite (a CSV cell ``inf``, ``nan``, ``-Infinity``:
   ``float()`` reads them) or beyond float32's range (``|x| > 3.4028e38``, which
   the cast to float32 would turn into inf) are refused before anything is
@@ -58,11 +71,12 @@ What is refused, and why:
 
 from __future__ import annotations
 
+import io
 import logging
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -71,13 +85,21 @@ from fedloom.config import DataConfig
 from fedloom.data.sources import _SOURCES, Dataset, SourceInfo
 from fedloom.registry import register
 
-__all__ = ["DataError", "from_arrays", "load_csv", "load_npz"]
+__all__ = ["MAX_CSV_BYTES", "MAX_CSV_COLUMNS", "DataError", "from_arrays", "load_csv",
+           "load_npz"]
 
 log = logging.getLogger("fedloom")
 
 
 class DataError(ValueError):
     """Bad user data; the message names the file or field."""
+
+
+# The bounds on a CSV table, checked before it is parsed (module docstring: fixed,
+# so that a file is accepted alike on every machine; about 2-4.5 GB at the peak of
+# a parse at MAX_CSV_BYTES, half a minute and 0.8 GB for MAX_CSV_COLUMNS columns).
+MAX_CSV_BYTES = 256 * 2**20
+MAX_CSV_COLUMNS = 100_000
 
 
 def _labels(y: Any, where: str) -> np.ndarray:
@@ -229,14 +251,73 @@ def load_npz(cfg: DataConfig, seed: int) -> Dataset:
                        get.get("y_test"), name="npz", source=str(p))
 
 
+def _header_columns_over(source: bytes | BinaryIO, limit: int) -> bool:
+    """Whether the first line of CSV text names more than ``limit`` columns: commas
+    outside double quotes up to the first line break, read 1 MiB at a time and no
+    further than the count needs (a header of 10**6 names, or one line of 200 MB,
+    costs no more memory than a chunk)."""
+    f = io.BytesIO(source) if isinstance(source, bytes) else source
+    count, quoted = 1, False
+    while chunk := f.read(1 << 20):
+        if not quoted and b'"' not in chunk:  # the common header: C-speed counting
+            end = min((i for i in (chunk.find(b"\n"), chunk.find(b"\r")) if i >= 0),
+                      default=-1)
+            count += chunk[:end].count(b",") if end >= 0 else chunk.count(b",")
+            if end >= 0 or count > limit:
+                return count > limit
+            continue
+        for byte in chunk:  # quoted names: byte by byte ("" toggles twice: no change)
+            if byte == 0x22:
+                quoted = not quoted
+            elif not quoted and byte == 0x2C:
+                count += 1
+                if count > limit:
+                    return True
+            elif not quoted and byte in (0x0A, 0x0D):
+                return False
+    return count > limit
+
+
+def _check_csv_bounds(p: Path) -> int:
+    """Refuse a table above :data:`MAX_CSV_BYTES` or :data:`MAX_CSV_COLUMNS` before
+    it is parsed; return its size."""
+    size = p.stat().st_size
+    if size > MAX_CSV_BYTES:
+        raise DataError(f"{p}: {size} bytes, above the bound of {MAX_CSV_BYTES} bytes for a "
+                        "CSV table (fedloom.data.user.MAX_CSV_BYTES: read as text it needs "
+                        "7-17x its size in memory); save the arrays as .npz (data.name=npz)")
+    try:
+        with open(p, "rb") as f:
+            wide = _header_columns_over(f, MAX_CSV_COLUMNS)
+    except OSError as e:
+        raise DataError(f"{p}: cannot be read ({e.strerror or e})") from None
+    if wide:
+        raise DataError(f"{p}: more than {MAX_CSV_COLUMNS} columns in the header, the bound "
+                        "for a CSV table (fedloom.data.user.MAX_CSV_COLUMNS); save the arrays "
+                        "as .npz (data.name=npz)")
+    return size
+
+
 def load_csv(cfg: DataConfig, seed: int) -> Dataset:
-    """A CSV table as a dataset (see the module docstring), read with pandas."""
+    """A CSV table as a dataset (see the module docstring), read with pandas; a table
+    above the size or column bound is refused before it is parsed."""
     p = _path(cfg)
     try:
         import pandas as pd
     except ImportError:
         raise DataError(f"{p}: reading a CSV file needs pandas (pip install 'fedloom[data]')"
                         ) from None
+    size = _check_csv_bounds(p)
+    try:
+        return _table(p, _read_csv(pd, p), cfg)
+    except MemoryError:  # below the bounds, on a machine with less memory free
+        raise DataError(f"{p}: not enough memory to read the table ({size} bytes; read as "
+                        "text it needs 7-17x that); save the arrays as .npz (data.name=npz)"
+                        ) from None
+
+
+def _read_csv(pd: Any, p: Path) -> Any:
+    """The table as a DataFrame of text cells; an unreadable file raises DataError."""
     try:
         # Every cell as text ("NA" stays the text "NA"): each column is converted
         # below, so a bad cell is reported with its line and column. utf-8-sig: a
@@ -252,7 +333,15 @@ def load_csv(cfg: DataConfig, seed: int) -> Dataset:
         raise DataError(f"{p}: empty file") from None
     except (pd.errors.ParserError, ValueError) as e:
         raise DataError(f"{p}: not a readable CSV file ({_reason(e)})") from None
-    return _table(p, df, cfg)
+    return df
+
+
+def _names(header: list[str], shown: int = 20) -> str:
+    """The header's columns for a message: the first ``shown`` and the count (a
+    header of thousands of names would make a line of tens of kilobytes)."""
+    if len(header) <= shown:
+        return ", ".join(header)
+    return ", ".join(header[:shown]) + f", … ({len(header)} in all)"
 
 
 def _table(p: Path, df: Any, cfg: DataConfig) -> Dataset:
@@ -263,10 +352,10 @@ def _table(p: Path, df: Any, cfg: DataConfig) -> Dataset:
         raise DataError(f"{p}: column {dup!r} appears twice in the header")
     if cfg.label not in header:
         raise DataError(f"{p}: no label column {cfg.label!r} (data.label; columns: "
-                        f"{', '.join(header)})")
+                        f"{_names(header)})")
     if cfg.client and cfg.client not in header:
         raise DataError(f"{p}: no client column {cfg.client!r} (data.client; columns: "
-                        f"{', '.join(header)})")
+                        f"{_names(header)})")
     # A blank line reads as a row of empty cells (a short line's missing fields
     # read as empty cells too, reported below with their line and column).
     blank = (df == "").all(axis=1).to_numpy()
@@ -278,7 +367,7 @@ def _table(p: Path, df: Any, cfg: DataConfig) -> Dataset:
         for c in cfg.features:
             if c not in header:
                 raise DataError(f"{p}: no feature column {c!r} (data.features; columns: "
-                                f"{', '.join(header)})")
+                                f"{_names(header)})")
             if c in (cfg.label, cfg.client):
                 raise DataError(f"{p}: column {c!r} is the label or client column; it cannot "
                                 "be a feature (data.features)")
