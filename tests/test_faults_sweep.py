@@ -104,6 +104,19 @@ def test_tuned_values_become_one_encoded_folder_inside_out(tmp_path, monkeypatch
         assert (out / "digits" / f / ("seed0" if "@" in f else "seed1") / "summary.json").exists()
 
 
+def test_tuning_points_become_one_encoded_folder_inside_out(tmp_path, monkeypatch, capsys):
+    """Under ``tuning:``, a point's values are part of its trial folder's name
+    (``@tune=KEY=V``): one with ``..`` and ``/`` stays one folder under ``out``."""
+    _in_process(monkeypatch)
+    path = _write_suite(tmp_path, tuning={"budget": 2, "seeds": [7], "rounds": 1,
+                                          "space": {"name": ["x/../../../esc", "!!str a/b"]}})
+    assert cli.main(["sweep", str(path), "--workers", "1"]) == 0, capsys.readouterr().err
+    out = tmp_path / "a" / "out"
+    assert not (tmp_path / "a" / "esc").exists() and not (tmp_path / "esc").exists()
+    folders = sorted(p.name for p in (out / "digits").iterdir())
+    assert folders == ["FedAvg", "FedAvg@tune=name=__str_a_b", "FedAvg@tune=name=x_.._.._.._esc"]
+
+
 def test_two_methods_that_would_share_a_folder_are_refused(tmp_path, capsys):
     path = _write_suite(tmp_path, methods={"A (x)": [], "A [x]": []})
     before = _files(tmp_path)

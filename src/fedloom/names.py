@@ -52,8 +52,8 @@ def path_component(name: object, field: str) -> str:
     of it). Otherwise :class:`ConfigError`: ``FIELD: 'NAME' cannot name a file or
     folder (why)``."""
     if not isinstance(name, str):
-        raise ConfigError(f"{field}: {name!r} cannot name a file or folder (it is a "
-                          f"{type(name).__name__}, not text)")
+        raise ConfigError(f"{field}: {name!r} cannot name a file or folder (it is not "
+                          f"text but {type(name).__name__})")
     why = _why_not(name)
     if why is not None:
         shown = name if len(name) <= 80 else name[:77] + "…"

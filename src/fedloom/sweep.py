@@ -159,8 +159,8 @@ from fedloom.tuning import (
     tpe_point,
 )
 
-__all__ = ["RunSpec", "Suite", "SweepError", "drop_missing_data", "load_suite", "run_suite",
-           "validate_suite"]
+__all__ = ["RunSpec", "StaleRunsError", "Suite", "SweepError", "SweepFolderError",
+           "drop_missing_data", "load_suite", "run_suite", "validate_suite"]
 
 TUNE = "$TUNE"
 
@@ -178,9 +178,10 @@ class StaleRunsError(SweepError):
     naming the first and the key that differs)."""
 
 
-class SweepInUse(ValueError):
-    """Another sweep holds the suite's ``out:`` folder (one line naming its pid); this
-    one wrote nothing."""
+class SweepFolderError(ValueError):
+    """The suite's ``out:`` folder cannot be a sweep's: another sweep holds it (one
+    line naming its pid), or it cannot be created or locked; this sweep wrote
+    nothing."""
 
 
 @dataclass
@@ -1032,20 +1033,21 @@ SWEEP_LOCK = ".fedloom-sweep.lock"
 
 
 def _lock_out(out: Path) -> int:
-    """Create ``out`` if needed and take an exclusive ``flock`` on ``OUT/.fedloom-sweep.lock``
-    (as :func:`fedloom.engine.checkpoint.lock_run_dir` locks a run directory); return
-    its descriptor, to close when the sweep ends. The kernel drops the lock when the
-    process ends in any way (``SIGKILL`` included), so a killed sweep leaves no stale
-    lock. Another sweep holding it: :class:`SweepInUse` naming its pid, and nothing in
-    ``out`` is touched but the lock file."""
+    """Create ``out`` if needed and take an exclusive ``flock`` on
+    ``OUT/.fedloom-sweep.lock`` (as :func:`fedloom.engine.checkpoint.lock_run_dir`
+    locks a run directory); return its descriptor, to close when the sweep ends. The
+    kernel drops the lock when the process ends in any way (``SIGKILL`` included), so
+    a killed sweep leaves no stale lock. Another sweep holding it:
+    :class:`SweepFolderError` naming its pid, and nothing in ``out`` is touched but
+    the lock file."""
     import fcntl
 
     try:
         out.mkdir(parents=True, exist_ok=True)
         fd = os.open(out / SWEEP_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
-        raise SweepInUse(f"out: {out}: cannot use it as a sweep's folder "
-                         f"({e.strerror or type(e).__name__})") from None
+        raise SweepFolderError(f"out: {out}: cannot use it as a sweep's folder "
+                               f"({e.strerror or type(e).__name__})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -1053,12 +1055,12 @@ def _lock_out(out: Path) -> int:
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
         finally:
             os.close(fd)
-        raise SweepInUse(f"out: {out}: in use by another fedloom sweep (pid {holder}); wait "
-                         "for it to end or give this suite its own out:") from None
+        raise SweepFolderError(f"out: {out}: in use by another fedloom sweep (pid {holder}); "
+                               "wait for it to end or give this suite its own out:") from None
     except OSError as e:  # e.g. a file system without locks
         os.close(fd)
-        raise SweepInUse(f"out: {out}: cannot lock it ({e.strerror or type(e).__name__})"
-                         ) from None
+        raise SweepFolderError(f"out: {out}: cannot lock it "
+                               f"({e.strerror or type(e).__name__})") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
@@ -1071,8 +1073,8 @@ def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = p
     ``doc:`` gets it when the suite names one. ``csv``: the results tables as CSV.
 
     A sweep that runs holds ``out:`` for its whole life (:func:`_lock_out`): a second
-    sweep on the same folder is refused (:class:`SweepInUse`) before it writes anything,
-    so runs of two suites never mix. ``report_only`` reads and takes no lock (a page of
+    sweep on the same folder is refused (:class:`SweepFolderError`) before it writes
+    anything, so runs of two suites never mix. ``report_only`` reads and takes no lock (a page of
     the runs finished so far, while the sweep goes on). Runs in ``out:`` that hold
     another config than the suite asks stop the sweep before anything runs
     (:class:`StaleRunsError`), and no page is made from them."""
