@@ -76,8 +76,9 @@ Each run is ``fedloom run CONFIG OVERRIDES seed=S --out DIR`` with one thread
 ``summary.json`` exists is not run again, so a stopped sweep continues where
 it stopped (a run stopped mid-way resumes). A run in ``out:``, finished or stopped,
 whose saved config differs from the one the suite now asks of it (a method's
-overrides changed) stops the sweep before anything runs, main runs and tuning
-trials alike: one line naming it and the key (exit 1), no page made. ``$TUNE`` is
+overrides changed) stops the sweep before the runs it is one of start (the tuning
+trials, a TPE step's trials, the main runs): one line naming it and the key (exit
+1), no page made. ``$TUNE`` is
 replaced by the value the tuning runs chose: the grid value with the best
 ``tune_metric`` on ``tune_seed``. A run that fails does not
 stop the others; the report is made from those that finished, then
@@ -174,8 +175,8 @@ class SweepError(RuntimeError):
 
 class StaleRunsError(SweepError):
     """Runs already in ``out:`` (finished, or stopped mid-way) hold another config than
-    the suite asks of them: nothing is run and no page is made from them (one line
-    naming the first and the key that differs)."""
+    the suite asks of them: the runs they are among do not start and no page is made
+    (one line naming the first and the key that differs)."""
 
 
 class SweepFolderError(ValueError):
@@ -614,7 +615,8 @@ def _spec(suite: Suite, setting: str, method: str, seed: int, overrides: list[st
     """A run of the suite: ``OUT/SETTING/FOLDER/seedS``, every part of it one folder
     name (fedloom.names), so the run is always under ``out:``."""
     s = suite.settings[setting]
-    out = suite.out / setting / _run_folder(suite, method, tag) / f"seed{seed}"
+    out = (suite.out / path_component(setting, f"{suite.path}: settings")
+           / _run_folder(suite, method, tag) / f"seed{seed}")
     return RunSpec(setting, method, seed, s["config"],
                    (*s.get("overrides", []), *overrides), out)
 
