@@ -413,3 +413,168 @@ def test_state_directory_replaced_by_a_file_is_one_line_exit_2(memmap, tmp_path,
     rc, err = _resume(out, MEMMAP, capsys)
     assert rc == 2 and len(err) == 1, err
     assert "state" in err[0] and "not a directory" in err[0]
+
+
+# ------------------------------------------------- a checkpoint that runs code
+class _Payload:
+    """A pickled object whose unpickling creates ``marker``: what an attacker puts
+    into a checkpoint (``__reduce__`` names any function for the reader to call)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.marker),))
+
+
+def _with_header(payload: bytes, version: int) -> bytes:
+    import hashlib
+
+    return (f"fedloom-checkpoint {version} sha256={hashlib.sha256(payload).hexdigest()} "
+            f"bytes={len(payload)}\n").encode() + payload
+
+
+def _pickled(obj) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _evil_files(marker: Path) -> dict[str, bytes]:
+    """The payload as a bare torch.save file and behind a correct digest in every
+    format this fedloom reads."""
+    raw = _pickled({"format": 1, "w": _Payload(marker)})
+    return {"bare": raw, "format2": _with_header(raw, 2), "format3": _with_header(raw, 3)}
+
+
+@pytest.mark.parametrize("kind", ["bare", "format2", "format3"])
+def test_a_checkpoint_that_would_run_code_is_refused_unread(tmp_path, kind):
+    from fedloom.engine.checkpoint import CheckpointError
+
+    marker = tmp_path / "pwned"
+    p = tmp_path / "last.pt"
+    p.write_bytes(_evil_files(marker)[kind])
+    with pytest.raises(CheckpointError, match=r"last\.pt: names posix\.mkdir.*refused unread"):
+        load_checkpoint(p)
+    assert not marker.exists()
+
+
+def test_resume_never_runs_a_checkpoints_code(dense, tmp_path, capsys):
+    """Both checkpoints replaced by the payload (a correct digest on each): exit 2
+    naming both files, and the payload never ran."""
+    base, _, _ = dense
+    out = _copy(base, tmp_path)
+    marker = tmp_path / "pwned"
+    files = _evil_files(marker)
+    (out / "checkpoints" / "last.pt").write_bytes(files["format3"])
+    (out / "checkpoints" / "prev.pt").write_bytes(files["format2"])
+    rc, err = _resume(out, DENSE, capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert "last.pt: names posix.mkdir" in err[0] and "prev.pt: names posix.mkdir" in err[0]
+    assert not marker.exists()
+
+
+def test_a_runs_own_checkpoint_with_one_extra_key_is_refused(dense, tmp_path, capsys, caplog):
+    """The run's own last.pt with a payload under one extra key, re-saved with a
+    correct digest: refused (resumed from prev.pt, with the uninterrupted result)."""
+    base, ref_sha, _ = dense
+    out = _copy(base, tmp_path)
+    marker = tmp_path / "pwned"
+    last = out / "checkpoints" / "last.pt"
+    st = load_checkpoint(last)
+    from fedloom.plain import encode
+
+    plain = encode(st)
+    plain["extra"] = _Payload(marker)
+    last.write_bytes(_with_header(_pickled(plain), 3))
+    caplog.set_level(logging.WARNING, logger="fedloom")
+    rc, err = _resume(out, DENSE, capsys)
+    assert rc == 0, err
+    assert not marker.exists()
+    assert _summary_sha(out) == ref_sha
+    warn = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("last.pt: names posix.mkdir" in w for w in warn), warn
+
+
+def test_a_sweep_never_runs_a_checkpoints_code(tmp_path, monkeypatch):
+    """A sweep resumes every run folder without summary.json on its own: one with a
+    payload in its checkpoints fails that run, and the payload never runs."""
+    from conftest import cli_in_process
+    from fedloom.sweep import run_suite
+
+    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")
+    monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump({**TINY, "rounds": 2}))
+    suite = tmp_path / "suite.yaml"
+    suite.write_text(yaml.safe_dump({
+        "name": "t", "out": str(tmp_path / "runs"), "seeds": [1],
+        "settings": {"digits": {"config": str(cfg)}}, "methods": {"FedAvg": []}}))
+    run_suite(suite, workers=1, log=lambda s: None)
+    (run,) = [p.parent for p in (tmp_path / "runs").rglob("summary.json")]
+    (run / "summary.json").unlink()  # as a run killed before its end leaves it
+    marker = tmp_path / "pwned"
+    for name, data in zip(("last.pt", "prev.pt"), _evil_files(marker).values(), strict=False):
+        (run / "checkpoints" / name).write_bytes(data)
+    from fedloom.sweep import SweepError
+
+    with pytest.raises(SweepError, match=r"seed1/checkpoints/last\.pt: names posix\.mkdir"):
+        run_suite(suite, workers=1, log=lambda s: None)
+    assert not marker.exists()
+    assert not (run / "summary.json").exists()
+
+
+# ------------------------------------------------ format 2 (pickled NumPy arrays)
+CRAFT_EF = [*DENSE, "aggregator.name=craft", "compression.name=topk",
+            "compression.options.ratio=0.1", "compression.feedback=ef"]
+
+
+@pytest.fixture(scope="module")
+def craft_ef(tmp_path_factory):
+    return _stopped_run(tmp_path_factory.mktemp("craft_ef"), CRAFT_EF)
+
+
+def test_format_2_checkpoints_resume_to_the_uninterrupted_model(craft_ef, tmp_path, capsys):
+    """A checkpoint as the previous format wrote it (NumPy arrays and CRAFT's state
+    pickled as such, behind a format-2 header) is read by the restricted loader
+    and resumes to the uninterrupted run's model; the next one is format 3."""
+    import numpy as np
+
+    from fedloom.aggregate.craft import CraftState
+
+    base, ref_sha, ref_metrics = craft_ef
+    out = _copy(base, tmp_path)
+    for name in ("last.pt", "prev.pt"):
+        p = out / "checkpoints" / name
+        st = load_checkpoint(p)
+        # the state this run holds: the kinds format 2 pickled directly
+        assert isinstance(st["agg_state"], CraftState)
+        assert any(isinstance(v, np.ndarray) for v in _leaves(st["store"]))
+        p.write_bytes(_with_header(_pickled(st), 2))
+    rc, err = _resume(out, CRAFT_EF, capsys)
+    assert rc == 0, err
+    assert _summary_sha(out) == ref_sha
+    got = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert _stable(got) == _stable(ref_metrics)
+    assert (out / "checkpoints" / "last.pt").read_bytes().startswith(b"fedloom-checkpoint 3 ")
+
+
+def _leaves(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _leaves(v)
+    else:
+        yield obj
+
+
+def test_a_state_that_cannot_be_checkpointed_writes_nothing(tmp_path):
+    from fedloom.engine.checkpoint import CheckpointError
+
+    p = tmp_path / "last.pt"
+    p.write_bytes(b"old")
+    with pytest.raises(CheckpointError, match=r"last\.pt: not written: checkpoint\.agg_state: a "
+                                              r".*_Payload cannot be checkpointed"):
+        save_checkpoint(p, {"format": 1, "agg_state": _Payload(tmp_path / "x")})
+    assert p.read_bytes() == b"old" and not list(tmp_path.glob(".*.tmp"))

@@ -239,6 +239,7 @@ from fedloom.aggregate.gram import (
     truncated_solve,
 )
 from fedloom.params import Layout
+from fedloom.plain import state_type
 from fedloom.registry import register
 
 __all__ = ["CRAFT", "STEPS", "TARGETS", "CraftState"]
@@ -253,6 +254,7 @@ DEFAULT_STEP: Step = "fixed"
 _LOSS_OFFSET = 1e-10
 
 
+@state_type  # checkpoints hold it (fedloom.plain)
 @dataclass
 class CraftState:
     groups: tuple[tuple[int, int], ...]   # [start, stop) of each layer group

@@ -9,18 +9,29 @@ deletes such files when the run directory is next opened.
 **Checkpoints** carry a SHA-256 digest of their content. The file is one header
 line, then the ``torch.save`` bytes::
 
-    fedloom-checkpoint 2 sha256=<64 hex digits> bytes=<payload length>\\n
+    fedloom-checkpoint 3 sha256=<64 hex digits> bytes=<payload length>\\n
     <payload>
 
 :func:`load_checkpoint` checks the header, the length and the digest before
-unpickling anything, so a truncated file, a flipped bit anywhere (a tensor's
+decoding anything, so a truncated file, a flipped bit anywhere (a tensor's
 data included) or a foreign file is reported as such — :class:`CheckpointError`,
 one line naming the file and what is wrong — and never decoded into a different
-model. A file that starts as a bare ``torch.save`` zip (written before the
-digest existed) is still read, with a warning that it could not be checked.
-:func:`save_checkpoint` can keep the file it replaces under another name
+model. :func:`save_checkpoint` can keep the file it replaces under another name
 (``keep_previous``): a run whose newest checkpoint is damaged resumes from the
 one before it.
+
+**Reading a checkpoint runs no code.** The digest detects damage; it does not
+say who wrote the file, and a pickle can name any function for the reader to
+call. So the payload holds only tensors and plain data (:mod:`fedloom.plain`
+encodes the state's NumPy arrays and registered state dataclasses into them,
+and refuses anything else before writing) and is read with
+``torch.load(weights_only=True)``, which calls nothing the file names. Files of
+format 2 and bare ``torch.save`` files (written before the digest) pickled
+NumPy arrays and state dataclasses directly: they are read with the same
+restricted loader, allowing those classes only (NumPy's array and dtype
+rebuilders and the types registered with :func:`fedloom.plain.state_type`); the
+next checkpoint is written in format 3. A file naming any other class or
+function is refused with one line naming it, and nothing of it runs.
 
 **Files that are not regular files** (a link to ``/dev/zero``, a FIFO, a
 device) are never read: :func:`load_checkpoint` and :func:`check_regular` name
@@ -63,7 +74,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+
+from fedloom.plain import PlainDataError, decode, encode, registered_types
 
 __all__ = [
     "CheckpointError",
@@ -82,7 +96,8 @@ __all__ = [
 log = logging.getLogger("fedloom")
 
 _MAGIC = b"fedloom-checkpoint"
-_VERSION = 2
+_VERSION = 3
+_LEGACY = 2  # pickled NumPy arrays and state dataclasses (read restricted)
 _ZIP = b"PK\x03\x04"  # a bare torch.save file (no digest)
 LOCK_FILE = ".lock"
 MARKER_FILE = ".fedloom-run"
@@ -225,8 +240,12 @@ def save_checkpoint(path: Path, state: dict[str, Any], *,
     file is renamed instead; a kill between the two renames then leaves only
     ``keep_previous``, which a resume falls back to.
     """
+    try:
+        plain = encode(state, "checkpoint")
+    except PlainDataError as e:  # a bug or a plug-in's state: nothing is written
+        raise CheckpointError(f"{path}: not written: {e}") from None
     buf = io.BytesIO()
-    torch.save(state, buf)
+    torch.save(plain, buf)
     payload = buf.getvalue()
     header = (f"{_MAGIC.decode()} {_VERSION} sha256={hashlib.sha256(payload).hexdigest()} "
               f"bytes={len(payload)}\n").encode()
@@ -309,12 +328,13 @@ def _declared_size(head: bytes) -> int | None:
         return None
 
 
-def _payload(path: Path, data: bytes) -> tuple[bytes, bool]:
-    """The ``torch.save`` bytes of a checkpoint file and whether they were verified."""
+def _payload(path: Path, data: bytes) -> tuple[bytes, int | None]:
+    """The ``torch.save`` bytes of a checkpoint file and its format (``None``: a
+    bare ``torch.save`` file, not verified)."""
     if not data:
         raise CheckpointError(f"{path}: empty file (0 bytes)")
     if data.startswith(_ZIP):
-        return data, False
+        return data, None
     if not data.startswith(_MAGIC):
         raise CheckpointError(f"{path}: not a fedloom checkpoint (no checkpoint header)")
     end = data.find(b"\n", 0, 256)
@@ -329,9 +349,9 @@ def _payload(path: Path, data: bytes) -> tuple[bytes, bool]:
             raise ValueError
     except (ValueError, UnicodeDecodeError):
         raise CheckpointError(f"{path}: damaged checkpoint header") from None
-    if version != _VERSION:
+    if version not in (_VERSION, _LEGACY):
         raise CheckpointError(f"{path}: checkpoint format {version}; this fedloom reads "
-                              f"format {_VERSION}")
+                              f"formats {_LEGACY} and {_VERSION}")
     payload = data[end + 1:]
     if len(payload) != size:
         raise CheckpointError(f"{path}: truncated or extended: {len(payload)} bytes of content, "
@@ -339,7 +359,50 @@ def _payload(path: Path, data: bytes) -> tuple[bytes, bool]:
     if hashlib.sha256(payload).hexdigest() != digest:
         raise CheckpointError(f"{path}: content does not match its SHA-256 digest (the file is "
                               "damaged)")
-    return payload, True
+    return payload, version
+
+
+def _legacy_globals() -> list[Any]:
+    """What a format-2 or bare file may name: NumPy's array and scalar rebuilders,
+    its dtypes, and the registered state dataclasses; no function that runs code
+    of the file's choosing."""
+    from numpy._core import multiarray  # numpy >= 2: where its pickles point
+
+    dtypes = {type(np.dtype(c)) for c in np.typecodes["All"] if c not in "O"}
+    return [multiarray._reconstruct, multiarray.scalar, np.ndarray, np.dtype, *dtypes,
+            *registered_types()]
+
+
+def _unsafe_name(e: Exception) -> str | None:
+    """The class or function a restricted load refused, from torch's message."""
+    text = str(e)
+    for marker in ("Unsupported global: GLOBAL ", "unsupported GLOBAL "):
+        if marker in text:
+            return text.split(marker, 1)[1].split()[0].rstrip(".,")
+    return None
+
+
+def _load_payload(path: Path, payload: bytes, version: int | None) -> Any:
+    """Decode ``payload`` with ``torch.load(weights_only=True)``: nothing the file
+    names is called (see the module docstring)."""
+    try:
+        if version == _VERSION:
+            return decode(torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True),
+                          "checkpoint")
+        with torch.serialization.safe_globals(_legacy_globals()):
+            return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except PlainDataError as e:
+        raise CheckpointError(f"{path}: cannot be decoded ({e})") from None
+    except Exception as e:  # a damaged pickle can raise almost anything
+        name = _unsafe_name(e)
+        if name is not None:
+            raise CheckpointError(
+                f"{path}: names {name}, which a checkpoint never holds; refused unread (a "
+                "pickled object can run code when loaded: checkpoints hold tensors, arrays "
+                "and registered state types only)") from None
+        msg = str(e).strip().splitlines()
+        raise CheckpointError(f"{path}: cannot be decoded ({type(e).__name__}"
+                              f"{': ' + msg[0][:120] if msg else ''})") from None
 
 
 def load_checkpoint(path: Path, required: Iterable[str] = ()) -> dict[str, Any]:
@@ -350,22 +413,14 @@ def load_checkpoint(path: Path, required: Iterable[str] = ()) -> dict[str, Any]:
     directory, or one whose dict lacks a key of ``required``.
     """
     path = Path(path)
-    payload, verified = _payload(path, _read(path))
-    try:
-        # weights_only=False: the checkpoint holds NumPy arrays of the state
-        # store. It is a file a run wrote itself and its digest matched, never
-        # one from elsewhere (the digest detects damage, it does not authenticate).
-        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
-    except Exception as e:  # a damaged pickle can raise almost anything
-        msg = str(e).strip().splitlines()
-        raise CheckpointError(f"{path}: cannot be decoded ({type(e).__name__}"
-                              f"{': ' + msg[0][:120] if msg else ''})") from None
+    payload, version = _payload(path, _read(path))
+    state = _load_payload(path, payload, version)
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a checkpoint dict")
     missing = [k for k in required if k not in state]
     if missing:
         raise CheckpointError(f"{path}: missing keys {', '.join(map(repr, missing))}")
-    if not verified:
+    if version is None:
         log.warning("%s: written without a digest (an older fedloom); loaded unchecked", path)
     return state
 
