@@ -12,6 +12,14 @@ searched below for run directories, except folders whose name holds ``@tune=`` o
 module reads ``config.yaml`` (the resolved config), ``summary.json``,
 ``metrics.jsonl`` (a torn last line, what a killed run leaves, is skipped) and
 ``client_acc.json`` (the final model's accuracy on each client's test split).
+What this module computes with is checked as it is read, and anything else is one
+line naming the file (and line) and the field, never a traceback: each metrics
+record has ``round`` (an integer >= 1) and the uplink counts (finite numbers >= 0),
+the metrics a table shows are numbers wherever they appear (NaN is one: fedloom
+logs it for a metric without a value; so is an infinite, diverged loss), and
+``client_acc.json`` holds lists of numbers or nulls. JSON nested deeper than
+Python's recursion limit or holding an integer longer than its int-parsing limit
+(4300 digits) is refused naming the file (and line).
 
 Groups. Runs whose resolved configs are equal except for ``seed``, ``name``,
 ``logging`` and ``checkpoint`` (none of which changes what is computed) form one
@@ -72,6 +80,7 @@ import csv
 import json
 import math
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +132,7 @@ class Run:
     summary: dict[str, Any]
     metrics: list[dict[str, Any]]
     client_acc: dict[str, list[float | None]] = field(default_factory=dict)
+    metric_lines: list[int] = field(default_factory=list)  # each record's line in the file
 
     @property
     def seed(self) -> Any:
@@ -171,31 +181,160 @@ def _read_bytes(path: Path) -> bytes:
         raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from None
 
 
+class _NotJSON(ValueError):
+    """Text that is not JSON; ``str(err)`` is why, in parentheses, or empty."""
+
+
+def _parse_json(data: bytes) -> Any:
+    """``json.loads`` whose every failure is :class:`_NotJSON`: malformed text, text
+    nested deeper than Python's recursion limit (the decoder recurses per level: a
+    RecursionError) or an integer longer than Python's int-parsing limit (a
+    ValueError that names no file)."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise _NotJSON("") from None
+    except RecursionError:
+        raise _NotJSON(" (nested too deeply)") from None
+    except ValueError:
+        raise _NotJSON(f" (an integer of more than {sys.get_int_max_str_digits()} "
+                       "digits)") from None
+
+
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(_read_bytes(path).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ValueError(f"{path}: not valid JSON") from None
+        return _parse_json(_read_bytes(path))
+    except _NotJSON as e:
+        raise ValueError(f"{path}: not valid JSON{e}") from None
 
 
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
+def _what(v: Any) -> str:
+    """A JSON value as a message shows it: short, whatever its size."""
+    if v is None or isinstance(v, bool):
+        return json.dumps(v)
+    if isinstance(v, dict):
+        return "a mapping"
+    if isinstance(v, list):
+        return "a list"
+    if isinstance(v, str):
+        return f"the string {v[:40]!r}" + ("…" if len(v) > 40 else "")
+    if isinstance(v, int) and abs(v) >= 10**30:
+        return f"an integer of {len(str(abs(v)))} digits"  # parsed, so under the limit
+    if isinstance(v, float) and not math.isfinite(v):
+        return json.dumps(v)  # NaN, Infinity, -Infinity
+    return repr(v)
+
+
+def _as_float(v: Any) -> float | None:
+    """``v`` as a float when it is a JSON number (NaN and ±Infinity included) in
+    float's range; else None (null, a boolean, a string, a list, a mapping, 10**400)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    try:
+        return float(v)
+    except OverflowError:
+        return None
+
+
+# What every metrics record holds (fedloom.engine.record.round_metrics): counts that
+# run_stats and the plots compute with. And the metrics run_stats reads when present.
+_COUNTS = ("uplink_bytes", "uplink_bytes_total")
+_READ = ("test_acc", "conflict_rate", "grad_mismatch", "density", "residual_norm")
+
+
+def check_number(where: str, key: str, v: Any) -> None:
+    """Raise ``ValueError`` ("``where``, field ``key``: …", one line) unless ``v`` is a
+    number; NaN is one (fedloom logs it for a metric without a value: no test split)
+    and so is an infinite value (a diverged loss)."""
+    if _as_float(v) is None:
+        raise ValueError(f"{where}, field {key!r}: must be a number, got {_what(v)}")
+
+
+def _check_row(path: Path, no: int, row: dict[str, Any]) -> None:
+    """A metrics record's fields that this module computes with (module docstring):
+    ``round`` an integer >= 1, the uplink counts finite numbers >= 0, the metrics
+    run_stats reads numbers; ``ValueError`` naming the file, line and field."""
+    where = f"{path}: line {no}"
+    for key in ("round", *_COUNTS):
+        if key not in row:
+            raise ValueError(f"{where}, field {key!r}: missing (every metrics record has it)")
+    r = row["round"]
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"{where}, field 'round': must be an integer >= 1, got {_what(r)}")
+    for key in _COUNTS:
+        x = _as_float(row[key])
+        if x is None or not math.isfinite(x) or x < 0:
+            raise ValueError(f"{where}, field {key!r}: must be a finite number >= 0, got "
+                             f"{_what(row[key])}")
+    for key in _READ:
+        if key in row:
+            check_number(where, key, row[key])
+
+
+def _read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """The records of ``metrics.jsonl``, each checked (:func:`_check_row`), and the
+    line of each; a last line that is not JSON is skipped (a torn line: what a killed
+    run leaves)."""
     if not path.is_file():
-        return []
+        return [], []
     lines = _read_bytes(path).split(b"\n")
     rows: list[dict[str, Any]] = []
+    where: list[int] = []
     for no, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            obj = None
-        if not isinstance(obj, dict) or not isinstance(obj.get("round"), int):
-            if no == len(lines):  # a torn last line: what a killed run leaves
+            obj = _parse_json(line)
+        except _NotJSON as e:
+            if no == len(lines) and not str(e):  # torn, not deep or long
                 continue
+            raise ValueError(f"{path}: line {no} is "
+                             + (f"not valid JSON{e}" if str(e) else "not a metrics record")
+                             ) from None
+        if not isinstance(obj, dict):
             raise ValueError(f"{path}: line {no} is not a metrics record")
+        _check_row(path, no, obj)
         rows.append(obj)
-    return rows
+        where.append(no)
+    return rows, where
+
+
+def _read_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object ({} when there is no file)."""
+    if not path.is_file():
+        return {}
+    obj = _read_json(path)
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: must hold a JSON object, got {_what(obj)}")
+    return obj
+
+
+def _check_client_acc(path: Path, acc: dict[str, Any]) -> None:
+    """``client_acc.json``: each entry a list of accuracies, null for a client
+    without a test split."""
+    for key, values in acc.items():
+        if not isinstance(values, list):
+            raise ValueError(f"{path}: field {key!r}: must be a list of numbers, got "
+                             f"{_what(values)}")
+        for i, v in enumerate(values):
+            if v is not None and _as_float(v) is None:
+                raise ValueError(f"{path}: field '{key}[{i}]': must be a number or null, got "
+                                 f"{_what(v)}")
+
+
+def check_metric(run: Run, metric: str) -> None:
+    """Raise ``ValueError`` (one line naming the file, line and field) when ``run``
+    holds ``metric`` as anything but a number, in ``summary.json`` or a record of
+    ``metrics.jsonl``."""
+    if metric in run.summary:
+        v = run.summary[metric]
+        if _as_float(v) is None:
+            raise ValueError(f"{run.path / 'summary.json'}: field {metric!r}: must be a "
+                             f"number, got {_what(v)}")
+    lines = run.metric_lines or list(range(1, len(run.metrics) + 1))
+    for no, m in zip(lines, run.metrics, strict=True):
+        if metric in m:
+            check_number(f"{run.path / 'metrics.jsonl'}: line {no}", metric, m[metric])
 
 
 def load_run(path: str | Path) -> Run:
@@ -210,11 +349,11 @@ def load_run(path: str | Path) -> Run:
         except (UnicodeDecodeError, yaml.YAMLError):
             raise ValueError(f"{cfg_file}: not valid YAML") from None
         config = loaded if isinstance(loaded, dict) else {}
-    summary = _read_json(p / "summary.json") if (p / "summary.json").is_file() else {}
-    acc_file = p / "client_acc.json"
-    client_acc = _read_json(acc_file) if acc_file.is_file() else {}
-    return Run(p, config, summary if isinstance(summary, dict) else {}, _read_metrics(
-        p / "metrics.jsonl"), client_acc if isinstance(client_acc, dict) else {})
+    summary = _read_object(p / "summary.json")
+    client_acc = _read_object(p / "client_acc.json")
+    _check_client_acc(p / "client_acc.json", client_acc)
+    rows, lines = _read_metrics(p / "metrics.jsonl")
+    return Run(p, config, summary, rows, client_acc, lines)
 
 
 def run_stats(run: Run) -> dict[str, Any]:
@@ -246,9 +385,8 @@ def run_stats(run: Run) -> dict[str, Any]:
 
 
 def _number(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        return float("nan")
-    return float(v)
+    x = _as_float(v)
+    return float("nan") if x is None else x
 
 
 def lower_is_better(metric: str) -> bool:
@@ -973,6 +1111,9 @@ def compare(paths: Sequence[str | Path], metrics: Sequence[str] = DEFAULT_METRIC
     at most (0: all). ``baseline``: a group's label; every other group is then compared
     with it seed by seed (:func:`paired_table`)."""
     runs = [load_run(p) for p in find_run_dirs(paths)]
+    for r in runs:  # what the table shows: a number in every file that has it
+        for name in {*metrics, *([target_metric] if target is not None else [])}:
+            check_metric(r, name)
     known: set[str] = set()
     for r in runs:
         known.update(k for k in run_stats(r) if not k.startswith("_"))
