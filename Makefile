@@ -15,8 +15,11 @@ $(VENV)/.torch:
 	$(PIP) install -q $(TORCH)
 	touch $@
 
+# The report extra too: a first run should show its pictures (curves.png,
+# partition.png). matplotlib stays out of the package's own dependencies, so a
+# library user or a deployed Flower client does not carry it.
 $(VENV)/.run: $(VENV)/.torch pyproject.toml
-	$(PIP) install -q -e '.[data]'
+	$(PIP) install -q -e '.[data,report]'
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.torch pyproject.toml examples/plugin/pyproject.toml

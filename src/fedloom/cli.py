@@ -11,6 +11,7 @@ import argparse
 import gc
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -187,6 +188,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     print(f"\nrun directory: {result.run_dir}")
+    # The files a person opens first, as paths from where the command ran.
+    assert result.run_dir is not None  # the command always gives the run a directory
+    files = [result.run_dir / n for n in ("curves.png", "partition.png", "metrics.csv")]
+    for f in (f for f in files if f.is_file()):
+        print(f"  {os.path.relpath(f)}")
     return 0
 
 

@@ -458,8 +458,14 @@ def write_outputs(exp: Setup, st: RunState, run_dir: Path, history: Sequence[dic
                   if arr is not None}
     atomic_write_json(run_dir / CLIENT_ACC_FILE, per_client)
     if exp.cfg.logging.plots:
-        from fedloom.report.plots import write_run_plots
+        from fedloom.report.plots import have_matplotlib, write_run_plots
 
+        if not have_matplotlib():
+            # Once a run (here, at its end): silence would look like a run without plots.
+            log.warning("plots skipped: matplotlib is not installed (pip install "
+                        "'fedloom[report]' for curves.png and partition.png, or set "
+                        "logging.plots: false)")
+            return
         write_run_plots(run_dir, list(history))
         from fedloom.data.heterogeneity import heterogeneity
         from fedloom.report.partition_plot import write_partition_plot

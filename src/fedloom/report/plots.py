@@ -6,7 +6,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_run_plots"]
+__all__ = ["have_matplotlib", "write_run_plots"]
+
+
+def have_matplotlib() -> bool:
+    """Whether matplotlib can be imported (the ``report`` extra)."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def write_run_plots(run_dir: Path, history: Sequence[dict[str, Any]]) -> list[Path]:
