@@ -1,11 +1,12 @@
 """Behaviour unchanged: a record of tiny runs to hold a refactor against.
 
-Runs about fifteen three-round configs, each exercising one path of the round
+Runs about fifty three-round configs, each exercising one path of the round
 (aggregators, feedback policies, local methods, privacy, attacks, the system
 model, buffers, a rejected client), on the sequential backend with one
-thread, and records each run's ``model_sha256`` and every ``metrics.jsonl``
-line without its wall-clock fields. ``check`` runs them again and names every
-run whose model or metrics differ from the record; with ``--ckpt`` it also
+thread (the local methods and CRAFT's trust step on vmap and lock-step too),
+and records each run's ``model_sha256`` and every ``metrics.jsonl`` line
+without its wall-clock fields. ``check`` runs them again and names every run
+whose model or metrics differ from the record; with ``--ckpt`` it also
 resumes, with this code, the round-2 checkpoints that ``record`` wrote, and
 checks that each ends on the uninterrupted run's model.
 
@@ -84,6 +85,27 @@ CASES: dict[str, list[str]] = {
                    "compression.options={ratio: 0.05}", "compression.feedback=flare"],
     "rejected": ["server.max_update_norm=0.9", "server.clip_norm=0.8"],
 }
+
+# The local methods and CRAFT's trust step on each client backend: a restructuring
+# of local training must keep every one of them (a method a backend cannot run
+# falls back to sequential, and the record holds that too).
+_BN = ["model.name=resnet", "model.depth=8", "model.width=4", "model.norm=batch",
+       "data.num_clients=6", "cohort.size=3", "client.batch_size=32", "rounds=2"]
+_LOCAL: dict[str, list[str]] = {
+    "fedprox": ["client.prox_mu=0.1"],
+    "feddyn": ["client.method=feddyn"],
+    "moon": ["client.method=moon"],
+    "fedper": ["client.method=fedper"],
+    "fedrep": ["client.method=fedrep"],
+    "fedbabu": ["client.method=fedbabu"],
+    "apfl": ["client.method=apfl"],
+    "lg_fedavg": ["client.method=lg_fedavg"],
+    "fedbn": ["client.method=fedbn", *_BN],
+    "craft_rprop": ["aggregator.name=craft", "aggregator.options={step: rprop, step_max: 100}"],
+}
+for _name, _ov in _LOCAL.items():
+    for _backend in ("sequential", "vmap", "lockstep"):
+        CASES[f"{_name}_{_backend}"] = [*_ov, f"backend.name={_backend}"]
 
 
 def _metrics(m: dict[str, Any]) -> dict[str, Any]:
