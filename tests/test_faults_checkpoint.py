@@ -292,6 +292,12 @@ METRICS_DAMAGE = {
     "round_twice": (lambda p: _write(p, [_lines(p)[0], *_lines(p)]), "round 1 appears twice"),
     "not_utf8": (lambda p: p.write_bytes(b"\xff\xfe" + p.read_bytes()), "rounds 1 before"),
     "other_run": (_shift_totals, "not this run's"),
+    # lines json.loads cannot hold: nesting past the recursion limit, an integer past
+    # the int-parsing limit (a ValueError, not a JSONDecodeError)
+    "deep_json": (lambda p: _write(p, ["[" * 100_000 + "]" * 100_000, *_lines(p)[1:]]),
+                  "rounds 1 before"),
+    "huge_integer": (lambda p: _write(p, ['{"round": ' + "9" * 5000 + "}", *_lines(p)[1:]]),
+                     "rounds 1 before"),
     "deleted": (lambda p: p.unlink(), "missing, but the checkpoint is at round 2"),
     "directory": (_to_dir, "is a directory"),
 }

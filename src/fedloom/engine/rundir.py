@@ -143,7 +143,9 @@ def _metrics_rows(path: Path, raw: bytes, upto: int, totals: dict[str, int] | No
     for no, line in enumerate(lines, 1):
         try:
             obj = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        # ValueError: also an integer past Python's int-parsing limit; RecursionError:
+        # nesting deeper than the parser's stack. Either is a damaged line.
+        except (UnicodeDecodeError, ValueError, RecursionError):
             obj = None
         rnd = obj.get("round") if isinstance(obj, dict) else None
         if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 1:
