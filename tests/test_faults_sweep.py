@@ -203,3 +203,22 @@ def test_a_sweep_with_worker_processes_exits_without_warnings(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "resource_tracker" not in p.stderr and "leaked" not in p.stderr, p.stderr
     assert not p.stderr.strip(), p.stderr
+
+
+@pytest.mark.parametrize("damage", ["deep_json", "huge_integer", "a_list"])
+def test_a_tuning_trials_damaged_summary_is_one_line(tmp_path, monkeypatch, capsys, damage):
+    """A finished tuning trial's summary.json that JSON cannot hold (nesting past
+    the parser's stack, an integer past the int-parsing limit) or that is not an
+    object: the sweep ends with one line naming the file, no traceback."""
+    _in_process(monkeypatch)
+    path = _write_suite(tmp_path, tune_seed=0,
+                        methods={"FedAvg": ["client.lr=$TUNE"]},
+                        tune={"FedAvg": {"key": "client.lr", "grid": [0.1]}})
+    assert cli.main(["sweep", str(path), "--workers", "1"]) == 0
+    (summary,) = (tmp_path / "a" / "out").rglob("*tune=0.1/seed0/summary.json")
+    summary.write_text({"deep_json": "[" * 100_000 + "]" * 100_000,
+                        "huge_integer": '{"test_acc": ' + "9" * 5000 + "}",
+                        "a_list": "[1]"}[damage])
+    capsys.readouterr()
+    assert cli.main(["sweep", str(path), "--workers", "1"]) != 0
+    _one_line(capsys, str(summary))

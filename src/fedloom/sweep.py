@@ -733,12 +733,14 @@ def _stale(spec: RunSpec) -> str | None:
     it (``key: saved → asked``), else None. A run directory is named by setting, method
     and seed, not by its tuned values: when a tuning choice or a method's overrides
     change, the old run must not stand in for the new one."""
-    from fedloom.config import config_from_dict, config_to_dict, load_config
+    from fedloom.config import config_from_dict, config_to_dict, load_config, safe_load_bounded
     from fedloom.engine.setup import resolve_auto
     from fedloom.report.compare import _flatten
 
     try:
-        saved = yaml.safe_load((spec.out / "config.yaml").read_text())
+        # bounded: a run folder's file may be anyone's (an alias bomb, deep nesting)
+        saved = safe_load_bounded((spec.out / "config.yaml").read_text(),
+                                  str(spec.out / "config.yaml"))
         # resolved as a run resolves it (server.lr: auto, a method's buffer policy: FedBN)
         asked = config_to_dict(resolve_auto(load_config(spec.config, [*spec.overrides,
                                                                       f"seed={spec.seed}"])))
@@ -815,7 +817,18 @@ def _run_all(specs: list[RunSpec], workers: int, log: Callable[[str], None]) -> 
 
 
 def read_summary(out: Path) -> dict[str, Any]:
-    return json.loads((out / "summary.json").read_text())
+    """A finished run's ``summary.json``; :class:`SweepError` (one line naming it)
+    when it cannot be read or is not a JSON object."""
+    path = out / "summary.json"
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    # ValueError: malformed JSON, or an integer past the int-parsing limit;
+    # RecursionError: nesting deeper than the parser's stack
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise SweepError(f"{path}: cannot be read ({type(e).__name__})") from None
+    if not isinstance(obj, dict):
+        raise SweepError(f"{path}: holds a {type(obj).__name__}, not a run summary")
+    return obj
 
 
 def tuned_values(
