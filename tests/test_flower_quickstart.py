@@ -50,7 +50,7 @@ from fedloom.integrations.flower.strategies import CRAFT, FedFV, Krum, Median
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
-NODES, ROUNDS, LR = 3, 3, 0.1
+NODES, ROUNDS, LR = 3, 3, 0.05
 TOPK = {"ratio": 0.01}
 
 

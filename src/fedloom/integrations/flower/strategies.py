@@ -23,13 +23,20 @@ and its :class:`Result`. What fedloom adds happens in :meth:`FedloomRule.aggrega
    and options as the mod; a payload of another codec, size or checksum is
    undecodable).
 2. **Screening** as the engine's (:mod:`fedloom.engine.screen`): a reply that
-   cannot be read (no arrays, other keys or shapes, a ``num-examples`` that is
-   not a finite number > 0 or above ``max_num_examples``, a missing metric the
-   rule needs) is rejected as undecodable; a non-finite ``g_k`` or buffer is
-   rejected; then ``‖g_k‖ > max_update_norm`` or ``> max_norm_ratio ×`` the
-   lower median norm is rejected, and ``clip_norm`` bounds the rest. Rejected
-   replies are counted (``fedloom-rejected`` in the round's metrics,
-   :attr:`~FedloomRule.history` with the reasons), never averaged.
+   cannot be read (no arrays, other keys or shapes, a missing metric the rule
+   needs) or that reports a number no client has (a ``num-examples`` that is
+   not a finite number in ``(0, 2**53]`` or is above ``max_num_examples``, a
+   ``num-steps`` that is not a whole number in ``[1, 2**53]``, a non-finite
+   ``start-loss``, an integer buffer sent as a float its dtype cannot hold) is
+   rejected as undecodable; a non-finite ``g_k`` or buffer is rejected; then
+   ``‖g_k‖ > max_update_norm`` or ``> max_norm_ratio ×`` the lower median norm
+   is rejected, and ``clip_norm`` bounds the rest. Rejected replies are counted
+   (``fedloom-rejected`` in the round's metrics, :attr:`~FedloomRule.history`
+   with the reasons; the client named by its ``partition-id`` where the reply
+   says it), never averaged, and one of them never fails the round for the
+   others. A round whose every reply is rejected for one reason of the app's
+   making (:class:`ReplyFormatError`: a metric it does not send, a codec the
+   strategy was not given) raises :class:`IncompatibleReplies` with the fix.
 3. **The rule**: the registered aggregator ``aggregator`` with its options by
    name, on the accepted rows and their ``num-examples``; its state is kept
    across rounds (:attr:`~FedloomRule.agg_state`); CRAFT's layer groups are the
@@ -45,6 +52,11 @@ and its :class:`Result`. What fedloom adds happens in :meth:`FedloomRule.aggrega
    floating buffers, the maximum of integer ones (``num_batches_tracked``),
    as the engine's ``model.buffers: average``; ``buffers_policy="keep_global"``
    keeps the server's.
+
+Each round's metrics also hold ``fedloom-uplink-bytes`` (what the replies carried
+for the parameters: payloads, or dense arrays) and ``fedloom-dense-bytes`` (the
+same replies' parameters dense); fedloom's log records reach Flower's log
+handlers (:func:`bridge_logs_to_flower`).
 
 The cohort's rows are ordered by node id (Flower returns replies in arrival
 order), so the same replies give the same model whatever order they came in.
@@ -116,7 +128,7 @@ except ImportError as e:  # pragma: no cover (the extra is missing)
 
 __all__ = ["AFL", "CRAFT", "ConFIG", "CoordMean", "FedFV", "FedLF", "FedNova", "FedloomRule",
            "IncompatibleReplies", "Krum", "Median", "MultiKrum", "QFedAvg", "ReplyFormatError",
-           "TrimmedMean"]
+           "TrimmedMean", "bridge_logs_to_flower"]
 
 log = logging.getLogger("fedloom")
 
