@@ -7,6 +7,10 @@ The client minimises ``F_k(w') + (μ/2)‖w' − w‖²`` (FedProx, Li et al. 20
     d = ∇f(w') + wd·w' (+ μ(w' − w)),   b ← m·b + d (b = d on the first step),
     w' ← w' − η·b.
 
+The direction's terms (shift, penalty, weight decay, prox, mask, momentum) are
+the chain of :mod:`fedloom.client.transforms`, which the vmap and lock-step
+trainers apply to all their clients at once.
+
 Gradients are taken with respect to the flat vector itself: the module runs
 with ``functional_call`` on views of ``w'``, so one backward gives ``∇_w' f``
 as one vector and the update is one fused vector operation.
@@ -37,6 +41,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedloom.buffers import buffer_names, load_buffers, module_buffers
+from fedloom.client.transforms import StepContext, local_chain
 from fedloom.config import ScheduleConfig
 from fedloom.job import ClientJob, ClientResult, Penalty
 from fedloom.params import Layout, functional_forward, training_mode
@@ -297,7 +302,11 @@ class LocalSGD:
         w = fm.w
         with torch.no_grad():
             w.copy_(x0)
-        buf: torch.Tensor | None = None
+        # The direction's terms, defined once for every trainer (fedloom.client.transforms).
+        direction = local_chain([grad_shift], [penalty], [grad_mask],
+                                weight_decay=self.weight_decay, prox_mu=mu,
+                                momentum=self.momentum)
+        dstate = direction.init(w)
         loss_sum = 0.0
         smooth: float | None = None
         first_grad: torch.Tensor | None = None
@@ -330,19 +339,7 @@ class LocalSGD:
             if probe and step == 0:
                 first_grad = grad.detach().clone()
             with torch.no_grad():
-                if grad_shift is not None:
-                    grad = grad + grad_shift
-                if penalty is not None and step < penalty.steps:
-                    grad = grad + penalty.grad(w)
-                if self.weight_decay:
-                    grad = grad.add(w, alpha=self.weight_decay)
-                if mu:
-                    grad = grad.add(w - anchor, alpha=mu)
-                if grad_mask is not None:  # frozen coordinates: no step, no momentum
-                    grad = grad * grad_mask
-                if self.momentum:
-                    buf = grad.clone() if buf is None else buf.mul_(self.momentum).add_(grad)
-                    grad = buf
+                grad, dstate = direction.update(grad, dstate, StepContext(step, w, anchor))
                 w.sub_(grad, alpha=lr)
         return w.detach().clone(), loss_sum / max(1, len(batches)), len(batches), smooth
 

@@ -189,6 +189,7 @@ from torch.nn import functional as F
 from fedloom.buffers import buffer_names
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
+from fedloom.client.transforms import StepContext, jobs_chain
 from fedloom.config import BackendConfig
 from fedloom.params import Layout
 from fedloom.registry import register
@@ -510,14 +511,13 @@ class LockstepBackend:
         batches = [tr.job_batches(j) for j in jobs]
         steps = [len(b) for b in batches]
         src_x, src_y, table = self._table(jobs, batches, W.device)
-        shift = None
-        if any(j.grad_shift is not None for j in jobs):
-            shift = torch.stack([j.grad_shift if j.grad_shift is not None
-                                 else torch.zeros_like(j.w) for j in jobs])
+        # The direction's terms, as the sequential trainer's (fedloom.client.transforms).
+        direction = jobs_chain(jobs, W, weight_decay=tr.weight_decay, prox_mu=tr.prox_mu,
+                               momentum=tr.momentum)
+        dstate = direction.init(W)
         lrs = [float(j.lr) for j in jobs]
         lr_col = torch.tensor(lrs, dtype=W.dtype, device=W.device)[:, None]
         G = torch.zeros_like(W)
-        buf: torch.Tensor | None = None
         losses: list[list[torch.Tensor]] = [[] for _ in range(m)]
         every = torch.arange(m, device=W.device)
         dropout = any(o.kind == "dropout" for o in self.plan)
@@ -547,21 +547,9 @@ class LockstepBackend:
                     # the client's own loss: nll_loss of its rows, the sequential bits
                     losses[k].append(F.nll_loss(lsm[r], Y[r]).detach())
             with torch.no_grad():
-                D = G
-                if shift is not None:
-                    D = D + shift
-                for k, j in enumerate(jobs):
-                    p = j.penalty
-                    if p is not None and t < p.steps and t < steps[k]:
-                        D[k] = D[k] + p.grad(W[k])
-                if tr.weight_decay:
-                    D = D.add(W, alpha=tr.weight_decay)
-                if tr.prox_mu:
-                    D = D.add(W - W0, alpha=tr.prox_mu)
-                if tr.momentum:
-                    # a finished client's buffer is never used again
-                    buf = D.clone() if buf is None else buf.mul_(tr.momentum).add_(D)
-                    D = buf
+                # (a finished client's momentum buffer is never used again)
+                D, dstate = direction.update(G, dstate, StepContext(
+                    t, W, W0, live=[t < s for s in steps]))
                 if active == m and len(set(lrs)) == 1:
                     W.sub_(D, alpha=lrs[0])
                 else:  # per-client η, finished clients η = 0 (w − 0 is w, bit for bit)

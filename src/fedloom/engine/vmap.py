@@ -56,6 +56,7 @@ from torch.nn import functional as F
 from fedloom.buffers import has_batch_statistics
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
+from fedloom.client.transforms import StepContext, jobs_chain
 from fedloom.config import BackendConfig
 from fedloom.params import Layout
 from fedloom.registry import register
@@ -110,17 +111,16 @@ class VmapBackend:
         start_loss = [tr.full_loss(j.w, j.x, j.y, buffers=j.buffers) if j.start_loss else None
                       for j in jobs]
         sched = self._schedule(jobs, W.device)
-        shift = None
-        if any(j.grad_shift is not None for j in jobs):
-            shift = torch.stack([j.grad_shift if j.grad_shift is not None
-                                 else torch.zeros_like(j.w) for j in jobs])
+        # The direction's terms, as the sequential trainer's (fedloom.client.transforms).
+        direction = jobs_chain(jobs, W, weight_decay=tr.weight_decay, prox_mu=tr.prox_mu,
+                               momentum=tr.momentum)
+        dstate = direction.init(W)
         # Each client's buffers (BatchNorm statistics) stacked [m, ...]: a train-mode
         # forward under vmap updates its own row in place.
         bufs = {n: torch.stack([(j.buffers or fm.init_buffers)[n] for j in jobs]).to(W.device)
                 for n in fm.buffers}
         one_fn = grad_and_value(_masked_loss(fm.module, tr.layout))
         step_fn, batch_stats = vmap(one_fn), has_batch_statistics(fm.module)
-        buf: torch.Tensor | None = None
         loss_sum = torch.zeros(m, dtype=torch.float64, device=W.device)
         lr = torch.tensor([j.lr for j in jobs], dtype=W.dtype, device=W.device)
         for t in range(sched.T):
@@ -128,7 +128,8 @@ class VmapBackend:
             G, L = _grads(one_fn, step_fn, W, bufs, X, Y, M, active, batch_stats)
             loss_sum += L.detach().to(torch.float64) * active.to(torch.float64)
             with torch.no_grad():
-                G, buf = self._direction(G, W, w_global, t, shift, jobs, buf)
+                live = [t < s for s in sched.steps]
+                G, dstate = direction.update(G, dstate, StepContext(t, W, w_global, live=live))
                 # A finished client is masked out of the update (its buffer is never used
                 # again, so it need not be frozen).
                 # In place: a fresh [m, d] tensor every step costs page faults.
@@ -185,28 +186,6 @@ class VmapBackend:
                     X[k, :n] = tr.batch(X[k, :n], torch.arange(n, device=X.device),
                                         jobs[k].gen_seed, t)
         return X, Y, M, active
-
-    def _direction(self, G: torch.Tensor, W: torch.Tensor, w_global: torch.Tensor, t: int,
-                   shift: torch.Tensor | None, jobs: list[ClientJob],
-                   buf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The SGD direction from the stacked gradients, as LocalSGD's step: the
-        job's shift and penalty, weight decay, FedProx, then momentum (its buffer
-        starts at a client's first gradient, as torch.optim.SGD's)."""
-        tr = self.trainer
-        if shift is not None:
-            G = G + shift
-        for k, j in enumerate(jobs):
-            p = j.penalty
-            if p is not None and t < p.steps:
-                G[k] = G[k] + p.grad(W[k])
-        if tr.weight_decay:
-            G = G + tr.weight_decay * W
-        if tr.prox_mu:
-            G = G + tr.prox_mu * (W - w_global)
-        if tr.momentum:
-            buf = G.clone() if buf is None else buf * tr.momentum + G
-            G = buf
-        return G, buf
 
 
 @dataclass

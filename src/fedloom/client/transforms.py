@@ -1,0 +1,217 @@
+"""A local step's direction as one chain of gradient transforms.
+
+In the manner of optax's ``GradientTransformation``: a transform holds its
+settings, ``init(W)`` gives its state and ``update(D, state, ctx)`` returns the
+new direction and state. :func:`chain` composes them. The sequential trainer
+(:class:`fedloom.client.sgd.LocalSGD`, one client: ``D`` of shape ``[d]``) and
+the batched ones (:mod:`fedloom.engine.vmap`, :mod:`fedloom.engine.lockstep`:
+``[m, d]``, one row a client) build the same chain with :func:`local_chain` and
+apply it between the gradient and the step ``W ← W − η·D``, so every term is
+defined once. For a step with gradient ``g`` at parameters ``w``:
+
+    D = g + s (SCAFFOLD / FedDyn / SCAFCOM shift)
+          + ∇P(w) while t < P.steps (FLARE, EC+prox penalty)
+          + wd·w (weight decay) + μ(w − w₀) (FedProx)
+    D ← D ⊙ M (frozen coordinates: FedBABU's head, FedRep's phases)
+    b ← D on the first step, else β·b + D; D ← b (heavy ball, as torch.optim.SGD)
+
+Each term is the arithmetic the trainers computed before this module, op for op
+(``add(…, alpha=·)`` is one fused multiply-add): sequential and lock-step stay bit
+for bit what they were. The batched vmap trainer took ``G + wd·W`` and
+``G + μ(W − W₀)`` unfused; through this chain it now computes them as the
+others do.
+
+Transforms run under ``torch.no_grad()`` (the trainers' step) and may update
+``D`` in place: it is the step's own buffer or a fresh tensor, never read again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from fedloom.job import ClientJob, Penalty
+
+__all__ = ["Chain", "LocalTransform", "Mask", "Momentum", "PenaltyTerm", "Prox", "Shift",
+           "StepContext", "WeightDecay", "chain", "jobs_chain", "local_chain"]
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a transform may read at a local step: the step ``t`` (0-based), the
+    parameters ``W`` before the step (``[d]`` or ``[m, d]``), the round's anchor
+    ``W0`` (the model received) and, for ``[m, d]``, which clients still step."""
+
+    step: int
+    W: torch.Tensor
+    W0: torch.Tensor
+    live: Sequence[bool] | None = None
+
+
+class LocalTransform(Protocol):
+    def init(self, W: torch.Tensor) -> Any: ...
+
+    def update(self, D: torch.Tensor, state: Any, ctx: StepContext
+               ) -> tuple[torch.Tensor, Any]: ...
+
+
+@dataclass(frozen=True)
+class Shift:
+    """``D + s``: a control-variate shift, ``[d]`` or one row a client ``[m, d]``."""
+
+    s: torch.Tensor
+
+    def init(self, W: torch.Tensor) -> None:
+        return None
+
+    def update(self, D: torch.Tensor, state: None, ctx: StepContext) -> tuple[torch.Tensor, None]:
+        return D + self.s, None
+
+
+@dataclass(frozen=True)
+class PenaltyTerm:
+    """``D + ∇P(w)`` for each client's own penalty while ``t < P.steps``
+    (``None``: that client has none). One penalty and ``D`` of shape ``[d]`` for
+    one client; a list, one a row, for ``[m, d]``."""
+
+    penalties: tuple[Penalty | None, ...]
+
+    def init(self, W: torch.Tensor) -> None:
+        return None
+
+    def update(self, D: torch.Tensor, state: None, ctx: StepContext) -> tuple[torch.Tensor, None]:
+        t = ctx.step
+        if D.dim() == 1:
+            p = self.penalties[0]
+            return (D + p.grad(ctx.W) if p is not None and t < p.steps else D), None
+        for k, p in enumerate(self.penalties):
+            if p is not None and t < p.steps and (ctx.live is None or ctx.live[k]):
+                D[k] = D[k] + p.grad(ctx.W[k])
+        return D, None
+
+
+@dataclass(frozen=True)
+class WeightDecay:
+    """``D + wd·w`` (L2 weight decay, as torch.optim.SGD's ``weight_decay``)."""
+
+    wd: float
+
+    def init(self, W: torch.Tensor) -> None:
+        return None
+
+    def update(self, D: torch.Tensor, state: None, ctx: StepContext) -> tuple[torch.Tensor, None]:
+        return D.add(ctx.W, alpha=self.wd), None
+
+
+@dataclass(frozen=True)
+class Prox:
+    """``D + μ(w − w₀)``: FedProx's proximal term (Li et al., MLSys 2020)."""
+
+    mu: float
+
+    def init(self, W: torch.Tensor) -> None:
+        return None
+
+    def update(self, D: torch.Tensor, state: None, ctx: StepContext) -> tuple[torch.Tensor, None]:
+        return D.add(ctx.W - ctx.W0, alpha=self.mu), None
+
+
+@dataclass(frozen=True)
+class Mask:
+    """``D ⊙ M`` (0/1 per coordinate): masked coordinates neither step nor enter
+    the momentum."""
+
+    mask: torch.Tensor
+
+    def init(self, W: torch.Tensor) -> None:
+        return None
+
+    def update(self, D: torch.Tensor, state: None, ctx: StepContext) -> tuple[torch.Tensor, None]:
+        return D * self.mask, None
+
+
+@dataclass(frozen=True)
+class Momentum:
+    """Heavy ball as torch.optim.SGD (dampening 0, no Nesterov): ``b = D`` on the
+    first step, then ``b ← β·b + D``; the direction is ``b``. State: ``b`` (None
+    before the first step); it restarts every round."""
+
+    beta: float
+
+    def init(self, W: torch.Tensor) -> None:
+        return None
+
+    def update(self, D: torch.Tensor, state: torch.Tensor | None, ctx: StepContext
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        b = D.clone() if state is None else state.mul_(self.beta).add_(D)
+        return b, b
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The transforms in order; its state is the tuple of theirs."""
+
+    transforms: tuple[LocalTransform, ...]
+
+    def init(self, W: torch.Tensor) -> tuple[Any, ...]:
+        return tuple(t.init(W) for t in self.transforms)
+
+    def update(self, D: torch.Tensor, state: tuple[Any, ...], ctx: StepContext
+               ) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        new = []
+        for t, s in zip(self.transforms, state, strict=True):
+            D, s = t.update(D, s, ctx)
+            new.append(s)
+        return D, tuple(new)
+
+
+def chain(*transforms: LocalTransform) -> Chain:
+    """The transforms applied one after the other (an empty chain is the identity)."""
+    return Chain(tuple(transforms))
+
+
+def local_chain(shifts: Sequence[torch.Tensor | None] = (),
+                penalties: Sequence[Penalty | None] = (),
+                masks: Sequence[torch.Tensor | None] = (), *, weight_decay: float = 0.0,
+                prox_mu: float = 0.0, momentum: float = 0.0,
+                like: torch.Tensor | None = None) -> Chain:
+    """The chain of a local step, its terms in the order of the module docstring;
+    a term that is zero or absent for every client is left out.
+
+    ``shifts``, ``penalties`` and ``masks`` hold one entry a client (``None``: none
+    for that client). With ``like`` (the stacked parameters ``[m, d]``) the
+    per-client terms are stacked one row a client (a zero shift, an all-ones mask
+    for a client without); without it there is one client and its ``[d]`` terms
+    are used as they are.
+    """
+    parts: list[LocalTransform] = []
+
+    def stacked(xs: Sequence[torch.Tensor | None], fill: float) -> torch.Tensor:
+        assert like is not None
+        return torch.stack([x if x is not None else torch.full_like(like[k], fill)
+                            for k, x in enumerate(xs)])
+
+    if any(s is not None for s in shifts):
+        parts.append(Shift(stacked(shifts, 0.0) if like is not None else shifts[0]))
+    if any(p is not None for p in penalties):
+        parts.append(PenaltyTerm(tuple(penalties)))
+    if weight_decay:
+        parts.append(WeightDecay(weight_decay))
+    if prox_mu:
+        parts.append(Prox(prox_mu))
+    if any(mk is not None for mk in masks):
+        parts.append(Mask(stacked(masks, 1.0) if like is not None else masks[0]))
+    if momentum:
+        parts.append(Momentum(momentum))
+    return Chain(tuple(parts))
+
+
+def jobs_chain(jobs: Sequence[ClientJob], W: torch.Tensor, *, weight_decay: float = 0.0,
+               prox_mu: float = 0.0, momentum: float = 0.0) -> Chain:
+    """:func:`local_chain` of a cohort's jobs on the stacked parameters ``W``."""
+    return local_chain([j.grad_shift for j in jobs], [j.penalty for j in jobs],
+                       [j.grad_mask for j in jobs], weight_decay=weight_decay,
+                       prox_mu=prox_mu, momentum=momentum, like=W)
