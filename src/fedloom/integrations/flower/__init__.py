@@ -448,6 +448,10 @@ class FedloomStrategy(Strategy):
 
     def __init__(self, config: ConfigSource, overrides: Sequence[str] = (), *,
                  experiment: Experiment | None = None, node_timeout: float = 120.0) -> None:
+        # fedloom's warnings (rejected clients, skipped steps) in Flower's log too
+        from fedloom.integrations.flower.strategies import bridge_logs_to_flower
+
+        bridge_logs_to_flower()
         self.exp = experiment or Experiment(load_config(config, overrides))
         cfg = self.exp.cfg
         _check_scope(cfg)
