@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 
-.PHONY: run test lint bench bench-gpu gpu-bundle clean repro-craft repro-sapef repro-flare repro-heterogeneity repro-personalised
+.PHONY: run test lint docs bench bench-gpu gpu-bundle clean repro-craft repro-sapef repro-flare repro-heterogeneity repro-personalised
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,12 @@ test: $(VENV)/.dev
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/lint-imports --no-cache
+
+# The site (docs/) into docs/_build/html, warnings as errors: a broken link or a page
+# outside every table of contents fails it. make test builds it too (tests/test_docs.py).
+docs: $(VENV)/.dev
+	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+	@echo "open docs/_build/html/index.html"
 
 $(VENV)/.report: $(VENV)/.torch pyproject.toml
 	$(PIP) install -q -e '.[data,report,tune]'

@@ -372,7 +372,7 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 def _cmd_algorithms(args: argparse.Namespace) -> int:
     from fedloom.report.algorithms import entries, render_markdown, render_text
 
-    if args.markdown:  # built-ins only: the checked-in docs/algorithms.md
+    if args.markdown:  # built-ins only: the site's algorithm reference
         sys.stdout.write(render_markdown())
     else:  # installed plug-ins too, with where they come from
         sys.stdout.write(render_text(entries(builtin_only=False)))
@@ -465,7 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
                                            "methods … with their options (plug-ins too)")
     al.add_argument("--markdown", action="store_true",
                     help="the built-ins' reference with papers, public code and departures "
-                         "(fedloom algorithms --markdown > docs/algorithms.md)")
+                         "(the site's algorithm reference, docs/reference/algorithms.md)")
     al.set_defaults(func=_cmd_algorithms)
     # Every command, named where `fedloom --help` starts.
     p.description = ("Federated learning on heterogeneous clients over slow links. "

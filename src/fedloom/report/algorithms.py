@@ -1,10 +1,10 @@
 """The reference of every built-in algorithm, generated from the registry.
 
-``fedloom algorithms --markdown > docs/algorithms.md`` (or ``python -m
-fedloom.report.algorithms --write``) writes ``docs/algorithms.md``: for each
-kind and name, the config field that picks it, its options with types and
-defaults (read from the factory's signature), and the ``Reference:`` block of
-its docstring::
+``fedloom algorithms --markdown`` (or ``python -m fedloom.report.algorithms``)
+prints the site's algorithm reference (``docs/reference/algorithms.md``, made
+from this module when the site is built; no copy is committed): for each kind
+and name, the config field that picks it, its options with types and defaults
+(read from the factory's signature), and the ``Reference:`` block of its docstring::
 
     Reference:
         paper: the publication (authors, title, venue/arXiv).
@@ -12,9 +12,8 @@ its docstring::
         departures: every way it differs from the paper or that code.
         measured: the numerical comparison with the public code (optional).
 
-Only built-ins are listed (an installed plug-in does not change the file);
+Only built-ins are listed (an installed plug-in does not change the page);
 ``fedloom algorithms`` without ``--markdown`` lists plug-ins too.
-``tests/test_algorithms_doc.py`` regenerates the file and compares.
 """
 
 from __future__ import annotations
@@ -25,15 +24,13 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fedloom.registry import available, get, origin
 
-__all__ = ["DOC_PATH", "Entry", "entries", "parse_reference", "render_markdown", "render_text"]
+__all__ = ["Entry", "entries", "parse_reference", "render_markdown", "render_text"]
 
-DOC_PATH = Path("docs/algorithms.md")
-COMMAND = "fedloom algorithms --markdown > docs/algorithms.md"
+COMMAND = "fedloom algorithms --markdown"
 
 # kind, heading, the field that names it, where its options go
 KINDS: tuple[tuple[str, str, str, str], ...] = (
@@ -158,7 +155,7 @@ def _md(text: str) -> str:
 
 
 def render_markdown(items: list[Entry] | None = None) -> str:
-    """``docs/algorithms.md``."""
+    """The site's algorithm reference (``docs/reference/algorithms.md``)."""
     items = entries() if items is None else items
     lines = [
         "# Algorithms",
@@ -168,8 +165,9 @@ def render_markdown(items: list[Entry] | None = None) -> str:
         "was checked against, and every departure. The math and the measured comparisons "
         "are in each implementation's docstring (the module named under each entry).",
         "",
-        f"Generated from the registry by `{COMMAND}`; `make test` checks that it is "
-        "current. Plug-ins (entry points, `module:attr`) are described in the README; "
+        f"Generated from the registry when the site is built (`{COMMAND}` prints it). "
+        "Plug-ins (entry points, `module:attr`) are described in "
+        "[your own algorithm](../tutorials/own-algorithm.md); "
         "`fedloom algorithms` lists the installed ones too.",
         "",
     ]
@@ -212,16 +210,9 @@ def render_text(items: list[Entry]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fedloom.report.algorithms",
-                                description="write the algorithm reference")
-    p.add_argument("--write", action="store_true", help=f"write {DOC_PATH}")
-    args = p.parse_args(argv)
-    text = render_markdown()
-    if args.write:
-        DOC_PATH.parent.mkdir(parents=True, exist_ok=True)
-        DOC_PATH.write_text(text, encoding="utf-8")
-        print(f"wrote {DOC_PATH}")
-    else:
-        sys.stdout.write(text)
+                                description="print the algorithm reference (Markdown)")
+    p.parse_args(argv)
+    sys.stdout.write(render_markdown())
     return 0
 
 
