@@ -1,0 +1,349 @@
+"""From a mapping to a :class:`~fedloom.config.Config`, checked field by field,
+then across fields.
+
+:func:`config_from_dict` builds the dataclasses section by section: an unknown
+key, a wrong type or an out-of-range value is one :class:`ConfigError` line
+naming the dotted field. Then the checks that one field cannot make alone: names
+that must be registered (:func:`check_name`), the system section
+(:func:`check_system_config`), the partitioner's keys, the cohort against the
+clients, the schedule's warm-up against the rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from fedloom import registry
+from fedloom.config.sections import (
+    MAX_COUNT,
+    Config,
+    ConfigError,
+    PartitionConfig,
+    SystemConfig,
+)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{path}: must be {_type_name(tp)}, got {_shown(value)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _convert(value, arg, path)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{path}: must be {_type_name(tp)}, got {_shown(value)}")
+    if tp is type(None):
+        if value is not None:
+            raise ConfigError(f"{path}: must be null, got {_shown(value)}")
+        return None
+    if origin is list:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: must be {_type_name(tp)}, got {_shown(value)}")
+        (inner,) = typing.get_args(tp)
+        return [_convert(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: must be a mapping, got {_shown(value)}")
+        return {str(k): v for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: must be a mapping, got {_shown(value)}")
+        return _build(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: must be true or false, got {_shown(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: must be an integer, got {_shown(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: must be a number, got {_shown(value)}")
+        try:
+            value = float(value)
+        except OverflowError:  # an int beyond float's range (10**309): not finite either
+            raise ConfigError(f"{path}: must be finite, got {_shown(value)}") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(f"{path}: must be finite, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: must be a string, got {_shown(value)}")
+        return value
+    if tp is Any:
+        return value
+    raise TypeError(f"config schema: unsupported type {tp!r} at {path}")  # pragma: no cover
+
+
+def _digits(n: int) -> int:
+    """The decimal digits of ``n``, without ``str(n)`` (which raises past Python's
+    int-to-str limit, 4300 digits)."""
+    n = abs(n)
+    if n < 10:
+        return 1
+    d = int(math.log10(n)) + 1
+    if 10 ** (d - 1) > n:  # log10's rounding, near a power of ten
+        return d - 1
+    return d + 1 if 10**d <= n else d
+
+
+def _shown(v: Any) -> str:
+    """``repr(v)`` for a message; an integer of more than 30 digits by its length (a
+    message stays one short line, and repr raises past Python's int-to-str limit)."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**30:
+        return f"an integer of {_digits(v)} digits"
+    return repr(v)
+
+
+def field_bounds(f: dataclasses.Field[Any], tp: Any) -> dict[str, float]:
+    """The bounds loading checks ``f`` (of type ``tp``) against, and the schema states:
+    its own (``_f(default, ge=…)``), plus ``le=MAX_COUNT`` for a field that holds
+    integers (``int``, ``int | None``, ``list[int]``) without an upper bound of its
+    own, unless it is marked ``unbounded`` (``seed``)."""
+    bounds = dict(f.metadata.get("bounds", {}))
+    if not f.metadata.get("unbounded") and _holds_int(tp) and not {"le", "lt"} & set(bounds):
+        bounds["le"] = MAX_COUNT
+    return bounds
+
+
+def _holds_int(tp: Any) -> bool:
+    if tp is int:
+        return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType, list):
+        return any(_holds_int(a) for a in typing.get_args(tp))
+    return False
+
+
+def _check_bounds(value: Any, bounds: Mapping[str, float], path: str) -> None:
+    if value is None or isinstance(value, str):  # a keyword ("auto") has no bounds
+        return
+    values = value if isinstance(value, list) else [value]
+    for v in values:
+        for op, b in bounds.items():
+            ok = {"ge": v >= b, "gt": v > b, "le": v <= b, "lt": v < b}[op]
+            if not ok:
+                sym = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}[op]
+                why = " (the bound of every count: fedloom.config.MAX_COUNT)" if (
+                    op == "le" and b == MAX_COUNT) else ""
+                shown = str(b) if isinstance(b, int) else f"{b:g}"
+                raise ConfigError(f"{path}: must be {sym} {shown}{why}, got {_shown(v)}")
+
+
+def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            where = f"{path}.{key}" if path else str(key)
+            raise ConfigError(
+                f"{where}: unknown key (expected one of: {', '.join(sorted(fields))})"
+            )
+    kwargs = {}
+    for name, f in fields.items():
+        where = f"{path}.{name}" if path else name
+        if name in data:
+            value = _convert(data[name], hints[name], where)
+            _check_bounds(value, field_bounds(f, hints[name]), where)
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """Validate a plain mapping into a :class:`Config` (raises :class:`ConfigError`)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config: must be a mapping at the top level, got {type(data).__name__}")
+    cfg = _build(Config, _shorthands(data), "")
+    _check_cross_fields(cfg)
+    return cfg
+
+
+def _shorthands(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``backend: NAME`` → ``backend: {name: NAME}``."""
+    if isinstance(data.get("backend"), str):
+        return {**data, "backend": {"name": data["backend"]}}
+    return data
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def check_name(field: str, kind: str, name: str) -> None:
+    """Raise a one-line ``ConfigError`` naming ``field`` if ``name`` is neither
+    registered, nor an installed entry point, nor an importable ``module:attr``."""
+    try:
+        registry.get(kind, name)
+    except KeyError as e:
+        msg = e.args[0] if e.args else str(e)
+        if msg.startswith("unknown "):
+            msg = f"unknown {kind} {name!r} (available: {', '.join(registry.available(kind))})"
+        raise ConfigError(f"{field}: {msg}") from None
+
+
+def metric_names(metrics: Any) -> list[str]:
+    """``metrics.hooks``, then every boolean key of the section that is true and
+    names a registered metric (``metrics.mismatch: true``), without repeats."""
+    names = list(getattr(metrics, "hooks", []) or [])
+    known = set(registry.available("metric"))
+    for f in dataclasses.fields(metrics):
+        if getattr(metrics, f.name) is True and f.name in known and f.name not in names:
+            names.append(f.name)
+    return names
+
+
+# The per-device quantities of the system section (fedloom.system).
+SYSTEM_QUANTITIES = ("speed", "up_bps", "down_bps", "latency_s")
+
+
+def system_values(cfg: SystemConfig, q: str) -> list[float]:
+    v = getattr(cfg, q)
+    return [float(v)] if isinstance(v, int | float) else [float(x) for x in v]
+
+
+def check_system_config(cfg: SystemConfig) -> None:
+    """Raise :class:`ConfigError` (one line naming the ``system.*`` field) for a
+    section that cannot describe devices."""
+    p = cfg.profile
+    for q in SYSTEM_QUANTITIES:
+        v = system_values(cfg, q)
+        given = v != [0.0]
+        if p in ("off", "classes", "csv") and given:
+            why = "system.profile is off" if p == "off" else f"profile {p} gives it"
+            raise ConfigError(f"system.{q}: not used ({why})")
+        if len(v) not in (1, 2):
+            raise ConfigError(f"system.{q}: one number, or [low, high] (uniform) / "
+                              f"[median, sigma] (lognormal), got {len(v)} numbers")
+        if p == "uniform" and len(v) == 2:
+            if v[0] > v[1]:
+                raise ConfigError(f"system.{q}: low {v[0]:g} is above high {v[1]:g}")
+            if q != "latency_s" and v[0] == 0 and v[1] > 0:
+                raise ConfigError(f"system.{q}: low must be > 0 (0 alone means the term "
+                                  "takes no time)")
+    if p == "classes":
+        if not cfg.classes:
+            raise ConfigError("system.classes: profile classes needs at least one class")
+        total = sum(c.p for c in cfg.classes)
+        if abs(total - 1.0) > 1e-6:
+            raise ConfigError(f"system.classes: the probabilities p must sum to 1, got {total:g}")
+    elif cfg.classes:
+        raise ConfigError(f"system.classes: not used (system.profile is {p})")
+    if p == "csv" and not cfg.path:
+        raise ConfigError("system.path: profile csv needs the file of the clients' devices")
+    if p != "csv" and cfg.path:
+        raise ConfigError(f"system.path: not used (system.profile is {p})")
+    if cfg.deadline_s is not None and p == "off":
+        raise ConfigError("system.deadline_s: needs a system.profile to time the clients")
+    if cfg.pattern != "sine" and cfg.amplitude:
+        raise ConfigError("system.amplitude: only used by pattern sine")
+
+
+_OLDER_PARTITION_KEYS = frozenset({"name", "alpha", "min_samples", "shards_per_client",
+                                   "max_tries", "min_policy", "balance"})
+
+
+def _check_partition_keys(p: PartitionConfig) -> None:
+    """A key of the heterogeneity partitioners (``k``, ``sizes``' and ``mixed``'s keys,
+    ``options``) set away from its default for a partitioner that does not take it is
+    refused (one line), as an unknown option is: it would be ignored. The older keys
+    (``alpha``, ``min_samples``, …) stay ignored by partitioners that do not take them,
+    as before: configs switch the partitioner by override (``data.partition.name=iid``)
+    and keep their Dirichlet keys."""
+    import inspect
+
+    factory = registry.get("partitioner", p.name)
+    takes = set(inspect.signature(factory).parameters)
+    if any(v.kind is inspect.Parameter.VAR_KEYWORD
+           for v in inspect.signature(factory).parameters.values()):
+        if p.name != "mixed" or not getattr(factory, "__module__", "").startswith("fedloom."):
+            return
+        then = p.then or "dirichlet"
+        try:
+            takes |= set(inspect.signature(registry.get("partitioner", then)).parameters)
+        except KeyError as e:
+            raise ConfigError(f"data.partition.then: {e.args[0] if e.args else e}") from None
+    if not getattr(factory, "__module__", "").startswith("fedloom."):
+        return  # a plug-in takes the keys it names; the others are its business
+    default = PartitionConfig()
+    for f in dataclasses.fields(PartitionConfig):
+        if f.name in _OLDER_PARTITION_KEYS or getattr(p, f.name) == getattr(default, f.name):
+            continue
+        if f.name not in takes:
+            raise ConfigError(f"data.partition.{f.name}: not used by partitioner {p.name!r}")
+
+
+def _check_cross_fields(cfg: Config) -> None:
+    check_name("data.name", "dataset", cfg.data.name)
+    check_name("model.name", "model", cfg.model.name)
+    check_name("aggregator.name", "aggregator", cfg.aggregator.name)
+    check_name("backend.name", "backend", cfg.backend.name)
+    check_name("client.method", "method", cfg.client.method)
+    check_name("compression.name", "compressor", cfg.compression.name)
+    check_name("server.optimizer", "server_optimizer", cfg.server.optimizer)
+    check_name("compression.feedback", "feedback", cfg.compression.feedback)
+    check_name("compression.adaptive", "planner", cfg.compression.adaptive)
+    check_name("data.partition.name", "partitioner", cfg.data.partition.name)
+    _check_partition_keys(cfg.data.partition)
+    for i, hook in enumerate(cfg.metrics.hooks):
+        check_name(f"metrics.hooks[{i}]", "metric", hook)
+    on = metric_names(cfg.metrics)
+    for hook, opts in cfg.metrics.options.items():
+        if hook not in on:
+            raise ConfigError(f"metrics.options.{hook}: metric {hook!r} is not on (on: "
+                              f"{', '.join(on) or 'none'}; add it to metrics.hooks)")
+        if not isinstance(opts, Mapping):
+            raise ConfigError(f"metrics.options.{hook}: must be a mapping, got {opts!r}")
+    check_name("attack.name", "attack", cfg.attack.name)
+    if cfg.logging.tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("logging.tensorboard: needs the tensorboard package "
+                              "(pip install 'fedloom[tensorboard]')")
+    if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", cfg.device):
+        raise ConfigError(f"device: must be cpu, cuda, cuda:N or auto, got {cfg.device!r}")
+    # Every compressor takes it (the payload's CRC-32C trailer): checked here, not
+    # first when the experiment builds its compressor.
+    checksum = cfg.compression.options.get("checksum", True)
+    if not isinstance(checksum, bool):
+        raise ConfigError(f"compression.options.checksum: must be true or false, "
+                          f"got {checksum!r}")
+    natural = cfg.data.partition.name == "natural" or bool(cfg.data.client)
+    if not natural and cfg.cohort.size > cfg.data.num_clients:
+        raise ConfigError(
+            f"cohort.size: must be <= data.num_clients ({cfg.data.num_clients}), "
+            f"got {cfg.cohort.size}"
+        )
+    check_system_config(cfg.system)
+    if cfg.client.schedule.name == "cosine" and cfg.client.schedule.warmup >= cfg.rounds:
+        raise ConfigError(
+            f"client.schedule.warmup: must be < rounds ({cfg.rounds}), "
+            f"got {cfg.client.schedule.warmup}"
+        )

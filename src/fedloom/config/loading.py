@@ -1,0 +1,218 @@
+"""Reading a config: the bounded YAML loaders, ``a.b.c=value`` overrides, and
+:func:`load_config` (a YAML file, a mapping or a Config, then the overrides).
+
+YAML is read with bounds (:func:`yaml_load`, :func:`safe_load_bounded`): aliases
+may add at most :data:`MAX_ALIAS_NODES` nodes to a document (an alias bomb of
+nine anchors of nine aliases, 9**9 leaves, is refused in 26 ms; unbounded it
+hung ``fedloom run`` for over a minute), no alias may refer to its own anchor,
+and nesting stops at :data:`MAX_DEPTH` levels (PyYAML raised RecursionError past
+~490, at Python's default recursion limit). A config file with no settings
+(empty, only comments, ``null``) is refused. An integer literal longer than
+Python's int-parsing limit (``sys.get_int_max_str_digits()``, 4300 digits) is
+refused naming the source and line (int() raised a ValueError that named neither).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedloom.config.checks import config_from_dict, config_to_dict
+from fedloom.config.sections import Config, ConfigError
+
+# What aliases may add to a document, in nodes of the tree they expand to, and how
+# deep a document may nest. A config is a few hundred nodes, eight levels deep; an
+# alias bomb (nine anchors, each nine aliases of the one before) is 9**9 leaves.
+MAX_ALIAS_NODES = 10_000
+MAX_DEPTH = 100
+
+
+class _Refused(yaml.MarkedYAMLError):
+    """A document refused while composing it (raised as ConfigError by _load)."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that counts, while composing, the nodes aliases add.
+
+    PyYAML composes an alias as the anchored node itself, so the composed graph is
+    as small as the file, but every consumer that walks it as a tree
+    (``dataclasses.asdict``, ``==``, the schema's own checks) visits each alias's whole
+    subtree again. Each node's expanded size (itself plus its children's, an alias
+    counting as its target's) is recorded when its composition ends; an alias adds
+    its target's size to the document's running extra, refused past
+    :data:`MAX_ALIAS_NODES`. An alias to a node still being composed is recursive
+    (a list that holds itself: an endless tree) and refused; so is nesting deeper
+    than :data:`MAX_DEPTH` (PyYAML's composer recurses per level: a RecursionError
+    after ~490 levels otherwise, at the default recursion limit). A merge key
+    (``<<: *a``) is an alias like any other, counted as its target's size, an
+    upper bound of the entries it copies.
+    The work is one step per composed node, whatever the expansion would be."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._sizes: dict[int, int] = {}   # id(node) -> expanded size, once composed
+        self._open: list[int] = []         # expanded size so far of each open node
+        self._extra = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self._alias(self.peek_event())
+            return super().compose_node(parent, index)
+        if len(self._open) >= MAX_DEPTH:
+            raise _Refused(problem=f"nested more than {MAX_DEPTH} levels deep",
+                           problem_mark=self.peek_event().start_mark)
+        self._open.append(1)
+        node = super().compose_node(parent, index)
+        size = self._open.pop()
+        self._sizes[id(node)] = size
+        if self._open:
+            self._open[-1] += size
+        return node
+
+    def _alias(self, event: yaml.AliasEvent) -> None:
+        target = self.anchors.get(event.anchor)
+        if target is None:  # an undefined alias: the composer's own error follows
+            return
+        size = self._sizes.get(id(target))
+        if size is None:
+            raise _Refused(problem=f"recursive alias *{event.anchor} (an anchor used "
+                                   "inside itself)", problem_mark=event.start_mark)
+        self._extra += size
+        if self._extra > MAX_ALIAS_NODES:
+            raise _Refused(problem=f"aliases expand to more than {MAX_ALIAS_NODES} "
+                                   "nodes; write the values out", problem_mark=event.start_mark)
+        if self._open:
+            self._open[-1] += size
+
+
+def _construct_int(loader: _BoundedLoader, node: yaml.ScalarNode) -> int:
+    """``SafeConstructor.construct_yaml_int``, refusing (with its line) an integer
+    longer than Python's int-parsing limit: ``int()`` raises a ValueError that names
+    neither the file nor the line."""
+    try:
+        return int(yaml.SafeLoader.construct_yaml_int(loader, node))
+    except ValueError:
+        raise _Refused(problem=f"an integer of more than {sys.get_int_max_str_digits()} "
+                               "digits", problem_mark=node.start_mark) from None
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
+class _Loader(_BoundedLoader):
+    """YAML with 1.2-style floats: ``1e-3`` is a number, not the string "1e-3"."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def _load(text: str, source: str, loader: type[yaml.SafeLoader]) -> Any:
+    try:
+        return yaml.load(text, Loader=loader)
+    except _Refused as e:
+        mark = e.problem_mark
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigError(f"{source}: {e.problem}{where}") from None
+
+
+def yaml_load(text: str, source: str = "YAML text") -> Any:
+    """A config's YAML (1.2-style floats), bounded as :class:`_BoundedLoader` says:
+    an alias bomb, a recursive alias or deep nesting raises :class:`ConfigError`
+    naming ``source`` and the line; malformed YAML raises ``yaml.YAMLError``."""
+    return _load(text, source, _Loader)
+
+
+def safe_load_bounded(text: str, source: str) -> Any:
+    """``yaml.safe_load`` (YAML 1.1 resolvers, the ones ``yaml.safe_dump`` writes
+    for) with :func:`yaml_load`'s bounds: for files fedloom wrote, such as a run
+    directory's ``config.yaml``, whose strings like ``1e5`` must stay strings."""
+    return _load(text, source, _BoundedLoader)
+
+
+def _parse_value(text: str, key: str) -> Any:
+    try:
+        return yaml_load(text, f"override {key}") if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides to a nested mapping (a copy is returned)."""
+    import copy
+
+    out = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE with a dotted key")
+        parts = key.split(".")
+        if parts[0] == "backend" and len(parts) > 1 and isinstance(out.get("backend"), str):
+            out["backend"] = {"name": out["backend"]}
+        node: dict[str, Any] = out
+        for i, part in enumerate(parts[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"{'.'.join(parts[: i + 1])}: is not a section, cannot set {key}")
+            node = nxt
+        value = _parse_value(raw, key)
+        if key == "backend" and isinstance(value, str):
+            # the shorthand ``backend=NAME`` keeps the section's other keys
+            old = node.get("backend")
+            value = {**(old if isinstance(old, dict) else {}), "name": value}
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(
+    source: str | Path | Mapping[str, Any] | Config, overrides: Sequence[str] = ()
+) -> Config:
+    """Load a config from a YAML file, a mapping or a :class:`Config`, then apply overrides."""
+    if isinstance(source, Config):
+        data = config_to_dict(source)
+    elif isinstance(source, Mapping):
+        data = dict(source)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        try:
+            # utf-8-sig: a byte-order mark is skipped; other encodings are refused,
+            # never guessed from the locale.
+            text = path.read_bytes().decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a UTF-8 text file (byte 0x{e.object[e.start]:02x} "
+                              f"at offset {e.start})") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config ({e.strerror or e})") from None
+        try:
+            data = yaml_load(text, str(path))
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1})" if mark is not None else ""
+            raise ConfigError(f"{path}: not valid YAML{where}") from None
+        if data is None:  # no document, or only ``null``: never the defaults, silently
+            raise ConfigError(f"{path}: the file has no settings (it is empty or holds "
+                              "only comments)")
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: must hold a mapping at the top level")
+        data.setdefault("name", path.stem)
+    return config_from_dict(apply_overrides(data, overrides))

@@ -1,0 +1,489 @@
+"""The config's sections: one dataclass per section, with its defaults and bounds.
+
+:class:`Config` is the root. A field's bounds (``_f(default, ge=…)``) are what
+loading checks (:func:`fedloom.config.checks.field_bounds`) and what ``fedloom
+schema`` states. :class:`ConfigError` is here too: the one error every part of
+:mod:`fedloom.config` raises.
+
+Counts are bounded: every integer field but ``seed`` (rounds, clients, samples,
+batch sizes, local steps and epochs, eval and checkpoint intervals, widths) is at
+most :data:`MAX_COUNT` = 10**9, stated as ``maximum`` in ``fedloom schema``
+(``rounds=10**12`` and ``2**63`` were accepted and ran). ``seed`` is an identifier,
+hashed into every random stream (:mod:`fedloom.rng`), and has no bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A config problem; ``str(err)`` is one line naming the field."""
+
+
+# The bound of every integer field but ``seed``. Each counts something that costs
+# time or memory (rounds, clients, samples, steps, widths); a billion of any is past
+# what a run can finish or hold (a round takes milliseconds at least: 10**9 rounds
+# are weeks), so a larger value is a typo or a probe, refused before anything
+# starts. And the product of any two bounded counts (rounds x cohort, steps x
+# batch) is 10**18 < 2**63: below the int64 that numpy and torch count in, so no
+# count derived from two of them wraps around.
+MAX_COUNT = 10**9
+
+
+def _rng(**bounds: float) -> dict[str, Any]:
+    return {"bounds": bounds}
+
+
+def _f(default: Any, **bounds: float) -> Any:
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=_rng(**bounds))
+    return field(default=default, metadata=_rng(**bounds))
+
+
+@dataclass
+class SyntheticConfig:
+    """Synthetic(α, β) of FedProx / q-FFL: α controls how much local models
+    differ, β how much local feature distributions differ."""
+
+    alpha: float = _f(1.0, ge=0)
+    beta: float = _f(1.0, ge=0)
+    dim: int = _f(60, ge=1)
+    classes: int = _f(10, ge=2)
+
+
+@dataclass
+class ShakespeareConfig:
+    window: int = _f(80, ge=1)          # characters of context (LEAF: 80)
+    stride: int = _f(1, ge=1)           # a window every `stride` characters
+    min_chars: int = _f(4000, ge=1)     # a role needs this many characters to be a client
+    max_clients: int = _f(0, ge=0)      # 0 = every role that qualifies
+    max_windows: int = _f(0, ge=0)      # per client; 0 = all
+
+
+@dataclass
+class PartitionConfig:
+    # A partitioner: iid, contiguous, dirichlet, shards, natural, classes, sizes, mixed,
+    # flwr:NAME (a flwr-datasets partitioner), a plug-in or module:attr (a plug-in takes
+    # the keys below that its signature names). See fedloom.data.partition.
+    name: str = "dirichlet"
+    # dirichlet, classes (split dirichlet), sizes (then dirichlet): one α, or one per class
+    alpha: float | list[float] = _f(0.5, gt=0)
+    min_samples: int = _f(10, ge=1)
+    shards_per_client: int = _f(2, ge=1)
+    max_tries: int = _f(1000, ge=1)
+    # dirichlet: how the minimum is met (see fedloom.data.partition.dirichlet)
+    min_policy: Literal["resample", "move"] = "resample"
+    balance: bool = False
+    # classes: k classes per client, how they are assigned and split among holders
+    k: int = _f(2, ge=1)
+    assign: Literal["random", "round_robin"] = "random"
+    split: Literal["even", "dirichlet"] = "even"
+    # sizes: the client-size distribution (powerlaw: Pareto exponent; lognormal: sigma;
+    # list: counts, one relative size per client)
+    distribution: Literal["powerlaw", "lognormal", "list"] = "powerlaw"
+    exponent: float = _f(1.5, gt=0)
+    sigma: float = _f(1.0, ge=0)
+    counts: list[float] = _f([], ge=0)
+    # sizes: labels "iid" or "dirichlet"; mixed: the partitioner of the non-IID clients
+    # ("" = the partitioner's default: sizes iid, mixed dirichlet)
+    then: str = ""
+    # mixed: the fraction of clients that are IID
+    iid_fraction: float = _f(0.5, ge=0, le=1)
+    # flwr:NAME: the flwr-datasets partitioner's own options (num_partitions,
+    # partition_by and seed are fedloom's)
+    options: dict[str, Any] = _f({})
+
+
+@dataclass
+class FeatureConfig:
+    """Feature skew (fedloom.data.feature): a per-client transform of the inputs."""
+
+    # none, noise (Gaussian of level scale·k/(N−1)), permute (scale: the fraction of
+    # features), rotate (angles ~ U(−scale, scale) degrees)
+    name: Literal["none", "noise", "permute", "rotate"] = "none"
+    scale: float = _f(0.0, ge=0)
+
+
+@dataclass
+class DataConfig:
+    name: str = "mnist"
+    num_clients: int = _f(100, ge=1)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    feature: FeatureConfig = field(default_factory=FeatureConfig)
+    test_fraction: float = _f(0.2, ge=0, lt=1)
+    # Use only the first N training samples of the source (0 = all): small tests.
+    max_samples: int = _f(0, ge=0)
+    # "all" merges the source's own test set into the pool before partitioning
+    # (CRAFT's code); the global test set is then the union of the client splits.
+    pool: Literal["train", "all"] = "train"
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    shakespeare: ShakespeareConfig = field(default_factory=ShakespeareConfig)
+    # Your own data (name: npz or csv): the file, the label and client columns (csv).
+    path: str = ""
+    label: str = "label"
+    client: str = ""
+    # csv: the feature columns (default: every column but the label and client ones).
+    features: list[str] = _f([])
+    # Standardise every feature with the mean/std of the clients' training parts.
+    standardize: bool = False
+    # Every client needs at least this many samples (checked for natural splits).
+    min_samples: int = _f(1, ge=1)
+    # Datasets read from disk (fedloom.data.disk): where they live ("" = $FEDLOOM_DATA,
+    # else ~/.cache/fedloom/data), whether their class counts are checked against the
+    # published sizes, CIFAR-100's label set, the fraction of FEMNIST writers kept (LEAF's
+    # --sf), the image column of a Hugging Face dataset, and the side images are resized to
+    # (image-folder, hf; 0 = as stored).
+    root: str = ""
+    verify: bool = True
+    labels: Literal["fine", "coarse"] = "fine"
+    writer_fraction: float = _f(1.0, gt=0, le=1)
+    image_column: str = "image"
+    image_size: int = _f(0, ge=0)
+    # hf with data.client: writers with more samples than this are not eligible (0 = no bound)
+    max_client_samples: int = _f(0, ge=0)
+    # Training augmentation (fedloom.data.augment): "auto" = the source's standard one
+    # (random crop with padding 4 and horizontal flip for CIFAR and Tiny-ImageNet; none
+    # for the others), "standard" = the same, refused where a source has none.
+    augment: Literal["auto", "none", "standard"] = "auto"
+
+
+@dataclass
+class ModelConfig:
+    name: str = "mlp"
+    hidden: list[int] = _f([200, 200], ge=1)   # mlp
+    # mlp: "none" reproduces FLARE's activation-less "FC" model (a linear map)
+    activation: Literal["relu", "none"] = "relu"
+    channels: list[int] = _f([32, 64], ge=1)    # cnn: the two conv widths
+    depth: int = _f(20, ge=8)                   # resnet: 6n + 2
+    width: int = _f(16, ge=4)                   # resnet: channels of the first stage
+    embed: int = _f(8, ge=1)                    # char_rnn: embedding width (LEAF: 8)
+    cell: Literal["gru", "lstm"] = "gru"        # char_rnn: hidden sizes come from `hidden`
+    # resnet: the normalisation layer (GroupNorm(1, C) as CRAFT's code; BatchNorm as
+    # FLARE's and SA-PEF's code; none)
+    norm: Literal["group", "batch", "none"] = "group"
+    # What the server does with module buffers (BatchNorm statistics) after a round:
+    # average (data-weighted), local (per client, FedBN), keep_global (never updated).
+    # See fedloom.buffers.
+    buffers: Literal["average", "local", "keep_global"] = "average"
+
+
+@dataclass
+class CohortConfig:
+    size: int = _f(10, ge=1)
+
+
+@dataclass
+class ScheduleConfig:
+    """Per-round client learning rate ``lr_t``.
+
+    constant: ``lr``; exp: ``lr · gamma^t``; cosine: linear warm-up over
+    ``warmup`` rounds, then cosine from ``lr`` to ``final_lr`` at the last round.
+    """
+
+    name: Literal["constant", "exp", "cosine"] = "constant"
+    gamma: float = _f(0.999, gt=0, le=1)
+    warmup: int = _f(0, ge=0)
+    final_lr: float = _f(0.0, ge=0)
+
+
+@dataclass
+class ClientConfig:
+    lr: float = _f(0.01, gt=0)
+    momentum: float = _f(0.0, ge=0, lt=1)
+    weight_decay: float = _f(0.0, ge=0)
+    batch_size: int = _f(32, ge=1)
+    epochs: int = _f(1, ge=1)
+    # A fixed number of local steps; when set it replaces `epochs`.
+    steps: int | None = _f(None, ge=1)
+    prox_mu: float = _f(0.0, ge=0)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    # Local method: sgd (FedAvg/FedProx), scaffold, ditto; options go to its factory.
+    method: str = "sgd"
+    method_options: dict[str, Any] = _f({})
+    # Mixed precision of the local forward/loss (fedloom.client.sgd.LocalSGD.amp): off by default.
+    amp: Literal["none", "bf16", "fp16"] = "none"
+
+
+@dataclass
+class ServerConfig:
+    """Server step ``w ← w − lr · opt(agg)`` (Reddi et al. 2021, FedOpt)."""
+
+    # sgd, momentum, adam, yogi, adagrad, a plug-in or module:attr
+    optimizer: str = "sgd"
+    # "auto": the aggregator's public default step (its `default_server_lr`: 0.1 for
+    # CRAFT, 1.0 for the FedAvg family); the number used is what the run directory's
+    # config.yaml and summary.json record.
+    lr: float | Literal["auto"] = _f("auto", gt=0)
+    momentum: float = _f(0.9, ge=0, lt=1)
+    beta1: float = _f(0.9, ge=0, lt=1)
+    beta2: float = _f(0.99, ge=0, lt=1)
+    eps: float = _f(1e-3, gt=0)
+    # Screening of client updates before any aggregator (fedloom.engine.screen.screen_updates):
+    # reject an update whose L2 norm exceeds `max_update_norm` (null = no bound) or
+    # `max_norm_ratio` × the cohort's lower median norm (null = off), then clip each
+    # accepted one to `clip_norm` (norm bounding, Sun et al. 2019; null = off).
+    max_update_norm: float | None = _f(None, gt=0)
+    max_norm_ratio: float | None = _f(1e4, gt=1)
+    clip_norm: float | None = _f(None, gt=0)
+    # The server sees only the sum of the masked updates (SecAgg+): refuses aggregators
+    # and compressors a sum-only server cannot compute (fedloom.privacy).
+    secure_aggregation: bool = False
+
+
+@dataclass
+class AggregatorConfig:
+    name: str = "fedavg"
+    options: dict[str, Any] = _f({})
+
+
+@dataclass
+class CompressionConfig:
+    """Uplink compression and error feedback (:mod:`fedloom.compress`)."""
+
+    name: str = "identity"
+    options: dict[str, Any] = _f({})
+    # Error feedback: none, ef, saef, sapef, ef21, cser, scafcom, flare, ec_prox, a
+    # plug-in or module:attr. Its factory takes the keys below that its signature
+    # names, then `feedback_options` (a plug-in's own options).
+    feedback: str = "none"
+    feedback_options: dict[str, Any] = _f({})
+    alpha: float = _f(0.85, ge=0, le=1)          # SA-PEF step-ahead coefficient
+    # constant, theory (α* from an online L̂), residual (min(alpha, κ·median ‖Δ‖/‖e‖))
+    alpha_schedule: Literal["constant", "theory", "residual"] = "constant"
+    alpha_kappa: float = _f(10.0, gt=0)           # κ of the residual schedule
+    period: int = _f(5, ge=1)                     # CSER: reset every H rounds
+    reset_ratio: float = _f(0.1, gt=0, le=1)      # CSER: top fraction of e sent at a reset
+    beta: float = _f(0.2, gt=0, le=1)             # SCAFCOM momentum
+    # EF21 under partial participation: step along the mean of all N clients' h_k
+    # (EF21-PP, the published rule) or of the sampled clients' h_k only.
+    ef21_mean: Literal["all", "sampled"] = "all"
+    tau: float = _f(0.05, ge=0)                   # FLARE / EC+prox: τ_r = tau / tau_decay^(r+1)
+    tau_decay: float = _f(1.1, gt=0)
+    penalty_steps: int = _f(1, ge=0)              # FLARE: penalised local steps p
+    penalty: Literal["l1", "l2"] = "l1"
+    # FFL (Nori et al.): rate R_t = R (L_0/L_t)^(1/3) and local epochs
+    # E_t = max(1, round(E (L_t/L_0)^(1/3))) from the global test loss L_t.
+    # A round planner (fedloom.hooks): none, ffl, a plug-in or module:attr.
+    adaptive: str = "none"
+    adaptive_options: dict[str, Any] = _f({})
+
+
+@dataclass
+class MetricsConfig:
+    # SA-PEF's gradient mismatch ‖∇f(w) − ∇f(w − α_p e_k)‖² (costs two gradients a client).
+    mismatch: bool = False
+    mismatch_alpha: float = _f(1.0, ge=0, le=1)
+    # Client metrics (fedloom.hooks) besides the boolean keys above: registered names,
+    # plug-ins or module:attr; `options` maps a name to its factory's options.
+    hooks: list[str] = _f([])
+    options: dict[str, Any] = _f({})
+
+
+@dataclass
+class EvalConfig:
+    every: int = _f(1, ge=1)
+    batch_size: int = _f(2048, ge=1)
+    # Evaluate the running average of the global iterates (AFL reports it).
+    average_iterates: bool = False
+    # Personalised evaluation by fine-tuning (FedBABU, Per-FedAvg): this many local
+    # steps from the global model on each client's training data, then its test split
+    # (finetune_acc_*; fedloom.engine.evaluation.evaluate_finetuned). 0: off.
+    finetune_steps: int = _f(0, ge=0)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = _f(10, ge=0)  # 0 disables checkpoints
+
+
+@dataclass
+class LoggingConfig:
+    """Where each round's metrics go besides ``metrics.jsonl`` (always written: the
+    record a resume checks); see :mod:`fedloom.engine.runlog`. Not part of what a
+    resume compares: a run may be continued with other logging."""
+
+    csv: bool = True           # RUN/metrics.csv, the same rows as metrics.jsonl
+    tensorboard: bool = False  # RUN/tensorboard: scalars (needs the tensorboard package)
+    # RUN/curves.png etc. (matplotlib, when installed); a sweep's runs turn them off: its
+    # page draws its own, and importing matplotlib is a second of every short run
+    plots: bool = True
+
+
+@dataclass
+class StateConfig:
+    """Per-client state storage: ``auto`` picks dense below ``memmap_above_mb``."""
+
+    storage: Literal["auto", "dense", "memmap"] = "auto"
+    dtype: Literal["float32", "float16"] = "float32"
+    memmap_above_mb: float = _f(1024.0, gt=0)
+
+
+@dataclass
+class BackendConfig:
+    """Where client training runs. ``backend: NAME`` is short for ``backend: {name: NAME}``.
+
+    - ``sequential``: one client after another in this process;
+    - ``vmap``: a cohort in lock-step with ``torch.func`` (chunks of ``chunk`` clients);
+    - ``lockstep``: a cohort as one batched model (``baddbmm`` forward, hand-written
+      backward, one fused SGD step; chunks of ``chunk`` clients) for chains of
+      Linear/Conv2d/pooling/GroupNorm/BatchNorm/ReLU/Dropout/Flatten, bit for bit the
+      sequential results in float64; anything else trains on the sequential path (one log line;
+      :mod:`fedloom.engine.lockstep`);
+    - ``auto``: lockstep on a CPU run it supports with a cohort of at least 2 (its rule,
+      :mod:`fedloom.engine.auto`); otherwise times the first cohort on sequential, vmap,
+      lockstep and process (where they apply), keeps the fastest and logs the times;
+    - ``process``: ``workers`` single-thread processes on this machine, each running
+      ``inner`` (sequential, vmap or lockstep) on its share of the cohort;
+    - ``ray``: Ray tasks (``address`` joins a cluster; empty starts a local one).
+
+    ``process`` and ``ray``: work whose worker process dies is run again up to
+    ``max_retries`` times (``on_failure: retry``; then the run stops with an
+    error) or its clients are dropped for the round (``drop``). A dead process
+    worker affects its own group only: the other workers go on, and the dead one
+    is replaced (also when it is found dead between rounds, where nothing is lost).
+
+    ``threads``: torch's intra-op threads for the run (0 = the process's own count,
+    every core in a fresh process; process and Ray workers: 1 each unless set);
+    the summary records them (``threads``). On a busy machine fewer threads are
+    much faster: OpenMP threads spin-wait for cores other processes hold.
+
+    Why ``sequential`` stays the default when the machine has more cores: ``auto``
+    was not measurably faster on the reference workload of benchmarks/bench.py
+    (100 clients × 600 samples, MLP 784-200-10, 10 clients a round; one
+    measurement each, 2-core machine, seconds a round after the first):
+
+    - machine idle (load 2): sequential 0.27 (2 threads), 0.38 (1 thread);
+      vmap (1 thread) 0.68; ``auto`` 0.81–0.84 — it chose ``process`` because its
+      timing of the first cohort on ``sequential`` (3.3 s) included the cold
+      start of the first round, so it was 3× slower than the default;
+    - machine shared (load 12 on 2 cores): sequential 38–103 (2 threads),
+      1.9–3.7 (``threads: 1``); vmap (1 thread) 1.7–2.1; ``auto`` 3.1–3.5
+      (``process`` again), after a first round of 118 s that timed the three.
+
+    ``threads: 1`` is what pays on a shared machine, not ``auto``.
+    """
+
+    name: str = "sequential"
+    workers: int = _f(0, ge=0)        # process / ray: parallel workers (0 = every core)
+    inner: Literal["sequential", "vmap", "lockstep"] = "sequential"
+    chunk: int = _f(0, ge=0)          # vmap, lockstep: clients per chunk (0 = cache-sized)
+    address: str = ""                 # ray: cluster address ("" = start a local instance)
+    on_failure: Literal["retry", "drop"] = "retry"
+    max_retries: int = _f(2, ge=0)    # process / ray: reruns of work whose worker died
+    # torch intra-op threads (fedloom.device.apply_threads): 0 = the process's own count
+    # (every core in a fresh process); process and ray workers: 0 = 1 each.
+    threads: int = _f(0, ge=0)
+    gpus_per_worker: float = _f(0.0, ge=0)  # ray: GPUs a task reserves (Ray's num_gpus)
+
+
+@dataclass
+class AttackConfig:
+    """Byzantine clients (fedloom.attack; none by default): ``fraction`` of the
+    population, drawn once from ``(seed, "attack")``, send attack ``name``'s
+    transform of their update (``options`` go to its factory)."""
+
+    name: str = "sign_flip"
+    fraction: float = _f(0.0, ge=0, le=1)
+    options: dict[str, Any] = _f({})
+
+
+@dataclass
+class DeviceClass:
+    """One row of ``system.classes``: a device class and its share ``p`` of the clients."""
+
+    name: str = ""
+    p: float = _f(0.0, ge=0, le=1)
+    speed: float = _f(0.0, ge=0)       # samples/s (0: local work takes no time)
+    up_bps: float = _f(0.0, ge=0)      # bit/s (0: the uplink takes no time)
+    down_bps: float = _f(0.0, ge=0)
+    latency_s: float = _f(0.0, ge=0)   # per message, each way
+
+
+@dataclass
+class SystemConfig:
+    """Simulated devices, links and availability (:mod:`fedloom.system`; off by default).
+
+    ``profile`` draws each client's ``speed`` (samples/s), ``up_bps``/``down_bps``
+    (bit/s) and ``latency_s`` once from ``(seed, client)``: ``uniform`` takes each
+    as ``[low, high]``, ``lognormal`` as ``[median, sigma]`` (a single number is that
+    value for every client; 0 means the term takes no time); ``classes`` picks a row of
+    ``classes`` with probability ``p``; ``csv`` reads ``path``
+    (``client,speed,up_bps,down_bps,latency``). ``deadline_s`` closes a round; a late
+    client is dropped or does the steps that fit (``late: partial``). ``availability``,
+    ``pattern`` (``sine``/``onoff`` over ``period`` rounds, a per-client phase) and
+    ``dropout`` (mid-round) decide who can take part.
+    """
+
+    profile: Literal["off", "uniform", "lognormal", "classes", "csv"] = "off"
+    speed: float | list[float] = _f(0.0, ge=0)
+    up_bps: float | list[float] = _f(0.0, ge=0)
+    down_bps: float | list[float] = _f(0.0, ge=0)
+    latency_s: float | list[float] = _f(0.0, ge=0)
+    classes: list[DeviceClass] = _f([])
+    path: str = ""
+    deadline_s: float | None = _f(None, gt=0)
+    late: Literal["drop", "partial"] = "drop"
+    availability: float = _f(1.0, gt=0, le=1)
+    pattern: Literal["none", "sine", "onoff"] = "none"
+    period: int = _f(24, ge=2)
+    amplitude: float = _f(0.0, ge=0, le=1)
+    on_fraction: float = _f(0.5, gt=0, le=1)
+    dropout: float = _f(0.0, ge=0, lt=1)
+
+
+@dataclass
+class AdaptiveClipConfig:
+    """Quantile-based clipping (Andrew et al. 2021): ``C ← C·exp(−lr (b̃ − target_quantile))``
+    from the noisy fraction ``b̃`` of unclipped updates (noise ``count_stddev``;
+    null = cohort.size / 20). Central mode only."""
+
+    enabled: bool = False
+    target_quantile: float = _f(0.5, gt=0, lt=1)
+    lr: float = _f(0.2, gt=0)
+    count_stddev: float | None = _f(None, gt=0)
+
+
+@dataclass
+class PrivacyConfig:
+    """Client-level differential privacy (fedloom.privacy): ``central`` (DP-FedAvg:
+    clip each update to ``clip``, Gaussian noise ``noise_multiplier · clip`` on the
+    sum at the server) or ``local`` (each client clips and adds that noise before
+    compression). ``dp_epsilon`` at ``delta`` is reported each round; with
+    ``target_epsilon`` the run stops before a round that would exceed it."""
+
+    mode: Literal["none", "central", "local"] = "none"
+    clip: float = _f(1.0, gt=0)
+    noise_multiplier: float = _f(1.0, ge=0)
+    delta: float = _f(1e-5, gt=0, lt=1)
+    target_epsilon: float | None = _f(None, gt=0)
+    adaptive_clip: AdaptiveClipConfig = field(default_factory=AdaptiveClipConfig)
+
+
+@dataclass
+class Config:
+    name: str = "experiment"
+    # an identifier, hashed into every random stream: no MAX_COUNT (field_bounds)
+    seed: int = field(default=0, metadata={"unbounded": True})
+    rounds: int = _f(30, ge=1)
+    # cpu | cuda | cuda:N | auto (CUDA when available); see fedloom.device
+    device: str = "cpu"
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    dtype: Literal["float32", "float64"] = "float32"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cohort: CohortConfig = field(default_factory=CohortConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    aggregator: AggregatorConfig = field(default_factory=AggregatorConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    state: StateConfig = field(default_factory=StateConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
+
