@@ -248,7 +248,8 @@ Step = Literal["fixed", "norm_matched", "rprop"]
 Targets = Literal["data", "loss"]
 STEPS: tuple[str, ...] = ("fixed", "norm_matched", "rprop")
 TARGETS: tuple[str, ...] = ("data", "loss")
-# The step mode a config that names none gets (see README: what `craft` alone gives).
+# The step mode a config that names none gets (what `craft` alone gives:
+# docs/explanation/methods.md, "CRAFT and the server step").
 DEFAULT_STEP: Step = "fixed"
 # q-FedAvg's public code: F_k + 1e-10 keeps log F (and F^q) finite at a zero loss.
 _LOSS_OFFSET = 1e-10
