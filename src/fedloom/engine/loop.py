@@ -30,6 +30,7 @@ from fedloom.buffers import load_buffers
 from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.data.sources import Dataset
 from fedloom.engine.checkpoint import RunDirWriteError, lock_run_dir
+from fedloom.engine.components import Components
 from fedloom.engine.experiment import Experiment
 from fedloom.engine.rundir import (
     CHECKPOINT_FILE,
@@ -61,6 +62,11 @@ def run(
     callbacks: Sequence[Callback] = (),
     data: Dataset | None = None,
     model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
+    aggregator: Any = None,
+    server: Any = None,
+    compressor: Any = None,
+    feedback: Any = None,
+    method: Any = None,
 ) -> Result:
     """Run an experiment; return the final model, metrics and summary.
 
@@ -95,14 +101,21 @@ def run(
         model: your own ``torch.nn.Module`` (its current weights are ``w_0``) or a
             factory returning one, instead of ``model.name``. Layer groups are
             derived from it, so CRAFT's per-layer mode works on it.
+        aggregator, server, compressor, feedback, method: component objects (e.g.
+            ``CRAFT(step="rprop")``, a class of your own with the protocol of its
+            kind) used instead of building the config section's named one; the
+            config records each as ``object MODULE.CLASS``
+            (:mod:`fedloom.engine.components`).
     """
-    cfg = resolve_auto(load_config(config, overrides))
+    given = Components(aggregator=aggregator, server=server, compressor=compressor,
+                       feedback=feedback, method=method)
+    cfg = resolve_auto(given.into(load_config(config, overrides)))
     run_dir = Path(out) if out is not None else None
     resolved = config_to_dict(cfg)
     if run_dir is None:
         if cfg.logging.tensorboard:
             raise ConfigError("logging.tensorboard: writes into the run directory; give out=DIR")
-        exp = Experiment(cfg, data=data, model=model)
+        exp = Experiment(cfg, data=data, model=model, components=given)
         try:
             return _loop(exp, cfg, resolved, None, resume, callbacks)
         finally:
@@ -113,7 +126,8 @@ def run(
     try:
         check_run_dir(run_dir, resolved, resume)
         with _write_errors(run_dir):  # the memmap state files are made here
-            exp = Experiment(cfg, state_dir=run_dir / "state", data=data, model=model)
+            exp = Experiment(cfg, state_dir=run_dir / "state", data=data, model=model,
+                             components=given)
             try:
                 return _loop(exp, cfg, resolved, run_dir, resume, callbacks)
             finally:

@@ -41,6 +41,7 @@ from fedloom.device import (
     to_host,
 )
 from fedloom.engine import compat
+from fedloom.engine.components import Components
 from fedloom.engine.fields import BUFFERS, FEEDBACK, METHOD, ClientFields
 from fedloom.engine.runstate import RunState
 from fedloom.engine.screen import first_line
@@ -125,8 +126,12 @@ class Setup:
         state_dir: Path | None = None,
         data: Dataset | None = None,
         model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
+        components: Components | None = None,
     ) -> None:
-        cfg = resolve_auto(cfg)  # server.lr: auto → the aggregator's public default step
+        # Component objects stand in for their config sections (recorded as
+        # `object MODULE.CLASS`, fedloom.engine.components); the rest is built from cfg.
+        self.given = components or Components()
+        cfg = resolve_auto(self.given.into(cfg))  # server.lr: auto → the rule's default step
         self.cfg = cfg
         self.dtype = _DTYPES[cfg.dtype]
         # The device first: device=cuda without CUDA fails before any data is loaded.
@@ -205,12 +210,17 @@ class Setup:
             random_forward=self.random_forward, augment=self._augment(self.fed.dataset, cfg),
         )
         try:
-            self.aggregator = make_aggregator(cfg.aggregator.name, **cfg.aggregator.options)
+            self.aggregator = (self.given.aggregator if self.given.aggregator is not None
+                               else make_aggregator(cfg.aggregator.name,
+                                                    **cfg.aggregator.options))
             # A method that names layers (FedPer's personal head, MOON's representation)
             # takes the model's Layout; one that needs the trainer's settings checks them.
-            extra = accepted_options(get("method", c.method), {"layout": self.layout})
-            self.method = build("method", c.method, {**c.method_options, **extra},
-                                "client.method_options")
+            if self.given.method is not None:
+                self.method = self.given.method
+            else:
+                extra = accepted_options(get("method", c.method), {"layout": self.layout})
+                self.method = build("method", c.method, {**c.method_options, **extra},
+                                    "client.method_options")
             check = getattr(self.method, "check_trainer", None)
             if check is not None:
                 check(self.trainer)
@@ -228,18 +238,23 @@ class Setup:
         s = self.cfg.server
         # server.optimizer: a registered name, plug-in or module:attr; its factory
         # takes the server section's keys it names (lr, momentum, beta1, beta2, eps).
-        opt = get("server_optimizer", s.optimizer)
-        self.server = opt(**accepted_options(opt, {"lr": s.lr, "momentum": s.momentum,
-                                                   "beta1": s.beta1, "beta2": s.beta2,
-                                                   "eps": s.eps}))
+        if self.given.server is not None:
+            self.server = self.given.server
+        else:
+            opt = get("server_optimizer", s.optimizer)
+            self.server = opt(**accepted_options(opt, {"lr": s.lr, "momentum": s.momentum,
+                                                       "beta1": s.beta1, "beta2": s.beta2,
+                                                       "eps": s.eps}))
         self.requires = frozenset(getattr(self.aggregator, "requires", frozenset()))
 
     def _build_uplink(self) -> None:
         cfg, comp = self.cfg, self.cfg.compression
         try:
-            self.uplink = make_compressor(comp.name, layout=self.layout, **comp.options)
+            self.uplink = (self.given.compressor if self.given.compressor is not None
+                           else make_compressor(comp.name, layout=self.layout, **comp.options))
             # Plug-ins behind protocols (fedloom.hooks): the engine calls them by role.
-            self.feedback = feedback_from_config(comp, self.layout)
+            self.feedback = (self.given.feedback if self.given.feedback is not None
+                             else feedback_from_config(comp, self.layout))
             self.planner = planner_from_config(comp)
             self.client_metrics = metric_hooks(cfg.metrics)
             # Byzantine clients (attack.*), for robustness experiments; None when off.
@@ -355,6 +370,9 @@ class Setup:
 
     def make_uplink(self, **options: Any) -> Any:
         """The configured compressor with ``options`` replacing the section's (for hooks)."""
+        if self.given.compressor is not None:
+            raise ConfigError("compression: a round planner rebuilds the compressor with other "
+                              "options; give it by name (compression.name), not as an object")
         opts = {**self.cfg.compression.options, **options}
         return make_compressor(self.cfg.compression.name, layout=self.layout, **opts)
 

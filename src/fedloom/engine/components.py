@@ -1,0 +1,65 @@
+"""Component objects given in Python instead of by name in the config.
+
+A user who holds an aggregator, server optimizer, compressor, feedback policy or
+local method as an object (``CRAFT(step="rprop")``, their own class) passes it
+to :func:`fedloom.run` or :class:`~fedloom.engine.setup.Setup`; the engine uses
+it where it would have built one from the config's name. :meth:`Components.into`
+records each given object in the config as ``object MODULE.CLASS`` (its
+options are the object's own), so ``config.yaml``, the summary and every message
+name what ran, and a resume with another kind of object is refused as a config
+change. Options of an object's config section are not read (they belong to the
+object), nor is ``server.lr: auto``, which picks a registered rule's default step:
+with an aggregator object, give ``server.lr``; nor a method's buffer policy (FedBN keeps each
+client's buffers): with such a method object, set ``model.buffers`` yourself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from fedloom.config import Config, ConfigError
+
+__all__ = ["OBJECT_PREFIX", "Components", "object_name"]
+
+# A space, so that the name can never be a registry name or a `module:attr` reference.
+OBJECT_PREFIX = "object "
+
+
+def object_name(obj: object) -> str:
+    """``object MODULE.CLASS``: how the config records a component given as an object."""
+    return f"{OBJECT_PREFIX}{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+@dataclass(frozen=True)
+class Components:
+    """Objects that stand in for config sections; ``None``: built from the config."""
+
+    aggregator: Any = None
+    server: Any = None
+    compressor: Any = None
+    feedback: Any = None
+    method: Any = None
+
+    def into(self, cfg: Config) -> Config:
+        """``cfg`` naming each given object (see the module docstring)."""
+        r = dataclasses.replace
+        if self.aggregator is not None:
+            if cfg.server.lr == "auto":
+                raise ConfigError("server.lr: auto picks a registered aggregator's default "
+                                  "step; with an aggregator object, give server.lr")
+            cfg = r(cfg, aggregator=r(cfg.aggregator, name=object_name(self.aggregator),
+                                      options={}))
+        if self.server is not None:
+            cfg = r(cfg, server=r(cfg.server, optimizer=object_name(self.server)))
+        if self.compressor is not None:
+            cfg = r(cfg, compression=r(cfg.compression, name=object_name(self.compressor),
+                                       options={}))
+        if self.feedback is not None:
+            cfg = r(cfg, compression=r(cfg.compression, feedback=object_name(self.feedback),
+                                       feedback_options={}))
+        if self.method is not None:
+            cfg = r(cfg, client=r(cfg.client, method=object_name(self.method),
+                                  method_options={}))
+        return cfg
