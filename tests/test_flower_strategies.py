@@ -833,3 +833,41 @@ def test_the_round_metrics_say_what_the_mod_saved():
                                             for r in grid.log)
     assert m["fedloom-uplink-bytes"] < 0.1 * m["fedloom-dense-bytes"]
     assert strat.partitions == {1000 + k: k for k in range(NODES)}  # the mod says it
+
+
+def test_an_aggregator_object_is_the_strategy_its_name_builds():
+    """``FedloomRule(aggregator=<object>)`` (and a server optimizer object): the same
+    new arrays as the rule and optimizer named by strings, bit for bit in float64."""
+    from fedloom.registry import get
+
+    torch.manual_seed(5)
+    arrays = ArrayRecord(OrderedDict((k, v.double() if v.is_floating_point() else v)
+                                     for k, v in Net().state_dict().items()))
+    common = {"dtype": "float64", "min_available_nodes": 5, "min_train_nodes": 5}
+    by_name = FedloomRule("craft", server_lr=0.5, server_optimizer="momentum",
+                          server_options={"momentum": 0.9}, groups="layer", **common)
+    by_obj = FedloomRule(make_aggregator("craft", groups="layer"),
+                         server_optimizer=get("server_optimizer", "momentum")(lr=0.5,
+                                                                              momentum=0.9),
+                         **common)
+    assert by_obj.aggregator_name == "object fedloom.aggregate.craft.CRAFT"
+    a = b = arrays
+    sl = StateLayout.from_arrays(arrays)
+    for r in (1, 2):
+        base = torch.randn(sl.layout.size, dtype=torch.float64)
+        deltas = [base * (1 + 0.1 * i) + 0.01 * torch.randn_like(base) for i in range(5)]
+        out = []
+        for strat, arr in ((by_name, a), (by_obj, b)):
+            strat.configure_train(r, arr, ConfigRecord(), _Nodes(list(range(1000, 1005))))
+            replies, _, _ = _replies(arr, deltas, [30, 50, 40, 60, 45])
+            out.append(strat.aggregate_train(r, replies)[0])
+        a, b = out
+        assert torch.equal(sl.split(a, torch.float64)[0], sl.split(b, torch.float64)[0])
+
+
+def test_an_aggregator_object_takes_no_options_and_no_auto_step():
+    agg = make_aggregator("craft")
+    with pytest.raises(ValueError, match="groups: options of an aggregator given as an object"):
+        FedloomRule(agg, server_lr=1.0, groups="layer")
+    with pytest.raises(ValueError, match="server_lr: 'auto' .* give server_lr"):
+        FedloomRule(agg)

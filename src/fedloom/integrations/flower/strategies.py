@@ -99,10 +99,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedloom.aggregate.base import CohortInfo, default_server_lr, make_aggregator
+from fedloom.aggregate.base import (
+    Aggregator,
+    CohortInfo,
+    default_server_lr,
+    make_aggregator,
+)
 from fedloom.buffers import average_buffers
 from fedloom.compress import make_compressor
 from fedloom.compress.base import PayloadError
+from fedloom.engine.components import object_name
 from fedloom.engine.screen import (
     all_finite,
     clip_rows,
@@ -199,9 +205,13 @@ class FedloomRule(FedAvg):
     """A fedloom aggregator as a Flower strategy for stock replies (module doc).
 
     Args:
-        aggregator: a registered fedloom aggregator (``fedloom algorithms``).
-        server_lr: ``η_g``; ``"auto"``: the rule's public default.
-        server_optimizer: ``sgd``, ``momentum``, ``adam``, ``yogi``, ``adagrad``.
+        aggregator: a registered fedloom aggregator (``fedloom algorithms``), or an
+            aggregator object (``fedloom.aggregate.craft.CRAFT(step="rprop")``, a
+            rule of your own), which holds its own options.
+        server_lr: ``η_g``; ``"auto"``: the rule's public default (a registered rule
+            only: give a number with an aggregator object).
+        server_optimizer: ``sgd``, ``momentum``, ``adam``, ``yogi``, ``adagrad``, or a
+            server optimizer object (its own ``lr`` and settings).
         server_options: the optimizer's options by name (``momentum``, ``beta1``, …).
         max_update_norm, max_norm_ratio, clip_norm: the engine's screening
             (``server.*`` of a fedloom config; same defaults).
@@ -223,8 +233,9 @@ class FedloomRule(FedAvg):
             Krum's ``f`` and ``multi``, …); an unknown one raises ``ValueError``.
     """
 
-    def __init__(self, aggregator: str = "fedavg", *, server_lr: float | str = "auto",
-                 server_optimizer: str = "sgd", server_options: Mapping[str, float] | None = None,
+    def __init__(self, aggregator: str | Aggregator = "fedavg", *,
+                 server_lr: float | str = "auto", server_optimizer: str | Any = "sgd",
+                 server_options: Mapping[str, float] | None = None,
                  max_update_norm: float | None = None, max_norm_ratio: float | None = 1e4,
                  clip_norm: float | None = None, max_num_examples: float | None = None,
                  compression: str | None = None,
@@ -249,13 +260,30 @@ class FedloomRule(FedAvg):
                          configrecord_key=configrecord_key,
                          train_metrics_aggr_fn=train_metrics_aggr_fn,
                          evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn)
-        self.aggregator_name = aggregator
-        self.aggregator = make_aggregator(aggregator, **options)
+        if isinstance(aggregator, str):
+            self.aggregator_name = aggregator
+            self.aggregator = make_aggregator(aggregator, **options)
+        else:  # an object holds its own settings (fedloom.engine.components)
+            if options:
+                raise ValueError(f"{', '.join(options)}: options of an aggregator given as "
+                                 "an object belong to the object")
+            if server_lr == "auto" and isinstance(server_optimizer, str):
+                raise ValueError("server_lr: 'auto' picks a registered aggregator's default "
+                                 "step; with an aggregator object, give server_lr")
+            self.aggregator_name = object_name(aggregator)
+            self.aggregator = aggregator
         self.requires = frozenset(getattr(self.aggregator, "requires", ()))
-        lr = default_server_lr(aggregator) if server_lr == "auto" else server_lr
-        _check_number("server_lr", lr, low=0.0)
-        self.server = build("server_optimizer", server_optimizer,
-                            {"lr": float(lr), **(server_options or {})}, "server_options")
+        if isinstance(server_optimizer, str):
+            lr = (default_server_lr(self.aggregator_name, options) if server_lr == "auto"
+                  else server_lr)
+            _check_number("server_lr", lr, low=0.0)
+            self.server = build("server_optimizer", server_optimizer,
+                                {"lr": float(lr), **(server_options or {})}, "server_options")
+        else:  # its lr and settings are its own
+            if server_options or server_lr != "auto":
+                raise ValueError("server_lr, server_options: a server optimizer given as an "
+                                 "object holds its own")
+            self.server = server_optimizer
         for name, v in (("max_update_norm", max_update_norm), ("clip_norm", clip_norm),
                         ("max_num_examples", max_num_examples)):
             if v is not None:
