@@ -56,7 +56,7 @@ lint: $(VENV)/.dev
 # The site (docs/) into docs/_build/html, warnings as errors: a broken link or a page
 # outside every table of contents fails it. make test builds it too (tests/test_docs.py).
 docs: $(VENV)/.dev
-	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+	$(VENV)/bin/sphinx-build -j auto -W --keep-going -q -b html docs docs/_build/html
 	@echo "open docs/_build/html/index.html"
 
 $(VENV)/.report: $(VENV)/.torch pyproject.toml
@@ -86,7 +86,7 @@ repro-flare: $(VENV)/.report
 	$(VENV)/bin/fedloom sweep configs/flare/suite.yaml --workers 2
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache docs/_build
 
 # Speed and memory (benchmarks/results.json + results.md); about 5 min on 2 cores.
 bench: $(VENV)/.dev
