@@ -869,5 +869,5 @@ def test_an_aggregator_object_takes_no_options_and_no_auto_step():
     agg = make_aggregator("craft")
     with pytest.raises(ValueError, match="groups: options of an aggregator given as an object"):
         FedloomRule(agg, server_lr=1.0, groups="layer")
-    with pytest.raises(ValueError, match="server_lr: 'auto' .* give server_lr"):
+    with pytest.raises(ValueError, match=r"server_lr: 'auto' .* give server_lr"):
         FedloomRule(agg)
