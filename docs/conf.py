@@ -35,7 +35,8 @@ source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
 exclude_patterns = ["_build", "_ext", "Thumbs.db", ".DS_Store"]
 # Pages a sweep writes for suites whose data is not in the repository
-# (configs/published/*.yaml: docs/results/*-published.md) join the site when they exist.
+# (configs/published/*.yaml: docs/results/*-published.md) join the site when they exist
+# (_ext/fedloom_docs.py adds them to the results page's contents).
 
 myst_enable_extensions = ["dollarmath", "colon_fence", "deflist"]
 # Links to a page's section (`page.md#heading`) resolve to the heading's slug.
