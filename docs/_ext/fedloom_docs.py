@@ -25,7 +25,7 @@ def _algorithms() -> str:
 
 def _type(node: dict[str, Any]) -> str:
     if "enum" in node:
-        return " / ".join(f"`{v}`" for v in node["enum"])
+        return "one of " + ", ".join(f"`{v}`" for v in node["enum"])
     if "anyOf" in node:
         parts = [_type(n) for n in node["anyOf"] if n.get("type") != "object"]
         return " or ".join(p for p in parts if p)
@@ -37,15 +37,14 @@ def _type(node: dict[str, Any]) -> str:
 
 
 def _bounds(node: dict[str, Any]) -> str:
-    lo, hi = node.get("minimum"), node.get("maximum")
-    if node.get("exclusiveMinimum") is not None:
-        lo = f"> {node['exclusiveMinimum']}"
     parts = []
-    if lo is not None:
-        parts.append(f"≥ {lo}" if not str(lo).startswith(">") else lo)
-    # the schema's "no bound" (10⁹ on integers) is not worth a column entry
-    if hi is not None and hi < 1_000_000_000:
-        parts.append(f"≤ {hi}")
+    if node.get("minimum") is not None:
+        parts.append(f"≥ {node['minimum']}")
+    if node.get("exclusiveMinimum") is not None:
+        parts.append(f"> {node['exclusiveMinimum']}")
+    # the schema's "no bound" (10⁹ on integers) is not worth stating
+    if node.get("maximum") is not None and node["maximum"] < 1_000_000_000:
+        parts.append(f"≤ {node['maximum']}")
     return ", ".join(parts)
 
 
@@ -77,15 +76,24 @@ def _config_schema() -> str:
         "`fedloom run CONFIG client.lr=0.05`. What the sections are for is on "
         "[The config](config.md).",
         "",
-        "| key | type | default | bounds | what |",
-        "|---|---|---|---|---|",
     ]
+    # a definition list per top-level section (a table this wide would not fit the
+    # page); the top level's plain keys first, then each section in the schema's order
+    groups: dict[str, list[str]] = {"Top level": []}
     for name, node in _walk(schema["properties"]):
-        default = node.get("default")
-        shown = "" if default is None and "default" not in node else (
-            f"`{json.dumps(default, ensure_ascii=False)}`")
-        lines.append(f"| `{name}` | {_cell(_type(node))} | {_cell(shown)} | "
-                     f"{_cell(_bounds(node))} | {_cell(node.get('description', ''))} |")
+        top = name.split(".")[0]
+        nested = "." in name or node.get("type") == "object" or any(
+            n.get("type") == "object" for n in node.get("anyOf", []))
+        facts = [_type(node)]
+        if "default" in node:
+            facts.append(f"default `{json.dumps(node['default'], ensure_ascii=False)}`")
+        facts.append(_bounds(node))
+        entry = [f"`{name}`", f": {_cell(' · '.join(f for f in facts if f))}"]
+        if node.get("description"):
+            entry += ["", f"  {_cell(node['description'])}"]
+        groups.setdefault(f"`{top}`" if nested else "Top level", []).extend([*entry, ""])
+    for title, entries in groups.items():
+        lines += [f"## {title}", "", *entries]
     lines += ["", "## The JSON Schema", "",
               "`fedloom schema > fedloom.schema.json` prints it; a config that starts with "
               "`# yaml-language-server: $schema=fedloom.schema.json` gets its keys completed "
