@@ -144,3 +144,67 @@ def test_chain_composes_in_order():
     assert torch.equal(chain(Shift(s), Mask(mask)).update(g, (None, None), ctx)[0],
                        torch.zeros(D, dtype=torch.float64))
     assert torch.equal(chain(Mask(mask), Shift(s)).update(g, (None, None), ctx)[0], s)
+
+
+# ------------------------------------------------ a user's transform in a run
+class ClipNorm:
+    """A user's term: each client's direction scaled to norm at most ``c`` (one
+    definition on ``[d]`` and ``[m, d]``: the norm is over the last dimension)."""
+
+    def __init__(self, c: float) -> None:
+        self.c = c
+
+    def init(self, W):
+        return None
+
+    def update(self, D, state, ctx):
+        n = torch.linalg.vector_norm(D, dim=-1, keepdim=True)
+        return D * (self.c / n).clamp(max=1.0), state
+
+
+def _tiny():
+    import copy
+
+    from conftest import TINY
+
+    return copy.deepcopy(TINY)
+
+
+def test_a_users_transform_runs_the_same_on_every_client_backend():
+    import fedloom
+
+    ov = ["dtype=float64", "rounds=2"]
+    runs = {b: fedloom.run(_tiny(), [*ov, f"backend.name={b}"], transforms=[ClipNorm(0.5)])
+            for b in ("sequential", "lockstep", "vmap")}
+    plain = fedloom.run(_tiny(), ov)
+    shas = {b: r.summary["model_sha256"] for b, r in runs.items()}
+    assert shas["lockstep"] == shas["sequential"]  # lock-step is sequential's bits
+    assert torch.allclose(runs["vmap"].w, runs["sequential"].w, atol=1e-12)
+    assert shas["sequential"] != plain.summary["model_sha256"]
+
+
+def test_a_transform_named_in_the_config_is_the_object():
+    """``client.transforms: [{name: module:attr, options}]`` builds the same term."""
+    import fedloom
+
+    ov = ["rounds=2", "client.transforms=[{name: test_transforms:ClipNorm, options: {c: 0.5}}]"]
+    by_name = fedloom.run(_tiny(), ov)
+    by_obj = fedloom.run(_tiny(), ["rounds=2"], transforms=[ClipNorm(0.5)])
+    assert by_name.summary["model_sha256"] == by_obj.summary["model_sha256"]
+
+
+@pytest.mark.parametrize("value, match", [
+    ("[x]", r"client\.transforms\[0\]: must be a mapping"),
+    ("[{options: {}}]", r"client\.transforms\[0\]: must be a mapping with a name"),
+    ("[{name: nosuch}]", r"client\.transforms\[0\]\.name: .*nosuch"),
+    ("[{name: test_transforms:ClipNorm, bogus: 1}]",
+     r"client\.transforms\[0\]\.bogus: unknown"),
+    ("[{name: test_transforms:ClipNorm, options: {d: 1}}]",
+     r"client\.transforms\[0\]\.options"),
+])
+def test_bad_transform_entries_are_one_line(value, match):
+    import fedloom
+    from fedloom.config import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        fedloom.run(_tiny(), ["rounds=1", f"client.transforms={value}"])

@@ -50,7 +50,7 @@ __all__ = ["ENTRY_POINT_GROUPS", "KINDS", "available", "build", "get",
 log = logging.getLogger("fedloom")
 
 KINDS = ("dataset", "model", "aggregator", "backend", "partitioner", "server_optimizer",
-         "compressor", "method", "attack", "feedback", "planner", "metric")
+         "compressor", "method", "attack", "feedback", "planner", "metric", "transform")
 _KINDS = KINDS
 
 # Entry-point group → component kind.
@@ -67,6 +67,7 @@ ENTRY_POINT_GROUPS: dict[str, str] = {
     "fedloom.planners": "planner",
     "fedloom.metrics": "metric",
     "fedloom.server_optimizers": "server_optimizer",
+    "fedloom.transforms": "transform",
 }
 
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {k: {} for k in _KINDS}

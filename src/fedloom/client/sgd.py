@@ -176,6 +176,9 @@ class LocalSGD:
     # batch, its draws from (batch-order seed, step, "augment") — so (seed, round, client,
     # step) — identically on every backend.
     augment: Any = None
+    # More terms of the direction (client.transforms; fedloom.client.transforms), the
+    # same objects on every backend: written once on a leading client dimension.
+    transforms: tuple[Any, ...] = ()
 
     def batch(self, x: torch.Tensor, idx: torch.Tensor, seed: int, step: int) -> torch.Tensor:
         """The inputs of local step ``step``: ``x[idx]``, augmented when configured."""
@@ -305,7 +308,7 @@ class LocalSGD:
         # The direction's terms, defined once for every trainer (fedloom.client.transforms).
         direction = local_chain([grad_shift], [penalty], [grad_mask],
                                 weight_decay=self.weight_decay, prox_mu=mu,
-                                momentum=self.momentum)
+                                momentum=self.momentum, extra=self.transforms)
         dstate = direction.init(w)
         loss_sum = 0.0
         smooth: float | None = None

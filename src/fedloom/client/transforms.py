@@ -177,12 +177,14 @@ def local_chain(shifts: Sequence[torch.Tensor | None] = (),
                 penalties: Sequence[Penalty | None] = (),
                 masks: Sequence[torch.Tensor | None] = (), *, weight_decay: float = 0.0,
                 prox_mu: float = 0.0, momentum: float = 0.0,
-                like: torch.Tensor | None = None) -> Chain:
+                like: torch.Tensor | None = None,
+                extra: Sequence[LocalTransform] = ()) -> Chain:
     """The chain of a local step, its terms in the order of the module docstring;
     a term that is zero or absent for every client is left out.
 
     ``shifts``, ``penalties`` and ``masks`` hold one entry a client (``None``: none
-    for that client). With ``like`` (the stacked parameters ``[m, d]``) the
+    for that client); ``extra`` (``client.transforms``) come after them, before
+    momentum. With ``like`` (the stacked parameters ``[m, d]``) the
     per-client terms are stacked one row a client (a zero shift, an all-ones mask
     for a client without); without it there is one client and its ``[d]`` terms
     are used as they are.
@@ -204,14 +206,16 @@ def local_chain(shifts: Sequence[torch.Tensor | None] = (),
         parts.append(Prox(prox_mu))
     if any(mk is not None for mk in masks):
         parts.append(Mask(stacked(masks, 1.0) if like is not None else masks[0]))
+    parts.extend(extra)
     if momentum:
         parts.append(Momentum(momentum))
     return Chain(tuple(parts))
 
 
 def jobs_chain(jobs: Sequence[ClientJob], W: torch.Tensor, *, weight_decay: float = 0.0,
-               prox_mu: float = 0.0, momentum: float = 0.0) -> Chain:
+               prox_mu: float = 0.0, momentum: float = 0.0,
+               extra: Sequence[LocalTransform] = ()) -> Chain:
     """:func:`local_chain` of a cohort's jobs on the stacked parameters ``W``."""
     return local_chain([j.grad_shift for j in jobs], [j.penalty for j in jobs],
                        [j.grad_mask for j in jobs], weight_decay=weight_decay,
-                       prox_mu=prox_mu, momentum=momentum, like=W)
+                       prox_mu=prox_mu, momentum=momentum, like=W, extra=extra)

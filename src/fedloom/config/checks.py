@@ -321,6 +321,16 @@ def _check_cross_fields(cfg: Config) -> None:
         if not isinstance(opts, Mapping):
             raise ConfigError(f"metrics.options.{hook}: must be a mapping, got {opts!r}")
     check_name("attack.name", "attack", cfg.attack.name)
+    for i, t in enumerate(cfg.client.transforms):
+        where = f"client.transforms[{i}]"
+        if not isinstance(t, Mapping) or not isinstance(t.get("name"), str):
+            raise ConfigError(f"{where}: must be a mapping with a name, got {t!r}")
+        extra = set(t) - {"name", "options"}
+        if extra:
+            raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown key (name, options)")
+        if not isinstance(t.get("options", {}), Mapping):
+            raise ConfigError(f"{where}.options: must be a mapping, got {t['options']!r}")
+        check_name(f"{where}.name", "transform", t["name"])
     if cfg.logging.tensorboard:
         import importlib.util
 

@@ -204,6 +204,10 @@ class ClientConfig:
     method_options: dict[str, Any] = _f({})
     # Mixed precision of the local forward/loss (fedloom.client.sgd.LocalSGD.amp): off by default.
     amp: Literal["none", "bf16", "fp16"] = "none"
+    # More terms of the local step's direction ({name, options} each; a registered
+    # transform, entry point or module:attr; fedloom.client.transforms), applied
+    # after the method's own and before momentum, on every client backend.
+    transforms: list[dict[str, Any]] = _f([])
 
 
 @dataclass

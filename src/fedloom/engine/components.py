@@ -1,16 +1,17 @@
 """Component objects given in Python instead of by name in the config.
 
-A user who holds an aggregator, server optimizer, compressor, feedback policy or
-local method as an object (``CRAFT(step="rprop")``, their own class) passes it
-to :func:`fedloom.run` or :class:`~fedloom.engine.setup.Setup`; the engine uses
-it where it would have built one from the config's name. :meth:`Components.into`
-records each given object in the config as ``object MODULE.CLASS`` (its
-options are the object's own), so ``config.yaml``, the summary and every message
-name what ran, and a resume with another kind of object is refused as a config
-change. Options of an object's config section are not read (they belong to the
-object), nor is ``server.lr: auto``, which picks a registered rule's default step:
-with an aggregator object, give ``server.lr``; nor a method's buffer policy (FedBN keeps each
-client's buffers): with such a method object, set ``model.buffers`` yourself.
+A user who holds an aggregator, server optimizer, compressor, feedback policy,
+local method or local-step transforms as objects (``CRAFT(step="rprop")``, a
+class of their own) passes them to :func:`fedloom.run` or
+:class:`~fedloom.engine.setup.Setup`; the engine uses each where it would have
+built one from the config's name. :meth:`Components.into` records each given
+object in the config as ``object MODULE.CLASS`` (its options are the object's
+own), so ``config.yaml``, the summary and every message name what ran, and a
+resume with another kind of object is refused as a config change. Options of
+an object's config section are not read (they belong to the object), nor is
+``server.lr: auto``, which picks a registered rule's default step: with an
+aggregator object, give ``server.lr``; nor a method's buffer policy (FedBN keeps
+each client's buffers): with such a method object, set ``model.buffers`` yourself.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Components:
     compressor: Any = None
     feedback: Any = None
     method: Any = None
+    transforms: tuple[Any, ...] = ()  # more terms of the local step (client.transforms)
 
     def into(self, cfg: Config) -> Config:
         """``cfg`` naming each given object (see the module docstring)."""
@@ -62,4 +64,7 @@ class Components:
         if self.method is not None:
             cfg = r(cfg, client=r(cfg.client, method=object_name(self.method),
                                   method_options={}))
+        if self.transforms:
+            cfg = r(cfg, client=r(cfg.client, transforms=[
+                {"name": object_name(t), "options": {}} for t in self.transforms]))
         return cfg

@@ -187,6 +187,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedloom.buffers import buffer_names
+from fedloom.capabilities import BackendCaps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.client.transforms import StepContext, jobs_chain
@@ -435,11 +436,11 @@ def trainer_reason(trainer: LocalSGD, method: LocalMethod,
     random layer a plan admits)."""
     if type(method) is not LocalMethod:
         return f"local method {method.name} is not plain SGD/FedProx"
-    if getattr(trainer, "amp", "none") != "none":
+    if trainer.amp != "none":
         return f"client.amp {trainer.amp}"
     if trainer.augment is not None:
         return "data augmentation"
-    if getattr(trainer, "random_forward", False) and not (
+    if trainer.random_forward and not (
             plan is not None and any(o.kind == "dropout" for o in plan)):
         return "the train-mode forward draws random numbers"
     return None
@@ -459,6 +460,7 @@ class LockstepBackend:
     """See the module docstring."""
 
     name = "lockstep"
+    capabilities = BackendCaps()  # trains on the samples each job carries
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, chunk: int | None = None,
                  x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> None:
@@ -513,7 +515,7 @@ class LockstepBackend:
         src_x, src_y, table = self._table(jobs, batches, W.device)
         # The direction's terms, as the sequential trainer's (fedloom.client.transforms).
         direction = jobs_chain(jobs, W, weight_decay=tr.weight_decay, prox_mu=tr.prox_mu,
-                               momentum=tr.momentum)
+                               momentum=tr.momentum, extra=tr.transforms)
         dstate = direction.init(W)
         lrs = [float(j.lr) for j in jobs]
         lr_col = torch.tensor(lrs, dtype=W.dtype, device=W.device)[:, None]

@@ -22,6 +22,7 @@ import torch
 from fedloom.aggregate.base import default_server_lr, make_aggregator
 from fedloom.attack import make_attack
 from fedloom.buffers import check_buffers, module_buffers, random_in_train
+from fedloom.capabilities import aggregator_caps, method_caps
 from fedloom.client.sgd import LocalSGD, lr_at_round
 from fedloom.compress import make_compressor
 from fedloom.compress.feedback import feedback_from_config
@@ -79,10 +80,10 @@ def resolve_auto(cfg: Config) -> Config:
 
 def _resolve_method_buffers(cfg: Config) -> Config:
     """A local method that *is* a buffer policy (FedBN: ``model_buffers = "local"``
-    on its factory) sets ``model.buffers`` to it; a config asking for another policy
-    than the default is refused, one line."""
+    in the capabilities of its factory) sets ``model.buffers`` to it; a config asking
+    for another policy than the default is refused, one line."""
     try:
-        want = getattr(get("method", cfg.client.method), "model_buffers", None)
+        want = method_caps(get("method", cfg.client.method)).model_buffers
     except KeyError:
         return cfg  # an unknown method is reported where it is built
     if want is None or cfg.model.buffers == want:
@@ -204,10 +205,17 @@ class Setup:
 
     def _build_training(self) -> None:
         cfg, c = self.cfg, self.cfg.client
+        try:  # client.transforms: objects given, else built by name with their options
+            transforms = self.given.transforms or tuple(
+                build("transform", t["name"], dict(t.get("options") or {}),
+                      f"client.transforms[{i}].options") for i, t in enumerate(c.transforms))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
         self.trainer = LocalSGD(
             self.module, self.layout, batch_size=c.batch_size, epochs=c.epochs, steps=c.steps,
             momentum=c.momentum, weight_decay=c.weight_decay, prox_mu=c.prox_mu, amp=c.amp,
             random_forward=self.random_forward, augment=self._augment(self.fed.dataset, cfg),
+            transforms=tuple(transforms),
         )
         try:
             self.aggregator = (self.given.aggregator if self.given.aggregator is not None
@@ -229,8 +237,8 @@ class Setup:
         compat.check_full_participation(cfg, self.aggregator, self.fed.num_clients)
         # Simulated devices, deadlines and availability (system.*); None when off.
         self.system = make_system(cfg.system, cfg.seed, self.fed.num_clients, c.batch_size,
-                                  cfg.cohort.size, full_participation=getattr(
-                                      self.aggregator, "full_participation", False))
+                                  cfg.cohort.size, full_participation=aggregator_caps(
+                                      self.aggregator).full_participation)
         self.backend = get("backend", cfg.backend.name)(self.trainer, self.method, cfg.backend,
                                                         self.x, self.y)
 
@@ -245,7 +253,7 @@ class Setup:
             self.server = opt(**accepted_options(opt, {"lr": s.lr, "momentum": s.momentum,
                                                        "beta1": s.beta1, "beta2": s.beta2,
                                                        "eps": s.eps}))
-        self.requires = frozenset(getattr(self.aggregator, "requires", frozenset()))
+        self.requires = aggregator_caps(self.aggregator).requires
 
     def _build_uplink(self) -> None:
         cfg, comp = self.cfg, self.cfg.compression
@@ -332,7 +340,7 @@ class Setup:
         from fedloom.data.augment import make_augment
 
         try:
-            return make_augment(getattr(ds, "augment", ""), cfg.data.augment)
+            return make_augment(ds.augment, cfg.data.augment)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

@@ -54,6 +54,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.nn import functional as F
 
 from fedloom.buffers import has_batch_statistics
+from fedloom.capabilities import BackendCaps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.client.transforms import StepContext, jobs_chain
@@ -71,6 +72,7 @@ def vmap_supported(module: nn.Module) -> bool:
 
 class VmapBackend:
     name = "vmap"
+    capabilities = BackendCaps()  # trains on the samples each job carries
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, chunk: int | None = None,
                  x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> None:
@@ -83,10 +85,10 @@ class VmapBackend:
         self.chunk = chunk or max(1, (8 << 20) // (4 * d))
         # Mixed precision (client.amp) trains on the sequential path.
         self.enabled = (type(method) is LocalMethod and vmap_supported(trainer.module)
-                        and getattr(trainer, "amp", "none") == "none"
+                        and trainer.amp == "none"
                         # a random train-mode forward (dropout) cannot draw each
                         # client's masks from its own stream under vmap
-                        and not getattr(trainer, "random_forward", False))
+                        and not trainer.random_forward)
 
     def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
         if not self.enabled:
@@ -113,7 +115,7 @@ class VmapBackend:
         sched = self._schedule(jobs, W.device)
         # The direction's terms, as the sequential trainer's (fedloom.client.transforms).
         direction = jobs_chain(jobs, W, weight_decay=tr.weight_decay, prox_mu=tr.prox_mu,
-                               momentum=tr.momentum)
+                               momentum=tr.momentum, extra=tr.transforms)
         dstate = direction.init(W)
         # Each client's buffers (BatchNorm statistics) stacked [m, ...]: a train-mode
         # forward under vmap updates its own row in place.
