@@ -458,8 +458,8 @@ def test_sweep_failed_run_reports_the_rest_one_line_exit_1(tmp_path, capsys, thr
         calls.append(cmd)
         return subprocess.CompletedProcess(cmd, 2, "", "fedloom: error: data.path: gone\n")
 
-    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")  # one process per run
-    monkeypatch.setattr("fedloom.sweep.subprocess.run", failing_run)
+    monkeypatch.setattr("fedloom.sweep.running.RUNNER", "subprocess")  # one process per run
+    monkeypatch.setattr("fedloom.sweep.running.subprocess.run", failing_run)
     assert main(["sweep", str(suite), "--workers", "1"]) == 1
     assert len(calls) == 1 and "aggregator.name=median" in calls[0]
     cap = capsys.readouterr()

@@ -510,8 +510,8 @@ def test_a_sweep_never_runs_a_checkpoints_code(tmp_path, monkeypatch):
     from conftest import cli_in_process
     from fedloom.sweep import run_suite
 
-    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")
-    monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
+    monkeypatch.setattr("fedloom.sweep.running.RUNNER", "subprocess")
+    monkeypatch.setattr("fedloom.sweep.running.subprocess.run", cli_in_process)
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(yaml.safe_dump({**TINY, "rounds": 2}))
     suite = tmp_path / "suite.yaml"

@@ -42,8 +42,8 @@ def _write_suite(tmp_path: Path, **extra) -> Path:
 
 
 def _in_process(monkeypatch) -> None:
-    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")
-    monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
+    monkeypatch.setattr("fedloom.sweep.running.RUNNER", "subprocess")
+    monkeypatch.setattr("fedloom.sweep.running.subprocess.run", cli_in_process)
 
 
 def _one_line(capsys, *tokens: str) -> str:
@@ -169,7 +169,7 @@ def test_a_second_sweep_on_the_same_out_is_refused_and_the_first_completes(
     """While a sweep runs, another on its ``out:`` (here: started from inside the
     first one's first run) is refused in one line naming the holder; the first
     finishes as if alone."""
-    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")
+    monkeypatch.setattr("fedloom.sweep.running.RUNNER", "subprocess")
     path = _write_suite(tmp_path, seeds=[1, 2])
     started: list[bool] = []
     second: list[tuple[int, str]] = []
@@ -182,7 +182,7 @@ def test_a_second_sweep_on_the_same_out_is_refused_and_the_first_completes(
             second.append((rc, capsys.readouterr().err))
         return cli_in_process(cmd, **kw)
 
-    monkeypatch.setattr("fedloom.sweep.subprocess.run", run_and_meanwhile_start_another)
+    monkeypatch.setattr("fedloom.sweep.running.subprocess.run", run_and_meanwhile_start_another)
     assert cli.main(["sweep", str(path), "--workers", "1"]) == 0
     (rc, err), = second
     assert rc == 2 and err.count("\n") == 1, err

@@ -33,8 +33,8 @@ def _suite(tmp_path, **extra):
 
 
 def test_sweep_tunes_runs_reports_and_resumes(tmp_path, monkeypatch):
-    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")  # one process per run
-    monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
+    monkeypatch.setattr("fedloom.sweep.running.RUNNER", "subprocess")  # one process per run
+    monkeypatch.setattr("fedloom.sweep.running.subprocess.run", cli_in_process)
     path = _suite(tmp_path)
     logs = []
     run_suite(path, workers=2, log=logs.append)
@@ -66,8 +66,8 @@ def test_worker_processes_give_the_subprocess_result(tmp_path, monkeypatch):
     worker = {p.parent.name + "/" + p.parent.parent.name: json.loads(p.read_text())
               for p in runs.rglob("summary.json")}
     assert len(worker) == 6  # FedAvg, CRAFT × 2 seeds, 2 tuning runs
-    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")
-    monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
+    monkeypatch.setattr("fedloom.sweep.running.RUNNER", "subprocess")
+    monkeypatch.setattr("fedloom.sweep.running.subprocess.run", cli_in_process)
     other = tmp_path / "again"
     path2 = _suite(tmp_path, seeds=[1, 2], out=str(other))
     run_suite(path2, workers=1, log=lambda s: None)
@@ -80,7 +80,7 @@ def test_worker_processes_give_the_subprocess_result(tmp_path, monkeypatch):
 def test_a_dead_worker_fails_its_run_and_the_rest_run_in_subprocesses(monkeypatch):
     from concurrent.futures.process import BrokenProcessPool
 
-    from fedloom.sweep import _Launcher
+    from fedloom.sweep.running import _Launcher
 
     class DeadPool:
         def submit(self, *a, **k):
@@ -96,7 +96,7 @@ def test_a_dead_worker_fails_its_run_and_the_rest_run_in_subprocesses(monkeypatc
         import subprocess
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr("fedloom.sweep.subprocess.run", fake_run)
+    monkeypatch.setattr("fedloom.sweep.running.subprocess.run", fake_run)
     launcher = _Launcher.__new__(_Launcher)
     launcher.pool, launcher.broken = DeadPool(), False
     rc, err = launcher(["python", "-m", "fedloom.cli", "run", "x"], {})
@@ -117,7 +117,7 @@ def test_workers_die_with_a_killed_sweep(tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(
         "import sys, time\n"
-        "from fedloom.sweep import _Launcher\n"
+        "from fedloom.sweep.running import _Launcher\n"
         "if __name__ == '__main__':\n"
         "    launcher = _Launcher(1)\n"
         "    f = launcher.pool.submit(time.sleep, 60)\n"

@@ -132,8 +132,8 @@ def _suite(tmp_path, **extra):
 
 
 def test_sweep_under_the_protocol_tunes_reports_and_resumes(tmp_path, monkeypatch):
-    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")  # one process per run
-    monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
+    monkeypatch.setattr("fedloom.sweep.running.RUNNER", "subprocess")  # one process per run
+    monkeypatch.setattr("fedloom.sweep.running.subprocess.run", cli_in_process)
     path = _suite(tmp_path)
     logs: list[str] = []
     suite = run_suite(path, workers=1, log=logs.append)
@@ -207,8 +207,8 @@ def test_protocol_suite_errors(tmp_path, extra, match):
 
 def test_sweep_with_tpe_resumes_to_the_same_trials(tmp_path, monkeypatch):
     pytest.importorskip("optuna")
-    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")
-    monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
+    monkeypatch.setattr("fedloom.sweep.running.RUNNER", "subprocess")
+    monkeypatch.setattr("fedloom.sweep.running.subprocess.run", cli_in_process)
     path = _suite(tmp_path, tuning={
         "budget": 3, "seeds": [7], "metric": "test_acc", "rounds": 1, "sampler": "tpe",
         "startup": 2, "space": {"client.lr": {"low": 0.02, "high": 0.5, "log": True},
@@ -231,8 +231,8 @@ def test_a_finished_run_of_another_config_is_refused_not_reused(tmp_path, monkey
     its old run must not stand in for the new one."""
     from fedloom.sweep import SweepError
 
-    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")
-    monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
+    monkeypatch.setattr("fedloom.sweep.running.RUNNER", "subprocess")
+    monkeypatch.setattr("fedloom.sweep.running.subprocess.run", cli_in_process)
     path = _suite(tmp_path, methods={"FedAvg": {"overrides": [], "tune": False}},
                   share_tuning={}, claims=[], report={})
     run_suite(path, workers=1, log=lambda s: None)
@@ -247,8 +247,8 @@ def test_a_finished_run_of_another_config_is_refused_not_reused(tmp_path, monkey
 def test_a_finished_run_whose_method_resolved_its_config_is_reused(tmp_path, monkeypatch):
     """FedBN's run saves ``model.buffers: local`` (the method resolves it), the suite
     asks for the default: the run is the same config and is reused, not refused."""
-    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")
-    monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
+    monkeypatch.setattr("fedloom.sweep.running.RUNNER", "subprocess")
+    monkeypatch.setattr("fedloom.sweep.running.subprocess.run", cli_in_process)
     path = _suite(tmp_path, methods={"FedBN": {"overrides": ["client.method=fedbn"],
                                                "tune": False}},
                   share_tuning={}, claims=[], report={})
@@ -263,8 +263,8 @@ def test_a_method_can_be_chosen_on_its_own_metric(tmp_path, monkeypatch):
     (a loss: lowest wins), the others on the protocol's; the record says which."""
     import json
 
-    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")
-    monkeypatch.setattr("fedloom.sweep.subprocess.run", cli_in_process)
+    monkeypatch.setattr("fedloom.sweep.running.RUNNER", "subprocess")
+    monkeypatch.setattr("fedloom.sweep.running.subprocess.run", cli_in_process)
     path = _suite(tmp_path, methods={"FedAvg": [],
                                      "ByLoss": {"overrides": [], "metric": "test_loss"}},
                   share_tuning={}, claims=[], report={})
@@ -294,14 +294,14 @@ def test_a_stale_trial_is_refused_not_scored_and_a_stopped_trial_resumes(tmp_pat
 
     from fedloom.sweep import StaleRunsError
 
-    monkeypatch.setattr("fedloom.sweep.RUNNER", "subprocess")
+    monkeypatch.setattr("fedloom.sweep.running.RUNNER", "subprocess")
     cmds: list[list[str]] = []
 
     def run(cmd, **kw):
         cmds.append(list(cmd))
         return cli_in_process(cmd, **kw)
 
-    monkeypatch.setattr("fedloom.sweep.subprocess.run", run)
+    monkeypatch.setattr("fedloom.sweep.running.subprocess.run", run)
     tuning = {"budget": 2, "seeds": [7], "metric": "test_acc", "rounds": 1,
               "space": {"client.lr": [0.05, 0.2]}}
     path = _suite(tmp_path, tuning=tuning, methods={"FedAvg": []}, share_tuning={}, claims=[],

@@ -44,7 +44,6 @@ from fedloom.report.compare.figures import (  # noqa: F401  (re-exported)
 from fedloom.report.compare.groups import (  # noqa: F401  (re-exported)
     IGNORED_KEYS,
     Group,
-    _flatten,
     compare_table,
     group_runs,
     markdown_table,

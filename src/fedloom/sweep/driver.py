@@ -1,0 +1,144 @@
+"""A sweep from the suite file to its page: :func:`run_suite`.
+
+It loads and checks the suite, holds ``out:`` for its whole life (an exclusive
+lock on ``OUT/.fedloom-sweep.lock``: :func:`_lock_out`), tunes, runs the main and
+sensitivity runs, and writes the report (:mod:`fedloom.report.sweep`), keeping
+the sweep's wall time over its invocations in ``OUT/NAME.sweep.json``. With
+``report_only`` it makes the page of the runs finished so far and takes no lock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from fedloom.sweep.checks import drop_missing_data, validate_suite
+from fedloom.sweep.running import _run_all
+from fedloom.sweep.suite import StaleRunsError, Suite, SweepError, SweepFolderError, load_suite
+from fedloom.sweep.tune import _tune, main_specs, sensitivity_specs
+
+
+def _state_file(suite: Suite) -> Path:
+    """``OUT/NAME.sweep.json`` (the sweep's wall time over its invocations); a sweep
+    written before suites named theirs kept ``OUT/sweep.json``."""
+    named = suite.out / f"{suite.name}.sweep.json"
+    legacy = suite.out / "sweep.json"
+    return named if named.exists() or not legacy.exists() else legacy
+
+
+SWEEP_LOCK = ".fedloom-sweep.lock"
+
+
+def _lock_out(out: Path) -> int:
+    """Create ``out`` if needed and take an exclusive ``flock`` on
+    ``OUT/.fedloom-sweep.lock`` (as :func:`fedloom.engine.checkpoint.lock_run_dir`
+    locks a run directory); return its descriptor, to close when the sweep ends. The
+    kernel drops the lock when the process ends in any way (``SIGKILL`` included), so
+    a killed sweep leaves no stale lock. Another sweep holding it:
+    :class:`SweepFolderError` naming its pid, and nothing in ``out`` is touched but
+    the lock file."""
+    import fcntl
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / SWEEP_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise SweepFolderError(f"out: {out}: cannot use it as a sweep's folder "
+                               f"({e.strerror or type(e).__name__})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        finally:
+            os.close(fd)
+        raise SweepFolderError(f"out: {out}: in use by another fedloom sweep (pid {holder}); "
+                               "wait for it to end or give this suite its own out:") from None
+    except OSError as e:  # e.g. a file system without locks
+        os.close(fd)
+        raise SweepFolderError(f"out: {out}: cannot lock it "
+                               f"({e.strerror or type(e).__name__})") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = print,
+              report_only: bool = False, csv: str | Path | None = None) -> Suite:
+    """Run (or continue) a suite, then make its report (``report_only``: from the runs
+    that have finished, running nothing); ``suite.report_text`` holds it, and
+    ``doc:`` gets it when the suite names one. ``csv``: the results tables as CSV.
+
+    A sweep that runs holds ``out:`` for its whole life (:func:`_lock_out`): a second
+    sweep on the same folder is refused (:class:`SweepFolderError`) before it writes
+    anything, so runs of two suites never mix. ``report_only`` reads and takes no lock (a page of
+    the runs finished so far, while the sweep goes on). Runs in ``out:`` that hold
+    another config than the suite asks stop the sweep before anything runs
+    (:class:`StaleRunsError`), and no page is made from them."""
+    suite = load_suite(path)
+    if report_only:
+        return _report_only(suite, workers, log, csv)
+    validate_suite(suite)  # every config, before the first run starts
+    drop_missing_data(suite, log)
+    fd = _lock_out(suite.out)
+    try:
+        return _run_locked(suite, workers, log, csv)
+    finally:
+        os.close(fd)  # the lock ends with it
+
+
+def _report_only(suite: Suite, workers: int, log: Callable[[str], None],
+                 csv: str | Path | None) -> Suite:
+    from fedloom.report.sweep import write_report
+
+    state = _state_file(suite)
+    prior = json.loads(state.read_text()) if state.exists() else {}
+    try:
+        chosen = _tune(suite, 0, log)
+    except (FileNotFoundError, ValueError):
+        chosen = {}
+    specs = main_specs(suite, chosen) if chosen or not (suite.tune or suite.tuning) else []
+    suite.sensitivity_specs = sensitivity_specs(suite, chosen) if specs else {}
+    suite.report_text = write_report(suite, chosen, specs, float(prior.get("elapsed_s", 0.0)),
+                                     workers, csv)
+    return suite
+
+
+def _run_locked(suite: Suite, workers: int, log: Callable[[str], None],
+                csv: str | Path | None) -> Suite:
+    from fedloom.report.sweep import write_report
+
+    t0 = time.perf_counter()
+    try:
+        chosen = _tune(suite, workers, log)
+    except SweepError as e:  # no tuned value, no main runs: nothing to report
+        e.suite = suite
+        raise
+    specs = main_specs(suite, chosen)
+    suite.sensitivity_specs = sensitivity_specs(suite, chosen)
+    extra = [sp for rows in suite.sensitivity_specs.values() for _, sps in rows for sp in sps
+             if sp.out not in {m.out for m in specs}]
+    failure: SweepError | None = None
+    try:
+        _run_all([*specs, *dict.fromkeys(extra)], workers, log)
+    except StaleRunsError as e:  # no page made of runs of another config
+        e.suite = suite
+        raise
+    except SweepError as e:
+        failure = e  # still report the runs that finished ("Incomplete" counts the rest)
+    elapsed = time.perf_counter() - t0
+    state = _state_file(suite)
+    prior = json.loads(state.read_text()) if state.exists() else {}
+    state = suite.out / f"{suite.name}.sweep.json"
+    # Wall time of the whole sweep: the sum over continued invocations.
+    total = float(prior.get("elapsed_s", 0.0)) + elapsed
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"elapsed_s": total, "workers": workers}, indent=2))
+    suite.report_text = write_report(suite, chosen, specs, total, workers, csv)
+    if failure is not None:
+        failure.suite = suite
+        raise failure
+    return suite
