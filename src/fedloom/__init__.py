@@ -27,10 +27,12 @@ _LAZY = {
     "CohortInfo": "fedloom.aggregate.base",
     "make_aggregator": "fedloom.aggregate.base",
     "make_compressor": "fedloom.compress",
+    "Components": "fedloom.engine.components",
     "Config": "fedloom.config",
     "ConfigError": "fedloom.config",
     "load_config": "fedloom.config",
     "DatasetUnavailable": "fedloom.data.sources",
+    "Experiment": "fedloom.engine.experiment",
     "Result": "fedloom.engine.runstate",
     "model_sha256": "fedloom.engine.runstate",
     "run": "fedloom.engine.loop",
@@ -44,9 +46,11 @@ __all__ = [
     "Aggregator",
     "ClientStateStore",
     "CohortInfo",
+    "Components",
     "Config",
     "ConfigError",
     "DatasetUnavailable",
+    "Experiment",
     "FieldSpec",
     "Layout",
     "Result",
@@ -64,6 +68,8 @@ if TYPE_CHECKING:  # what static checkers and IDEs see
     from fedloom.compress import make_compressor
     from fedloom.config import Config, ConfigError, load_config
     from fedloom.data.sources import DatasetUnavailable
+    from fedloom.engine.components import Components
+    from fedloom.engine.experiment import Experiment
     from fedloom.engine.loop import run
     from fedloom.engine.runstate import Result, model_sha256
     from fedloom.params import Layout, functional_forward
