@@ -57,6 +57,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from fedloom import CohortInfo, Layout, make_aggregator
+from fedloom.capabilities import aggregator_caps
 from fedloom.registry import available, origin
 
 LAYOUT = Layout(
@@ -404,7 +405,7 @@ class _Hostile:
 
     def __init__(self, inner, mode: str) -> None:
         self.inner, self.mode = inner, mode
-        self.requires = getattr(inner, "requires", frozenset())
+        self.capabilities = aggregator_caps(inner)
 
     def init(self, layout):
         return self.inner.init(layout)

@@ -343,6 +343,7 @@ def test_declared_linear_rules_are_linear_and_dp_mean_rules_are_the_mean():
     registered rule that declares them: agg(aU + bV) = a·agg(U) + b·agg(V) for the
     same weights and cohort, and under unit weights a dp_mean rule is the mean."""
     from fedloom.aggregate.base import CohortInfo
+    from fedloom.capabilities import aggregator_caps
     from fedloom.params import Layout
     from fedloom.registry import available
 
@@ -357,7 +358,7 @@ def test_declared_linear_rules_are_linear_and_dp_mean_rules_are_the_mean():
     seen = set()
     for name in available("aggregator"):
         agg = make_aggregator(name)
-        if not getattr(agg, "linear", False):
+        if not aggregator_caps(agg).linear:
             continue
         seen.add(name)
         st = agg.init(Layout.flat(d))
@@ -366,7 +367,7 @@ def test_declared_linear_rules_are_linear_and_dp_mean_rules_are_the_mean():
             return agg(x, w, st, info=info)[0]
 
         assert torch.allclose(f(2.5 * u - 0.7 * v), 2.5 * f(u) - 0.7 * f(v), atol=1e-12), name
-        if getattr(agg, "dp_mean", False):
+        if aggregator_caps(agg).dp_mean:
             assert torch.allclose(f(u, torch.ones(m, dtype=torch.float64)), u.mean(0),
                                   atol=1e-12), name
     assert {"fedavg", "fednova"} <= seen

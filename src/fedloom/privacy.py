@@ -25,9 +25,10 @@ and the sum is still divided by ``m̄``, so no client's data changes the
 denominator. ``Δ_t`` replaces the aggregator's direction and goes to the
 server optimizer (any optimizer is post-processing). Each client counts once
 whatever its sample count: ``fedavg``'s ``n_k`` weighting is not applied
-(McMahan et al.'s ``w_k = 1``). The aggregator must declare ``linear = True``
+(McMahan et al.'s ``w_k = 1``). The aggregator must declare ``linear``
 (``Σ_k a_k g_k`` with coefficients that do not depend on the updates' values)
-*and* reduce to the plain mean under unit weights (``dp_mean = True``): only
+*and* reduce to the plain mean under unit weights (``dp_mean``) in its
+capabilities (:mod:`fedloom.capabilities`): only
 ``fedavg``. Every other rule is refused with one line: a nonlinear rule
 (CRAFT, ConFIG, FedFV, FedLF, median, trimmed mean, Krum, q-FedAvg, AFL,
 coordinate mean) has no sensitivity we can state, and FedNova's coefficients
@@ -118,7 +119,7 @@ The residuals are client state and never released, so EF composes. A policy
 whose server keeps or broadcasts something computed from the clients'
 messages outside the noised sum — EF21-PP's ``ḡ``, SCAFCOM's ``c``, CSER's
 reset ``ē``, SA-PEF's theory schedule (smoothness probes of raw gradients) —
-is refused (the policy declares ``row_only``), and so is a local method with
+is refused (its capabilities' ``row_only``), and so is a local method with
 server state (SCAFFOLD's ``c``). ``server.max_norm_ratio`` is not applied
 under privacy: it would make one client's acceptance depend on the others'
 norms, and the clip already bounds every contribution.
@@ -174,9 +175,9 @@ A server that sees only the sum of masked updates (Bonawitz et al., CCS 2017;
 SecAgg+, Bell et al., CCS 2020) can compute a rule ``Σ_k a_k g_k`` whose
 coefficients come from sums too (``n_k g_k`` and ``n_k`` for FedAvg;
 ``n_k g_k/a_k``, ``n_k`` and ``n_k a_k`` for FedNova): aggregators declaring
-``linear = True``. The payloads must be dense vectors over the same
+``linear`` capabilities. The payloads must be dense vectors over the same
 coordinates for every client, so that their sum decodes to the sum of the
-decoded updates: compressors declaring ``linear = True`` (identity, fp16,
+decoded updates: compressors declaring ``linear`` (identity, fp16,
 bf16). Top-k and rand-k (per-client supports), sign and QSGD (a per-client
 scale) and every nonlinear aggregator are refused with one line. In the
 in-process engine the flag checks this composition only: nothing is masked,
@@ -199,6 +200,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedloom.capabilities import aggregator_caps, compressor_caps, feedback_caps
 from fedloom.config import ConfigError
 from fedloom.rng import Purpose, torch_gen
 
@@ -478,33 +480,34 @@ def make_privacy(cfg: Any, num_clients: int) -> Privacy:
 def check_privacy(privacy: Privacy, *, aggregator: Any, aggregator_name: str, feedback: Any,
                   feedback_name: str, method: Any, method_name: str, w: torch.Tensor) -> None:
     """Refuse, with one line naming the field, what the mechanism cannot cover
-    (module docstring). Reads the components' declared properties only."""
+    (module docstring). Reads the components' declared capabilities only."""
     if not privacy.enabled:
         return
     mode = privacy.mode
     if method.init_server(w):
         raise ConfigError(f"client.method: {method_name} keeps server state built from the "
                           f"clients' unnoised updates; not covered by privacy.mode={mode}")
-    if getattr(feedback, "schedule", "constant") == "theory":
+    agg, fb = aggregator_caps(aggregator), feedback_caps(feedback)
+    if fb.schedule == "theory":
         raise ConfigError("compression.alpha_schedule: theory sends unnoised smoothness probes; "
                           f"not covered by privacy.mode={mode}")
-    if getattr(feedback, "schedule", "constant") == "residual":
+    if fb.schedule == "residual":
         raise ConfigError("compression.alpha_schedule: residual sends unnoised update and "
                           f"residual norms; not covered by privacy.mode={mode}")
     if privacy.central:
-        if not (getattr(aggregator, "linear", False) and getattr(aggregator, "dp_mean", False)):
+        if not (agg.linear and agg.dp_mean):
             raise ConfigError(
                 f"aggregator.name: {aggregator_name} is not the plain mean of the client updates "
                 "under unit weights, so DP-FedAvg's sensitivity does not hold for it "
                 "(privacy.mode=central takes fedavg; local mode composes with any rule)")
-        if not getattr(feedback, "row_only", False):
+        if not fb.row_only:
             raise ConfigError(
                 f"compression.feedback: {feedback_name} keeps or broadcasts server state built "
                 "from the clients' unnoised messages; not covered by privacy.mode=central")
-        if getattr(aggregator, "weighted", False):
+        if agg.weighted:
             log.info("privacy.mode=central: each client counts once (DP-FedAvg with unit "
                      "weights); fedavg's sample-count weighting is not applied")
-    elif "start_losses" in getattr(aggregator, "requires", ()):
+    elif "start_losses" in agg.requires:
         raise ConfigError(f"aggregator.name: {aggregator_name} reads each client's unnoised "
                           "loss; not covered by privacy.mode=local")
 
@@ -512,11 +515,11 @@ def check_privacy(privacy: Privacy, *, aggregator: Any, aggregator_name: str, fe
 def check_secure_aggregation(*, aggregator: Any, aggregator_name: str, compressor: Any,
                              compressor_name: str) -> None:
     """``server.secure_aggregation``: refuse what a sum-only server cannot compute."""
-    if not getattr(aggregator, "linear", False):
+    if not aggregator_caps(aggregator).linear:
         raise ConfigError(f"aggregator.name: {aggregator_name} is not a sum of the client "
                           "updates; server.secure_aggregation needs a linear rule (fedavg, "
                           "fednova)")
-    if not getattr(compressor, "linear", False):
+    if not compressor_caps(compressor).linear:
         raise ConfigError(f"compression.name: {compressor_name} payloads do not add up to the "
                           "sum of the updates; server.secure_aggregation needs a dense one "
                           "(identity, fp16, bf16)")

@@ -16,12 +16,16 @@ a rule does not say), or as a class method ``server_lr_for(options)`` where it
 depends on the rule's options: the same ``η_g`` means very different steps for rules
 whose directions differ in scale (CRAFT's is about unit length per layer).
 
-Two optional class attributes say what privacy and secure aggregation may
-assume (:mod:`fedloom.privacy`; ``False`` when a rule does not say, so a
-plug-in is refused until it declares them): ``linear`` — the direction is
-``Σ_k a_k g_k`` with coefficients that do not depend on the updates' values
-(a sum-only, secure-aggregation server can compute it); ``dp_mean`` — under
-unit weights the rule is the plain mean (DP-FedAvg's estimator).
+A rule declares what the engine and privacy may assume in ``capabilities``, an
+:class:`~fedloom.capabilities.AggregatorCaps` (a class attribute, or a property
+where it depends on the options; the defaults when a rule does not say, so a
+plug-in is refused by privacy and secure aggregation until it declares them):
+``requires`` — the optional :class:`CohortInfo` fields it reads; ``linear`` — the
+direction is ``Σ_k a_k g_k`` with coefficients that do not depend on the
+updates' values (a sum-only, secure-aggregation server can compute it);
+``dp_mean`` — under unit weights the rule is the plain mean (DP-FedAvg's
+estimator); ``full_participation``; ``weighted``. The engine reads them through
+:func:`~fedloom.capabilities.aggregator_caps` only.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
+from fedloom.capabilities import AggregatorCaps
 from fedloom.params import Layout
 
 __all__ = ["Aggregator", "CohortInfo", "Stateless", "check_chunk", "check_cohort",
@@ -56,8 +61,11 @@ class CohortInfo:
 
 
 class Aggregator(Protocol):
-    """``requires`` names the optional :class:`CohortInfo` fields the rule reads;
-    the engine computes the costly ones (``start_losses``) only when asked."""
+    """``capabilities.requires`` names the optional :class:`CohortInfo` fields the
+    rule reads; the engine computes the costly ones (``start_losses``) only when asked."""
+
+    @property
+    def capabilities(self) -> AggregatorCaps: ...
 
     def init(self, layout: Layout) -> Any: ...
 

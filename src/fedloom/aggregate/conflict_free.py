@@ -82,6 +82,7 @@ from fedloom.aggregate.gram import (
     row_scales,
     truncated_solve,
 )
+from fedloom.capabilities import AggregatorCaps
 from fedloom.registry import register
 
 __all__ = ["ConFIG"]
@@ -111,6 +112,8 @@ class ConFIG(Stateless):
 
     # server.lr=auto: length="mean" keeps FedAvg's scale (‖g‖ ≤ mean ‖g_i‖): FedAvg's step.
     default_server_lr = 1.0
+    # No optional CohortInfo field; not linear (a projection of the updates, not a sum).
+    capabilities = AggregatorCaps()
 
     def __init__(self, length: Literal["mean", "sum"] = "mean", rtol: float = 1e-6,
                  sv_floor: float = 1e-3, precision: Precision = "mixed") -> None:

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 import torch
 
 from fedloom.aggregate.base import CohortInfo, Stateless
+from fedloom.capabilities import AggregatorCaps
 from fedloom.registry import register
 
 __all__ = ["CoordinateMean"]
@@ -33,6 +34,8 @@ class CoordinateMean(Stateless):
     """
     # server.lr=auto: a mean of the updates: FedAvg's step.
     default_server_lr = 1.0
+    # No optional CohortInfo field; not linear (which coordinates count depends on the values sent).
+    capabilities = AggregatorCaps()
 
     def __call__(
         self, updates: torch.Tensor, weights: torch.Tensor, state: None, *,

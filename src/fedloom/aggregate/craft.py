@@ -238,6 +238,7 @@ from fedloom.aggregate.gram import (
     safe_norm,
     truncated_solve,
 )
+from fedloom.capabilities import AggregatorCaps, FromCapabilities
 from fedloom.params import Layout
 from fedloom.plain import state_type
 from fedloom.registry import register
@@ -381,9 +382,12 @@ class CRAFT:
         self.match_reference = match_reference
 
     @property
-    def requires(self) -> frozenset[str]:
+    def capabilities(self) -> AggregatorCaps:
         """``targets="loss"`` reads the start losses (the engine computes them only then)."""
-        return frozenset({"start_losses"}) if self.targets == "loss" else frozenset()
+        return AggregatorCaps(requires=frozenset({"start_losses"}) if self.targets == "loss"
+                              else frozenset())
+
+    requires = FromCapabilities()  # the loose flag, for the Flower strategy
 
     def init(self, layout: Layout) -> CraftState:
         lay = layout.regroup(self.groups)

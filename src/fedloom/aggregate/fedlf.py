@@ -90,6 +90,7 @@ import torch
 
 from fedloom.aggregate.base import CohortInfo
 from fedloom.aggregate.gram import gram, lincomb64, out_of_range, row_scales, safe_norm
+from fedloom.capabilities import AggregatorCaps, FromCapabilities
 from fedloom.params import Layout
 from fedloom.registry import register
 
@@ -196,7 +197,8 @@ class FedLF:
     # server.lr=auto: rescaled to the FedAvg step's norm ‖(1/m) Σ g_k‖: FedAvg's step.
     default_server_lr = 1.0
 
-    requires = frozenset({"start_losses"})
+    capabilities = AggregatorCaps(requires=frozenset({"start_losses"}))
+    requires = FromCapabilities()  # the loose flag, for the Flower strategy
 
     def __init__(self, groups: str = "tensor") -> None:
         if groups not in _GROUPS:

@@ -60,6 +60,7 @@ import torch
 
 from fedloom.aggregate.base import CohortInfo, Stateless, check_cohort
 from fedloom.aggregate.gram import gram, out_of_range, row_scales
+from fedloom.capabilities import AggregatorCaps
 from fedloom.registry import register
 
 __all__ = ["Krum", "krum_scores"]
@@ -101,6 +102,8 @@ class Krum(Stateless):
 
     # server.lr=auto: a selected update (or the mean of several): FedAvg's step.
     default_server_lr = 1.0
+    # No optional CohortInfo field; not linear (which updates are selected depends on them).
+    capabilities = AggregatorCaps()
 
     def __init__(self, f: int = 0, multi: int = 1, chunk: int = 1 << 15) -> None:
         for name, value, low in (("f", f, 0), ("multi", multi, 1), ("chunk", chunk, 1)):

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from fedloom.aggregate.base import CohortInfo, Stateless, normalise_weights
+from fedloom.capabilities import AggregatorCaps
 from fedloom.registry import register
 
 __all__ = ["FedAvg"]
@@ -30,12 +31,15 @@ class FedAvg(Stateless):
     # Σ_k p_k g_k with p_k from the sample counts: a sum-only (secure aggregation)
     # server computes it from Σ n_k g_k and Σ n_k, and under unit weights it is the
     # plain mean, DP-FedAvg's estimator (fedloom.privacy).
-    linear = True
-    dp_mean = True
     # server.lr=auto: McMahan et al.: w ← Σ p_k w_k, i.e. η_g = 1.
     default_server_lr = 1.0
     def __init__(self, weighted: bool = True) -> None:
         self.weighted = weighted
+
+    @property
+    def capabilities(self) -> AggregatorCaps:
+        """Linear and the mean under unit weights; ``weighted`` is the option."""
+        return AggregatorCaps(linear=True, dp_mean=True, weighted=bool(self.weighted))
 
 
     def __call__(

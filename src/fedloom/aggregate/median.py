@@ -40,6 +40,7 @@ from collections.abc import Mapping
 import torch
 
 from fedloom.aggregate.base import CohortInfo, Stateless, check_chunk, check_cohort
+from fedloom.capabilities import AggregatorCaps
 from fedloom.registry import register
 
 __all__ = ["CoordinateMedian", "coordinate_median"]
@@ -79,6 +80,8 @@ class CoordinateMedian(Stateless):
 
     # server.lr=auto: a robust mean of the updates: FedAvg's step.
     default_server_lr = 1.0
+    # No optional CohortInfo field; not linear (an order statistic, not a sum).
+    capabilities = AggregatorCaps()
 
     def __init__(self, chunk: int = 1 << 15) -> None:
         check_chunk(chunk)

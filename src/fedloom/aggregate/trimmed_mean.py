@@ -44,6 +44,7 @@ from collections.abc import Mapping
 import torch
 
 from fedloom.aggregate.base import CohortInfo, Stateless, check_chunk, check_cohort
+from fedloom.capabilities import AggregatorCaps
 from fedloom.registry import register
 
 __all__ = ["TrimmedMean", "trim_count"]
@@ -73,6 +74,8 @@ class TrimmedMean(Stateless):
 
     # server.lr=auto: a robust mean of the updates: FedAvg's step.
     default_server_lr = 1.0
+    # No optional CohortInfo field; not linear (which values are trimmed depends on them).
+    capabilities = AggregatorCaps()
 
     def __init__(self, trim: float | int = 0.1, chunk: int = 1 << 15) -> None:
         if isinstance(trim, bool) or not isinstance(trim, int | float):

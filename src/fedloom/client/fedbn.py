@@ -15,6 +15,7 @@ too (its code excludes every ``bn`` key from averaging).
 
 from __future__ import annotations
 
+from fedloom.capabilities import MethodCaps
 from fedloom.client.methods import LocalMethod
 from fedloom.registry import register
 
@@ -23,6 +24,7 @@ __all__ = ["FedBN"]
 
 class FedBN(LocalMethod):
     name = "fedbn"
+    capabilities = MethodCaps(model_buffers="local")
 
 
 @register("method", "fedbn")
@@ -38,5 +40,6 @@ def _fedbn() -> FedBN:
     return FedBN()
 
 
-# The buffer policy this method is (fedloom.engine.setup resolves model.buffers from it).
-_fedbn.model_buffers = "local"  # type: ignore[attr-defined]
+# The buffer policy this method is, on the factory too: fedloom.engine.setup resolves
+# model.buffers from it before the method is built.
+_fedbn.capabilities = FedBN.capabilities  # type: ignore[attr-defined]

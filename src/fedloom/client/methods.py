@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 import torch
 
+from fedloom.capabilities import MethodCaps
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.registry import register
 from fedloom.state import FieldSpec
@@ -25,8 +26,18 @@ __all__ = ["LocalMethod"]
 
 
 class LocalMethod:
+    """Plain local SGD, and the base of the other methods.
+
+    ``capabilities``: a :class:`~fedloom.capabilities.MethodCaps`, read from the
+    method's factory as well (before the run is built: ``model_buffers``, the buffer
+    policy a method is, sets ``model.buffers``); ``check_trainer(trainer)``, where a
+    method defines it, refuses trainer settings it cannot run with (one-line
+    ``ValueError``) when the run is built.
+    """
+
     name = "sgd"
     personal = False  # True when clients keep personal models to evaluate
+    capabilities = MethodCaps()
 
     def fields(self, d: int) -> dict[str, FieldSpec]:
         return {}

@@ -62,6 +62,8 @@ from typing import Protocol
 import google_crc32c
 import torch
 
+from fedloom.capabilities import CompressorCaps
+
 __all__ = ["HEADER", "TRAILER", "Compressor", "PayloadError", "check_checksum_option",
            "check_fits", "check_scale", "check_vector", "crc32c", "pack", "pack_header",
            "unpack_header"]
@@ -192,13 +194,15 @@ class Compressor(Protocol):
     on what it cannot send faithfully (another shape, a finite value its wire dtype would
     turn into ±inf); the engine rejects and counts that client.
     ``checksum``: whether payloads carry (and ``decode`` requires) the CRC-32C trailer.
-    Optional ``linear`` (class attribute, ``False`` when absent): payloads are dense
-    values on the same coordinates for every client, so a sum-only (secure
-    aggregation) server can add them (:mod:`fedloom.privacy`).
+    ``capabilities``: a :class:`~fedloom.capabilities.CompressorCaps` (``linear``:
+    payloads are dense values on the same coordinates for every client, so a sum-only,
+    secure-aggregation server can add them, :mod:`fedloom.privacy`); its defaults
+    when absent, read by :func:`~fedloom.capabilities.compressor_caps`.
     """
 
     name: str
     checksum: bool
+    capabilities: CompressorCaps
 
     def encode(self, x: torch.Tensor, *, gen: torch.Generator | None = None) -> bytes: ...
 

@@ -63,6 +63,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from fedloom.capabilities import FeedbackCaps, feedback_caps
 from fedloom.compress.base import Compressor
 from fedloom.compress.sparse import TopK
 from fedloom.job import local_step_sum
@@ -110,19 +111,24 @@ class RoundEnd:
 
 
 class NoFeedback:
-    """Send ``C(g)``; no state."""
+    """Send ``C(g)``; no state.
+
+    ``capabilities`` (:class:`~fedloom.capabilities.FeedbackCaps`, what privacy
+    reads): ``schedule``, the α schedule's kind, and ``row_only``, whether the server
+    uses each client's row only; a subclass declares its own where they differ.
+    """
 
     name = "none"
-    schedule = "constant"
     # The server uses each client's row only: no server state, model shift or extra
     # payload built from the clients' messages (privacy.mode=central needs it).
-    row_only = True
+    capabilities = FeedbackCaps(row_only=True)
 
     @property
     def probes_smoothness(self) -> bool:
         """Whether clients measure the local smoothness on their first step (the
         ``probes`` :meth:`end_round` gets); SA-PEF's ``theory`` schedule does."""
-        return self.schedule == "theory"
+        # through the reader: a plug-in subclass may still set a loose `schedule`
+        return feedback_caps(self).schedule == "theory"
 
     def round_metrics(self, server: ServerState) -> dict[str, float]:
         """Metrics of the round from the new server state (logged after ``alpha``)."""
@@ -236,6 +242,11 @@ class ErrorFeedback(NoFeedback):
         self.name = name
         self.kappa = float(kappa)
 
+    @property
+    def capabilities(self) -> FeedbackCaps:
+        """Row-only; the α schedule is the option (privacy refuses theory and residual)."""
+        return FeedbackCaps(schedule=self.schedule, row_only=True)
+
     def fields(self, d: int) -> dict[str, FieldSpec]:
         return {"residual": FieldSpec(d)}
 
@@ -343,8 +354,9 @@ class EF21(NoFeedback):
     name = "ef21"
 
     @property
-    def row_only(self) -> bool:  # EF21-PP's ḡ is server state built from the c_k
-        return self.mean == "sampled"
+    def capabilities(self) -> FeedbackCaps:
+        """Row-only with ``mean="sampled"``; EF21-PP's ḡ is server state built from the c_k."""
+        return FeedbackCaps(row_only=self.mean == "sampled")
 
     def __init__(self, mean: Literal["all", "sampled"] = "all") -> None:
         if mean not in ("all", "sampled"):
@@ -389,9 +401,11 @@ class EF21(NoFeedback):
 class CSER(ErrorFeedback):
     """EF with a periodic error reset every ``period`` rounds (see the module docstring)."""
 
+    # the reset ē is broadcast, built from the clients' residuals
+    capabilities = FeedbackCaps(row_only=False)
+
     def __init__(self, period: int = 5, reset_ratio: float = 0.1) -> None:
         super().__init__(0.0, "constant", "cser")
-        self.row_only = False  # the reset ē is broadcast, built from the clients' residuals
         if period < 1:
             raise ValueError(f"compression.period: must be >= 1, got {period}")
         self.period = period
@@ -477,7 +491,7 @@ class SCAFCOM(NoFeedback):
     """
 
     name = "scafcom"
-    row_only = False  # the server's c is built from the clients' messages
+    capabilities = FeedbackCaps(row_only=False)  # the server's c is built from the messages
 
     def __init__(self, beta: float = 0.2) -> None:
         if not 0 < beta <= 1:

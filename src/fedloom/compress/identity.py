@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedloom.capabilities import CompressorCaps
 from fedloom.compress.base import (
     PayloadError,
     check_checksum_option,
@@ -25,7 +26,8 @@ CODEC_IDENTITY = 0
 
 class Identity:
     name = "identity"
-    linear = True  # a dense vector: a sum of payload vectors is the sum of the updates
+    # a dense vector: a sum of payload vectors is the sum of the updates
+    capabilities = CompressorCaps(linear=True)
 
     def __init__(self, checksum: bool = True) -> None:
         self.checksum = check_checksum_option(checksum)

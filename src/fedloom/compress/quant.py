@@ -32,6 +32,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from fedloom.capabilities import CompressorCaps
 from fedloom.compress.base import (
     PayloadError,
     check_checksum_option,
@@ -57,7 +58,7 @@ class Cast:
 
     codec = CODEC_CAST
     # Dense values on every coordinate: a sum-only server can add them (fedloom.privacy).
-    linear = True
+    capabilities = CompressorCaps(linear=True)
 
     def __init__(self, dtype: Literal["float16", "bfloat16"] = "float16",
                  checksum: bool = True) -> None:
@@ -96,6 +97,7 @@ class ScaledSign:
 
     name = "sign"
     codec = CODEC_SIGN
+    capabilities = CompressorCaps()  # one scale per client: the payloads do not add up
 
     def __init__(self, checksum: bool = True) -> None:
         self.checksum = check_checksum_option(checksum)
@@ -125,6 +127,7 @@ class QSGD:
 
     name = "qsgd"
     codec = CODEC_QSGD
+    capabilities = CompressorCaps()  # per-client norms and levels: the payloads do not add up
 
     def __init__(self, levels: int = 16, checksum: bool = True) -> None:
         # An integer: ``s`` travels as a u16 and sets the bit width of a level.

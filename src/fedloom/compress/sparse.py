@@ -61,6 +61,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from fedloom.capabilities import CompressorCaps
 from fedloom.compress.base import (
     PayloadError,
     check_checksum_option,
@@ -242,6 +243,7 @@ class TopK:
 
     name = "topk"
     codec = CODEC_TOPK
+    capabilities = CompressorCaps()  # each client's own coordinates: the payloads do not add up
 
     def __init__(self, ratio: float | None = 0.01, count: int | None = None,
                  scope: Literal["global", "tensor", "group"] = "global",
@@ -307,6 +309,7 @@ class RandK:
 
     name = "randk"
     codec = CODEC_RANDK
+    capabilities = CompressorCaps()  # each client's own coordinates: the payloads do not add up
 
     def __init__(self, ratio: float | None = 0.01, count: int | None = None,
                  scaled: bool = True, values: ValueDtype = "float32",

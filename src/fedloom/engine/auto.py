@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from fedloom.capabilities import BackendCaps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig
@@ -75,6 +76,10 @@ def lockstep_reason(ls: LockstepBackend, jobs: Sequence[ClientJob],
 
 class AutoBackend:
     """See the module docstring."""
+
+    # Its in-process candidates train on the samples each job carries (a chosen process
+    # backend drops them before shipping a job).
+    capabilities = BackendCaps()
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor | None = None,
                  y: torch.Tensor | None = None, workers: int = 0) -> None:

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from fedloom.capabilities import BackendCaps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig
@@ -51,7 +52,13 @@ def maybe_die(spec: str | None, jobs: Sequence[ClientJob]) -> None:
 
 
 class Backend(Protocol):
+    """``capabilities``: a :class:`~fedloom.capabilities.BackendCaps` (``ships_indices``:
+    jobs carry ``data_index`` and the backend gathers the samples itself), read by
+    :func:`~fedloom.capabilities.backend_caps`; ``close()``, where a backend has one,
+    stops its workers when the run ends."""
+
     name: str
+    capabilities: BackendCaps
 
     def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]: ...
 
@@ -60,6 +67,7 @@ class SequentialBackend:
     """Clients one after another in this process."""
 
     name = "sequential"
+    capabilities = BackendCaps()  # trains on the samples each job carries
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod) -> None:
         self.trainer = trainer

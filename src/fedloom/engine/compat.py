@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from fedloom.buffers import has_batch_statistics, trains_on_one_sample
+from fedloom.capabilities import aggregator_caps
 from fedloom.config import BackendConfig, Config, ConfigError
 from fedloom.privacy import check_privacy, check_secure_aggregation
 
@@ -60,7 +61,7 @@ def check_one_sample_batches(module: torch.nn.Module, x: torch.Tensor, sizes: An
 
 def check_full_participation(cfg: Config, aggregator: Any, num_clients: int) -> None:
     """A rule that needs every client in every round (``full_participation``)."""
-    if getattr(aggregator, "full_participation", False) and cfg.cohort.size != num_clients:
+    if aggregator_caps(aggregator).full_participation and cfg.cohort.size != num_clients:
         raise ConfigError(
             f"cohort.size: {cfg.aggregator.name} needs every client in every round; set "
             f"cohort.size={num_clients}"

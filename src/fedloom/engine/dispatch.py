@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fedloom.buffers import load_buffers, unflatten_buffers
+from fedloom.capabilities import backend_caps
 from fedloom.device import to_device
 from fedloom.engine.fields import BUFFERS, FEEDBACK, METHOD
 from fedloom.engine.runstate import RoundPlan, RunState
@@ -78,7 +79,7 @@ def plan_round(exp: Setup, st: RunState) -> RoundPlan:
     jobs, alphas, fb_rows = [], [], []
     # A backend that ships sample positions gathers the samples where it
     # trains: no copy of the cohort's data here.
-    ships = getattr(exp.backend, "ships_indices", False)
+    ships = backend_caps(exp.backend).ships_indices
     measured: list[list[Any]] = [[] for _ in exp.client_metrics]
     for i, k in enumerate(cohort.tolist()):
         idx = torch.from_numpy(exp.fed.train[k])

@@ -61,6 +61,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as tmp
 
+from fedloom.capabilities import BackendCaps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig
@@ -218,7 +219,7 @@ class ProcessBackend:
     """``workers`` single-thread processes, each training a share of the cohort."""
 
     name = "process"
-    ships_indices = True  # jobs carry data_index; workers hold the data
+    capabilities = BackendCaps(ships_indices=True)  # jobs carry data_index; workers hold the data
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
                  workers: int = 0, inner: str = "sequential", chunk: int = 0,

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedloom.capabilities import BackendCaps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig, ConfigError
@@ -99,7 +100,7 @@ class RayBackend:
     """Client training in Ray tasks; see the module docstring."""
 
     name = "ray"
-    ships_indices = True  # jobs carry data_index; workers hold the data
+    capabilities = BackendCaps(ships_indices=True)  # jobs carry data_index; workers hold the data
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
                  cfg: BackendConfig) -> None:

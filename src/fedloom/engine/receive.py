@@ -80,7 +80,7 @@ def receive(exp: Setup, st: RunState, plan: RoundPlan, results: Sequence[ClientR
     finite = finite.cpu()
     for i in refused:
         finite[i] = False
-    needs_start = "start_losses" in getattr(exp, "requires", ())
+    needs_start = "start_losses" in exp.requires
     _reject_absurd_numbers(results, finite, reasons, needs_start)
     _reject_non_finite(rows, finite, reasons, results, ups)
     clipped = 0

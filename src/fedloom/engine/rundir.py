@@ -414,7 +414,7 @@ def open_run_dir(exp: Setup, cfg: Config, resolved: dict[str, Any], run_dir: Pat
             if passed_over is not None:
                 _set_aside(ckpt_dir, passed_over, st.next_round, snap_files)
     atomic_write_bytes(run_dir / CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False).encode())
-    classes = getattr(exp.fed.dataset, "classes", None)
+    classes = exp.fed.dataset.classes
     if classes:  # the user's class names (CSV text labels): class k is classes[k]
         atomic_write_json(run_dir / LABELS_FILE, {name: k for k, name in enumerate(classes)})
     # Rewrite the metrics file to the rounds the state reflects (drops rounds

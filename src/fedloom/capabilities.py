@@ -1,0 +1,210 @@
+"""What a component declares about itself, one frozen dataclass per kind.
+
+The engine and the composition checks (:mod:`fedloom.privacy`,
+:mod:`fedloom.engine.compat`) decide from these alone, without knowing any
+algorithm: whether a rule needs each client's loss at the received model, whether
+a sum-only server can compute it, whether a backend gathers the samples itself.
+A component declares ``capabilities = AggregatorCaps(...)`` (a class attribute;
+a property where the answer depends on the component's options, as FedAvg's
+``weighted``); what it does not declare is the dataclass's default, the answer
+that refuses or costs nothing it has not asked for.
+
+One reader per kind (:func:`aggregator_caps`, …) is the only place a component's
+capabilities are looked up. Before the dataclasses, components declared loose
+attributes (``linear = True``, ``requires = frozenset({"start_losses"})``) that
+the engine probed with a default; a plug-in that still does is translated by the
+reader, with one deprecation message naming it, and runs as it did. A loose flag
+set below a declared ``capabilities`` (a plug-in's subclass of a built-in that
+sets ``row_only = False``) overrides that field the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+__all__ = ["AggregatorCaps", "BackendCaps", "CompressorCaps", "FeedbackCaps", "FromCapabilities",
+           "MethodCaps", "aggregator_caps", "backend_caps", "compressor_caps", "feedback_caps",
+           "method_caps"]
+
+log = logging.getLogger("fedloom")
+
+
+@dataclass(frozen=True)
+class AggregatorCaps:
+    """An aggregator's capabilities (:mod:`fedloom.aggregate.base`)."""
+
+    # The optional CohortInfo fields the rule reads ("start_losses", "steps", "lr"):
+    # the engine computes the costly ones only when asked.
+    requires: frozenset[str] = frozenset()
+    # Needs every client in every round (AFL's minimax weights).
+    full_participation: bool = False
+    # The direction is Σ_k a_k g_k with coefficients independent of the updates'
+    # values: a sum-only (secure aggregation) server can compute it.
+    linear: bool = False
+    # Under unit weights the rule is the plain mean (DP-FedAvg's estimator).
+    dp_mean: bool = False
+    # Weights the clients by their sample counts (central DP drops the weights).
+    weighted: bool = False
+
+    def __post_init__(self) -> None:
+        # A set or tuple given by a caller is kept hashable and unchangeable.
+        object.__setattr__(self, "requires", frozenset(self.requires))
+
+
+@dataclass(frozen=True)
+class CompressorCaps:
+    """A compressor's capabilities (:mod:`fedloom.compress.base`)."""
+
+    # Payloads are dense values on the same coordinates for every client: a sum-only
+    # (secure aggregation) server can add them.
+    linear: bool = False
+
+
+@dataclass(frozen=True)
+class FeedbackCaps:
+    """An error-feedback policy's capabilities (:mod:`fedloom.compress.feedback`)."""
+
+    # SA-PEF's α schedule: "theory" sends smoothness probes and "residual" update and
+    # residual norms, both unnoised (privacy refuses them); "constant" sends nothing.
+    schedule: str = "constant"
+    # The server uses each client's row only: no server state, model shift or extra
+    # payload built from the clients' messages (privacy.mode=central needs it).
+    row_only: bool = False
+
+
+@dataclass(frozen=True)
+class MethodCaps:
+    """A local method's capabilities (:mod:`fedloom.client.methods`); read from the
+    method's factory too, before the run is built (FedBN's ``model.buffers``)."""
+
+    # The buffer policy the method is (fedloom.buffers), which sets model.buffers;
+    # None: the configured one.
+    model_buffers: str | None = None
+
+
+@dataclass(frozen=True)
+class BackendCaps:
+    """A backend's capabilities (:mod:`fedloom.engine.backends`)."""
+
+    # Jobs carry data_index and the backend gathers the samples where it trains (its
+    # workers hold the data): the engine ships no copy of a client's samples.
+    ships_indices: bool = False
+
+
+Caps = TypeVar("Caps", AggregatorCaps, CompressorCaps, FeedbackCaps, MethodCaps, BackendCaps)
+
+# How a loose flag's value was used before (truthiness, a collection of names):
+# the translation keeps each decision the engine took from it.
+_TRANSLATE: dict[str, Callable[[Any], Any]] = {
+    "requires": lambda v: frozenset(v),
+    "full_participation": bool, "linear": bool, "dp_mean": bool, "weighted": bool,
+    "row_only": bool, "ships_indices": bool,
+}
+_WARNED: set[tuple[str, str]] = set()
+
+
+def aggregator_caps(obj: object) -> AggregatorCaps:
+    """The capabilities of aggregator ``obj``."""
+    return _read(obj, AggregatorCaps, "aggregator")
+
+
+def compressor_caps(obj: object) -> CompressorCaps:
+    """The capabilities of compressor ``obj``."""
+    return _read(obj, CompressorCaps, "compressor")
+
+
+def feedback_caps(obj: object) -> FeedbackCaps:
+    """The capabilities of feedback policy ``obj``."""
+    return _read(obj, FeedbackCaps, "feedback")
+
+
+def method_caps(obj: object) -> MethodCaps:
+    """The capabilities of local method ``obj`` (the method or its factory)."""
+    return _read(obj, MethodCaps, "method")
+
+
+def backend_caps(obj: object) -> BackendCaps:
+    """The capabilities of backend ``obj``."""
+    return _read(obj, BackendCaps, "backend")
+
+
+class FromCapabilities:
+    """A loose flag read from the object's ``capabilities`` (``requires =
+    FromCapabilities()``): kept on the built-ins whose flag code outside the engine
+    still reads by name (the Flower strategy reads ``requires``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(obj.capabilities, self.name)  # type: ignore[attr-defined]
+
+
+def _read(obj: object, caps_type: type[Caps], kind: str) -> Caps:
+    declared = getattr(obj, "capabilities", None)
+    if declared is not None and not isinstance(declared, caps_type):
+        raise TypeError(f"{kind} {_name(obj)}: capabilities must be a {caps_type.__name__}, "
+                        f"got {type(declared).__name__}")
+    caps = declared if declared is not None else caps_type()
+    at = _depth(obj, "capabilities") if declared is not None else None
+    loose: dict[str, Any] = {}
+    for f in dataclasses.fields(caps_type):
+        if not hasattr(obj, f.name):
+            continue
+        if declared is not None:
+            # A flag counts over declared capabilities only where it is set below them
+            # (a subclass's, or the instance's own); a built-in's option of the same
+            # name (FedAvg's weighted, SA-PEF's schedule) agrees with its declaration.
+            depth = _depth(obj, f.name)
+            if at is None or depth is None or depth >= at:
+                continue
+        value = _TRANSLATE.get(f.name, _same)(getattr(obj, f.name))
+        if declared is None or value != getattr(caps, f.name):
+            loose[f.name] = value
+    if not loose:
+        return caps
+    _deprecated(obj, kind, caps_type, loose)
+    return dataclasses.replace(caps, **loose)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _depth(obj: object, name: str) -> int | None:
+    """Where ``name`` is set: 0 on ``obj`` itself, then down its classes (a class or
+    a factory function: itself, then its bases); None when only ``__getattr__``
+    gives it."""
+    chain: Iterable[Any] = (obj.__mro__ if isinstance(obj, type)
+                            else (obj, *type(obj).__mro__))
+    for i, o in enumerate(chain):
+        if name in getattr(o, "__dict__", {}):
+            return i
+    return None
+
+
+def _name(obj: object) -> str:
+    # a class or a factory function by its own name, an instance by its class's
+    target = obj if isinstance(obj, type) or hasattr(obj, "__qualname__") else type(obj)
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', '?')}"
+
+
+def _deprecated(obj: object, kind: str, caps_type: type, loose: dict[str, Any]) -> None:
+    """One message per plug-in and process: the flags it still declares loose."""
+    who = _name(obj)
+    if (kind, who) in _WARNED:
+        return
+    _WARNED.add((kind, who))
+    fields = ", ".join(f"{k}={v!r}" for k, v in loose.items())
+    msg = (f"{kind} {who} declares the loose flags {', '.join(loose)}; declare "
+           f"capabilities = fedloom.capabilities.{caps_type.__name__}({fields}) instead "
+           "(read the same for now)")
+    warnings.warn(msg, DeprecationWarning, stacklevel=4)  # the reader's caller
+    log.warning("%s", msg)

@@ -1,0 +1,230 @@
+"""Capabilities (fedloom.capabilities): every built-in declares its dataclass, with
+the values its loose flags had before the dataclasses; a plug-in's loose flags
+are translated with a deprecation message; the engine probes no flag by name."""
+
+from __future__ import annotations
+
+import ast
+import logging
+import typing
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fedloom.capabilities import (
+    AggregatorCaps,
+    BackendCaps,
+    CompressorCaps,
+    FeedbackCaps,
+    MethodCaps,
+    aggregator_caps,
+    backend_caps,
+    compressor_caps,
+    feedback_caps,
+    method_caps,
+)
+from fedloom.params import Layout
+from fedloom.registry import accepted_options, available, build, get, origin
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "fedloom"
+
+# The loose flags each built-in had before the dataclasses (getattr on the built
+# component with the engine's defaults, at the options named): (kind, name,
+# options) → flags; a flag not listed had the default.
+BEFORE: dict[tuple[str, str, tuple[tuple[str, Any], ...]], dict[str, Any]] = {
+    ("aggregator", "afl", ()): {"requires": {"start_losses"}, "full_participation": True},
+    ("aggregator", "config", ()): {},
+    ("aggregator", "coordmean", ()): {},
+    ("aggregator", "craft", ()): {},
+    ("aggregator", "craft", (("targets", "loss"),)): {"requires": {"start_losses"}},
+    ("aggregator", "fedavg", ()): {"linear": True, "dp_mean": True, "weighted": True},
+    ("aggregator", "fedavg", (("weighted", False),)): {"linear": True, "dp_mean": True},
+    ("aggregator", "fedfv", ()): {"requires": {"start_losses"}},
+    ("aggregator", "fedlf", ()): {"requires": {"start_losses"}},
+    ("aggregator", "fednova", ()): {"requires": {"steps"}, "linear": True},
+    ("aggregator", "krum", ()): {},
+    ("aggregator", "median", ()): {},
+    ("aggregator", "qfedavg", ()): {"requires": {"start_losses", "lr"}},
+    ("aggregator", "trimmed_mean", ()): {},
+    ("compressor", "bf16", ()): {"linear": True},
+    ("compressor", "fp16", ()): {"linear": True},
+    ("compressor", "identity", ()): {"linear": True},
+    ("compressor", "qsgd", ()): {},
+    ("compressor", "randk", ()): {},
+    ("compressor", "sign", ()): {},
+    ("compressor", "topk", ()): {},
+    ("feedback", "cser", ()): {"row_only": False},
+    ("feedback", "ec_prox", ()): {"row_only": True},
+    ("feedback", "ef", ()): {"row_only": True},
+    ("feedback", "ef21", ()): {"row_only": False},
+    ("feedback", "ef21", (("ef21_mean", "sampled"),)): {"row_only": True},
+    ("feedback", "flare", ()): {"row_only": True},
+    ("feedback", "none", ()): {"row_only": True},
+    ("feedback", "saef", ()): {"row_only": True},
+    ("feedback", "sapef", ()): {"row_only": True},
+    ("feedback", "sapef", (("alpha_schedule", "theory"),)): {"schedule": "theory", "row_only": True},
+    ("feedback", "sapef", (("alpha_schedule", "residual"),)): {"schedule": "residual",
+                                                         "row_only": True},
+    ("feedback", "scafcom", ()): {"row_only": False},
+    **{("method", m, ()): {} for m in ("apfl", "ditto", "fedbabu", "feddyn", "fedper",
+                                       "fedrep", "lg_fedavg", "moon", "scaffold", "sgd")},
+    ("method", "fedbn", ()): {"model_buffers": "local"},
+    **{("backend", b, ()): {} for b in ("auto", "lockstep", "sequential", "vmap")},
+    ("backend", "process", ()): {"ships_indices": True},
+    ("backend", "ray", ()): {"ships_indices": True},
+}
+
+CAPS = {"aggregator": AggregatorCaps, "compressor": CompressorCaps, "feedback": FeedbackCaps,
+        "method": MethodCaps, "backend": BackendCaps}
+READ = {"aggregator": aggregator_caps, "compressor": compressor_caps,
+        "feedback": feedback_caps, "method": method_caps, "backend": backend_caps}
+
+
+def _layout() -> Layout:
+    # a body and a head (LG-FedAvg, FedPer, FedRep, FedBABU, MOON name them)
+    return Layout.from_module(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(),
+                                                  torch.nn.Linear(3, 2)))
+
+
+def _built(kind: str, name: str, options: dict[str, Any]) -> Any:
+    """The component as the engine holds it (a backend: its class, whose factory
+    needs a trainer; the capabilities are class attributes)."""
+    factory = get(kind, name)
+    if kind == "backend":
+        return typing.get_type_hints(factory)["return"]
+    extra = accepted_options(factory, {"layout": _layout()})
+    return build(kind, name, {**extra, **options}, f"{kind}.options")
+
+
+def test_the_table_names_every_built_in():
+    """A new built-in gets its row here (its flags, or none)."""
+    listed = {(kind, name) for kind, name, _ in BEFORE}
+    for kind in CAPS:
+        for name in available(kind):
+            if origin(kind, name) == "fedloom":
+                assert (kind, name) in listed, f"{kind} {name!r}: add it to BEFORE"
+
+
+@pytest.mark.parametrize("key", sorted(BEFORE, key=str), ids=lambda k: "-".join(
+    [k[0], k[1], *(f"{o}={v}" for o, v in k[2])]))
+def test_each_built_in_declares_the_flags_it_had(key):
+    """Declared (``capabilities`` is the dataclass, read without a translation or a
+    warning), equal to the loose flags it had, with the defaults elsewhere."""
+    kind, name, options = key
+    obj = _built(kind, name, dict(options))
+    flags = BEFORE[key]
+    expected = CAPS[kind](**flags)
+    assert isinstance(obj.capabilities, CAPS[kind]), f"{kind} {name}: not declared"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        got = READ[kind](obj)
+        if kind == "method":  # read from the factory too, before the run is built
+            assert READ[kind](get(kind, name)) == expected
+    assert got == expected
+    # what is declared is what the flags decided: none left at a default by accident
+    for flag, value in flags.items():
+        assert getattr(got, flag) == (frozenset(value) if flag == "requires" else value)
+
+
+def _fresh(name: str, bases: tuple[type, ...] = (), **attrs: Any) -> type:
+    # a class of its own per test: the message is given once per plug-in and process
+    return type(f"{name}_{id(attrs)}", bases, {"__module__": "my_plugin", **attrs})
+
+
+def test_loose_flags_of_a_plug_in_are_translated_with_one_message(caplog):
+    old = _fresh("OldRule", requires={"start_losses"}, linear=1, dp_mean=False)()
+    with caplog.at_level(logging.WARNING, logger="fedloom"), \
+            pytest.warns(DeprecationWarning, match=r"^aggregator my_plugin\.OldRule_\d+ "
+                                                   r"declares the loose flags requires, "
+                                                   r"linear, dp_mean; declare capabilities"):
+        caps = aggregator_caps(old)
+    assert caps == AggregatorCaps(requires=frozenset({"start_losses"}), linear=True)
+    (record,) = caplog.records  # and logged, in one line
+    assert "\n" not in record.getMessage() and "my_plugin.OldRule_" in record.getMessage()
+    with warnings.catch_warnings():  # once: the next read says nothing
+        warnings.simplefilter("error", DeprecationWarning)
+        assert aggregator_caps(old) == caps
+    # every kind, and a method's factory function
+    for read, obj, want in [
+        (compressor_caps, _fresh("Comp", linear=True)(), CompressorCaps(linear=True)),
+        (feedback_caps, _fresh("Fb", schedule="theory", row_only=True)(),
+         FeedbackCaps(schedule="theory", row_only=True)),
+        (backend_caps, _fresh("Back", ships_indices=True)(), BackendCaps(ships_indices=True)),
+    ]:
+        with pytest.warns(DeprecationWarning, match="declares the loose flags"):
+            assert read(obj) == want
+
+    def factory() -> None: ...
+    factory.model_buffers = "local"  # type: ignore[attr-defined]
+    with pytest.warns(DeprecationWarning, match=r"^method .*factory declares"):
+        assert method_caps(factory) == MethodCaps(model_buffers="local")
+
+
+def test_a_plug_in_without_flags_has_the_defaults_silently():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert aggregator_caps(_fresh("Plain")()) == AggregatorCaps()
+        assert backend_caps(object()) == BackendCaps()
+
+
+def test_a_loose_flag_below_a_declaration_overrides_it():
+    """A plug-in's subclass of a built-in that still sets a flag keeps its meaning
+    (privacy then refuses it as before); the built-in's own option of the same name
+    (SA-PEF's ``schedule``, FedAvg's ``weighted``) agrees and says nothing."""
+    from fedloom.compress.feedback import ErrorFeedback, NoFeedback
+
+    sub = _fresh("ResettingEF", (ErrorFeedback,), row_only=False)()
+    with pytest.warns(DeprecationWarning, match=r"row_only; declare"):
+        assert feedback_caps(sub) == FeedbackCaps(row_only=False)
+    probing = _fresh("Probing", (NoFeedback,), schedule="theory")()
+    with pytest.warns(DeprecationWarning, match="schedule"):
+        assert probing.probes_smoothness  # as with the loose flag before
+    declared = _fresh("New", (NoFeedback,), capabilities=FeedbackCaps(row_only=False))()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert feedback_caps(declared) == FeedbackCaps(row_only=False)
+
+
+def test_capabilities_of_another_type_are_refused():
+    bad = _fresh("Bad", capabilities=CompressorCaps())()
+    with pytest.raises(TypeError, match=r"^aggregator my_plugin\.Bad_\d+: capabilities must "
+                                        r"be a AggregatorCaps, got CompressorCaps"):
+        aggregator_caps(bad)
+
+
+def test_requires_stays_readable_by_name():
+    """The Flower strategy still reads ``requires`` off the rule."""
+    from fedloom import make_aggregator
+
+    assert make_aggregator("craft", targets="loss").requires == {"start_losses"}
+    assert make_aggregator("qfedavg").requires == {"start_losses", "lr"}
+
+
+# Flags that are capabilities (the dataclasses' fields) or fields of a type the
+# engine holds (LocalSGD's amp and random_forward, Dataset's augment and classes),
+# which it reads directly.
+FLAGS = ({f for caps in CAPS.values() for f in caps.__dataclass_fields__}
+         | {"amp", "random_forward", "augment", "classes"})
+
+
+def _probes(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)):
+            found.append((node.lineno, node.args[1].value))
+    return found
+
+
+def test_the_engine_probes_no_capability_flag_by_name():
+    """``getattr(obj, "linear", False)`` and the like: only the readers in
+    fedloom.capabilities look a loose flag up."""
+    files = [*sorted((SRC / "engine").rglob("*.py")), SRC / "privacy.py"]
+    bad = [f"{p.relative_to(SRC)}:{line}: {name}" for p in files
+           for line, name in _probes(p) if name in FLAGS]
+    assert not bad, "capability flags probed by name:\n" + "\n".join(bad)
