@@ -1,0 +1,297 @@
+"""The ``lockstep`` backend: :class:`LockstepBackend`, its chunks and its fallbacks.
+
+A cohort is trained in chunks of clients, each chunk's steps by
+:func:`~fedloom.engine.lockstep.step._step`; a model, a trainer or jobs that are
+not lock-step's (:func:`trainer_reason`, :func:`job_reason`, :func:`shape_reason`,
+:func:`~fedloom.engine.lockstep.plan.lockstep_plan`'s reason) train on the
+sequential path with one line in the log naming why.
+
+The cohort runs in chunks of ``chunk`` clients (``backend.chunk``; default: as
+many as fit in 4 MB of stacked parameters of the run's dtype, but at least 8
+while they fit in 64 MB — 8 clients of the reference MLP in float32). Measured
+on the reference workload (100 clients a round, MLP 784-200-10, one intra-op
+thread, the 2-core machine shared with other jobs at load 7): a round's local
+training took 4.3–4.4 s in chunks of 4 or 8 clients, 4.3–5.3 s in chunks of
+16–32 and 5.4–6.3 s with all 100 at once, against 6.6–6.9 s on the sequential
+path: the stacked weights of a whole cohort (64 MB) fall out of the cache at
+every step. For a CNN (``cnn`` with 8/16 channels on 3×32×32, 533,754
+parameters, 24 clients × 50 images, batch 10; load 9–10, one thread, second
+of two interleaved passes) local training took 4.4 s in chunks of 1, 3.1 s of
+2, 2.9 s of 4 and 2.8 s of 8 against 4.0 s sequential: the 4 MB rule alone
+would give chunks of 1. Whole rounds (same machine, load 4.6–6.5, one thread,
+five rounds of each backend interleaved): lockstep 8.4 s, sequential 14.5 s,
+vmap 10.3 s (medians), 1.7× sequential; the final float32 models were
+bit-equal to sequential's with one thread (with two, 1.5e-8 apart). The GEMMs
+and convolutions are the same as sequential's (one per client and layer);
+what lock-step saves is the per-client Python, module and autograd work of
+every step — a larger share of a step the smaller the model.
+
+``benchmarks/bench.py --only lockstep lockstep_cnn`` (sections 7 and 7b, one
+thread, three timed rounds of each backend interleaved after a warm-up, the
+machine at load 8–15 from other jobs): the reference MLP at 100 clients a
+round, lockstep 9.17 s, sequential 12.34 s, vmap 8.87 s (1.35× sequential,
+0.97× vmap); the CNN of section 7b (``cnn`` 8/16 channels, 3×32×32, 50
+clients a round, batch 10) lockstep 7.61 s, sequential 8.76 s, vmap 11.33 s
+(1.15× sequential, 1.49× vmap). Both final float32 models were bit-equal to
+sequential's. The same CNN section with the default two threads at load
+12–15 measured lockstep 103 s, sequential 257 s, vmap 138 s a round (2.5×;
+fewer, larger calls leave fewer OpenMP barriers to spin at) and final models
+1.4e-4 apart after four rounds: with two threads MKL's float32 ``bmm`` splits
+its work otherwise than ``mm`` (one local epoch of 8 clients, 3×32×32 images,
+two threads: the updates of the CNN, and of its convolutions with one Linear
+layer, 7.5e-9 apart, of an MLP 3072-512-10 1.9e-8; a chain of convolutions and
+pools alone 0.0; all three 0.0 with one thread).
+
+On the idle machine (one full ``make bench``, ``benchmarks/results.md``) the
+gain is smaller: at one thread, interleaved, the MLP at 100 a round 2.80 s
+against sequential's 3.05 s (1.09×) and the CNN 2.53 s against 2.55 s (1.01×)
+— a loaded machine taxes per-call overhead most, and that is what lock-step
+saves; at the default two threads (section 1, not interleaved) lockstep 1.77 s
+against sequential's 2.93 s (1.65×), and inside the ``process`` backend's two
+single-thread workers (``backend.inner: lockstep``) 1.59 s, the fastest
+fedloom round there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+from torch.nn import functional as F
+
+from fedloom.capabilities import BackendCaps
+from fedloom.client.methods import LocalMethod
+from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
+from fedloom.client.transforms import StepContext, jobs_chain
+from fedloom.config import BackendConfig
+from fedloom.engine.lockstep.plan import _Op, lockstep_plan
+from fedloom.engine.lockstep.step import _forward, _step
+from fedloom.registry import register
+from fedloom.rng import Purpose, derive_seed
+
+log = logging.getLogger("fedloom")
+
+
+def shape_reason(plan: list[_Op], sample: tuple[int, ...]) -> str | None:
+    """Why the chain cannot run on samples of shape ``sample`` (None: it can): every
+    Linear must see one feature vector per sample (``F.linear`` on more dimensions is
+    another kernel), every Conv2d and pool an image ``[C, H, W]`` per sample (fewer
+    dimensions would be read as one unbatched image), and the logits must be one
+    vector per sample. The shapes are carried through the chain on the meta device."""
+    shape = tuple(sample)
+    for op in plan:
+        if op.kind == "flatten":
+            end = op.end if op.end >= 0 else len(shape) + 1 + op.end  # nn.Flatten counts the batch
+            end = max(end, 1)
+            shape = (math.prod(shape[:end]), *shape[end:])
+        elif op.kind == "linear":
+            if len(shape) != 1:
+                return f"a Linear layer on {len(shape)}-dimensional samples"
+            if shape[0] != op.shape[1]:
+                return f"a Linear layer of {op.shape[1]} inputs on {shape[0]} features"
+            shape = (op.shape[0],)
+        elif op.kind == "groupnorm":
+            if len(shape) < 1 or shape[0] != op.shape[0]:
+                return f"a GroupNorm of {op.shape[0]} channels on samples of shape {list(shape)}"
+        elif op.kind == "batchnorm":
+            if len(shape) not in op.dims or shape[0] != op.shape[0]:
+                return (f"a BatchNorm of {op.shape[0]} features on samples of shape "
+                        f"{list(shape)}")
+        elif op.kind in ("conv", "maxpool", "avgpool"):
+            if len(shape) != 3:
+                return f"a {op.kind} layer on {len(shape)}-dimensional samples"
+            try:
+                shape = tuple(_forward(op, torch.empty((1, *shape), device="meta"),
+                                       torch.empty(op.shape, device="meta"), None)[0]
+                              .shape[1:])
+            except RuntimeError as e:  # the layer cannot take these images
+                return f"a {op.kind} layer on samples of shape {list(shape)} ({e})"
+    return None if len(shape) == 1 else f"logits of {len(shape)} dimensions per sample"
+
+
+def trainer_reason(trainer: LocalSGD, method: LocalMethod,
+                   plan: list[_Op] | None = None) -> str | None:
+    """Why local training with these settings is not lock-step's (None: it is). A
+    random train-mode forward is lock-step's where it is the plan's dropout (the only
+    random layer a plan admits)."""
+    if type(method) is not LocalMethod:
+        return f"local method {method.name} is not plain SGD/FedProx"
+    if trainer.amp != "none":
+        return f"client.amp {trainer.amp}"
+    if trainer.augment is not None:
+        return "data augmentation"
+    if trainer.random_forward and not (
+            plan is not None and any(o.kind == "dropout" for o in plan)):
+        return "the train-mode forward draws random numbers"
+    return None
+
+
+def job_reason(jobs: Sequence[ClientJob]) -> str | None:
+    """Why these jobs are not lock-step's (None: they are)."""
+    for j in jobs:
+        if j.probe_smoothness:
+            return "a job asks for the smoothness probe"
+        if j.objective is not None or j.grad_mask is not None or j.prox_mu is not None:
+            return "a job carries a local method's objective, mask or prox weight"
+    return None
+
+
+class LockstepBackend:
+    """See the module docstring."""
+
+    name = "lockstep"
+    capabilities = BackendCaps()  # trains on the samples each job carries
+
+    def __init__(self, trainer: LocalSGD, method: LocalMethod, chunk: int | None = None,
+                 x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> None:
+        self.trainer, self.method, self.x, self.y = trainer, method, x, y
+        self.plan, reason = lockstep_plan(trainer.module, trainer.layout)
+        self.reason = trainer_reason(trainer, method, self.plan) or reason
+        self.enabled = self.reason is None
+        p = next(trainer.module.parameters(), None)
+        size = p.element_size() if p is not None else 4
+        # Cache-sized chunks: a step streams each client's weights, gradient and
+        # momentum several times; 4 MB of stacked weights keeps them in cache. At
+        # least 8 clients (up to 64 MB): a CNN's few weights are not what its step
+        # streams, and chunks of 1-2 clients save little of the per-client work.
+        per = size * max(1, trainer.layout.size)
+        self.chunk = chunk or max(1, min(max((4 << 20) // per, 8), (64 << 20) // per))
+        self._noted: set[str] = set()
+
+    def _note(self, why: str) -> None:
+        if why not in self._noted:  # one line per reason, not one per round
+            self._noted.add(why)
+            log.info("backend lockstep: %s; training on the sequential path", why)
+
+    def _sequential(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
+        return [self.method.run(self.trainer, j) for j in jobs]
+
+    def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
+        if self.reason is not None:
+            self._note(self.reason)
+            return self._sequential(jobs)
+        out: list[ClientResult | None] = []
+        for s in range(0, len(jobs), self.chunk):
+            part = list(jobs[s : s + self.chunk])
+            assert self.plan is not None
+            why = job_reason(part) or shape_reason(self.plan, tuple(part[0].x.shape[1:]))
+            if why is not None:
+                self._note(why)
+                out += self._sequential(part)
+            else:
+                out += self._train(part)
+        return out
+
+    # ------------------------------------------------------------------ training
+    def _train(self, jobs: list[ClientJob]) -> list[ClientResult]:
+        tr, m = self.trainer, len(jobs)
+        assert self.plan is not None
+        W0 = torch.stack([j.w for j in jobs])
+        W = torch.stack([j.start if j.start is not None else j.w for j in jobs])
+        start_loss = [tr.full_loss(j.w, j.x, j.y, buffers=j.buffers) if j.start_loss else None
+                      for j in jobs]
+        batches = [tr.job_batches(j) for j in jobs]
+        steps = [len(b) for b in batches]
+        src_x, src_y, table = self._table(jobs, batches, W.device)
+        # The direction's terms, as the sequential trainer's (fedloom.client.transforms).
+        direction = jobs_chain(jobs, W, weight_decay=tr.weight_decay, prox_mu=tr.prox_mu,
+                               momentum=tr.momentum, extra=tr.transforms)
+        dstate = direction.init(W)
+        lrs = [float(j.lr) for j in jobs]
+        lr_col = torch.tensor(lrs, dtype=W.dtype, device=W.device)[:, None]
+        G = torch.zeros_like(W)
+        losses: list[list[torch.Tensor]] = [[] for _ in range(m)]
+        every = torch.arange(m, device=W.device)
+        dropout = any(o.kind == "dropout" for o in self.plan)
+        bufs = self._start_buffers(jobs)
+        for t in range(max(steps)):
+            # Clients with a batch at step t, grouped by its size (one group: all).
+            groups: dict[int, list[int]] = {}
+            for k in range(m):
+                if t < steps[k]:
+                    groups.setdefault(len(batches[k][t]), []).append(k)
+            active = sum(len(g) for g in groups.values())
+            G.zero_()
+            for n, ks in groups.items():
+                rows = every if len(ks) == m else torch.tensor(ks, device=W.device)
+                idx = table[rows, t, :n]
+                whole = len(ks) == m
+                Gr = G if whole else torch.zeros(len(ks), W.shape[1], dtype=W.dtype,
+                                                 device=W.device)
+                # the seed of step t's dropout masks, as the sequential trainer reseeds
+                seeds = ([derive_seed(jobs[k].gen_seed, t, -1, Purpose.DROPOUT) for k in ks]
+                         if dropout else None)
+                lsm, Y = _step(self.plan, W if whole else W[rows], src_x[idx], src_y[idx], Gr,
+                               seeds, [bufs[k] for k in ks])
+                if not whole:
+                    G[rows] = Gr
+                for r, k in enumerate(ks):
+                    # the client's own loss: nll_loss of its rows, the sequential bits
+                    losses[k].append(F.nll_loss(lsm[r], Y[r]).detach())
+            with torch.no_grad():
+                # (a finished client's momentum buffer is never used again)
+                D, dstate = direction.update(G, dstate, StepContext(
+                    t, W, W0, live=[t < s for s in steps]))
+                if active == m and len(set(lrs)) == 1:
+                    W.sub_(D, alpha=lrs[0])
+                else:  # per-client η, finished clients η = 0 (w − 0 is w, bit for bit)
+                    live = torch.tensor([1.0 if t < s else 0.0 for s in steps],
+                                        dtype=W.dtype, device=W.device)[:, None]
+                    W.addcmul_(lr_col * live, D, value=-1.0)
+        out = []
+        for k, j in enumerate(jobs):
+            loss_sum = 0.0
+            for v in losses[k]:  # Python floats in step order, as LocalSGD sums them
+                loss_sum += float(v)
+            out.append(ClientResult(j.client, (j.w - W[k]).contiguous(), int(j.y.shape[0]),
+                                    loss_sum / max(1, steps[k]), steps[k], start_loss[k],
+                                    buffers=bufs[k]))
+        return out
+
+    def _start_buffers(self, jobs: list[ClientJob]) -> list[dict[str, torch.Tensor]]:
+        """Each client's own copy of the buffers it starts from — the job's, else the
+        module's initial ones, as the sequential trainer loads them — which its
+        train-mode forwards update in place and its result carries."""
+        fm = self.trainer._flat_module()
+        if not fm.buffers:
+            return [{} for _ in jobs]
+        out = []
+        for j in jobs:
+            start = j.buffers if j.buffers else fm.init_buffers
+            out.append({n: torch.empty_like(v).copy_(start.get(n, fm.init_buffers[n]))
+                        for n, v in fm.buffers.items()})
+        return out
+
+    def _table(self, jobs: list[ClientJob], batches: list[list[torch.Tensor]],
+               dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The source rows and an ``[m, T, B]`` table of every client's batch
+        positions into them (unused cells: −1, never read)."""
+        m = len(jobs)
+        if self.x is not None and all(j.data_index is not None for j in jobs):
+            src_x, src_y = self.x, self.y
+            owners = [j.data_index for j in jobs]
+        else:
+            src_x = torch.cat([j.x for j in jobs])
+            src_y = torch.cat([j.y for j in jobs])
+            offs = [0]
+            for j in jobs:
+                offs.append(offs[-1] + int(j.y.shape[0]))
+            owners = [torch.arange(offs[k], offs[k + 1]) for k in range(m)]
+        T = max(len(b) for b in batches)
+        B = max(len(i) for b in batches for i in b)
+        table = torch.full((m, T, B), -1, dtype=torch.long)
+        for k, b in enumerate(batches):
+            own = owners[k].cpu()
+            for t, i in enumerate(b):
+                table[k, t, : len(i)] = own[i]
+        assert src_y is not None
+        return src_x, src_y, table.to(dev)
+
+
+@register("backend", "lockstep")
+def _lockstep(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig | None = None,
+              x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> LockstepBackend:
+    return LockstepBackend(trainer, method,
+                           chunk=(cfg.chunk or None) if cfg is not None else None, x=x, y=y)

@@ -1,0 +1,228 @@
+"""Lock-step's plan: the model traced by ``torch.fx`` into a chain of ``_Op`` layers.
+
+:func:`lockstep_plan` turns a module into the list of ops one step runs
+(:mod:`fedloom.engine.lockstep.step`), or says in one line why it cannot.
+
+Supported models: ones ``torch.fx`` traces to a chain (each node feeds the
+next) of ``nn.Linear`` (with or without bias), ``nn.Conv2d`` (zero padding,
+numeric or ``"valid"``, any stride/dilation, ``groups = 1``),
+``nn.MaxPool2d`` (without ``return_indices``), ``nn.AvgPool2d``, ``nn.Dropout``
+(not in place, p < 1), ``nn.GroupNorm`` (affine; client by client, as Conv2d),
+``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` (client by client, each client's own
+running statistics), ``nn.ReLU`` /
+``torch.relu`` / ``F.relu``, ``nn.Flatten`` / ``torch.flatten`` (from dim 1),
+``nn.Identity``, ending in the logits of the cross-entropy; every parameter
+trained (in the layout), no buffers but BatchNorm's, no module called twice; the samples'
+shape is carried through the chain (a Conv2d or pool sees ``[C, H, W]``, a
+Linear one vector). Everything else trains on the sequential path with one
+line in the log naming why: other layers (``BatchNorm3d``, ``Dropout2d``,
+adaptive pools, ``LayerNorm``, grouped or ``"same"``-padded convolutions, recurrent), local methods
+other than plain SGD/FedProx (``client.method``), ``client.amp``, data
+augmentation, a random train-mode forward other than the chain's dropout, and
+jobs that ask for a smoothness
+probe or carry a method's objective, mask or μ (these per chunk).
+
+Not supported yet (they fall back): residual networks — in the papers'
+models the normalisation layers sit inside ``resnet``, ``resnet9`` and
+``resnet18``, which are not chains, so GroupNorm and BatchNorm help only
+user chains until branching graphs are supported —, ``Dropout2d``, adaptive
+pools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fedloom.buffers import buffer_names
+from fedloom.params import Layout
+
+
+@dataclass(frozen=True)
+class _Op:
+    """One layer of the chain: ``linear`` / ``conv`` (weight/bias slices of ``w``),
+    ``relu``, ``flatten`` (per-sample dims ``start..end`` → one), ``maxpool`` or
+    ``avgpool``; the 2-d layers' geometry as pairs."""
+
+    kind: str
+    weight: slice | None = None
+    bias: slice | None = None
+    shape: tuple[int, ...] = (0, 0)   # linear: (out, in); conv: (out, in, kh, kw)
+    start: int = 1                    # flatten: per-sample dims, as nn.Flatten's
+    end: int = -1
+    kernel: tuple[int, int] = (1, 1)  # pooling
+    stride: tuple[int, int] = (1, 1)
+    padding: tuple[int, int] = (0, 0)
+    dilation: tuple[int, int] = (1, 1)
+    ceil_mode: bool = False
+    count_include_pad: bool = True    # avgpool
+    divisor: int | None = None        # avgpool's divisor_override
+    p: float = 0.0                    # dropout
+    groups: int = 1                   # groupnorm: groups and ε
+    eps: float = 1e-5
+    momentum: float | None = 0.1      # batchnorm: None is the cumulative average
+    stats: tuple[str, str, str] | None = None  # batchnorm: its buffers' names
+    dims: tuple[int, ...] = ()        # batchnorm: the per-sample ranks it takes
+
+    @property
+    def params(self) -> bool:
+        return self.kind in ("linear", "conv", "groupnorm") or (
+            self.kind == "batchnorm" and self.weight is not None)
+
+
+def lockstep_plan(module: nn.Module, layout: Layout) -> tuple[list[_Op] | None, str | None]:
+    """The module as a chain of supported layers, or ``(None, why not)``."""
+    names = {n for n, _ in module.named_parameters()}
+    if names != set(layout._by_name):
+        return None, "the model has frozen parameters"
+    import torch.fx  # only here: tracing is this backend's business
+
+    try:
+        gm = torch.fx.symbolic_trace(module)
+    except Exception as e:  # anything fx cannot trace is not a chain we know
+        return None, f"the model cannot be traced by torch.fx ({type(e).__name__})"
+    mods = dict(module.named_modules())
+    ops: list[_Op] = []
+    prev = None
+    seen: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if prev is not None:
+                return None, "the model takes more than one input"
+            prev = node
+            continue
+        if node.op == "output":
+            if node.args[0] is not prev:
+                return None, "the model's output is not the last layer's"
+            break
+        tensors = [a for a in node.all_input_nodes]
+        if tensors != [prev] or len(prev.users) != 1:
+            return None, f"the model is not a chain of layers (at {node.name})"
+        op = _as_op(node, mods, layout, seen)
+        if isinstance(op, str):
+            return None, op
+        if op is not None:
+            ops.append(op)
+        prev = node
+    if not any(o.params for o in ops):
+        return None, "the model has no Linear or Conv2d layer"
+    # every buffer must be a BatchNorm's running statistics (per client, see _train)
+    owned = {n for o in ops if o.stats is not None for n in o.stats}
+    other = [n for n in buffer_names(module) if n not in owned]
+    if other:
+        return None, f"the model has buffers other than BatchNorm's ({other[0]})"
+    return ops, None
+
+
+def _as_op(node, mods: dict[str, nn.Module], layout: Layout,
+           seen: set[str]) -> _Op | str | None:
+    """The node as an op, ``None`` for an identity, or why it is not supported."""
+    if node.op == "call_module":
+        if node.target in seen:
+            return "a layer is called twice (shared weights)"
+        seen.add(node.target)
+        mod = mods[node.target]
+        if isinstance(mod, nn.Identity):
+            return None
+        if isinstance(mod, nn.ReLU):
+            return _Op("relu")
+        if isinstance(mod, nn.Flatten):
+            return _flatten(mod.start_dim, mod.end_dim)
+        if type(mod) is nn.Linear:
+            p = node.target + "."
+            w = layout._by_name[p + "weight"]
+            b = layout._by_name.get(p + "bias")
+            return _Op("linear", w.slice, b.slice if b is not None else None,
+                       (mod.out_features, mod.in_features))
+        if type(mod) is nn.Conv2d:
+            return _conv(node.target, mod, layout)
+        if type(mod) in (nn.MaxPool2d, nn.AvgPool2d):
+            return _pool(node.target, mod)
+        if type(mod) is nn.GroupNorm:
+            if not mod.affine:
+                return f"GroupNorm without affine parameters ({node.target}) is not supported"
+            w = layout._by_name[node.target + ".weight"]
+            b = layout._by_name[node.target + ".bias"]
+            return _Op("groupnorm", w.slice, b.slice, (mod.num_channels,),
+                       groups=mod.num_groups, eps=float(mod.eps))
+        if type(mod) in (nn.BatchNorm1d, nn.BatchNorm2d):
+            return _batchnorm(node.target, mod, layout)
+        if type(mod) is nn.Dropout:
+            if mod.inplace:
+                return f"in-place Dropout ({node.target}) is not supported"
+            if mod.p == 0:  # torch's dropout returns its input and draws nothing
+                return None
+            if mod.p >= 1:
+                return f"Dropout(p={mod.p}) ({node.target}) is not supported"
+            return _Op("dropout", p=float(mod.p))
+        return f"layer {type(mod).__name__} ({node.target}) is not supported"
+    if node.op == "call_function" and node.target in (torch.relu, F.relu):
+        if node.kwargs.get("inplace") or len(node.args) > 1:
+            return "in-place relu is not supported"
+        return _Op("relu")
+    if node.op == "call_function" and node.target is torch.flatten:
+        a, kw = node.args, node.kwargs
+        start = a[1] if len(a) > 1 else kw.get("start_dim", 0)
+        end = a[2] if len(a) > 2 else kw.get("end_dim", -1)
+        return _flatten(start, end)
+    return f"operation {node.target} ({node.name}) is not supported"
+
+
+def _conv(name: str, mod: nn.Conv2d, layout: Layout) -> _Op | str:
+    if mod.groups != 1:
+        return f"a grouped Conv2d ({name}, groups={mod.groups}) is not supported"
+    if mod.padding_mode != "zeros":
+        return f"Conv2d padding_mode {mod.padding_mode} ({name}) is not supported"
+    pad = mod.padding
+    if isinstance(pad, str):
+        if pad != "valid":  # "same" may pad asymmetrically: another kernel call
+            return f"Conv2d padding='{pad}' ({name}) is not supported"
+        pad = (0, 0)
+    w = layout._by_name[name + ".weight"]
+    b = layout._by_name.get(name + ".bias")
+    kh, kw = mod.kernel_size
+    return _Op("conv", w.slice, b.slice if b is not None else None,
+               (mod.out_channels, mod.in_channels, kh, kw), stride=_pair(mod.stride),
+               padding=_pair(pad), dilation=_pair(mod.dilation))
+
+
+def _batchnorm(name: str, mod: nn.BatchNorm1d | nn.BatchNorm2d, layout: Layout) -> _Op:
+    w = layout._by_name.get(name + ".weight") if mod.affine else None
+    b = layout._by_name.get(name + ".bias") if mod.affine else None
+    stats = None
+    if mod.track_running_stats:
+        stats = (f"{name}.running_mean", f"{name}.running_var", f"{name}.num_batches_tracked")
+    return _Op("batchnorm", w.slice if w is not None else None,
+               b.slice if b is not None else None, (mod.num_features,), eps=float(mod.eps),
+               momentum=None if mod.momentum is None else float(mod.momentum), stats=stats,
+               dims=(1, 2) if isinstance(mod, nn.BatchNorm1d) else (3,))
+
+
+def _pool(name: str, mod: nn.MaxPool2d | nn.AvgPool2d) -> _Op | str:
+    k = _pair(mod.kernel_size)
+    # nn's pools take stride None (or empty) for "the kernel size"
+    stride = _pair(mod.stride) if mod.stride not in (None, ()) else k
+    if isinstance(mod, nn.MaxPool2d):
+        if mod.return_indices:
+            return f"MaxPool2d with return_indices ({name}) is not supported"
+        return _Op("maxpool", kernel=k, stride=stride, padding=_pair(mod.padding),
+                   dilation=_pair(mod.dilation), ceil_mode=bool(mod.ceil_mode))
+    return _Op("avgpool", kernel=k, stride=stride, padding=_pair(mod.padding),
+               ceil_mode=bool(mod.ceil_mode), count_include_pad=bool(mod.count_include_pad),
+               divisor=mod.divisor_override)
+
+
+def _pair(v) -> tuple[int, int]:
+    if isinstance(v, int):
+        return (v, v)
+    t = tuple(int(x) for x in v)
+    return (t[0], t[0]) if len(t) == 1 else (t[0], t[1])
+
+
+def _flatten(start: int = 1, end: int = -1) -> _Op | str:
+    if start != 1:
+        return "a flatten that merges the batch dimension is not supported"
+    return _Op("flatten", start=start, end=end)
