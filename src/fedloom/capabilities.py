@@ -101,7 +101,7 @@ Caps = TypeVar("Caps", AggregatorCaps, CompressorCaps, FeedbackCaps, MethodCaps,
 # How a loose flag's value was used before (truthiness, a collection of names):
 # the translation keeps each decision the engine took from it.
 _TRANSLATE: dict[str, Callable[[Any], Any]] = {
-    "requires": lambda v: frozenset(v),
+    "requires": frozenset,
     "full_participation": bool, "linear": bool, "dp_mean": bool, "weighted": bool,
     "row_only": bool, "ships_indices": bool,
 }
@@ -135,8 +135,8 @@ def backend_caps(obj: object) -> BackendCaps:
 
 class FromCapabilities:
     """A loose flag read from the object's ``capabilities`` (``requires =
-    FromCapabilities()``): kept on the built-ins whose flag code outside the engine
-    still reads by name (the Flower strategy reads ``requires``)."""
+    FromCapabilities()``), on the built-ins whose flag code outside the engine still
+    reads by name (the Flower strategy's ``requires``) until it uses the readers."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
