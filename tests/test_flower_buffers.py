@@ -200,8 +200,8 @@ def test_client_app_keeps_nothing_between_messages(task_identity, monkeypatch, p
     warm = _bytes(app(_message(0.99 * w, b1, 1, 1, exp), ctx1))
     again = _bytes(app(_message(0.99 * w, b1, 1, 1, exp), _context(1)))
     assert again == warm
-    monkeypatch.setattr(flower, "_EXPERIMENTS", {})  # a fresh process
-    monkeypatch.setattr(flower, "_CLIENT_DATA", {})
+    monkeypatch.setattr(flower.cache, "_EXPERIMENTS", {})  # a fresh process
+    monkeypatch.setattr(flower.cache, "_CLIENT_DATA", {})
     fresh_ctx = _context(1)
     fresh = _bytes(client_app(CFG, over)(_message(0.99 * w, b1, 1, 1, exp), fresh_ctx))
     assert fresh == warm

@@ -128,17 +128,19 @@ def test_client_app_loads_data_once_per_process_and_the_cache_changes_nothing(mo
     from the cache equals the one a cold process sends (same payload bytes)."""
     from flwr.supercore.task_identity import TaskIdentity
 
+    from fedloom.config import load_config
     from fedloom.integrations import flower as fl
+    from fedloom.integrations.flower import cache
 
     monkeypatch.setattr(TaskIdentity, "_run_id", 1)
     monkeypatch.setattr(TaskIdentity, "_node_id", 1)
     monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-    monkeypatch.setattr(fl, "_EXPERIMENTS", {})
-    monkeypatch.setattr(fl, "_CLIENT_DATA", {})
-    monkeypatch.setattr(fl, "LOADS", {"experiment": 0, "client_data": 0})
+    monkeypatch.setattr(cache, "_EXPERIMENTS", {})
+    monkeypatch.setattr(cache, "_CLIENT_DATA", {})
+    monkeypatch.setattr(cache, "LOADS", {"experiment": 0, "client_data": 0})
 
     app = fl.client_app(SMALL)
-    layout = fl._experiment(fl.load_config(SMALL)).layout  # the first (and only) build
+    layout = cache._experiment(load_config(SMALL)).layout  # the first (and only) build
     w = torch.linspace(-0.1, 0.1, layout.size)
 
     def payload(k: int, r: int) -> bytes:
@@ -147,18 +149,18 @@ def test_client_app_loads_data_once_per_process_and_the_cache_changes_nothing(mo
         return bytes(reply.content["fedloom"]["payload"])
 
     first = payload(0, 0)
-    assert fl.LOADS == {"experiment": 1, "client_data": 1}
+    assert cache.LOADS == {"experiment": 1, "client_data": 1}
     second = payload(0, 0)
-    assert fl.LOADS == {"experiment": 1, "client_data": 1}  # both caches hit
+    assert cache.LOADS == {"experiment": 1, "client_data": 1}  # both caches hit
     assert second == first
     payload(1, 1)
-    assert fl.LOADS == {"experiment": 1, "client_data": 2}
+    assert cache.LOADS == {"experiment": 1, "client_data": 2}
     # a cold process (empty caches) sends the same bytes
-    monkeypatch.setattr(fl, "_EXPERIMENTS", {})
-    monkeypatch.setattr(fl, "_CLIENT_DATA", {})
+    monkeypatch.setattr(cache, "_EXPERIMENTS", {})
+    monkeypatch.setattr(cache, "_CLIENT_DATA", {})
     app = fl.client_app(SMALL)
     assert payload(0, 0) == first
-    assert fl.LOADS == {"experiment": 2, "client_data": 3}
+    assert cache.LOADS == {"experiment": 2, "client_data": 3}
 
 
 class _Grid:
@@ -184,6 +186,7 @@ class _Grid:
 
 def test_poll_replies_waits_its_interval_until_every_reply_or_the_timeout(monkeypatch):
     from fedloom.integrations import flower as fl
+    from fedloom.integrations.flower import server
 
     clock = [0.0]
     sleeps: list[float] = []
@@ -192,8 +195,8 @@ def test_poll_replies_waits_its_interval_until_every_reply_or_the_timeout(monkey
         sleeps.append(s)
         clock[0] += s
 
-    monkeypatch.setattr(fl.time, "sleep", sleep)
-    monkeypatch.setattr(fl.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(server.time, "sleep", sleep)
+    monkeypatch.setattr(server.time, "monotonic", lambda: clock[0])
 
     grid = fl.poll_replies(_Grid(b_on=3), 0.25)
     got = grid.send_and_receive([], timeout=60)

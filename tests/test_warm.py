@@ -71,8 +71,9 @@ def _task_identity(monkeypatch):
 
 
 def _layout():
+    from fedloom.config import load_config
     from fedloom.engine.experiment import Experiment
-    from fedloom.integrations.flower import _experiment, load_config
+    from fedloom.integrations.flower.cache import _experiment
 
     exp: Experiment = _experiment(load_config(CFG))
     return exp.layout

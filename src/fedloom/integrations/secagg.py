@@ -63,12 +63,8 @@ import torch
 from fedloom.config import Config, ConfigError, load_config
 from fedloom.engine.experiment import Experiment
 from fedloom.engine.runstate import RunState, model_sha256
-from fedloom.integrations.flower import (
-    HELLO_KEY,
-    ConfigSource,
-    _client_id,
-    _experiment,
-)
+from fedloom.integrations.flower.cache import _experiment
+from fedloom.integrations.flower.messages import HELLO_KEY, ConfigSource, _client_id
 from fedloom.privacy import check_secure_aggregation, clip_update, make_privacy
 from fedloom.rng import Purpose, derive_seed, torch_gen
 

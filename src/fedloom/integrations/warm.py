@@ -409,7 +409,7 @@ class _Worker:
             return True
         op = h.get("op")
         if op == "stats":
-            fl = sys.modules.get("fedloom.integrations.flower")
+            fl = sys.modules.get("fedloom.integrations.flower.cache")
             _send(conn, {"v": PROTOCOL, "ok": True, "pid": os.getpid(), "served": self.served,
                          "failed": self.failed, "targets": sorted(self.apps),
                          "loads": dict(fl.LOADS) if fl is not None else {}})

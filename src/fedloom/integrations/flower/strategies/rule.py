@@ -1,102 +1,24 @@
-"""fedloom's aggregation rules as drop-in Flower strategies for stock apps.
+""":class:`FedloomRule`: a fedloom aggregator as a Flower strategy for stock replies.
 
-A Flower app whose ClientApp trains the model it receives under ``"arrays"``
-and replies with ``ArrayRecord(model.state_dict())`` and a ``MetricRecord``
-holding ``num-examples`` (the way Flower's PyTorch examples are written) adopts
-CRAFT, Krum or any other fedloom rule by changing the strategy it constructs::
-
-    strategy = FedAvg(fraction_train=0.5)          # before
-    strategy = CRAFT(fraction_train=0.5)           # after
-
-Everything else is Flower's: node sampling (``fraction_train``,
-``min_train_nodes``, ``min_available_nodes``), the train config it sends,
-client-side evaluation (``configure_evaluate`` / ``aggregate_evaluate`` are
-:class:`flwr.serverapp.strategy.FedAvg`'s), ``start(..., evaluate_fn=...)``
-and its :class:`Result`. What fedloom adds happens in :meth:`FedloomRule.aggregate_train`:
-
-1. **Pseudo-gradients** ``g_k = w − w_k`` of the parameters, against the arrays
-   this round sent (kept by :meth:`~FedloomRule.configure_train`), in
-   ``dtype``; the record's buffers (BatchNorm statistics) are not part of ``w``
-   (:class:`~fedloom.integrations.flower.records.StateLayout`). A reply from
-   :class:`~fedloom.integrations.flower.stock.CompressionMod` carries the
-   encoded ``g_k`` instead, decoded with ``compression=`` (the same compressor
-   and options as the mod; a payload of another codec, size or checksum is
-   undecodable).
-2. **Screening** as the engine's (:mod:`fedloom.engine.screen`): a reply that
-   cannot be read (no arrays, other keys or shapes, a missing metric the rule
-   needs) or that reports a number no client has (a ``num-examples`` that is
-   not a finite number in ``(0, 2**53]`` or is above ``max_num_examples``, a
-   ``num-steps`` that is not a whole number in ``[1, 2**53]``, a non-finite
-   ``start-loss``, an integer buffer sent as a float its dtype cannot hold) is
-   rejected as undecodable; a non-finite ``g_k`` or buffer is rejected; then
-   ``‖g_k‖ > max_update_norm`` or ``> max_norm_ratio ×`` the lower median norm
-   is rejected, and ``clip_norm`` bounds the rest. Rejected replies are counted
-   (``fedloom-rejected`` in the round's metrics, :attr:`~FedloomRule.history`
-   with the reasons; the client named by its ``partition-id`` where the reply
-   says it), never averaged, and one of them never fails the round for the
-   others. A round whose every reply is rejected for one reason of the app's
-   making (:class:`ReplyFormatError`: a metric it does not send, a codec the
-   strategy was not given) raises :class:`IncompatibleReplies` with the fix.
-3. **The rule**: the registered aggregator ``aggregator`` with its options by
-   name, on the accepted rows and their ``num-examples``; its state is kept
-   across rounds (:attr:`~FedloomRule.agg_state`); CRAFT's layer groups are the
-   record's (state-dict names; ``model=`` for a module's exact groups).
-4. **The server step** ``w ← w − η_g·opt(direction)`` (``server_optimizer``:
-   sgd, momentum, adam, yogi, adagrad; ``server_lr="auto"``: the rule's public
-   step, 0.1 for CRAFT). A rule that fails on an ill-posed cohort, a direction
-   that is not finite or not of the model's size, or a step or new state that
-   is not finite skips the round's step (``fedloom-step-skipped`` = 1): the
-   arrays it returns are the ones it sent and no state changes. A bad aggregate
-   is never applied.
-5. **Buffers**: the ``num-examples``-weighted mean of the accepted replies'
-   floating buffers, the maximum of integer ones (``num_batches_tracked``),
-   as the engine's ``model.buffers: average``; ``buffers_policy="keep_global"``
-   keeps the server's.
-
-Each round's metrics also hold ``fedloom-uplink-bytes`` (what the replies carried
-for the parameters: payloads, or dense arrays) and ``fedloom-dense-bytes`` (the
-same replies' parameters dense); fedloom's log records reach Flower's log
-handlers (:func:`bridge_logs_to_flower`).
-
-The cohort's rows are ordered by node id (Flower returns replies in arrival
-order), so the same replies give the same model whatever order they came in.
-Flower's node ids are numbered 0, 1, … in the order they are first sampled
-(sorted within a round) for the rules that keep per-client state (AFL's λ).
-
-What a rule needs from the replies beyond the arrays: ``fednova`` the local
-step count (metric ``num-steps``), ``qfedavg``, ``afl``, ``fedfv``, ``fedlf``
-the loss of the received model on the client's data before training (metric
-``start-loss``, the ``F_k(w)`` of q-FFL), and ``qfedavg`` the client learning
-rate (``client_lr=``, or ``"lr"`` in the train config). A reply without such a
-metric is rejected (named); a stock app opts in by adding the metric. The
-training loss ``train-loss`` is used where present (round metrics only).
-
-Checked (tests/test_flower_strategies.py): for the same replies, the new arrays
-equal fedloom's aggregator and server optimizer applied to the same rows, max
-difference 0 in float64 (CRAFT with SGD and with Adam, Krum, FedAvg with
-momentum; two rounds of near-collinear rows of a BatchNorm MLP, d = 292); a
-3-round run of a stock ClientApp with :class:`CRAFT` (fedloom's ``mlp``, 5
-nodes, every node every round) ends at the model fedloom's engine
-(``Experiment.finish_round``) reaches from the recorded replies, max difference
-0 in float64.
-
-Departures from the engine: the cohort is Flower's sample, not fedloom's; the
-server never learns a client's data size but from ``num-examples`` (hence
-``max_num_examples``); under a robust rule the buffers are still the mean of
-every accepted reply, as in the engine (``buffers_policy="keep_global"`` keeps
-a Byzantine client from moving BatchNorm statistics).
+Its ``configure_train`` keeps the arrays it sends (and samples Flower's nodes under a
+seeded generator); its ``aggregate_train`` reads each reply into a pseudo-gradient
+row, screens the rows as the engine does, aggregates the accepted ones, takes the
+server step (or skips it, changing nothing) and averages the buffers: the numbered
+steps of the package docstring (:mod:`fedloom.integrations.flower.strategies`).
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.logger import FLOWER_LOGGER
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
 from fedloom.aggregate.base import (
@@ -119,86 +41,22 @@ from fedloom.engine.screen import (
     row_norms,
     screen_updates,
 )
-from fedloom.integrations.flower.records import StateLayout, unpack_buffers
+from fedloom.integrations.flower.records import StateLayout
+from fedloom.integrations.flower.strategies.logs import bridge_logs_to_flower, log
+from fedloom.integrations.flower.strategies.replies import (
+    _METRIC_FIX,
+    METRIC_OF,
+    PAYLOAD_KEY,
+    IncompatibleReplies,
+    ReplyFormatError,
+    _buffers_of,
+    _only_metric_record,
+    _partition_of,
+)
 from fedloom.registry import build
 from fedloom.rng import Purpose, derive_seed, seeded_global_rng
 
-try:
-    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-    from flwr.common.logger import FLOWER_LOGGER
-    from flwr.serverapp import Grid
-    from flwr.serverapp.strategy import FedAvg
-except ImportError as e:  # pragma: no cover (the extra is missing)
-    raise ImportError("fedloom.integrations.flower needs Flower: pip install 'fedloom[flower]'"
-                      ) from e
-
-__all__ = ["AFL", "CRAFT", "ConFIG", "CoordMean", "FedFV", "FedLF", "FedNova", "FedloomRule",
-           "IncompatibleReplies", "Krum", "Median", "MultiKrum", "QFedAvg", "ReplyFormatError",
-           "TrimmedMean", "bridge_logs_to_flower"]
-
-log = logging.getLogger("fedloom")
-
-PAYLOAD_KEY = "fedloom"      # the ConfigRecord of a CompressionMod reply
-BUFFERS_KEY = "buffers"      # its field of the trained buffers' bytes (absent: none)
-NODE_KEY = "fedloom.node"    # the ConfigRecord partition_id_mod adds to a plain reply
-PARTITION_FIELD = "partition-id"  # its field (and the CompressionMod record's)
-# What a rule's CohortInfo field is read from in a reply's MetricRecord.
-METRIC_OF = {"steps": "num-steps", "start_losses": "start-loss"}
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
-# What the app changes when every reply lacks a metric a rule needs.
-_METRIC_FIX = {
-    "start-loss": "send 'start-loss' in the reply's MetricRecord: the loss of the received "
-                  "model on the client's training data, computed before training "
-                  "(docs/deploy.md, 'Metrics a rule needs')",
-    "num-steps": "send 'num-steps' in the reply's MetricRecord: the local optimizer steps "
-                 "the client took this round",
-}
-
-
-class ReplyFormatError(ValueError):
-    """A reply the strategy cannot read for a reason of the app's making (a metric it
-    does not send, a payload of another codec, the arrays of another model): the
-    same for every client until the app or the strategy's settings change. ``fix``
-    says what to change."""
-
-    def __init__(self, message: str, fix: str) -> None:
-        super().__init__(message)
-        self.fix = fix
-
-
-class IncompatibleReplies(RuntimeError):
-    """Every reply of a round was rejected for the same reason of the app's making
-    (:class:`ReplyFormatError`): the run cannot train, so it stops, naming the
-    reason and the fix, instead of returning the untrained model."""
-
-
-class _FlowerLogBridge(logging.Handler):
-    """Hands fedloom's log records to the handlers of Flower's logger (its console,
-    its log file, the uploader behind ``flwr log``), so they appear where Flower's
-    own lines do, with Flower's level and fedloom's name and time in the text.
-    Flower's handlers are looked up at each record: a deployment adds its uploader
-    after the strategy is built. Only Flower's own handlers are called (not the
-    root's), so a process that also logs ``fedloom`` to the root sees each line
-    once there."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            rec = logging.makeLogRecord(record.__dict__)
-            stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
-            rec.msg = f"[fedloom {stamp}.{int(record.msecs):03d}] {record.getMessage()}"
-            rec.args = None
-            for h in FLOWER_LOGGER.handlers:
-                if rec.levelno >= h.level:
-                    h.handle(rec)
-        except Exception:  # logging never breaks a round
-            self.handleError(record)
-
-
-def bridge_logs_to_flower() -> None:
-    """Route the ``fedloom`` logger's records to Flower's log as well (idempotent;
-    done by every strategy here when it is built)."""
-    if not any(isinstance(h, _FlowerLogBridge) for h in log.handlers):
-        log.addHandler(_FlowerLogBridge())
 
 
 class FedloomRule(FedAvg):
@@ -643,69 +501,7 @@ class FedloomRule(FedAvg):
         return MetricRecord(out)
 
 
-def _only_metric_record(content: RecordDict) -> MetricRecord:
-    recs = list(content.metric_records.values())
-    if len(recs) != 1:
-        raise ReplyFormatError(f"metrics: the reply holds {len(recs)} MetricRecords, "
-                               "expected one", "reply with exactly one MetricRecord")
-    return recs[0]
-
-
-def _partition_of(content: RecordDict) -> int | None:
-    """The partition-id a reply says it comes from (CompressionMod's record, or
-    partition_id_mod's), else ``None``."""
-    for key in (PAYLOAD_KEY, NODE_KEY):
-        rec = content.config_records.get(key)
-        v = rec.get(PARTITION_FIELD) if rec is not None else None
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
-    return None
-
-
-def _buffers_of(sl: StateLayout, fields: ConfigRecord) -> OrderedDict[str, torch.Tensor]:
-    """The trained buffers of a compressed reply (raw bytes; records.pack_buffers)."""
-    if not sl.buffers:
-        return OrderedDict()
-    if BUFFERS_KEY not in fields:
-        raise ValueError("buffers: the model has buffers and the reply carries none")
-    return unpack_buffers(sl, fields[BUFFERS_KEY])
-
-
 def _check_number(name: str, v: object, *, low: float) -> None:
     if isinstance(v, bool) or not isinstance(v, int | float) or not (
             math.isfinite(v) and v > low):
         raise ValueError(f"{name}: must be a finite number > {low:g}, got {v!r}")
-
-
-# ------------------------------------------------------------------ the rules by name
-def _rule(name: str, aggregator: str, doc: str) -> type[FedloomRule]:
-    def __init__(self: FedloomRule, **kwargs: Any) -> None:
-        FedloomRule.__init__(self, aggregator, **kwargs)
-
-    cls = type(name, (FedloomRule,), {"__init__": __init__, "__doc__": doc,
-                                      "__module__": __name__})
-    return cls
-
-
-CRAFT = _rule("CRAFT", "craft", "CRAFT (conflict-resolved aggregation; fedloom.aggregate.craft). "
-              "Options: groups, rtol, sv_floor, atol, precision, match_reference.")
-FedFV = _rule("FedFV", "fedfv", "FedFV (Wang et al. 2021); needs the 'start-loss' metric.")
-ConFIG = _rule("ConFIG", "config", "ConFIG (Liu et al. 2025; fedloom.aggregate.conflict_free).")
-FedLF = _rule("FedLF", "fedlf", "FedLF (Pan et al. 2024); needs the 'start-loss' metric.")
-QFedAvg = _rule("QFedAvg", "qfedavg", "q-FedAvg (Li et al. 2020); needs 'start-loss' and "
-                "client_lr.")
-AFL = _rule("AFL", "afl", "Agnostic FL (Mohri et al. 2019); needs the 'start-loss' metric.")
-FedNova = _rule("FedNova", "fednova", "FedNova (Wang et al. 2020); needs the 'num-steps' metric.")
-Median = _rule("Median", "median", "Coordinate-wise median (Yin et al. 2018).")
-TrimmedMean = _rule("TrimmedMean", "trimmed_mean", "Coordinate-wise trimmed mean "
-                    "(Yin et al. 2018).")
-Krum = _rule("Krum", "krum", "Krum (Blanchard et al. 2017); option f: the Byzantine count.")
-CoordMean = _rule("CoordMean", "coordmean", "SA-PEF's coordinate-wise mean of the sent "
-                  "coordinates (fedloom.aggregate.coordmean).")
-
-
-class MultiKrum(FedloomRule):
-    """Multi-Krum (Blanchard et al. 2017): the mean of the ``multi`` best-scored updates."""
-
-    def __init__(self, *, f: int = 0, multi: int = 2, **kwargs: Any) -> None:
-        super().__init__("krum", f=f, multi=multi, **kwargs)
