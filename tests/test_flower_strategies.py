@@ -871,3 +871,20 @@ def test_an_aggregator_object_takes_no_options_and_no_auto_step():
         FedloomRule(agg, server_lr=1.0, groups="layer")
     with pytest.raises(ValueError, match=r"server_lr: 'auto' .* give server_lr"):
         FedloomRule(agg)
+
+
+def test_a_rule_that_declares_only_capabilities_gets_its_metrics():
+    """The strategy reads what a rule needs through its declared capabilities (a
+    rule of a user's own with no loose ``requires`` flag)."""
+    from fedloom.capabilities import AggregatorCaps
+
+    class NeedsLosses:
+        capabilities = AggregatorCaps(requires=frozenset({"start_losses"}))
+
+        def init(self, layout):
+            return None
+
+        def __call__(self, updates, weights, state, *, info=None):
+            return updates.mean(0), state, {}
+
+    assert FedloomRule(NeedsLosses(), server_lr=1.0).requires == {"start_losses"}

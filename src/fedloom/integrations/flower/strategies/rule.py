@@ -28,6 +28,7 @@ from fedloom.aggregate.base import (
     make_aggregator,
 )
 from fedloom.buffers import average_buffers
+from fedloom.capabilities import aggregator_caps
 from fedloom.compress import make_compressor
 from fedloom.compress.base import PayloadError
 from fedloom.engine.components import object_name
@@ -130,7 +131,7 @@ class FedloomRule(FedAvg):
                                  "step; with an aggregator object, give server_lr")
             self.aggregator_name = object_name(aggregator)
             self.aggregator = aggregator
-        self.requires = frozenset(getattr(self.aggregator, "requires", ()))
+        self.requires = aggregator_caps(self.aggregator).requires
         if isinstance(server_optimizer, str):
             lr = (default_server_lr(self.aggregator_name, options) if server_lr == "auto"
                   else server_lr)
