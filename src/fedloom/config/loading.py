@@ -182,18 +182,39 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return out
 
 
+def shipped_configs() -> list[str]:
+    """The names of the configs shipped inside the package (``fedloom/configs/``), which
+    ``fedloom run NAME`` finds from any folder, the package installed from a wheel too."""
+    folder = Path(__file__).resolve().parent.parent / "configs"
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+def _resolve_config_path(source: str | Path) -> Path:
+    """``source`` as a file, else a bare name (no folder, no suffix) of a shipped
+    config; a path that exists always wins, so a local ``quickstart`` file is read."""
+    path = Path(source)
+    if path.is_file():
+        return path
+    if path.name == str(source) and not path.suffix:
+        shipped = Path(__file__).resolve().parent.parent / "configs" / f"{path.name}.yaml"
+        if shipped.is_file():
+            return shipped
+        raise ConfigError(f"{path}: config file not found, nor a shipped config "
+                          f"(shipped: {', '.join(shipped_configs()) or 'none'})")
+    raise ConfigError(f"{path}: config file not found")
+
+
 def load_config(
     source: str | Path | Mapping[str, Any] | Config, overrides: Sequence[str] = ()
 ) -> Config:
-    """Load a config from a YAML file, a mapping or a :class:`Config`, then apply overrides."""
+    """Load a config from a YAML file (or the bare name of a shipped config, e.g.
+    ``quickstart``), a mapping or a :class:`Config`, then apply overrides."""
     if isinstance(source, Config):
         data = config_to_dict(source)
     elif isinstance(source, Mapping):
         data = dict(source)
     else:
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"{path}: config file not found")
+        path = _resolve_config_path(source)
         try:
             # utf-8-sig: a byte-order mark is skipped; other encodings are refused,
             # never guessed from the locale.
