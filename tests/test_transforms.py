@@ -208,3 +208,54 @@ def test_bad_transform_entries_are_one_line(value, match):
 
     with pytest.raises(ConfigError, match=match):
         fedloom.run(_tiny(), ["rounds=1", f"client.transforms={value}"])
+
+
+# --------------------------------------------- a method's terms, client by client
+class _Scale:
+    """A per-client term without ``stack``: the batched chain runs it row by row."""
+
+    def __init__(self, c: float) -> None:
+        self.c = c
+
+    def init(self, W):
+        return 0
+
+    def update(self, D, state, ctx):
+        return D * (self.c + state), state + 1  # state: steps taken so far
+
+
+def _job(k: int, w: torch.Tensor, terms: tuple) -> object:
+    from fedloom.job import ClientJob
+
+    return ClientJob(client=k, round=0, w=w, lr=0.1, x=torch.zeros(1, 1),
+                     y=torch.zeros(1, dtype=torch.long), gen_seed=k, transforms=terms)
+
+
+@pytest.mark.parametrize("terms", [
+    # one class that stacks (Mask): one [m, d] term
+    lambda k: (Mask((torch.arange(D) % (k + 2) != 0).double()),),
+    # a term of the client's own without stack, and clients without terms
+    lambda k: (_Scale(0.5 * k),) if k != 1 else (),
+], ids=["stacked", "row_by_row"])
+def test_a_methods_terms_in_the_batched_chain_are_each_clients_own(terms):
+    from fedloom.client.transforms import PerClient, jobs_chain
+
+    m, steps = 4, [3, 3, 1, 3]
+    W0 = _randn(m, D, seed=9)
+    jobs = [_job(k, W0[k], terms(k)) for k in range(m)]
+    batched = jobs_chain(jobs, W0.clone(), weight_decay=0.01, momentum=0.9)
+    assert any(isinstance(t, PerClient) for t in batched.transforms) == (terms(1) == ())
+    bstate = batched.init(W0)
+    ones = [local_chain([None], [None], [None], weight_decay=0.01, momentum=0.9,
+                        per_client=[j.transforms]) for j in jobs]
+    states = [c.init(W0[k]) for k, c in enumerate(ones)]
+    for t in range(3):
+        G = _randn(m, D, seed=70 + t)
+        live = [t < s for s in steps]
+        Dm, bstate = batched.update(G.clone(), bstate, StepContext(t, W0, W0, live=live))
+        for k in range(m):
+            if live[k]:
+                d, states[k] = ones[k].update(G[k].clone(), states[k],
+                                              StepContext(t, W0[k], W0[k]))
+                assert torch.equal(Dm[k], d), (t, k)
+

@@ -85,6 +85,9 @@ class MethodCaps:
     # The buffer policy the method is (fedloom.buffers), which sets model.buffers;
     # None: the configured one.
     model_buffers: str | None = None
+    # Its local work is plain local SGD with the terms its prepare() puts into the job
+    # (job.transforms): no run() of its own, so the lock-step trainer may run it.
+    batched: bool = False
 
 
 @dataclass(frozen=True)

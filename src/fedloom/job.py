@@ -80,6 +80,10 @@ class ClientJob:
     prox_mu: float | None = None
     grad_mask: torch.Tensor | None = None
     objective: Any = None
+    # Terms of this client's local step a local method adds in its prepare()
+    # (fedloom.client.transforms: init/update on [d] and [m, d]), after the step's own
+    # and before client.transforms and momentum, on every client backend.
+    transforms: tuple[Any, ...] = ()
 
 
 @dataclass

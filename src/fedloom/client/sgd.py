@@ -187,7 +187,8 @@ class LocalSGD:
             return xb
         g = torch.Generator()
         g.manual_seed(derive_seed(seed, step, -1, Purpose.AUGMENT))
-        return self.augment(xb, g)
+        out: torch.Tensor = self.augment(xb, g)
+        return out
 
     def num_steps(self, n: int, epochs: int | None = None) -> int:
         if self.steps is not None:
@@ -239,6 +240,7 @@ class LocalSGD:
         objective: Any = None,
         epochs: int | None = None,
         max_steps: int | None = None,
+        transforms: tuple[Any, ...] = (),
     ) -> tuple[torch.Tensor, float, int]:
         """Local SGD from ``x0``; the prox term pulls towards ``anchor``; ``penalty``
         regularises the first local steps (FLARE); ``buffers`` are the module
@@ -253,7 +255,7 @@ class LocalSGD:
                                           grad_shift=grad_shift, probe=False, penalty=penalty,
                                           buffers=buffers, grad_mask=grad_mask,
                                           objective=objective, epochs=epochs,
-                                          max_steps=max_steps)
+                                          max_steps=max_steps, transforms=transforms)
         return w, loss, steps
 
     def _descend(self, x0: torch.Tensor, anchor: torch.Tensor, x: torch.Tensor,
@@ -299,6 +301,7 @@ class LocalSGD:
         grad_shift: torch.Tensor | None, probe: bool, penalty: Penalty | None = None,
         epochs: int | None = None, max_steps: int | None = None,
         grad_mask: torch.Tensor | None = None, objective: Any = None,
+        transforms: tuple[Any, ...] = (),
     ) -> tuple[torch.Tensor, float, int, float | None]:
         mu = self.prox_mu if prox_mu is None else prox_mu
         fm = self._flat_module()
@@ -308,7 +311,8 @@ class LocalSGD:
         # The direction's terms, defined once for every trainer (fedloom.client.transforms).
         direction = local_chain([grad_shift], [penalty], [grad_mask],
                                 weight_decay=self.weight_decay, prox_mu=mu,
-                                momentum=self.momentum, extra=self.transforms)
+                                momentum=self.momentum, extra=self.transforms,
+                                per_client=[transforms])
         dstate = direction.init(w)
         loss_sum = 0.0
         smooth: float | None = None
@@ -354,10 +358,10 @@ class LocalSGD:
             object.__setattr__(self, "_fm", fm)
         return fm
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "_fm"}
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
     def grad(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
@@ -382,7 +386,7 @@ class LocalSGD:
                              grad_shift=job.grad_shift, probe=job.probe_smoothness,
                              penalty=job.penalty, epochs=job.epochs, max_steps=job.max_steps,
                              buffers=job.buffers, grad_mask=job.grad_mask,
-                             objective=job.objective)
+                             objective=job.objective, transforms=job.transforms)
 
     def run(self, job: ClientJob) -> ClientResult:
         """Train from ``job.start`` (default ``w``); the update is measured from ``w``."""

@@ -35,8 +35,8 @@ import torch
 
 from fedloom.job import ClientJob, Penalty
 
-__all__ = ["Chain", "LocalTransform", "Mask", "Momentum", "PenaltyTerm", "Prox", "Shift",
-           "StepContext", "WeightDecay", "chain", "jobs_chain", "local_chain"]
+__all__ = ["Chain", "LocalTransform", "Mask", "Momentum", "PenaltyTerm", "PerClient", "Prox",
+           "Shift", "StepContext", "WeightDecay", "chain", "jobs_chain", "local_chain"]
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,11 @@ class Mask:
 
     mask: torch.Tensor
 
+    @classmethod
+    def stack(cls, terms: Sequence[Mask]) -> Mask:
+        """The clients' masks as one ``[m, d]`` term (the same products, row by row)."""
+        return cls(torch.stack([t.mask for t in terms]))
+
     def init(self, W: torch.Tensor) -> None:
         return None
 
@@ -178,12 +183,14 @@ def local_chain(shifts: Sequence[torch.Tensor | None] = (),
                 masks: Sequence[torch.Tensor | None] = (), *, weight_decay: float = 0.0,
                 prox_mu: float = 0.0, momentum: float = 0.0,
                 like: torch.Tensor | None = None,
-                extra: Sequence[LocalTransform] = ()) -> Chain:
+                extra: Sequence[LocalTransform] = (),
+                per_client: Sequence[Sequence[LocalTransform]] = ()) -> Chain:
     """The chain of a local step, its terms in the order of the module docstring;
     a term that is zero or absent for every client is left out.
 
     ``shifts``, ``penalties`` and ``masks`` hold one entry a client (``None``: none
-    for that client); ``extra`` (``client.transforms``) come after them, before
+    for that client); ``per_client`` (each client's ``job.transforms``, from its
+    local method) come after them, then ``extra`` (``client.transforms``), then
     momentum. With ``like`` (the stacked parameters ``[m, d]``) the
     per-client terms are stacked one row a client (a zero shift, an all-ones mask
     for a client without); without it there is one client and its ``[d]`` terms
@@ -206,6 +213,8 @@ def local_chain(shifts: Sequence[torch.Tensor | None] = (),
         parts.append(Prox(prox_mu))
     if any(mk is not None for mk in masks):
         parts.append(Mask(stacked(masks, 1.0) if like is not None else masks[0]))
+    if any(per_client):
+        parts.extend(list(per_client[0]) if like is None else _batched(per_client))
     parts.extend(extra)
     if momentum:
         parts.append(Momentum(momentum))
@@ -218,4 +227,50 @@ def jobs_chain(jobs: Sequence[ClientJob], W: torch.Tensor, *, weight_decay: floa
     """:func:`local_chain` of a cohort's jobs on the stacked parameters ``W``."""
     return local_chain([j.grad_shift for j in jobs], [j.penalty for j in jobs],
                        [j.grad_mask for j in jobs], weight_decay=weight_decay,
-                       prox_mu=prox_mu, momentum=momentum, like=W, extra=extra)
+                       prox_mu=prox_mu, momentum=momentum, like=W, extra=extra,
+                       per_client=[j.transforms for j in jobs])
+
+
+def _batched(per_client: Sequence[Sequence[LocalTransform]]) -> list[LocalTransform]:
+    """Each client's own terms on ``[m, d]``: stacked into one term a position where
+    every client has a term of one class that can ``stack`` (a classmethod taking
+    the clients' terms, :class:`Mask`), else :class:`PerClient`, row by row."""
+    lengths = {len(ts) for ts in per_client}
+    if len(lengths) == 1:
+        out: list[LocalTransform] = []
+        for terms in zip(*per_client, strict=True):
+            kind = type(terms[0])
+            stack = getattr(kind, "stack", None)
+            if stack is None or any(type(t) is not kind for t in terms):
+                break
+            out.append(stack(terms))
+        else:
+            return out
+    return [PerClient(tuple(tuple(ts) for ts in per_client))]
+
+
+@dataclass(frozen=True)
+class PerClient:
+    """Each client's own chain on its row of ``D`` (``[m, d]``): a term written for
+    one client runs on the batched trainers unchanged. A client without terms, or
+    one that no longer steps, keeps its row."""
+
+    chains: tuple[tuple[LocalTransform, ...], ...]
+
+    def init(self, W: torch.Tensor) -> tuple[tuple[Any, ...], ...]:
+        return tuple(tuple(t.init(W[k]) for t in ts) for k, ts in enumerate(self.chains))
+
+    def update(self, D: torch.Tensor, state: tuple[tuple[Any, ...], ...], ctx: StepContext
+               ) -> tuple[torch.Tensor, tuple[tuple[Any, ...], ...]]:
+        new = []
+        for k, (ts, ss) in enumerate(zip(self.chains, state, strict=True)):
+            if not ts or (ctx.live is not None and not ctx.live[k]):
+                new.append(ss)
+                continue
+            row, row_ctx, out = D[k], StepContext(ctx.step, ctx.W[k], ctx.W0[k]), []
+            for t, s in zip(ts, ss, strict=True):
+                row, s = t.update(row, s, row_ctx)
+                out.append(s)
+            D[k] = row
+            new.append(tuple(out))
+        return D, tuple(new)

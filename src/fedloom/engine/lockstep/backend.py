@@ -61,7 +61,7 @@ from collections.abc import Sequence
 import torch
 from torch.nn import functional as F
 
-from fedloom.capabilities import BackendCaps
+from fedloom.capabilities import BackendCaps, method_caps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.client.transforms import StepContext, jobs_chain
@@ -116,8 +116,8 @@ def trainer_reason(trainer: LocalSGD, method: LocalMethod,
     """Why local training with these settings is not lock-step's (None: it is). A
     random train-mode forward is lock-step's where it is the plan's dropout (the only
     random layer a plan admits)."""
-    if type(method) is not LocalMethod:
-        return f"local method {method.name} is not plain SGD/FedProx"
+    if type(method) is not LocalMethod and not method_caps(method).batched:
+        return f"local method {method.name} is not plain SGD/FedProx or a batched method"
     if trainer.amp != "none":
         return f"client.amp {trainer.amp}"
     if trainer.augment is not None:
