@@ -70,9 +70,12 @@ BEFORE: dict[tuple[str, str, tuple[tuple[str, Any], ...]], dict[str, Any]] = {
     ("feedback", "sapef", (("alpha_schedule", "residual"),)): {"schedule": "residual",
                                                                 "row_only": True},
     ("feedback", "scafcom", ()): {"row_only": False},
-    **{("method", m, ()): {} for m in ("apfl", "ditto", "fedbabu", "feddyn", "fedper",
+    **{("method", m, ()): {} for m in ("apfl", "ditto", "feddyn", "fedper",
                                        "fedrep", "lg_fedavg", "moon", "scaffold", "sgd")},
     ("method", "fedbn", ()): {"model_buffers": "local"},
+    # a flag added since: its local work is plain SGD with a term in the job (the
+    # lock-step trainer runs it)
+    ("method", "fedbabu", ()): {"batched": True},
     **{("backend", b, ()): {} for b in ("auto", "lockstep", "sequential", "vmap")},
     ("backend", "process", ()): {"ships_indices": True},
     ("backend", "ray", ()): {"ships_indices": True},

@@ -354,3 +354,18 @@ def test_apfl_local_round_equals_the_papers_algorithm():
     assert float(((job.w - res.update) - w).abs().max()) < 1e-12
     assert float((res.state["personal"] - v).abs().max()) < 1e-12
     assert abs(float(res.state["mix"][0]) - a) < 1e-12
+
+
+def test_fedbabu_runs_on_the_lock_step_trainer_with_sequentials_bits(caplog):
+    """FedBABU in its new shape (a Mask term in its jobs, no run() of its own) is
+    lock-step's, not a fallback to sequential, and gives sequential's model."""
+    import logging
+
+    import fedloom
+
+    caplog.set_level(logging.INFO, logger="fedloom")
+    ov = ["client.method=fedbabu", "rounds=2"]
+    lock = fedloom.run(copy.deepcopy(TINY), [*ov, "backend.name=lockstep"])
+    assert not [r for r in caplog.records if "fedbabu" in r.getMessage()]
+    seq = fedloom.run(copy.deepcopy(TINY), [*ov, "backend.name=sequential"])
+    assert lock.summary["model_sha256"] == seq.summary["model_sha256"]

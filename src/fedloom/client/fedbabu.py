@@ -20,11 +20,15 @@ optimizer would still decay the head).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import torch
+
+from fedloom.capabilities import MethodCaps
 from fedloom.client.layers import head_groups, head_mask
 from fedloom.client.methods import LocalMethod
-from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
+from fedloom.client.sgd import ClientJob
+from fedloom.client.transforms import Mask
 from fedloom.params import Layout
 from fedloom.registry import register
 
@@ -32,15 +36,19 @@ __all__ = ["FedBABU"]
 
 
 class FedBABU(LocalMethod):
+    """Plain local SGD with one more term of the step: the head's coordinates masked
+    (:class:`~fedloom.client.transforms.Mask`), so every client backend runs it."""
+
     name = "fedbabu"
+    capabilities = MethodCaps(batched=True)
 
     def __init__(self, layout: Layout, personal: Sequence[str] | None = None) -> None:
         groups = head_groups(layout, personal, "client.method_options.personal")
         self.body = 1 - head_mask(layout, groups)
 
-    def run(self, trainer: LocalSGD, job: ClientJob) -> ClientResult:
-        mask = self.body.to(job.w.device, job.w.dtype)
-        return trainer.run(dataclasses.replace(job, grad_mask=mask))
+    def prepare(self, job: ClientJob, server: Mapping[str, torch.Tensor]) -> ClientJob:
+        mask = Mask(self.body.to(job.w.device, job.w.dtype))
+        return dataclasses.replace(job, transforms=(*job.transforms, mask))
 
 
 @register("method", "fedbabu")
@@ -56,3 +64,7 @@ def _fedbabu(layout: Layout, personal: Sequence[str] | None = None) -> FedBABU:
             after decay and prox are added); evaluation by fine-tuning is eval.finetune_steps.
     """
     return FedBABU(layout, personal)
+
+
+# Read from the factory too, before the run is built (fedloom.capabilities.method_caps).
+_fedbabu.capabilities = FedBABU.capabilities  # type: ignore[attr-defined]
