@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 
-.PHONY: run test lint docs bench bench-gpu gpu-bundle clean repro-craft repro-sapef repro-flare repro-heterogeneity repro-personalised
+.PHONY: run test test-all test-cov lint docs bench bench-gpu gpu-bundle clean repro-craft repro-sapef repro-flare repro-heterogeneity repro-personalised
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -46,8 +46,20 @@ test: $(VENV)/.dev
 	$(VENV)/bin/lint-imports --no-cache
 	$(COMPILE)
 	# one pytest worker per core; the Ray/Flower simulations share one worker
-	# (xdist_group "ray"), so two Ray clusters never compete for the same cores
-	$(PY) -m pytest -n auto --dist loadgroup
+	# (xdist_group "ray"), so two Ray clusters never compete for the same cores.
+	# Tests marked slow (the full bench and GPU smoke runs, Flower deployments on
+	# loopback, the extra Ray simulations) run only in make test-all.
+	$(PY) -m pytest -n auto --dist loadgroup -m "not slow" $(PYTEST_ARGS)
+
+# Everything make test runs, then the tests marked slow (pyproject's markers);
+# CI's budget (90 min) holds it, make test alone stays under 5 min on 2 cores.
+test-all: test
+	$(PY) -m pytest -n auto --dist loadgroup -m slow $(PYTEST_ARGS)
+
+# make test's pytest with its line coverage of the package (pytest-cov).
+test-cov: $(VENV)/.dev
+	$(COMPILE)
+	$(PY) -m pytest -n auto --dist loadgroup -m "not slow" --cov=fedloom --cov-report=term $(PYTEST_ARGS)
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check src tests benchmarks examples

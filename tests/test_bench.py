@@ -1,5 +1,7 @@
 """``make bench --quick``: every section runs at toy sizes and the report is written,
-so the benchmark script cannot rot."""
+so the benchmark script cannot rot. The whole smoke run (minutes on 2 cores) is
+marked slow (``make test-all``); ``make test`` runs one section through the same
+script, its results file and its report page."""
 
 from __future__ import annotations
 
@@ -11,6 +13,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_quick_one_section_writes_its_results_and_page(tmp_path):
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench.py"), "--quick",
+                          "--only", "topk", "--out", str(tmp_path)], capture_output=True,
+                         text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads((tmp_path / "results-quick.json").read_text())
+    assert set(got["sections"]) == set(got["conditions"]) == {"topk"}
+    tk = got["sections"]["topk"]
+    assert all(v["same_indices"] and v["ours"] > 0 for k, v in tk.items() if k != "d")
+    md = (tmp_path / "results-quick.md").read_text()
+    assert "Conditions of each section" in md and "## 4. Top-k" in md
 
 
 @pytest.mark.slow

@@ -61,7 +61,7 @@ def test_flare_on_flower_matches_the_engine():
     assert not torch.allclose(ref.w, plain.w)  # the penalty changed training
 
 
-@pytest.mark.slow
+# make test's one Flower simulation on Ray; the other three are marked slow (make test-all)
 def test_flower_federation_matches_the_engine():
     ref = fedloom.run(CFG)
     strategy = _simulate(CFG, 6)

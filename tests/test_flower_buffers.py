@@ -40,12 +40,9 @@ from fedloom.integrations.flower import (  # noqa: E402
     to_arrays,
 )
 
-# under `pytest -n`: every test of this file on one worker, with the other Ray/Flower
-# simulations, so two Ray clusters never compete for the two cores
-pytestmark = pytest.mark.xdist_group("ray")
-
+# 600 of digits' 1797 samples: the same checks at a third of the training
 CFG = {"name": "flower-bn", "seed": 5, "rounds": 3, "dtype": "float64",
-       "data": {"name": "digits", "num_clients": 4,
+       "data": {"name": "digits", "num_clients": 4, "max_samples": 600,
                 "partition": {"name": "dirichlet", "alpha": 0.5, "min_samples": 20}},
        "model": {"name": "resnet", "depth": 8, "width": 4, "norm": "batch"},
        "cohort": {"size": 2}, "client": {"lr": 0.05, "batch_size": 32, "epochs": 1},
@@ -146,7 +143,10 @@ def test_flower_strategy_and_client_app_give_the_engines_model_and_buffers(
     _check_against_engine(policy, _run_flower(policy, ray_runtime=False), init)
 
 
+# under `pytest -n`: on one worker with the other Ray/Flower simulations, so two Ray
+# clusters never compete for the two cores
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")
 def test_flower_simulation_gives_the_engines_model_and_buffers_under_local():
     """The same on Flower's simulation runtime (Ray, one long-lived process per
     client actor, Context.state kept by Flower), for the policy that keeps client

@@ -23,6 +23,12 @@ and ``FedFV`` one after the other in the same ServerApp; the app wrapped in
 Each strategy must train (the central test loss after its last round below the
 initial model's) and write its result (the saved file loads into ``Net`` and
 holds the result's arrays).
+
+The two Ray simulations take minutes on 2 cores: they are marked slow (``make
+test-all``). ``make test`` runs the same ServerApp and ClientApp (the compressed
+one, with ``CompressionMod``) on an in-process grid, every message through
+Flower's protobuf serialization: the apps, the strategies and the mod are
+exercised, only Flower's runtime is not.
 """
 
 from __future__ import annotations
@@ -47,8 +53,6 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedloom.integrations.flower.stock import CompressionMod
 from fedloom.integrations.flower.strategies import CRAFT, FedFV, Krum, Median
-
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 NODES, ROUNDS, LR = 3, 3, 0.05
 TOPK = {"ratio": 0.01}
@@ -220,6 +224,67 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return got
 
 
+class _LocalGrid:
+    """A grid in this process for ``strategy.start``: each message and reply goes
+    through Flower's protobuf serialization, each node keeps its Context."""
+
+    def __init__(self, app: ClientApp, n: int) -> None:
+        self.app = app
+        self.contexts = {100 + k: Context(run_id=1, node_id=100 + k,
+                                          node_config={"partition-id": k, "num-partitions": n},
+                                          state=RecordDict(), run_config={})
+                         for k in range(n)}
+        self.sent = 0
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        from flwr.common import serde
+
+        out = []
+        for msg in messages:
+            self.sent += 1
+            msg.metadata.__dict__["_message_id"] = f"m{self.sent}"
+            msg = serde.message_from_proto(serde.message_to_proto(msg))
+            reply = self.app(msg, self.contexts[msg.metadata.dst_node_id])
+            out.append(serde.message_from_proto(serde.message_to_proto(reply)))
+        return out
+
+
+def test_the_compressed_app_trains_on_an_in_process_grid(tmp_path, monkeypatch):
+    """The compressed ServerApp's main (CRAFT + Top-1 % + SA-PEF) against the
+    ClientApp wrapped in CompressionMod, without Ray: it trains, writes its result
+    and every reply of every round is taken, at a fraction of the dense bytes."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for k in ("_run_id", "_node_id", "_task_id"):  # what a Flower process has set
+        monkeypatch.setattr(TaskIdentity, k, 1)
+    got: dict[str, Any] = {}
+    server = make_server_app(COMPRESSED, tmp_path, got)
+    mod = CompressionMod("topk", TOPK, feedback="sapef", alpha=0.5)
+    grid = _LocalGrid(make_client_app([mod]), NODES)
+    server(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                        run_config={}))
+    run = got["craft+topk1%+sapef"]
+    assert not isinstance(run, Exception), repr(run)
+    result, strategy, path = run
+    ev = result.evaluate_metrics_serverapp
+    assert set(ev) == set(range(ROUNDS + 1)) and ev[ROUNDS]["loss"] < ev[0]["loss"]
+    saved = Net()
+    saved.load_state_dict(torch.load(path))
+    assert global_evaluate(ROUNDS, ArrayRecord(saved.state_dict()))["loss"] == ev[ROUNDS]["loss"]
+    assert strategy.totals == {"accepted": ROUNDS * NODES, "rejected": 0, "failed": 0,
+                               "skipped_rounds": 0}
+    assert set(result.evaluate_metrics_clientapp) == set(range(1, ROUNDS + 1))
+    m = result.train_metrics_clientapp[ROUNDS]
+    assert 0 < m["fedloom-uplink-bytes"] < 0.05 * m["fedloom-dense-bytes"]
+    assert sorted(strategy.partitions.values()) == list(range(NODES))
+
+
+# under `pytest -n`: the Ray simulations on one worker with the others (xdist_group)
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
 @pytest.mark.parametrize("name", [*STRATEGIES, *COMPRESSED])
 def test_each_strategy_trains_and_writes_its_result(runs, name):
     run = runs.get(name)
@@ -240,6 +305,8 @@ def test_each_strategy_trains_and_writes_its_result(runs, name):
     assert set(result.evaluate_metrics_clientapp) == set(range(1, ROUNDS + 1))
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
 def test_the_compressed_run_reports_its_uplink_against_dense(runs):
     run = runs["craft+topk1%+sapef"]
     assert not isinstance(run, Exception), repr(run)

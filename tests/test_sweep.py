@@ -129,12 +129,12 @@ def test_workers_die_with_a_killed_sweep(tmp_path):
     assert pids
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60  # PR_SET_PDEATHSIG acts at once; 60 s for a loaded machine
     alive = pids
     while alive and time.monotonic() < deadline:
         time.sleep(0.2)
         alive = [p for p in pids if _running(p)]
-    assert not alive, f"worker {alive} outlived the killed sweep"
+    assert not alive, f"worker {alive} outlived the killed sweep by 60 s"
 
 
 def _running(pid: int) -> bool:
