@@ -70,7 +70,7 @@ import os
 import secrets
 import stat
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -519,6 +519,19 @@ def lock_run_dir(run_dir: Path, resume: bool = False) -> tuple[RunDirLock, bool]
     except OSError as e:
         raise RunDirError(f"{run_dir}: cannot use it as a run directory "
                           f"({e.strerror or type(e).__name__})") from None
+    lock_fd(fd, lambda pid: RunDirError(
+        f"{run_dir}: in use by another fedloom run (pid {pid}); wait for it to end or use "
+        "another --out"), lambda why: RunDirError(f"{run_dir}: cannot lock it ({why})"))
+    return RunDirLock(fd, run_dir / LOCK_FILE), created
+
+
+def lock_fd(fd: int, in_use: Callable[[str], Exception],
+            cannot: Callable[[str], Exception]) -> None:
+    """Take an exclusive, non-blocking ``flock`` on the open lock file ``fd`` and write
+    this process's pid into it. Another process holding it: ``fd`` is closed and
+    ``in_use(its pid)`` raised; a file system without locks: closed, ``cannot(why)``.
+    The kernel drops the lock when the process ends in any way (``SIGKILL``
+    included), so a killed holder never leaves a stale lock."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -526,12 +539,9 @@ def lock_run_dir(run_dir: Path, resume: bool = False) -> tuple[RunDirLock, bool]
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
         finally:
             os.close(fd)
-        raise RunDirError(f"{run_dir}: in use by another fedloom run (pid {holder}); wait for "
-                          "it to end or use another --out") from None
+        raise in_use(holder) from None
     except OSError as e:  # e.g. a file system without locks
         os.close(fd)
-        raise RunDirError(f"{run_dir}: cannot lock it ({e.strerror or type(e).__name__})"
-                          ) from None
+        raise cannot(e.strerror or type(e).__name__) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return RunDirLock(fd, run_dir / LOCK_FILE), created

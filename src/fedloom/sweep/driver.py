@@ -40,7 +40,7 @@ def _lock_out(out: Path) -> int:
     a killed sweep leaves no stale lock. Another sweep holding it:
     :class:`SweepFolderError` naming its pid, and nothing in ``out`` is touched but
     the lock file."""
-    import fcntl
+    from fedloom.engine.checkpoint import lock_fd
 
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -48,21 +48,10 @@ def _lock_out(out: Path) -> int:
     except OSError as e:
         raise SweepFolderError(f"out: {out}: cannot use it as a sweep's folder "
                                f"({e.strerror or type(e).__name__})") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        try:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-        finally:
-            os.close(fd)
-        raise SweepFolderError(f"out: {out}: in use by another fedloom sweep (pid {holder}); "
-                               "wait for it to end or give this suite its own out:") from None
-    except OSError as e:  # e.g. a file system without locks
-        os.close(fd)
-        raise SweepFolderError(f"out: {out}: cannot lock it "
-                               f"({e.strerror or type(e).__name__})") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    lock_fd(fd, lambda pid: SweepFolderError(
+        f"out: {out}: in use by another fedloom sweep (pid {pid}); wait for it to end or "
+        "give this suite its own out:"), lambda why: SweepFolderError(
+        f"out: {out}: cannot lock it ({why})"))
     return fd
 
 
