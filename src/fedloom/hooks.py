@@ -106,7 +106,8 @@ def planner_from_config(comp: Any) -> RoundPlanner:
                if f.name not in _NOT_PLANNER}
     opts = accepted_options(factory, section)
     opts.update(getattr(comp, "adaptive_options", {}) or {})
-    return build("planner", comp.adaptive, opts, "compression.adaptive_options")
+    planner: RoundPlanner = build("planner", comp.adaptive, opts, "compression.adaptive_options")
+    return planner
 
 
 def metric_hooks(metrics: Any) -> list[ClientMetric]:

@@ -250,7 +250,8 @@ def functional_forward(
     tensors = layout.unflatten(w)
     if buffers:
         tensors = {**tensors, **buffers}
-    return functional_call(module, tensors, args)
+    out: torch.Tensor = functional_call(module, tensors, args)
+    return out
 
 
 @contextmanager

@@ -261,27 +261,28 @@ def get(kind: str, name: str) -> Callable[..., Any]:
     ep = _ENTRY_POINTS[kind].get(name)
     if ep is not None:
         try:
-            factory = ep.load()
+            # object, not Any: the callable() check below is what makes it a factory
+            loaded: object = ep.load()
         except Exception as e:  # a broken plug-in: say which, in one line
             dist = _DIST[kind].get(name, "?")
             raise KeyError(f"{kind} {name!r}: cannot load entry point {ep.value} of {dist} "
                            f"({type(e).__name__}: {_line(e)})") from None
-        if not callable(factory):
+        if not callable(loaded):
             raise KeyError(f"{kind} {name!r}: entry point {ep.value} is not callable")
-        _REGISTRY[kind][name] = factory
-        return factory
+        _REGISTRY[kind][name] = loaded
+        return loaded
     prefix, sep, rest = name.partition(":")
     if sep and prefix in _FAMILIES[kind]:
         return _FAMILIES[kind][prefix](rest)
     if is_reference(name):
         try:
-            factory = _import_reference(name)
+            ref: object = _import_reference(name)
         except Exception as e:
             raise KeyError(f"{kind} {name!r}: cannot import it ({type(e).__name__}: "
                            f"{_line(e)})") from None
-        if not callable(factory):
-            raise KeyError(f"{kind} {name!r}: is a {type(factory).__name__}, not a factory")
-        return factory
+        if not callable(ref):
+            raise KeyError(f"{kind} {name!r}: is a {type(ref).__name__}, not a factory")
+        return ref
     raise KeyError(
         f"unknown {kind} {name!r} (available: {', '.join(available(kind))}; "
         "or an installed plug-in's name, or module:attr)"

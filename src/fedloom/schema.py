@@ -76,7 +76,7 @@ def _type(tp: Any, path: str, bounds: dict[str, float]) -> dict[str, Any]:
         return {"type": "array", "items": _type(inner, f"{path}[]", bounds)}
     if origin is dict:
         return {"type": "object"}
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a section's class
         return _object(tp, path)
     if tp is bool:
         return {"type": "boolean"}

@@ -374,8 +374,9 @@ class _RowFile:
         self.reopen()
 
     def reopen(self) -> None:
-        if getattr(self, "fd", None) is not None:
-            os.close(self.fd)
+        fd: int | None = getattr(self, "fd", None)  # none yet on the first open
+        if fd is not None:
+            os.close(fd)
         self.fd = os.open(self.path, os.O_RDWR)
 
     def get(self, idx: np.ndarray) -> np.ndarray:

@@ -78,7 +78,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -118,7 +118,13 @@ class Experiment(Protocol):
 class RunState(Protocol):
     """The run state's simulated clock (:class:`fedloom.engine.runstate.RunState`)."""
 
+    # a dataclass: finish() replaces its clock with dataclasses.replace
+    __dataclass_fields__: ClassVar[dict[str, Any]]
     sim_time_s: float
+
+
+# finish() gives back the state it was given, with the clock advanced
+_State = TypeVar("_State", bound=RunState)
 
 __all__ = ["Device", "RoundSim", "System", "check_system_config", "client_time",
            "make_system", "read_devices", "samples_for_steps", "steps_within"]
@@ -397,8 +403,8 @@ class System:
         sim.steps = [res.steps for res in results]
         return results, ups
 
-    def finish(self, sim: RoundSim, st: RunState, new: RunState, metrics: dict[str, Any]
-               ) -> tuple[RunState, dict[str, Any]]:
+    def finish(self, sim: RoundSim, st: RunState, new: _State, metrics: dict[str, Any]
+               ) -> tuple[_State, dict[str, Any]]:
         """Add the round's system metrics; advance the simulated clock."""
         r = sim.round
         if self.has_availability:

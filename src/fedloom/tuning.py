@@ -57,7 +57,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import numpy as np
 
@@ -114,7 +114,7 @@ class Trial:
         return float(np.mean(vals))
 
 
-def _number(v: Any) -> bool:
+def _number(v: Any) -> TypeGuard[int | float]:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -216,9 +216,12 @@ def merge_space(*layers: Space) -> Space:
 
 def grid_size(space: Space) -> int | None:
     """Points in the grid (None when a dimension is a range)."""
-    if any(isinstance(v, Range) for v in space.values()):
-        return None
-    return math.prod(len(v) for v in space.values())  # type: ignore[arg-type]
+    size = 1
+    for v in space.values():
+        if isinstance(v, Range):
+            return None
+        size *= len(v)
+    return size
 
 
 def grid_points(space: Space, budget: int, seed: int, setting: str, method: str
@@ -234,7 +237,8 @@ def grid_points(space: Space, budget: int, seed: int, setting: str, method: str
                           "number of trials")
     keys = list(space)
     points = [dict(zip(keys, combo, strict=True))
-              for combo in itertools.product(*(space[k] for k in keys))]  # type: ignore[misc]
+              # a grid (grid_size checked it above): every dimension a list of values
+              for combo in itertools.product(*(cast("list[Any]", space[k]) for k in keys))]
     rng = np.random.default_rng(derive_seed(seed, purpose=f"tuning-grid/{setting}/{method}"))
     order = rng.permutation(len(points))
     return [points[i] for i in order[:budget]]

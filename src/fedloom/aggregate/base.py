@@ -90,7 +90,8 @@ def make_aggregator(name: str, **options: Any) -> Aggregator:
     """Build a registered aggregator; unknown options raise a ``ValueError`` naming them."""
     from fedloom.registry import build
 
-    return build("aggregator", name, options, "aggregator.options")
+    agg: Aggregator = build("aggregator", name, options, "aggregator.options")
+    return agg
 
 
 def default_server_lr(name: str, options: Mapping[str, Any] | None = None) -> float:

@@ -216,7 +216,7 @@ def _unreachable(sol: TruncatedSolve, b: torch.Tensor, dtype: torch.dtype) -> bo
     k = b.numel()
     res = max(8 * k * torch.finfo(dtype).eps,
               8 * k * torch.finfo(torch.float64).eps * float(sol.s.max() / sol.s.min()))
-    return float(torch.linalg.vector_norm(sol.V.T @ b)) <= res * k**0.5
+    return bool(float(torch.linalg.vector_norm(sol.V.T @ b)) <= res * k**0.5)
 
 
 # The class is its own factory: its constructor arguments are the config options.

@@ -674,7 +674,8 @@ def _unit(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros_like(v, dtype=dtype)
         x = x / a
         n = torch.linalg.vector_norm(x)
-    return (x / n).to(dtype)
+    out: torch.Tensor = (x / n).to(dtype)
+    return out
 
 
 # The class is its own factory: its constructor arguments are the config options.

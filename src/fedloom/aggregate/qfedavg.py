@@ -74,9 +74,15 @@ class QFedAvg(Stateless):
         self, updates: torch.Tensor, weights: torch.Tensor, state: None, *,
         info: CohortInfo | None = None,
     ) -> tuple[torch.Tensor, None, Mapping[str, float]]:
-        if info is None or info.start_losses is None or (info.lr is None and not self.lipschitz):
-            raise ValueError("qfedavg: needs the start losses and the client lr (info)")
-        L = self.lipschitz or 1.0 / float(info.lr)
+        need = "qfedavg: needs the start losses and the client lr (info)"
+        if info is None or info.start_losses is None:
+            raise ValueError(need)
+        if self.lipschitz:
+            L = self.lipschitz
+        elif info.lr is not None:
+            L = 1.0 / float(info.lr)
+        else:
+            raise ValueError(need)
         # F_k + 1e-10, as the public code (np.float_power(loss + 1e-10, q)): keeps F^(q−1)
         # finite at a zero loss
         F = info.start_losses.to(torch.float64) + _LOSS_OFFSET

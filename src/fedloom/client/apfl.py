@@ -42,7 +42,7 @@ from torch.nn import functional as F
 
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
-from fedloom.params import functional_forward
+from fedloom.params import Layout, functional_forward
 from fedloom.registry import register
 from fedloom.state import FieldSpec
 
@@ -119,7 +119,7 @@ class APFL(LocalMethod):
         return res
 
 
-def _grad(module: torch.nn.Module, layout, w: torch.Tensor, xb: torch.Tensor,
+def _grad(module: torch.nn.Module, layout: Layout, w: torch.Tensor, xb: torch.Tensor,
           yb: torch.Tensor, bufs: dict[str, torch.Tensor]) -> tuple[float, torch.Tensor]:
     wg = w.detach().clone().requires_grad_(True)
     loss = F.cross_entropy(functional_forward(module, layout, wg, xb, buffers=bufs or None), yb)

@@ -43,7 +43,8 @@ def make_compressor(name: str, **options: Any) -> Compressor:
     for byte, for byte counts comparable with papers."""
     from fedloom.registry import build
 
-    return build("compressor", name, options, "compression.options")
+    comp: Compressor = build("compressor", name, options, "compression.options")
+    return comp
 
 
 __all__ = ["QSGD", "Cast", "Compressor", "Identity", "PayloadError", "RandK", "ScaledSign",

@@ -110,6 +110,9 @@ class RoundEnd:
     downlink_bytes: int = 0
 
 
+_ROW_ONLY = FeedbackCaps(row_only=True)
+
+
 class NoFeedback:
     """Send ``C(g)``; no state.
 
@@ -121,7 +124,10 @@ class NoFeedback:
     name = "none"
     # The server uses each client's row only: no server state, model shift or extra
     # payload built from the clients' messages (privacy.mode=central needs it).
-    capabilities = FeedbackCaps(row_only=True)
+    # A read-only property, as the subclasses whose capabilities follow their options.
+    @property
+    def capabilities(self) -> FeedbackCaps:
+        return _ROW_ONLY
 
     @property
     def probes_smoothness(self) -> bool:
@@ -255,7 +261,7 @@ class ErrorFeedback(NoFeedback):
         last round's :func:`residual_alpha` (``residual``; ``alpha`` until then)."""
         if self.schedule == "residual":
             return float(server.get("alpha_residual", self.base_alpha))
-        L = server.get("lipschitz")
+        L: float | None = server.get("lipschitz")
         if self.schedule == "constant" or L is None:
             return self.base_alpha
         s = lr * L * steps
@@ -388,7 +394,8 @@ class EF21(NoFeedback):
                    server: ServerState) -> torch.Tensor:
         if self.mean == "sampled":
             return up.state["h"]
-        return server["g"].to(up.sent.dtype) + up.row_scale * up.sent
+        g: torch.Tensor = server["g"]  # ServerState holds Any: name the tensor's type
+        return g.to(up.sent.dtype) + up.row_scale * up.sent
 
     def end_round(self, ups: Sequence[UplinkResult], server: ServerState, num_clients: int,
                   probes: Sequence[float]) -> RoundEnd:
@@ -506,7 +513,8 @@ class SCAFCOM(NoFeedback):
 
     def grad_shift(self, state: dict[str, torch.Tensor],
                    server: ServerState) -> torch.Tensor | None:
-        return server["c"] - state["c"]
+        c: torch.Tensor = server["c"]  # ServerState holds Any: name the tensor's type
+        return c - state["c"]
 
     def uplink(self, g: torch.Tensor, state: dict[str, torch.Tensor], comp: Compressor,
                ctx: UplinkContext, server: ServerState) -> UplinkResult:
@@ -522,7 +530,8 @@ class SCAFCOM(NoFeedback):
 
     def server_row(self, up: UplinkResult, state: dict[str, torch.Tensor],
                    server: ServerState) -> torch.Tensor:
-        return up.row_scale * (up.sent + server["c"].to(up.sent.dtype))
+        c: torch.Tensor = server["c"]  # ServerState holds Any: name the tensor's type
+        return up.row_scale * (up.sent + c.to(up.sent.dtype))
 
     def end_round(self, ups: Sequence[UplinkResult], server: ServerState, num_clients: int,
                   probes: Sequence[float]) -> RoundEnd:
@@ -657,7 +666,8 @@ def make_feedback(name: str, **options: Any) -> NoFeedback:
     if "schedule" in options and "alpha_schedule" not in options:
         options["alpha_schedule"] = options.pop("schedule")
     try:
-        return build("feedback", name, options, "compression.feedback_options")
+        fb: NoFeedback = build("feedback", name, options, "compression.feedback_options")
+        return fb
     except KeyError as e:
         raise ValueError(f"compression.feedback: {e.args[0] if e.args else e}") from None
 
@@ -686,4 +696,5 @@ def feedback_from_config(comp: Any, layout: Any = None) -> NoFeedback:
         raise ValueError(f"compression.feedback: {e.args[0] if e.args else e}") from None
     opts = accepted_options(factory, {**section_options(comp), "layout": layout})
     opts.update(getattr(comp, "feedback_options", {}) or {})
-    return build("feedback", comp.feedback, opts, "compression.feedback_options")
+    fb: NoFeedback = build("feedback", comp.feedback, opts, "compression.feedback_options")
+    return fb

@@ -115,6 +115,7 @@ class ScaledSign:
         if len(body) != 4 + (d + 7) // 8:
             raise PayloadError(f"sign payload: {len(body)} body bytes, expected "
                                f"{4 + (d + 7) // 8}")
+        scale: float
         (scale,) = struct.unpack_from("<f", body)
         if not math.isfinite(scale) or scale < 0:
             raise PayloadError(f"sign payload: invalid scale {scale}")
@@ -135,9 +136,8 @@ class QSGD:
                 or not 1 <= levels < 2**16):
             raise ValueError(f"compression.options.levels: must be an integer in [1, 65535], "
                              f"got {levels!r}")
-        levels = int(levels)
-        self.levels = levels
-        self.checksum = check_checksum_option(checksum)
+        self.levels: int = int(levels)
+        self.checksum: bool = check_checksum_option(checksum)
 
     @staticmethod
     def _width(s: int) -> int:

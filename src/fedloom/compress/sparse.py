@@ -202,7 +202,7 @@ def _check_options(ratio: object, count: object, values: object, k_rule: object 
             raise ValueError(f"compression.options.count: must be an integer >= 1, "
                              f"got {count!r}")
     elif (ratio is None or isinstance(ratio, bool) or not isinstance(ratio, numbers.Real)
-          or not 0 < ratio <= 1):
+          or not 0 < float(ratio) <= 1):
         raise ValueError(f"compression.options.ratio: must be a number in (0, 1], got {ratio!r}")
     if values not in ("float32", "float16"):
         raise ValueError(f"compression.options.values: must be float32 or float16, "

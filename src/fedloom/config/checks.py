@@ -72,7 +72,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path}: must be a mapping, got {_shown(value)}")
         return {str(k): v for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a section's class
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path}: must be a mapping, got {_shown(value)}")
         return _build(tp, value, path)
@@ -180,7 +180,7 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     """Validate a plain mapping into a :class:`Config` (raises :class:`ConfigError`)."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"config: must be a mapping at the top level, got {type(data).__name__}")
-    cfg = _build(Config, _shorthands(data), "")
+    cfg: Config = _build(Config, _shorthands(data), "")
     _check_cross_fields(cfg)
     return cfg
 

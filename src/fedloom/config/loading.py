@@ -36,6 +36,13 @@ class _Refused(yaml.MarkedYAMLError):
     """A document refused while composing it (raised as ConfigError by _load)."""
 
 
+def _mark(event: yaml.Event) -> yaml.error.Mark | None:
+    """Where ``event`` starts. SafeLoader is the pure-Python loader, whose marks are
+    yaml.error.Marks (PyYAML's stubs also allow the C loader's)."""
+    m = event.start_mark
+    return m if isinstance(m, yaml.error.Mark) else None
+
+
 class _BoundedLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that counts, while composing, the nodes aliases add.
 
@@ -65,7 +72,7 @@ class _BoundedLoader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         if len(self._open) >= MAX_DEPTH:
             raise _Refused(problem=f"nested more than {MAX_DEPTH} levels deep",
-                           problem_mark=self.peek_event().start_mark)
+                           problem_mark=_mark(self.peek_event()))
         self._open.append(1)
         node = super().compose_node(parent, index)
         size = self._open.pop()
@@ -75,17 +82,18 @@ class _BoundedLoader(yaml.SafeLoader):
         return node
 
     def _alias(self, event: yaml.AliasEvent) -> None:
+        mark = _mark(event)
         target = self.anchors.get(event.anchor)
         if target is None:  # an undefined alias: the composer's own error follows
             return
         size = self._sizes.get(id(target))
         if size is None:
             raise _Refused(problem=f"recursive alias *{event.anchor} (an anchor used "
-                                   "inside itself)", problem_mark=event.start_mark)
+                                   "inside itself)", problem_mark=mark)
         self._extra += size
         if self._extra > MAX_ALIAS_NODES:
             raise _Refused(problem=f"aliases expand to more than {MAX_ALIAS_NODES} "
-                                   "nodes; write the values out", problem_mark=event.start_mark)
+                                   "nodes; write the values out", problem_mark=mark)
         if self._open:
             self._open[-1] += size
 

@@ -38,7 +38,10 @@ def _rng(**bounds: float) -> dict[str, Any]:
 
 def _f(default: Any, **bounds: float) -> Any:
     if isinstance(default, list | dict):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=_rng(**bounds))
+        def copy() -> Any:  # a fresh list or dict per instance, of the default's type
+            return type(default)(default)
+
+        return field(default_factory=copy, metadata=_rng(**bounds))
     return field(default=default, metadata=_rng(**bounds))
 
 

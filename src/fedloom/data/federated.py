@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,7 +89,7 @@ def partition_indices(ds: Dataset, cfg: DataConfig, seed: int) -> list[np.ndarra
     # Every partitioner (built-in, flwr:NAME, plug-in) takes the section's keys its
     # signature names (a plug-in may also take `groups`, the source's client ids or
     # None); `then` left empty keeps the partitioner's own default.
-    section = {"alpha": p.alpha, "min_samples": p.min_samples,
+    section: dict[str, Any] = {"alpha": p.alpha, "min_samples": p.min_samples,
                "shards_per_client": p.shards_per_client, "max_tries": p.max_tries,
                "min_policy": p.min_policy, "balance": p.balance, "k": p.k,
                "assign": p.assign, "split": p.split, "distribution": p.distribution,

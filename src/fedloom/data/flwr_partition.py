@@ -75,7 +75,7 @@ def _run(cls: type, labels: np.ndarray, num_clients: int, rng: np.random.Generat
          options: dict[str, Any]) -> list[np.ndarray]:
     import datasets
 
-    params = inspect.signature(cls.__init__).parameters
+    params = inspect.signature(cls).parameters  # the constructor's, without self
     for key in options:
         if key in _SET_BY_FEDLOOM:
             raise PartitionError(f"data.partition.options.{key}: set by fedloom (data.num_clients"

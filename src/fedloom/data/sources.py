@@ -24,6 +24,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -326,7 +327,8 @@ def read_zarr_zip(path: Path, names: list[str]) -> dict[str, np.ndarray]:
     store = ZipStore(path, mode="r")
     try:
         group = zarr.open_group(store=store, mode="r")
-        return {n: np.asarray(group[n][...]) for n in names}
+        # the names are arrays of the store (a group's member may also be a group)
+        return {n: np.asarray(cast("zarr.Array", group[n])[...]) for n in names}
     finally:
         store.close()
 

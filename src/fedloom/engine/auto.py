@@ -120,7 +120,8 @@ class AutoBackend:
             self.lockstep.train_cohort(jobs)
             self.times["lockstep"] = time.perf_counter() - t
             backends["lockstep"] = self.lockstep
-        if self.workers > 1 and len(jobs) >= 2 * self.workers and self.x is not None:
+        if (self.workers > 1 and len(jobs) >= 2 * self.workers and self.x is not None
+                and self.y is not None):  # x and y are set together
             from fedloom.engine.parallel import ProcessBackend
 
             proc = ProcessBackend(self.trainer, self.method, self.x, self.y,

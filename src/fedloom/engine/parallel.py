@@ -98,6 +98,10 @@ def make_inner(trainer: LocalSGD, method: LocalMethod, inner: str, chunk: int = 
     return SequentialBackend(trainer, method)
 
 
+# What a worker is set up from (:func:`_init_worker`'s arguments before ``device``).
+_InitArgs = tuple[LocalSGD, LocalMethod, torch.Tensor, torch.Tensor, str, int, "str | None", int]
+
+
 def _init_worker(trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
                  inner: str, chunk: int, kill_once: str | None, threads: int = 0,
                  device: str = "cpu") -> None:
@@ -148,7 +152,7 @@ def _error_reply(seq: int, e: BaseException) -> tuple[str, int, Any]:
         return ("error", seq, (RuntimeError(f"{type(e).__name__}: {e}"), tb))
 
 
-def _worker_main(conn: Any, initargs: tuple[Any, ...], device: str = "cpu") -> None:
+def _worker_main(conn: Any, initargs: _InitArgs, device: str = "cpu") -> None:
     """A worker: set up once, then answer ``(seq, jobs, buffer, rows)`` requests
     with ``("ok", seq, results)`` until ``None`` or the parent is gone."""
     import signal
@@ -182,7 +186,7 @@ def _worker_main(conn: Any, initargs: tuple[Any, ...], device: str = "cpu") -> N
 class _Worker:
     """One worker process and the parent's end of its pipe."""
 
-    def __init__(self, initargs: tuple[Any, ...], device: str = "cpu") -> None:
+    def __init__(self, initargs: _InitArgs, device: str = "cpu") -> None:
         ctx = tmp.get_context("spawn")
         self.conn, child = ctx.Pipe(duplex=True)
         # daemon: never outlives the parent, whatever way the parent ends

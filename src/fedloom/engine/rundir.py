@@ -396,7 +396,9 @@ def open_run_dir(exp: Setup, cfg: Config, resolved: dict[str, Any], run_dir: Pat
     ``last.pt.damaged``) and the metrics it covers; writes the resolved config,
     the class names and the metrics file cut to those rounds.
     """
-    st, history, snap_files = exp.initial_state(), [], set()
+    st = exp.initial_state()
+    history: list[dict[str, Any]] = []
+    snap_files: set[str] = set()
     ckpt_dir = (run_dir / CHECKPOINT_FILE).parent
     if (ckpt_dir.exists() or ckpt_dir.is_symlink()) and not ckpt_dir.is_dir():
         raise RunDirError(f"{ckpt_dir}: is not a directory (the run's checkpoints go there)")

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -91,7 +91,10 @@ def _resolve_method_buffers(cfg: Config) -> Config:
     if cfg.model.buffers != "average":
         raise ConfigError(f"model.buffers: client.method {cfg.client.method!r} keeps "
                           f"buffers {want!r}, not {cfg.model.buffers!r}")
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, buffers=want))
+    # model_buffers is a plain str in MethodCaps: one of ModelConfig.buffers' values
+    # (the check above leaves only "local" and "keep_global" from the built-ins)
+    buffers = cast('Literal["average", "local", "keep_global"]', want)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, buffers=buffers))
 
 
 def _check_output(module: torch.nn.Module, x: torch.Tensor, num_classes: int) -> None:
@@ -432,5 +435,6 @@ class Setup:
                                   # .get: checkpoints from before fedloom.privacy
                                   privacy_state=self.privacy.checked_state(
                                       ckpt.get("privacy_state") or self.privacy.init()),
-                                  buffers=bufs),
+                                  # check_buffers passed: the mapping the template needs
+                                  buffers=cast("dict[str, torch.Tensor]", bufs)),
                          self.device)

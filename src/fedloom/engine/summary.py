@@ -74,17 +74,19 @@ class DivergenceWatch:
 
     def _culprit(self) -> str:
         s, c, name = self.cfg.server, self.cfg.client, self.cfg.aggregator.name
+        lr = s.lr
+        assert not isinstance(lr, str), "resolve_auto in __init__ resolved server.lr=auto"
         try:
             default = default_server_lr(name, self.cfg.aggregator.options)
         except (KeyError, ValueError):
-            default = s.lr
-        if s.lr > default:
-            return (f"likely server.lr={s.lr:g}, above {name}'s public default {default:g} "
+            default = lr
+        if lr > default:
+            return (f"likely server.lr={lr:g}, above {name}'s public default {default:g} "
                     "(server.lr=auto uses it)")
-        if s.optimizer in ("adam", "yogi", "adagrad") and s.lr >= 0.1:
-            return (f"likely server.lr={s.lr:g}: server.optimizer={s.optimizer} moves every "
+        if s.optimizer in ("adam", "yogi", "adagrad") and lr >= 0.1:
+            return (f"likely server.lr={lr:g}: server.optimizer={s.optimizer} moves every "
                     "coordinate by about server.lr a round")
-        return f"likely client.lr={c.lr:g} (or server.lr={s.lr:g}) is too large"
+        return f"likely client.lr={c.lr:g} (or server.lr={lr:g}) is too large"
 
 
 def _versions() -> dict[str, str]:

@@ -55,7 +55,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -215,7 +215,8 @@ class SecAggStrategy(LegacyStrategy):
                          dst_node_id=i, message_type=MessageType.TRAIN) for i in ids]
         for rep in grid.send_and_receive(hello, timeout=self.node_timeout):
             if not rep.has_error():
-                self.nodes[int(rep.content[HELLO_KEY]["client-id"])] = rep.metadata.src_node_id
+                cid = rep.content[HELLO_KEY]["client-id"]  # an int the node sent
+                self.nodes[int(cast(int, cid))] = rep.metadata.src_node_id
         missing = sorted(set(range(n)) - set(self.nodes))
         if missing:
             raise RuntimeError(f"secagg: no SuperNode for clients {missing[:10]}")

@@ -451,7 +451,11 @@ class _Worker:
         authkey = _auth_key(self.sock.parent)
         listener = Listener(str(self.sock), family="AF_UNIX", authkey=authkey)
         self.inode = self.sock.stat().st_ino
-        signal.signal(signal.SIGTERM, lambda *_: (self.cleanup(), os._exit(0)))
+        def on_term(*_: Any) -> None:
+            self.cleanup()
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, on_term)
         threading.Thread(target=self.watchdog, daemon=True).start()
         log.info("warm worker %d: listening on %s", os.getpid(), self.sock)
         while True:

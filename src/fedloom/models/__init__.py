@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -206,7 +207,9 @@ def _materialise(module: nn.Module) -> nn.Module:
     """
     new: dict[int, torch.Tensor] = {}
     for mod in module.modules():
-        for store in (mod._parameters, mod._buffers):
+        # Any: _parameters holds Parameters, _buffers plain tensors, both filled below
+        stores: tuple[dict[str, Any], ...] = (mod._parameters, mod._buffers)
+        for store in stores:
             for name, t in store.items():
                 if t is None or t.device.type != "meta":
                     continue

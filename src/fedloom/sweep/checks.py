@@ -132,7 +132,8 @@ def _sens_values(suite: Suite, setting: str, method: str) -> list[Any]:
 
 def _sensitive(suite: Suite, method: str) -> bool:
     sens = suite.tuning.sensitivity if suite.tuning else None
-    return bool(sens) and (sens.get("methods") is None or method in sens["methods"])
+    return bool(sens) and sens is not None and (sens.get("methods") is None
+                                                or method in sens["methods"])
 
 
 def drop_missing_data(suite: Suite, log: Callable[[str], None]) -> list[str]:

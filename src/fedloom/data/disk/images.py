@@ -58,10 +58,10 @@ def _decode_images(paths: Sequence[Path], size: int) -> np.ndarray:
     for p in paths:
         try:
             with Image.open(p) as im:
-                im = im.convert("RGB")
+                rgb = im.convert("RGB")
                 if size:
-                    im = im.resize((size, size), Image.BILINEAR)
-                a = np.asarray(im, dtype=np.uint8)
+                    rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
+                a = np.asarray(rgb, dtype=np.uint8)
         except (UnidentifiedImageError, OSError, ValueError) as e:
             raise DatasetUnavailable(f"{p}: cannot decode the image ({e})") from None
         if shape is None:

@@ -111,7 +111,7 @@ def compare(paths: Sequence[str | Path], metrics: Sequence[str] = DEFAULT_METRIC
             capped: list[str] = []
             for name, members in facets.items():
                 labels = panel_labels(members, fkeys)
-                panel = {lab: [run_stats(r) for r in g.runs]
+                panel: Panel = {lab: [run_stats(r) for r in g.runs]
                          for lab, g in zip(labels, members, strict=True)}
                 # one choice for both plots, so they show the same groups
                 panels[name], left = cap_lines(panel, metric, max_lines)
