@@ -225,7 +225,7 @@ def test_csv_inf_as_a_process_prints_only_the_error(tmp_path):
     p = subprocess.run([sys.executable, "-m", "fedloom.cli", "run", str(cfg), "data.name=csv",
                         f"data.path={path}", "data.label=label", "--out",
                         str(tmp_path / "run"), "--quiet"],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 2
     assert err_lines(p) == [f"fedloom: error: {path}: line 6, column 'f1': 'inf' is not a "
                             "finite number"], p.stderr

@@ -30,8 +30,9 @@ def _kill_a_worker_after_round_1(state, metrics):
     workers = multiprocessing.active_children()  # the pool's processes
     assert workers, "no worker process to kill"
     os.kill(workers[0].pid, signal.SIGKILL)
-    workers[0].join(10)
-    assert workers[0].exitcode == -signal.SIGKILL
+    workers[0].join(60)  # SIGKILL is immediate; 60 s for a loaded machine
+    assert workers[0].exitcode == -signal.SIGKILL, (
+        f"worker {workers[0].pid} not gone 60 s after SIGKILL (exit code {workers[0].exitcode})")
 
 
 @pytest.mark.parametrize("policy", ["retry", "drop"])

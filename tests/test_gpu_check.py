@@ -193,6 +193,7 @@ def test_a_step_past_its_budget_keeps_its_figures_and_its_child_is_killed(tmp_pa
         os.kill(int(pid_file.read_text()), 0)
 
 
+@pytest.mark.slow  # three FLARE/EC/EF21 runs in a subprocess: make test-all
 def test_repro_flare_fc_runs_every_method_beside_the_public_logs(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu_check.py"), "--device",
                           "cpu", "--quick", "--only", "repro_flare_fc", "--out", str(tmp_path)],
