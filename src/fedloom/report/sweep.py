@@ -444,7 +444,7 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
     targets = _targets(suite, table)
     claims = getattr(suite, "claims", None)
     if claims:
-        header, rows, claim_recs = claim_table(claims, table, list(suite.settings), targets)
+        header, claim_rows, claim_recs = claim_table(claims, table, list(suite.settings), targets)
         lines += ["## Claims", "",
                   f"Each cell pairs the two methods seed by seed (seeds {suite.seeds}, the "
                   "same partitions, cohorts and initial models) and gives the verdict, the "
@@ -457,7 +457,7 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
                      "the seed-to-seed spread shows as no evidence. " if len(suite.seeds) < 6
                      else "")
                   + "Intervals are per cell, not adjusted for the number of cells.", "",
-                  markdown_table(header, rows), ""]
+                  markdown_table(header, claim_rows), ""]
         if csv is not None:
             records += [{"kind": "claim", **r} for r in claim_recs]
     if getattr(suite, "tuning", None) is not None:

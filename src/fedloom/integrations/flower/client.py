@@ -93,7 +93,7 @@ class FedloomMod:
                 {"client-id": _client_id(context)})}), reply_to=msg)
         layout, comp, fb = self.parts()
         k, r, lr = _round_settings(msg, context, self.cfg)
-        w = from_arrays(layout, msg.content["arrays"])
+        w = from_arrays(layout, msg.content.array_records["arrays"])
         state = self._load_state(context, fb, layout.size, w.dtype)
         alpha = fb.alpha(lr, 1, {})
         start = fb.start_point(w, state, alpha)
@@ -131,7 +131,7 @@ class FedloomMod:
                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
         fields = fb.fields(d)
         if STATE_KEY in context.state:
-            rec = context.state[STATE_KEY].to_torch_state_dict()
+            rec = context.state.array_records[STATE_KEY].to_torch_state_dict()
             return {f: rec[f].to(dtype) for f in fields}
         return {f: torch.zeros(d, dtype=dtype) for f in fields}
 
@@ -164,7 +164,7 @@ class FedloomTrainer:
         if not 0 <= k < exp.fed.num_clients:
             raise ValueError(f"client-id: {k} is not a client of this config "
                              f"(0..{exp.fed.num_clients - 1})")
-        w = from_arrays(exp.layout, msg.content["arrays"]).to(exp.dtype)
+        w = from_arrays(exp.layout, msg.content.array_records["arrays"]).to(exp.dtype)
         x_k, y_k = _client_data(self.cfg, exp, k)
         # The feedback policy's rows live in Context.state (kept by FedloomMod);
         # its hooks on local training (FLARE / EC+prox's penalty) come with the
@@ -202,7 +202,7 @@ class FedloomTrainer:
         if not exp.buffer_template:
             return None
         if self.cfg.model.buffers == "local" and BUFFER_STATE_KEY in context.state:
-            row = context.state[BUFFER_STATE_KEY].to_torch_state_dict()["own"]
+            row = context.state.array_records[BUFFER_STATE_KEY].to_torch_state_dict()["own"]
             return unflatten_buffers(row.to(exp.device, exp.dtype), exp.buffer_template)
         if BUFFERS_KEY not in msg.content:
             raise ValueError("buffers: the model has buffers and the message carries none "

@@ -20,6 +20,7 @@ from flwr.app import ArrayRecord, Context, Message
 
 from fedloom.buffers import check_buffers
 from fedloom.config import Config, ConfigError
+from fedloom.integrations.flower.records import rec_float, rec_int
 from fedloom.params import Layout
 
 SUPPORTED_FEEDBACK = ("none", "ef", "saef", "sapef", "flare", "ec_prox")
@@ -97,9 +98,10 @@ def _round_settings(msg: Message, context: Context, cfg: Config) -> tuple[int, i
     """(client, 0-based round, learning rate) of a train message: what the strategy
     sent, else the node's client id, Flower's server round and the config's lr."""
     conf = msg.content["config"]
-    k = int(conf["client-id"]) if "client-id" in conf else _client_id(context)
-    r = int(conf["fedloom-round"]) if "fedloom-round" in conf else int(conf["server-round"]) - 1
-    lr = float(conf["lr"]) if "lr" in conf else cfg.client.lr
+    k = rec_int(conf["client-id"]) if "client-id" in conf else _client_id(context)
+    r = (rec_int(conf["fedloom-round"]) if "fedloom-round" in conf
+         else rec_int(conf["server-round"]) - 1)
+    lr = rec_float(conf["lr"]) if "lr" in conf else cfg.client.lr
     return k, r, lr
 
 

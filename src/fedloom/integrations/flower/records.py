@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import SupportsFloat, SupportsInt, cast
 
 import torch
 from torch import nn
@@ -50,6 +51,24 @@ except ImportError as e:  # pragma: no cover (the extra is missing)
 
 __all__ = ["BATCHNORM_BUFFERS", "StateLayout", "pack_buffers", "state_dict_of",
            "unpack_buffers"]
+
+# Flower types a record's value as the union of all a record may hold (numbers,
+# strings, bytes, lists); the keys fedloom reads hold the scalar it wrote. These are
+# int(), float() and bytes() as before: a reply holding something else fails in them.
+def rec_int(value: object) -> int:
+    return int(cast(SupportsInt, value))
+
+
+def rec_float(value: object) -> float:
+    return float(cast(SupportsFloat, value))
+
+
+def rec_bytes(value: object) -> bytes:
+    return bytes(cast(bytes, value))
+
+
+# A MetricRecord's values (flwr's MetricRecordValues).
+MetricValue = int | float | list[int] | list[float]
 
 # The buffers PyTorch's BatchNorm layers register (torch.nn.modules.batchnorm).
 BATCHNORM_BUFFERS = frozenset({"running_mean", "running_var", "num_batches_tracked"})

@@ -45,6 +45,7 @@ from fedloom.integrations.flower.messages import (
     content_bytes,
     to_arrays,
 )
+from fedloom.integrations.flower.records import MetricValue, rec_bytes, rec_float, rec_int
 
 log = logging.getLogger("fedloom")
 
@@ -112,7 +113,7 @@ class FedloomStrategy(Strategy):
                 log.warning("flower: node %d did not say its client id: %s",
                             rep.metadata.src_node_id, rep.error.reason)
                 continue
-            k = int(rep.content[HELLO_KEY]["client-id"])
+            k = rec_int(rep.content[HELLO_KEY]["client-id"])
             if k in self.nodes:
                 raise RuntimeError(f"flower: two SuperNodes claim client {k}")
             self.nodes[k] = rep.metadata.src_node_id
@@ -169,8 +170,8 @@ class FedloomStrategy(Strategy):
             k = None
             try:
                 c = rep.content[REPLY_KEY]
-                k = int(c["client-id"])
-                payload = bytes(c["payload"])
+                k = rec_int(c["client-id"])
+                payload = rec_bytes(c["payload"])
                 sent = exp.uplink.decode(payload, d).to(exp.device, exp.dtype)
                 met = rep.content["metrics"]
                 bufs: dict[str, torch.Tensor] = {}
@@ -179,9 +180,9 @@ class FedloomStrategy(Strategy):
                         raise ValueError("buffers: the model has buffers and the reply "
                                          "carries none")
                     bufs = buffers_from_arrays(exp.buffer_template, rep.content[BUFFERS_KEY])
-                res = ClientResult(k, torch.empty(0), int(met["num-examples"]),
-                                   float(met.get("train-loss", float("nan"))),
-                                   int(met.get("num-steps", 1)), buffers=bufs)
+                res = ClientResult(k, torch.empty(0), rec_int(met["num-examples"]),
+                                   rec_float(met.get("train-loss", float("nan"))),
+                                   rec_int(met.get("num-steps", 1)), buffers=bufs)
             except (KeyError, ValueError, OverflowError, PayloadError) as e:  # int(inf) overflows
                 why = str(e).splitlines()[0] if str(e) else type(e).__name__
                 log.warning("flower: round %d: rejected a malformed reply from node %d: %s",
@@ -189,7 +190,7 @@ class FedloomStrategy(Strategy):
                 if k is not None and k in cohort:
                     bad[k] = f"reply could not be decoded ({why})"
                 continue
-            got[k] = (res, UplinkResult(payload, sent, {}, float(c["residual-norm"])))
+            got[k] = (res, UplinkResult(payload, sent, {}, rec_float(c["residual-norm"])))
         raw: list[tuple[ClientResult, UplinkResult] | None] = []
         for k in plan.cohort.tolist():
             if k in got:
@@ -211,7 +212,7 @@ class FedloomStrategy(Strategy):
                                                client_buffers=True)
         metrics["flower_bytes"] = moved
         self.history.append(metrics)
-        scalars = {k: v for k, v in metrics.items()
+        scalars: dict[str, MetricValue] = {k: v for k, v in metrics.items()
                    if isinstance(v, int | float) and not isinstance(v, bool) and v == v}
         return to_arrays(exp.layout, self.state.w), MetricRecord(scalars)
 

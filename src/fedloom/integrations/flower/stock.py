@@ -74,7 +74,7 @@ from torch import nn
 
 from fedloom.compress import make_compressor
 from fedloom.compress.feedback import UplinkContext, make_feedback
-from fedloom.integrations.flower.records import StateLayout, pack_buffers
+from fedloom.integrations.flower.records import StateLayout, pack_buffers, rec_float, rec_int
 from fedloom.integrations.flower.strategies import (
     BUFFERS_KEY,
     NODE_KEY,
@@ -174,11 +174,11 @@ class CompressionMod:
     def __call__(self, msg: Message, context: Context, call_next: Any) -> Message:
         if not msg.metadata.message_type.startswith(MessageType.TRAIN):
             return call_next(msg, context)
-        sl, comp, fb = self._setup(msg.content["arrays"])
-        w, bufs = sl.split(msg.content["arrays"], self.dtype)
+        sl, comp, fb = self._setup(msg.content.array_records["arrays"])
+        w, bufs = sl.split(msg.content.array_records["arrays"], self.dtype)
         conf = msg.content.config_records.get("config", ConfigRecord())
-        r = int(conf["server-round"]) - 1 if "server-round" in conf else 0
-        lr = float(conf["lr"]) if "lr" in conf else 0.0
+        r = rec_int(conf["server-round"]) - 1 if "server-round" in conf else 0
+        lr = rec_float(conf["lr"]) if "lr" in conf else 0.0
         k = _client(context)
         state = self._load(context, sl.layout.size)
         alpha = fb.alpha(lr, 1, {})
@@ -224,7 +224,7 @@ class CompressionMod:
         assert self._parts is not None
         fields = self._parts[2].fields(d)
         if STATE_KEY in context.state:
-            rec = context.state[STATE_KEY].to_torch_state_dict()
+            rec = context.state.array_records[STATE_KEY].to_torch_state_dict()
             if all(f in rec and rec[f].numel() == d for f in fields):
                 return {f: rec[f].to(self.dtype) for f in fields}
             raise ValueError(f"Context.state[{STATE_KEY!r}]: the kept residual is not of "
@@ -285,7 +285,7 @@ class LocalPenalty:
             return cls({}, 0.0, 0, "l1")
         conf = content.config_records[PENALTY_CONFIG_KEY]
         vecs = content.array_records[PENALTY_KEY].to_torch_state_dict()
-        sl = StateLayout.from_arrays(content["arrays"])
+        sl = StateLayout.from_arrays(content.array_records["arrays"])
         target = sl.layout.unflatten(vecs["target"])
         mask = sl.layout.unflatten(vecs["mask"]) if "mask" in vecs else None
         params = dict(model.named_parameters())
@@ -293,7 +293,7 @@ class LocalPenalty:
         if missing:
             raise ValueError(f"{PENALTY_KEY}: the model has no parameter {missing[0]!r}")
         views = {n: (t, None if mask is None else mask[n]) for n, t in target.items()}
-        return cls(views, float(conf["tau"]), int(conf["steps"]), str(conf["kind"]))
+        return cls(views, rec_float(conf["tau"]), rec_int(conf["steps"]), str(conf["kind"]))
 
     @property
     def active(self) -> bool:

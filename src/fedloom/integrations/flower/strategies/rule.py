@@ -42,7 +42,7 @@ from fedloom.engine.screen import (
     row_norms,
     screen_updates,
 )
-from fedloom.integrations.flower.records import StateLayout
+from fedloom.integrations.flower.records import MetricValue, StateLayout, rec_float
 from fedloom.integrations.flower.strategies.logs import bridge_logs_to_flower, log
 from fedloom.integrations.flower.strategies.replies import (
     _METRIC_FIX,
@@ -211,7 +211,7 @@ class FedloomRule(FedAvg):
         if "lr" in self.requires and lr is None:
             raise ValueError(f"client_lr: aggregator {self.aggregator_name!r} needs the "
                              "clients' learning rate (client_lr= or 'lr' in the train config)")
-        self._round_lr = None if lr is None else float(lr)
+        self._round_lr = None if lr is None else rec_float(lr)
         if self.seed is None:
             messages = list(super().configure_train(server_round, arrays, config, grid))
         else:  # Flower samples with Python's global generator: fork and seed it
@@ -253,7 +253,8 @@ class FedloomRule(FedAvg):
             FLOWER_LOGGER.info("fedloom: round %d: %d replies carried %d bytes of model "
                                "updates (%.2f %% of %d bytes dense)", server_round, len(read),
                                up_bytes, 100.0 * up_bytes / max(dense_bytes, 1), dense_bytes)
-        new_w, new_bufs, skipped, agg_metrics = w, bufs, None, {}
+        agg_metrics: Mapping[str, float] = {}
+        new_w, new_bufs, skipped = w, bufs, None
         if accepted:
             sel = torch.tensor(ok, dtype=torch.bool)
             step = self._step(server_round, w, rows[sel] if not bool(sel.all()) else rows,
@@ -398,7 +399,7 @@ class FedloomRule(FedAvg):
         out: dict[str, Any] = {"row": row, "n": n, "buffers": bufs, "node": m.metadata.src_node_id,
                                "content": content,
                                # round metrics only: a bad one is not the update's fault
-                               "loss": float(loss) if loss_reason("", loss) is None
+                               "loss": rec_float(loss) if loss_reason("", loss) is None
                                else float("nan")}
         for field, mkey in METRIC_OF.items():
             if field in self.requires:
@@ -487,7 +488,7 @@ class FedloomRule(FedAvg):
     def _metrics(self, accepted: list[dict[str, Any]], rejected: int, failed: int,
                  skipped: str | None, agg_metrics: Mapping[str, float], up_bytes: int,
                  dense_bytes: int) -> MetricRecord:
-        out: dict[str, float] = {}
+        out: dict[str, MetricValue] = {}
         if accepted:
             try:
                 out.update(self.train_metrics_aggr_fn([r["content"] for r in accepted],
