@@ -44,6 +44,8 @@ test: $(VENV)/.dev
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	# the package's layers (pyproject [tool.importlinter]): no upward import, no cycle
 	$(VENV)/bin/lint-imports --no-cache
+	# types (pyproject [tool.mypy]): strict below fedloom.engine, the default elsewhere
+	$(VENV)/bin/mypy
 	$(COMPILE)
 	# one pytest worker per core; the Ray/Flower simulations share one worker
 	# (xdist_group "ray"), so two Ray clusters never compete for the same cores.
@@ -64,6 +66,7 @@ test-cov: $(VENV)/.dev
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/mypy
 
 # The site (docs/) into docs/_build/html, warnings as errors: a broken link or a page
 # outside every table of contents fails it. make test builds it too (tests/test_docs.py).
@@ -98,7 +101,7 @@ repro-flare: $(VENV)/.report
 	$(VENV)/bin/fedloom sweep configs/flare/suite.yaml --workers 2
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache docs/_build
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache docs/_build
 
 # Speed and memory (benchmarks/results.json + results.md); about 5 min on 2 cores.
 bench: $(VENV)/.dev

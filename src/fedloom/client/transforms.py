@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -204,7 +204,9 @@ def local_chain(shifts: Sequence[torch.Tensor | None] = (),
                             for k, x in enumerate(xs)])
 
     if any(s is not None for s in shifts):
-        parts.append(Shift(stacked(shifts, 0.0) if like is not None else shifts[0]))
+        # without `like` there is one client, and any() above says its shift is set
+        parts.append(Shift(stacked(shifts, 0.0) if like is not None
+                           else cast(torch.Tensor, shifts[0])))
     if any(p is not None for p in penalties):
         parts.append(PenaltyTerm(tuple(penalties)))
     if weight_decay:
@@ -212,7 +214,8 @@ def local_chain(shifts: Sequence[torch.Tensor | None] = (),
     if prox_mu:
         parts.append(Prox(prox_mu))
     if any(mk is not None for mk in masks):
-        parts.append(Mask(stacked(masks, 1.0) if like is not None else masks[0]))
+        parts.append(Mask(stacked(masks, 1.0) if like is not None
+                          else cast(torch.Tensor, masks[0])))  # as the shift above
     if any(per_client):
         parts.extend(list(per_client[0]) if like is None else _batched(per_client))
     parts.extend(extra)

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -153,8 +153,9 @@ class VmapBackend:
         # Every step's batch of every client as rows of one source tensor: the
         # whole data (positions via data_index) or the chunk's samples stacked.
         if self.x is not None and all(j.data_index is not None for j in jobs):
-            src_x, src_y = self.x, self.y
-            owners = [j.data_index for j in jobs]
+            # x and y are set together; all() above: every job has its data_index
+            src_x, src_y = self.x, cast(torch.Tensor, self.y)
+            owners = cast("list[torch.Tensor]", [j.data_index for j in jobs])
         else:
             src_x = torch.cat([j.x for j in jobs])
             src_y = torch.cat([j.y for j in jobs])

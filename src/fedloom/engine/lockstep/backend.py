@@ -57,6 +57,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch.nn import functional as F
@@ -271,7 +272,8 @@ class LockstepBackend:
         m = len(jobs)
         if self.x is not None and all(j.data_index is not None for j in jobs):
             src_x, src_y = self.x, self.y
-            owners = [j.data_index for j in jobs]
+            # all() above: every job has its data_index
+            owners = cast("list[torch.Tensor]", [j.data_index for j in jobs])
         else:
             src_x = torch.cat([j.x for j in jobs])
             src_y = torch.cat([j.y for j in jobs])

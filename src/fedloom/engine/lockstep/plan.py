@@ -32,6 +32,7 @@ pools.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -99,7 +100,8 @@ def lockstep_plan(module: nn.Module, layout: Layout) -> tuple[list[_Op] | None, 
                 return None, "the model's output is not the last layer's"
             break
         tensors = [a for a in node.all_input_nodes]
-        if tensors != [prev] or len(prev.users) != 1:
+        # the first check makes prev this node's input, a graph node
+        if tensors != [prev] or len(cast("torch.fx.Node", prev).users) != 1:
             return None, f"the model is not a chain of layers (at {node.name})"
         op = _as_op(node, mods, layout, seen)
         if isinstance(op, str):
@@ -140,7 +142,7 @@ def _as_op(node, mods: dict[str, nn.Module], layout: Layout,
         if type(mod) is nn.Conv2d:
             return _conv(node.target, mod, layout)
         if type(mod) in (nn.MaxPool2d, nn.AvgPool2d):
-            return _pool(node.target, mod)
+            return _pool(node.target, cast("nn.MaxPool2d | nn.AvgPool2d", mod))
         if type(mod) is nn.GroupNorm:
             if not mod.affine:
                 return f"GroupNorm without affine parameters ({node.target}) is not supported"
@@ -149,7 +151,7 @@ def _as_op(node, mods: dict[str, nn.Module], layout: Layout,
             return _Op("groupnorm", w.slice, b.slice, (mod.num_channels,),
                        groups=mod.num_groups, eps=float(mod.eps))
         if type(mod) in (nn.BatchNorm1d, nn.BatchNorm2d):
-            return _batchnorm(node.target, mod, layout)
+            return _batchnorm(node.target, cast("nn.BatchNorm1d | nn.BatchNorm2d", mod), layout)
         if type(mod) is nn.Dropout:
             if mod.inplace:
                 return f"in-place Dropout ({node.target}) is not supported"

@@ -76,6 +76,7 @@ guarantee.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch.nn import functional as F
@@ -109,7 +110,9 @@ def _forward(op: _Op, a: torch.Tensor, weight: torch.Tensor | None,
     """A 2-d layer on ``a [N, C, H, W]``: the output, and the max-pool's indices —
     the calls ``nn.Conv2d`` / ``nn.MaxPool2d`` / ``nn.AvgPool2d`` make in training."""
     if op.kind == "conv":
-        return F.conv2d(a, weight, bias, op.stride, op.padding, op.dilation), None
+        # a convolution always has its weight (plan._conv)
+        return F.conv2d(a, cast(torch.Tensor, weight), bias, op.stride, op.padding,
+                        op.dilation), None
     if op.kind == "maxpool":
         return torch.ops.aten.max_pool2d_with_indices(
             a, list(op.kernel), list(op.stride), list(op.padding), list(op.dilation),
@@ -158,6 +161,7 @@ def _step(plan: list[_Op], W: torch.Tensor, X: torch.Tensor, Y: torch.Tensor,
             a = a.contiguous()
             c = op.shape[0]
             hw = math.prod(a.shape[3:])
+            gam: torch.Tensor | None  # the batch norm has none without affine parameters
             gam, bet = W[:, op.weight], W[:, op.bias]
             outs, stats = [], []
             for k in range(m):
@@ -317,7 +321,8 @@ def _batchnorm_forward(op: _Op, a: torch.Tensor, W: torch.Tensor,
             count.add_(1)
             if op.momentum is None:
                 factor = 1.0 / float(count)
-        F._verify_batch_size(a[k].size())  # F.batch_norm's own check (one value a channel)
+        # F.batch_norm's own check (one value a channel); private, so not in torch's stubs
+        F._verify_batch_size(a[k].size())  # type: ignore[attr-defined]
         o, mu, rstd = torch.ops.aten.native_batch_norm(
             a[k], gam[k] if gam is not None else None, bet[k] if bet is not None else None,
             rm, rv, True, factor, op.eps)
