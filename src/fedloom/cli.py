@@ -396,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run an experiment from a YAML config",
                        epilog=_config_sections(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    r.add_argument("config", help="YAML config file")
+    r.add_argument("config", help="YAML config file, or the name of a shipped one (quickstart)")
     r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. client.lr=0.05")
     r.add_argument("--out", help="run directory (default: runs/NAME-TIMESTAMP)")
     r.add_argument("--resume", action="store_true",
