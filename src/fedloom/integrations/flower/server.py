@@ -106,17 +106,27 @@ class FedloomStrategy(Strategy):
                 raise RuntimeError(f"flower: {len(ids)} of {n} SuperNodes connected after "
                                    f"{self.node_timeout:g} s")
             time.sleep(0.2)
-        hello = [Message(RecordDict({HELLO_KEY: ConfigRecord({"ask": "client-id"})}),
-                         dst_node_id=i, message_type=MessageType.TRAIN) for i in ids]
-        for rep in grid.send_and_receive(hello, timeout=self.node_timeout):
-            if rep.has_error():
-                log.warning("flower: node %d did not say its client id: %s",
-                            rep.metadata.src_node_id, rep.error.reason)
-                continue
-            k = rec_int(rep.content[HELLO_KEY]["client-id"])
-            if k in self.nodes:
-                raise RuntimeError(f"flower: two SuperNodes claim client {k}")
-            self.nodes[k] = rep.metadata.src_node_id
+        # A node that did not answer is asked again (three asks, within node_timeout):
+        # on a loaded machine a simulated node's first reply can be an error or late;
+        # an app that cannot answer (a stock ClientApp) fails each ask at once.
+        asked, answered = list(ids), set()
+        for attempt in range(3):
+            left = deadline - time.monotonic()
+            if not asked or left <= 0:
+                break
+            hello = [Message(RecordDict({HELLO_KEY: ConfigRecord({"ask": "client-id"})}),
+                             dst_node_id=i, message_type=MessageType.TRAIN) for i in asked]
+            for rep in grid.send_and_receive(hello, timeout=left):
+                if rep.has_error():
+                    log.warning("flower: node %d did not say its client id (ask %d of 3): %s",
+                                rep.metadata.src_node_id, attempt + 1, rep.error.reason)
+                    continue
+                k = rec_int(rep.content[HELLO_KEY]["client-id"])
+                if k in self.nodes and self.nodes[k] != rep.metadata.src_node_id:
+                    raise RuntimeError(f"flower: two SuperNodes claim client {k}")
+                self.nodes[k] = rep.metadata.src_node_id
+                answered.add(rep.metadata.src_node_id)
+            asked = [i for i in asked if i not in answered]
         missing = sorted(set(range(n)) - set(self.nodes))
         if missing:
             # A stock ClientApp cannot answer the hello (it fails on the missing
