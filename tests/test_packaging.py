@@ -22,8 +22,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# about 15 s idle (most of it the run), 45 s on a loaded 2-core machine: `make test-all`
-pytestmark = pytest.mark.slow
 
 
 def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -33,6 +31,21 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+def test_a_shipped_config_is_found_by_name_from_any_folder(tmp_path, monkeypatch):
+    """The fast half (make test): ``quickstart`` names the config inside the package,
+    from a folder without ``configs/``; a file of that name in the folder wins."""
+    from fedloom.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("quickstart", ["rounds=2"])
+    assert cfg.name == "quickstart" and cfg.rounds == 2
+    assert (ROOT / "src" / "fedloom" / "configs" / "quickstart.yaml").is_file()
+    (tmp_path / "quickstart").write_text("name: mine\nrounds: 1\n")
+    assert load_config("quickstart").name == "mine"
+
+
+# about 15 s idle (most of it the run), 45 s on a loaded 2-core machine: `make test-all`
+@pytest.mark.slow
 def test_wheel_installs_and_runs_the_quickstart_outside_the_repository(tmp_path):
     wheels = tmp_path / "wheels"
     built = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
