@@ -5,6 +5,7 @@ import copy
 import io
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -137,3 +138,20 @@ def flower_simulation(server_app, client_app, num_supernodes: int) -> None:
     finally:
         if ray.is_initialized():
             ray.shutdown()
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Raise TimeoutError in this (the main) thread after ``seconds``: an input that
+    is not refused (10**12 rounds run, a runaway expansion) fails the test instead of
+    stalling the suite."""
+    def stop(signum, frame):
+        raise TimeoutError(f"not refused within {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

@@ -17,9 +17,7 @@ exception would fail the test; one case also as a ``python -m fedloom.cli`` proc
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,27 +26,12 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import TINY
+from conftest import TINY, deadline
 from fedloom.cli import main
 
 ROUND = ["rounds=1", "checkpoint.every=0"]
 USER = ["data.num_clients=4", "cohort.size=2", "data.partition.min_samples=5"]  # 200 samples
 DIGITS = sys.get_int_max_str_digits() + 700  # past Python's int-parsing limit (4300)
-
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """A hang guard: an input that is not refused (10**12 rounds run) fails the test."""
-    def stop(signum, frame):
-        raise TimeoutError(f"not refused within {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _one_line(capsys, rc: int) -> str:

@@ -2,10 +2,8 @@
 files, and CSV cells that are not finite float32 numbers. Each is refused with one
 line on stderr and exit 2, within a deadline the test sets itself."""
 
-import contextlib
 import csv
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +13,7 @@ import pytest
 import yaml
 
 import fedloom.engine.loop  # noqa: F401  (imported before the deadlines start: its import is slow)
-from conftest import cli_in_process
+from conftest import cli_in_process, deadline
 from fedloom import config as fconfig
 from fedloom.config import ConfigError, load_config, yaml_load
 from fedloom.engine.checkpoint import MARKER_FILE
@@ -25,22 +23,6 @@ CFG = {"name": "faults", "seed": 1, "rounds": 1, "data": {"num_clients": 6, "par
        {"name": "dirichlet", "alpha": 1.0, "min_samples": 5}},
        "model": {"name": "mlp", "hidden": [8]}, "cohort": {"size": 3},
        "client": {"lr": 0.1, "batch_size": 8}, "checkpoint": {"every": 0}}
-
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """Raise TimeoutError in this (the main) thread after ``seconds``: a hang or a
-    runaway expansion fails the test instead of stalling the suite."""
-    def stop(signum, frame):
-        raise TimeoutError(f"not refused within {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def bomb(levels: int, width: int = 9, indent: str = "    ") -> str:

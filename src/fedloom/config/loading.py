@@ -139,6 +139,27 @@ def _load(text: str, source: str, loader: type[yaml.SafeLoader]) -> Any:
         raise ConfigError(f"{source}: {e.problem}{where}") from None
 
 
+def read_yaml_file(path: Path, what: str) -> Any:
+    """A YAML file a user wrote (a config, a sweep's suite), read as :func:`yaml_load`
+    reads text; :class:`ConfigError`, one line naming the file (and the line), for a
+    file that cannot be read, is not UTF-8 (a byte-order mark is skipped; no other
+    encoding is guessed from the locale) or is not YAML, a Python tag included (the
+    loader constructs no objects)."""
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a UTF-8 text file (byte 0x{e.object[e.start]:02x} "
+                          f"at offset {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
+    try:
+        return yaml_load(text, str(path))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{where}") from None
+
+
 def yaml_load(text: str, source: str = "YAML text") -> Any:
     """A config's YAML (1.2-style floats), bounded as :class:`_BoundedLoader` says:
     an alias bomb, a recursive alias or deep nesting raises :class:`ConfigError`
@@ -223,21 +244,7 @@ def load_config(
         data = dict(source)
     else:
         path = _resolve_config_path(source)
-        try:
-            # utf-8-sig: a byte-order mark is skipped; other encodings are refused,
-            # never guessed from the locale.
-            text = path.read_bytes().decode("utf-8-sig")
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not a UTF-8 text file (byte 0x{e.object[e.start]:02x} "
-                              f"at offset {e.start})") from None
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read the config ({e.strerror or e})") from None
-        try:
-            data = yaml_load(text, str(path))
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" (line {mark.line + 1})" if mark is not None else ""
-            raise ConfigError(f"{path}: not valid YAML{where}") from None
+        data = read_yaml_file(path, "config")
         if data is None:  # no document, or only ``null``: never the defaults, silently
             raise ConfigError(f"{path}: the file has no settings (it is empty or holds "
                               "only comments)")

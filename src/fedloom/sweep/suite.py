@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 
-from fedloom.config import ConfigError, yaml_load
+from fedloom.config import ConfigError
+from fedloom.config.loading import read_yaml_file
 from fedloom.names import encode_component, path_component
 from fedloom.tuning import (
     Protocol,
@@ -116,7 +117,7 @@ def load_suite(path: str | Path) -> Suite:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: suite file not found")
-    raw = _read_suite(p) or {}
+    raw = read_yaml_file(p, "suite") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: a suite file holds a mapping of settings")
     known = {"name", "out", "doc", "seeds", "settings", "methods", "tune", "share_tuning",
@@ -208,26 +209,6 @@ def load_suite(path: str | Path) -> Suite:
         report=raw.get("report", {}) or {}, path=p, tuning=protocol, method_space=spaces,
         untuned=untuned, claims=claims, method_metric=method_metric,
     )
-
-
-def _read_suite(p: Path) -> Any:
-    """The suite file's YAML; :class:`ConfigError` (one line naming the file and the
-    line) for text that is not UTF-8 or not YAML, a Python tag included (the loader
-    constructs no objects)."""
-    try:
-        text = p.read_bytes().decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{p}: not a UTF-8 text file (byte 0x{e.object[e.start]:02x} at "
-                          f"offset {e.start})") from None
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read the suite ({e.strerror or e})") from None
-    try:
-        return yaml_load(text, str(p))
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{p}: not valid YAML{where} ({problem})") from None
 
 
 def _suite_name(raw: dict[str, Any]) -> str:
