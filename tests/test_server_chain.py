@@ -1,0 +1,247 @@
+"""The server step as a chain of transforms (fedloom.server_opt): the named
+optimizers give the pre-move models and states bit for bit, chains compose as
+written, and a chain of one's own runs (and resumes) as a named optimizer does."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+import yaml
+
+import fedloom
+from conftest import TINY
+from fedloom.aggregate import server_opt as old_path
+from fedloom.registry import accepted_options, get
+from fedloom.server_opt import (
+    Chain,
+    ServerOptimizer,
+    adagrad,
+    adam,
+    chain,
+    momentum,
+    scale,
+    yogi,
+)
+
+NAMES = ("sgd", "momentum", "adam", "yogi", "adagrad")
+
+
+# The pre-move implementation (fedloom.aggregate.server_opt before the server step
+# became a chain), frozen here as the reference of the bit-for-bit tests.
+@dataclass(frozen=True)
+class _PreMove:
+    kind: str = "sgd"
+    lr: float = 1.0
+    momentum: float = 0.9
+    beta1: float = 0.9
+    beta2: float = 0.99
+    eps: float = 1e-3
+
+    def init(self, w):
+        if self.kind == "sgd":
+            return {}
+        if self.kind == "momentum":
+            return {"v": torch.zeros_like(w)}
+        state = {"v": torch.full_like(w, self.eps**2)}
+        if self.kind in ("adam", "yogi"):
+            state["m"] = torch.zeros_like(w)
+        return state
+
+    def step(self, w, agg, state):
+        if self.kind == "sgd":
+            return w - self.lr * agg, state
+        if self.kind == "momentum":
+            v = self.momentum * state["v"] + agg
+            return w - self.lr * v, {"v": v}
+        sq = agg * agg
+        if self.kind == "adagrad":
+            v = state["v"] + sq
+            return w - self.lr * agg / (v.sqrt() + self.eps), {"v": v}
+        m = self.beta1 * state["m"] + (1 - self.beta1) * agg
+        if self.kind == "adam":
+            v = self.beta2 * state["v"] + (1 - self.beta2) * sq
+        elif self.kind == "yogi":
+            v = state["v"] - (1 - self.beta2) * sq * torch.sign(state["v"] - sq)
+        else:
+            raise ValueError(f"server.optimizer: unknown {self.kind!r}")
+        return w - self.lr * m / (v.sqrt() + self.eps), {"m": m, "v": v}
+
+
+SETTINGS = [
+    {},  # the factories' defaults
+    {"lr": 0.037, "momentum": 0.55, "beta1": 0.83, "beta2": 0.971, "eps": 3e-3},
+    {"lr": 1.7, "momentum": 0.99, "beta1": 0.5, "beta2": 0.5, "eps": 1e-6},
+]
+
+
+def _directions(dtype, steps=5, d=257, seed=0):
+    """Directions of mixed scales (tiny to large), signs and exact zeros."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for t in range(steps):
+        x = torch.randn(d, generator=g, dtype=torch.float64)
+        x = x * torch.logspace(-6, 2, d, dtype=torch.float64)[torch.randperm(d, generator=g)]
+        x[t::17] = 0.0
+        out.append(x.to(dtype))
+    return out
+
+
+def _same_state(a, b):
+    assert list(a) == list(b)  # the keys, in their order (a checkpoint's opt_state)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("settings", range(len(SETTINGS)))
+@pytest.mark.parametrize("name", NAMES)
+def test_each_name_is_the_pre_move_optimizer_bit_for_bit(name, settings, dtype):
+    factory = get("server_optimizer", name)
+    kw = accepted_options(factory, SETTINGS[settings])
+    new, ref = factory(**kw), _PreMove(name, **kw)
+    assert isinstance(new, ServerOptimizer) and new.kind == name
+    w = torch.randn(257, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    w = w.to(dtype)
+    w_new, s_new = w, new.init(w)
+    w_ref, s_ref = w, ref.init(w)
+    _same_state(s_new, s_ref)
+    for agg in _directions(dtype):
+        w_new, s_new = new.step(w_new, agg, s_new)
+        w_ref, s_ref = ref.step(w_ref, agg, s_ref)
+        assert w_new.dtype == dtype and torch.equal(w_new, w_ref)
+        _same_state(s_new, s_ref)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_pre_move_state_resumes(name):
+    """An opt_state written by the pre-move optimizer continues as if never stopped."""
+    ref = _PreMove(name, lr=0.3)
+    new = ServerOptimizer(name, lr=0.3)
+    dirs = _directions(torch.float32, steps=6, seed=5)
+    w = torch.ones(257)
+    w_ref, s_ref = w, ref.init(w)
+    for agg in dirs[:3]:
+        w_ref, s_ref = ref.step(w_ref, agg, s_ref)
+    w_new, s_new = w_ref, dict(s_ref)
+    for agg in dirs[3:]:
+        w_new, s_new = new.step(w_new, agg, s_new)
+        w_ref, s_ref = ref.step(w_ref, agg, s_ref)
+    assert torch.equal(w_new, w_ref)
+    _same_state(s_new, s_ref)
+
+
+def test_the_old_path_and_the_package_name_the_same_objects():
+    assert old_path.ServerOptimizer is ServerOptimizer
+    assert old_path.adam(lr=0.1) == ServerOptimizer("adam", lr=0.1)
+    assert get("server_optimizer", "adam") is old_path.adam
+    assert old_path.make_server_optimizer("yogi", lr=0.2).chain == chain(yogi(), scale(0.2))
+    from fedloom.aggregate import ServerOptimizer as from_package
+    assert from_package is ServerOptimizer
+    with pytest.raises(ValueError, match="unknown 'adamw'"):
+        ServerOptimizer("adamw").init(torch.zeros(3))
+
+
+def _run(c, w, dirs):
+    s = c.init(w)
+    for agg in dirs:
+        w, s = c.step(w, agg, s)
+    return w, s
+
+
+@pytest.mark.parametrize("inner", [lambda: momentum(0.7), lambda: adam(), lambda: yogi(0.8),
+                                   lambda: adagrad(1e-2)], ids=["momentum", "adam", "yogi",
+                                                                "adagrad"])
+def test_scale_one_is_the_identity(inner):
+    w, dirs = torch.randn(257), _directions(torch.float32)
+    ref = _run(chain(inner()), w, dirs)
+    for c in (chain(scale(1.0), inner()), chain(inner(), scale(1.0)),
+              chain(scale(1.0), inner(), scale(1.0))):
+        got = _run(c, w, dirs)
+        assert torch.equal(got[0], ref[0])
+        _same_state(got[1], ref[1])
+    # the empty chain steps by the aggregate itself
+    assert torch.equal(_run(chain(), w, dirs[:1])[0], w - dirs[0])
+
+
+def test_the_chain_applies_its_transforms_in_order():
+    w, dirs = torch.randn(257, dtype=torch.float64), _directions(torch.float64)
+    # a power of two scales exactly: before momentum, the same steps with v doubled
+    w_a, s_a = _run(chain(scale(2.0), momentum(0.5)), w, dirs)
+    w_b, s_b = _run(chain(momentum(0.5), scale(2.0)), w, dirs)
+    assert torch.equal(w_a, w_b) and torch.equal(s_a["v"], 2.0 * s_b["v"])
+    # before adam, a scale changes what the moments see: another step
+    w_c, _ = _run(chain(scale(0.1), adam()), w, dirs)
+    w_d, _ = _run(chain(adam(), scale(0.1)), w, dirs)
+    assert not torch.allclose(w_c, w_d)
+    # a transform after a preconditioner sees its whole direction m/(√v + τ)
+    c = chain(adagrad(1e-2), momentum(0.5, prefix="mom_"))
+    s = c.init(w)
+    assert list(s) == ["v", "mom_v"]
+    agg = dirs[0]
+    v = s["v"] + agg * agg
+    step = agg / (v.sqrt() + 1e-2)
+    w1, s1 = c.step(w, agg, s)
+    assert torch.equal(w1, w - (0.5 * s["mom_v"] + step))
+    assert torch.equal(s1["v"], v) and torch.equal(s1["mom_v"], step)
+
+
+def test_two_transforms_may_not_share_a_state_entry():
+    with pytest.raises(ValueError, match=r"two transforms keep the state 'v' \(give one a prefix"):
+        chain(momentum(0.9), adam()).init(torch.zeros(3))
+
+
+def test_a_step_leaves_the_given_state_and_direction_alone():
+    """The engine keeps the old state when a step is not finite and reads the
+    aggregate after the step: neither is modified in place."""
+    for c in (ServerOptimizer("adam", lr=0.1), ServerOptimizer("momentum"),
+              chain(yogi(), momentum(0.3, prefix="h"), scale(0.5))):
+        w = torch.randn(9)
+        s0 = c.init(w)
+        kept = {k: v.clone() for k, v in s0.items()}
+        agg = torch.full((9,), float("inf"))
+        agg_kept = agg.clone()
+        w1, _ = c.step(w, agg, s0)
+        assert not bool(torch.isfinite(w1).all())
+        _same_state(s0, kept)
+        assert torch.equal(agg, agg_kept)
+
+
+def _tiny():
+    return copy.deepcopy(TINY)
+
+
+# the named optimizers at their default options, the chains of the same settings
+@pytest.mark.parametrize("name, lr, obj", [
+    ("momentum", 0.8, lambda: chain(momentum(0.9), scale(0.8))),
+    ("adam", 0.05, lambda: chain(adam(0.9, 0.99, 1e-3), scale(0.05))),
+])
+def test_a_users_chain_runs_as_the_named_optimizer(name, lr, obj, tmp_path):
+    ref = fedloom.run(_tiny(), ["rounds=2", f"server.optimizer={name}", f"server.lr={lr}"])
+    got = fedloom.run(_tiny(), ["rounds=2", f"server.lr={lr}"], server=obj(),
+                      out=tmp_path / "r")
+    assert got.summary["model_sha256"] == ref.summary["model_sha256"]
+    saved = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())["server"]["optimizer"]
+    name = saved["name"] if isinstance(saved, dict) else saved  # {name, options} or a name
+    assert name == "object fedloom.server_opt.transforms.Chain"
+
+
+def test_a_users_chain_resumes_on_the_uninterrupted_model(tmp_path):
+    from conftest import stop_and_resume
+
+    c = chain(momentum(0.5), scale(0.8))
+    ov = ["rounds=3", "server.lr=0.8"]  # server.lr: a number, as with any given object
+    ref = fedloom.run(_tiny(), ov, server=c)
+    out = tmp_path / "r"
+
+    def stop(state, metrics):
+        if state.next_round == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fedloom.run(_tiny(), ov, server=c, out=out, callbacks=[stop])
+    res = fedloom.run(_tiny(), ov, server=c, out=out, resume=True)
+    assert res.summary["model_sha256"] == ref.summary["model_sha256"]
+    assert isinstance(c, Chain) and stop_and_resume  # the helper's pattern, with an object
