@@ -245,3 +245,14 @@ def test_a_users_chain_resumes_on_the_uninterrupted_model(tmp_path):
     res = fedloom.run(_tiny(), ov, server=c, out=out, resume=True)
     assert res.summary["model_sha256"] == ref.summary["model_sha256"]
     assert isinstance(c, Chain) and stop_and_resume  # the helper's pattern, with an object
+
+
+def test_a_flower_strategy_takes_a_chain():
+    """FedloomRule takes a chain as its server optimizer; its summary names it."""
+    pytest.importorskip("flwr")
+    from fedloom.integrations.flower.strategies import FedloomRule
+
+    strat = FedloomRule("fedavg", server_optimizer=chain(momentum(0.9), scale(0.5)),
+                        min_available_nodes=2, min_train_nodes=2)
+    strat.summary()  # names the chain by its class (a named optimizer: kind and lr)
+    assert isinstance(strat.server, Chain)

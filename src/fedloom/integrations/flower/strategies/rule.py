@@ -56,6 +56,7 @@ from fedloom.integrations.flower.strategies.replies import (
 )
 from fedloom.registry import build
 from fedloom.rng import Purpose, derive_seed, seeded_global_rng
+from fedloom.server_opt import ServerOptimizer
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -197,9 +198,11 @@ class FedloomRule(FedAvg):
 
     def summary(self) -> None:
         super().summary()
-        FLOWER_LOGGER.info("fedloom rule: %s, server %s at lr %g%s", self.aggregator_name,
-                 self.server.kind, self.server.lr,
-                 f", decoding {self.compression}" if self.compression else "")
+        # a named optimizer by its kind and step; any other (a chain) by its class
+        server = (f"{self.server.kind} at lr {self.server.lr:g}"
+                  if isinstance(self.server, ServerOptimizer) else object_name(self.server))
+        FLOWER_LOGGER.info("fedloom rule: %s, server %s%s", self.aggregator_name, server,
+                           f", decoding {self.compression}" if self.compression else "")
 
     # ------------------------------------------------------------------ round
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
