@@ -11,8 +11,10 @@ once (:mod:`fedloom.sweep` reads it)::
                                  # for loss/bytes/seconds metrics, else higher)
       rounds: 50                 # rounds of a tuning run (default: the setting's own;
                                  # a setting's tuning_rounds: wins)
-      sampler: grid              # grid | tpe
+      sampler: grid              # grid | tpe | halving
       seed: 0                    # the sampler's seed
+      eta: 3                     # halving only: keep the best 1/eta at each rung
+      min_rounds: 10             # halving only: the rounds of the first rung
       space:                     # the keys every method tunes (client and server step)
         client.lr: [0.01, 0.03, 0.1]
         server.lr: [0.5, 1.0]
@@ -40,6 +42,33 @@ Samplers.
   depends only on that history: a stopped sweep proposes the same points when it
   continues, and a doubled budget keeps the first trials. The first
   ``startup`` trials (default 4) are drawn at random, as TPE does.
+* ``halving``: successive halving (Jamieson & Talwalkar, AISTATS 2016; one
+  bracket of Hyperband, Li et al., JMLR 2018) over the grid sampler's
+  ``budget`` trials, with the budget counted in rounds. Rung ``k`` runs for
+  ``r_k = min_rounds · eta^k`` rounds, the last one for the tuning rounds ``R``
+  (:func:`halving_rungs`); all ``n_0 = budget`` trials run the first rung, and
+  the best ``n_{k+1} = max(1, ⌊n_k / eta⌋)`` of rung ``k`` on the selection
+  metric (its value at the rung's last round, which is always evaluated) go on
+  to rung ``k + 1``, the earlier trial on a tie (:func:`promote`). A trial whose
+  score is not finite, or whose run diverged (its summary holds the training-loss
+  warning), is never promoted: it stops at the end of the rung where that shows.
+  A promoted trial continues its run from the checkpoint at the end of its
+  rung (``--resume`` with more rounds, which the engine makes bit-identical to
+  a run of that many rounds from the start; the cosine schedule, which depends
+  on the total, starts afresh), so a trial that reaches rung ``k`` costs
+  ``r_k`` rounds. The chosen point is the best at the highest rung a finite
+  score reached (:func:`halving_choice`). Every method gets the same plan,
+  ``Σ_k n_k (r_k − r_{k−1})`` rounds per tuning seed (× the cohort size: client
+  rounds), against ``budget · R`` for the grid sampler; a method whose trials
+  diverge uses less. Each rung's run of a point is its own folder
+  (``METHOD@tune=POINT@rR``; the last rung's is the grid sampler's folder of the
+  point), so a run is the point's result at that many rounds whatever promoted
+  it, and the trials are the grid sampler's, whose order does not depend on the
+  budget: a bigger budget keeps the first trials and their results at every
+  rung they ran (it may promote others: with more trials the competition at each
+  rung is another). Departures from the papers: one bracket, not Hyperband's
+  several (``min_rounds`` states the earliest stop instead); ties go to the
+  earlier trial; non-finite scores are dropped, not ranked.
 
 A trial runs on every tuning seed; its score is the mean of the selection metric
 over them. A run that diverged (a NaN or missing metric) scores worst. The
@@ -65,10 +94,11 @@ from fedloom.config import ConfigError
 from fedloom.names import encode_component
 from fedloom.rng import derive_seed
 
-__all__ = ["Protocol", "Range", "Trial", "best_trial", "grid_points", "load_protocol",
-           "merge_space", "overrides", "parse_space", "point_slug", "tpe_point"]
+__all__ = ["Protocol", "Range", "Trial", "best_trial", "grid_points", "halving_choice",
+           "halving_rungs", "load_protocol", "merge_space", "overrides", "parse_space",
+           "plan_rounds", "point_slug", "promote", "tpe_point"]
 
-SAMPLERS = ("grid", "tpe")
+SAMPLERS = ("grid", "tpe", "halving")
 
 
 @dataclass(frozen=True)
@@ -96,6 +126,11 @@ class Protocol:
     startup: int = 4
     space: Space = field(default_factory=dict)
     sensitivity: dict[str, Any] | None = None
+    eta: int = 3                   # halving: the best 1/eta of a rung go on
+    min_rounds: int | None = None  # halving: the first rung's rounds
+    # Filled by the sweep (halving): each (setting, method)'s plan — its rungs, the
+    # client rounds planned, used, and what the grid sampler's runs would cost.
+    plans: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -105,6 +140,13 @@ class Trial:
     index: int
     params: dict[str, Any]
     scores: dict[int, float] = field(default_factory=dict)
+    # halving: the last rung the trial ran (0 = the first), its rounds (``scores`` are
+    # those at that rung), each rung's score by rounds, and the client rounds it cost
+    # over the tuning seeds (rounds run × cohort size)
+    rung: int | None = None
+    rounds: int | None = None
+    rung_scores: dict[int, float] = field(default_factory=dict)
+    cost: int | None = None
 
     @property
     def score(self) -> float:
@@ -159,7 +201,7 @@ def load_protocol(raw: Any, where: str, reported: Sequence[int]) -> Protocol:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must be a mapping")
     known = {"budget", "seeds", "metric", "rounds", "sampler", "seed", "startup", "space",
-             "sensitivity"}
+             "sensitivity", "eta", "min_rounds"}
     for key in raw:
         if key not in known:
             raise ConfigError(f"{where}.{key}: unknown key (expected one of: "
@@ -176,13 +218,28 @@ def load_protocol(raw: Any, where: str, reported: Sequence[int]) -> Protocol:
                           "must be separate)")
     sampler = raw.get("sampler", "grid")
     if sampler not in SAMPLERS:
-        raise ConfigError(f"{where}.sampler: {sampler!r} (expected one of: grid, tpe)")
+        raise ConfigError(f"{where}.sampler: {sampler!r} (expected one of: "
+                          f"{', '.join(SAMPLERS)})")
     rounds = raw.get("rounds")
     if rounds is not None and not (isinstance(rounds, int) and rounds >= 1):
         raise ConfigError(f"{where}.rounds: needs a whole number ≥ 1")
     startup = raw.get("startup", 4)
     if not (isinstance(startup, int) and startup >= 1):
         raise ConfigError(f"{where}.startup: needs a whole number ≥ 1")
+    eta, min_rounds = raw.get("eta", 3), raw.get("min_rounds")
+    if sampler != "halving":
+        given = [k for k in ("eta", "min_rounds") if k in raw]
+        if given:
+            raise ConfigError(f"{where}.{given[0]}: only with sampler: halving")
+    else:
+        if not (isinstance(eta, int) and not isinstance(eta, bool) and eta >= 2):
+            raise ConfigError(f"{where}.eta: needs a whole number ≥ 2")
+        if not (isinstance(min_rounds, int) and not isinstance(min_rounds, bool)
+                and min_rounds >= 1):
+            raise ConfigError(f"{where}.min_rounds: sampler: halving needs the first rung's "
+                              "rounds, a whole number ≥ 1")
+        if rounds is not None and min_rounds > rounds:
+            raise ConfigError(f"{where}.min_rounds: {min_rounds} is above rounds {rounds}")
     space = parse_space(raw.get("space"), f"{where}.space")
     sens = raw.get("sensitivity")
     if sens is not None:
@@ -203,7 +260,7 @@ def load_protocol(raw: Any, where: str, reported: Sequence[int]) -> Protocol:
         raise ConfigError(f"{where}.metric: needs a metric name")
     return Protocol(budget=budget, seeds=list(seeds), metric=metric, rounds=rounds,
                     sampler=sampler, seed=int(raw.get("seed", 0)), startup=startup,
-                    space=space, sensitivity=sens)
+                    space=space, sensitivity=sens, eta=eta, min_rounds=min_rounds)
 
 
 def merge_space(*layers: Space) -> Space:
@@ -296,6 +353,48 @@ def best_trial(trials: Sequence[Trial], lower: bool) -> Trial:
         return (s if lower else -s, t.index)
 
     return min(trials, key=key)
+
+
+def halving_rungs(budget: int, rounds: int, min_rounds: int, eta: int
+                  ) -> list[tuple[int, int]]:
+    """Successive halving's rungs as ``(rounds, trials)``: rounds ``min_rounds · eta^k``
+    up to ``rounds`` (the last rung), trials ``budget`` then ``max(1, ⌊n / eta⌋)``
+    (module docstring). ``min_rounds ≥ rounds``: one rung, the grid sampler's runs."""
+    rs = [min(min_rounds, rounds)]
+    while rs[-1] < rounds:
+        rs.append(min(rs[-1] * eta, rounds))
+    out, n = [], budget
+    for r in rs:
+        out.append((r, n))
+        n = max(1, n // eta)
+    return out
+
+
+def plan_rounds(rungs: Sequence[tuple[int, int]], extend: bool = True) -> int:
+    """The rounds a halving plan runs per tuning seed: each rung's trials run on from
+    the rung before (``extend``), else from the start."""
+    prev, total = 0, 0
+    for r, n in rungs:
+        total += n * (r - prev if extend else r)
+        prev = r
+    return total
+
+
+def promote(scores: Mapping[int, float], size: int, lower: bool) -> list[int]:
+    """The trials (by index) that go on from a rung: the ``size`` best finite
+    ``scores`` (trial index → score), the earlier trial on a tie, in that order."""
+    finite = [(s if lower else -s, i) for i, s in scores.items() if math.isfinite(s)]
+    return [i for _, i in sorted(finite)[:size]]
+
+
+def halving_choice(trials: Sequence[Trial], lower: bool) -> Trial:
+    """The best trial of the highest rung a finite score reached (the earliest on a
+    tie); with no finite score at all, :func:`best_trial`'s (the earliest)."""
+    finite = [t for t in trials if math.isfinite(t.score)]
+    if not finite:
+        return best_trial(trials, lower)
+    top = max(t.rung or 0 for t in finite)
+    return best_trial([t for t in finite if (t.rung or 0) == top], lower)
 
 
 def _text(v: Any) -> str:

@@ -343,6 +343,8 @@ def _protocol_lines(suite: Any, chosen: dict[tuple[str, str], Any]) -> list[str]
              + " (mean over tuning seeds; a diverged run scores worst), best score chosen. "
              "Keys searched: "
              + ", ".join(f"`{k}`" for k in space_keys) + ".", ""]
+    if proto.sampler == "halving":
+        lines += [_halving_lines(suite), ""]
     shared = {m: src for m, src in suite.share_tuning.items()}
     for setting in suite.settings:
         picks = []
@@ -366,16 +368,51 @@ def _protocol_lines(suite: Any, chosen: dict[tuple[str, str], Any]) -> list[str]
             scale, _ = metric_scale(proto.metric)
             score = f"{t.score * scale:.2f}" if t.score == t.score else "diverged"
             mark = " ←" if best is not None and t is best else ""
+            rung = ([] if proto.sampler != "halving"
+                    else [f"{t.rung} ({t.rounds} rounds)" if t.rung is not None else "–"])
             trial_rows.append([setting, m, str(t.index),
                                ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-                                         for k, v in t.params.items()), score + mark])
+                                         for k, v in t.params.items()), *rung, score + mark])
     if trial_rows:
+        rung_head = ["rung reached"] if proto.sampler == "halving" else []
         lines += ["<details><summary>Every trial (score: the selection metric"
                   + (", in %" if metric_scale(proto.metric)[0] == 100 else "")
+                  + (" at the last rung it ran" if rung_head else "")
                   + "; ← the chosen one)</summary>", "",
-                  markdown_table(["setting", "method", "trial", "point", "score"], trial_rows),
+                  markdown_table(["setting", "method", "trial", "point", *rung_head, "score"],
+                                 trial_rows),
                   "", "</details>", ""]
     return lines
+
+
+def _halving_lines(suite: Any) -> str:
+    """The halving plan (fedloom.tuning): rungs, and the client rounds (rounds × cohort
+    size × tuning seeds) each method had, used, and the grid sampler would have used."""
+    proto = suite.tuning
+    plans = getattr(proto, "plans", {}) or {}
+    if not plans:
+        return ""
+    text = (f"Successive halving (η = {proto.eta}): every trial runs the first rung, the "
+            f"best 1/{proto.eta} on the selection metric at a rung's last round go on to the "
+            "next (the earlier trial on a tie), continuing their runs from the rung's "
+            "checkpoint; a trial whose score is not finite or whose run diverged stops at "
+            "its rung; the choice is the best of the highest rung.")
+    by_rungs: dict[str, list[str]] = {}
+    for (setting, m), plan in plans.items():
+        rungs = ", ".join(f"{r['trials']} × {r['rounds']}" for r in plan["rungs"])
+        by_rungs.setdefault(rungs, []).append(f"{m} on {setting}" if len(suite.settings) > 1
+                                              else m)
+    for rungs, who in by_rungs.items():
+        text += f" Rungs (trials × rounds): {rungs}" + (
+            f" ({', '.join(who)})" if len(by_rungs) > 1 else "") + "."
+    costs = sorted({(p["client_rounds"], p["grid"]) for p in plans.values()})
+    text += (" Budget per method, in client rounds (rounds × cohort size × tuning seeds): "
+             + "; ".join(f"{b:,} planned, against {g:,} for the same trials all run to "
+                         f"the tuning rounds ({100 * b / g:.0f} %)" for b, g in costs)
+             + "; used: "
+             + ", ".join(f"{m}{f' on {s}' if len(suite.settings) > 1 else ''} {p['used']:,}"
+                         for (s, m), p in plans.items()) + ".")
+    return text
 
 
 def _own_metrics(suite: Any) -> str:

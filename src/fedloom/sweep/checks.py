@@ -91,7 +91,7 @@ def _validate_protocol(suite: Suite) -> int:
                 continue
             if suite.tuned(method):
                 space = suite.space(setting, method)
-                if proto.sampler == "grid":
+                if proto.sampler in ("grid", "halving"):  # halving: the grid sampler's trials
                     pts = grid_points(space, proto.budget, proto.seed, setting, method)
                 else:
                     # each range at both ends, each list value once (with the others' first)

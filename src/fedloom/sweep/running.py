@@ -160,6 +160,11 @@ def _stale(spec: RunSpec) -> str | None:
             continue
         if b.get(key) == "auto":  # the run saved what auto resolved to (server.lr: 1.0)
             continue
+        if (key == "rounds" and not spec.done and isinstance(a.get(key), int)
+                and isinstance(b.get(key), int) and a[key] < b[key]):
+            # a stopped run of fewer rounds: its resume extends it (the engine refuses
+            # what cannot be: a cosine schedule); halving continues trials so
+            continue
         if a.get(key) != b.get(key):
             return f"{key}: {a.get(key)} → {b.get(key)}"
     return None

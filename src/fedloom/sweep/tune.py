@@ -33,6 +33,7 @@ from fedloom.tuning import (
     Trial,
     best_trial,
     grid_points,
+    halving_choice,
     overrides,
     point_slug,
     tpe_point,
@@ -116,7 +117,13 @@ def tune_protocol(suite: Suite, workers: int, log: Callable[[str], None]
             for spec in specs[(*pair, index)]:
                 t.scores[spec.seed] = _score(spec, metric_of(pair[1]))
 
-    if proto.sampler == "grid":
+    if proto.sampler == "halving":
+        from fedloom.sweep.halving import tune_halving
+
+        trials = tune_halving(suite, pairs, lower_is_better, metric_of,
+                              lambda sp: _run_trials(sp, workers, log),
+                              continue_runs=workers > 0)
+    elif proto.sampler == "grid":
         for pair in pairs:
             for i, point in enumerate(grid_points(suite.space(*pair), proto.budget, proto.seed,
                                                   *pair)):
@@ -137,7 +144,8 @@ def tune_protocol(suite: Suite, workers: int, log: Callable[[str], None]
             _run_trials([sp for pair in pairs for sp in specs[(*pair, i)]], workers, log)
             record(pairs, i)
     suite.trials = trials
-    chosen = {pair: dict(best_trial(ts, lower_is_better(metric_of(pair[1]))).params)
+    choose = halving_choice if proto.sampler == "halving" else best_trial
+    chosen = {pair: dict(choose(ts, lower_is_better(metric_of(pair[1]))).params)
               for pair, ts in trials.items()}
     for method, source in suite.share_tuning.items():
         for setting in suite.settings:
@@ -171,12 +179,19 @@ def _write_tuning_record(suite: Suite, chosen: dict[tuple[str, str], dict[str, A
         "budget": proto.budget, "sampler": proto.sampler, "seeds": proto.seeds,
         "metric": proto.metric, "method_metric": dict(suite.method_metric),
         "rounds": proto.rounds, "settings": {}}
+    if proto.sampler == "halving":
+        rec.update(eta=proto.eta, min_rounds=proto.min_rounds)
     for (setting, method), ts in suite.trials.items():
         rec["settings"].setdefault(setting, {})[method] = {
             "chosen": chosen[(setting, method)],
             "trials": [{"index": t.index, "params": t.params,
                         "scores": {str(k): v for k, v in t.scores.items()},
-                        "score": t.score} for t in ts]}
+                        "score": t.score,
+                        **({"rung": t.rung, "rounds": t.rounds, "cost": t.cost,
+                            "rung_scores": {str(r): v for r, v in t.rung_scores.items()}}
+                           if t.rung is not None else {})} for t in ts],
+            **({"plan": proto.plans[(setting, method)]}
+               if (setting, method) in proto.plans else {})}
     suite.out.mkdir(parents=True, exist_ok=True)
     tmp = suite.out / f"{suite.name}.tuning.json.tmp"
     tmp.write_text(json.dumps(rec, indent=1, default=str))

@@ -1,0 +1,171 @@
+"""Successive halving of a sweep's tuning trials (``tuning: {sampler: halving}``).
+
+The algorithm and its properties are :mod:`fedloom.tuning`'s (its module
+docstring, :func:`~fedloom.tuning.halving_rungs`, :func:`~fedloom.tuning.promote`);
+here are its runs. Rung ``k`` of every (setting, method) runs together
+(``workers`` at a time), then each keeps its best. A trial's run at ``r``
+rounds is ``OUT/SETTING/METHOD@tune=POINT@rR/seedS`` (the last rung's, at the
+tuning rounds, is the grid sampler's folder ``METHOD@tune=POINT``). A promoted
+trial's next run starts as a copy of its finished run (less ``summary.json``,
+so the sweep resumes it) and continues from its last checkpoint to the next
+rung's rounds; a checkpoint at the end of each rung is asked for when the
+setting's config has none (``checkpoint.every`` changes no result).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+from fedloom.config import ConfigError, load_config
+from fedloom.sweep.suite import RunSpec, Suite, _spec
+from fedloom.tuning import (
+    Trial,
+    grid_points,
+    halving_rungs,
+    overrides,
+    plan_rounds,
+    point_slug,
+    promote,
+)
+
+Pair = tuple[str, str]
+
+
+def _base_overrides(suite: Suite, setting: str, method: str, point: dict[str, Any]
+                    ) -> list[str]:
+    return [*suite.methods[method], *overrides(point)]
+
+
+def _plan_config(suite: Suite, setting: str, method: str, point: dict[str, Any]) -> Any:
+    """The trial's config as a run would load it (its rounds, cohort and schedule)."""
+    s = suite.settings[setting]
+    return load_config(s["config"], [*s.get("overrides", []),
+                                     *_base_overrides(suite, setting, method, point)])
+
+
+class _Plan:
+    """One (setting, method)'s halving: its rungs, whether a promoted trial continues
+    its run, the checkpoint override that lets it, and the cost of one trial-round."""
+
+    def __init__(self, suite: Suite, setting: str, method: str, point: dict[str, Any]
+                 ) -> None:
+        proto = suite.tuning
+        assert proto is not None and proto.min_rounds is not None
+        cfg = _plan_config(suite, setting, method, point)
+        self.rounds: int = suite.settings[setting].get("tuning_rounds", proto.rounds) \
+            or cfg.rounds
+        if proto.min_rounds > self.rounds:
+            raise ConfigError(f"tuning.min_rounds: {proto.min_rounds} is above the "
+                              f"{self.rounds} tuning rounds of setting {setting}")
+        self.rungs = halving_rungs(proto.budget, self.rounds, proto.min_rounds, proto.eta)
+        # cosine's rate at round t depends on the total: a longer run is another run
+        self.extend = cfg.client.schedule.name != "cosine"
+        # a run of r rounds must leave a checkpoint at r to be continued (the engine
+        # writes one at a run's end whenever checkpoint.every > 0)
+        self.ckpt = ([f"checkpoint.every={self.rounds}"]
+                     if self.extend and not cfg.checkpoint.every else [])
+        # client rounds of one round of one trial: cohort size × tuning seeds
+        self.unit = int(cfg.cohort.size) * len(proto.seeds)
+
+    def rounds_to(self, rung: int) -> int:
+        """Rounds a trial has run when it ends rung ``rung``."""
+        rs = [r for r, _ in self.rungs[:rung + 1]]
+        return rs[-1] if self.extend else sum(rs)
+
+
+def _specs(suite: Suite, setting: str, method: str, point: dict[str, Any], rounds: int,
+           plan: _Plan) -> list[RunSpec]:
+    """The trial's runs (one per tuning seed) at ``rounds`` rounds."""
+    proto = suite.tuning
+    assert proto is not None
+    ov = [*_base_overrides(suite, setting, method, point), f"rounds={rounds}", *plan.ckpt]
+    tag = f"@tune={point_slug(point)}"
+    if rounds != plan.rounds:
+        tag += f"@r{rounds}"
+    return [_spec(suite, setting, method, seed, ov, tag=tag) for seed in proto.seeds]
+
+
+def _continue_from(prev: RunSpec, spec: RunSpec) -> None:
+    """Start ``spec``'s run as a copy of the finished ``prev`` (fewer rounds), less its
+    summary: the sweep then resumes it from the copied checkpoint with more rounds."""
+    if spec.out.exists() or not prev.done:
+        return  # done or stopped already (the sweep resumes it), or nothing to continue
+    tmp = spec.out.with_name(spec.out.name + ".copying")
+    shutil.rmtree(tmp, ignore_errors=True)  # a copy a killed sweep left half made
+    shutil.copytree(prev.out, tmp, symlinks=True)
+    (tmp / "summary.json").unlink()
+    tmp.rename(spec.out)  # whole or not at all: a half copy is never resumed
+
+
+def _rung_score(spec: RunSpec, metric: str) -> float:
+    """The run's selection metric at its end; NaN when it has not finished, or when its
+    summary holds the engine's divergence warning (the training loss blew up)."""
+    from fedloom.report.compare import load_run, metric_value
+
+    if not spec.done:
+        return math.nan
+    run = load_run(spec.out)
+    if run.summary.get("warnings"):
+        return math.nan
+    return metric_value(run, metric)
+
+
+def tune_halving(suite: Suite, pairs: list[Pair], lower: Callable[[str], bool],
+                 metric_of: Callable[[str], str], run_trials: Callable[[list[RunSpec]], None],
+                 continue_runs: bool = True) -> dict[Pair, list[Trial]]:
+    """Successive halving over each pair's grid trials (module docstring); returns
+    every trial with its rung, rounds, scores and cost, and fills ``proto.plans``.
+    ``run_trials`` runs a rung's runs; ``continue_runs=False`` (a report only) makes
+    no copy of a run to continue."""
+    proto = suite.tuning
+    assert proto is not None
+    trials: dict[Pair, list[Trial]] = {}
+    plans: dict[Pair, _Plan] = {}
+    for pair in pairs:
+        points = grid_points(suite.space(*pair), proto.budget, proto.seed, *pair)
+        trials[pair] = [Trial(i, p) for i, p in enumerate(points)]
+        plans[pair] = _Plan(suite, *pair, points[0])
+    alive = {pair: list(range(proto.budget)) for pair in pairs}
+    done_specs: dict[tuple[Pair, int], list[RunSpec]] = {}  # each trial's last rung's runs
+    for k in range(max(len(p.rungs) for p in plans.values())):
+        step: dict[tuple[Pair, int], list[RunSpec]] = {}
+        for pair in pairs:
+            plan = plans[pair]
+            if k >= len(plan.rungs):
+                continue
+            for i in alive[pair]:
+                specs = _specs(suite, *pair, trials[pair][i].params, plan.rungs[k][0], plan)
+                step[(pair, i)] = specs
+        if not step:
+            break
+        if k > 0 and continue_runs:
+            for (pair, i), specs in step.items():
+                if plans[pair].extend:
+                    for prev, spec in zip(done_specs[(pair, i)], specs, strict=True):
+                        _continue_from(prev, spec)
+        run_trials([sp for specs in step.values() for sp in specs])
+        for (pair, i), specs in step.items():
+            t, plan = trials[pair][i], plans[pair]
+            t.scores = {sp.seed: _rung_score(sp, metric_of(pair[1])) for sp in specs}
+            t.rung, t.rounds = k, plan.rungs[k][0]
+            t.rung_scores[t.rounds] = t.score
+            t.cost = plan.rounds_to(k) * plan.unit
+            done_specs[(pair, i)] = specs
+        for pair in pairs:
+            plan = plans[pair]
+            if k + 1 < len(plan.rungs):
+                alive[pair] = promote({i: trials[pair][i].score for i in alive[pair]},
+                                      plan.rungs[k + 1][1], lower(metric_of(pair[1])))
+            else:
+                alive[pair] = []
+    for pair, plan in plans.items():
+        proto.plans[pair] = {
+            "rungs": [{"rounds": r, "trials": n} for r, n in plan.rungs],
+            "continued": plan.extend,
+            "client_rounds": plan_rounds(plan.rungs, plan.extend) * plan.unit,
+            "used": sum(t.cost or 0 for t in trials[pair]),
+            "grid": proto.budget * plan.rounds * plan.unit}
+    return trials
