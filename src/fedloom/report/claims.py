@@ -16,6 +16,12 @@ the paired comparison of the method against the baseline over the seeds both
 ran (:func:`fedloom.report.stats.paired`): its verdict, the mean difference and
 its 95 % interval. Accuracy metrics are differences in percentage points.
 
+Under the sequential protocol (``seeds: {min, max, batch}``, :mod:`fedloom.sweep`)
+the interval is the anytime-valid confidence sequence of
+:mod:`fedloom.report.sequential` (the cells were looked at after every batch), and
+every cell says how many seeds it used: ``**better** (n=6) +2.1 pp [+0.4, +3.8]``,
+``(n=12, max)`` when the pair reached ``max`` undecided.
+
 ``rounds_to_target``: the first evaluated round whose test accuracy reaches the
 page's target (``report.target``); a run that never reaches it counts as its
 last round + 1 (censored at the horizon: the method that does not get there is
@@ -33,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from fedloom.report.compare import first_reach, log_ticks
+from fedloom.report.sequential import sequential_paired
 from fedloom.report.stats import Paired, paired
 
 __all__ = ["claim_table", "metric_scale", "plot_sensitivity", "seed_values",
@@ -81,10 +88,33 @@ def _cell(res: Paired, metric: str, censored: int) -> str:
     return f"**{res.verdict}**" + text[len(res.verdict):] if res.n else text
 
 
+def _sequential_cell(res: Paired, metric: str, censored: int, max_seeds: int | None) -> str:
+    """A cell of the sequential protocol: the verdict, the seeds used, d̄ and the CS."""
+    if res.n == 0:
+        return "no pairs"
+    scale, unit = metric_scale(metric)
+    u = f" {unit}" if unit else ""
+    at_max = ", max" if max_seeds is not None and res.n >= max_seeds and \
+        res.verdict == "no evidence" else ""
+    text = f"**{res.verdict}** (n={res.n}{at_max}) {res.mean * scale:+.1f}{u}"
+    if res.n < 2:
+        text += " (no interval)"
+    elif not (math.isfinite(res.low) and math.isfinite(res.high)):
+        text += " (no finite interval yet)"
+    else:
+        text += f" [{res.low * scale:+.1f}, {res.high * scale:+.1f}]"
+    if censored:
+        text += f"; {censored} run{'s' if censored > 1 else ''} never reached it"
+    return text
+
+
 def claim_table(claims: Sequence[dict[str, Any]], table: dict[str, dict[str, Any]],
-                settings: Sequence[str], targets: dict[str, float | None]
+                settings: Sequence[str], targets: dict[str, float | None],
+                sequential: bool = False, max_seeds: int | None = None
                 ) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
-    """(header, rows, records): a row per (claim, baseline), a column per setting."""
+    """(header, rows, records): a row per (claim, baseline), a column per setting.
+    ``sequential``: the confidence sequence in place of the t-interval, and the seeds
+    used in every cell (``max_seeds``: the protocol's ``max``, named when reached)."""
     cols = [s for s in settings if s in table]
     header = ["claim", "against", *cols]
     rows: list[list[str]] = []
@@ -105,8 +135,12 @@ def claim_table(claims: Sequence[dict[str, Any]], table: dict[str, dict[str, Any
                     continue
                 a, ca = seed_values(rows_s[c["method"]]["runs"], metric, tgt)
                 b, cb = seed_values(rows_s[base]["runs"], metric, tgt)
-                res = paired(a, b, better=better, margin=c.get("margin"))
-                cells.append(_cell(res, metric, ca + cb))
+                if sequential:
+                    res = sequential_paired(a, b, better=better, margin=c.get("margin"))
+                    cells.append(_sequential_cell(res, metric, ca + cb, max_seeds))
+                else:
+                    res = paired(a, b, better=better, margin=c.get("margin"))
+                    cells.append(_cell(res, metric, ca + cb))
                 records.append({"claim": c["claim"], "method": c["method"], "against": base,
                                 "setting": s, "metric": metric, "verdict": res.verdict,
                                 "diff": res.mean, "low": res.low, "high": res.high,

@@ -44,7 +44,7 @@ import numpy as np
 
 from fedloom.rng import derive_seed
 
-__all__ = ["VERDICTS", "Paired", "paired"]
+__all__ = ["VERDICTS", "Paired", "paired", "verdict_of"]
 
 VERDICTS = ("better", "worse", "equivalent", "no evidence")
 MIN_BOOTSTRAP = 10
@@ -124,14 +124,20 @@ def paired(a: Mapping[Any, float], b: Mapping[Any, float], better: str = "higher
 
         half = float(student_t.ppf(0.5 + level / 2, n - 1)) * float(d.std(ddof=1)) / math.sqrt(n)
         low, high = mean - half, mean + half
+    return Paired(mean, low, high, n, tuple(pairs), verdict_of(low, high, better, margin),
+                  used, level, dropped)
+
+
+def verdict_of(low: float, high: float, better: str = "higher",
+               margin: float | None = None) -> str:
+    """The verdict of an interval ``[low, high]`` of ``a − b`` (module docstring); also
+    that of the confidence sequence of :mod:`fedloom.report.sequential`."""
     sign = 1.0 if better == "higher" else -1.0
     lo_s, hi_s = sorted((low * sign, high * sign))
     if lo_s > 0:
-        verdict = "better"
-    elif hi_s < 0:
-        verdict = "worse"
-    elif margin is not None and -margin < low and high < margin:
-        verdict = "equivalent"
-    else:
-        verdict = "no evidence"
-    return Paired(mean, low, high, n, tuple(pairs), verdict, used, level, dropped)
+        return "better"
+    if hi_s < 0:
+        return "worse"
+    if margin is not None and -margin < low and high < margin:
+        return "equivalent"
+    return "no evidence"

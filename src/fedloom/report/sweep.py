@@ -31,6 +31,7 @@ from fedloom.report.compare import (
     run_stats,
     write_csv,
 )
+from fedloom.report.sequential import sequential_paired
 from fedloom.report.stats import paired
 
 __all__ = ["aggregate_runs", "write_report"]
@@ -238,9 +239,24 @@ def _heterogeneity_lines(spec: Mapping[str, Any], table: dict[str, dict[str, Any
     return [*out, f"![client accuracy against {x}]({png.name})", ""]
 
 
+def _sequential(suite: Any) -> Any:
+    """The suite's ``seeds: {min, max, batch}`` (fedloom.sweep), None for a list."""
+    return getattr(suite, "sequential", None)
+
+
+def _seeds_text(suite: Any) -> str:
+    """The reported seeds as the page names them."""
+    seq = _sequential(suite)
+    if seq is None:
+        return str(suite.seeds)
+    return (f"1–{seq.max} (sequential: the first {seq.min}, then {seq.batch} more at a time "
+            "for the pairs still undecided)")
+
+
 def _compare(setting: str, rows: dict[str, dict[str, Any]], base: str,
-             cand: str) -> str | None:
-    """One line: the candidate against the baseline, paired over seeds (stats.paired)."""
+             cand: str, sequential: bool = False) -> str | None:
+    """One line: the candidate against the baseline, paired over seeds (stats.paired;
+    ``sequential``: the confidence sequence of fedloom.report.sequential)."""
     if base not in rows or cand not in rows:
         return None
     keys: tuple[tuple[str, str, str], ...] = (
@@ -255,7 +271,9 @@ def _compare(setting: str, rows: dict[str, dict[str, Any]], base: str,
         a, _ = seed_values(rows[cand]["runs"], key)
         b, _ = seed_values(rows[base]["runs"], key)
         scale, unit = metric_scale(key)
-        parts.append(f"{label} {paired(a, b, better=better).text(scale, unit)}")
+        res = (sequential_paired(a, b, better=better) if sequential
+               else paired(a, b, better=better))
+        parts.append(f"{label} {res.text(scale, unit)}")
     return f"- **{setting}**, {cand} vs {base}: " + "; ".join(parts) + "."
 
 
@@ -304,8 +322,10 @@ def _sensitivity_lines(suite: Any, setting: str, doc: Path | None,
         lines_by_m[m] = pts
     header, rows = sensitivity_table(lines_by_m, metric)
     unit = " (%)" if metric_scale(metric)[0] == 100 else ""
+    seq = _sequential(suite)
+    seeds = suite.seeds if seq is None else suite.seeds[:seq.min]
     out = [f"**Sensitivity to `{key}`** (final `{metric}`{unit}, mean ± sd over seeds "
-           f"{suite.seeds}; every other key at its tuned value):", "",
+           f"{seeds}; every other key at its tuned value):", "",
            markdown_table(header, rows), ""]
     if missing:
         out += [f"({missing} sensitivity runs have not finished.)", ""]
@@ -336,7 +356,7 @@ def _protocol_lines(suite: Any, chosen: dict[tuple[str, str], Any]) -> list[str]
              f"Every tuned method had the same budget: **{proto.budget} trials** per setting "
              f"({proto.sampler} sampler, sampler seed {proto.seed}), each run on the tuning "
              f"seed{'s' if len(proto.seeds) > 1 else ''} {proto.seeds} (not reported; the "
-             f"reported seeds are {suite.seeds}) for "
+             f"reported seeds are {_seeds_text(suite)}) for "
              + _tuning_rounds(suite)
              + f", scored by the final `{proto.metric}`"
              + _own_metrics(suite)
@@ -480,7 +500,29 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
               rep.get("command", f"fedloom sweep {suite.path}"), "```", ""]
     targets = _targets(suite, table)
     claims = getattr(suite, "claims", None)
-    if claims:
+    seq = _sequential(suite)
+    if claims and seq is not None:
+        header, claim_rows, claim_recs = claim_table(claims, table, list(suite.settings),
+                                                     targets, sequential=True,
+                                                     max_seeds=seq.max)
+        lines += ["## Claims", "",
+                  "Each cell pairs the two methods seed by seed (the same partitions, "
+                  "cohorts and initial models) and gives the verdict, the seeds it used "
+                  "(n), the mean difference (method − baseline) and its 95 % confidence "
+                  "sequence: **better** or **worse** only when it excludes 0, "
+                  "**equivalent** when it lies within the claim's margin, else **no "
+                  f"evidence**. Seeds were given sequentially: every method ran the first "
+                  f"{seq.min}; after each batch every cell was computed again, and a pair of "
+                  f"methods with a cell still open got {seq.batch} more seeds, up to "
+                  f"{seq.max} (\"max\": still open there). The intervals are anytime-valid "
+                  "(a scale-invariant Gaussian-mixture confidence sequence, "
+                  "`fedloom.report.sequential`): they hold their 95 % however the looks "
+                  "stopped, at the price of about twice the width of a fixed-n t-interval. "
+                  "Intervals are per cell, not adjusted for the number of cells.", "",
+                  markdown_table(header, claim_rows), ""]
+        if csv is not None:
+            records += [{"kind": "claim", **r} for r in claim_recs]
+    elif claims:
         header, claim_rows, claim_recs = claim_table(claims, table, list(suite.settings), targets)
         lines += ["## Claims", "",
                   f"Each cell pairs the two methods seed by seed (seeds {suite.seeds}, the "
@@ -501,7 +543,7 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
         lines += _protocol_lines(suite, chosen)
     elif chosen:
         lines += ["## Tuning", "", f"Tuned on seed {suite.tune_seed} (not one of the reported "
-                  f"seeds {suite.seeds}) by the best `{suite.tune_metric}`:", ""]
+                  f"seeds {_seeds_text(suite)}) by the best `{suite.tune_metric}`:", ""]
 
         def key(m: str) -> str:
             return suite.tune[m if m in suite.tune else suite.share_tuning[m]]["key"]
@@ -515,8 +557,11 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
     run_time = sum(r.get("wall_s_total", (0.0, 0.0))[0] * len(r["runs"])
                    for rows in table.values() for r in rows.values())
     lines += ["## Results", "",
-              f"Mean ± sd over seeds {suite.seeds}, in % (final evaluation). Per-client "
-              "accuracy is over all clients on their own test split; `std` is the population "
+              (f"Mean ± sd over seeds {suite.seeds}, in % (final evaluation). Per-client "
+               if seq is None else
+               f"Mean ± sd over the seeds each method ran (its first n of 1–{seq.max}, n "
+               "beside its name), in % (final evaluation). Per-client ")
+              + "accuracy is over all clients on their own test split; `std` is the population "
               "std across clients; `conflict rate` is the mean over rounds of the fraction of "
               "the cohort whose update has a negative inner product with the aggregate.", ""]
     columns = [(c[0], c[1], c[2] if len(c) > 2 else "pct") for c in rep.get("columns", [])] \
@@ -556,7 +601,8 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
             records.append(rec)
             wall = r.get("wall_s_total")
             wall_cell = f"{wall[0]:.1f}" if wall else "–"
-            lines.append(f"| {method} | " + " | ".join(cells) + f" | {wall_cell} |")
+            name = method if seq is None else f"{method} (n={len(r['runs'])})"
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {wall_cell} |")
             if any(k.startswith("personal_acc_mean") for k in r):
                 pm = [_fmt(r.get(f"personal_acc_{k}")) for k in ("mean", "std", "worst10",
                                                                   "best10")]
@@ -607,10 +653,12 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
     if comp:
         lines += ["## Comparisons", "",
                   "Paired over the seeds (candidate − baseline): verdict, mean difference and "
-                  "95 % t-interval; better or worse only when the interval excludes 0.", ""]
+                  + ("95 % t-interval" if seq is None else
+                     "95 % confidence sequence (the seeds were given sequentially)")
+                  + "; better or worse only when the interval excludes 0.", ""]
         for setting, rows in table.items():
             for cand in comp.get("candidates", []):
-                s = _compare(setting, rows, comp["baseline"], cand)
+                s = _compare(setting, rows, comp["baseline"], cand, seq is not None)
                 if s:
                     lines.append(s)
         lines.append("")

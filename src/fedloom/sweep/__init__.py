@@ -40,6 +40,17 @@ own seeds, per-method search spaces, a sensitivity sweep (format and samplers in
     claims:                                           # fedloom.report.claims
       - {claim: "…", method: CRAFT, against: [FedAvg], metric: client_acc_worst10}
 
+Seeds where they decide. Instead of a list, ``seeds: {min: 3, max: 12, batch: 2}``
+gives seeds sequentially (:mod:`fedloom.sweep.sequential`; it needs ``claims:``):
+the seeds are 1 … ``max``; every (setting, method) runs the first ``min``; after
+each batch every claim cell is computed again, and a (setting, method pair) with
+a cell still *no evidence* gets ``batch`` more seeds, until its cells are decided
+or it reaches ``max``. The cells use an anytime-valid confidence sequence
+(:mod:`fedloom.report.sequential`) in place of the t-interval, so looking after
+every batch keeps their 95 %; each cell names the seeds it used
+(``**better** (n=6) …``). Rerunning with a larger ``max`` reuses every run done.
+A list of seeds keeps the fixed protocol, its pages unchanged.
+
 Tuning runs live in ``OUT/SETTING/METHOD@tune=POINT/seedS``, sensitivity runs in
 ``…/METHOD@sens=KEY=V/seedS``; every trial and the choice go to
 ``OUT/NAME.tuning.json`` and to the page.

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from fedloom.sweep.checks import drop_missing_data, validate_suite
 from fedloom.sweep.running import _run_all
+from fedloom.sweep.sequential import finished_only, first_seeds, sequential_runs
 from fedloom.sweep.suite import StaleRunsError, Suite, SweepError, SweepFolderError, load_suite
 from fedloom.sweep.tune import _tune, main_specs, sensitivity_specs
 
@@ -90,7 +91,11 @@ def _report_only(suite: Suite, workers: int, log: Callable[[str], None],
     except (FileNotFoundError, ValueError):
         chosen = {}
     specs = main_specs(suite, chosen) if chosen or not (suite.tune or suite.tuning) else []
-    suite.sensitivity_specs = sensitivity_specs(suite, chosen) if specs else {}
+    suite.sensitivity_specs = first_seeds(suite, sensitivity_specs(suite, chosen)) if specs \
+        else {}
+    if suite.sequential is not None and specs:
+        # the batches replayed as far as their runs have finished
+        specs, _ = sequential_runs(suite, specs, finished_only, log)
     suite.report_text = write_report(suite, chosen, specs, float(prior.get("elapsed_s", 0.0)),
                                      workers, csv)
     return suite
@@ -107,12 +112,26 @@ def _run_locked(suite: Suite, workers: int, log: Callable[[str], None],
         e.suite = suite
         raise
     specs = main_specs(suite, chosen)
-    suite.sensitivity_specs = sensitivity_specs(suite, chosen)
+    suite.sensitivity_specs = first_seeds(suite, sensitivity_specs(suite, chosen))
     extra = [sp for rows in suite.sensitivity_specs.values() for _, sps in rows for sp in sps
              if sp.out not in {m.out for m in specs}]
     failure: SweepError | None = None
     try:
-        _run_all([*specs, *dict.fromkeys(extra)], workers, log)
+        if suite.sequential is None:
+            _run_all([*specs, *dict.fromkeys(extra)], workers, log)
+        else:
+            # the sensitivity runs first (a fixed set); then batch by batch, the seeds
+            # going to the pairs whose claims are still open
+            try:
+                if extra:
+                    _run_all(list(dict.fromkeys(extra)), workers, log)
+            except StaleRunsError:
+                raise
+            except SweepError as e:
+                failure = e  # the main runs still go on
+            specs, failed = sequential_runs(suite, specs,
+                                            lambda b: _run_all(b, workers, log), log)
+            failure = failed or failure
     except StaleRunsError as e:  # no page made of runs of another config
         e.suite = suite
         raise

@@ -52,6 +52,17 @@ class SweepFolderError(ValueError):
     nothing."""
 
 
+@dataclass(frozen=True)
+class Sequential:
+    """``seeds: {min, max, batch}``: the sequential protocol (:mod:`fedloom.sweep.sequential`).
+    Seeds are 1 … ``max`` in order; every (setting, method) runs the first ``min``, and
+    a pair of methods whose claim cells are still open gets ``batch`` more, up to ``max``."""
+
+    min: int
+    max: int
+    batch: int
+
+
 @dataclass
 class Suite:
     name: str
@@ -76,6 +87,8 @@ class Suite:
     # on ``personal_acc_mean``), else the protocol's
     method_metric: dict[str, str] = field(default_factory=dict)
     claims: list[dict[str, Any]] = field(default_factory=list)
+    # ``seeds: {min, max, batch}`` (then ``seeds`` is 1 … max); None for a list of seeds
+    sequential: Sequential | None = None
     # Filled by run_suite: each (setting, method)'s trials, and its sensitivity runs
     # {(setting, method): [(value, [RunSpec per seed])]}.
     trials: dict[tuple[str, str], list[Trial]] = field(default_factory=dict)
@@ -141,7 +154,10 @@ def load_suite(path: str | Path) -> Suite:
     if raw.get("tune") and raw.get("tuning") is not None:
         raise ConfigError(f"{p}: tune: and tuning: both given (tuning: is the protocol; "
                           "tune: its one-key predecessor)")
-    protocol = (load_protocol(raw["tuning"], f"{p}: tuning", [int(s) for s in raw["seeds"]])
+    sequential = _load_seeds(p, raw["seeds"])
+    seeds = (list(range(1, sequential.max + 1)) if sequential is not None
+             else [int(s) for s in raw["seeds"]])
+    protocol = (load_protocol(raw["tuning"], f"{p}: tuning", seeds)
                 if raw.get("tuning") is not None else None)
     for m, src in (raw.get("share_tuning") or {}).items():
         if m not in raw["methods"]:
@@ -199,9 +215,12 @@ def load_suite(path: str | Path) -> Suite:
         raise ConfigError(f"{p}: methods: {TUNE} belongs to tune:; under tuning: a method's "
                           "tuned keys are its space")
     claims = _load_claims(p, raw.get("claims"), methods, settings)
+    if sequential is not None and not claims:
+        raise ConfigError(f"{p}: seeds: {{min, max, batch}} needs claims: (their cells decide "
+                          "which methods get more seeds)")
     return Suite(
         name=_suite_name(raw), out=Path(raw.get("out", f"runs/{_suite_name(raw)}")),
-        doc=Path(raw["doc"]) if raw.get("doc") else None, seeds=[int(s) for s in raw["seeds"]],
+        doc=Path(raw["doc"]) if raw.get("doc") else None, seeds=seeds, sequential=sequential,
         settings=settings, methods=methods, method_settings=only,
         tune=raw.get("tune", {}) or {}, share_tuning=raw.get("share_tuning", {}) or {},
         tune_seed=int(raw.get("tune_seed", 0)), tune_metric=raw.get("tune_metric",
@@ -209,6 +228,29 @@ def load_suite(path: str | Path) -> Suite:
         report=raw.get("report", {}) or {}, path=p, tuning=protocol, method_space=spaces,
         untuned=untuned, claims=claims, method_metric=method_metric,
     )
+
+
+def _load_seeds(p: Path, raw: Any) -> Sequential | None:
+    """``seeds:``: a list (the fixed protocol: None) or ``{min, max, batch}``."""
+    if isinstance(raw, list):
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: seeds: needs a list of seeds or {{min, max, batch}}")
+    extra = set(raw) - {"min", "max", "batch"}
+    if extra:
+        raise ConfigError(f"{p}: seeds.{sorted(extra, key=str)[0]}: unknown key (expected "
+                          "min, max, batch)")
+    vals = {}
+    for key in ("min", "max", "batch"):
+        v = raw.get(key)
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise ConfigError(f"{p}: seeds.{key}: needs a whole number ≥ 1")
+        vals[key] = v
+    if vals["min"] < 2:
+        raise ConfigError(f"{p}: seeds.min: needs at least 2 (an interval needs two pairs)")
+    if vals["max"] < vals["min"]:
+        raise ConfigError(f"{p}: seeds.max: {vals['max']} is below min: {vals['min']}")
+    return Sequential(vals["min"], vals["max"], vals["batch"])
 
 
 def _suite_name(raw: dict[str, Any]) -> str:

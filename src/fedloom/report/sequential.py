@@ -1,0 +1,286 @@
+"""Anytime-valid paired comparisons: a confidence sequence for the mean paired difference.
+
+A sweep with ``seeds: {min, max, batch}`` (:mod:`fedloom.sweep`) looks at each
+comparison after every batch of seeds and gives more seeds only to those still
+undecided. A fixed-n interval re-tested after each batch no longer holds its level
+(every look is another chance to exclude the true mean by luck); what holds under
+such optional stopping is a **confidence sequence** (CS): intervals ``C_n`` with
+
+    P(∃ n ≥ 1: μ ∉ C_n) ≤ α,
+
+so the interval at any stopping time, however it was chosen, covers ``μ`` with
+probability ≥ 1 − α.
+
+The method: a scale-invariant Gaussian-mixture t-test. The paired differences
+``d_1, d_2, …`` (in seed order) are taken as i.i.d. N(μ, σ²), σ unknown — the
+assumption of the fixed-n t-interval (:mod:`fedloom.report.stats`). For a
+candidate mean ``m`` let ``y_i = d_i − m``, ``S_n = Σ y_i``, ``V_n = Σ y_i²``,
+``r_n = S_n² / (n V_n) = T² / (n − 1 + T²)`` with ``T`` the t-statistic of ``m``.
+The Bayes factor of "``y_i ~ N(δσ, σ²)``, ``δ ~ N(0, τ²)``" against
+"``y_i ~ N(0, σ²)``", both with the right-Haar prior ``dσ/σ`` on the scale, is
+
+    B_n(m) = (1 + nτ²)^(−1/2) · (1 − nτ²/(1 + nτ²) · r_n)^(−n/2),     B_1 = 1.
+
+It is the likelihood ratio of the scale-invariant statistic ``(y_1, …, y_n)/|y_1|``,
+hence a nonnegative martingale with mean 1 under ``μ = m`` in that statistic's
+filtration (Pérez-Ortiz, Lardy, de Heide & Grünwald 2024, "E-statistics, group
+invariance and anytime-valid testing", Ann. Statist.; Wang & Ramdas 2023,
+"Anytime-valid t-tests and confidence sequences for Gaussian means with unknown
+variance", whose first e-process this is; Lai 1976 built the first such t-CS with a
+flat mixture over μ). Ville's inequality gives ``P(∃n: B_n(μ) ≥ 1/α) ≤ α``, a
+statement about all ``n`` at once, so it holds at any data-dependent stopping time.
+``B_n`` increases with ``T²``, so ``C_n = {m: B_n(m) < 1/α}`` is a t-interval with
+a larger critical value:
+
+    C_n = d̄_n ± c_n · s_n / √n,    c_n² = (n − 1) ρ / (1 − ρ),
+    ρ = (1 − ((1 + nτ²)^(1/2) / α)^(−2/n)) · (1 + nτ²) / (nτ²),
+
+``s_n`` the sample sd (``ddof=1``); ``C_n = ℝ`` when ``ρ ≥ 1`` (too few pairs: for
+``τ² = 20``, ``n ≤ 2``). The page reports the running intersection ``C_1 ∩ … ∩ C_n``
+(still a CS, and a decided verdict then stays decided as seeds are added); should the
+intersection be empty (the CS has missed, probability ≤ α) the last non-empty one
+is kept.
+
+Why this CS and not one for bounded differences. Accuracy differences lie in
+[−1, 1], and a betting CS (Waudby-Smith & Ramdas 2023, JRSS-B) or Howard,
+Ramdas, McAuliffe & Sekhon's (2021, Ann. Statist.) normal-mixture boundary with
+the range bound (σ ≤ 1) would need no distributional assumption. But their width
+is set by the range, not by the seed-to-seed spread: at n = 12 the sub-Gaussian
+boundary with σ = 1 is ±116 pp (``--widths``) and a betting CS can multiply its
+capital by at most ``(1 + λ|d − m|)`` a seed with ``λ ≤ 1/(1 + |m|)``, so
+differences of a few pp never reach ``1/α = 20``: with 3 to 12 seeds neither could
+ever decide a difference between two methods. The Gaussian assumption is the one
+the fixed-n t-interval already makes (and tests/test_sequential.py checks coverage
+under uniform and skewed bounded differences too).
+
+Its cost: ``c_n`` against ``t_{0.975, n−1}`` is about 2.4× at n = 3 and 2.0× at
+n = 6 and 12 (``python -m fedloom.report.sequential --widths``). The prior scale
+``τ² = 20`` (standardised effect ``μ/σ`` of sd ≈ 4.5: seeds pair the partition and
+the initial model, so paired differences are often several sds from 0) minimises
+the sum of those three ratios over a grid (10, 15, 20, 25, 30, 40, 50); it is fixed
+before any data. Departures: none from the papers' e-process; the two-sided CS
+inverts the symmetric (``δ ~ N(0, τ²)``) mixture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from fedloom.report.stats import Paired, _finite, verdict_of
+
+__all__ = ["TAU2", "boundary", "confidence_sequence", "sequential_paired", "simulate",
+           "widths_table"]
+
+TAU2 = 20.0  # prior variance of the standardised effect μ/σ (module docstring)
+# The looks of the tests' and the docs' stopping rule: seeds 3, 5, 7, 9, 11, then 12.
+LOOKS = (3, 5, 7, 9, 11, 12)
+NULLS = ("normal", "uniform", "skewed", "strongly-skewed")
+
+
+def boundary(n: Any, level: float = 0.95, tau2: float = TAU2) -> np.ndarray:
+    """``c_n``: the CS is ``d̄ ± c_n s/√n`` (module docstring); ``inf`` where it is ℝ."""
+    n = np.asarray(n, dtype=np.float64)
+    alpha = 1.0 - level
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_k = 0.5 * np.log1p(n * tau2) - math.log(alpha)
+        rho = -np.expm1(-2.0 * log_k / n) * (1.0 + n * tau2) / (n * tau2)
+        c = np.sqrt((n - 1.0) * rho / (1.0 - rho))
+    return np.where((n >= 2) & (rho < 1.0), c, np.inf)
+
+
+def confidence_sequence(d: Any, level: float = 0.95, tau2: float = TAU2
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(mean, low, high) after each of the differences ``d[..., :n]``, n = 1 … N, along
+    the last axis (leading axes: independent sequences); low/high are the running
+    intersection of the CS (``±inf`` while it is ℝ)."""
+    d = np.asarray(d, dtype=np.float64)
+    n_max = d.shape[-1]
+    n = np.arange(1, n_max + 1, dtype=np.float64)
+    mean = np.cumsum(d, axis=-1) / n
+    # The variance about the first value (translation-invariant, no cancellation when
+    # the values are large and their spread small).
+    y = d - d[..., :1]
+    ss = np.cumsum(y * y, axis=-1) - np.cumsum(y, axis=-1) ** 2 / n
+    sd = np.sqrt(np.maximum(ss, 0.0) / np.maximum(n - 1.0, 1.0))
+    c = boundary(n, level, tau2)
+    with np.errstate(invalid="ignore"):
+        half = np.where(np.isfinite(c), c * sd / np.sqrt(n), np.inf)
+    lo_n, hi_n = mean - half, mean + half
+    low, high = np.empty_like(d), np.empty_like(d)
+    lo = np.full(d.shape[:-1], -np.inf)
+    hi = np.full(d.shape[:-1], np.inf)
+    for k in range(n_max):
+        nlo, nhi = np.maximum(lo, lo_n[..., k]), np.minimum(hi, hi_n[..., k])
+        keep = nlo <= nhi  # an empty intersection keeps the last non-empty one
+        lo, hi = np.where(keep, nlo, lo), np.where(keep, nhi, hi)
+        low[..., k], high[..., k] = lo, hi
+    return mean, low, high
+
+
+def _seed_order(s: Any) -> tuple[int, Any]:
+    return (0, s) if isinstance(s, int) and not isinstance(s, bool) else (1, str(s))
+
+
+def sequential_paired(a: Mapping[Any, float], b: Mapping[Any, float], better: str = "higher",
+                      level: float = 0.95, margin: float | None = None) -> Paired:
+    """:func:`fedloom.report.stats.paired` with the confidence sequence in place of the
+    t-interval: the differences in seed order (integers ascending), the verdict read
+    from the CS after the last shared seed (``method="cs"``)."""
+    if better not in ("higher", "lower"):
+        raise ValueError(f"better: {better!r} (expected higher or lower)")
+    if not 0.5 < level < 1.0:
+        raise ValueError(f"level: {level} (expected a confidence level in (0.5, 1))")
+    if margin is not None and not (_finite(margin) and margin > 0):
+        raise ValueError(f"margin: {margin} (expected a positive number)")
+    pairs = sorted((s for s in a if s in b and _finite(a[s]) and _finite(b[s])
+                    and math.isfinite(float(a[s]) - float(b[s]))), key=_seed_order)
+    dropped = tuple(s for s in {**dict.fromkeys(a), **dict.fromkeys(b)} if s not in pairs)
+    d = np.asarray([float(a[s]) - float(b[s]) for s in pairs], dtype=np.float64)
+    if d.size == 0:
+        return Paired(math.nan, math.nan, math.nan, 0, (), "no evidence", "cs", level, dropped)
+    mean, low, high = (float(v[-1]) for v in confidence_sequence(d, level))
+    if d.size < 2:
+        return Paired(mean, math.nan, math.nan, 1, tuple(pairs), "no evidence", "cs", level,
+                      dropped)
+    return Paired(mean, low, high, int(d.size), tuple(pairs),
+                  verdict_of(low, high, better, margin), "cs", level, dropped)
+
+
+def _decided(low: np.ndarray, high: np.ndarray, margin: float | None) -> np.ndarray:
+    """Vectorised :func:`verdict_of` ≠ "no evidence"."""
+    out = (low > 0) | (high < 0)
+    if margin is not None:
+        out |= (-margin < low) & (high < margin)
+    return out
+
+
+def _t_intervals(d: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
+    """The fixed-n t-interval after each prefix (n ≥ 2), re-computed at every look."""
+    from scipy.stats import t as student_t
+
+    n = np.arange(1, d.shape[-1] + 1, dtype=np.float64)
+    mean = np.cumsum(d, axis=-1) / n
+    y = d - d[..., :1]
+    ss = np.cumsum(y * y, axis=-1) - np.cumsum(y, axis=-1) ** 2 / n
+    sd = np.sqrt(np.maximum(ss, 0.0) / np.maximum(n - 1.0, 1.0))
+    q = student_t.ppf(0.5 + level / 2, np.maximum(n - 1.0, 1.0))
+    half = np.where(n >= 2, q * sd / np.sqrt(n), np.inf)
+    return mean - half, mean + half
+
+
+def simulate(d: Any, looks: Sequence[int] = LOOKS, level: float = 0.95,
+             margin: float | None = None, method: str = "cs", mu: float = 0.0
+             ) -> dict[str, Any]:
+    """Apply the sweep's stopping rule to experiments ``d`` (rows: paired differences
+    in seed order, true mean ``mu``): look after each of ``looks`` seeds, stop at the
+    first decided verdict (or the last look). ``method``: ``"cs"`` (this module) or
+    ``"t"`` (the fixed-n t-interval re-tested at every look, the naive protocol).
+    Returns the coverage of ``mu`` by the interval at the stop, the share of
+    experiments stopped with a decision, and the mean number of seeds used."""
+    d = np.asarray(d, dtype=np.float64)
+    if method == "cs":
+        _, low, high = confidence_sequence(d, level)
+    elif method == "t":
+        low, high = _t_intervals(d, level)
+    else:
+        raise ValueError(f"method: {method!r} (expected cs or t)")
+    idx = np.asarray(looks) - 1
+    lo, hi = low[:, idx], high[:, idx]
+    dec = _decided(lo, hi, margin)
+    first = np.where(dec.any(axis=1), dec.argmax(axis=1), len(idx) - 1)
+    rows = np.arange(d.shape[0])
+    lo_s, hi_s = lo[rows, first], hi[rows, first]
+    return {"coverage": float(np.mean((lo_s <= mu) & (mu <= hi_s))),
+            "decided": float(np.mean(dec[rows, first])),
+            "seeds_mean": float(np.mean(np.asarray(looks)[first])),
+            "experiments": int(d.shape[0])}
+
+
+def null_experiments(kind: str, experiments: int = 4000, n: int = 12, seed: int = 0
+                     ) -> np.ndarray:
+    """Paired differences with mean 0, bounded in [−1, 1]: ``normal`` (sd 0.02, clipped
+    at ±1, never reached), ``uniform`` (on ±0.03), ``skewed`` (0.1·(Beta(2, 5) − 2/7),
+    skewness 0.6) or ``strongly-skewed`` (0.1·(Beta(1, 6) − 1/7), skewness 1.5: a long
+    right tail, where the t-interval itself no longer holds its level)."""
+    rng = np.random.default_rng(seed)
+    if kind == "normal":
+        return np.clip(rng.normal(0.0, 0.02, (experiments, n)), -1.0, 1.0)
+    if kind == "uniform":
+        return rng.uniform(-0.03, 0.03, (experiments, n))
+    if kind == "skewed":
+        return 0.1 * (rng.beta(2.0, 5.0, (experiments, n)) - 2.0 / 7.0)
+    if kind == "strongly-skewed":
+        return 0.1 * (rng.beta(1.0, 6.0, (experiments, n)) - 1.0 / 7.0)
+    raise ValueError(f"kind: {kind!r} (expected one of {', '.join(NULLS)})")
+
+
+def _range_bound_half_width(n: int, level: float = 0.95) -> float:
+    """Howard et al.'s (2021) two-sided normal-mixture boundary for the mean of
+    1-sub-Gaussian differences (the range [−1, 1] gives σ = 1), its mixture tuned to
+    ``n``: ``√(2(n + ρ) log(√((n + ρ)/ρ)/α)) / n`` with ρ = n, α split over two sides."""
+    alpha = (1.0 - level) / 2
+    rho = float(n)
+    return math.sqrt(2 * (n + rho) * math.log(math.sqrt((n + rho) / rho) / alpha)) / n
+
+
+def widths_table(ns: Sequence[int] = (3, 6, 12), level: float = 0.95) -> str:
+    """The markdown table of the CS's critical value against the t-interval's."""
+    from scipy.stats import t as student_t
+
+    rows = ["| n | t-interval `t_{0.975,n−1}` | CS `c_n` | CS / t | "
+            "range-bound CS half-width (pp) |", "|---|---|---|---|---|"]
+    for n in ns:
+        t = float(student_t.ppf(0.5 + level / 2, n - 1))
+        c = float(boundary(n, level))
+        rows.append(f"| {n} | {t:.2f} | {c:.2f} | {c / t:.2f}× | "
+                    f"±{100 * _range_bound_half_width(n, level):.0f} |")
+    return "\n".join(rows)
+
+
+def coverage_table(experiments: int = 4000) -> str:
+    """The markdown table of coverage under the null with the stopping rule applied."""
+    from scipy.stats import t as student_t
+
+    rows = ["| differences (mean 0) | CS, stopped | naive t, stopped | fixed-n t at n = 3 |"
+            " CS: mean seeds used |", "|---|---|---|---|---|"]
+    for kind in NULLS:
+        d = null_experiments(kind, experiments)
+        cs, t = simulate(d, method="cs"), simulate(d, method="t")
+        # the fixed-n t-interval's own coverage at the first look, for reference
+        q = float(student_t.ppf(0.975, 2))
+        half = q * d[:, :3].std(axis=1, ddof=1) / math.sqrt(3)
+        fixed = float(np.mean(np.abs(d[:, :3].mean(axis=1)) <= half))
+        rows.append(f"| {kind} | {100 * cs['coverage']:.1f} % | {100 * t['coverage']:.1f} % | "
+                    f"{100 * fixed:.1f} % | {cs['seeds_mean']:.1f} |")
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m fedloom.report.sequential",
+        description="the confidence sequence of sequential sweeps: its width against the "
+                    "fixed-n t-interval, its coverage under the stopping rule")
+    p.add_argument("--widths", action="store_true", help="the widths table (n = 3, 6, 12)")
+    p.add_argument("--coverage", action="store_true",
+                   help=f"coverage of 4,000 null experiments stopped at the first decision "
+                        f"(looks after {', '.join(map(str, LOOKS))} seeds)")
+    args = p.parse_args(argv)
+    if not (args.widths or args.coverage):
+        p.error("give --widths and/or --coverage")
+    out = []
+    if args.widths:
+        out.append(widths_table())
+    if args.coverage:
+        out.append(coverage_table())
+    sys.stdout.write("\n\n".join(out) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
