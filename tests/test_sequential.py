@@ -95,6 +95,7 @@ def test_sequential_paired_reads_verdicts_as_paired_does():
     assert sequential_paired(same, b).verdict == "no evidence"
     two = sequential_paired({1: 0.9, 2: 0.91}, {1: 0.5, 2: 0.5})
     assert two.verdict == "no evidence" and math.isinf(two.high)  # no finite CS at n = 2
+    assert two.text(100, "pp") == "no evidence +40.5 pp (no finite interval yet) (2 seeds)"
     # pairs in seed order, whatever the dict order
     rev = sequential_paired(dict(reversed(list(a.items()))), b)
     assert (rev.low, rev.high) == (cs.low, cs.high)

@@ -72,6 +72,9 @@ class Paired:
         m = f"{self.mean * scale:+.{digits}f}{u}"
         if self.n < 2:
             return f"{self.verdict} {m} (1 seed: no interval)"
+        if not (math.isfinite(self.low) and math.isfinite(self.high)):
+            # a confidence sequence (fedloom.report.sequential) is ℝ while pairs are few
+            return f"{self.verdict} {m} (no finite interval yet) ({self.n} seeds)"
         iv = f"[{self.low * scale:+.{digits}f}, {self.high * scale:+.{digits}f}]"
         return f"{self.verdict} {m} {iv} ({self.n} seeds)"
 
