@@ -7,8 +7,7 @@ Two kinds, registered like every other component (:mod:`fedloom.registry`):
   point group ``fedloom.planners``): before the cohort trains, ``plan`` may
   replace the round's uplink compressor and local epochs, report metrics and
   keep server state (FFL's adaptive rate, :mod:`fedloom.compress.adaptive`).
-  Its options come by name from the ``compression`` section (the keys its
-  factory takes) and ``compression.adaptive_options``.
+  Its options are ``compression.adaptive.options``.
 - **client metric** (kind ``metric``, config ``metrics.hooks`` or a boolean
   key ``metrics.NAME: true``, entry point group ``fedloom.metrics``): before
   the cohort trains, ``measure`` is called for each sampled client with the
@@ -18,8 +17,8 @@ Two kinds, registered like every other component (:mod:`fedloom.registry`):
   ``metrics.NAME_OPTION`` (e.g. ``mismatch_alpha`` → ``alpha``) and
   ``metrics.options.NAME``.
 
-``exp`` is the running :class:`~fedloom.engine.experiment.Experiment`; a hook reads
-it (``cfg``, ``layout``, ``fed``, ``x``, ``y``, ``trainer``,
+``exp`` is a :class:`~fedloom.engine.parts.HookView` of the running experiment;
+a hook reads it (``cfg``, ``layout``, ``fed``, ``x``, ``y``, ``trainer``,
 ``global_eval(w)``, ``make_uplink(**options)``) and changes nothing in it: what
 it keeps goes in the state it returns, which is checkpointed with the run.
 """
@@ -91,22 +90,14 @@ def no_planner() -> NoPlanner:
     return NoPlanner()
 
 
-_NOT_PLANNER = frozenset({"name", "options", "feedback", "feedback_options", "adaptive",
-                          "adaptive_options"})
-
-
-def planner_from_config(comp: Any) -> RoundPlanner:
-    """The round planner ``comp.adaptive`` of a ``compression`` section, with the
-    section's keys its factory takes by name, then ``comp.adaptive_options``."""
+def planner_from_config(adaptive: Any) -> RoundPlanner:
+    """The round planner of a ``compression.adaptive`` section (``{name, options}``)."""
     try:
-        factory = get("planner", comp.adaptive)
+        get("planner", adaptive.name)
     except KeyError as e:
-        raise ValueError(f"compression.adaptive: {e.args[0] if e.args else e}") from None
-    section = {f.name: getattr(comp, f.name) for f in dataclasses.fields(comp)
-               if f.name not in _NOT_PLANNER}
-    opts = accepted_options(factory, section)
-    opts.update(getattr(comp, "adaptive_options", {}) or {})
-    planner: RoundPlanner = build("planner", comp.adaptive, opts, "compression.adaptive_options")
+        raise ValueError(f"compression.adaptive.name: {e.args[0] if e.args else e}") from None
+    planner: RoundPlanner = build("planner", adaptive.name, dict(adaptive.options),
+                                  "compression.adaptive.options")
     return planner
 
 

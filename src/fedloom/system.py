@@ -104,15 +104,12 @@ class RoundPlan(Protocol):
     def withdraw(self, gone: Sequence[int]) -> list[int]: ...
 
 
-class Experiment(Protocol):
-    """What the system model reads of the running experiment
-    (:class:`fedloom.engine.experiment.Experiment`): the layout's size, the
-    training split sizes, the trainer's step count and the broadcast's size."""
+class Clients(Protocol):
+    """What the system model reads of the clients: their training splits
+    (:class:`fedloom.engine.parts.ClientData`: ``fed.train[k]``)."""
 
-    layout: Any
-    fed: Any
-    trainer: Any
-    downlink_size: int
+    @property
+    def fed(self) -> Any: ...
 
 
 class RunState(Protocol):
@@ -344,14 +341,16 @@ class System:
             self._exp_comp = comp
         return self._exp_bytes
 
-    def begin(self, plan: RoundPlan, exp: Experiment) -> RoundSim:
+    def begin(self, plan: RoundPlan, clients: Clients, local: Any, d: int,
+              downlink_size: int) -> RoundSim:
         """Decide the round's mid-round dropouts and (``late: partial``) each client's
-        step budget; the jobs of cut clients get ``max_steps``. Reads the run's
-        training split sizes, trainer, broadcast size and the round's compressor."""
+        step budget; the jobs of cut clients get ``max_steps``. Reads the clients'
+        training split sizes, the local update's step count (``local.num_steps``),
+        the model's size ``d``, the broadcast's size and the round's compressor."""
         cfg, r = self.cfg, plan.round
         sim = RoundSim(r)
         partial = self.timed and cfg.deadline_s is not None and cfg.late == "partial"
-        up = self.expected_uplink(plan.comp, exp.layout.size) if partial else 0
+        up = self.expected_uplink(plan.comp, d) if partial else 0
         for i, job in enumerate(plan.jobs):
             k = job.client
             if cfg.dropout > 0 and _uniform(self.seed, r, k, Purpose.CLIENT_DROPOUT) < cfg.dropout:
@@ -361,10 +360,9 @@ class System:
                 continue
             assert cfg.deadline_s is not None
             dev = self.device(k)
-            n = len(exp.fed.train[k])
-            full = exp.trainer.num_steps(n, job.epochs)
-            left = (cfg.deadline_s - 2 * dev.latency_s - transfer_s(exp.downlink_size,
-                                                                      dev.down_bps)
+            n = len(clients.fed.train[k])
+            full = local.num_steps(n, job.epochs)
+            left = (cfg.deadline_s - 2 * dev.latency_s - transfer_s(downlink_size, dev.down_bps)
                     - transfer_s(up, dev.up_bps))
             allowed = 0 if left < 0 else steps_within(
                 left * dev.speed if dev.speed > 0 else math.inf, n, self.batch, full)
@@ -376,7 +374,7 @@ class System:
         plan.withheld = set(sim.withheld)
         return sim
 
-    def after_uplink(self, sim: RoundSim, plan: RoundPlan, exp: Experiment,
+    def after_uplink(self, sim: RoundSim, plan: RoundPlan, clients: Clients, downlink_size: int,
                      results: list[ClientResult], ups: list[UplinkResult]
                      ) -> tuple[list[ClientResult], list[UplinkResult]]:
         """Time each reporting client from its real payload; withdraw those past the
@@ -385,8 +383,8 @@ class System:
             for res, up in zip(results, ups, strict=True):
                 k = res.client
                 nbytes = len(up.payload) + sum(len(x) for x in up.extra_payloads)
-                samples = samples_for_steps(res.steps, len(exp.fed.train[k]), self.batch)
-                sim.times[k] = client_time(self.device(k), exp.downlink_size, samples, nbytes)
+                samples = samples_for_steps(res.steps, len(clients.fed.train[k]), self.batch)
+                sim.times[k] = client_time(self.device(k), downlink_size, samples, nbytes)
             dl = self.cfg.deadline_s
             if dl is not None:
                 gone = [i for i, res in enumerate(results) if sim.times[res.client] > dl]

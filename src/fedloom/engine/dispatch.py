@@ -11,17 +11,17 @@ is written once, here, and reaches every trainer through :class:`~fedloom.job.Cl
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from fedloom.buffers import load_buffers, unflatten_buffers
-from fedloom.capabilities import backend_caps
 from fedloom.device import to_device
-from fedloom.engine.fields import BUFFERS, FEEDBACK, METHOD
+from fedloom.engine.algorithm import Algorithm
+from fedloom.engine.fields import BUFFERS, FEEDBACK, METHOD, ClientFields
+from fedloom.engine.parts import ClientData, HookView, ModelSpace, Schedule
 from fedloom.engine.runstate import RoundPlan, RunState
-from fedloom.engine.setup import Setup
 from fedloom.job import ClientJob
 from fedloom.rng import Purpose, derive_seed
 
@@ -59,54 +59,58 @@ def client_job(feedback: Any, *, seed: int, client: int, round: int, w: torch.Te
                      buffers=dict(buffers or {}))
 
 
-def plan_round(exp: Setup, st: RunState) -> RoundPlan:
+def plan_round(algo: Algorithm, clients: ClientData, space: ModelSpace, schedule: Schedule,
+               st: RunState, *, hooks: Sequence[Any] = (), view: HookView | None = None,
+               ships_indices: bool = False) -> RoundPlan:
     """The round's cohort and fully specified client jobs (the client state rows
-    they need are gathered from the store)."""
+    they need are gathered from the store). ``hooks`` are the run's client-metric
+    plug-ins and ``view`` what they and the round planner read
+    (:mod:`fedloom.hooks`); ``ships_indices``: the backend gathers the samples
+    where it trains (no copy of the cohort's data here)."""
     r = st.next_round
-    cohort = exp.sample_cohort(r)
-    lr = exp.lr(r)
+    cohort = schedule.sample_cohort(r)
+    lr = schedule.lr(r)
     w = st.w
+    store, fields = clients.store, clients.fields
     # The store stays in host memory; the cohort's rows go to the device
     # (pinned, asynchronous copies on CUDA).
-    old_rows = to_device({f: exp.store.gather(f, cohort) for f in exp.store.fields},
-                         exp.device, pin=True)
-    fb, fields = exp.feedback, exp.fields
+    old_rows = to_device({f: store.gather(f, cohort) for f in store.fields},
+                         space.device, pin=True)
+    fb = algo.feedback
     # The module holds the global buffers: an evaluation that names none
     # (a planner's, a metric hook's) sees the current ones.
-    load_buffers(exp.module, st.buffers)
-    adjust = exp.planner.plan(r, w, st.feedback_state, exp)
-    comp = adjust.compressor if adjust.compressor is not None else exp.uplink
+    load_buffers(space.module, st.buffers)
+    adjust = algo.planner.plan(r, w, st.feedback_state, view)
+    comp = adjust.compressor if adjust.compressor is not None else algo.compressor
     jobs, alphas, fb_rows = [], [], []
-    # A backend that ships sample positions gathers the samples where it
-    # trains: no copy of the cohort's data here.
-    ships = backend_caps(exp.backend).ships_indices
-    measured: list[list[Any]] = [[] for _ in exp.client_metrics]
+    start_loss = "start_losses" in algo.requires
+    measured: list[list[Any]] = [[] for _ in hooks]
     for i, k in enumerate(cohort.tolist()):
-        idx = torch.from_numpy(exp.fed.train[k])
+        idx = torch.from_numpy(clients.fed.train[k])
         fb_state = fields.own(FEEDBACK, old_rows, i)
-        alpha = fb.alpha(lr, exp.trainer.num_steps(len(idx), adjust.epochs), st.feedback_state)
-        for hook, got in zip(exp.client_metrics, measured, strict=True):
-            value = hook.measure(exp, w, k, fb_state, len(idx))
+        alpha = fb.alpha(lr, algo.local.num_steps(len(idx), adjust.epochs), st.feedback_state)
+        for hook, got in zip(hooks, measured, strict=True):
+            value = hook.measure(view, w, k, fb_state, len(idx))
             if value is not None:
                 got.append(value)
-        xk, yk = (_NO_DATA, _NO_DATA) if ships else (exp.x[idx], exp.y[idx])
-        job = client_job(fb, seed=exp.cfg.seed, client=k, round=r, w=w, lr=lr, x=xk, y=yk,
+        xk, yk = (_NO_DATA, _NO_DATA) if ships_indices else (clients.x[idx], clients.y[idx])
+        job = client_job(fb, seed=schedule.seed, client=k, round=r, w=w, lr=lr, x=xk, y=yk,
                          fb_state=fb_state, fb_server=st.feedback_state, alpha=alpha,
                          epochs=adjust.epochs, state=fields.own(METHOD, old_rows, i),
-                         buffers=_start_buffers(exp, st, old_rows, i),
-                         start_loss="start_losses" in exp.requires, data_index=idx)
-        jobs.append(exp.method.prepare(job, st.method_state))
+                         buffers=_start_buffers(fields, space, st, old_rows, i),
+                         start_loss=start_loss, data_index=idx)
+        jobs.append(algo.method.prepare(job, st.method_state))
         alphas.append(alpha)
         fb_rows.append(fb_state)
     return RoundPlan(r, cohort, lr, jobs, alphas, fb_rows, old_rows, comp, adjust, measured)
 
 
-def _start_buffers(exp: Setup, st: RunState, old_rows: Mapping[str, torch.Tensor], i: int
-                   ) -> dict[str, torch.Tensor]:
+def _start_buffers(fields: ClientFields, space: ModelSpace, st: RunState,
+                   old_rows: Mapping[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
     """The buffers client ``i`` of the cohort starts from: its own under
     ``model.buffers=local`` once it has them, else the global ones."""
-    if exp.fields.has(BUFFERS):
-        own = exp.fields.own(BUFFERS, old_rows, i)
+    if fields.has(BUFFERS):
+        own = fields.own(BUFFERS, old_rows, i)
         if bool(own["buffers_set"][0] > 0):
-            return unflatten_buffers(own["buffers"], exp.buffer_template)
+            return unflatten_buffers(own["buffers"], space.buffer_template)
     return st.buffers

@@ -18,12 +18,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from fedloom.compress import coordinates_sent
 from fedloom.compress.feedback import UplinkResult
+from fedloom.engine.algorithm import Algorithm
+from fedloom.engine.parts import ModelSpace, ScreenRules
 from fedloom.engine.runstate import RoundPlan, RunState
 from fedloom.engine.screen import (
     clip_rows,
@@ -34,7 +37,6 @@ from fedloom.engine.screen import (
     row_norms,
     screen_updates,
 )
-from fedloom.engine.setup import Setup
 from fedloom.job import ClientResult
 
 __all__ = ["Received", "receive"]
@@ -60,38 +62,37 @@ class Received:
     start_losses: torch.Tensor | None = None  # [m] F_k(w) where the rule needs it (float64)
 
 
-def receive(exp: Setup, st: RunState, plan: RoundPlan, results: Sequence[ClientResult],
+def receive(algo: Algorithm, space: ModelSpace, rules: ScreenRules, downlink_size: int,
+            st: RunState, plan: RoundPlan, results: Sequence[ClientResult],
             ups: Sequence[UplinkResult]) -> Received:
-    """Decode, screen and clip the kept clients' payloads."""
+    """Decode, screen and clip the kept clients' payloads (``downlink_size``: the
+    bytes of one broadcast, counted for every planned client)."""
     refused = plan.refused
     sent = [u for i, u in enumerate(ups) if i not in refused]
-    density = (float(np.mean([coordinates_sent(u.payload) for u in sent])) / exp.layout.size
+    density = (float(np.mean([coordinates_sent(u.payload) for u in sent])) / space.layout.size
                if sent else float("nan"))
-    rows = _decode(exp, st, plan, ups)
+    rows = _decode(algo.feedback, space, st, plan, ups)
     reasons = dict(refused)
-    srv = exp.cfg.server
     # With a size rule on, one norm pass also tells the non-finite rows.
-    sized = (srv.max_update_norm is not None or srv.max_norm_ratio is not None
-             or srv.clip_norm is not None)
-    norms = row_norms(rows) if sized else None
+    norms = row_norms(rows) if rules.sized else None
     finite = torch.isfinite(norms) if norms is not None else finite_rows(rows)
     # Masks and ids stay on the host (m entries): a host index works on a device
     # tensor, not the other way round.
     finite = finite.cpu()
     for i in refused:
         finite[i] = False
-    needs_start = "start_losses" in exp.requires
+    needs_start = "start_losses" in algo.requires
     _reject_absurd_numbers(results, finite, reasons, needs_start)
     _reject_non_finite(rows, finite, reasons, results, ups)
     clipped = 0
     if norms is not None and bool(finite.any()):
-        big = screen_updates(norms, finite, max_norm=srv.max_update_norm,
-                             max_ratio=None if exp.privacy.enabled else srv.max_norm_ratio)
+        big = screen_updates(norms, finite, max_norm=rules.max_update_norm,
+                             max_ratio=rules.ratio)
         for i, why in big.items():
             finite[i] = False
             reasons[i] = why
-        if srv.clip_norm is not None:
-            clipped = clip_rows(rows, norms, finite, srv.clip_norm)
+        if rules.clip_norm is not None:
+            clipped = clip_rows(rows, norms, finite, rules.clip_norm)
     cohort = plan.cohort
     rejected = [int(cohort[i]) for i in sorted(reasons)]
     if rejected:
@@ -101,8 +102,8 @@ def receive(exp: Setup, st: RunState, plan: RoundPlan, results: Sequence[ClientR
     # placeholder stands in for them; only accepted positions are ever read.
     bad = set(reasons)
     weights = torch.tensor([1.0 if i in bad else float(res.num_samples)
-                            for i, res in enumerate(results)], dtype=exp.dtype,
-                           device=exp.device).reshape(-1)
+                            for i, res in enumerate(results)], dtype=space.dtype,
+                           device=space.device).reshape(-1)
     losses = torch.tensor([_loss(res.loss) for res in results], dtype=torch.float64)
     steps = torch.tensor([1 if i in bad else int(res.steps) for i, res in enumerate(results)],
                          dtype=torch.int64)
@@ -111,7 +112,7 @@ def receive(exp: Setup, st: RunState, plan: RoundPlan, results: Sequence[ClientR
              if needs_start else None)
     up_bytes = sum(len(u.payload) + sum(len(x) for x in u.extra_payloads) for u in ups)
     return Received(rows, finite, reasons, rejected, clipped, weights, losses, up_bytes,
-                    exp.downlink_size * len(plan.jobs), density, steps, start)
+                    downlink_size * len(plan.jobs), density, steps, start)
 
 
 def _loss(v: object) -> float:
@@ -134,16 +135,16 @@ def _reject_absurd_numbers(results: Sequence[ClientResult], finite: torch.Tensor
             reasons[i] = why
 
 
-def _decode(exp: Setup, st: RunState, plan: RoundPlan, ups: Sequence[UplinkResult]
-            ) -> torch.Tensor:
+def _decode(feedback: Any, space: ModelSpace, st: RunState, plan: RoundPlan,
+            ups: Sequence[UplinkResult]) -> torch.Tensor:
     """The ``[m, d]`` rows the aggregator would receive (zeros for refused clients)."""
-    d = exp.layout.size
-    row_list = [exp.feedback.server_row(u, plan.fb_rows[i], st.feedback_state)
+    d = space.layout.size
+    row_list = [feedback.server_row(u, plan.fb_rows[i], st.feedback_state)
                 if i not in plan.refused
-                else torch.zeros(d, dtype=exp.dtype, device=exp.device)
+                else torch.zeros(d, dtype=space.dtype, device=space.device)
                 for i, u in enumerate(ups)]
     return (torch.stack(row_list) if row_list
-            else torch.empty((0, d), device=exp.device)).to(exp.dtype)
+            else torch.empty((0, d), device=space.device)).to(space.dtype)
 
 
 def _reject_non_finite(rows: torch.Tensor, finite: torch.Tensor, reasons: dict[int, str],

@@ -16,11 +16,9 @@ import numpy as np
 import torch
 
 from fedloom.compress.feedback import UplinkResult
-from fedloom.engine.fields import FEEDBACK
 from fedloom.engine.receive import Received
 from fedloom.engine.runstate import RoundPlan
 from fedloom.engine.server import ServerOutcome
-from fedloom.engine.setup import Setup
 from fedloom.job import ClientResult
 
 __all__ = ["account_privacy", "add_totals", "round_metrics"]
@@ -46,10 +44,11 @@ def _train_loss(rx: Received) -> float:
     return float((ok_loss * ok_w).sum() / ok_w.sum()) if ok_w.numel() else float("nan")
 
 
-def round_metrics(exp: Setup, plan: RoundPlan, results: Sequence[ClientResult],
-                  ups: Sequence[UplinkResult], rx: Received, out: ServerOutcome,
-                  totals: dict[str, int]) -> dict[str, Any]:
-    """The round's line of metrics, before evaluation and timings."""
+def round_metrics(feedback: Any, hooks: Sequence[Any], has_residuals: bool, plan: RoundPlan,
+                  results: Sequence[ClientResult], ups: Sequence[UplinkResult], rx: Received,
+                  out: ServerOutcome, totals: dict[str, int]) -> dict[str, Any]:
+    """The round's line of metrics, before evaluation and timings (``hooks``: the
+    client-metric plug-ins; ``has_residuals``: the feedback policy keeps client rows)."""
     bad = out.bad_round
     metrics: dict[str, Any] = {
         "round": plan.round + 1,
@@ -73,12 +72,12 @@ def round_metrics(exp: Setup, plan: RoundPlan, results: Sequence[ClientResult],
         **{k: float(v) for k, v in out.metrics.items()},
     }
     ok_list = rx.ok.tolist()
-    if exp.fields.has(FEEDBACK):
+    if has_residuals:  # the feedback policy keeps rows per client
         norms = [u.residual_norm for u, ok in zip(ups, ok_list, strict=True) if ok]
         metrics["residual_norm"] = float(np.mean(norms)) if norms else float("nan")
         metrics["alpha"] = float(np.mean(plan.alphas))
-        metrics.update(exp.feedback.round_metrics(out.feedback_state))
-    for hook, got in zip(exp.client_metrics, plan.measured, strict=True):
+        metrics.update(feedback.round_metrics(out.feedback_state))
+    for hook, got in zip(hooks, plan.measured, strict=True):
         if got:
             metrics.update(hook.summarize(got))
     if rx.rejected:
@@ -94,11 +93,11 @@ def round_metrics(exp: Setup, plan: RoundPlan, results: Sequence[ClientResult],
     return metrics
 
 
-def account_privacy(exp: Setup, plan: RoundPlan, results: Sequence[ClientResult],
+def account_privacy(privacy: Any, plan: RoundPlan, results: Sequence[ClientResult],
                     privacy_state: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
     """Who sent a message (local DP: a rejected round's were sent too) and the ε
     spent so far; returns the new privacy state."""
-    p = exp.privacy
+    p = privacy
     if p.local:
         sent = [i for i in range(len(results)) if i not in plan.refused]
         privacy_state = p.participated(privacy_state, plan.cohort[sent])

@@ -18,22 +18,23 @@ import torch
 from fedloom.buffers import average_buffers, flatten_buffers
 from fedloom.compress.feedback import UplinkResult
 from fedloom.engine.fields import BUFFERS, FEEDBACK, METHOD
+from fedloom.engine.parts import ClientData
 from fedloom.engine.runstate import RoundPlan, RunState
-from fedloom.engine.setup import Setup
 from fedloom.job import ClientResult
 
 __all__ = ["next_buffers", "scatter"]
 
 
-def scatter(exp: Setup, st: RunState, plan: RoundPlan, results: Sequence[ClientResult],
-            ups: Sequence[UplinkResult], ok: torch.Tensor, *, client_state: bool = True,
+def scatter(method: Any, clients: ClientData, dtype: torch.dtype, st: RunState,
+            plan: RoundPlan, results: Sequence[ClientResult], ups: Sequence[UplinkResult],
+            ok: torch.Tensor, *, client_state: bool = True,
             client_buffers: bool = False) -> dict[str, Any]:
     """Write the accepted clients' new rows to the store; return the local
     method's new server state. ``client_state=False``: the clients keep their own
     state (Flower); ``client_buffers=True`` still keeps their own buffers
     (``model.buffers=local``), which they send anyway, for the per-client evaluation."""
-    f = exp.fields
-    if not ((client_state or (client_buffers and f.has(BUFFERS))) and exp.store.fields
+    f, store = clients.fields, clients.store
+    if not ((client_state or (client_buffers and f.has(BUFFERS))) and store.fields
             and bool(ok.any())):
         return st.method_state
     pos = ok.nonzero().squeeze(1).tolist()
@@ -45,24 +46,25 @@ def scatter(exp: Setup, st: RunState, plan: RoundPlan, results: Sequence[ClientR
         new[FEEDBACK] = {n: torch.stack([ups[i].state[n] for i in pos])
                          for n in f.names(FEEDBACK)}
     if f.has(BUFFERS) and all(results[i].buffers for i in pos):
-        new[BUFFERS] = {"buffers": torch.stack([flatten_buffers(results[i].buffers, exp.dtype)
+        new[BUFFERS] = {"buffers": torch.stack([flatten_buffers(results[i].buffers, dtype)
                                                 for i in pos]),
-                        "buffers_set": torch.ones((len(pos), 1), dtype=exp.dtype)}
+                        "buffers_set": torch.ones((len(pos), 1), dtype=dtype)}
     for owner, rows in new.items():
         for key, rows_f in f.join(owner, rows).items():
-            exp.store.scatter(key, ids, rows_f)
+            store.scatter(key, ids, rows_f)
     if client_state and f.has(METHOD):
-        return exp.method.server_update(st.method_state,
-                                        f.own(METHOD, plan.old_rows, ok.nonzero().squeeze(1)),
-                                        new[METHOD], exp.fed.num_clients)
+        return method.server_update(st.method_state,
+                                    f.own(METHOD, plan.old_rows, ok.nonzero().squeeze(1)),
+                                    new[METHOD], clients.num_clients)
     return st.method_state
 
 
-def next_buffers(exp: Setup, st: RunState, results: Sequence[ClientResult],
+def next_buffers(policy: str, st: RunState, results: Sequence[ClientResult],
                  ok: torch.Tensor) -> dict[str, torch.Tensor]:
     """The global module buffers after an applied step: the data-weighted mean of
-    the accepted clients' (``average``, ``local``); never changed under ``keep_global``."""
-    if not st.buffers or exp.cfg.model.buffers == "keep_global":
+    the accepted clients' (``average``, ``local``); never changed under ``keep_global``
+    (``policy``: ``model.buffers``)."""
+    if not st.buffers or policy == "keep_global":
         return st.buffers
     kept = [i for i, ok_k in enumerate(ok.tolist()) if ok_k and results[i].buffers]
     if not kept:

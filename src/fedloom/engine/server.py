@@ -24,10 +24,11 @@ import torch
 
 from fedloom.aggregate.base import CohortInfo
 from fedloom.compress.feedback import UplinkResult
+from fedloom.engine.algorithm import Algorithm
+from fedloom.engine.parts import ModelSpace
 from fedloom.engine.receive import Received
 from fedloom.engine.runstate import RoundPlan, RunState
 from fedloom.engine.screen import all_finite, first_line
-from fedloom.engine.setup import Setup
 from fedloom.job import ClientResult
 from fedloom.metrics import conflict_rate
 
@@ -82,10 +83,9 @@ class CentralPrivacyRule:
         return agg, st.agg_state, privacy_state, metrics
 
 
-def server_rule(exp: Setup) -> ServerRule:
+def server_rule(privacy: Any, aggregator: Any) -> ServerRule:
     """The run's rule: central DP in the aggregator's place, or the aggregator."""
-    return CentralPrivacyRule(exp.privacy) if exp.privacy.central else AggregatorRule(
-        exp.aggregator)
+    return CentralPrivacyRule(privacy) if privacy.central else AggregatorRule(aggregator)
 
 
 @dataclass
@@ -104,18 +104,19 @@ class ServerOutcome:
     downlink_bytes: int  # what the feedback policy's end of round broadcasts
 
 
-def server_round(exp: Setup, st: RunState, plan: RoundPlan, results: Sequence[ClientResult],
+def server_round(algo: Algorithm, rule: ServerRule, space: ModelSpace, num_clients: int,
+                 st: RunState, plan: RoundPlan, results: Sequence[ClientResult],
                  ups: Sequence[UplinkResult], rx: Received) -> ServerOutcome:
-    """Aggregate, step and check; the feedback policy's end of round."""
+    """Aggregate with ``rule`` (:func:`server_rule`), step and check; the feedback
+    policy's end of round."""
     out = ServerOutcome(st.w, st.opt_state, st.agg_state, st.feedback_state,
                         st.privacy_state, {}, 0.0, None, 0)
-    rule = server_rule(exp)
     if bool(rx.ok.any()) or rule.releases_empty:
-        _aggregate_and_step(exp, st, plan, results, ups, rx, rule, out)
+        _aggregate_and_step(algo, space, num_clients, st, plan, results, ups, rx, rule, out)
     else:
         # No update accepted: no step; the policy's end of round sees nobody
         # (its server state stays, e.g. SCAFCOM's c).
-        end = exp.feedback.end_round([], st.feedback_state, exp.fed.num_clients, [])
+        end = algo.feedback.end_round([], st.feedback_state, num_clients, [])
         out.feedback_state = end.server
         out.downlink_bytes += end.downlink_bytes
     if out.bad_round is not None:
@@ -127,32 +128,33 @@ def server_round(exp: Setup, st: RunState, plan: RoundPlan, results: Sequence[Cl
     return out
 
 
-def _cohort_info(exp: Setup, plan: RoundPlan, results: Sequence[ClientResult],
-                 rx: Received) -> CohortInfo:
+def _cohort_info(algo: Algorithm, device: torch.device, num_clients: int, plan: RoundPlan,
+                 results: Sequence[ClientResult], rx: Received) -> CohortInfo:
     """What some rules need of the accepted clients (losses, steps, start losses)."""
     ok = rx.ok if not bool(rx.ok.all()) else slice(None)
     # The screened numbers of receive (a rejected client's may not fit a tensor).
     start = None
-    if "start_losses" in exp.requires:
+    if "start_losses" in algo.requires:
         start = (rx.start_losses if rx.start_losses is not None else torch.tensor(
             [res.start_loss for res in results], dtype=torch.float64))[ok]
     steps = rx.steps if rx.steps is not None else torch.tensor([res.steps for res in results])
     # Client ids on the host (they index host-side state); the per-client
     # numbers on the device, where the rules combine them with the rows.
-    dev = exp.device
+    dev = device
     return CohortInfo(
-        clients=plan.cohort[ok], round=plan.round, num_clients=exp.fed.num_clients,
+        clients=plan.cohort[ok], round=plan.round, num_clients=num_clients,
         losses=rx.losses[ok].to(dev),
         steps=steps[ok].to(dev), lr=plan.lr,
-        momentum=exp.cfg.client.momentum,
+        momentum=algo.momentum,
         start_losses=start.to(dev) if start is not None else None,
     )
 
 
-def _aggregate_and_step(exp: Setup, st: RunState, plan: RoundPlan,
-                        results: Sequence[ClientResult], ups: Sequence[UplinkResult],
-                        rx: Received, rule: ServerRule, out: ServerOutcome) -> None:
-    info = _cohort_info(exp, plan, results, rx)
+def _aggregate_and_step(algo: Algorithm, space: ModelSpace, num_clients: int, st: RunState,
+                        plan: RoundPlan, results: Sequence[ClientResult],
+                        ups: Sequence[UplinkResult], rx: Received, rule: ServerRule,
+                        out: ServerOutcome) -> None:
+    info = _cohort_info(algo, space.device, num_clients, plan, results, rx)
     agg: torch.Tensor | None = None
     try:
         agg, cand_agg, cand_privacy, out.metrics = rule(rx.rows, rx.ok, rx.weights, info, st)
@@ -164,7 +166,7 @@ def _aggregate_and_step(exp: Setup, st: RunState, plan: RoundPlan,
         out.bad_round = f"the aggregator failed ({first_line(e)})"
     if agg is None:
         return
-    d = exp.layout.size
+    d = space.layout.size
     if not isinstance(agg, torch.Tensor) or tuple(agg.shape) != (d,):
         shape = tuple(agg.shape) if isinstance(agg, torch.Tensor) else type(agg)
         out.bad_round = f"the aggregate has shape {shape}, expected ({d},)"
@@ -172,14 +174,14 @@ def _aggregate_and_step(exp: Setup, st: RunState, plan: RoundPlan,
     if not all_finite(agg):
         out.bad_round = "the aggregate is not finite"
         return
-    cand_w, cand_opt = exp.server.step(st.w, agg, st.opt_state)
+    cand_w, cand_opt = algo.server.step(st.w, agg, st.opt_state)
     # The feedback policy's end of round only for a step that is applied: it may
     # change the accepted clients' state (CSER).
     ok_list = rx.ok.tolist()
     accepted = [u for u, ok in zip(ups, ok_list, strict=True) if ok]
     probes = [res.extra["smoothness"] for res, ok_k in zip(results, ok_list, strict=True)
               if ok_k and "smoothness" in res.extra]
-    end = exp.feedback.end_round(accepted, st.feedback_state, exp.fed.num_clients, probes)
+    end = algo.feedback.end_round(accepted, st.feedback_state, num_clients, probes)
     if end.w_shift is not None:
         cand_w = cand_w - end.w_shift.to(cand_w.dtype)
     if not (all_finite(cand_w) and all_finite(cand_opt)):

@@ -23,7 +23,7 @@ from fedloom.aggregate.base import default_server_lr, make_aggregator
 from fedloom.attack import make_attack
 from fedloom.buffers import check_buffers, module_buffers, random_in_train
 from fedloom.capabilities import aggregator_caps, method_caps
-from fedloom.client.sgd import LocalSGD, lr_at_round
+from fedloom.client.sgd import LocalSGD
 from fedloom.compress import make_compressor
 from fedloom.compress.feedback import feedback_from_config
 from fedloom.compress.identity import Identity
@@ -42,8 +42,11 @@ from fedloom.device import (
     to_host,
 )
 from fedloom.engine import compat
+from fedloom.engine.algorithm import Algorithm
 from fedloom.engine.components import Components
+from fedloom.engine.evaluation import Evaluator
 from fedloom.engine.fields import BUFFERS, FEEDBACK, METHOD, ClientFields
+from fedloom.engine.parts import ClientData, HookView, ModelSpace, Schedule, ScreenRules
 from fedloom.engine.runstate import RunState
 from fedloom.engine.screen import first_line
 from fedloom.hooks import metric_hooks, planner_from_config
@@ -52,7 +55,7 @@ from fedloom.models import build_model
 from fedloom.params import Layout, training_mode
 from fedloom.privacy import make_privacy
 from fedloom.registry import accepted_options, build, get
-from fedloom.rng import Purpose, derive_seed, numpy_gen, seeded_global_rng
+from fedloom.rng import Purpose, derive_seed, seeded_global_rng
 from fedloom.state import ClientStateStore, FieldSpec
 from fedloom.system import make_system
 
@@ -83,13 +86,13 @@ def _resolve_method_buffers(cfg: Config) -> Config:
     in the capabilities of its factory) sets ``model.buffers`` to it; a config asking
     for another policy than the default is refused, one line."""
     try:
-        want = method_caps(get("method", cfg.client.method)).model_buffers
+        want = method_caps(get("method", cfg.client.method.name)).model_buffers
     except KeyError:
         return cfg  # an unknown method is reported where it is built
     if want is None or cfg.model.buffers == want:
         return cfg
     if cfg.model.buffers != "average":
-        raise ConfigError(f"model.buffers: client.method {cfg.client.method!r} keeps "
+        raise ConfigError(f"model.buffers: client.method {cfg.client.method.name!r} keeps "
                           f"buffers {want!r}, not {cfg.model.buffers!r}")
     # model_buffers is a plain str in MethodCaps: one of ModelConfig.buffers' values
     # (the check above leaves only "local" and "keep_global" from the built-ins)
@@ -148,7 +151,7 @@ class Setup:
         self._build_uplink()
         self._build_state(state_dir)
         self._build_privacy()
-        self._build_evaluation()
+        self._build_parts()
         self._apply_process_settings()
 
     # ------------------------------------------------------------------ building
@@ -229,9 +232,9 @@ class Setup:
             if self.given.method is not None:
                 self.method = self.given.method
             else:
-                extra = accepted_options(get("method", c.method), {"layout": self.layout})
-                self.method = build("method", c.method, {**c.method_options, **extra},
-                                    "client.method_options")
+                extra = accepted_options(get("method", c.method.name), {"layout": self.layout})
+                self.method = build("method", c.method.name, {**c.method.options, **extra},
+                                    "client.method.options")
             check = getattr(self.method, "check_trainer", None)
             if check is not None:
                 check(self.trainer)
@@ -247,15 +250,17 @@ class Setup:
 
     def _build_server(self) -> None:
         s = self.cfg.server
-        # server.optimizer: a registered name, plug-in or module:attr; its factory
-        # takes the server section's keys it names (lr, momentum, beta1, beta2, eps).
+        # server.optimizer: a registered name, plug-in or module:attr, with its options;
+        # its factory takes server.lr too when it names it.
         if self.given.server is not None:
             self.server = self.given.server
         else:
-            opt = get("server_optimizer", s.optimizer)
-            self.server = opt(**accepted_options(opt, {"lr": s.lr, "momentum": s.momentum,
-                                                       "beta1": s.beta1, "beta2": s.beta2,
-                                                       "eps": s.eps}))
+            lr = accepted_options(get("server_optimizer", s.optimizer.name), {"lr": s.lr})
+            try:
+                self.server = build("server_optimizer", s.optimizer.name,
+                                    {**s.optimizer.options, **lr}, "server.optimizer.options")
+            except ValueError as e:
+                raise ConfigError(str(e).splitlines()[0]) from None
         self.requires = aggregator_caps(self.aggregator).requires
 
     def _build_uplink(self) -> None:
@@ -265,8 +270,8 @@ class Setup:
                            else make_compressor(comp.name, layout=self.layout, **comp.options))
             # Plug-ins behind protocols (fedloom.hooks): the engine calls them by role.
             self.feedback = (self.given.feedback if self.given.feedback is not None
-                             else feedback_from_config(comp, self.layout))
-            self.planner = planner_from_config(comp)
+                             else feedback_from_config(comp.feedback, self.layout))
+            self.planner = planner_from_config(comp.adaptive)
             self.client_metrics = metric_hooks(cfg.metrics)
             # Byzantine clients (attack.*), for robustness experiments; None when off.
             self.attack = make_attack(cfg.attack, cfg.seed, self.fed.num_clients)
@@ -309,19 +314,45 @@ class Setup:
                                    compressor=self.uplink, w=self.layout.flatten(self.module))
         compat.check_buffers_privacy(cfg, self.privacy, bool(self.buffer_template))
 
-    def _build_evaluation(self) -> None:
-        # All clients' test samples in one tensor, with the owner of each, so the
-        # per-client evaluation is one pass of the model.
-        test_idx = [t for t in self.fed.test]
-        self.client_test_idx = torch.from_numpy(np.concatenate(test_idx)).long().to(self.device)
-        self.client_test_owner = torch.from_numpy(
-            np.concatenate([np.full(len(t), k) for k, t in enumerate(test_idx)])
-        ).long().to(self.device)
+    def _build_parts(self) -> None:
+        # The values the round's stages read (fedloom.engine.parts): each stage
+        # takes the ones it needs, never this object.
+        cfg, s = self.cfg, self.cfg.server
+        self.space = ModelSpace(self.module, self.layout, self.buffer_template,
+                                cfg.model.buffers, self.dtype, self.device)
+        self.clients = ClientData(self.fed, self.x, self.y, self.store, self.fields)
+        self.schedule = Schedule(cfg.seed, cfg.rounds, cfg.cohort.size, self.fed.num_clients,
+                                 cfg.client, self.system)
+        self.rules = ScreenRules(s.max_update_norm, s.max_norm_ratio, s.clip_norm,
+                                 private=self.privacy.enabled)
         self.x_test = _to_run(self.fed.x_test, self.dtype, self.device)
         self.y_test = self.fed.y_test.to(self.device)
-        # per-client accuracies of the last evaluation (written to client_acc.json)
-        self.last_client_acc: np.ndarray | None = None
-        self.last_personal_acc: np.ndarray | None = None
+        self.evaluator = Evaluator(self.space, self.clients, self.x_test, self.y_test, cfg.eval,
+                                   seed=cfg.seed, local=self.trainer, method=self.method,
+                                   client_lr=cfg.client.lr)
+
+    @property
+    def algorithm(self) -> Algorithm:
+        """The run's algorithm as a value (:class:`~fedloom.engine.algorithm.Algorithm`),
+        of the components held now (a test may swap one in)."""
+        return Algorithm(self.trainer, self.method, self.uplink, self.feedback, self.planner,
+                         self.aggregator, self.server)
+
+    @property
+    def hook_view(self) -> HookView:
+        """What a round planner or client-metric plug-in reads (:mod:`fedloom.hooks`)."""
+        return HookView(self.cfg, self.layout, self.fed, self.x, self.y, self.trainer,
+                        self.global_eval, self.make_uplink)
+
+    @property
+    def last_client_acc(self) -> np.ndarray | None:
+        """Per-client accuracies of the last evaluation (``client_acc.json``)."""
+        return self.evaluator.last_client_acc
+
+    @property
+    def last_personal_acc(self) -> np.ndarray | None:
+        """Per-client accuracies of the personal models at the last evaluation."""
+        return self.evaluator.last_personal_acc
 
     def _apply_process_settings(self) -> None:
         # Process-wide settings, last (nothing before can fail after them); close()
@@ -350,10 +381,10 @@ class Setup:
     # ------------------------------------------------------------------ rounds
     def initial_state(self) -> RunState:
         w = self.layout.flatten(self.module).to(self.dtype)
+        s = self.algorithm.init(w, self.layout)
         # Every server state on the run's device (an aggregator's init knows no device).
-        return to_device(RunState(0, w, self.server.init(w), self.aggregator.init(self.layout),
-                                  method_state=self.method.init_server(w),
-                                  feedback_state=self.feedback.init_server(w),
+        return to_device(RunState(0, w, s.opt, s.agg, method_state=s.method,
+                                  feedback_state=s.feedback,
                                   w_avg=w.clone() if self.cfg.eval.average_iterates else None,
                                   privacy_state=self.privacy.init(),
                                   # the initial buffers, not the module's: evaluation
@@ -363,15 +394,13 @@ class Setup:
                          self.device)
 
     def sample_cohort(self, r: int) -> torch.Tensor:
-        """``cohort.size`` distinct clients, uniformly, from the round's own generator."""
-        gen = numpy_gen(self.cfg.seed, r, -1, Purpose.COHORT)
-        if self.system is not None and self.system.has_availability:  # available ones only
-            return self.system.sample(r, gen, self.cfg.cohort.size)
-        ids = gen.choice(self.fed.num_clients, self.cfg.cohort.size, replace=False)
-        return torch.from_numpy(np.sort(ids)).long()
+        """``cohort.size`` distinct clients, uniformly, from the round's own generator
+        (:meth:`~fedloom.engine.parts.Schedule.sample_cohort`)."""
+        return self.schedule.sample_cohort(r)
 
     def lr(self, r: int) -> float:
-        return lr_at_round(self.cfg.client.lr, self.cfg.client.schedule, r, self.cfg.rounds)
+        """Round ``r``'s local step size (``client.lr`` under ``client.schedule``)."""
+        return self.schedule.lr(r)
 
     # ------------------------------------------------------------- for hooks
     def global_eval(self, w: torch.Tensor) -> tuple[float, float]:

@@ -20,9 +20,10 @@ import torch
 
 from fedloom.compress.feedback import UplinkContext, UplinkResult
 from fedloom.device import to_device
+from fedloom.engine.algorithm import Algorithm
+from fedloom.engine.parts import Schedule, ScreenRules
 from fedloom.engine.runstate import RoundPlan, RunState
 from fedloom.engine.screen import first_line, non_finite_reason, row_norms, screen_updates
-from fedloom.engine.setup import Setup
 from fedloom.job import ClientResult
 from fedloom.rng import Purpose, torch_gen
 
@@ -66,17 +67,20 @@ class LocalPrivacyStage:
         self.clipped += int(was)
 
 
-def client_postprocessors(exp: Setup) -> list[Postprocessor]:
-    """The run's client-side chain, in the order it applies."""
+def client_postprocessors(attack: Any, privacy: Any) -> list[Postprocessor]:
+    """The run's client-side chain, in the order it applies: the Byzantine
+    clients' transform (``None``: none), then local differential privacy."""
     chain: list[Postprocessor] = []
-    if exp.attack is not None:
-        chain.append(AttackStage(exp.attack))
-    if exp.privacy.local:
-        chain.append(LocalPrivacyStage(exp.privacy))
+    if attack is not None:
+        chain.append(AttackStage(attack))
+    if privacy.local:
+        chain.append(LocalPrivacyStage(privacy))
     return chain
 
 
-def uplink_round(exp: Setup, st: RunState, plan: RoundPlan, raw: Sequence[ClientResult | None]
+def uplink_round(algo: Algorithm, post: Sequence[Postprocessor], rules: ScreenRules,
+                 schedule: Schedule, device: torch.device, st: RunState, plan: RoundPlan,
+                 raw: Sequence[ClientResult | None]
                  ) -> tuple[list[ClientResult], list[UplinkResult]]:
     """Drop the clients whose training failed (``None``), run the client-side
     chain, screen the kept clients' dense updates, then run each accepted
@@ -89,24 +93,24 @@ def uplink_round(exp: Setup, st: RunState, plan: RoundPlan, raw: Sequence[Client
     # round: nothing of it is aggregated and its state rows stay as they were.
     plan.keep([i for i, res in enumerate(raw) if res is not None])
     # Results of workers elsewhere (process, ray: host tensors) onto the run's device.
-    raw = to_device(list(raw), exp.device)
+    raw = to_device(list(raw), device)
     failed = [k for k in plan.dropped if k not in plan.withheld]
     if failed:
         log.warning("round %d: dropped clients %s (their worker failed)", r + 1, failed)
     results = [res for res in raw if res is not None]
-    for stage in client_postprocessors(exp):
+    for stage in post:
         for res in results:
             stage(res, r)
         if isinstance(stage, LocalPrivacyStage):
             plan.dp_clipped = stage.clipped
-    refused = _screen_dense(exp, results)
-    ups = [_send(exp, st, plan, res, i, len(results), refused)
+    refused = _screen_dense(rules, results)
+    ups = [_send(algo, schedule, st, plan, res, i, len(results), refused)
            for i, res in enumerate(results)]
     plan.refused = refused
     return results, ups
 
 
-def _screen_dense(exp: Setup, results: Sequence[ClientResult]) -> dict[int, str]:
+def _screen_dense(rules: ScreenRules, results: Sequence[ClientResult]) -> dict[int, str]:
     """Client side, before encoding: the rules the server applies to what it
     receives, on the dense update (a huge value in a coordinate that a sparsifier
     leaves out is seen here, and nothing non-finite is encoded). One pass a
@@ -117,28 +121,25 @@ def _screen_dense(exp: Setup, results: Sequence[ClientResult]) -> dict[int, str]
     finite = torch.isfinite(norms)
     for i in (~finite).nonzero().flatten().tolist():
         refused[i] = non_finite_reason(results[i].update)
-    s = exp.cfg.server
-    # Under privacy the ratio rule is off: it would make one client's acceptance
-    # depend on the others' norms (the clip bounds every contribution instead).
-    ratio = None if exp.privacy.enabled else s.max_norm_ratio
-    if s.max_update_norm is not None or ratio is not None:
-        refused.update(screen_updates(norms, finite, max_norm=s.max_update_norm,
+    ratio = rules.ratio
+    if rules.max_update_norm is not None or ratio is not None:
+        refused.update(screen_updates(norms, finite, max_norm=rules.max_update_norm,
                                       max_ratio=ratio))
     return refused
 
 
-def _send(exp: Setup, st: RunState, plan: RoundPlan, res: ClientResult, i: int, m: int,
-          refused: dict[int, str]) -> UplinkResult:
+def _send(algo: Algorithm, schedule: Schedule, st: RunState, plan: RoundPlan,
+          res: ClientResult, i: int, m: int, refused: dict[int, str]) -> UplinkResult:
     """Client ``i``'s (of ``m`` reporting) feedback policy and compressor (nothing
     for a refused one)."""
     r = plan.round
     up = None
     if i not in refused:
         ctx = UplinkContext(r, plan.lr, res.steps, plan.alphas[i],
-                            torch_gen(exp.cfg.seed, r, res.client, Purpose.COMPRESS),
-                            exp.cfg.client.momentum, m, exp.fed.num_clients)
+                            torch_gen(schedule.seed, r, res.client, Purpose.COMPRESS),
+                            algo.momentum, m, schedule.num_clients)
         try:
-            up = exp.feedback.uplink(res.update, plan.fb_rows[i], plan.comp, ctx,
+            up = algo.feedback.uplink(res.update, plan.fb_rows[i], plan.comp, ctx,
                                      st.feedback_state)
         except (ValueError, ArithmeticError, struct.error) as e:
             # PayloadError is a ValueError; a float32 header field that

@@ -1,0 +1,67 @@
+"""An FL algorithm as a value: the parts a round applies, bound to one model.
+
+An :class:`Algorithm` holds the local update (:class:`~fedloom.client.sgd.LocalSGD`:
+the step's chain of transforms, :mod:`fedloom.client.transforms`), the local
+method (its job and state rows), the uplink (compressor, error-feedback policy,
+round planner), the aggregator and the server optimizer. :meth:`Algorithm.init`
+gives the server states of a new run; the round's stages
+(:mod:`fedloom.engine.dispatch` … :mod:`fedloom.engine.scatter`) read its parts
+and name none of them. It is the optax / fedjax shape (settings in the object,
+state in and out) over the engine's stages: ``init`` here, a round in
+:meth:`fedloom.engine.experiment.Experiment.round`.
+
+Build it from a config (:class:`~fedloom.engine.setup.Setup` does, for the CLI,
+the sweep and Flower) or from objects (:func:`fedloom.run`'s ``aggregator=``,
+``server=``, ``compressor=``, ``feedback=``, ``method=``, ``transforms=``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fedloom.capabilities import aggregator_caps
+from fedloom.client.sgd import LocalSGD
+from fedloom.params import Layout
+
+__all__ = ["Algorithm", "ServerStates"]
+
+
+@dataclass(frozen=True)
+class ServerStates:
+    """The server-side states an algorithm starts a run with."""
+
+    opt: dict[str, torch.Tensor]   # the server optimizer's
+    agg: Any                       # the aggregator's
+    method: dict[str, torch.Tensor]  # the local method's server state (FedDyn's h)
+    feedback: dict[str, Any]       # the feedback policy's (SA-PEF's L̂, SCAFCOM's c)
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """The parts of an FL algorithm, bound to one model's layout."""
+
+    local: LocalSGD   # local training: SGD over the chain of step transforms
+    method: Any       # the local method: the client's job and state rows
+    compressor: Any   # the uplink codec
+    feedback: Any     # the error-feedback policy around it
+    planner: Any      # the round planner (a per-round compressor and epochs)
+    aggregator: Any
+    server: Any       # the server optimizer
+
+    @property
+    def requires(self) -> frozenset[str]:
+        """What the aggregator needs of the cohort beyond the rows (start losses, …)."""
+        return aggregator_caps(self.aggregator).requires
+
+    @property
+    def momentum(self) -> float:
+        """The local step's momentum (some rules and policies correct for it)."""
+        return float(self.local.momentum)
+
+    def init(self, w: torch.Tensor, layout: Layout) -> ServerStates:
+        """The server states of a new run from the initial model ``w``."""
+        return ServerStates(self.server.init(w), self.aggregator.init(layout),
+                            self.method.init_server(w), self.feedback.init_server(w))

@@ -1,0 +1,125 @@
+"""The values a round's stages read: each stage takes the ones it needs, never the
+whole experiment.
+
+- :class:`ModelSpace`: the model, its :class:`~fedloom.params.Layout`, its buffers'
+  template and policy, the run's dtype and device.
+- :class:`ClientData`: the federated split, the samples on the run's device and the
+  per-client state store with its fields.
+- :class:`Schedule`: who is sampled in round ``r`` and with which local step size.
+- :class:`ScreenRules`: the update screening of the ``server`` section, as the
+  clients and the server apply it.
+- :class:`HookView`: what a round planner or client-metric plug-in may read
+  (:mod:`fedloom.hooks`).
+
+:class:`~fedloom.engine.setup.Setup` builds them from a config;
+:class:`~fedloom.engine.algorithm.Algorithm` holds the algorithm's own parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedloom.client.sgd import lr_at_round
+from fedloom.config import ClientConfig, Config
+from fedloom.data.federated import FederatedData
+from fedloom.engine.fields import ClientFields
+from fedloom.params import Layout
+from fedloom.rng import Purpose, numpy_gen
+from fedloom.state import ClientStateStore
+
+__all__ = ["ClientData", "HookView", "ModelSpace", "Schedule", "ScreenRules"]
+
+
+@dataclass(frozen=True)
+class ModelSpace:
+    """The model a run trains, as the stages see it."""
+
+    module: torch.nn.Module               # eval mode; holds the global buffers
+    layout: Layout
+    buffer_template: dict[str, torch.Tensor]
+    buffer_policy: str                    # model.buffers: average | local | keep_global
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class ClientData:
+    """The clients: their samples (on the run's device) and their state rows."""
+
+    fed: FederatedData
+    x: torch.Tensor
+    y: torch.Tensor
+    store: ClientStateStore
+    fields: ClientFields
+
+    @property
+    def num_clients(self) -> int:
+        return self.fed.num_clients
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Round ``r``'s cohort and local step size."""
+
+    seed: int
+    rounds: int
+    cohort_size: int
+    num_clients: int
+    client: ClientConfig
+    system: Any = None  # fedloom.system.SystemModel, or None when off
+
+    def sample_cohort(self, r: int) -> torch.Tensor:
+        """``cohort_size`` distinct clients, uniformly, from the round's own generator
+        (the available ones only, under a system model with availability)."""
+        gen = numpy_gen(self.seed, r, -1, Purpose.COHORT)
+        if self.system is not None and self.system.has_availability:
+            return self.system.sample(r, gen, self.cohort_size)  # type: ignore[no-any-return]
+        ids = gen.choice(self.num_clients, self.cohort_size, replace=False)
+        return torch.from_numpy(np.sort(ids)).long()
+
+    def lr(self, r: int) -> float:
+        return lr_at_round(self.client.lr, self.client.schedule, r, self.rounds)
+
+
+@dataclass(frozen=True)
+class ScreenRules:
+    """The ``server`` section's update screening (:mod:`fedloom.engine.screen`): a
+    norm bound, a ratio to the cohort's median (off under differential privacy,
+    whose clipping bounds every update), and clipping before any aggregator."""
+
+    max_update_norm: float | None
+    max_norm_ratio: float | None
+    clip_norm: float | None
+    private: bool = False  # differential privacy is on
+
+    @property
+    def ratio(self) -> float | None:
+        """The ratio bound in force: none under privacy, where it would make one
+        client's acceptance depend on the others' norms (the clip bounds every
+        contribution instead)."""
+        return None if self.private else self.max_norm_ratio
+
+    @property
+    def sized(self) -> bool:
+        """Whether any rule needs the rows' norms."""
+        return (self.max_update_norm is not None or self.max_norm_ratio is not None
+                or self.clip_norm is not None)
+
+
+@dataclass(frozen=True)
+class HookView:
+    """What a plug-in of :mod:`fedloom.hooks` reads; it changes nothing in it."""
+
+    cfg: Config
+    layout: Layout
+    fed: FederatedData
+    x: torch.Tensor
+    y: torch.Tensor
+    trainer: Any
+    global_eval: Callable[[torch.Tensor], tuple[float, float]]
+    make_uplink: Callable[..., Any]
