@@ -47,7 +47,7 @@ Ramdas, McAuliffe & Sekhon's (2021, Ann. Statist.) normal-mixture boundary with
 the range bound (σ ≤ 1) would need no distributional assumption. But their width
 is set by the range, not by the seed-to-seed spread: at n = 12 the sub-Gaussian
 boundary with σ = 1 is ±116 pp (``--widths``) and a betting CS can multiply its
-capital by at most ``(1 + λ|d − m|)`` a seed with ``λ ≤ 1/(1 + |m|)``, so
+capital by at most ``(1 + λ|d − m|)`` per seed, with ``λ ≤ 1/(1 + |m|)``, so
 differences of a few pp never reach ``1/α = 20``: with 3 to 12 seeds neither could
 ever decide a difference between two methods. The Gaussian assumption is the one
 the fixed-n t-interval already makes (and tests/test_sequential.py checks coverage
