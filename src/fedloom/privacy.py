@@ -485,15 +485,15 @@ def check_privacy(privacy: Privacy, *, aggregator: Any, aggregator_name: str, fe
         return
     mode = privacy.mode
     if method.init_server(w):
-        raise ConfigError(f"client.method: {method_name} keeps server state built from the "
+        raise ConfigError(f"client.method.name: {method_name} keeps server state built from the "
                           f"clients' unnoised updates; not covered by privacy.mode={mode}")
     agg, fb = aggregator_caps(aggregator), feedback_caps(feedback)
     if fb.schedule == "theory":
-        raise ConfigError("compression.alpha_schedule: theory sends unnoised smoothness probes; "
-                          f"not covered by privacy.mode={mode}")
+        raise ConfigError("compression.feedback.options.alpha_schedule: theory sends unnoised "
+                          f"smoothness probes; not covered by privacy.mode={mode}")
     if fb.schedule == "residual":
-        raise ConfigError("compression.alpha_schedule: residual sends unnoised update and "
-                          f"residual norms; not covered by privacy.mode={mode}")
+        raise ConfigError("compression.feedback.options.alpha_schedule: residual sends "
+                          f"unnoised update and residual norms; not covered by privacy.mode={mode}")
     if privacy.central:
         if not (agg.linear and agg.dp_mean):
             raise ConfigError(
@@ -502,8 +502,8 @@ def check_privacy(privacy: Privacy, *, aggregator: Any, aggregator_name: str, fe
                 "(privacy.mode=central takes fedavg; local mode composes with any rule)")
         if not fb.row_only:
             raise ConfigError(
-                f"compression.feedback: {feedback_name} keeps or broadcasts server state built "
-                "from the clients' unnoised messages; not covered by privacy.mode=central")
+                f"compression.feedback.name: {feedback_name} keeps or broadcasts server state "
+                "built from the clients' unnoised messages; not covered by privacy.mode=central")
         if agg.weighted:
             log.info("privacy.mode=central: each client counts once (DP-FedAvg with unit "
                      "weights); fedavg's sample-count weighting is not applied")

@@ -1,9 +1,9 @@
 """Name → factory for every pluggable component.
 
 Three ways to name a component, accepted by every name field of a config
-(``aggregator.name``, ``compression.name``, ``compression.feedback``,
-``compression.adaptive``, ``client.method``, ``data.name``, ``model.name``,
-``data.partition.name``, ``attack.name``, ``backend.name``, ``server.optimizer``,
+(``aggregator.name``, ``compression.name``, ``compression.feedback.name``,
+``compression.adaptive.name``, ``client.method.name``, ``data.name``, ``model.name``,
+``data.partition.name``, ``attack.name``, ``backend.name``, ``server.optimizer.name``,
 ``metrics.hooks``), by the CLI and by sweeps alike:
 
 - a **built-in**: each component module registers itself with
@@ -34,6 +34,7 @@ use an entry point or ``module:attr`` there).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
 import logging
@@ -44,8 +45,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ENTRY_POINT_GROUPS", "KINDS", "available", "build", "get",
-           "is_reference", "origin", "register"]
+__all__ = ["ENTRY_POINT_GROUPS", "KINDS", "Range", "available", "build", "get",
+           "is_reference", "option_types", "origin", "register"]
 
 log = logging.getLogger("fedloom")
 
@@ -305,6 +306,48 @@ def accepted_options(factory: Callable[..., Any], options: dict[str, Any]) -> di
     return {k: v for k, v in options.items() if k in params
             and params[k].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                    inspect.Parameter.KEYWORD_ONLY)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The bounds of a factory's numeric option, in its signature:
+    ``alpha: Annotated[float, Range(ge=0, le=1)] = 0.85``. A config's options are
+    checked against them when it loads (one line naming ``SECTION.options.alpha``),
+    as a section's own fields are against theirs; ``fedloom algorithms`` states them."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def bounds(self) -> dict[str, float]:
+        """The bounds set, as a section field's (``{"ge": 0, "le": 1}``)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def option_types(factory: Callable[..., Any]) -> dict[str, tuple[Any, dict[str, float]]]:
+    """Each annotated option of ``factory`` (a class: its ``__init__``) as ``(type,
+    bounds)``: the type without its :class:`Range`, the bounds of that range ({} when
+    none). Options whose annotations cannot be resolved are left out (not checked)."""
+    import typing
+
+    target: Any = factory.__init__ if isinstance(factory, type) else factory  # type: ignore[misc]
+    try:
+        hints = typing.get_type_hints(target, include_extras=True)
+    except Exception:  # a plug-in's annotation naming what its module does not import
+        return {}
+    out: dict[str, tuple[Any, dict[str, float]]] = {}
+    for name, tp in hints.items():
+        if name == "return":
+            continue
+        bounds: dict[str, float] = {}
+        if typing.get_origin(tp) is typing.Annotated:
+            for meta in tp.__metadata__:
+                if isinstance(meta, Range):
+                    bounds.update(meta.bounds())
+            tp = typing.get_args(tp)[0]
+        out[name] = (tp, bounds)
+    return out
 
 
 def build(kind: str, name: str, options: dict[str, Any], field: str) -> Any:

@@ -31,6 +31,7 @@ import typing
 from typing import Any, Literal
 
 from fedloom.config import Config, field_bounds
+from fedloom.config.sections import SHORTHAND_SECTIONS
 
 __all__ = ["config_schema"]
 
@@ -42,13 +43,13 @@ _NAMED = {
     "model.name": "model",
     "aggregator.name": "aggregator",
     "backend.name": "backend",
-    "client.method": "method",
+    "client.method.name": "method",
     "compression.name": "compressor",
-    "compression.feedback": "feedback",
-    "compression.adaptive": "planner",
+    "compression.feedback.name": "feedback",
+    "compression.adaptive.name": "planner",
     "attack.name": "attack",
     "data.partition.name": "partitioner",
-    "server.optimizer": "server_optimizer",
+    "server.optimizer.name": "server_optimizer",
 }
 
 _BOUNDS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "lt": "exclusiveMaximum"}
@@ -116,11 +117,15 @@ def _object(cls: type, path: str) -> dict[str, Any]:
 def config_schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of a fedloom YAML config."""
     schema = _object(Config, "")
-    # `backend: NAME` is short for `backend: {name: NAME}` (fedloom.config).
-    backend = schema["properties"]["backend"]
-    schema["properties"]["backend"] = {
-        "anyOf": [backend, _type(str, "backend.name", {})],
-        "description": backend.get("description", ""),
-    }
+    # `backend: NAME` is short for `backend: {name: NAME}`, and so for every
+    # `{name, options}` section (fedloom.config.SHORTHAND_SECTIONS).
+    for path in SHORTHAND_SECTIONS:
+        *outer, last = path.split(".")
+        props = schema["properties"]
+        for part in outer:
+            props = props[part]["properties"]
+        section = props[last]
+        props[last] = {"anyOf": [section, _type(str, f"{path}.name", {})],
+                       "description": section.get("description", "")}
     return {"$schema": _DIALECT, "$id": "https://fedloom/config.schema.json",
             "title": "fedloom experiment config", **schema}

@@ -56,12 +56,12 @@ class APFL(LocalMethod):
     def __init__(self, alpha: float = 0.5, adaptive: bool = True,
                  alpha_lr: float | None = None) -> None:
         if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 <= alpha <= 1:
-            raise ValueError(f"client.method_options.alpha: must be in [0, 1], got {alpha!r}")
+            raise ValueError(f"client.method.options.alpha: must be in [0, 1], got {alpha!r}")
         if not isinstance(adaptive, bool):
-            raise ValueError(f"client.method_options.adaptive: true or false, got {adaptive!r}")
+            raise ValueError(f"client.method.options.adaptive: true or false, got {adaptive!r}")
         if alpha_lr is not None and (isinstance(alpha_lr, bool) or not isinstance(
                 alpha_lr, int | float) or not alpha_lr > 0):
-            raise ValueError(f"client.method_options.alpha_lr: must be > 0, got {alpha_lr!r}")
+            raise ValueError(f"client.method.options.alpha_lr: must be > 0, got {alpha_lr!r}")
         self.alpha, self.adaptive, self.alpha_lr = float(alpha), adaptive, alpha_lr
 
     def check_trainer(self, trainer: LocalSGD) -> None:

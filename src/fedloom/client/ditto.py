@@ -37,7 +37,7 @@ class Ditto(LocalMethod):
 
     def __init__(self, lam: float = 1.0) -> None:
         if lam < 0:
-            raise ValueError(f"client.method_options.lam: must be >= 0, got {lam}")
+            raise ValueError(f"client.method.options.lam: must be >= 0, got {lam}")
         self.lam = lam
 
     def fields(self, d: int) -> dict[str, FieldSpec]:

@@ -43,7 +43,7 @@ class FedBABU(LocalMethod):
     capabilities = MethodCaps(batched=True)
 
     def __init__(self, layout: Layout, personal: Sequence[str] | None = None) -> None:
-        groups = head_groups(layout, personal, "client.method_options.personal")
+        groups = head_groups(layout, personal, "client.method.options.personal")
         self.body = 1 - head_mask(layout, groups)
 
     def prepare(self, job: ClientJob, server: Mapping[str, torch.Tensor]) -> ClientJob:

@@ -58,7 +58,7 @@ class FedDyn(LocalMethod):
 
     def __init__(self, alpha: float = 0.01) -> None:
         if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
-            raise ValueError(f"client.method_options.alpha: must be a number > 0, got {alpha!r}")
+            raise ValueError(f"client.method.options.alpha: must be a number > 0, got {alpha!r}")
         self.alpha = float(alpha)
 
     def fields(self, d: int) -> dict[str, FieldSpec]:

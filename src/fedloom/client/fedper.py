@@ -50,7 +50,7 @@ class PersonalHead(LocalMethod):
 
     def __init__(self, layout: Layout, personal: Sequence[str] | None = None) -> None:
         self.layout = layout
-        self.groups = head_groups(layout, personal, "client.method_options.personal")
+        self.groups = head_groups(layout, personal, "client.method.options.personal")
         self.mask = head_mask(layout, self.groups)
         self.index = self.mask.nonzero().squeeze(1)
 
@@ -121,6 +121,6 @@ def _lg_fedavg(layout: Layout, personal: Sequence[str] | None = None) -> FedPer:
     if personal is None:
         personal = [g.name for g in layout.groups[:-1]]
         if not personal:
-            raise ValueError("client.method_options.personal: the model has one layer group; "
+            raise ValueError("client.method.options.personal: the model has one layer group; "
                              "LG-FedAvg needs a body and a head")
     return FedPer(layout, personal)

@@ -48,10 +48,10 @@ class FedRep(PersonalHead):
         super().__init__(layout, personal)
         for key, v in (("head_epochs", head_epochs), ("body_epochs", body_epochs)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"client.method_options.{key}: must be an integer >= 0, "
+                raise ValueError(f"client.method.options.{key}: must be an integer >= 0, "
                                  f"got {v!r}")
         if head_epochs + body_epochs == 0:
-            raise ValueError("client.method_options: head_epochs + body_epochs must be >= 1")
+            raise ValueError("client.method.options: head_epochs + body_epochs must be >= 1")
         self.head_epochs, self.body_epochs = head_epochs, body_epochs
 
     def run(self, trainer: LocalSGD, job: ClientJob) -> ClientResult:

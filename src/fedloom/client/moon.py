@@ -96,17 +96,17 @@ class MOON(LocalMethod):
         for key, v, low in (("mu", mu, 0.0), ("tau", tau, 0.0)):
             if isinstance(v, bool) or not isinstance(v, int | float) or v < low or (
                     key == "tau" and v == 0):
-                raise ValueError(f"client.method_options.{key}: must be a number "
+                raise ValueError(f"client.method.options.{key}: must be a number "
                                  f"{'> 0' if key == 'tau' else '>= 0'}, got {v!r}")
         if representation is not None and len(representation) != 1:
-            raise ValueError("client.method_options.representation: one layer group name "
+            raise ValueError("client.method.options.representation: one layer group name "
                              "(the head whose input is the representation)")
-        (group,) = head_groups(layout, representation, "client.method_options.representation")
+        (group,) = head_groups(layout, representation, "client.method.options.representation")
         self.layout, self.mu, self.tau, self.head = layout, float(mu), float(tau), group.name
 
     def check_trainer(self, trainer: LocalSGD) -> None:
         if self.head not in dict(trainer.module.named_modules()):
-            raise ValueError(f"client.method_options.representation: layer group {self.head!r} "
+            raise ValueError(f"client.method.options.representation: layer group {self.head!r} "
                              "is not a module of the model (name the head's module)")
         if trainer.amp != "none":
             raise ValueError("client.amp: moon runs its objective in full precision")

@@ -47,14 +47,14 @@ ties, ``k ≤ n``) are listed in :mod:`fedloom.compress.sparse`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 
 from fedloom.compress.feedback import ErrorFeedback
 from fedloom.job import Penalty
 from fedloom.params import Layout
-from fedloom.registry import register
+from fedloom.registry import Range, register
 
 __all__ = ["FLARE", "ECProx", "flare_mask", "public_median"]
 
@@ -95,7 +95,8 @@ class FLARE(ErrorFeedback):
         if tau < 0 or decay <= 0 or steps < 0:
             raise ValueError("compression: flare needs tau >= 0, tau_decay > 0, penalty_steps >= 0")
         if penalty not in ("l1", "l2"):
-            raise ValueError(f"compression.penalty: must be l1 or l2, got {penalty!r}")
+            raise ValueError(f"compression.feedback.options.penalty: must be l1 or l2, "
+                             f"got {penalty!r}")
         self.layout, self.tau, self.decay, self.steps, self.kind = (
             layout, tau, decay, steps, penalty)
 
@@ -126,7 +127,9 @@ class ECProx(ErrorFeedback):
 
 
 @register("feedback", "flare")
-def flare(layout: Layout, tau: float = 0.05, tau_decay: float = 1.1, penalty_steps: int = 1,
+def flare(layout: Layout, tau: Annotated[float, Range(ge=0)] = 0.05,
+          tau_decay: Annotated[float, Range(gt=0)] = 1.1,
+          penalty_steps: Annotated[int, Range(ge=0)] = 1,
           penalty: Literal["l1", "l2"] = "l1") -> FLARE:
     """FLARE: EF whose first ``penalty_steps`` local steps are pulled towards
     ``w − A_k`` on the coordinates with a large accumulator (module docstring).
@@ -144,7 +147,8 @@ def flare(layout: Layout, tau: float = 0.05, tau_decay: float = 1.1, penalty_ste
 
 
 @register("feedback", "ec_prox")
-def ec_prox(tau: float = 0.05, tau_decay: float = 1.1) -> ECProx:
+def ec_prox(tau: Annotated[float, Range(ge=0)] = 0.05,
+            tau_decay: Annotated[float, Range(gt=0)] = 1.1) -> ECProx:
     """EC+prox: EF plus ``τ_r ‖w_k − w‖²`` on every local step, ``τ_r = tau/tau_decay^(r+1)``.
 
     Reference:

@@ -22,11 +22,13 @@ from typing import Any, Literal
 from fedloom import registry
 from fedloom.config.sections import (
     MAX_COUNT,
+    SHORTHAND_SECTIONS,
     Config,
     ConfigError,
     PartitionConfig,
     SystemConfig,
 )
+from fedloom.config.translate import translate
 
 
 def _type_name(tp: Any) -> str:
@@ -73,6 +75,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(f"{path}: must be a mapping, got {_shown(value)}")
         return {str(k): v for k, v in value.items()}
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a section's class
+        if isinstance(value, str) and path in SHORTHAND_SECTIONS:
+            value = {"name": value}  # `feedback: sapef` is short for {name: sapef}
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path}: must be a mapping, got {_shown(value)}")
         return _build(tp, value, path)
@@ -180,16 +184,10 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     """Validate a plain mapping into a :class:`Config` (raises :class:`ConfigError`)."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"config: must be a mapping at the top level, got {type(data).__name__}")
-    cfg: Config = _build(Config, _shorthands(data), "")
+    # A config written the old way is rewritten first (fedloom.config.translate).
+    cfg: Config = _build(Config, translate(data), "")
     _check_cross_fields(cfg)
     return cfg
-
-
-def _shorthands(data: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``backend: NAME`` → ``backend: {name: NAME}``."""
-    if isinstance(data.get("backend"), str):
-        return {**data, "backend": {"name": data["backend"]}}
-    return data
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
@@ -206,6 +204,66 @@ def check_name(field: str, kind: str, name: str) -> None:
         if msg.startswith("unknown "):
             msg = f"unknown {kind} {name!r} (available: {', '.join(registry.available(kind))})"
         raise ConfigError(f"{field}: {msg}") from None
+
+
+# Arguments the engine passes a factory itself, with why they are not options.
+_CONTEXT = {
+    "layout": "fedloom passes the model's layout",
+    "lr": "the step size is server.lr, beside the optimizer: every comparison tunes it",
+}
+
+
+def _same(value: Any, default: Any) -> bool:
+    if isinstance(value, bool) != isinstance(default, bool):
+        return False
+    try:
+        return bool(value == default)
+    except Exception:  # a value whose == is not a truth value (an array)
+        return False
+
+
+def check_options(path: str, kind: str, section: Any, context: frozenset[str] = frozenset()
+                  ) -> None:
+    """Check ``section.options`` (a ``{name, options}`` section at ``path``) against the
+    signature of ``section.name``'s factory, its schema: an option it does not take is
+    refused (unless it takes ``**kwargs``), each annotated one is converted to its type
+    and checked against its :class:`~fedloom.registry.Range` (one :class:`ConfigError`
+    line naming ``PATH.options.KEY``), and one equal to the factory's default is left
+    out, so a config that gives an option at its default equals one that leaves it out.
+    ``context``: the arguments fedloom passes the factory itself (``layout``)."""
+    import inspect
+
+    factory = registry.get(kind, section.name)
+    params = inspect.signature(factory).parameters
+    anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    names = {k for k, p in params.items() if k != "self" and p.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)} - context
+    types = registry.option_types(factory)
+    out: dict[str, Any] = {}
+    for key, value in section.options.items():
+        where = f"{path}.options.{key}"
+        if key in context:
+            raise ConfigError(f"{where}: not an option ({_CONTEXT.get(key, 'fedloom passes it')})")
+        if key not in names:
+            if anything:
+                out[key] = value
+                continue
+            raise ConfigError(f"{where}: unknown option for {kind} {section.name!r} (expected "
+                              f"one of: {', '.join(sorted(names)) or 'none'})")
+        if key in types:
+            tp, bounds = types[key]
+            if _holds_int(tp) and not {"le", "lt"} & set(bounds):
+                bounds = {**bounds, "le": MAX_COUNT}  # a count, as a section's (field_bounds)
+            try:
+                value = _convert(value, tp, where)
+            except TypeError:  # a type the config schema does not know: the factory's own
+                pass
+            else:
+                _check_bounds(value, bounds, where)
+        if _same(value, params[key].default):
+            continue
+        out[key] = value
+    section.options = out
 
 
 def metric_names(metrics: Any) -> list[str]:
@@ -304,11 +362,17 @@ def _check_cross_fields(cfg: Config) -> None:
     check_name("model.name", "model", cfg.model.name)
     check_name("aggregator.name", "aggregator", cfg.aggregator.name)
     check_name("backend.name", "backend", cfg.backend.name)
-    check_name("client.method", "method", cfg.client.method)
+    check_name("client.method.name", "method", cfg.client.method.name)
     check_name("compression.name", "compressor", cfg.compression.name)
-    check_name("server.optimizer", "server_optimizer", cfg.server.optimizer)
-    check_name("compression.feedback", "feedback", cfg.compression.feedback)
-    check_name("compression.adaptive", "planner", cfg.compression.adaptive)
+    check_name("server.optimizer.name", "server_optimizer", cfg.server.optimizer.name)
+    check_name("compression.feedback.name", "feedback", cfg.compression.feedback.name)
+    check_name("compression.adaptive.name", "planner", cfg.compression.adaptive.name)
+    layout = frozenset({"layout"})
+    check_options("client.method", "method", cfg.client.method, layout)
+    check_options("server.optimizer", "server_optimizer", cfg.server.optimizer,
+                  frozenset({"lr"}))
+    check_options("compression.feedback", "feedback", cfg.compression.feedback, layout)
+    check_options("compression.adaptive", "planner", cfg.compression.adaptive)
     check_name("data.partition.name", "partitioner", cfg.data.partition.name)
     _check_partition_keys(cfg.data.partition)
     for i, hook in enumerate(cfg.metrics.hooks):

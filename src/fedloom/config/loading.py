@@ -23,7 +23,8 @@ from typing import Any
 import yaml
 
 from fedloom.config.checks import config_from_dict, config_to_dict
-from fedloom.config.sections import Config, ConfigError
+from fedloom.config.sections import SHORTHAND_SECTIONS, Config, ConfigError
+from fedloom.config.translate import twins
 
 # What aliases may add to a document, in nodes of the tree they expand to, and how
 # deep a document may nest. A config is a few hundred nodes, eight levels deep; an
@@ -182,7 +183,17 @@ def _parse_value(text: str, key: str) -> Any:
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides to a nested mapping (a copy is returned)."""
+    """Apply ``a.b.c=value`` overrides to a nested mapping (a copy is returned).
+
+    A section written as a string (``feedback: sapef``, short for ``{name: sapef}``)
+    is expanded when an override sets a key inside it. An override that sets a
+    ``{name, options}`` section to a string names the component: another component
+    comes with no options (they were the old one's), the same one keeps its own
+    (``compression.feedback=flare`` on a config whose FLARE has its ``tau``); set
+    ``SECTION.name=NAME`` to keep the options whatever the name. ``backend=NAME``
+    keeps the backend's other keys. Keys written the old way stay as given:
+    :func:`~fedloom.config.config_from_dict` translates the result as a whole
+    (:mod:`fedloom.config.translate`), once the component is known."""
     import copy
 
     out = copy.deepcopy(data)
@@ -191,24 +202,35 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected KEY=VALUE with a dotted key")
+        for twin in twins(key):  # the same option spelt the other way: this one wins
+            _delete(out, twin.split("."))
         parts = key.split(".")
-        if parts[0] == "backend" and len(parts) > 1 and isinstance(out.get("backend"), str):
-            out["backend"] = {"name": out["backend"]}
         node: dict[str, Any] = out
         for i, part in enumerate(parts[:-1]):
             nxt = node.get(part)
             if nxt is None:
                 nxt = node[part] = {}
+            if isinstance(nxt, str) and ".".join(parts[: i + 1]) in SHORTHAND_SECTIONS:
+                nxt = node[part] = {"name": nxt}
             if not isinstance(nxt, dict):
                 raise ConfigError(f"{'.'.join(parts[: i + 1])}: is not a section, cannot set {key}")
             node = nxt
         value = _parse_value(raw, key)
-        if key == "backend" and isinstance(value, str):
-            # the shorthand ``backend=NAME`` keeps the section's other keys
-            old = node.get("backend")
-            value = {**(old if isinstance(old, dict) else {}), "name": value}
+        old = node.get(parts[-1])
+        if key in SHORTHAND_SECTIONS and isinstance(value, str) and isinstance(old, dict):
+            if key == "backend" or old.get("name") == value:  # its keys stay
+                value = {**old, "name": value}
         node[parts[-1]] = value
     return out
+
+
+def _delete(data: dict[str, Any], parts: list[str]) -> None:
+    """Remove the dotted key ``parts`` from ``data`` if it is there."""
+    node: Any = data
+    for part in parts[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, dict):
+        node.pop(parts[-1], None)
 
 
 def shipped_configs() -> list[str]:

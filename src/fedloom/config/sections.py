@@ -192,7 +192,19 @@ class ScheduleConfig:
 
 
 @dataclass
+class MethodConfig:
+    """``client.method``: the local method and its factory's options (``client.method:
+    NAME`` is short for ``{name: NAME}``)."""
+
+    name: str = "sgd"
+    options: dict[str, Any] = _f({})
+
+
+@dataclass
 class ClientConfig:
+    """Local training. ``lr`` stays a key of its own, not an option of the method: it is
+    the step size every comparison tunes, for every method."""
+
     lr: float = _f(0.01, gt=0)
     momentum: float = _f(0.0, ge=0, lt=1)
     weight_decay: float = _f(0.0, ge=0)
@@ -202,9 +214,8 @@ class ClientConfig:
     steps: int | None = _f(None, ge=1)
     prox_mu: float = _f(0.0, ge=0)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    # Local method: sgd (FedAvg/FedProx), scaffold, ditto; options go to its factory.
-    method: str = "sgd"
-    method_options: dict[str, Any] = _f({})
+    # Local method: sgd (FedAvg/FedProx), scaffold, ditto, …, a plug-in or module:attr.
+    method: MethodConfig = field(default_factory=MethodConfig)
     # Mixed precision of the local forward/loss (fedloom.client.sgd.LocalSGD.amp): off by default.
     amp: Literal["none", "bf16", "fp16"] = "none"
     # More terms of the local step's direction ({name, options} each; a registered
@@ -214,19 +225,28 @@ class ClientConfig:
 
 
 @dataclass
-class ServerConfig:
-    """Server step ``w ← w − lr · opt(agg)`` (Reddi et al. 2021, FedOpt)."""
+class ServerOptimizerConfig:
+    """``server.optimizer``: sgd, momentum, adam, yogi, adagrad, a plug-in or module:attr,
+    and its factory's options (``momentum``; ``beta1``, ``beta2``, ``eps``); ``server.optimizer:
+    NAME`` is short for ``{name: NAME}``."""
 
-    # sgd, momentum, adam, yogi, adagrad, a plug-in or module:attr
-    optimizer: str = "sgd"
+    name: str = "sgd"
+    options: dict[str, Any] = _f({})
+
+
+@dataclass
+class ServerConfig:
+    """Server step ``w ← w − lr · opt(agg)`` (Reddi et al. 2021, FedOpt).
+
+    ``lr`` stays a key of its own, not an option of ``optimizer``: it is the step size
+    every comparison tunes, for every aggregator and optimizer (the optimizer's
+    factory receives it besides its options)."""
+
+    optimizer: ServerOptimizerConfig = field(default_factory=ServerOptimizerConfig)
     # "auto": the aggregator's public default step (its `default_server_lr`: 0.1 for
     # CRAFT, 1.0 for the FedAvg family); the number used is what the run directory's
     # config.yaml and summary.json record.
     lr: float | Literal["auto"] = _f("auto", gt=0)
-    momentum: float = _f(0.9, ge=0, lt=1)
-    beta1: float = _f(0.9, ge=0, lt=1)
-    beta2: float = _f(0.99, ge=0, lt=1)
-    eps: float = _f(1e-3, gt=0)
     # Screening of client updates before any aggregator (fedloom.engine.screen.screen_updates):
     # reject an update whose L2 norm exceeds `max_update_norm` (null = no bound) or
     # `max_norm_ratio` × the cohort's lower median norm (null = off), then clip each
@@ -246,35 +266,38 @@ class AggregatorConfig:
 
 
 @dataclass
+class FeedbackConfig:
+    """``compression.feedback``: the error-feedback policy (none, ef, saef, sapef, ef21,
+    cser, scafcom, flare, ec_prox, a plug-in or module:attr) and its factory's options
+    (sapef: ``alpha``, ``alpha_schedule``, ``alpha_kappa``; cser: ``period``,
+    ``reset_ratio``; scafcom: ``beta``; ef21: ``ef21_mean``; flare, ec_prox: ``tau``,
+    ``tau_decay``, flare also ``penalty_steps``, ``penalty``); ``feedback: NAME`` is short
+    for ``{name: NAME}``. The factory's signature states each option's type and bounds
+    (``fedloom algorithms``)."""
+
+    name: str = "none"
+    options: dict[str, Any] = _f({})
+
+
+@dataclass
+class PlannerConfig:
+    """``compression.adaptive``: a round planner (:mod:`fedloom.hooks`: none, ffl, a plug-in
+    or module:attr) and its factory's options; ``adaptive: NAME`` is short for ``{name:
+    NAME}``. FFL (Nori et al.): rate ``R_t = R (L_0/L_t)^(1/3)`` and local epochs
+    ``E_t = max(1, round(E (L_t/L_0)^(1/3)))`` from the global test loss ``L_t``."""
+
+    name: str = "none"
+    options: dict[str, Any] = _f({})
+
+
+@dataclass
 class CompressionConfig:
     """Uplink compression and error feedback (:mod:`fedloom.compress`)."""
 
     name: str = "identity"
     options: dict[str, Any] = _f({})
-    # Error feedback: none, ef, saef, sapef, ef21, cser, scafcom, flare, ec_prox, a
-    # plug-in or module:attr. Its factory takes the keys below that its signature
-    # names, then `feedback_options` (a plug-in's own options).
-    feedback: str = "none"
-    feedback_options: dict[str, Any] = _f({})
-    alpha: float = _f(0.85, ge=0, le=1)          # SA-PEF step-ahead coefficient
-    # constant, theory (α* from an online L̂), residual (min(alpha, κ·median ‖Δ‖/‖e‖))
-    alpha_schedule: Literal["constant", "theory", "residual"] = "constant"
-    alpha_kappa: float = _f(10.0, gt=0)           # κ of the residual schedule
-    period: int = _f(5, ge=1)                     # CSER: reset every H rounds
-    reset_ratio: float = _f(0.1, gt=0, le=1)      # CSER: top fraction of e sent at a reset
-    beta: float = _f(0.2, gt=0, le=1)             # SCAFCOM momentum
-    # EF21 under partial participation: step along the mean of all N clients' h_k
-    # (EF21-PP, the published rule) or of the sampled clients' h_k only.
-    ef21_mean: Literal["all", "sampled"] = "all"
-    tau: float = _f(0.05, ge=0)                   # FLARE / EC+prox: τ_r = tau / tau_decay^(r+1)
-    tau_decay: float = _f(1.1, gt=0)
-    penalty_steps: int = _f(1, ge=0)              # FLARE: penalised local steps p
-    penalty: Literal["l1", "l2"] = "l1"
-    # FFL (Nori et al.): rate R_t = R (L_0/L_t)^(1/3) and local epochs
-    # E_t = max(1, round(E (L_t/L_0)^(1/3))) from the global test loss L_t.
-    # A round planner (fedloom.hooks): none, ffl, a plug-in or module:attr.
-    adaptive: str = "none"
-    adaptive_options: dict[str, Any] = _f({})
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+    adaptive: PlannerConfig = field(default_factory=PlannerConfig)
 
 
 @dataclass
@@ -466,6 +489,12 @@ class PrivacyConfig:
     delta: float = _f(1e-5, gt=0, lt=1)
     target_epsilon: float | None = _f(None, gt=0)
     adaptive_clip: AdaptiveClipConfig = field(default_factory=AdaptiveClipConfig)
+
+
+# The sections written ``{name, options}`` (and the backend), by dotted path: a string
+# there is short for ``{name: STRING}`` (``feedback: sapef``, ``--set server.optimizer=adam``).
+SHORTHAND_SECTIONS = ("backend", "client.method", "server.optimizer", "compression.feedback",
+                      "compression.adaptive")
 
 
 @dataclass

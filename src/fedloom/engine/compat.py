@@ -82,8 +82,8 @@ def check_privacy_scope(cfg: Config, privacy: Any, *, aggregator: Any, feedback:
     components declare it (:func:`fedloom.privacy.check_privacy`,
     :func:`fedloom.privacy.check_secure_aggregation`)."""
     check_privacy(privacy, aggregator=aggregator, aggregator_name=cfg.aggregator.name,
-                  feedback=feedback, feedback_name=cfg.compression.feedback, method=method,
-                  method_name=cfg.client.method, w=w)
+                  feedback=feedback, feedback_name=cfg.compression.feedback.name, method=method,
+                  method_name=cfg.client.method.name, w=w)
     if cfg.server.secure_aggregation:
         check_secure_aggregation(aggregator=aggregator, aggregator_name=cfg.aggregator.name,
                                  compressor=compressor, compressor_name=cfg.compression.name)

@@ -54,16 +54,19 @@ class Components:
             cfg = r(cfg, aggregator=r(cfg.aggregator, name=object_name(self.aggregator),
                                       options={}))
         if self.server is not None:
-            cfg = r(cfg, server=r(cfg.server, optimizer=object_name(self.server)))
+            cfg = r(cfg, server=r(cfg.server, optimizer=r(cfg.server.optimizer,
+                                                          name=object_name(self.server),
+                                                          options={})))
         if self.compressor is not None:
             cfg = r(cfg, compression=r(cfg.compression, name=object_name(self.compressor),
                                        options={}))
         if self.feedback is not None:
-            cfg = r(cfg, compression=r(cfg.compression, feedback=object_name(self.feedback),
-                                       feedback_options={}))
+            cfg = r(cfg, compression=r(cfg.compression, feedback=r(
+                cfg.compression.feedback, name=object_name(self.feedback), options={})))
         if self.method is not None:
-            cfg = r(cfg, client=r(cfg.client, method=object_name(self.method),
-                                  method_options={}))
+            cfg = r(cfg, client=r(cfg.client, method=r(cfg.client.method,
+                                                       name=object_name(self.method),
+                                                       options={})))
         if self.transforms:
             cfg = r(cfg, client=r(cfg.client, transforms=[
                 {"name": object_name(t), "options": {}} for t in self.transforms]))

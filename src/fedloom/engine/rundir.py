@@ -279,6 +279,10 @@ def _restore_checked(exp: Setup, cfg: Config, resolved: dict[str, Any],
     if ck["format"] != 1:
         raise bad(f"checkpoint dict format {ck['format']!r}, expected 1")
     # Another `rounds` is an extension, checked against config.yaml (_check_extension).
+    # A checkpoint of an older version holds its config in the older shape: read as
+    # config.yaml is (_with_defaults: translated, today's defaults filled in).
+    if isinstance(ck["config"], dict):
+        ck["config"] = _with_defaults(ck["config"])
     if not (isinstance(ck["config"], dict) and _same_but_rounds(ck["config"], resolved)):
         raise bad("written by a run with another config")
     if ck["config"].get("rounds") != cfg.rounds:

@@ -83,8 +83,8 @@ class DivergenceWatch:
         if lr > default:
             return (f"likely server.lr={lr:g}, above {name}'s public default {default:g} "
                     "(server.lr=auto uses it)")
-        if s.optimizer in ("adam", "yogi", "adagrad") and lr >= 0.1:
-            return (f"likely server.lr={lr:g}: server.optimizer={s.optimizer} moves every "
+        if s.optimizer.name in ("adam", "yogi", "adagrad") and lr >= 0.1:
+            return (f"likely server.lr={lr:g}: server.optimizer={s.optimizer.name} moves every "
                     "coordinate by about server.lr a round")
         return f"likely client.lr={c.lr:g} (or server.lr={lr:g}) is too large"
 

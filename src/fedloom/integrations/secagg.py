@@ -100,10 +100,11 @@ def check_secagg_scope(cfg: Config, exp: Experiment | None = None) -> None:
     if cfg.aggregator.name != "fedavg":
         raise ConfigError(f"aggregator.name: {cfg.aggregator.name} is not wired to SecAgg+ "
                           "(fedavg is)")
-    if cfg.compression.feedback != "none":
-        raise ConfigError("compression.feedback: only none with SecAgg+")
-    if cfg.client.method != "sgd":
-        raise ConfigError(f"client.method: {cfg.client.method} is not wired to SecAgg+ (sgd is)")
+    if cfg.compression.feedback.name != "none":
+        raise ConfigError("compression.feedback.name: only none with SecAgg+")
+    if cfg.client.method.name != "sgd":
+        raise ConfigError(f"client.method.name: {cfg.client.method.name} is not wired to "
+                          "SecAgg+ (sgd is)")
     if cfg.privacy.mode == "central" and cfg.privacy.adaptive_clip.enabled:
         raise ConfigError("privacy.adaptive_clip.enabled: not wired to SecAgg+ (the clipped "
                           "count would need its own masked sum)")

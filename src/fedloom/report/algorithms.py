@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fedloom.registry import available, get, origin
+from fedloom.registry import available, get, option_types, origin
 
 __all__ = ["Entry", "entries", "parse_reference", "render_markdown", "render_text"]
 
@@ -35,13 +35,14 @@ COMMAND = "fedloom algorithms --markdown"
 # kind, heading, the field that names it, where its options go
 KINDS: tuple[tuple[str, str, str, str], ...] = (
     ("aggregator", "Aggregators", "aggregator.name", "aggregator.options.OPTION"),
-    ("server_optimizer", "Server optimizers", "server.optimizer", "server.OPTION"),
+    ("server_optimizer", "Server optimizers", "server.optimizer.name",
+     "server.optimizer.options.OPTION (the step size: server.lr)"),
     ("compressor", "Compressors", "compression.name", "compression.options.OPTION"),
-    ("feedback", "Error feedback", "compression.feedback",
-     "compression.OPTION (or compression.feedback_options.OPTION)"),
-    ("planner", "Round planners", "compression.adaptive",
-     "compression.OPTION (or compression.adaptive_options.OPTION)"),
-    ("method", "Local methods", "client.method", "client.method_options.OPTION"),
+    ("feedback", "Error feedback", "compression.feedback.name",
+     "compression.feedback.options.OPTION"),
+    ("planner", "Round planners", "compression.adaptive.name",
+     "compression.adaptive.options.OPTION"),
+    ("method", "Local methods", "client.method.name", "client.method.options.OPTION"),
     ("metric", "Client metrics", "metrics.hooks (or metrics.NAME: true)",
      "metrics.NAME_OPTION (or metrics.options.NAME.OPTION)"),
     ("partitioner", "Partitioners", "data.partition.name", "data.partition.OPTION"),
@@ -87,11 +88,17 @@ def _options(factory: Callable[..., Any], kind: str) -> tuple[Option, ...]:
         return ()
     out = []
     skip = CONTEXT | CONTEXT_OF.get(kind, frozenset())
+    types = option_types(factory)
     for p in sig.parameters.values():
         if p.name in skip or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         default = "required" if p.default is p.empty else repr(p.default)
-        out.append(Option(p.name, _type_text(p.annotation), default))
+        text = _type_text(p.annotation)
+        tp, bounds = types.get(p.name, (None, {}))
+        if bounds:  # Annotated[float, Range(...)]: the type, then its bounds
+            sym = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+            text = f"{_type_text(tp)} ({', '.join(f'{sym[k]} {v:g}' for k, v in bounds.items())})"
+        out.append(Option(p.name, text, default))
     return tuple(out)
 
 

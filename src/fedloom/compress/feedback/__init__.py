@@ -69,7 +69,6 @@ from fedloom.compress.feedback.factories import error_feedback as error_feedback
 from fedloom.compress.feedback.factories import feedback_from_config, make_feedback
 from fedloom.compress.feedback.factories import no_feedback as no_feedback
 from fedloom.compress.feedback.factories import scafcom as scafcom
-from fedloom.compress.feedback.factories import section_options as section_options
 from fedloom.compress.feedback.factories import step_ahead_ef as step_ahead_ef
 from fedloom.compress.feedback.factories import step_ahead_partial_ef as step_ahead_partial_ef
 from fedloom.compress.feedback.scafcom import SCAFCOM

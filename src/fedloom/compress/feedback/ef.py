@@ -43,8 +43,8 @@ def residual_alpha(progress: Sequence[float], residual: Sequence[float], alpha_m
     configured ``alpha``, public 0.85); as the residual grows against it, α falls
     towards EF (α = 0).
 
-    ``κ`` (``compression.alpha_kappa``) defaults to 10, the one choice made on data:
-    on digits-top1 (configs/adaptive/suite.yaml's setting, Top-1 %) the median
+    ``κ`` (``compression.feedback.options.alpha_kappa``) defaults to 10, the one choice
+    made on data: on digits-top1 (configs/adaptive/suite.yaml's setting, Top-1 %) the median
     ratio ‖Δ‖/‖e‖ sat at 0.03–0.4, so κ = 1 (the bound taken literally) held α at
     0.07–0.4 and ended at 0.84 test accuracy (seed 1; constant α = 0.85: 0.93), κ = 3
     at 0.74 and κ = 10 at 0.88 (seed 100, the tuning seed; one run each). The
@@ -81,13 +81,15 @@ class ErrorFeedback(NoFeedback):
     def __init__(self, alpha: float = 0.0, schedule: Schedule = "constant",
                  name: str = "ef", kappa: float = 10.0) -> None:
         if not 0 <= alpha <= 1:
-            raise ValueError(f"compression.alpha: must be in [0, 1], got {alpha}")
+            raise ValueError(f"compression.feedback.options.alpha: must be in [0, 1], "
+                             f"got {alpha}")
         if schedule not in SCHEDULES:
-            raise ValueError(f"compression.alpha_schedule: must be one of "
+            raise ValueError(f"compression.feedback.options.alpha_schedule: must be one of "
                              f"{', '.join(SCHEDULES)}, got {schedule!r}")
         if isinstance(kappa, bool) or not isinstance(kappa, int | float) or not (
                 0 < kappa < math.inf):
-            raise ValueError(f"compression.alpha_kappa: must be > 0 and finite, got {kappa!r}")
+            raise ValueError(f"compression.feedback.options.alpha_kappa: must be > 0 and "
+                             f"finite, got {kappa!r}")
         self.base_alpha = alpha
         self.schedule = schedule
         self.name = name
@@ -157,7 +159,7 @@ class CSER(ErrorFeedback):
     def __init__(self, period: int = 5, reset_ratio: float = 0.1) -> None:
         super().__init__(0.0, "constant", "cser")
         if period < 1:
-            raise ValueError(f"compression.period: must be >= 1, got {period}")
+            raise ValueError(f"compression.feedback.options.period: must be >= 1, got {period}")
         self.period = period
         self.reset = TopK(ratio=reset_ratio)
 

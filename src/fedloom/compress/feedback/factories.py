@@ -4,19 +4,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fedloom.compress.feedback.base import NoFeedback
 from fedloom.compress.feedback.ef import CSER, ErrorFeedback
 from fedloom.compress.feedback.ef21 import EF21
 from fedloom.compress.feedback.scafcom import SCAFCOM
-from fedloom.registry import accepted_options, build, get, register
+from fedloom.registry import Range, accepted_options, build, get, register
 
 # ------------------------------------------------------------------ registry
-# Each policy is a factory registered under its name; its options are taken by
-# name from the ``compression`` section (only the keys its signature names) and
-# from ``compression.feedback_options`` (checked: an unknown key is an error).
-# A factory that takes ``layout`` gets the model's parameter layout.
+# Each policy is a factory registered under its name; its signature is the schema
+# of ``compression.feedback.options`` (types, defaults, Range bounds: an unknown key
+# or a value out of range is refused when the config loads). A factory that takes
+# ``layout`` gets the model's parameter layout.
 
 
 @register("feedback", "none")
@@ -61,9 +61,9 @@ def step_ahead_ef() -> ErrorFeedback:
 
 
 @register("feedback", "sapef")
-def step_ahead_partial_ef(alpha: float = 0.85,
+def step_ahead_partial_ef(alpha: Annotated[float, Range(ge=0, le=1)] = 0.85,
                           alpha_schedule: Literal["constant", "theory", "residual"] = "constant",
-                          alpha_kappa: float = 10.0) -> ErrorFeedback:
+                          alpha_kappa: Annotated[float, Range(gt=0)] = 10.0) -> ErrorFeedback:
     """SA-PEF: start at ``w − α e``, send ``C((1 − α) e + g)``, keep the rest.
 
     ``alpha_schedule="theory"`` uses ``α* = 1/(1 + 12 s²)``, ``s = η L̂ T``, with
@@ -100,7 +100,8 @@ def ef21(ef21_mean: Literal["all", "sampled"] = "all") -> EF21:
 
 
 @register("feedback", "cser")
-def cser(period: int = 5, reset_ratio: float = 0.1) -> CSER:
+def cser(period: Annotated[int, Range(ge=1)] = 5,
+         reset_ratio: Annotated[float, Range(gt=0, le=1)] = 0.1) -> CSER:
     """EF plus an error reset every ``period`` rounds (top ``reset_ratio`` of ``e``).
 
     Reference:
@@ -114,7 +115,7 @@ def cser(period: int = 5, reset_ratio: float = 0.1) -> CSER:
 
 
 @register("feedback", "scafcom")
-def scafcom(beta: float = 0.2) -> SCAFCOM:
+def scafcom(beta: Annotated[float, Range(gt=0, le=1)] = 0.2) -> SCAFCOM:
     """SCAFFOLD with compressed control-variate updates and local momentum β.
 
     Reference:
@@ -136,35 +137,19 @@ def make_feedback(name: str, **options: Any) -> NoFeedback:
     if "schedule" in options and "alpha_schedule" not in options:
         options["alpha_schedule"] = options.pop("schedule")
     try:
-        fb: NoFeedback = build("feedback", name, options, "compression.feedback_options")
+        fb: NoFeedback = build("feedback", name, options, "compression.feedback.options")
         return fb
     except KeyError as e:
-        raise ValueError(f"compression.feedback: {e.args[0] if e.args else e}") from None
+        raise ValueError(f"compression.feedback.name: {e.args[0] if e.args else e}") from None
 
 
-# Keys of the compression section that are not feedback options.
-_NOT_FEEDBACK = frozenset({"name", "options", "feedback", "feedback_options", "adaptive",
-                           "adaptive_options"})
-
-
-def section_options(section: Any, skip: frozenset[str] = _NOT_FEEDBACK) -> dict[str, Any]:
-    """The settings of a config section (a dataclass) as a mapping, less ``skip``."""
-    import dataclasses
-
-    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
-            if f.name not in skip}
-
-
-def feedback_from_config(comp: Any, layout: Any = None) -> NoFeedback:
-    """The policy of a ``compression`` section: ``comp.feedback`` built with the
-    section's keys its factory takes by name (``alpha``, ``period``, …), then
-    ``comp.feedback_options`` (each must be an option of the factory), and
-    ``layout`` when the factory takes it."""
+def feedback_from_config(feedback: Any, layout: Any = None) -> NoFeedback:
+    """The policy of a ``compression.feedback`` section (``{name, options}``): its
+    factory with the section's options, and ``layout`` when the factory takes it."""
     try:
-        factory = get("feedback", comp.feedback)
+        factory = get("feedback", feedback.name)
     except KeyError as e:
-        raise ValueError(f"compression.feedback: {e.args[0] if e.args else e}") from None
-    opts = accepted_options(factory, {**section_options(comp), "layout": layout})
-    opts.update(getattr(comp, "feedback_options", {}) or {})
-    fb: NoFeedback = build("feedback", comp.feedback, opts, "compression.feedback_options")
+        raise ValueError(f"compression.feedback.name: {e.args[0] if e.args else e}") from None
+    opts = {**feedback.options, **accepted_options(factory, {"layout": layout})}
+    fb: NoFeedback = build("feedback", feedback.name, opts, "compression.feedback.options")
     return fb

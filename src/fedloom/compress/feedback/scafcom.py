@@ -79,7 +79,7 @@ class SCAFCOM(NoFeedback):
 
     def __init__(self, beta: float = 0.2) -> None:
         if not 0 < beta <= 1:
-            raise ValueError(f"compression.beta: must be in (0, 1], got {beta}")
+            raise ValueError(f"compression.feedback.options.beta: must be in (0, 1], got {beta}")
         self.beta = beta
 
     def fields(self, d: int) -> dict[str, FieldSpec]:

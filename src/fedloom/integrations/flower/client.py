@@ -80,7 +80,7 @@ class FedloomMod:
             layout = self._layout or _experiment(self.cfg).layout
             c = self.cfg.compression
             comp = make_compressor(c.name, layout=layout, **c.options)
-            fb = feedback_from_config(c, layout)
+            fb = feedback_from_config(c.feedback, layout)
             self._parts = (layout, comp, fb)
         return self._parts
 

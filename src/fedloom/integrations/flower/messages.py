@@ -106,18 +106,19 @@ def _round_settings(msg: Message, context: Context, cfg: Config) -> tuple[int, i
 
 
 def _check_scope(cfg: Config) -> None:
-    fb = cfg.compression.feedback
+    fb = cfg.compression.feedback.name
     if fb not in SUPPORTED_FEEDBACK:
-        raise ConfigError(f"compression.feedback: {fb!r} changes local training or needs "
+        raise ConfigError(f"compression.feedback.name: {fb!r} changes local training or needs "
                           f"server-side client state; on Flower use one of "
                           f"{', '.join(SUPPORTED_FEEDBACK)}")
-    if cfg.compression.alpha_schedule != "constant":
-        raise ConfigError("compression.alpha_schedule: only 'constant' on Flower")
-    if cfg.compression.adaptive != "none":
-        raise ConfigError("compression.adaptive: not supported on Flower")
-    if cfg.client.method != "sgd":
-        raise ConfigError(f"client.method: {cfg.client.method!r} is not supported on Flower "
-                          "(use sgd)")
+    if cfg.compression.feedback.options.get("alpha_schedule", "constant") != "constant":
+        raise ConfigError("compression.feedback.options.alpha_schedule: only 'constant' on "
+                          "Flower")
+    if cfg.compression.adaptive.name != "none":
+        raise ConfigError("compression.adaptive.name: not supported on Flower")
+    if cfg.client.method.name != "sgd":
+        raise ConfigError(f"client.method.name: {cfg.client.method.name!r} is not supported "
+                          "on Flower (use sgd)")
     # Real clients have real time: the simulated clock, deadline and dropouts are
     # in-process only (availability is the cohort sampling, which applies here too).
     if cfg.system.profile != "off" or cfg.system.dropout > 0:

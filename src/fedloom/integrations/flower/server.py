@@ -95,7 +95,7 @@ class FedloomStrategy(Strategy):
     def summary(self) -> None:
         c = self.exp.cfg
         log.info("fedloom strategy: aggregator %s, compression %s + %s, %d clients, %d/round",
-                 c.aggregator.name, c.compression.name, c.compression.feedback,
+                 c.aggregator.name, c.compression.name, c.compression.feedback.name,
                  self.exp.fed.num_clients, c.cohort.size)
 
     def _discover(self, grid: Grid) -> None:

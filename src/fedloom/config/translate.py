@@ -1,0 +1,267 @@
+"""Configs written the old way, rewritten into today's shape before they are checked.
+
+Every pluggable section is ``{name, options}`` (a string is short for ``{name:
+STRING}``), its factory's signature the schema of its options. Before that, options
+reached components three ways; a config written so still loads, through
+:func:`translate` (called by :func:`fedloom.config.config_from_dict`, so YAML files,
+``a.b=value`` overrides, a run directory's saved ``config.yaml`` and a checkpoint's
+config all pass through it), with one warning line that names each old key and
+its new place:
+
+- the compression section's flat keys (:data:`FEEDBACK_KEYS`: ``alpha``,
+  ``alpha_schedule``, ``period``, …) → ``compression.feedback.options.KEY`` (and
+  ``compression.adaptive.options.KEY`` where the round planner's factory takes it);
+- ``compression.feedback_options`` → ``compression.feedback.options``;
+  ``compression.adaptive_options`` → ``compression.adaptive.options``;
+- the server section's ``momentum``, ``beta1``, ``beta2``, ``eps`` →
+  ``server.optimizer.options.KEY``;
+- ``client.method_options`` → ``client.method.options``.
+
+A flat key went to a factory only when its signature named it, and was ignored
+otherwise (``compression.alpha`` under ``feedback: cser``); so it is moved only into
+the options of a factory that takes it, else dropped (the warning says so). Which
+factory is known only once every override is in: overrides are applied to the mapping
+as written (old keys and all), then the whole is translated, so ``compression.alpha=0.5``
+next to ``compression.feedback=sapef`` works in either order. An override wins over
+the file in either shape: it clears the other spellings of its option first
+(:func:`twins`). An option given both ways in one place (``compression.alpha`` and
+``compression.feedback.options.alpha`` in one file, or in one list of overrides) is
+refused, one line naming both keys, unless the old one holds its old default (a run
+directory saved by an older version holds every flat key at least at its default).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from fedloom import registry
+from fedloom.config.sections import ConfigError
+
+__all__ = ["FEEDBACK_KEYS", "OPTION_DICTS", "SERVER_KEYS", "TABLE", "translate", "twins"]
+
+log = logging.getLogger("fedloom")
+
+# The compression section's flat feedback keys and their old defaults (each the
+# default of the built-in factory that takes it, so an option left out means the same
+# in both shapes).
+FEEDBACK_KEYS: dict[str, Any] = {
+    "alpha": 0.85, "alpha_schedule": "constant", "alpha_kappa": 10.0,
+    "period": 5, "reset_ratio": 0.1, "beta": 0.2, "ef21_mean": "all",
+    "tau": 0.05, "tau_decay": 1.1, "penalty_steps": 1, "penalty": "l1",
+}
+# The server section's flat optimizer keys and their old defaults.
+SERVER_KEYS: dict[str, Any] = {"momentum": 0.9, "beta1": 0.9, "beta2": 0.99, "eps": 1e-3}
+# (section, old key of an options mapping) → the section that now holds those options.
+OPTION_DICTS: dict[tuple[str, str], str] = {
+    ("compression", "feedback_options"): "feedback",
+    ("compression", "adaptive_options"): "adaptive",
+    ("client", "method_options"): "method",
+}
+# Old dotted key → new dotted key, one row a key (OPTION stands for any option name).
+TABLE: dict[str, str] = {
+    **{f"compression.{k}": f"compression.feedback.options.{k}" for k in FEEDBACK_KEYS},
+    **{f"server.{k}": f"server.optimizer.options.{k}" for k in SERVER_KEYS},
+    **{f"{s}.{old}.OPTION": f"{s}.{new}.options.OPTION" for (s, old), new in OPTION_DICTS.items()},
+}
+# The default name of each named section (the dataclasses' defaults).
+_DEFAULT_NAME = {"feedback": "none", "adaptive": "none", "optimizer": "sgd", "method": "sgd"}
+_KIND = {"feedback": "feedback", "adaptive": "planner", "optimizer": "server_optimizer",
+         "method": "method"}
+
+# Each warning once per process: a sweep reads the saved config of every run folder.
+_WARNED: set[str] = set()
+
+
+def _takes(kind: str, name: Any) -> frozenset[str] | None:
+    """The options ``name``'s factory takes by name; None when it takes any
+    (``**kwargs``) or cannot be found (the name's own check reports that)."""
+    if not isinstance(name, str):
+        return None
+    try:
+        params = inspect.signature(registry.get(kind, name)).parameters
+    except (KeyError, TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return frozenset(k for k, p in params.items()
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+class _Notes:
+    """What the translation did, for its one warning line."""
+
+    def __init__(self) -> None:
+        self.moved: list[str] = []                # "old → new"
+        self.ignored: dict[str, list[str]] = {}   # component → old keys it does not take
+        self.dropped: list[str] = []              # empty option mappings, shadowed defaults
+
+    def __bool__(self) -> bool:
+        return bool(self.moved or self.ignored or self.dropped)
+
+    def line(self) -> str:
+        parts = [", ".join(self.moved)] if self.moved else []
+        parts += [f"not options of {who}, ignored as before: {', '.join(keys)}"
+                  for who, keys in self.ignored.items()]
+        if self.dropped:
+            parts.append(f"dropped: {', '.join(self.dropped)}")
+        return ("config: options written the old way, translated (write them the new way; "
+                "this translation will be removed): " + "; ".join(parts))
+
+
+class _Named:
+    """A ``{name, options}`` section being translated: what it held, what moves in."""
+
+    def __init__(self, section: dict[str, Any], key: str, path: str) -> None:
+        value = section.get(key, _DEFAULT_NAME[key])
+        self.path = path
+        if isinstance(value, str):
+            value = {"name": value}
+        # Anything else (a number, a list) is left for the section's checks to name.
+        self.ok = isinstance(value, Mapping) and isinstance(value.get("options", {}), Mapping)
+        self.value: dict[str, Any] = dict(value) if self.ok else {}
+        self.given = set(self.value.get("options") or {}) if self.ok else set()
+        self.moved: dict[str, Any] = {}
+        self.name = self.value.get("name", _DEFAULT_NAME[key])
+        self.takes = _takes(_KIND[key], self.name)
+
+    def put(self, key: str, value: Any, old: str, notes: _Notes, default: Any = None,
+            has_default: bool = False) -> None:
+        new = f"{self.path}.options.{key}"
+        if key in self.given:
+            if has_default and value == default:
+                notes.dropped.append(f"{old} (its old default; {new} is given)")
+                return
+            raise ConfigError(f"{old} and {new}: the same option written the old and the new "
+                              f"way; keep {new}")
+        self.moved[key] = value
+        notes.moved.append(f"{old} → {new}")
+
+    def store(self, section: dict[str, Any], key: str) -> None:
+        if self.ok and self.moved:
+            self.value["options"] = {**(self.value.get("options") or {}), **self.moved}
+            section[key] = self.value
+
+
+def _compression(comp: dict[str, Any], notes: _Notes) -> None:
+    flat = {k: comp.pop(k) for k in FEEDBACK_KEYS if k in comp}
+    extra = {new: comp.pop(old) for (s, old), new in OPTION_DICTS.items()
+             if s == "compression" and old in comp}
+    if not flat and not extra:
+        return
+    fb = _Named(comp, "feedback", "compression.feedback")
+    ad = _Named(comp, "adaptive", "compression.adaptive")
+    for k, v in flat.items():
+        old = f"compression.{k}"
+        # The planner took the section's keys its signature names, as the policy did.
+        into = [s for s in (fb, ad) if s.ok and s.takes is not None and k in s.takes]
+        if not into and fb.ok and fb.takes is None:  # any option, or a name not found
+            into = [fb]
+        if not into:
+            notes.ignored.setdefault(f"feedback {fb.name!r}", []).append(old)
+        for s in into:
+            s.put(k, v, old, notes, FEEDBACK_KEYS[k], has_default=True)
+    for key, sec in (("feedback", fb), ("adaptive", ad)):
+        opts = extra.get(key)
+        if opts is None:
+            continue
+        old = f"compression.{key}_options"
+        if not isinstance(opts, Mapping):
+            raise ConfigError(f"{old}: must be a mapping, got {opts!r} (write it as "
+                              f"{sec.path}.options)")
+        for k, v in opts.items():  # over the flat keys, as before
+            sec.put(str(k), v, f"{old}.{k}", notes)
+        if not opts:
+            notes.dropped.append(f"{old} (empty)")
+    fb.store(comp, "feedback")
+    ad.store(comp, "adaptive")
+
+
+def _server(srv: dict[str, Any], notes: _Notes) -> None:
+    flat = {k: srv.pop(k) for k in SERVER_KEYS if k in srv}
+    if not flat:
+        return
+    opt = _Named(srv, "optimizer", "server.optimizer")
+    for k, v in flat.items():
+        old = f"server.{k}"
+        if opt.ok and (opt.takes is None or k in opt.takes):
+            opt.put(k, v, old, notes, SERVER_KEYS[k], has_default=True)
+        else:
+            notes.ignored.setdefault(f"server optimizer {opt.name!r}", []).append(old)
+    opt.store(srv, "optimizer")
+
+
+def _client(client: dict[str, Any], notes: _Notes) -> None:
+    if "method_options" not in client:
+        return
+    opts = client.pop("method_options")
+    if not isinstance(opts, Mapping):
+        raise ConfigError(f"client.method_options: must be a mapping, got {opts!r} (write it "
+                          "as client.method.options)")
+    method = _Named(client, "method", "client.method")
+    for k, v in opts.items():
+        method.put(str(k), v, f"client.method_options.{k}", notes)
+    if not opts:
+        notes.dropped.append("client.method_options (empty)")
+    method.store(client, "method")
+
+
+def twins(key: str) -> list[str]:
+    """The other spellings, old and new, of the option (or options mapping) that the
+    dotted key ``key`` sets: an override clears them before it sets its own, so an
+    override wins over the file in either shape (``compression.tau=0.05`` on a config
+    whose FLARE has ``options: {tau: 0.5}``, and the reverse). Empty for other keys."""
+    parts = key.split(".")
+    n = len(parts)
+    if parts[0] == "compression" and n >= 2:
+        opt = parts[-1]
+        if n == 2 and opt in FEEDBACK_KEYS:
+            return [f"compression.feedback.options.{opt}", f"compression.feedback_options.{opt}"]
+        for new, old in (("feedback", "feedback_options"), ("adaptive", "adaptive_options")):
+            if parts[1:3] == [new, "options"] and n <= 4:
+                flat = [f"compression.{opt}"] if n == 4 and new == "feedback" and (
+                    opt in FEEDBACK_KEYS) else []
+                if n == 3 and new == "feedback":  # the whole mapping: every flat key too
+                    flat = [f"compression.{k}" for k in FEEDBACK_KEYS]
+                return [".".join(["compression", old, *parts[3:]]), *flat]
+            if parts[1] == old and n <= 3:
+                flat = [f"compression.{opt}"] if n == 3 and new == "feedback" and (
+                    opt in FEEDBACK_KEYS) else []
+                return [".".join(["compression", new, "options", *parts[2:]]), *flat]
+    if parts[0] == "server":
+        if n == 2 and parts[1] in SERVER_KEYS:
+            return [f"server.optimizer.options.{parts[1]}"]
+        if n == 4 and parts[1:3] == ["optimizer", "options"] and parts[3] in SERVER_KEYS:
+            return [f"server.{parts[3]}"]
+        if n == 3 and parts[1:3] == ["optimizer", "options"]:
+            return [f"server.{k}" for k in SERVER_KEYS]
+    if parts[0] == "client":
+        if parts[1:3] == ["method", "options"] and n <= 4:
+            return [".".join(["client", "method_options", *parts[3:]])]
+        if n >= 2 and parts[1] == "method_options" and n <= 3:
+            return [".".join(["client", "method", "options", *parts[2:]])]
+    return []
+
+
+def translate(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``data`` in today's shape (see the module docstring); ``data`` itself when it holds
+    no old key. Logs one warning line naming each old key and where it went (once per
+    process for the same text); :class:`ConfigError` for an option given both ways."""
+    notes = _Notes()
+    out = dict(data)
+    for name, fix in (("compression", _compression), ("server", _server),
+                      ("client", _client)):
+        section = out.get(name)
+        if isinstance(section, Mapping):
+            section = dict(section)
+            fix(section, notes)
+            out[name] = section
+    if not notes:
+        return data
+    msg = notes.line()
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        log.warning("%s", msg)
+    return out
