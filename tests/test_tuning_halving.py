@@ -186,6 +186,11 @@ def test_same_suite_same_trials_and_runs_reused(tmp_path, monkeypatch):
     _, c3, f3 = _tune(_suite(tmp_path, out="one"), monkeypatch)
     assert not f3.ran and c3 == c1
     assert json.loads((tmp_path / "one" / "h.tuning.json").read_text()) == rec[0]
+    # a report only (workers=0) reads the same rungs and choice, running and copying nothing
+    before = sorted(p.name for p in (tmp_path / "one" / "s").iterdir())
+    assert tune_protocol(load_suite(_suite(tmp_path, out="one")), workers=0,
+                         log=lambda s: None) == c1
+    assert sorted(p.name for p in (tmp_path / "one" / "s").iterdir()) == before
 
 
 def test_a_bigger_budget_keeps_the_first_trials_and_their_rung_results(tmp_path, monkeypatch):
