@@ -16,6 +16,7 @@ tensors (a rejected client's are placeholders, never read).
 from __future__ import annotations
 
 import logging
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from fedloom.engine.screen import (
     clip_rows,
     count_reason,
     finite_rows,
+    first_line,
     loss_reason,
     non_finite_reason,
     row_norms,
@@ -71,15 +73,15 @@ def receive(algo: Algorithm, space: ModelSpace, rules: ScreenRules, downlink_siz
     sent = [u for i, u in enumerate(ups) if i not in refused]
     density = (float(np.mean([coordinates_sent(u.payload) for u in sent])) / space.layout.size
                if sent else float("nan"))
-    rows = _decode(algo.feedback, space, st, plan, ups)
-    reasons = dict(refused)
+    rows, undecodable = _decode(algo.feedback, space, st, plan, ups)
+    reasons = {**refused, **undecodable}
     # With a size rule on, one norm pass also tells the non-finite rows.
     norms = row_norms(rows) if rules.sized else None
     finite = torch.isfinite(norms) if norms is not None else finite_rows(rows)
     # Masks and ids stay on the host (m entries): a host index works on a device
     # tensor, not the other way round.
     finite = finite.cpu()
-    for i in refused:
+    for i in reasons:
         finite[i] = False
     needs_start = "start_losses" in algo.requires
     _reject_absurd_numbers(results, finite, reasons, needs_start)
@@ -136,15 +138,30 @@ def _reject_absurd_numbers(results: Sequence[ClientResult], finite: torch.Tensor
 
 
 def _decode(feedback: Any, space: ModelSpace, st: RunState, plan: RoundPlan,
-            ups: Sequence[UplinkResult]) -> torch.Tensor:
-    """The ``[m, d]`` rows the aggregator would receive (zeros for refused clients)."""
+            ups: Sequence[UplinkResult]) -> tuple[torch.Tensor, dict[int, str]]:
+    """The server half of the uplink: each payload decoded here, with the round's
+    compressor (never the client's own decode), then the feedback policy's
+    ``server_row``. Returns the ``[m, d]`` rows the aggregator would receive (zeros
+    for refused clients and for those whose payload does not decode) and why each
+    of the latter was rejected."""
     d = space.layout.size
-    row_list = [feedback.server_row(u, plan.fb_rows[i], st.feedback_state)
-                if i not in plan.refused
-                else torch.zeros(d, dtype=space.dtype, device=space.device)
-                for i, u in enumerate(ups)]
-    return (torch.stack(row_list) if row_list
+    zeros = torch.zeros(d, dtype=space.dtype, device=space.device)
+    failed: dict[int, str] = {}
+    row_list = []
+    for i, u in enumerate(ups):
+        if i in plan.refused:
+            row_list.append(zeros)
+            continue
+        try:
+            u.sent = plan.comp.decode(u.payload, d).to(space.device, space.dtype)
+        except (ValueError, ArithmeticError, struct.error) as e:
+            failed[i] = f"payload could not be decoded ({first_line(e)})"
+            row_list.append(zeros)
+            continue
+        row_list.append(feedback.server_row(u, plan.fb_rows[i], st.feedback_state))
+    rows = (torch.stack(row_list) if row_list
             else torch.empty((0, d), device=space.device)).to(space.dtype)
+    return rows, failed
 
 
 def _reject_non_finite(rows: torch.Tensor, finite: torch.Tensor, reasons: dict[int, str],

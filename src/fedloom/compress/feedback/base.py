@@ -1,6 +1,23 @@
 """The feedback protocol: what an uplink knows and returns (:class:`UplinkContext`,
 :class:`UplinkResult`, :class:`RoundEnd`) and :class:`NoFeedback`, the base policy
-(send ``C(g)``; no state) every policy derives from (:mod:`fedloom.compress.feedback`)."""
+(send ``C(g)``; no state) every policy derives from (:mod:`fedloom.compress.feedback`).
+
+A policy has two halves, each called on its own side:
+
+- **client half**: ``fields``, ``alpha``, ``start_point``, ``grad_shift``,
+  ``penalty``, ``probes_smoothness`` (its part of local training) and
+  ``uplink(g, rows, comp, ctx, server) -> UplinkResult``: the payload bytes and the
+  client's new rows. It decodes its own payload only where its rows need it (EF's
+  residual ``e = u − C(u)``); the plain uplink does not.
+- **server half**: ``init_server``, ``server_row(up, rows, server)`` (the row the
+  aggregator receives, from :attr:`UplinkResult.decoded`), ``end_round`` and
+  ``round_metrics``. The engine's receive stage decodes every payload itself
+  with the round's compressor and sets :attr:`UplinkResult.sent` to that before
+  ``server_row``: the server reads the bytes it received, as a deployed one does,
+  never the client's own decode. Departure: CSER's reset payload
+  (``extra_payloads``) is decoded by the policy on the client side
+  (``extra_sent``), its codec being the policy's own.
+"""
 
 from __future__ import annotations
 
@@ -34,7 +51,9 @@ class UplinkContext:
 @dataclass
 class UplinkResult:
     payload: bytes
-    sent: torch.Tensor                 # decode(payload), the vector the server sees
+    # decode(payload): the client's own where its rows need it (None: it did not
+    # decode), replaced by the server's decode of the bytes before server_row
+    sent: torch.Tensor | None
     state: dict[str, torch.Tensor]     # the client's new state rows
     residual_norm: float = 0.0
     extra_payloads: list[bytes] = field(default_factory=list)  # sent besides (CSER resets)
@@ -42,6 +61,13 @@ class UplinkResult:
     row_scale: float = 1.0             # the scale of `sent` in the server row (EF21, SCAFCOM)
     # SA-PEF's residual schedule: ‖Δ‖ = ‖x_0 − x_T‖, the local steps' own displacement
     progress_norm: float = float("nan")
+
+    @property
+    def decoded(self) -> torch.Tensor:
+        """``decode(payload)``, what the server half reads (the server sets it)."""
+        if self.sent is None:
+            raise ValueError("uplink: the payload has not been decoded")
+        return self.sent
 
 
 @dataclass
@@ -106,12 +132,12 @@ class NoFeedback:
 
     def uplink(self, g: torch.Tensor, state: dict[str, torch.Tensor], comp: Compressor,
                ctx: UplinkContext, server: ServerState) -> UplinkResult:
-        p = comp.encode(g, gen=ctx.gen)
-        return UplinkResult(p, comp.decode(p, g.numel()).to(g.device, g.dtype), {})
+        # the client keeps nothing: no need to decode its own payload
+        return UplinkResult(comp.encode(g, gen=ctx.gen), None, {})
 
     def server_row(self, up: UplinkResult, state: dict[str, torch.Tensor],
                    server: ServerState) -> torch.Tensor:
-        return up.sent
+        return up.decoded
 
     def end_round(self, ups: Sequence[UplinkResult], server: ServerState, num_clients: int,
                   probes: Sequence[float]) -> RoundEnd:

@@ -109,14 +109,14 @@ class EF21(NoFeedback):
 
     def server_row(self, up: UplinkResult, state: dict[str, torch.Tensor],
                    server: ServerState) -> torch.Tensor:
-        if self.mean == "sampled":
-            return up.state["h"]
+        if self.mean == "sampled":  # h_k + c_k, from the server's copy of h_k
+            return state["h"] + up.decoded
         g: torch.Tensor = server["g"]  # ServerState holds Any: name the tensor's type
-        return g.to(up.sent.dtype) + up.row_scale * up.sent
+        return g.to(up.decoded.dtype) + up.row_scale * up.decoded
 
     def end_round(self, ups: Sequence[UplinkResult], server: ServerState, num_clients: int,
                   probes: Sequence[float]) -> RoundEnd:
         if self.mean == "sampled" or not ups:
             return RoundEnd(None, server)
-        total = torch.stack([u.sent for u in ups]).sum(0).to(server["g"].dtype)
+        total = torch.stack([u.decoded for u in ups]).sum(0).to(server["g"].dtype)
         return RoundEnd(None, {**server, "g": server["g"] + total / num_clients})

@@ -108,12 +108,12 @@ class SCAFCOM(NoFeedback):
     def server_row(self, up: UplinkResult, state: dict[str, torch.Tensor],
                    server: ServerState) -> torch.Tensor:
         c: torch.Tensor = server["c"]  # ServerState holds Any: name the tensor's type
-        return up.row_scale * (up.sent + c.to(up.sent.dtype))
+        return up.row_scale * (up.decoded + c.to(up.decoded.dtype))
 
     def end_round(self, ups: Sequence[UplinkResult], server: ServerState, num_clients: int,
                   probes: Sequence[float]) -> RoundEnd:
         if not ups:
             return RoundEnd(None, server)
-        mean = torch.stack([u.sent for u in ups]).mean(0)
+        mean = torch.stack([u.decoded for u in ups]).mean(0)
         c = server["c"] + (len(ups) / num_clients) * mean.to(server["c"].dtype)
         return RoundEnd(None, {**server, "c": c})

@@ -114,7 +114,7 @@ class FedloomMod:
         up = fb.uplink(g, state, comp, ctx, {})
         # A non-finite update is rejected by the server; the state stays as it was,
         # as the engine does for a rejected client.
-        if bool(torch.isfinite(up.sent).all()) and all(
+        if (up.sent is None or bool(torch.isfinite(up.sent).all())) and all(
                 bool(torch.isfinite(v).all()) for v in up.state.values()):
             self._save_state(context, up.state, self.state_dtype)
         content = RecordDict({

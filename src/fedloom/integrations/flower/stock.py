@@ -205,7 +205,7 @@ class CompressionMod:
         g = (w - w_k).contiguous()
         ctx = UplinkContext(r, lr, 1, alpha, torch_gen(self.seed, r, k, Purpose.COMPRESS))
         up = fb.uplink(g, state, comp, ctx, {})
-        if bool(torch.isfinite(up.sent).all()) and all(
+        if (up.sent is None or bool(torch.isfinite(up.sent).all())) and all(
                 bool(torch.isfinite(v).all()) for v in up.state.values()):
             self._save(context, up.state)
         fields: dict[str, Any] = {"payload": up.payload,
