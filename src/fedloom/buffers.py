@@ -1,54 +1,24 @@
 """Module buffers (BatchNorm running statistics) under federated training.
 
-Every method in fedloom acts on the trainable parameters flattened into ``w``
-(:mod:`fedloom.params`). A module's *buffers* — BatchNorm's ``running_mean``,
-``running_var`` and ``num_batches_tracked``, anything a user registers with
-``register_buffer`` (persistent ones: those in ``state_dict``) — are not
-parameters: no gradient moves them, a train-mode forward rewrites them in
-place. They travel beside ``w`` as a name → tensor mapping, and
-``model.buffers`` says what the server does with them after a round:
+Buffers (``running_mean``, ``running_var``, ``num_batches_tracked``, anything
+registered with ``register_buffer`` and persistent) are not parameters: they
+travel beside ``w`` as a name → tensor mapping, and ``model.buffers`` says what
+the server does with them after a round:
 
-- ``average`` (default): the global buffers become the data-weighted mean of
-  the buffers the round's accepted clients end their local training with,
-  ``b ← Σ_k n_k b_k / Σ_k n_k`` with ``n_k`` the client's training samples
-  (FedAvg's weights, McMahan et al. 2017; what averaging a ``state_dict``
-  does in the common FedAvg code). The mean is taken in float64 and cast to
-  the buffer's dtype. Integer buffers (``num_batches_tracked``) take the
-  **maximum** over the clients: the count of a client that trained the most
-  steps from the global count (a sum would count the global batches once per
-  client; the count only matters for BatchNorm with ``momentum=None``, whose
-  cumulative average then weighs the next batch as that client would).
-- ``local`` (FedBN, Li et al., "FedBN: Federated Learning on Non-IID Features
-  via Local Batch Normalization", ICLR 2021): each client keeps its own
-  buffers in the per-client state store (field ``bn.buffers``, with a
-  one-entry flag ``bn.buffers_set``); it starts local training from them
-  (from the global buffers before it first trains) and its own test split is
-  evaluated with them. The global buffers are still the ``average`` of the
-  round's clients, and the global test set is evaluated with those. Departure
-  from FedBN: there the BatchNorm *affine* parameters stay local too; here
-  they are part of ``w`` and aggregated like every parameter (so any
-  aggregator applies unchanged). Stored rows use ``state.dtype`` like every
-  per-client row (``float16`` rounds the statistics).
-- ``keep_global``: the global buffers are never updated (clients' changes are
-  dropped); evaluation uses the initial ones.
+- ``average`` (default): the data-weighted mean ``Σ_k n_k b_k / Σ_k n_k`` of the
+  accepted clients' buffers (FedAvg's weights, McMahan et al. 2017), in float64;
+  integer buffers take the maximum;
+- ``local`` (FedBN, Li et al., ICLR 2021): each client keeps its own in the state
+  store and is evaluated with them; the global ones are still the average.
+  Departure from FedBN: the BatchNorm affine parameters are part of ``w`` and
+  aggregated;
+- ``keep_global``: never updated.
 
-Buffers are never aggregated by the configured aggregator, never compressed,
-never enter an error-feedback residual or any other per-client state of a
-compressor or feedback policy: CRAFT, the robust rules, the compressors and
-the feedback policies see ``w`` only. A client whose buffers are not finite is
-rejected like one whose update is not; a rejected round leaves the buffers as
-they were. Buffers ride in checkpoints (a resumed run is bit-identical), in
-``model.pt``'s ``state_dict`` and as ``buffers_sha256`` in ``summary.json``.
-
-Non-persistent buffers (``persistent=False``: constants such as masks) are not
-part of the policy: each copy of the module keeps its own.
-
-Checked against plain PyTorch (``tests/test_train_mode.py``): a client's local
-training on the flat vector, against the same batches through an ordinary
-``nn.BatchNorm2d`` model in train mode stepped by ``torch.optim.SGD`` (conv →
-BatchNorm2d → linear on the 8×8 digits, 4 clients of 9–12 steps): the
-buffers agree bit for bit, the weights to 1.4e-17 (float64) and 1.5e-8
-(float32), the order of summation in the gradient.
+Buffers are never aggregated by the aggregator, compressed or fed back; a client
+with non-finite buffers is rejected. Checked against plain PyTorch
+(tests/test_train_mode.py; conv → BatchNorm2d → linear, 4 clients): the buffers
+agree bit for bit, the weights to 1.4e-17 (float64) and 1.5e-8 (float32).
+Each policy in detail: docs/explanation/train-mode.md (Buffers in detail).
 """
 
 from __future__ import annotations

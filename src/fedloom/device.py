@@ -6,36 +6,14 @@ it into a ``torch.device``; asking for CUDA on a machine without it, or for
 ``cuda:N`` beyond the visible count, is a :class:`~fedloom.config.ConfigError`
 naming ``device`` (the CLI exits 2).
 
-On the device: the data, the model, the flat parameter vector, local training,
-aggregation and compression. In host memory: the per-client state store (its
-rows are copied to the device for a cohort and back; pinned host memory on
-CUDA so the copies are DMA transfers), the payload bytes (only the selected
-indices and values of a sparse update cross to the host to be encoded),
-checkpoints (saved as CPU tensors, loaded onto the run's device).
-
-Determinism on CUDA (:func:`configure`): before any CUDA work fedloom sets
-``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (cuBLAS picks its reduction order per
-workspace; a fixed workspace makes it repeatable — NVIDIA's cuBLAS docs,
-"Results reproducibility"), ``torch.use_deterministic_algorithms(True,
-warn_only=True)`` (an operation with no deterministic CUDA kernel warns
-instead of stopping the run; the warning names it), cuDNN's deterministic
-mode with autotuning off, and TF32 off for matmul and cuDNN (TF32 keeps 10
-mantissa bits: CRAFT's and ConFIG's Gram products and constraint checks would
-lose three orders of accuracy). Same config, seed and GPU then give the same
-``model_sha256``. The flags are process-wide; :func:`configure` returns a
-function that puts back what was there, called when the run ends.
-
-CPU against GPU: not measured yet (no GPU was available when this was
-written); ``benchmarks/gpu_check.py`` measures it on a machine that has one.
-
-Threads (:func:`apply_threads`): ``backend.threads`` ≥ 1 is passed to
-``torch.set_num_threads`` for the run and the previous count is put back when
-it ends; ``0`` leaves the process's count as it is — in a fresh process torch's
-default, every core it may use, or ``OMP_NUM_THREADS`` when that is set (the
-user has already chosen); in a notebook, whatever ``torch.set_num_threads``
-last set. Worker processes (``process``, ``ray``) take 1 thread each unless
-``backend.threads`` is set. The count used is in the run's summary
-(``threads``).
+On the device: the data, the model, ``w``, training, aggregation and compression;
+in host memory: the per-client state store, the payload bytes and checkpoints.
+:func:`configure` makes CUDA deterministic (a fixed cuBLAS workspace,
+deterministic algorithms warn-only, cuDNN deterministic, TF32 off) and returns a
+function that puts the flags back; :func:`apply_threads` sets
+``backend.threads`` for the run (0 leaves the process's count). CPU against GPU:
+not measured yet (``benchmarks/gpu_check.py``). Each setting and why:
+docs/howto/gpu.md (Devices and threads in detail).
 """
 
 from __future__ import annotations

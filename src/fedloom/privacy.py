@@ -1,192 +1,30 @@
 """Client-level differential privacy: DP-FedAvg (central) and local Gaussian noise.
 
-Settings in, state out (the optax pattern): :class:`Privacy` holds the
-settings; its state (the clip bound ``C_t`` of adaptive clipping, the local
-mode's participation counts) goes in and comes back, and lives in the run's
-:class:`~fedloom.engine.runstate.RunState` and checkpoint, so a resumed run is
-bit-identical to an uninterrupted one. Every noise draw comes from a generator
-derived from ``(seed, round, client, purpose)`` (:mod:`fedloom.rng`).
+Central (``privacy.mode: central``): McMahan, Ramage, Talwar & Zhang, "Learning
+Differentially Private Recurrent Language Models" (ICLR 2018), Algorithm 1 with
+unit client weights and the fixed denominator ``m̄ = cohort.size``::
 
-Central mode (``privacy.mode: central``) — DP-FedAvg
------------------------------------------------------
-McMahan, Ramage, Talwar & Zhang, "Learning Differentially Private Recurrent
-Language Models" (ICLR 2018), Algorithm 1 with unit client weights
-(``w_k = 1``) and the fixed-denominator estimator. In round ``t`` the server
-takes the decoded row ``u_k`` of each accepted client of the cohort ``S_t``::
+    Δ_t = (Σ_{k accepted} u_k · min(1, C_t/‖u_k‖₂) + ξ_t) / m̄,  ξ_t ~ N(0, σ_Δ² C_t² I_d)
 
-    ũ_k = u_k · min(1, C_t / ‖u_k‖₂)                          (clip)
-    Δ_t = (Σ_{k∈S_t accepted} ũ_k + ξ_t) / m̄,  ξ_t ~ N(0, σ_Δ² C_t² I_d)
+for ``fedavg`` only (``linear`` and ``dp_mean`` capabilities). Adaptive clipping:
+Andrew, Thakkar, McMahan & Ramaswamy (NeurIPS 2021), the geometric update
+``C_{t+1} = C_t · exp(−η_C (b̃_t − γ))`` with ``σ_Δ`` raised by their Theorem 1.
+Local (``privacy.mode: local``): each client clips to ``C`` and adds
+``N(0, z² C² I_d)`` before its feedback policy and compressor. ε comes from
+``dp-accounting``'s RDP accountant: ``SampledWithoutReplacementDpEvent(N, m̄,
+GaussianDpEvent(z/2))`` per round (replace-one relation; central), or
+``GaussianDpEvent(z/2)`` composed over a client's rounds (local).
 
-``m̄ = cohort.size``, the **expected** cohort size (here the exact one: the
-cohort is ``cohort.size`` clients drawn uniformly without replacement). The
-denominator is fixed: a client that is dropped or rejected (non-finite,
-undecodable, above ``server.max_update_norm``) contributes the zero vector
-and the sum is still divided by ``m̄``, so no client's data changes the
-denominator. ``Δ_t`` replaces the aggregator's direction and goes to the
-server optimizer (any optimizer is post-processing). Each client counts once
-whatever its sample count: ``fedavg``'s ``n_k`` weighting is not applied
-(McMahan et al.'s ``w_k = 1``). The aggregator must declare ``linear``
-(``Σ_k a_k g_k`` with coefficients that do not depend on the updates' values)
-*and* reduce to the plain mean under unit weights (``dp_mean``) in its
-capabilities (:mod:`fedloom.capabilities`): only
-``fedavg``. Every other rule is refused with one line: a nonlinear rule
-(CRAFT, ConFIG, FedFV, FedLF, median, trimmed mean, Krum, q-FedAvg, AFL,
-coordinate mean) has no sensitivity we can state, and FedNova's coefficients
-``τ_eff/a_k`` make one client's weight depend on the others' step counts.
+Public code checked: TF Privacy's ``QuantileEstimatorQuery`` (the same count,
+denominator, clamp and update); Flower 1.42's noise std ``z·C/m`` and adaptive
+``σ_Δ`` equal ours to 1e-15 (tests/test_privacy.py). Departures from Flower's
+adaptive strategy: the count is of unclipped updates (as the paper), and the
+noise is scaled to ``C_t``, not ``C_{t+1}``. The state (``C_t``, participation
+counts) goes in and comes back (:class:`Privacy`), every draw is from
+:mod:`fedloom.rng`, so a resumed run is bit-identical.
 
-The noise comes from ``(seed, round, -1, "dp-noise")``. ``σ_Δ = z``
-(``privacy.noise_multiplier``) without adaptive clipping.
-
-Adaptive clipping (``privacy.adaptive_clip.enabled``), Andrew, Thakkar,
-McMahan & Ramaswamy, "Differentially Private Learning with Adaptive
-Clipping" (NeurIPS 2021), geometric update of their Algorithm 1::
-
-    b̃_t = clamp((Σ_{k accepted} 1[‖u_k‖₂ ≤ C_t] + N(0, σ_b²)) / m̄, 0, 1)   ("dp-count")
-    C_{t+1} = C_t · exp(−η_C (b̃_t − γ))
-
-with ``γ`` = ``target_quantile``, ``η_C`` = ``lr``, ``σ_b`` = ``count_stddev``
-(default ``m̄/20``, the paper's recommendation). The count is a second
-release; the update's noise is raised to ``σ_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2)``
-(their Theorem 1) so that the pair costs what one Gaussian release with
-noise multiplier ``z`` costs (the accountant below uses ``z``); this needs
-``2σ_b > z``, checked with one line. ``C_t`` is public (a function of past
-releases); it is in the run state and checkpoint.
-
-Public code checked. TF Privacy's ``QuantileEstimatorQuery``
-(tensorflow/privacy, ``dp_query/quantile_estimator_query.py``): the same
-count of updates *at or below* the estimate, the fixed denominator (its
-``expected_num_records``), the clamp to [0, 1] and the geometric update (it
-centres each bit at ±0.5 for an add-or-remove sensitivity of 1/2; under our
-replace-one relation the count's sensitivity is 1 either way, and the noise
-formula above is the same). Flower 1.42 (``flwr.supercore.differential_privacy``,
-installed with the dev extra): the noise std ``z·C/m`` of
-``DifferentialPrivacyServerSideFixedClipping`` and ``σ_Δ`` with the default
-``σ_b = m/20`` of its adaptive strategy equal ours to 1e-15
-(tests/test_privacy.py). Two departures from Flower's
-``DifferentialPrivacyServerSideAdaptiveClipping``: it counts the updates that
-*were clipped* (scaling factor < 1) in the paper's update, which moves ``C``
-the opposite way (for ``γ = 0.5`` and every update clipped it shrinks
-``C`` further); and it updates ``C`` before drawing the noise, so the noise is
-scaled to ``C_{t+1}`` while the updates were clipped to ``C_t`` (too little
-noise whenever ``C`` shrinks). Here the count is of unclipped updates, as the
-paper and TF Privacy, and the noise uses ``C_t``.
-
-Accountant (central). The rounds are accounted with Google's
-``dp-accounting`` (RDP accountant, its default orders): each round is a
-``SampledWithoutReplacementDpEvent(N, m̄, GaussianDpEvent(z/2))``, composed
-over the rounds run (``dp_epsilon`` at ``privacy.delta`` in each round's
-metrics and in ``summary.json``). Assumptions, stated exactly:
-
-- Sampling: fedloom draws a fixed-size cohort of ``m̄`` of the ``N =
-  data.num_clients`` clients uniformly without replacement, independently
-  each round (:meth:`~fedloom.engine.experiment.Experiment.sample_cohort`), which is
-  what this event describes (Wang, Balle & Kasiviswanathan, "Subsampled Rényi
-  Differential Privacy and Analytical Moments Accountant", AISTATS 2019,
-  Theorem 27, as implemented by the library). Poisson sampling is *not*
-  assumed. A cohort drawn from fewer than ``N`` clients (only the available
-  ones, ``system.availability``) would break the ``q = m̄/N`` amplification:
-  that combination is refused with one line. Deadlines and mid-round
-  dropouts (``system.*``) are fine: a client that does not report adds zero.
-- Neighbouring relation: **replace one client** (all of one client's data
-  replaced by any other data; ``N`` is public) — the relation under which the
-  library accounts sampling without replacement. Under it the L2 sensitivity
-  of the clipped sum is ``2C_t`` (two vectors in the ball of radius ``C_t``),
-  and of the clipped count 1, so the event's noise multiplier (noise std over
-  sensitivity) is ``σ_Δ C_t / 2C_t = z/2`` (adaptive: the pair's combined
-  multiplier, also ``z/2``).
-- Measured (``N = 100``, ``m̄ = 10``, ``z = 1``, 100 rounds, ``δ = 1e-5``):
-  ε = 83.9 with this event; the Poisson/add-or-remove event that Opacus,
-  TensorFlow Privacy and Flower's accountant examples use would give 7.9 for
-  the same numbers — but fedloom does not sample that way, and that number
-  would be false here.
-
-What is private in central mode: the sequence of global models (and the
-server optimizer's state, the iterate average, everything computed from them
-and public data), against anyone who sees them, for each client, under the
-relation above. Not private: the uplink — the server sees every decoded row
-before clipping and noise, so the guarantee is **not** against the server
-(use local mode, or secure aggregation with client-side clipping, for that).
-fedloom's diagnostics computed from the clients' raw data (``train_loss``,
-``conflict_rate``, ``residual_norm``, ``grad_mismatch``, per-client
-accuracies, rejected-client ids) are not private either: they are the
-researcher's view of a simulation, not releases of a deployment.
-
-Composition with compression and error feedback (central): clipping and
-noise act on the **decoded** rows at the server, after compression and after
-the feedback policy's ``server_row``. The clipped-off part of a row is lost
-(not fed back: the client's residual was computed before the server clipped).
-The residuals are client state and never released, so EF composes. A policy
-whose server keeps or broadcasts something computed from the clients'
-messages outside the noised sum — EF21-PP's ``ḡ``, SCAFCOM's ``c``, CSER's
-reset ``ē``, SA-PEF's theory schedule (smoothness probes of raw gradients) —
-is refused (its capabilities' ``row_only``), and so is a local method with
-server state (SCAFFOLD's ``c``). ``server.max_norm_ratio`` is not applied
-under privacy: it would make one client's acceptance depend on the others'
-norms, and the clip already bounds every contribution.
-
-Local mode (``privacy.mode: local``)
-------------------------------------
-Each client clips its dense update to ``C`` and adds ``N(0, z² C² I_d)``
-from ``(seed, round, client, "dp-noise")`` **before** its feedback policy and
-compressor, and before any screening rule: everything it sends afterwards
-(the payload, CSER's reset, EF's residual ``e ← u − C(u)``, which now holds
-noisy values), and whether it sends at all (``server.max_update_norm`` is
-applied to the noisy update), is post-processing of the noisy updates. A
-non-finite update is replaced by zero before the noise, not withheld (its
-absence would depend on the data). Per round a client's message is the Gaussian mechanism with
-sensitivity ``2C`` (replace the client's data) and noise ``zC``; over the
-``n`` rounds it took part in, ε is that of ``GaussianDpEvent(z/2)`` composed
-``n`` times (RDP accountant; no amplification by sampling: the server sees who
-sent). ``dp_epsilon`` reports the largest ``n`` over all clients so far (the
-participation counts are in the run state). The guarantee holds against the
-server and anyone on the uplink; any aggregator is post-processing, so CRAFT,
-median and the others compose. Not private, and refused: aggregators that
-read a client's loss at the received model (``requires`` holds
-``start_losses``: AFL, FedFV, FedLF, q-FedAvg), SA-PEF's theory schedule, and
-local methods with server state (SCAFFOLD). The sample count ``n_k`` (and the
-local step count) is sent in the clear, so the relation is: a client's data
-replaced by other data **of the same size**. Adaptive clipping is central only.
-
-Measured
---------
-MNIST, ``configs/quickstart.yaml`` (100 clients, Dirichlet 0.3, 10 a round,
-MLP 784-200-200-10 with 199,210 parameters, seed 0), 30 rounds, unit
-weights: ``fedloom run configs/quickstart.yaml rounds=30
-'aggregator.options={weighted: false}' privacy.mode=… privacy.clip=…
-privacy.noise_multiplier=…``. Final test accuracy: no DP 0.907; central
-``z = 1, C = 1`` 0.334 at ε = 32.3 (δ = 1e-5); central ``z = 0.3, C = 0.5``
-0.863 at ε = 1226; central adaptive (``z = 1``, ``σ_b = 1``, ``γ = 0.5``,
-``η_C = 0.2``) 0.129, ``C`` growing from 1 to 14.4 as the noisy model's
-updates grew; local ``z = 1, C = 1`` 0.104 at ε = 45.2. With 10 clients a
-round the noise (std ``zC/10`` on each of 199k coordinates) swamps the
-signal: DP-FedAvg needs cohorts of hundreds (McMahan et al. 2018).
-
-Not claimed
------------
-The guarantees are for the real-valued Gaussian mechanism. The noise is
-floating-point samples from ``torch.randn``; floating-point attacks on
-textbook Gaussian samplers (Mironov, CCS 2012; Jin et al., S&P 2022) are not
-defended against. Nothing here protects against a malicious server that
-changes the code it runs.
-
-Secure aggregation (``server.secure_aggregation: true``)
---------------------------------------------------------
-A server that sees only the sum of masked updates (Bonawitz et al., CCS 2017;
-SecAgg+, Bell et al., CCS 2020) can compute a rule ``Σ_k a_k g_k`` whose
-coefficients come from sums too (``n_k g_k`` and ``n_k`` for FedAvg;
-``n_k g_k/a_k``, ``n_k`` and ``n_k a_k`` for FedNova): aggregators declaring
-``linear`` capabilities. The payloads must be dense vectors over the same
-coordinates for every client, so that their sum decodes to the sum of the
-decoded updates: compressors declaring ``linear`` (identity, fp16,
-bf16). Top-k and rand-k (per-client supports), sign and QSGD (a per-client
-scale) and every nonlinear aggregator are refused with one line. In the
-in-process engine the flag checks this composition only: nothing is masked,
-and the server-side screening (``server.max_norm_ratio``,
-``server.clip_norm``) still sees each row, which a deployed SecAgg server
-could not. On Flower, :mod:`fedloom.integrations.secagg` runs Flower's SecAgg+
-(its scope is stated there), central DP included: the clients clip before
-masking, and the server adds the noise to the unmasked sum (:meth:`Privacy.release`),
-so the server then sees only the sum of clipped updates.
+Assumptions, what is and is not private, composition with compression and
+secure aggregation, and measurements: docs/explanation/methods.md (Privacy in detail).
 """
 
 from __future__ import annotations
@@ -480,7 +318,8 @@ def make_privacy(cfg: Any, num_clients: int) -> Privacy:
 def check_privacy(privacy: Privacy, *, aggregator: Any, aggregator_name: str, feedback: Any,
                   feedback_name: str, method: Any, method_name: str, w: torch.Tensor) -> None:
     """Refuse, with one line naming the field, what the mechanism cannot cover
-    (module docstring). Reads the components' declared capabilities only."""
+    (docs/explanation/methods.md, Privacy in detail). Reads the components' declared
+    capabilities only."""
     if not privacy.enabled:
         return
     mode = privacy.mode

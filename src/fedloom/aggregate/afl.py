@@ -21,11 +21,10 @@ The paper and the public code report the running average of the iterates: set
 
 Checked against the public rule: tests/test_baselines_public.py replays two
 rounds of the public update (direction and λ, NumPy) and compares to 1e-12.
-Before, the defaults were ``γ_λ = 0.1`` and the direction ``Σ λ_k ĝ_k`` (a
-model step of ``server.lr/η_l`` times the public one at the default
-``server.lr = 1``). Departure: a client whose update is rejected this round
-drops out of this round's model step (the others' λ renormalised) and gets no
-loss term in this round's λ step; the public code has no rejected updates.
+Departure: a client whose update is rejected this round drops out of this
+round's model step (the others' λ renormalised) and gets no loss term in this
+round's λ step; the public code has no rejected updates. The former defaults:
+docs/explanation/methods.md (AFL in detail).
 """
 
 from __future__ import annotations

@@ -7,61 +7,22 @@ Networks" (ICLR 2025); public code github.com/tum-pbs/ConFIG
 
     g_u = U⁺ 1,   ĝ = g_u / ‖g_u‖,   g = (Σ_i ⟨g_i, ĝ⟩) ĝ
 
-computed on the Gram matrix: ``g_u = Uᵀλ``, ``λ = G_cut⁺1``,
-``‖g_u‖² = λᵀGλ = Σ_kept (vᵀ1)²/s`` (a sum of non-negative terms),
-``⟨g_i, ĝ⟩ = ‖g_i‖ (1 − r)_i / ‖g_u‖`` with ``r = (I − P)1`` the part of ``1``
-the kept directions cannot reach (0 at full row rank, where every client makes
-the same angle with ``g``).
+computed on the Gram matrix: ``g_u = Uᵀλ``, ``λ = G_cut⁺1``, with singular
+values of ``U`` below ``σ_cut = max(sv_floor, rtol·σ_max)`` dropped (as in CRAFT:
+same options, same numerics, gram.py). ``config_infeasible`` = 1 when no
+direction makes equal angles with every client. ``‖g‖ ≤ mean_i ‖g_i‖`` always.
 
-Dependent rows. As in CRAFT (same options, same numerics: gram.py), singular
-values of ``U`` below ``σ_cut = max(sv_floor, rtol·σ_max)`` (default 1e-3) are
-dropped: ``g_u`` is then the least-squares direction on the kept ones, as the
-public ``torch.linalg.lstsq`` computes it. The mixed Gram is used only where
-no eigenvalue lies within its rounding (``8·m·eps32``) of ``σ_cut²``; elsewhere
-the Gram is recomputed and ``g`` formed in float64. ``config_infeasible`` = 1
-when no direction makes equal angles with every client (``r ≠ 0``: rows ``g``
-and ``−g``, more clients than width). ``‖g‖ ≤ mean_i ‖g_i‖`` (``Σ_i ‖g_i‖`` for
-``length="sum"``) always: the length is a mean of projections on a unit vector.
+Checked against the public rule (``length="sum"``, float32 rows, ``pinv(units)
+@ 1``; independent, correlated, near-collinear, low-rank, duplicated and
+norm-spread cohorts): relative difference ≤ 3.3e-6, and 2.0e-4 near-collinear
+(the public float32 pinv's own distance to the float64 rule; ours 1.6e-5).
+Departure: ConFIG sums the projections over its (few) losses; over m clients
+that is m times FedAvg's step, so the default is the mean over the usable
+clients (``length="mean"``; ``length="sum"`` gives the original). Zero rows are
+dropped.
 
-Before the cut and the fallback (``rtol = 1e-6`` on the mixed Gram, ``‖g_u‖²``
-as the quadratic form ``λᵀGλ``), rank-deficient float32 rows kept the mixed
-Gram's rounding (eigenvalues ±6e-7 where the exact ones are 0) as directions:
-the length shrank 1e6–1e7× (low rank, more clients than width), and rows that
-are ± multiples of one direction gave ``λᵀGλ < 0`` → NaN (27 of 300 draws of 5
-rows with the default precision; one is in tests/test_craft_edges.py).
-
-Measured against the public rule (``length="sum"``; float32 rows; the public
-code with ``use_least_square=False``, i.e. ``pinv(units) @ 1``, and with its
-default ``torch.linalg.lstsq``): on independent, correlated (cos 0.9),
-near-collinear (cos 0.9999), anti-correlated, norm-spread (1e-3 … 1e3),
-low-rank, m > width, duplicated and near-duplicated rows, a zero row and ±
-multiples, the relative difference to the public pinv rule is ≤ 3.3e-6, and
-2.0e-4 near-collinear, which is the public float32 pinv's own distance to the
-float64 rule (ours: 1.6e-5). Near-duplicates 1e-4 apart at d = 200 differ by
-3.9e-3: there the public tolerance (``max(m, d)·eps·σ_max``) keeps the 1e-4
-direction. The public default ``lstsq`` (LAPACK ``gelsy``
-in float32) is less robust than its ``pinv``: on 20 anti-correlated rows at
-d = 1e4 (κ(U) = 20) it returned a direction whose equal-angle conditions
-``U x = 1`` miss by 0.71 (pinv: 3e-6, float64: 2e-14).
-
-Range and degenerate cohorts. Where the squares over- or underflow (float32
-rows ≳ 1e19 or ≲ 1e-22 go to the float64 path; there, rows of norm ≳ 1e154 or
-entries ≲ 1e-162 are scaled by powers of two, exactly: gram.py's
-:func:`~fedloom.aggregate.gram.row_scales`), and where a float32 coefficient
-would overflow (float32 norms spread over ~1e40), ``g`` is formed in float64:
-before, each gave a non-finite direction. When ``1`` is orthogonal to every kept
-direction within rounding (``‖V_keptᵀ1‖ ≤ √k·max(8·k·eps, 8·k·eps64·κ)``, e.g.
-rows ``v, −2v, 3v, −0.5v``), ``U_cut⁺1 = 0`` and the result is 0 with
-``config_infeasible = 1``; before, the result was the solve's rounding: for
-those rows (d = 40, ‖v‖ = 6.4) ‖g‖ = 7.0 in one order under the test suite's
-thread settings and 0 in a plain process; 0, 3.7, 7.4 or 11 over the orders of
-another such cohort (d = 50). In-range cohorts are computed exactly as before
-(bit-identical on the property suite's ordinary cohorts).
-
-Departure: ConFIG sums the projections over its (few) losses. Over a cohort
-of m clients the sum is m times FedAvg's step, so the default here is the
-mean over the usable clients (``length="mean"``); ``length="sum"`` gives the
-original. Zero rows are dropped.
+Dependent rows, range and degenerate cohorts, and the measurements:
+docs/explanation/methods.md (ConFIG in detail).
 """
 
 from __future__ import annotations

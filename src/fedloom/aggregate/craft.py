@@ -3,218 +3,33 @@
 Paper: "CRAFT: Conflict-Resolved Aggregation for Federated Training"
 (arXiv 2605.21317); public code: github.com/tum-pbs/CRAFT, ``fed/craft.py``.
 
-It acts on the trainable parameters only (the rows are ``w − w_k``); module
-buffers such as BatchNorm statistics follow ``model.buffers``
-(:mod:`fedloom.buffers`), as with every aggregator.
-
-Per layer group ``q`` and round ``t``::
+Per layer group ``q`` (trainable parameters only; buffers follow
+``model.buffers``) and round ``t``::
 
     min_g ½‖g − ĝ‖²   s.t.   U g = ρ
 
-- ``U`` (m × d_q): rows ``u_i = g_i/‖g_i‖`` of the usable clients (rows with
-  ``‖g_i‖ = 0`` are dropped with their ρ entries);
-- ``ρ``: data proportions ``n_i / Σ n_j`` over the usable clients;
-- ``ĝ``: the previous round's aggregate of this group divided by its norm
-  (0 in the first round and whenever that aggregate is 0).
+with ``U`` the unit rows ``u_i = g_i/‖g_i‖`` of the usable clients (zero rows
+dropped), ``ρ_i = n_i / Σ n_j`` and ``ĝ`` the previous aggregate of the group
+divided by its norm (0 in the first round). Closed form ``g = ĝ + Uᵀλ``,
+``λ = G⁺(ρ − Uĝ)`` with the m × m Gram ``G = UUᵀ``; every usable client then has
+``⟨u_i, g⟩ = ρ_i > 0``. One usable client → its raw update; none → zeros.
 
-Closed form ``g = ĝ + U⁺(ρ − Uĝ)``, computed through the m × m Gram matrix
-``G = UUᵀ``: ``g = ĝ + Uᵀλ``, ``λ = G⁺(ρ − Uĝ)``. Cost ``O(d m² + Q m³)``;
-``U⁺`` (d × m) is never formed. Every usable client then has
-``⟨u_i, g⟩ = ρ_i > 0``: no client conflicts with the aggregate.
+Checked against the public code: ``match_reference=True`` reproduces it bit for
+bit; the default meets the constraints to 7.9e-9 where the public code reaches
+1.5e-6 (float32 rows, cos 0.9999, 10 × 1e4, worst of 5 draws), and never worse
+on tests/test_craft_edges.py's cohorts.
 
-Dependent directions. Singular values of ``U`` below
-``σ_cut = max(sv_floor, rtol·σ_max)`` (defaults 1e-3 and 1e-6, so
-``σ_cut = 1e-3``: two clients whose directions are within about 1.4e-3 rad,
-cosine > 1 − 1e-6, count as one direction) are dropped:
-``g = ĝ + U_cut⁺(ρ − Uĝ)``, the minimum-norm solution where ``U`` has full row
-rank at the cut, the least-squares one on the kept directions otherwise. Hence
-the bound, for every group with ≥ 2 usable clients::
+Departures: singular values below ``σ_cut = max(sv_floor, rtol·σ_max)`` are cut
+(the public float32 ``pinv`` cuts at ``max(m, d)·eps``); the Gram in column chunks
+accumulated in float64, with a float64 fallback and iterative refinement; layer
+groups from the model's :class:`~fedloom.params.Layout`; the ``step`` modes
+(``norm_matched``, ``rprop``) and ``targets: loss`` are fedloom's (the paper's
+future work). ``server.lr: auto`` is the public 0.1 for ``step: fixed``.
+Metrics: ``craft_max_violation``, ``craft_min_alignment``,
+``craft_infeasible_groups`` (and ``craft_step_scale``, ``craft_trust``).
 
-    ‖g^q − ĝ‖ ≤ ‖ρ − Uĝ‖ / σ_cut ≤ (1 + σ_max) / σ_cut ≤ (1 + √m) / sv_floor
-
-(``‖ρ‖₂ ≤ 1``, ``‖Uĝ‖ ≤ σ_max ≤ √m``), plus the rounding of ``g`` to the
-updates' dtype. Without the floor, two clients 1e-4 apart with different ρ
-need ``‖g‖ ≈ |Δρ|/1e-4`` (measured 1.1e3–1.4e3, below): one such round
-destroys the model. Such a group, where dependent directions carry targets
-that disagree (the constraints miss by more than ``atol``), is counted in
-``craft_infeasible_groups``; dependent directions with consistent targets
-(two clients with the same direction and the same ρ) meet the constraints and
-are not.
-
-Numerics (the default ``precision="mixed"``). The Gram is accumulated over
-column chunks in float64, each chunk's product in the input dtype at sgemm
-speed. For float32 that Gram carries errors of ``‖E‖₂ ≲ 8·m·eps32``
-(:func:`~fedloom.aggregate.gram.gram_noise`), so
-
-1. if an eigenvalue of ``G`` lies within that of ``σ_cut²`` (rank-deficient,
-   duplicated or near-duplicate rows, near-collinear cohorts of many clients),
-   the cut cannot be decided on it and the group is redone in float64;
-2. otherwise ``g`` is formed and ``U g`` measured in the same fused pass; if
-   ``|U g − ρ + (I − P)b|`` (the part beyond what the kept directions cannot
-   reach) exceeds ``atol`` less the check's own rounding (``8·eps·‖g‖``), one
-   step of iterative refinement ``λ ← λ − G_cut⁺(U g − ρ + (I − P)b)`` is tried
-   (one more pass), and if that fails too
-3. the group is redone in float64: Gram, solve, ``g`` formed in float64 and
-   rounded once, ``U g`` of the rounded ``g`` exact, up to two refinement steps.
-
-Well-conditioned groups never leave step 2 (speed unchanged, below). Every
-group of full row rank at the cut meets ``|⟨u_i, g⟩ − ρ_i| ≤ atol`` (1e-6) up to
-the rounding of ``g`` itself to float32, at most ``eps32/2·‖g‖`` per
-constraint (Cauchy–Schwarz) and in practice ``~eps32·‖g‖/√d``;
-``craft_max_violation`` is measured on the returned ``g``. Rows whose float32
-products overflow (|values| ≳ 1e19) or underflow (a Gram diagonal below
-``d·tiny/eps``, or 0 for a row that is not zero: entries ≲ 1e-22) are solved in
-float64. Before, such a tiny row read as a zero row and lost its constraint:
-on 5 rows at d = 40 with one row times 1e-24, ``craft_max_violation`` said
-7.0e-8 while the row's real violation was 0.27, and two orders of the rows
-differed by 1.5e-8; after, 3.9e-9 reported, 3.3e-9 real, no difference. The
-float64 path scales the rows by powers of two (exact) where its own squares
-would over- or underflow (norms ≳ 1e154, entries ≲ 1e-162;
-:func:`~fedloom.aggregate.gram.row_scales`): the unit-row Gram, ``λ`` and ``g``
-are those of the unscaled rows, without the infinite Gram that gave a NaN
-direction before. Rows in range are never scaled (bit-identical outputs on
-the property suite's ordinary cohorts). Non-finite rows give a NaN direction
-(the engine rejects it). ``match_reference`` keeps the public arithmetic
-untouched.
-
-Measured (float32 rows, groups="global", round 1, worst of 5 draws; "public" is
-``match_reference=True``, the public code bit for bit; "exact" the float64 SVD
-solution with the same cut). Before = this module before the cut, the
-fallback and the refinement (``rtol = 1e-6`` only, mixed Gram, no check):
-
-==================================  ===================  ===============  ===============
-cohort (m × d), quantity            before               after            public
-==================================  ===================  ===============  ===============
-cos 0.9999 (10 × 1e4), violation    1.5e-3               7.9e-9           1.5e-6
-cos 0.99999 (10 × 1e4), violation   1.1e-2               3.4e-8           9.6e-2 [1]_
-cos 0.9999 (100 × 1e4), violation   1.6e-4               1.1e-9           7.8e-3 [1]_
-rank 10 (50 × 1e4), eigvals kept    31 of 50             10               —
-rank 10 (50 × 1e4), rel. error      5.8                  2.5e-8           2.8e-6
-m > width (50 × 30), rel. error     16 (‖g‖ 1.82)        2.8e-8 (0.199)   8.7e-7 (0.199)
-duplicate row (10 × 1e3), rel. err  1.7                  2.6e-8           9.5e-7
-near-dup. 1e-4 (10 × 1e3), ‖g‖      242 (float64 1.1e3)  0.328            0.328
-near-dup. 1e-4 (10 × 1e4), ‖g‖      6.1 (float64 1.4e3)  0.341            0.341
-independent (10 × 1e4), violation   5.3e-8               5.3e-8           5.5e-7
-cos 0.9 (10 × 1e4), violation       1.0e-6               5.2e-7           6.6e-7
-==================================  ===================  ===============  ===============
-
-.. [1] the public tolerance drops every direction but the common one.
-
-The default is never dominated by the public output: it meets the constraints
-at least as well, or takes the shorter step where the public ``pinv``'s
-``max(m, d)·eps·σ_max`` tolerance keeps a direction narrower than ``sv_floor``
-(near-duplicates 1e-4 apart at d = 200: public ‖g‖ 2.7e3 meeting the
-constraints to 2.9e-4, default 0.45 missing them by 0.12, counted infeasible);
-tests/test_craft_edges.py checks this on every cohort kind.
-Speed on well-conditioned rows (the benchmark's correlated updates, layer
-groups of an MLP, d = 987,210, one thread): new/old time 0.95–0.97 at m = 10
-and m = 100 (the fast path is the old path plus an m × m comparison).
-
-Departures from the public code, each on purpose:
-
-- Gram in chunks (above) and the m × m system solved in float64 with the cut
-  ``σ_cut``. The public code calls ``torch.linalg.pinv(U)`` in float32, whose
-  default ``rtol = max(m, d)·eps`` drops almost every singular value at large
-  ``d`` when client updates are similar (table: cos 0.99999 at m = 10, cos
-  0.9999 at m = 100, d = 1e4), so its constraints silently fail, and keeps
-  directions 1e-4 apart at small ``d``.
-  ``match_reference=True`` reproduces that path exactly, for comparison.
-- Layer groups come from the model's :class:`~fedloom.params.Layout` (one
-  module's weight and bias; a norm layer joins the module before it).
-
-Edge cases as in the public code: one usable client → its raw update; no
-usable client, or a zero result → zeros.
-
-The server step keeps the public meaning ``w ← w − η_g g``. Scale trap:
-``‖g^q‖`` is about 0.1–1 whatever the size of the client updates, so ``η_g``
-(``server.lr``) sets each layer's step length directly (public defaults: 0.1
-for CIFAR-10, 1.0 for CIFAR-100). With ``step: fixed``, ``server.lr: auto`` takes the
-public code's default 0.1 (``default_server_lr``), not FedAvg's 1.0 (the other step
-modes below take 1.0: their length is the mean update's); it is a safe start, not a
-tuned step: on configs/quickstart.yaml (MNIST MLP, 30 rounds, seed 0) test
-accuracy is 0.33 at 0.1 and 0.86 at 1.0 (FedAvg at 1.0: 0.90).
-
-Step modes (``step``; the issue's "scale-aware CRAFT", the paper's future work).
-Per layer group ``q`` with CRAFT's direction ``g^q`` (above) and the weighted mean
-update ``ḡ^q = Σ_i p_i g_i^q`` (``p_i = n_i/Σn`` over the accepted clients, zero rows
-included), the returned group is ``c^q g^q`` with
-
-- ``fixed`` (default; the public code): ``c^q = 1``, so ``‖g^q‖ ≈ 0.1 … 1`` and
-  ``server.lr`` is the step length per layer (``server.lr: auto`` → 0.1);
-- ``norm_matched``: ``c^q = ‖ḡ^q‖ / ‖g^q‖``: CRAFT's direction at FedAvg's length,
-  so ``server.lr: auto`` → 1.0 (FedAvg's step) and the length follows the client
-  step and the round as FedAvg's does;
-- ``rprop``: ``c^q = τ_t^q ‖ḡ^q‖ / ‖g^q‖``, norm-matched times a per-group trust
-  factor adapted from round to round by the overshoot test of Rprop (Riedmiller &
-  Braun, ICNN 1993; sign agreement as in Jacobs' delta-bar-delta, 1988): with
-  ``s_{t−1}^q`` the previous **accepted** aggregate of the group (the state; a step
-  the engine skipped never becomes it) and ``κ_t^q = ⟨ḡ_t^q, s_{t−1}^q⟩``,
-  ``τ_t^q = clip(τ_{t−1}^q · step_up, step_min, step_max)`` if ``κ > 0`` (the clients
-  still pull along the last step: it stopped short of the minimum along it),
-  ``clip(τ_{t−1}^q · step_down, …)`` if ``κ < 0`` (they pull back: it overshot),
-  unchanged if ``κ = 0`` or either vector is zero; ``τ_0 = 1``, defaults
-  ``step_up = 1.2``, ``step_down = 0.5`` (Rprop's η⁺, η⁻), ``[step_min, step_max] =
-  [0.1, 10]``. On a quadratic along ``s_{t−1}`` the sign of ``κ`` is exactly whether
-  the last step passed the line minimum. With random signs (noise only) ``log τ``
-  drifts down (``0.5·log 1.2 + 0.5·log 0.5 < 0``): τ grows only while at least 79 %
-  of the rounds agree. ``ḡ_t`` rather than CRAFT's own ``g_t`` is tested because
-  ``g_t = ĝ + Uᵀλ`` is anchored on ``s_{t−1}``'s direction and leans towards it.
-  The state ``τ`` (float64, one per group) goes in and comes back with the
-  reference, so a resumed run continues bit for bit. Measured (docs/results/adaptive.md,
-  untuned against CRAFT with its server step tuned): at the cap 10 rprop trails by 40 pp
-  at a small client step (lr 0.0025), where τ sits at the cap; ``step_max = 100``
-  (chosen on one tuning seed) is worse on none of the page's seven CRAFT settings. The
-  default stays 10 so that runs made with it keep their meaning.
-
-Constraint preservation: for any ``c^q > 0``, ``⟨u_i, c^q g^q⟩ = c^q ρ_i > 0`` for
-every usable client, so no client conflicts with the returned step and the
-alignments keep their ratios ``ρ_i/ρ_j``; ``craft_max_violation`` and
-``craft_min_alignment`` are measured on the unscaled ``g`` (the constraints as
-solved). Where ``ḡ^q = 0`` (updates that cancel, every row zero) ``c^q = 0`` and the
-group does not move: the weaker guarantee ``⟨u_i, 0⟩ = 0`` (no client's loss
-increases to first order). ``c^q`` is formed in float64 from norms taken without
-squaring huge or tiny entries; a non-finite row gives a non-finite ``c^q`` and a NaN
-group (rejected by the engine, never averaged).
-
-Composition with the server optimizer. ``fixed`` and ``norm_matched`` compose with
-``server.optimizer: momentum`` as the FedAvg family does: the momentum buffer
-multiplies the step by up to ``1/(1 − β)``, so ``server.lr`` must be FedAvgM's
-(≈ 0.1–0.3 at β = 0.9 for ``norm_matched``, ~10× smaller for ``fixed``), not
-``auto``'s 1.0. ``adam``/``yogi``/``adagrad`` divide each coordinate by its own
-running scale, so the three modes differ there only through how the length
-changes over rounds (Adam is invariant to a constant ``c^q``); ``server.lr`` is
-Adam's (≈ 1e-3 … 1e-2). ``rprop``'s test reads the aggregate, not the step the
-optimizer applied: with momentum the overshoot it detects is that of the
-aggregate's direction, a weaker signal, and τ (up to 10) multiplies the momentum
-step too: ``rprop`` is meant for ``sgd``; with momentum take ~10× less than
-FedAvgM's step. tests/test_craft_adaptive.py runs every mode with momentum and
-Adam on a federated least-squares problem (6 clients, 40 rounds): finite, and the
-gap to the minimum shrinks, at momentum steps 0.001 (``fixed``), 0.1
-(``norm_matched``) and 0.01 (``rprop``; 0.1 diverged there) and Adam 0.01 for all.
-
-Targets (``targets``): ``data`` (default; the paper): ``ρ_i = n_i/Σn``.
-``loss``: ``ρ_i ∝ n_i (F_i(w) + 1e-10)^q`` normalised (``q`` = ``targets_q``, default 1),
-``F_i(w)`` the client's loss at the received model before training (the start
-losses q-FedAvg reads; the engine computes them only for rules that ask), the
-weights of q-FFL's gradient ``Σ p_i F_i^q ∇F_i`` (Li et al., ICLR 2020; ``+ 1e-10``
-as q-FedAvg's public code). Guarantee: every usable client still gets
-``⟨u_i, g⟩ = ρ_i > 0`` (no conflict), and the first-order decrease of client ``i``'s
-loss along ``−η g``, ``η ‖g_i‖ ρ_i`` (with ``u_i`` standing for the direction of
-its gradient), is in the ratio ``(n_i/n_j)(F_i/F_j)^q`` between clients: the
-clients that are behind get proportionally more alignment; ``q = 0`` is ``data``.
-Computed as a softmax of ``log n_i + q·log F_i`` (no overflow at any loss or
-``q``); a non-finite start loss counts as the cohort's largest finite one (the
-client is the furthest behind), all non-finite → ``data`` targets. Negative
-losses are refused (ValueError: the round is skipped). Relative weights are kept
-at ``≥ e^-700`` of the largest, so ``ρ_i > 0`` always; a target below ``atol``
-(1e-6; e.g. q = 50 and losses 1 against 1e300) is met only to that tolerance, so
-the alignment it guarantees is ``⟨u_i, g⟩ ≥ −atol``, not a resolvable ``> 0``.
-
-Metrics each round: ``craft_max_violation`` (max over groups and usable
-clients of ``|⟨u_i, g⟩ − ρ_i|``, over groups solved with ≥ 2 clients),
-``craft_min_alignment`` (min of ``⟨u_i, g⟩``), ``craft_infeasible_groups``; with
-``step`` other than ``fixed`` also ``craft_step_scale`` (the median of ``c^q`` over
-the groups) and, for ``rprop``, ``craft_trust`` (the median of ``τ^q``).
+The cut and its bound, numerics, measurements, step modes, the server
+optimizer and targets: docs/explanation/methods.md (CRAFT in detail).
 """
 
 from __future__ import annotations
@@ -279,7 +94,7 @@ class CRAFT(CraftSolver):
         step: ``"fixed"`` (the public code: CRAFT's direction as solved),
             ``"norm_matched"`` (each group at its weighted mean update's length) or
             ``"rprop"`` (norm-matched times a per-group trust factor from the overshoot
-            test); module docstring.
+            test); docs/explanation/methods.md (CRAFT in detail).
         step_up, step_down, step_min, step_max: ``rprop``'s growth and shrink factors
             and the bounds of its trust factor.
         targets: ``"data"`` (``ρ_i = n_i/Σn``, the paper) or ``"loss"`` (``ρ_i ∝ n_i
@@ -297,7 +112,7 @@ class CRAFT(CraftSolver):
             refinement (the public float32 ``pinv`` drops or keeps directions by ``max(m,
             d)·eps``); layer groups from the model's Layout.
         measured: constraint violation 7.9e-9 (public 1.5e-6) at cos 0.9999, 10 × 1e4; the full
-            table is in the module docstring.
+            table is in docs/explanation/methods.md (CRAFT in detail).
     """
 
     # server.lr=auto: the public code's server_lr (github.com/tum-pbs/CRAFT, utils/config.yaml):

@@ -20,42 +20,18 @@ with losses ``F_k`` at the received model:
    in its latest round.
 4. Rescale: ``g ← g · ‖(1/m) Σ_k g_k‖ / ‖g‖``.
 
-Step 1 keeps each ``g_i'`` as coefficients over the original rows, so it runs on
-the m × m Gram matrix; steps 2–4 run on the d-vector in float64. The state holds
-the updates of the clients last seen in rounds ``t − τ + 2 … t`` (at most
-``(τ − 1)·m`` rows of d; nothing at ``τ = 1``).
 
-Checked against the public rule: tests/test_baselines_public.py re-derives the
-algorithm in NumPy; on float64 Gaussian cohorts (m = 2 … 14, d = 16, α ∈ {0,
-0.1, 0.3, 0.5, 1}, τ ∈ {0, 1, 2, 3}, five rounds with recurring clients) the
-max difference is 6.7e-16 (steps of norm 1–3). The rule this module implemented
-before (keep ``⌈αm⌉`` clients; project against its own last τ aggregates)
-differed in round 1 at τ = 1 by up to 0.44 / 0.72 (max abs entry, α = 0.1 /
-0.3, independent cohorts, d = 5, m ∈ {4, 7, 10, 14}), 0.50 / 0.34 at d = 10,
-0.05 / 0.15 at d = 50; on local-SGD updates of a digits MLP (m = 7, six rounds)
-by 2.5–8.4 % (relative L2) at α = 0.3 and not at all at α = 0.1.
-
+Checked against the public rule (tests/test_baselines_public.py, re-derived in
+NumPy; float64 Gaussian cohorts, m = 2 … 14, d = 16, α ∈ {0, 0.1, 0.3, 0.5, 1},
+τ ∈ {0, 1, 2, 3}, five rounds with recurring clients): max difference 6.7e-16
+(steps of norm 1–3).
 Departures (robustness only): a zero ``g`` is returned as zero instead of the
 public code's 0/0; rows with ``‖g_j‖ = 0`` never project (their dot is 0, so
-the public code skips them too).
+the public code skips them too); a projection that leaves only rounding is set
+to exactly 0; rows whose squares over- or underflow are scaled by a power of two.
 
-Degenerate cohorts. A projection that leaves less than
-``tol = max((8·m·eps)², 8·m·eps64)`` of what it acted on (``g_i'`` in step 1,
-measured as ``C_iᵀGC_i ≤ tol·|C_i|ᵀ|G||C_i|``; ``g`` in step 3, ``‖g'‖² ≤ tol·‖g‖²``)
-removed a direction parallel to it within the rows' rounding, and its result is
-set to exactly 0. On a numerically rank-one cohort (rows ``a_i v``) the exact
-result is then a multiple of ``v``, or 0; before, the remainder of such a
-projection (1.5e-17 of ‖v‖ in exact rational arithmetic on the rounded rows of
-``make_cohort("low_rank", 5, 2)`` in tests/test_aggregator_properties.py) was
-rescaled to ‖mean‖ = 0.10 in a direction set by rounding (|cos| with ``v`` down
-to 2e-8) that changed with the rows' order. On every other cohort of the
-property suite the output is unchanged (max difference 4.9e-16 relative).
-
-Range. Where the squares over- or underflow float64 (rows of norm ≳ 1e154 gave a
-non-finite direction, or entries ≲ 1e-162), the Gram and ``g`` are those of the
-rows times one power of two (exact; the projections are homogeneous), ``g_con``
-is rescaled by a power of two before its squared norm, and the final norms are
-taken without squaring the entries (:func:`~fedloom.aggregate.gram.safe_norm`).
+The implementation on the Gram matrix, the state, the rule before, degenerate
+cohorts and range: docs/explanation/methods.md (FedFV in detail).
 """
 
 from __future__ import annotations

@@ -13,72 +13,20 @@ preference ``p = 1/√m``, per group ``q``:
    ``d_q = λᵀ Q'``.
 
 The groups' directions are concatenated and rescaled to ``‖(1/m) Σ_k g_k‖``.
+``groups``: ``"tensor"`` (default, the public code: one group per parameter
+tensor) or ``"layer"`` (fedloom's layer groups).
 
-``groups``:
+Checked against the public rule (tests/test_baselines_public.py, re-derived in
+NumPy with an exact min-norm solver; float64 cohorts, m = 2 … 5, distinct and
+equal losses): max difference 1.4e-14 (directions of norm ≈ 1).
+Departures: fedloom runs on whatever rows it receives (the public code on
+full-batch gradients); no history rows of absent clients; a zero update, or a
+min-norm point shorter than ``1e-6·μ_q``, gives its group a zero direction
+(``fedlf_zero_groups``); equal losses leave the fairness row out (the public code
+gets rounding noise or NaN); the public final guard is not needed.
 
-- ``"tensor"`` (default, the public code): one group per parameter tensor
-  (the public ``Module.create_Loc_reshape_list`` makes one index list per
-  ``model.parameters()`` entry; the models' ``fix_Loc_list``, which would merge
-  weight and bias, is never called), so a layer's weight and bias are two groups;
-- ``"layer"``: fedloom's layer groups (:meth:`fedloom.params.Layout.from_module`:
-  weight and bias together, a normalisation layer with the module before it).
-
-Equal losses (``l ∥ 1``): ``h = 0`` in exact arithmetic. The public code has no
-guard: in float32 its ``h`` is ``δ·1`` with ``δ`` rounding noise (measured: 0 or
-±1e-9 … 2e-7 depending on m and the loss value), so the appended row is
-``f = sign(δ) μ (1ᵀQ)/‖1ᵀQ‖``, or 0/0 = NaN when ``δ = 0``. With ``δ > 0`` that
-row never changes the min-norm point ``d*`` (``⟨1ᵀQ, d*⟩ ≥ m‖d*‖²`` and
-``‖1ᵀQ‖ ≤ mμ``, so ``⟨f, d*⟩ ≥ ‖d*‖²``); fedloom returns that result by leaving
-the row out whenever ``‖h‖·‖l‖ < 1e-12`` (the sine of the angle between ``l``
-and ``1``), and never the NaN or the sign-flipped row of the other two cases.
-
-Checked against the public rule: tests/test_baselines_public.py re-derives it
-in NumPy with an exact min-norm solver (active-set enumeration) on float64
-cohorts (m = 2 … 5, a two-layer model's four tensors, distinct and equal
-losses): max difference 1.4e-14 (directions of norm ≈ 1). Before, this module
-grouped per module and solved the min-norm problem by 2000 projected-gradient
-(FISTA) steps: the grouping alone moved the direction by 10–81 % (relative L2,
-median 38 %) on those cohorts and by 6–12 % on local-SGD updates of a digits
-MLP (m = 7), and the solver missed the exact min-norm point by up to 2.4e-4
-(max abs entry) where a tensor's hull nearly contains the origin.
-
-Departures: the public code runs on each client's full-batch gradient at the
-received model (no local training); fedloom runs the same rule on whatever rows
-it receives (local-training pseudo-gradients unless ``client.steps=1``). When
-clients drop out, the public code also appends the last gradients of recently
-seen absent clients as extra rows; that history is not kept here. A group in
-which some client's update is zero gets a zero direction (the public code
-divides by the zero norm). The public code's final guard (halve or undo the
-rescaling when some ``⟨g_i, d⟩ < −1e-6``) only catches its QP solver's
-inexactness: the exact min-norm point has ``⟨g_i^q, d_q⟩ ≥ 0`` in every group,
-so the guard is not reproduced. A group whose min-norm point is shorter than
-``1e-6·μ_q`` (the solver's accuracy: the hull holds the origin, common on
-low-rank cohorts) gets a zero direction and is counted in ``fedlf_zero_groups``:
-in exact arithmetic it is 0, and its rounding-noise direction, blown up by the
-final rescaling, changed with the clients' order (relative differences above 1
-on a rank-2 cohort of 7 clients before this rule; 0 after).
-
-Numerics. Each group is solved on its unit rows (``Q = μ_q Û``, so the min-norm
-weights are those of ``[Û; f̂]``, free of the rows' scale), and
-:func:`min_norm_point` divides its Gram matrix by ``max‖q_i‖²`` before solving.
-Before, the solver worked on ``Q Qᵀ`` as given, and its bordered system
-``[P_S 1; 1ᵀ 0]`` balanced ``P`` against the 1s only for ``‖q‖`` between about
-1e-4 and 1e2: measured on 30 random 5 × 8 hulls (norms spread e^±1), ``λᵀQ`` was
-off by 7.6 % of ``max‖q‖`` at ``‖q‖ ~ 1e4 … 1e12`` and by 43–50 % at 1e-8 … 1e-12;
-after, 6.4e-15 at every scale from 1e-12 to 1e12 (tests/test_aggregate_numerics.py).
-That was the main cause of FedLF's order dependence: on the property suite's cohort
-``make_cohort("spread_norms", 8, 5, float64)`` (``μ_q ≈ 1e4``) the old output was
-15.8 % (relative L2) from the exact public rule (active-set enumeration on the
-normalised Gram), the new one 5.5e-15. The Gram is of the rows scaled by powers
-of two (exact) where squares would over- or underflow (float64 norms ≳ 1e154 or
-entries ≲ 1e-162; :func:`~fedloom.aggregate.gram.row_scales`), and the direction
-is formed in float64 and rounded once to the rows' dtype: before, float32
-coefficients ``μ_q/‖g_i‖`` overflowed when float32 norms spread over ~1e40 (NaN).
-At ordinary scales (the property suite's kinds but spread norms, m = 3 … 8, six
-seeds) the float64 output equals the old one to 3.5e-11 (relative L2). In float32
-it differs by up to 6.3e-6 (near-collinear) and 4.8e-4 (near-duplicate rows): there
-the old float32 combination was that far from the exact rule, the new output is
-within 2.8e-8 of it (float32 rounding).
+The groups, equal losses, each departure and the numerics with measurements:
+docs/explanation/methods.md (FedLF in detail).
 """
 
 from __future__ import annotations
@@ -120,8 +68,9 @@ def min_norm_point(P: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
 
     Scale-invariant: ``P`` is divided by ``max P_ii`` first (the weights of ``c·Q``
     are those of ``Q``), so the result is the same for ``‖q‖`` from 1e-12 to 1e12
-    (max error 6.4e-15 of ``max‖q‖`` against the exact search; see the module
-    docstring for the error before). A non-finite ``P`` gives uniform weights.
+    (max error 6.4e-15 of ``max‖q‖`` against the exact search; see
+    docs/explanation/methods.md (FedLF in detail) for the error before). A non-finite
+    ``P`` gives uniform weights.
     """
     G = P.detach().to(torch.float64).cpu().numpy()  # a small m × m solve, on the host
     n = G.shape[0]

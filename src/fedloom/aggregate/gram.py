@@ -13,39 +13,14 @@ float64 accumulator over chunks keeps the error at the level of one chunk.
   float64; the fast path of CRAFT and ConFIG, which fall back to ``float64``
   where it cannot decide (:func:`truncated_solve`, :func:`gram_noise`).
 
-Rounding of the mixed Gram. After normalising the rows to unit length
-(``G_ij / sqrt(G_ii G_jj)``) each entry carries an error of a few
-``eps·Σ_c |r_ic r_jc|`` (float32 chunk products, ``eps = 1.19e-7``), at most
-a few ``eps`` for unit rows, so ``‖E‖₂ ≤ ‖E‖_F ≲ k·eps``. Measured
-``‖E‖₂ / (k·eps)`` (against the float64 Gram, chunk 32768): 2.2 for 10 rows of
-pairwise cosine 0.9999 at d = 1e4, 0.6 at 100 rows and d = 1e5, ≤ 0.16 for
-independent, cos 0.9, rank-deficient, near-duplicate and norm-spread rows
-(d = 1e4 … 1e6). :func:`gram_noise` takes
-``8·k·eps``: eigenvalues of a mixed Gram within that distance of a cut-off
-cannot be told apart from it (a rank-deficient float32 cohort shows eigenvalues
-of ±6e-7 where the exact ones are 0).
+:func:`gram_noise` bounds the mixed Gram's rounding on unit rows (``8·k·eps``):
+an eigenvalue within it of a cut-off cannot be told apart from it.
+:func:`row_scales` gives exact powers of two for rows whose squares would over-
+or underflow (rows in range are never scaled), and every product runs in full
+float32 (:func:`full_precision`: never TF32) where the rows are.
 
-At m = 100 the Gram is ``m² d`` flops and runs at the sgemm peak: it, not
-memory traffic, bounds the rules that need it (benchmarks/results.md).
-
-Range. Squares overflow for float64 rows of norm ≳ 1e154 (float32 ≳ 1e19) and
-underflow for entries ≲ 1e-162 (float32 ≲ 1e-22, where a row reads as zero).
-:func:`out_of_range` tells from a Gram whether that happened; :func:`row_scales`
-gives powers of two that bring each row's largest entry to [0.5, 1), and
-``gram``/``combine``/``lincomb64`` apply them chunk by chunk in float64. A power
-of two scales exactly, so the unit-row Gram of scaled rows is bit-identical to
-the unscaled one wherever the latter is in range; rows in range are never scaled.
-
-Devices. Every product runs where the rows are (the run's ``device``); the
-m × m results stay there in float64. TF32 is never used: :func:`gram`,
-:func:`matvec` and :func:`combine` run under :func:`full_precision`, which
-sets torch's float32 precision switches to ``ieee`` (full float32) for CUDA
-matmuls and convolutions and oneDNN's (the legacy ``allow_tf32 = False`` and
-``float32_matmul_precision("highest")`` on torch < 2.9) for their duration. TF32
-keeps 10 mantissa bits (eps ≈ 9.8e-4 against float32's 1.2e-7): a mixed Gram
-would carry ~8000× the error :func:`gram_noise` bounds, and CRAFT's and
-ConFIG's constraint errors would not hold on a GPU. The float64 path is
-unaffected by TF32 in any case (TF32 replaces float32 products only).
+Measurements of the rounding, the range and devices in detail:
+docs/explanation/methods.md (Gram kernels in detail).
 """
 
 from __future__ import annotations
@@ -253,7 +228,8 @@ def safe_norm(x: torch.Tensor) -> float:
 
 def gram_noise(k: int, dtype: torch.dtype) -> float:
     """Bound ``8·k·eps(dtype)`` on ``‖E‖₂`` for a unit-row k × k Gram whose chunk
-    products ran in ``dtype`` (see the module docstring for the measurements)."""
+    products ran in ``dtype`` (measurements: docs/explanation/methods.md,
+    Gram kernels in detail)."""
     return 8.0 * k * torch.finfo(dtype).eps
 
 

@@ -11,45 +11,23 @@ returns the update with the lowest score; Multi-Krum (``multi = m'``) returns
 the plain mean of the ``m'`` updates with the lowest scores (scores computed
 once, as in the paper's Section 5). The paper's guarantee needs ``2f + 2 < n``.
 
-Distances come from the Gram matrix ``G = R Rᵀ`` accumulated in float64
-(``fedloom.aggregate.gram.gram``): ``‖g_i − g_j‖² = G_ii + G_jj − 2 G_ij``,
-``O(n² d)`` for the Gram and ``O(n² log n)`` for the scores.
-
 Public code: none by the authors. Flower's ``Krum`` strategy
 (flwr.server.strategy.aggregate, ``aggregate_krum``) uses the same score with
 ``k = max(1, n − f − 2)``. Measured against flwr 1.42's ``aggregate_krum``
 on 300 random float64 cohorts (n = 3…12, d = 40, rows of norm 0.6–70,
 f ∈ {0, 1, 2}, m' ∈ {2, 3} with equal sample counts): Krum identical (max abs
 difference 0) in the 674 cases without a tie; Multi-Krum max abs difference
-1.8e-15 (1348 cases). The 157 Krum cases with a tie were all at ``k = 1``,
-where the two mutually closest updates always have the same score (see Ties).
+1.8e-15 (1348 cases). The 157 Krum cases with a tie were all at ``k = 1``.
 
-Choices and departures, stated:
+Departures: ``k = max(1, n − f − 2)`` (Flower's rule) also where ``2f + 2 < n``
+fails; tied scores share the last places equally (order-independent; Flower
+picks by position); unweighted, as in the paper (Flower's Multi-Krum weights by
+sample count); rows whose squares over- or underflow scaled by a power of two.
+Metrics: ``krum_neighbours``, ``krum_selected``, ``krum_best_client``,
+``krum_best_score``.
 
-- Small cohorts: ``k = max(1, n − f − 2)`` (Flower's rule; always ``≤ n − 1``),
-  so the rule is defined even where ``2f + 2 < n`` fails, without the
-  paper's guarantee; ``n = 1`` returns that update.
-  ``multi`` is capped at ``n``. The ``k`` used is the metric ``krum_neighbours``.
-- Ties: updates whose scores are equal up to the rounding bound of the
-  float64 distances (``|δ s(i)| ≤ 4 d ε Σ_{j∈N_k(i)} (G_ii + G_jj)``) share
-  the last selected places equally: the output is the mean of the strictly
-  better updates plus the tied ones at equal fractional weight, so that it
-  does not depend on the order of the clients (Flower picks by position).
-  At ``k = 1`` (``n ≤ f + 3``) the two mutually closest updates always tie,
-  so Krum returns their mean (for ``n = 2``, the mean of the two).
-- Unweighted, as in the paper (Flower's Multi-Krum weights by sample count):
-  a Byzantine client could claim any ``n_k``. ``weights`` are ignored.
-- The selected rows are averaged in float64 and the result cast back to the
-  updates' dtype (equal rows give that row).
-- Range: where the squares overflow or underflow float64 (rows of norm ≳ 1e154,
-  where ``G`` was infinite and the tie count 0 raised ``ZeroDivisionError``, or
-  ≲ 1e-162), the distances are those of the rows times one power of two (exact,
-  the ranking is unchanged); ``krum_best_score`` is reported in the updates' units
-  (``inf`` beyond float64). Non-finite updates raise a ``ValueError`` naming krum.
-
-Metrics: ``krum_neighbours`` (``k``), ``krum_selected`` (updates with a
-non-zero share), ``krum_best_client`` (id of the lowest score; the row
-position when no cohort info is given), ``krum_best_score``.
+Distances, ties, range and the metrics in detail: docs/explanation/methods.md
+(Krum in detail).
 """
 
 from __future__ import annotations

@@ -14,20 +14,13 @@ puts more weight on clients with high loss.
 ``F_k`` is ``F_k + 1e-10``, as in the public code (WwZzz/easyFL,
 ``algorithm/qfedavg.py``: ``np.float_power(li + 1e-10, q)`` in both ``Δ`` and
 ``h``; Flower's ``QFedAvg`` strategy the same); it keeps ``F^(q−1)`` finite at a
-zero loss. Before, fedloom clamped ``F_k`` at 1e-10 instead: the relative
-difference to the public rule is ``≲ 1e-10/F``, measured 1.4e-10 (float64) on
-the property suite's cohorts (losses 0.5–1.5) and 2.2e-7 for losses of
-1e-4 … 1e-2 (m = 10, q = 1, 200 draws); an offset of 1e-8, which a report
-attributed to the public code, would be 2.2e-5 from it.
-tests/test_aggregate_numerics.py checks the rule against the public formula in
-exact rational arithmetic (q = 1, 2, losses 0 … 1e-2) to 1e-13.
+zero loss. tests/test_aggregate_numerics.py checks the rule against the public
+formula in exact rational arithmetic (q = 1, 2, losses 0 … 1e-2) to 1e-13.
+Departure (range only): ``‖g_k‖²`` is taken of the rows divided by an exact power
+of two and the direction formed in float64, so it is finite for any finite rows.
 
-Range: ``‖g_k‖²`` is taken of the rows divided by one power of two ``a``
-(exact): with ``H₁ = Σ q F^(q−1) L² ‖g_k/a‖²`` and ``H₀ = Σ L F^q`` the direction
-is ``Σ_k F_k^q L (g_k/a) / (a H₁ + H₀/a)``, finite for any finite rows (before,
-rows of norm ≳ 1e154 made ``Σ h`` infinite and the direction 0). It is formed in
-float64 and rounded once to the rows' dtype (float32 outputs differ from the
-former float32 product by ≤ 9.4e-8 relative on the property suite's cohorts).
+The former offset and the range in detail: docs/explanation/methods.md
+(q-FedAvg in detail).
 """
 
 from __future__ import annotations

@@ -19,22 +19,12 @@ mean of the rest. Measured against flwr 1.42's ``aggregate_trimmed_avg`` on
 300 random float64 cohorts (m = 2…12, d = 50, entries up to ≈ 40, β ∈ {0,
 0.1, 0.2, 0.3, 0.45} where Flower accepts it): max abs difference 1.8e-15.
 
-Choices, stated:
-
-- ``trim``: a float in ``[0, 0.5)`` is the fraction ``β`` per side; an integer
-  ``≥ 0`` is the count ``b`` per side. Small cohorts: ``b`` is capped at
-  ``⌊(m − 1)/2⌋`` so that at least one value (odd ``m``) or two (even ``m``)
-  remain, which makes the rule the coordinate-wise median at the cap (Flower
-  raises instead; a round must not fail because fewer clients arrived than
-  planned). The count actually used is the metric ``trimmed_per_side``.
-- Unweighted, as in the paper: every client is one vote whatever its sample
-  count; a weighted trimmed mean would let a Byzantine client weigh in with a
-  large claimed ``n_k``. ``weights`` are ignored.
-- The kept values are summed in float64 and the mean cast back to the updates'
-  dtype (equal rows give that row; no overflow for huge finite updates).
-  Columns go in chunks of ``chunk`` (the sort's memory is ``m × chunk``).
-
-Cost ``O(m log m · d)``; no state.
+Choices: ``trim`` is the fraction ``β`` per side (float in ``[0, 0.5)``) or the
+count ``b`` (integer); ``b`` is capped at ``⌊(m − 1)/2⌋`` (the median at the cap;
+Flower raises instead), the count used is the metric ``trimmed_per_side``;
+unweighted, as in the paper (``weights`` are ignored); summed in float64.
+Cost ``O(m log m · d)``; no state. The choices in detail:
+docs/explanation/methods.md (Trimmed mean in detail).
 """
 
 from __future__ import annotations

@@ -29,20 +29,15 @@ mask, src/FLARE_utils.py ``sparsify_layer`` for the count), its two rules writte
 independently in tests/test_flare.py: on random float64 accumulators with tensors of 1 to
 20 entries (sizes divisible by 4, ≡ 2 mod 4 and odd), ties, zeros and a NaN, the mask is
 identical (max difference 0); the per-tensor counts on tensors of 3 to 700 entries at
-R = 1e-5 to 0.25 are equal. Before this check fedloom took ``torch.median`` (the lower
-middle value) and ``max(1, round(n R))`` entries (7 instead of 8 on a 700-entry tensor at
-1 %); on the 4-divisible tensors the lower median masks one coordinate more, the one at
-the upper middle, so its accumulator drifted from the public rule by ``lr·τ_r`` per round.
-Measured on configs/flare/mnist.yaml (float64, all 10 clients every round, 12 rounds,
-both runs with the public count): the two masks leave the model identical (max difference
-0: the drifting coordinates were never sent) and the accumulators up to 0.3955 apart on
-5 to 9 coordinates a client, which is ``lr·Σ_{r=1}^{11} τ_r = 0.1·0.5·Σ_{j=2}^{12} 1.05^−j
-= 0.3955`` (round 0 masks nothing: ``A = 0``).
+R = 1e-5 to 0.25 are equal.
 
 Departures: the mask and the penalty target are computed once per round from
 the accumulator the client starts with (as the public code, which freezes them
 when building the local loss). The count's departures (float64 ``n·R``, exact ``k`` on
 ties, ``k ≤ n``) are listed in :mod:`fedloom.compress.sparse`.
+
+The rule before the check and its measured drift: docs/explanation/methods.md
+(FLARE in detail).
 """
 
 from __future__ import annotations

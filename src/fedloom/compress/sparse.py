@@ -1,24 +1,5 @@
 """Sparsifiers: Top-k and Rand-k, with an exact wire encoding.
 
-Payload (after the 8-byte header)::
-
-    k            u32
-    index coding u8     0 = varint gaps, 1 = bitmap (whichever is smaller)
-    value dtype  u8     0 = float32, 1 = float16
-    index bytes  u32    length of the index block
-    index block
-    values       k × 4 or k × 2 bytes, little-endian, in index order
-    (the CRC-32C trailer of :mod:`fedloom.compress.base` unless ``checksum=False``)
-
-The decoder checks every field against its own settings: the value dtype is its
-``values``, ``k`` is the budget it computes for ``d`` (and, per tensor or group,
-each unit holds exactly its ``k_l`` indices), the index coding is the canonical
-one (see :mod:`fedloom.compress.coding`), the indices are increasing and below
-``d``, and the body is exactly as long as these fields say. ``k`` never exceeds
-the payload's length (each value takes 2 or 4 bytes), so no field makes the
-decoder allocate more than the payload backs, except the dense output of length
-``d`` (capped in :func:`fedloom.compress.base.unpack_header` when ``d`` is not given).
-
 Top-k keeps the ``k`` entries of largest magnitude, over the whole vector,
 per tensor or per layer group (``scope``). The budget of a unit of ``n`` entries
 (``k_rule``; ``round`` is Python's, half to even):
@@ -39,15 +20,11 @@ exactly ``k`` entries are kept when magnitudes tie at the k-th (the public ``>``
 and none of an all-zero tensor); ``k`` is capped at ``n`` (the public ``top_k`` fails when
 ``round(n·R) + 2 > n``). Rand-k keeps ``k`` uniformly random entries, scaled by ``d/k``
 (unbiased) or not (SA-PEF's code).
+Values the wire dtype cannot hold are refused (``ValueError``), never sent as
+±inf. :func:`topk_indices` gives ``torch.topk``'s index set, fast at large ``d``.
 
-Values that the wire dtype cannot hold (``|x| ≥ 65520`` for float16, a float64 ``|x|``
-beyond float32's range) are refused with a ``ValueError`` naming the compressor rather
-than sent as ±inf; so is a tensor that is not 1-D, and Rand-k of an empty vector.
-
-:func:`topk_indices` is exact — the same index set as ``torch.topk`` — and fast
-at large ``d``: a threshold from a strided sample keeps a few times ``k``
-candidates, and ``torch.topk`` runs on those only. If fewer than ``k``
-entries pass the threshold it is lowered, finally to a full ``torch.topk``.
+The payload layout, the decoder's checks, refused values and the Top-k search:
+docs/explanation/methods.md (Sparsifiers in detail).
 """
 
 from __future__ import annotations

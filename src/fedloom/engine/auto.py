@@ -1,36 +1,14 @@
 """``backend: auto``: lock-step where it applies on CPU; otherwise time the first cohort on
 every backend that applies and keep the fastest.
 
-**The lock-step rule.** On a CPU run whose first cohort has at least
-:data:`LOCKSTEP_MIN_COHORT` clients and that the ``lockstep`` backend trains
-itself (a supported chain, plain SGD/FedProx, the jobs and sample shapes it
-takes: :func:`lockstep_reason`), ``auto`` uses ``lockstep`` without timing
-anything: it gives ``sequential``'s results (bit for bit in float64) and was
-faster from two clients on wherever it was measured, while timing a first
-cohort measures its cold start as much as the backends (see
-:class:`fedloom.config.BackendConfig`). Measured (local training of the first
-m clients, lockstep and sequential interleaved, medians of 5, one thread, the
-2-core machine shared with other jobs at load 13–15): the reference MLP
-(784-200-10, 600 samples, batch 32) 1.07× sequential at m = 1, 1.14× at 2,
-1.26–1.31× at 3–4, 1.40× at 8; the CNN of ``benchmarks/lockstep_cnn.py``
-(``cnn`` 8/16 channels, 3×32×32, 50 images, batch 10) 0.91× at m = 1,
-1.02–1.14× at 2–8 — a CNN's step is its convolutions, which lock-step runs
-client by client as sequential does. Hence :data:`LOCKSTEP_MIN_COHORT` = 2.
-Not measured against ``process`` (whose workers split the cores): the rule
-prefers lockstep's in-process, bit-identical results there. Where the rule does not apply, one line
-in the log says why and the timing below decides.
-
-Candidates: ``sequential``; ``vmap`` where it applies (plain local SGD, no
-recurrent layers); ``lockstep`` where it applies (plain local SGD on a chain of
-Linear/Conv2d/pooling/GroupNorm/ReLU/Dropout/Flatten layers,
-:mod:`fedloom.engine.lockstep`); ``process`` with
-``backend.workers`` workers (default: the cores; on a CUDA run, the GPUs) where
-there is more than one and the cohort has at least two clients per worker. The
-first cohort's results come from the sequential backend; the other runs of the
-same jobs only measure (every backend gives the same results, see their
-tests). The process pool is started before it is timed and shut down when it
-is not chosen. The choice and the times are logged and the choice is kept in
-:attr:`AutoBackend.name`.
+On a CPU run whose first cohort has at least :data:`LOCKSTEP_MIN_COHORT` (2)
+clients and that ``lockstep`` trains itself (:func:`lockstep_reason`), ``auto``
+uses ``lockstep`` without timing anything: it gives ``sequential``'s results and
+was faster from two clients on wherever it was measured. Otherwise one log line
+says why, and the first cohort is timed on ``sequential``, ``vmap``, ``lockstep``
+and ``process`` where each applies (its results come from ``sequential``); the
+choice is logged and kept in :attr:`AutoBackend.name`. The rule's measurements
+and the candidates in detail: docs/explanation/backends.md (auto).
 """
 
 from __future__ import annotations

@@ -1,61 +1,22 @@
 """Run-directory files: atomic writes, checked checkpoints, the run lock.
 
-**Atomic files.** A file is written to a temporary name in the same folder
-(``.NAME.XXXXXXXX.tmp``), fsynced, then renamed over the target: a run killed at
-any point leaves the previous file or the new one, never a half-written one. A
-kill during the write leaves the temporary file; :func:`remove_leftovers`
-deletes such files when the run directory is next opened.
+- Files are written to a temporary name, fsynced and renamed over the target: a
+  killed run leaves the previous file or the new one (:func:`remove_leftovers`
+  deletes temporary files); a failed write raises :class:`RunDirWriteError`.
+- A checkpoint is one header line, ``fedloom-checkpoint 3 sha256=<hex>
+  bytes=<n>``, then the ``torch.save`` bytes: :func:`load_checkpoint` checks the
+  header, length and digest before decoding, so damage is a
+  :class:`CheckpointError`, never a different model; ``keep_previous`` keeps the
+  one before.
+- Reading a checkpoint runs no code: tensors and plain data only
+  (:mod:`fedloom.plain`), read with ``torch.load(weights_only=True)``; older
+  formats through a restricted loader. Files that are not regular files are
+  never read.
+- :func:`lock_run_dir` writes only into a run directory (new, empty or marked
+  ``RUN/.fedloom-run``) and holds an exclusive ``flock`` on ``RUN/.lock`` for the
+  run's life (:class:`RunDirError` names the holder's pid).
 
-**Checkpoints** carry a SHA-256 digest of their content. The file is one header
-line, then the ``torch.save`` bytes::
-
-    fedloom-checkpoint 3 sha256=<64 hex digits> bytes=<payload length>\\n
-    <payload>
-
-:func:`load_checkpoint` checks the header, the length and the digest before
-decoding anything, so a truncated file, a flipped bit anywhere (a tensor's
-data included) or a foreign file is reported as such — :class:`CheckpointError`,
-one line naming the file and what is wrong — and never decoded into a different
-model. :func:`save_checkpoint` can keep the file it replaces under another name
-(``keep_previous``): a run whose newest checkpoint is damaged resumes from the
-one before it.
-
-**Reading a checkpoint runs no code.** The digest detects damage; it does not
-say who wrote the file, and a pickle can name any function for the reader to
-call. So the payload holds only tensors and plain data (:mod:`fedloom.plain`
-encodes the state's NumPy arrays and registered state dataclasses into them,
-and refuses anything else before writing) and is read with
-``torch.load(weights_only=True)``, which calls nothing the file names. Files of
-format 2 and bare ``torch.save`` files (written before the digest) pickled
-NumPy arrays and state dataclasses directly: they are read with the same
-restricted loader, allowing those classes only (NumPy's array and dtype
-rebuilders and the types registered with :func:`fedloom.plain.state_type`); the
-next checkpoint is written in format 3. A file naming any other class or
-function is refused with one line naming it, and nothing of it runs.
-
-**Files that are not regular files** (a link to ``/dev/zero``, a FIFO, a
-device) are never read: :func:`load_checkpoint` and :func:`check_regular` name
-them instead. A checkpoint is read no further than its header says: a file of
-another size is refused from its size alone, before any of it is read.
-
-**Writes that fail** (a full disk: ``ENOSPC``, a quota, a read-only file system)
-raise :class:`RunDirWriteError`, one line naming the file that could not be
-written; the temporary file is removed and the file it was to replace is left
-as it was.
-
-**Run directories.** :func:`lock_run_dir` writes into a directory only if it
-is one: a directory it creates, an empty one (both get the marker file
-``RUN/.fedloom-run`` first), one holding the marker, or one written by a
-fedloom from before the marker (``config.yaml`` with ``checkpoints/`` or
-``metrics.jsonl``; it gets the marker when resumed). Any other directory (``/``,
-a home folder, a link to one) is refused with one line before anything in it is
-created, changed or deleted.
-
-**The run lock.** :func:`lock_run_dir` takes an exclusive ``flock`` on
-``RUN/.lock`` for the run's life. The kernel drops it when the process ends in
-any way (``SIGKILL`` included), so a killed run never leaves a stale lock; a
-second run on the same directory gets :class:`RunDirError` naming the holder's
-pid (written into the lock file).
+Each guarantee in detail: docs/explanation/reliability.md (Run-directory files).
 """
 
 from __future__ import annotations

@@ -18,31 +18,10 @@ two threads by exactly what the thread count changes in a matrix product's
 summation order (measured on the tiny test config: 3e-8 after 3 rounds, both
 ways). Both are tested.
 
-GPUs. With the run on CUDA, ``backend.workers: 0`` starts one worker per
-visible GPU and worker ``i`` is pinned to ``cuda:(i mod n)`` (its model, its
-copy of the data and its training live there, under the same determinism
-settings as the parent, :func:`fedloom.device.configure`). The trainer and
-the data are sent to the workers as host tensors and jobs travel as host
-tensors too; each worker moves what it receives to its GPU and its results
-back to the host (the dense updates through the shared buffer).
-
-Dead workers. Each worker is a process of its own with its own pipe, and the
-parent knows which group it sent to which worker, so a death is pinned to one
-worker and one group. (A ``concurrent.futures.ProcessPoolExecutor`` cannot
-do this: when one of its processes dies it fails every pending future,
-terminates the healthy workers too and refuses every later ``submit`` with
-``BrokenProcessPool``; which worker ran which future is not recorded.) So:
-
-- a worker found dead before a group is sent to it (it died *between* rounds,
-  or while idle) is replaced and nothing is lost;
-- a worker that dies holding a group is replaced; its group — only its group —
-  is run again (``backend.on_failure: retry``, up to ``max_retries`` deaths
-  per group, then the run stops with an error) or its clients are dropped for
-  the round (``drop``). The other workers are not interrupted.
-
-A round that raises (a worker's error, retries exhausted, Ctrl-C) stops the
-workers; the next round starts new ones. Every request also carries a
-sequence number, so a late reply is never taken for a newer request's.
+On CUDA, ``backend.workers: 0`` starts one worker per visible GPU. A worker that
+dies is replaced; only its group is run again (``backend.on_failure: retry``) or
+its clients dropped for the round (``drop``). GPUs and dead workers in detail:
+docs/explanation/backends.md (process).
 """
 
 from __future__ import annotations

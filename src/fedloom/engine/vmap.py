@@ -6,40 +6,15 @@ The clients' flat parameter vectors are stacked along a client dimension
 SGD rule as :class:`~fedloom.client.sgd.LocalSGD` (momentum, weight decay,
 FedProx, SCAFFOLD's shift, FLARE's penalty) as one batched update.
 
-Equal results: each client uses exactly the batches the sequential backend
-would draw (the same derived generator and :meth:`LocalSGD.batch_indices`).
-Batches are padded to the largest one and masked; a client that has finished
-its steps (fewer samples, or its ``max_steps``: partial work under a round
-deadline) is masked out of the update, not dropped. The masked mean
-``Σ mask·ℓ / Σ mask`` equals the sequential batch mean up to summation order:
-measured, client updates agree to 6e-17 in float64 and final models to
-1e-12; float32 models to about 2e-7 relative (the order of float32 rounding).
-A discontinuous step downstream can amplify that last-bit noise: Top-k picks
-between entries whose magnitudes tie exactly (duplicate input features) may
-fall differently, so compressed runs on such data agree in distribution, not
-bit for bit.
-
-The cohort is processed in chunks of ``chunk`` clients so that the stacked
-weights stay cache-sized (default: as many clients as fit in 8 MB of
-float32 parameters). Local methods other than plain SGD, jobs that ask for a
-smoothness probe, and models ``vmap`` cannot trace (recurrent layers) run on
-the sequential path.
-
-Train mode: the module runs in train mode, each client with its own stacked
-buffers (BatchNorm running statistics), which the forward updates in place;
-a client that has finished its steps keeps the buffers it ended with. A
-BatchNorm layer computes statistics over the batch, so a step where some
-client's batch is padded (a short last batch, or clients of different sizes)
-runs client by client on the unpadded batches: the statistics are the
-client's own, as on the sequential path (a user's layer that mixes the
-samples of a batch in another way is not detected). Measured (conv →
-BatchNorm2d → linear on the 8×8 digits, 6 clients of unequal sizes, 3
-rounds): the model agrees with the sequential backend to 4e-17 (float64) and
-1.2e-7 (float32), the global buffers to 6e-17 and 1.5e-8. A model whose train-mode
-forward draws random numbers (dropout) trains on the sequential path: under
-``vmap`` the masks would come from one stream for the whole chunk, not from
-each client's (seed, round, client, step) stream; asking for ``vmap`` by
-name with such a model is refused.
+Each client uses exactly the sequential backend's batches, padded to the largest
+and masked (a finished client is masked out, not dropped). Measured against
+``sequential``: client updates agree to 6e-17 in float64 and final models to
+1e-12; float32 models to about 2e-7 relative (summation order), so compressed
+runs that tie at Top-k agree in distribution, not bit for bit. Other local
+methods, smoothness probes, models ``vmap`` cannot trace and models whose
+train-mode forward is random (dropout) run on the sequential path (asking for
+``vmap`` by name with dropout is refused). Chunks, padding, BatchNorm in train
+mode and their measurements: docs/explanation/backends.md (vmap).
 """
 
 from __future__ import annotations

@@ -8,48 +8,12 @@ sequential path with one line in the log naming why.
 
 The cohort runs in chunks of ``chunk`` clients (``backend.chunk``; default: as
 many as fit in 4 MB of stacked parameters of the run's dtype, but at least 8
-while they fit in 64 MB — 8 clients of the reference MLP in float32). Measured
-on the reference workload (100 clients a round, MLP 784-200-10, one intra-op
-thread, the 2-core machine shared with other jobs at load 7): a round's local
-training took 4.3–4.4 s in chunks of 4 or 8 clients, 4.3–5.3 s in chunks of
-16–32 and 5.4–6.3 s with all 100 at once, against 6.6–6.9 s on the sequential
-path: the stacked weights of a whole cohort (64 MB) fall out of the cache at
-every step. For a CNN (``cnn`` with 8/16 channels on 3×32×32, 533,754
-parameters, 24 clients × 50 images, batch 10; load 9–10, one thread, second
-of two interleaved passes) local training took 4.4 s in chunks of 1, 3.1 s of
-2, 2.9 s of 4 and 2.8 s of 8 against 4.0 s sequential: the 4 MB rule alone
-would give chunks of 1. Whole rounds (same machine, load 4.6–6.5, one thread,
-five rounds of each backend interleaved): lockstep 8.4 s, sequential 14.5 s,
-vmap 10.3 s (medians), 1.7× sequential; the final float32 models were
-bit-equal to sequential's with one thread (with two, 1.5e-8 apart). The GEMMs
-and convolutions are the same as sequential's (one per client and layer);
-what lock-step saves is the per-client Python, module and autograd work of
-every step — a larger share of a step the smaller the model.
-
-``benchmarks/bench.py --only lockstep lockstep_cnn`` (sections 7 and 7b, one
-thread, three timed rounds of each backend interleaved after a warm-up, the
-machine at load 8–15 from other jobs): the reference MLP at 100 clients a
-round, lockstep 9.17 s, sequential 12.34 s, vmap 8.87 s (1.35× sequential,
-0.97× vmap); the CNN of section 7b (``cnn`` 8/16 channels, 3×32×32, 50
-clients a round, batch 10) lockstep 7.61 s, sequential 8.76 s, vmap 11.33 s
-(1.15× sequential, 1.49× vmap). Both final float32 models were bit-equal to
-sequential's. The same CNN section with the default two threads at load
-12–15 measured lockstep 103 s, sequential 257 s, vmap 138 s a round (2.5×;
-fewer, larger calls leave fewer OpenMP barriers to spin at) and final models
-1.4e-4 apart after four rounds: with two threads MKL's float32 ``bmm`` splits
-its work otherwise than ``mm`` (one local epoch of 8 clients, 3×32×32 images,
-two threads: the updates of the CNN, and of its convolutions with one Linear
-layer, 7.5e-9 apart, of an MLP 3072-512-10 1.9e-8; a chain of convolutions and
-pools alone 0.0; all three 0.0 with one thread).
-
-On the idle machine (one full ``make bench``, ``benchmarks/results.md``) the
-gain is smaller: at one thread, interleaved, the MLP at 100 a round 2.80 s
-against sequential's 3.05 s (1.09×) and the CNN 2.53 s against 2.55 s (1.01×)
-— a loaded machine taxes per-call overhead most, and that is what lock-step
-saves; at the default two threads (section 1, not interleaved) lockstep 1.77 s
-against sequential's 2.93 s (1.65×), and inside the ``process`` backend's two
-single-thread workers (``backend.inner: lockstep``) 1.59 s, the fastest
-fedloom round there.
+while they fit in 64 MB — 8 clients of the reference MLP in float32): a whole
+cohort's stacked weights fall out of the cache at every step. The GEMMs and
+convolutions are sequential's; what lock-step saves is the per-client Python,
+module and autograd work of every step. Measured speed (chunk sizes, the MLP and
+CNN against ``sequential`` and ``vmap``, loaded and idle machines, threads):
+docs/explanation/backends.md (Lock-step).
 """
 
 from __future__ import annotations

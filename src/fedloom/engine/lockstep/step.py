@@ -4,73 +4,21 @@
 ``[m, n, …]`` and adds each client's gradient into its row of ``G``; the package
 docstring (:mod:`fedloom.engine.lockstep`) gives the operations it runs.
 
-**Convolutions.** A grouped convolution over the clients (input
-``[n, m·C, H, W]``, kernels ``[m·out, C, k, k]``, ``groups = m``) measured bit
-for bit equal to per-client ``conv2d`` forward and ``convolution_backward`` in
-float64 (torch's own ``slow_conv2d`` loops over the groups), but in float32 it
-is oneDNN's grouped kernel: 2× slower than m calls of the per-client kernel
-(profiled: 10 clients × 5 steps of a 8/16-channel CNN on 3×32×32, 274 ms
-against 136 ms forward) and not the same sums. So each convolution runs client
-by client with the call ``nn.Conv2d`` makes (``F.conv2d`` on ``a[k]``, a
-contiguous ``[n, C, H, W]`` slice, and ``K_k`` a view of ``W``), and only the
-layers around it are batched: the same kernels as ``sequential`` in both
-dtypes. Pools and ReLU act per channel plane, so one call on ``[m·n, C, H, W]``
-gives each plane the bits of its own call.
+Convolutions run client by client with the call ``nn.Conv2d`` makes (a grouped
+convolution is slower in float32 and sums otherwise); pools and ReLU run once on
+``[m·n, C, H, W]``. Dropout draws each client's masks from a generator of the
+sequential trainer's seed, layer by layer: the same masks. BatchNorm updates each
+client's own copy of its running statistics as ``nn.BatchNorm1d/2d`` does.
+Products below torch's own-loop size run per client with ``mm``/``addmm``;
+clients whose batches differ in size run in one group per size (no padding).
 
-**Dropout.** torch's CPU dropout (``_dropout_impl``) draws ``noise``, shaped as
-its input, with ``bernoulli_(1 − p)`` from the global generator, divides it by
-``1 − p`` and multiplies; the sequential trainer reseeds that generator with
-``derive_seed(gen_seed, step, −1, "dropout")`` before every step's forward.
-Lock-step gives each client a ``torch.Generator`` of that seed at every step and
-draws its masks on tensors of its own activations' shape, layer by layer in
-the chain's order: the same draws, so the same masks (the global generator is
-not touched). ``Dropout(p=0)`` draws nothing in torch and is an identity here.
-
-**BatchNorm.** Its running statistics (``running_mean``, ``running_var``,
-``num_batches_tracked``) are buffers, not parameters (:mod:`fedloom.buffers`):
-each client gets its own copy of the buffers it starts from — its job's
-(``model.buffers: local``, FedBN) or else the module's initial ones, as the
-sequential trainer loads them — and its train-mode forwards update that copy
-in place, step by step, exactly as ``nn.BatchNorm1d/2d`` updates the module's
-(the count first, then the momentum or cumulative factor, then the kernel
-``F.batch_norm`` reaches on the CPU); the client's result carries it, and the
-server treats it as it treats the sequential path's. A batch with one value
-per channel is refused with BatchNorm's own ``ValueError``, as on the
-sequential path. Any other buffer sends the model to the sequential path.
-
-**Bit for bit.** On CPU, ``torch.bmm``/``baddbmm`` run one GEMM per client with
-the operands' own strides, the same BLAS call ``mm``/``addmm`` makes for one
-client, except for products with ``contraction × rows × columns < 400``,
-which torch computes with its own loop; those run client by client with
-``mm``/``addmm``. Gradients are accumulated into a zeroed buffer (``0 + g``,
-as autograd adds into the flat ``.grad``), elementwise updates on ``[m, d]``
-give each row the bits of the same update on ``[d]``, and a client's loss is
-``nll_loss`` of its own rows (torch's cascade summation, reported as the
-sequential trainer does: the mean of the per-step Python floats). Clients'
-batches are drawn exactly as the sequential trainer draws them (the same
-derived generator and :meth:`LocalSGD.batch_indices`); clients whose batches
-differ in size at a step (short last batches, ragged client sizes) run in one
-group per batch size — no padding, which would change the GEMMs' shapes — and
-a client whose steps are done (fewer samples, ``max_steps``) is masked out of
-the update. Measured (``tests/test_lockstep.py``, torch 2.13 with MKL on
-x86-64 AVX2): in float64 every client update, the final ``w`` and its
-``model_sha256`` equal ``sequential``'s bit for bit — MLPs, and CNNs (the
-built-in ``cnn``, ``leaf_cnn``, ``flare_cnn``, narrowed, and chains with
-strided, dilated, padded and bias-free convolutions, max- and average pools)
-— with ragged client sizes, momentum, weight decay, FedProx's μ, SCAFFOLD's
-shift and FLARE's penalty; with dropout (a chain of pfl-research's benchmark
-CNN's layers, the CRAFT code's CNN), GroupNorm and BatchNorm chains too
-(BatchNorm1d/2d, momentum 0.1 and ``None``, with and without affine
-parameters or running statistics, from the module's buffers and from each
-job's: every update, loss and running statistic equal in float64 and float32;
-whole runs under ``model.buffers: average`` and ``local``: the same global
-model and buffers). In float32 they
-agree to float32 rounding (the test
-bounds the final ``w`` at rtol 1e-5, atol 1e-6; the narrowed CNNs measured
-bit-equal): MKL's float32 batched GEMM sums the ``(∂ℓ/∂z)ᵀ a`` product of a
-narrow layer (10 outputs) in another order than its single GEMM. On other
-BLAS builds or devices the equality is what the tests measure there, not a
-guarantee.
+Measured (tests/test_lockstep.py, torch 2.13 with MKL, x86-64 AVX2): in float64
+every client update and the final ``model_sha256`` equal ``sequential``'s bit
+for bit (MLPs, CNNs, dropout, GroupNorm and BatchNorm chains, momentum, weight
+decay, FedProx, SCAFFOLD, FLARE); in float32 within rtol 1e-5, atol 1e-6. On
+other BLAS builds or devices the equality is what the tests measure there.
+Each layer kind and why the sums are sequential's: docs/explanation/backends.md
+(Lock-step).
 """
 
 from __future__ import annotations
