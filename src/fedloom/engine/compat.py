@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from fedloom.buffers import has_batch_statistics, trains_on_one_sample
-from fedloom.capabilities import aggregator_caps
+from fedloom.capabilities import aggregator_caps, feedback_caps
 from fedloom.config import BackendConfig, Config, ConfigError
 from fedloom.privacy import check_privacy, check_secure_aggregation
 
@@ -97,3 +97,32 @@ def check_buffers_privacy(cfg: Config, privacy: Any, has_buffers: bool) -> None:
         raise ConfigError("model.buffers: privacy and secure aggregation cover the "
                           "parameters only; the model's buffers (BatchNorm statistics) "
                           "need model.buffers=keep_global (or model.norm=group)")
+
+
+def check_event_mode(cfg: Config, *, aggregator: Any, feedback: Any, privacy: Any,
+                     num_clients: int) -> None:
+    """What the event-driven round modes (``system.mode`` async, buffered;
+    :mod:`fedloom.engine.events`) cannot run: a rule that needs the whole
+    federation each step, a feedback policy with server state or a model shift
+    (a client dispatched at an older model would read a newer one), differential
+    privacy (its accountant counts synchronous rounds), a round planner, and too
+    few clients to keep ``concurrency`` in flight besides the buffer."""
+    s = cfg.system
+    if s.mode == "sync":
+        return
+    m = f"system.mode {s.mode}"
+    if aggregator_caps(aggregator).full_participation:
+        raise ConfigError(f"aggregator.name: {cfg.aggregator.name} needs every client in "
+                          f"every step; not with {m}")
+    if not feedback_caps(feedback).row_only:
+        raise ConfigError(f"compression.feedback.name: {cfg.compression.feedback.name} keeps "
+                          f"server state or shifts the model; not with {m}")
+    if privacy.enabled:
+        raise ConfigError(f"privacy.mode: the accountant counts synchronous rounds; not with {m}")
+    if cfg.compression.adaptive.name != "none":
+        raise ConfigError(f"compression.adaptive.name: plans synchronous rounds; not with {m}")
+    k = s.buffer if s.mode == "buffered" else 1
+    if s.concurrency + k - 1 > num_clients:
+        raise ConfigError(f"system.concurrency: {s.concurrency} in flight and up to {k - 1} "
+                          f"waiting in the buffer need {s.concurrency + k - 1} clients; the "
+                          f"run has {num_clients}")

@@ -158,7 +158,15 @@ def _decode(feedback: Any, space: ModelSpace, st: RunState, plan: RoundPlan,
             failed[i] = f"payload could not be decoded ({first_line(e)})"
             row_list.append(zeros)
             continue
-        row_list.append(feedback.server_row(u, plan.fb_rows[i], st.feedback_state))
+        row = feedback.server_row(u, plan.fb_rows[i], st.feedback_state)
+        # the event-driven modes' staleness (fedloom.engine.events): FedAsync's
+        # w_t − w_τ, then s(τ)
+        shift = plan.row_shifts[i] if plan.row_shifts is not None else None
+        if shift is not None:
+            row = row + shift
+        if plan.row_scales is not None:
+            row = row * plan.row_scales[i]
+        row_list.append(row)
     rows = (torch.stack(row_list) if row_list
             else torch.empty((0, d), device=space.device)).to(space.dtype)
     return rows, failed

@@ -1,0 +1,182 @@
+"""Event-driven rounds on the simulated clock: FedAsync and FedBuff.
+
+``system.mode: async`` (FedAsync; Xie, Koyejo & Gupta, "Asynchronous Federated
+Optimization", 2019) and ``buffered`` (FedBuff; Nguyen et al., "Federated
+Learning with Buffered Asynchronous Aggregation", AISTATS 2022) keep
+``system.concurrency`` clients in flight. A client dispatched at server step
+``v`` starts from ``w_v``; its arrival time is its dispatch time plus
+:func:`fedloom.system.client_time` (download, its local steps at its device's
+speed, the upload of the round's payload size). Arrivals are taken in time
+order (ties by dispatch order); each one's slot is refilled at once by a client
+drawn uniformly from those neither in flight nor waiting in the buffer, from the
+model current then. A server step takes ``K`` arrivals (1 for async,
+``system.buffer`` for buffered) through the same objects as a synchronous
+cohort — the client half of the uplink, :func:`~fedloom.engine.receive.receive`,
+any registered aggregator, the server optimizer, :func:`~fedloom.engine.scatter.scatter`
+— with each row weighted by ``s(τ)`` of its staleness ``τ = t − v`` (server
+steps since its dispatch): ``constant`` 1, ``polynomial`` ``(1+τ)^-a``,
+``hinge`` 1 for ``τ ≤ b`` else ``1/(a(τ−b)+1)`` (FedAsync's three).
+
+- **buffered** (FedBuff): the row is ``s(τ)·Δ_k``, ``Δ_k = w_v − w_k`` the
+  client's update from the model it started from; the aggregate of the ``K``
+  rows is stepped by the server optimizer (FedBuff's ``η_g``: ``server.lr``).
+- **async** (FedAsync): ``w ← (1 − α_t) w + α_t w_k`` with ``α_t = α·s(τ)``,
+  i.e. the row ``s(τ)·(w_t − w_v + Δ_k)`` stepped with ``server.lr = α``
+  (FedAsync's mixing weight) under ``server.optimizer: sgd``.
+
+Per-client state is read when the client's job is built and written when its
+update arrives (scatter, accepted clients only; a rejected client's rows stay
+as they were); a client is never in flight twice, nor dispatched while its
+arrival waits in the buffer, so no other write comes between. The job is built
+and trained when the client arrives, from the model and server state of its
+dispatch (kept, per version in flight, in ``RunState.events``): the simulated
+order and the results are those of training at dispatch, and a checkpoint holds
+only that (plain data and tensors), so a run resumed at any step is bit-identical.
+``rounds`` counts server steps; ``sim_time_s`` is the clock at each step.
+
+Departures: the arrival time uses the payload size of the compressor on a fixed
+vector (:meth:`fedloom.system.System.expected_uplink`), exact for the
+fixed-size codecs (identity, top-k, rand-k, sign, QSGD at a fixed width) and an
+estimate otherwise; the local step size of a client is the schedule's at its
+dispatch step. Not combined with: deadlines, availability, dropout, a feedback
+policy with server state, differential privacy, a round planner
+(:func:`fedloom.engine.compat.check_event_mode`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from fedloom.config import SystemConfig
+from fedloom.engine.runstate import RoundPlan, RunState
+from fedloom.rng import derive_seed
+from fedloom.system import client_time, samples_for_steps
+
+if TYPE_CHECKING:  # the driver steps the experiment's own stages
+    from fedloom.engine.experiment import Experiment
+
+__all__ = ["EventDriver", "staleness_weight"]
+
+
+def staleness_weight(cfg: SystemConfig, tau: int) -> float:
+    """``s(τ)`` of ``system.staleness`` (FedAsync's constant, polynomial, hinge)."""
+    a, b = cfg.staleness_a, cfg.staleness_b
+    if cfg.staleness == "constant":
+        return 1.0
+    if cfg.staleness == "polynomial":
+        return float((1.0 + tau) ** -a)
+    return 1.0 if tau <= b else 1.0 / (a * (tau - b) + 1.0)
+
+
+class EventDriver:
+    """One server step of the event-driven modes (see the module docstring)."""
+
+    def __init__(self, cfg: SystemConfig, seed: int) -> None:
+        self.cfg, self.seed = cfg, seed
+        self.k = 1 if cfg.mode == "async" else cfg.buffer
+
+    # ------------------------------------------------------------- dispatch
+    def _dispatch(self, exp: Experiment, ev: dict[str, Any], st: RunState, t: float,
+                  exclude: set[int]) -> None:
+        """Fill the free slots at time ``t`` from the model of ``st``."""
+        flight: list[list[float]] = ev["flight"]
+        busy = {int(f[2]) for f in flight} | exclude
+        free = self.cfg.concurrency - len(flight)
+        if free <= 0:
+            return
+        v = st.next_round
+        versions: dict[str, Any] = ev["versions"]
+        if str(v) not in versions:  # the model and server state a client starts from
+            versions[str(v)] = {"w": st.w.clone(), "feedback": st.feedback_state,
+                                "method": st.method_state, "buffers": st.buffers}
+        candidates = np.array([k for k in range(exp.fed.num_clients) if k not in busy])
+        n = int(ev["dispatched"])
+        gen = np.random.default_rng(derive_seed(self.seed, n, -1, "dispatch"))
+        chosen = gen.choice(candidates, free, replace=False)
+        sysm, d = exp.system, exp.layout.size
+        assert sysm is not None
+        up = sysm.expected_uplink(exp.uplink, d)
+        for i, k in enumerate(chosen.tolist()):
+            nk = len(exp.fed.train[k])
+            steps = exp.trainer.num_steps(nk)
+            dt = client_time(sysm.device(k), exp.downlink_size,
+                             samples_for_steps(steps, nk, exp.cfg.client.batch_size), up)
+            # [arrival time, dispatch order, client, version, dispatch time]
+            flight.append([t + dt, float(n + i), float(k), float(v), t])
+        ev["dispatched"] = n + len(chosen)
+
+    # ------------------------------------------------------------ one step
+    def step(self, exp: Experiment, st: RunState) -> tuple[RunState, dict[str, Any]]:
+        """Take the next ``K`` arrivals, train and aggregate them, step the model."""
+        t0 = time.perf_counter()
+        ev = st.events or {"flight": [], "versions": {}, "dispatched": 0}
+        ev = {"flight": [list(f) for f in ev["flight"]], "versions": dict(ev["versions"]),
+              "dispatched": int(ev["dispatched"])}
+        clock = st.sim_time_s
+        if not ev["flight"]:  # the first step: every slot from w_0 at time 0
+            self._dispatch(exp, ev, st, clock, set())
+        arrived: list[list[float]] = []
+        while len(arrived) < self.k:
+            heapq.heapify(ev["flight"])
+            nxt = heapq.heappop(ev["flight"])
+            arrived.append(nxt)
+            clock = max(clock, nxt[0])
+            if len(arrived) < self.k:  # its slot refilled now, from the current model
+                self._dispatch(exp, ev, st, nxt[0], {int(a[2]) for a in arrived})
+        plan, raw = self._train(exp, st, ev, arrived)
+        t_train = time.perf_counter() - t0
+        results, ups = exp.uplink_round(st, plan, raw)
+        new, metrics = exp.finish_round(st, plan, results, ups, t0=t0, t_train=t_train)
+        taus = [st.next_round - int(a[3]) for a in arrived]
+        metrics["staleness_mean"] = float(np.mean(taus))
+        metrics["staleness_max"] = int(max(taus))
+        metrics["sim_round_s"] = clock - st.sim_time_s
+        metrics["sim_time_s"] = clock
+        new = dataclasses.replace(new, sim_time_s=clock)
+        # the last arrival's slot, from the model after the step
+        self._dispatch(exp, ev, new, clock, set())
+        live = {str(int(f[3])) for f in ev["flight"]}
+        ev["versions"] = {v: s for v, s in ev["versions"].items() if v in live}
+        new.events = ev
+        return new, metrics
+
+    def _train(self, exp: Experiment, st: RunState, ev: dict[str, Any],
+               arrived: list[list[float]]) -> tuple[RoundPlan, list[Any]]:
+        """The arrivals' jobs, each from its dispatch version, trained as one cohort;
+        their plan with the staleness rows of the server half."""
+        plans: list[RoundPlan] = []
+        for a in arrived:
+            k, v = int(a[2]), int(a[3])
+            ver = ev["versions"][str(v)]
+            # the state of step v: its model, server states and lr (the job's seeds
+            # derive from (v, k): a client is dispatched at most once per step)
+            at_v = dataclasses.replace(st, next_round=v, w=ver["w"],
+                                       feedback_state=ver["feedback"],
+                                       method_state=ver["method"], buffers=ver["buffers"])
+            plans.append(exp.plan_round(at_v, cohort=torch.tensor([k], dtype=torch.long)))
+        plan = _merge(plans, st.next_round, exp.lr(st.next_round))
+        taus = [st.next_round - int(a[3]) for a in arrived]
+        plan.row_scales = [staleness_weight(self.cfg, tau) for tau in taus]
+        if self.cfg.mode == "async":  # FedAsync mixes with w_k = w_v − Δ_k: add w_t − w_v
+            plan.row_shifts = [(st.w - ev["versions"][str(int(a[3]))]["w"]) if tau else None
+                               for a, tau in zip(arrived, taus, strict=True)]
+        raw = exp.backend.train_cohort(plan.jobs)
+        return plan, list(raw)
+
+
+def _merge(plans: list[RoundPlan], r: int, lr: float) -> RoundPlan:
+    """One plan of the arrivals' one-client plans, for step ``r`` (``lr``: the
+    schedule's at ``r``, what the uplink and the rules read; each job keeps its own)."""
+    first = plans[0]
+    old_rows = {f: torch.cat([p.old_rows[f] for p in plans]) for f in first.old_rows}
+    measured = [[m for p in plans for m in p.measured[h]] for h in range(len(first.measured))]
+    return RoundPlan(r, torch.cat([p.cohort for p in plans]), lr,
+                     [j for p in plans for j in p.jobs], [a for p in plans for a in p.alphas],
+                     [f for p in plans for f in p.fb_rows], old_rows, first.comp,
+                     first.adjust, measured)
