@@ -16,57 +16,16 @@ data.path=FILE.csv data.label=COLUMN [data.client=COLUMN]
 [data.features=[COLUMN, ...]]``. Every problem raises :class:`DataError`, one
 line naming the file or field (and, for a bad cell, its line and column).
 
-CSV tables are read with pandas (the ``data`` extra), every cell as text and
-each column converted here:
-
-- features: ``data.features``, or every column but the label and client ones;
-  each must hold numbers (``float()`` of the cell, so a CSV, an ``.npz`` of the
-  same float64 values and :func:`from_arrays` give the same model bits);
-- labels: integers are class indices as they are; text labels (``red``,
-  ``good``) are mapped to ``0 … C−1`` in sorted order, the names kept in
-  :attr:`Dataset.classes` and the run directory's ``labels.json``; a column of
-  non-integer numbers (a regression target) is refused;
-- client ids: integers or text (``site_4``), one client per distinct value, in
-  sorted order;
-- a one-line hint is logged when ``data.standardize`` is off and the features
-  look unscaled: column standard deviations more than 100× apart, or a column
-  whose ``|mean|`` exceeds 10× its std (SGD's default step assumes unit-scale
-  inputs; on the UCI wine table: accuracy 0.42 without scaling, 0.95 with).
-
-What is refused, and why:
-
-- labels are class indices: the model gets ``max(y) + 1`` outputs, so a label
-  must be below the number of samples (train and test together). A label of
-  10⁹ would otherwise size a 10⁹-wide output layer (tens of GB). Labels that
-  are ids rather than indices are not remapped silently — the model's output
-  ``k`` must mean the user's class ``k`` — remap them yourself, e.g.
-  ``numpy.unique(y, return_inverse=True)``;
-- ``.npz`` files are read with ``allow_pickle=False``: an object array (which
-  would need unpickling, i.e. running code from the file) is refused, as is
-  an empty, truncated or otherwise unreadable archive;
-- CSV files are UTF-8 (a byte-order mark is skipped); any other encoding is
-  refused rather than guessed, since a guessed header may not match
-  ``data.label``;
-- CSV files larger than :data:`MAX_CSV_BYTES` (256 MiB) or whose header names more
-  than :data:`MAX_CSV_COLUMNS` (100,000) columns, checked before the file is parsed
-  (the size from the file system, the columns from the header line alone): read as
-  text, a table takes 7x (six-character numbers) to 17x (one-digit cells) its size
-  in memory at its peak, and every column costs about 0.35 ms and 8 kB beyond its
-  cells (measured: pandas holds each cell as a Python string until the column is
-  converted). A 2 GB table or one of 10**6 columns ended in a MemoryError traceback
-  after 1.6-5 GB. The bounds are fixed rather than derived from the memory available
-  when the run starts, so that a file is accepted or refused alike on every machine
-  and whatever else runs (a sweep's parallel runs); at the bounds a table needs
-  about 2-4.5 GB, or half a minute and 0.8 GB for its columns. Larger data belongs
-  in an ``.npz`` file (4 bytes a float32 value, read as arrays). A parse that runs
-  out of memory all the same is one line too;
-- features that are not finite (a CSV cell ``inf``, ``nan``, ``-Infinity``:
-  ``float()`` reads them) or beyond float32's range (``|x| > 3.4028e38``, which
-  the cast to float32 would turn into inf) are refused before anything is
-  computed from them, a CSV cell by its line and column, an array by its
-  sample: one line, no numpy warning first (the unscaled-features hint's std of
-  such a column was inf or NaN: a ``RuntimeWarning``, or for ``1e300`` an
-  ``IndexError``).
+CSV tables are read with pandas (the ``data`` extra), every cell as text and each
+column converted here: features as ``float()`` (so a CSV, an ``.npz`` and
+:func:`from_arrays` give the same model bits), integer labels as they are and text
+labels mapped to ``0 … C−1`` in sorted order (:attr:`Dataset.classes`,
+``labels.json``). Refused, one line each: labels not below the sample count,
+object arrays in ``.npz`` files, CSV files not in UTF-8, over :data:`MAX_CSV_BYTES`
+or :data:`MAX_CSV_COLUMNS` (bounds fixed, so that a file is accepted alike on every
+machine), and features that are not finite or beyond float32's range.
+Each conversion and refusal with its reasons and measurements:
+docs/howto/datasets.md (Your own data in detail).
 """
 
 from __future__ import annotations

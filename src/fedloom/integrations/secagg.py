@@ -19,35 +19,15 @@ parameters. This module is that path for fedloom:
   parameters with ``ω_k = n_k`` (``fedavg``) or 1 (``weighted: false``), which
   ``secaggplus_mod`` masks.
 
-Scope: ``server.secure_aggregation: true`` is required (so the composition
-check of :func:`fedloom.privacy.check_secure_aggregation` runs), with
-``fedavg`` (FedNova's coefficients need three masked sums: not wired), a
-linear compressor (identity, fp16, bf16), ``compression.feedback: none``, local
-method ``sgd``, and ``privacy.mode`` none, local, or central without adaptive
-clipping: then each client clips its decoded update to ``C`` before masking
-and sends ``ω_k = 1``, and the server adds DP-FedAvg's noise to the unmasked
-sum with the engine's generator (:meth:`fedloom.privacy.Privacy.release`):
-the same model as in-process, while the server sees only the sum of the
-clipped updates. A model with buffers (BatchNorm statistics) needs
-``model.buffers: keep_global`` (the engine's own check: the masked sum covers
-``w``, averaged buffers would be sent in the clear); the clients then train
-from the initial buffers, which are the global ones. Anything else is one line.
-
-What the protocol changes: each value is clipped to ``[−clipping_range,
-clipping_range]`` (8 by default: an update coordinate beyond it is cut) and
-stochastically rounded to ``quantization_range`` levels (``2²²``), and each
-weight ``ω_k/max_weight`` is rounded to the same grid; the rounding draws from
-NumPy's global generator inside Flower, so a SecAgg+ run is not bit-for-bit
-reproducible — the unmasked run is, and the two agree to the quantisation:
-one rounding step is ``2·clipping_range/quantization_range ≈ 3.8e-6``.
-Measured (tests/test_flower.py: synthetic data, 6 clients, 3 a round, MLP
-with 10 hidden units, float64, server.lr = 1, Ray simulation on loopback).
-Without privacy (``ω_k = n_k``): after one round the model differs from
-``fedloom run``'s by 6.2e-6 and 7.1e-6 max abs in two runs, under that
-setting's bound 2.1e-5; after two rounds by 1.9e-3 — local training (steps of
-up to 0.49 a coordinate here) amplifies the first round's rounding, so the
-test compares one round. With central DP (``C = 0.5``, ``z = 0.5``, the test
-now kept): 2.2e-6 after one round, under the bound ``Δ`` = 3.8e-6.
+Scope: ``server.secure_aggregation: true`` with ``fedavg``, a linear compressor,
+no error feedback, method ``sgd``, ``privacy.mode`` none, local or central without
+adaptive clipping (the server adds the noise to the unmasked sum), and
+``model.buffers: keep_global``; anything else is one line. The protocol clips
+each value to ``±clipping_range`` and rounds it stochastically, so a run is not
+bit-for-bit reproducible: measured (tests/test_flower.py, 6 clients, float64),
+one round differs from ``fedloom run``'s by 6.2e-6 and 7.1e-6 max abs, under the
+bound 2.1e-5. The scope, the quantisation and the measurements in detail:
+docs/deploy.md (SecAgg+ in detail).
 """
 
 from __future__ import annotations

@@ -6,57 +6,17 @@ pays, per message, the import of torch and the building of its data and model
 (docs/deploy.md, "Round time", has the measured costs) before any training.
 
 :func:`warm_client_app` returns a thin ClientApp for Flower to load instead. It
-imports only Flower and the standard library (``import fedloom`` is lazy), and
-hands each message, with its ``Context``, to a worker process that stays up
-between messages and runs the real ClientApp (``target``, ``"module:attr"``):
-
-    message, context ──► relay (flwr-clientapp process, one per message)
-                           │  AF_UNIX socket, authenticated (HMAC key, 0600)
-                           ▼
-                         worker (one per SuperNode and app; torch, data and
-                           model stay loaded) ── target(message, context)
-                           │
-    reply, context.state ◄─┘
-
-What crosses the socket is Flower's own protobuf serialization of the Message
-and the Context (``flwr.common.serde``), so the target sees the same message,
-context and state it would see in the ``flwr-clientapp`` process, and its reply
-and updated ``Context.state`` go back to Flower unchanged. Consequences:
-
-- **Same results.** The deployment test (tests/test_flower_deploy.py) checks the
-  model's bytes against ``fedloom run``; tests/test_warm.py checks replies and
-  state bytes against the target called directly.
-- **Nothing lives only in the worker.** Client state (an EF residual in
-  ``Context.state``) goes back to Flower after every message, as without the
-  worker; the worker holds only caches. A worker that dies (killed, OOM) costs
-  one retry: the relay starts a new one and sends the same message again — safe,
-  because the message and state are unchanged and fedloom's training is a
-  function of (seed, round, client).
-- **Which worker.** One per (SuperNode, target, Python, ``sys.path``, source
-  files): a new app version (Flower installs each FAB in its own directory) or
-  an edited source file of fedloom or of the target's package starts a new
-  worker instead of serving stale code. The old one exits after ``idle_s``.
-- **Lifetime.** The relay starts the worker on the first message (that message
-  pays the cold start, once), in its own session so that it outlives the
-  relay process; it exits after ``idle_s`` without a message, or when the
-  process that started the first relay (the SuperExec) is gone.
-- **Safety.** The socket lives in a directory only this user can enter
-  (``$FEDLOOM_WARM_DIR``, default ``<tmp>/fedloom-warm-<uid>``; refused if it
-  is anyone else's or open to others); both ends authenticate with a random
-  key kept there (``multiprocessing.connection``'s HMAC challenge). Only bytes
-  are exchanged (nothing is unpickled); a request that does not parse is
-  answered with an error and the worker goes on.
-- **One message at a time.** The worker runs messages in the order they
-  arrive, which is what a SuperNode's single client sees anyway.
-
-Measured (benchmarks/deploy.md: 4 MNIST SuperNodes of examples/flower on one
-2-core machine, loopback): a deployed round takes 11.8–12.9 s with the relay,
-against 22.2–25.5 s with the trainer in Flower's process per message and 8.9–9.4 s
-for a ClientApp that does nothing; the in-process round is 2.85 s.
-
-Set ``warm = false`` in the run config (``flwr run --run-config 'warm=false'``)
-to run ``target`` inside the ``flwr-clientapp`` process instead (Flower's own
-behaviour). POSIX only (``AF_UNIX``).
+imports only Flower and the standard library, and hands each message, with its
+``Context``, over an authenticated ``AF_UNIX`` socket to a worker process that
+stays up between messages (one per SuperNode, app and source version) and runs
+the real ClientApp (``target``, ``"module:attr"``). What crosses is Flower's own
+serialization of the Message and Context, so the results are the same
+(tests/test_flower_deploy.py, tests/test_warm.py) and no state lives only in the
+worker; a dead worker costs one retry. Measured (benchmarks/deploy.md, 4 MNIST
+SuperNodes on one 2-core machine): a deployed round 11.8–12.9 s with the relay
+against 22.2–25.5 s without. ``warm = false`` in the run config runs ``target``
+in Flower's process instead. POSIX only. The relay, its safety and lifetime:
+docs/deploy.md (The warm ClientApp in detail).
 """
 
 from __future__ import annotations

@@ -12,55 +12,17 @@ and the server's strategy decodes it with the same settings::
 
     strategy = CRAFT(compression="topk", compression_options={"ratio": 0.01})
 
-For each train message the mod splits the incoming record into the model's
-parameters ``w`` and its buffers
-(:class:`~fedloom.integrations.flower.records.StateLayout`, the same rule as the
-strategy), loads the client's feedback state (EF's and SA-PEF's residual
-``e``) from ``Context.state``, and for SA-PEF hands the wrapped app the model
-moved to its start point ``w − α e`` (the arrays it loads; buffers untouched).
-After training it computes ``g = w − w_k`` against the model *received*
-(fedloom's SA-PEF: the server's model is ``w``), sends ``C(g + (1 − α) e)``
-(EF: α = 0) and keeps the new residual in ``Context.state`` — in
-``state_dtype``, and only when the sent vector and the residual are finite
-(a non-finite reply is rejected by the server, and the engine keeps a rejected
-client's state). The reply carries a ``ConfigRecord`` ``"fedloom"`` (the
-payload, the residual norm and, when the model has buffers, the trained buffers
-as raw little-endian bytes in the record's order and dtypes:
-:func:`~fedloom.integrations.flower.records.pack_buffers`) and the wrapped
-app's ``MetricRecord`` unchanged. It is a valid Flower message with no
-``ArrayRecord`` at all, so a strategy that does not decode it (Flower's
-``FedAvg``) stops with ``InconsistentMessageReplies`` instead of averaging a
-payload or taking the buffers for the model.
 
-The compressor's random stream (rand-k, QSGD) derives from (``seed``, round,
-client, ``compress``): the round is ``server-round − 1`` of the train config,
-the client ``node_config["partition-id"]`` (or ``client-id``), else the node id.
-The learning rate α's theory schedule would need comes from ``"lr"`` in the
-train config; only ``alpha_schedule="constant"`` is offered here.
-
-What each feedback policy needs from the wrapped app:
-
-- ``none``, ``ef``, ``saef``, ``sapef``: nothing — the mod reads the trained
-  arrays; SA-PEF's start point is applied to the arrays the app loads.
-- ``flare``, ``ec_prox``: a penalty on the first local steps, which lives in
-  the local loss a stock train handler computes itself. The app opts in with
-  two lines and the mod is told so (``app_applies_penalty=True``; without it
-  these policies are refused, one line)::
-
-      pen = LocalPenalty.from_message(msg, model)   # after load_state_dict
-      …
-      loss.backward()
-      pen.apply(model, step)                        # step = 0, 1, … of this round
-      optimizer.step()
-
-  The mod sends the round's penalty beside the arrays (an ArrayRecord
-  ``"fedloom.penalty"`` with FLARE's target ``w − A`` and mask, a ConfigRecord
-  ``"fedloom.penalty-config"`` with τ_r, the step count and the kind), and
-  :meth:`LocalPenalty.apply` adds its gradient (``τ m sign(w − t)``, or
-  ``2τ m (w − t)`` for ``l2``) to the parameters' gradients on the first
-  ``penalty_steps`` steps, what fedloom's local SGD adds (``fedloom.job.Penalty``).
-- ``ef21``, ``cser``, ``scafcom``: server-side copies of client state or a
-  gradient shift: refused, as on fedloom's own Flower path.
+Per message the mod loads the client's residual from ``Context.state`` (and for
+SA-PEF hands the app the model moved to ``w − α e``), computes ``g = w − w_k``
+against the model received, sends ``C(g + (1 − α) e)`` and keeps the new residual
+(only when finite). The reply has no ``ArrayRecord``, so a strategy that does not
+decode it (Flower's ``FedAvg``) stops instead of averaging a payload. Policies:
+``none``, ``ef``, ``saef``, ``sapef`` (constant α) need nothing from the app;
+``flare`` and ``ec_prox`` need the app to apply :class:`LocalPenalty`
+(``app_applies_penalty=True``); ``ef21``, ``cser`` and ``scafcom`` are refused.
+The message's records, random streams and each policy's needs:
+docs/deploy.md (``CompressionMod`` in detail).
 """
 
 from __future__ import annotations
