@@ -136,3 +136,46 @@ def test_batched_backends_run_the_same_steps(backend):
 def test_refused_combinations_name_the_field(overrides, field):
     with pytest.raises(ConfigError, match=rf"^{field.replace('.', '[.]')}: "):
         Experiment(load_config(_cfg("buffered"), overrides))
+
+
+def _rows(exp):
+    ids = list(range(exp.fed.num_clients))
+    return {f: exp.store.gather(f, ids).clone() for f in exp.store.fields}
+
+
+def test_state_rows_change_only_for_accepted_arrivals():
+    """Error-feedback residuals under staleness: a step writes the rows of the clients
+    it took (accepted) and of no one else — not of those still in flight."""
+    exp = Experiment(load_config(_cfg("buffered"), [
+        "compression.name=topk", "compression.options={ratio: 0.1}",
+        "compression.feedback=ef"]))
+    st = exp.initial_state()
+    assert exp.store.fields  # the policy keeps a residual row a client
+    for _ in range(5):
+        before = _rows(exp)
+        ev = st.events
+        st, m = exp.round(st)
+        after = _rows(exp)
+        changed = {k for f in before for k in range(exp.fed.num_clients)
+                   if not torch.equal(before[f][k], after[f][k])}
+        # in flight through the whole step: the same dispatch (order number) before and after
+        stayed = ({(int(f[1]), int(f[2])) for f in (ev or {}).get("flight", [])}
+                  & {(int(f[1]), int(f[2])) for f in st.events["flight"]})
+        assert m["rejected_updates"] == 0
+        assert not changed & {k for _, k in stayed}
+        assert 1 <= len(changed) <= 2  # the step's K = 2 arrivals
+    exp.close()
+
+
+def test_a_rejected_arrival_changes_nothing_but_the_clock():
+    exp = Experiment(load_config(_cfg("buffered"), [
+        "compression.name=topk", "compression.options={ratio: 0.1}",
+        "compression.feedback=ef", "server.max_update_norm=1e-12"]))
+    st = exp.initial_state()
+    w0, rows0 = st.w.clone(), _rows(exp)
+    for _ in range(3):
+        st, m = exp.round(st)
+        assert m["rejected_updates"] == 2 and m["rejected_rounds"] == 0
+    assert torch.equal(st.w, w0) and st.sim_time_s > 0
+    assert all(torch.equal(rows0[f], v) for f, v in _rows(exp).items())
+    exp.close()
