@@ -24,7 +24,13 @@ NAME_MAX = 255
 def encode_component(text: str, keep: str = "-_.") -> str:
     """``text`` with every character that is neither alphanumeric nor in ``keep``
     replaced by ``_`` (no ``/`` survives, so the result is one component unless it
-    is ``.``, ``..`` or empty, which :func:`path_component` refuses)."""
+    is ``.``, ``..`` or empty, which :func:`path_component` refuses).
+
+    >>> encode_component("CRAFT (lr=0.1)")
+    'CRAFT__lr_0.1_'
+    >>> encode_component("a/b=1,c", keep="-_.=,")
+    'a_b=1,c'
+    """
     return "".join(c if c.isalnum() or c in keep else "_" for c in text)
 
 
@@ -50,7 +56,16 @@ def path_component(name: object, field: str) -> str:
     :data:`NAME_MAX` bytes. So ``folder / name`` is always a child of ``folder``
     (an absolute ``name`` would replace ``folder``; one with ``..`` would climb out
     of it). Otherwise :class:`ConfigError`: ``FIELD: 'NAME' cannot name a file or
-    folder (why)``."""
+    folder (why)``.
+
+    >>> path_component("craft-layer", "methods")
+    'craft-layer'
+    >>> try:
+    ...     path_component("../x", "methods")
+    ... except ValueError as e:  # a ConfigError
+    ...     print(e)
+    methods: '../x' cannot name a file or folder (it holds '/', a path separator)
+    """
     if not isinstance(name, str):
         raise ConfigError(f"{field}: {name!r} cannot name a file or folder (it is not "
                           f"text but {type(name).__name__})")

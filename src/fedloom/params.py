@@ -136,6 +136,16 @@ class Layout:
         Tensors are ordered as ``module.named_parameters()``. Each module that
         owns parameters directly starts a group, except a normalisation layer
         whose previous sibling (same parent) owns parameters: it joins that group.
+
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.ReLU(), nn.Linear(3, 2))
+        >>> layout = Layout.from_module(net)
+        >>> layout.size
+        29
+        >>> [g.tensors for g in layout.groups]  # the BatchNorm joins the Linear before it
+        [('0.weight', '0.bias', '1.weight', '1.bias'), ('3.weight', '3.bias')]
+        >>> layout["3.weight"]
+        TensorSpec(name='3.weight', shape=(2, 3), offset=21)
         """
         specs: list[tuple[str, tuple[int, ...]]] = []
         groups: list[list[str]] = []

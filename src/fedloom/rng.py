@@ -52,7 +52,18 @@ class Purpose(StrEnum):
 
 
 def derive_seed(seed: int, round: int = -1, client: int = -1, purpose: str = "") -> int:
-    """A 63-bit seed that depends on every field of ``(seed, round, client, purpose)``."""
+    """A 63-bit seed that depends on every field of ``(seed, round, client, purpose)``.
+
+    The same fields give the same seed on every machine and in every version (a
+    BLAKE2b digest), so reruns and resumed runs draw the same numbers:
+
+    >>> derive_seed(0, round=3, client=7, purpose="cohort")
+    2485192879032364992
+    >>> derive_seed(0, 3, 7, "cohort") == derive_seed(0, 3, 7, "batch")
+    False
+    >>> 0 <= derive_seed(12345) < 2**63
+    True
+    """
     msg = f"fedloom/{int(seed)}/{int(round)}/{int(client)}/{purpose}".encode()
     digest = hashlib.blake2b(msg, digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
@@ -68,7 +79,13 @@ def torch_gen(seed: int, round: int = -1, client: int = -1, purpose: str = "") -
 def numpy_gen(
     seed: int, round: int = -1, client: int = -1, purpose: str = ""
 ) -> np.random.Generator:
-    """A NumPy ``Generator`` (PCG64) seeded from the derived seed."""
+    """A NumPy ``Generator`` (PCG64) seeded from the derived seed.
+
+    >>> a = numpy_gen(1, round=0, client=2, purpose="batch").integers(0, 100, 5)
+    >>> b = numpy_gen(1, round=0, client=2, purpose="batch").integers(0, 100, 5)
+    >>> a.tolist() == b.tolist()
+    True
+    """
     return np.random.default_rng(derive_seed(seed, round, client, purpose))
 
 

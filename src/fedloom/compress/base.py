@@ -10,46 +10,15 @@ the byte metrics count, not an estimate. Every payload is::
     body           codec-specific (see each compressor)
     trailer        u32 little-endian CRC-32C of every byte before it (version 2 only)
 
-The trailer is on by default (``compression.options.checksum: true``, 4 bytes a
-payload); ``checksum: false`` sends version 1, byte for byte the format without
-it, for byte counts comparable with papers that count the bare encoding. The
-receiver expects what its own compressor is configured with: a payload with the
-other version is rejected, so a flipped version byte cannot switch the check off.
-
-CRC-32C (Castagnoli polynomial 0x1EDC6F41, as in iSCSI, RFC 3720) rather than the
-zlib CRC-32: for messages up to 2³¹ bits it detects every error of up to 3 bits
-(Hamming distance 4), where CRC-32 (IEEE 802.3) does so only up to 91,607 bits
-(Koopman, "32-bit cyclic redundancy codes for Internet applications", DSN 2002);
-both detect every burst of up to 32 bits, so any single changed byte. It comes
-from ``google-crc32c`` (hardware CRC32 instruction where present: ~0.65 ms for a
-4 MB payload here, zlib.crc32 ~1.4 ms; without a wheel it falls back to pure
-Python, ~1.4 s per MB, and importing this module warns). Known values, checked by
-the tests: CRC-32C of 32 zero bytes = 0x8A9136AA (RFC 3720, appendix B.4) and of
-b"123456789" = 0xE3069283 (the "check" value of CRC-32/ISCSI in Cook's catalogue
-of parametrised CRC algorithms).
-
-``decode(payload, d)`` validates every field against what this receiver expects
-(magic, version, codec, ``d``, the trailer, and each compressor's own fields: its
-value dtype, QSGD's ``s``, the index coding and the count ``k`` its budget gives)
-and the body length, and raises :class:`PayloadError` (a ``ValueError``) with a
-one-line reason on anything else. With the trailer, a payload damaged in transit
-is rejected unless the damage happens to keep the CRC (probability 2⁻³² for
-random damage); without it, a damaged header or length is rejected, but a
-changed value byte (or an index gap that stays in range) is indistinguishable
-from a different update and decodes as one. Fuzzing the 12 compressor settings
-(tests/test_faults_payloads.py: bit flips, byte overwrites, truncation, extension,
-header fields set to other values; d = 64): before these checks 3,448 of 12,000
-mutated payloads decoded to a wrong vector, 35 of them through a framing field
-(the cast's dtype code, QSGD's ``s``); with the trailer 0 of 10,000; without it 0
-through a framing field (50 through an index gap, 3,359 through a value).
-
-Without an expected ``d`` (``decode(payload)``) the header's ``d`` is believed
-only as far as the payload backs it: a dense codec needs ``d·itemsize`` bytes
-present, and no payload may make the decoder allocate more than
-``max(2²⁴, 2¹⁶·len(payload))`` entries (a 23-byte sparse payload claiming
-``d = 2³² − 1`` would otherwise allocate 16 GiB). Without the trailer a changed
-``d`` of a sparse payload then decodes to a vector of that other length. The
-engine and the Flower integration always pass the model's ``d``.
+The trailer (CRC-32C, RFC 3720, from ``google-crc32c``) is on by default
+(``compression.options.checksum``); ``checksum: false`` sends version 1, the bare
+encoding papers count. ``decode(payload, d)`` validates every field against what
+this receiver expects and raises :class:`PayloadError` (a ``ValueError``) on
+anything else; without an expected ``d`` no payload makes it allocate more than
+``max(2²⁴, 2¹⁶·len(payload))`` entries. Fuzzed (tests/test_faults_payloads.py,
+12 settings): with the trailer 0 of 10,000 mutated payloads decode to a wrong
+vector. Why CRC-32C, what each check catches and the fuzzing's numbers:
+docs/explanation/reliability.md (Payloads: the header and the trailer).
 """
 
 from __future__ import annotations

@@ -89,7 +89,16 @@ def paired(a: Mapping[Any, float], b: Mapping[Any, float], better: str = "higher
     """Compare ``a`` and ``b`` ({seed: value}) seed by seed (module docstring).
 
     ``better``: ``"higher"`` or ``"lower"`` (the direction in which the metric
-    improves; the mean and interval are always of ``a − b``)."""
+    improves; the mean and interval are always of ``a − b``).
+
+    >>> r = paired({1: 0.90, 2: 0.85, 3: 0.88}, {1: 0.80, 2: 0.78, 3: 0.79})
+    >>> r.n, r.verdict
+    (3, 'better')
+    >>> r.text(scale=100, unit="pp")
+    'better +8.7 pp [+4.9, +12.5] (3 seeds)'
+    >>> paired({1: 0.9}, {1: 0.8}).text()
+    'no evidence +0.1 (1 seed: no interval)'
+    """
     if better not in ("higher", "lower"):
         raise ValueError(f"better: {better!r} (expected higher or lower)")
     if method not in ("t", "bootstrap"):
@@ -134,7 +143,15 @@ def paired(a: Mapping[Any, float], b: Mapping[Any, float], better: str = "higher
 def verdict_of(low: float, high: float, better: str = "higher",
                margin: float | None = None) -> str:
     """The verdict of an interval ``[low, high]`` of ``a − b`` (module docstring); also
-    that of the confidence sequence of :mod:`fedloom.report.sequential`."""
+    that of the confidence sequence of :mod:`fedloom.report.sequential`.
+
+    >>> verdict_of(0.5, 2.0)
+    'better'
+    >>> verdict_of(0.5, 2.0, better="lower")
+    'worse'
+    >>> verdict_of(-0.2, 0.3), verdict_of(-0.2, 0.3, margin=0.5)
+    ('no evidence', 'equivalent')
+    """
     sign = 1.0 if better == "higher" else -1.0
     lo_s, hi_s = sorted((low * sign, high * sign))
     if lo_s > 0:
