@@ -117,7 +117,7 @@ def test_fedasync_row_is_the_mixing_rule():
     exp.close()
 
 
-@pytest.mark.parametrize("backend", ["lockstep", "vmap"])
+@pytest.mark.parametrize("backend", ["lockstep", "vmap", "process"])
 def test_batched_backends_run_the_same_steps(backend):
     ref = fedloom.run(_cfg("buffered"), ["dtype=float64"])
     got = fedloom.run(_cfg("buffered"), ["dtype=float64", f"backend.name={backend}"])
