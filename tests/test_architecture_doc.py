@@ -46,7 +46,7 @@ def _sha(cfg, overrides=()):
 
 
 def test_the_page_names_what_it_tests(leaky):
-    assert leaky["compression"]["feedback"] == "leaky_ef:leaky_ef"
+    assert leaky["compression"]["feedback"]["name"] == "leaky_ef:leaky_ef"
     res = fedloom.run(leaky)
     assert res.summary["rounds"] == TINY["rounds"]
     # the plug-in's per-client rows are kept by the engine and reported
@@ -54,21 +54,19 @@ def test_the_page_names_what_it_tests(leaky):
 
 
 def test_decay_one_is_error_feedback(leaky):
-    assert (_sha(leaky, ["compression.feedback_options={decay: 1.0}"])
-            == _sha(leaky, ["compression.feedback=ef", "compression.feedback_options={}",
-                            "compression.alpha=0"]))
+    assert (_sha(leaky, ["compression.feedback.options={decay: 1.0}"])
+            == _sha(leaky, ["compression.feedback=ef"]))  # another policy: no options
 
 
 def test_decay_zero_is_no_feedback(leaky):
-    assert (_sha(leaky, ["compression.feedback_options={decay: 0.0}"])
-            == _sha(leaky, ["compression.feedback=none", "compression.feedback_options={}"]))
-    assert _sha(leaky) != _sha(leaky, ["compression.feedback=none",
-                                       "compression.feedback_options={}"])
+    assert (_sha(leaky, ["compression.feedback.options={decay: 0.0}"])
+            == _sha(leaky, ["compression.feedback=none"]))
+    assert _sha(leaky) != _sha(leaky, ["compression.feedback=none"])
 
 
 def test_bad_option_is_one_line(leaky):
     with pytest.raises(fedloom.ConfigError, match=r"decay: must be in \[0, 1\]"):
-        fedloom.run(leaky, ["compression.feedback_options={decay: 2.0}"])
+        fedloom.run(leaky, ["compression.feedback.options={decay: 2.0}"])
 
 
 def test_resume_keeps_the_plugins_rows(leaky, tmp_path):

@@ -122,19 +122,19 @@ def test_ditto_personal_models_and_metrics(tiny):
     # CRAFT inside Ditto is one config line
     res2 = fedloom.run(tiny, ["client.method=ditto", "aggregator.name=craft", "rounds=2"])
     assert "craft_max_violation" in res2.metrics[-1] and "personal_acc_mean" in res2.metrics[-1]
-    with pytest.raises(ConfigError, match=r"client\.method_options\.mu"):
-        fedloom.run(tiny, ["client.method=ditto", "client.method_options.mu=1"])
+    with pytest.raises(ConfigError, match=r"client\.method\.options\.mu"):
+        fedloom.run(tiny, ["client.method=ditto", "client.method.options.mu=1"])
 
 
 def test_ditto_with_huge_lambda_keeps_personal_near_global(tiny):
-    cfg = load_config(tiny, ["client.method=ditto", "client.method_options.lam=5.0",
+    cfg = load_config(tiny, ["client.method=ditto", "client.method.options.lam=5.0",
                              "client.lr=0.1", "rounds=1", "dtype=float64"])
     exp = Experiment(cfg)
     exp.round(exp.initial_state())
     cohort = exp.sample_cohort(0)
     v = exp.store.gather("personal", cohort)
     w0 = exp.initial_state().w
-    cfg0 = load_config(tiny, ["client.method=ditto", "client.method_options.lam=0.0",
+    cfg0 = load_config(tiny, ["client.method=ditto", "client.method.options.lam=0.0",
                               "client.lr=0.1", "rounds=1", "dtype=float64"])
     exp0 = Experiment(cfg0)
     exp0.round(exp0.initial_state())

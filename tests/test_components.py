@@ -30,12 +30,12 @@ TOPK = ["compression.name=topk", "compression.options={ratio: 0.1}"]
 # (kind, the config naming it, the config without it, the object)
 @pytest.mark.parametrize("kind, by_name, rest, obj", [
     ("aggregator", ["aggregator.name=craft"], [], lambda: get("aggregator", "craft")()),
-    ("server", ["server.optimizer=momentum", "server.momentum=0.5"], [],
+    ("server", ["server.optimizer=momentum", "server.optimizer.options.momentum=0.5"], [],
      lambda: get("server_optimizer", "momentum")(lr=1.0, momentum=0.5)),
     ("compressor", TOPK, [], lambda: get("compressor", "topk")(ratio=0.1)),
     ("feedback", [*TOPK, "compression.feedback=sapef"], TOPK,
      lambda: get("feedback", "sapef")()),
-    ("method", ["client.method=ditto", "client.method_options={lam: 0.5}"], [],
+    ("method", ["client.method=ditto", "client.method.options={lam: 0.5}"], [],
      lambda: get("method", "ditto")(lam=0.5)),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_an_object_runs_as_its_name_does(kind, by_name, rest, obj):

@@ -38,8 +38,8 @@ def test_overrides_parse_yaml_values_and_nest():
         ("data.partition.name=random", "data.partition.name: unknown partitioner 'random' "
                                        "(available: classes, contiguous, dirichlet, iid, "
                                        "mixed, natural, shards, sizes)"),
-        ("compression.feedback=ef3", "compression.feedback: unknown feedback 'ef3'"),
-        ("compression.adaptive=fl", "compression.adaptive: unknown planner 'fl'"),
+        ("compression.feedback=ef3", "compression.feedback.name: unknown feedback 'ef3'"),
+        ("compression.adaptive=fl", "compression.adaptive.name: unknown planner 'fl'"),
         ("model.hidden=[8, -1]", "model.hidden: must be >= 1"),
         ("backend=gpu", "backend.name: unknown backend 'gpu'"),
         ("data.name=imagenet", "data.name: unknown dataset 'imagenet'"),

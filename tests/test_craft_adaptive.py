@@ -62,9 +62,9 @@ def test_options_are_validated_naming_the_field():
             CRAFT(**kw)
     with pytest.raises(ValueError, match="stepp"):
         make_aggregator("craft", stepp="rprop")
-    with pytest.raises(ValueError, match=r"compression\.alpha_schedule"):
+    with pytest.raises(ValueError, match=r"compression\.feedback\.options\.alpha_schedule"):
         make_feedback("sapef", alpha_schedule="adaptive")
-    with pytest.raises(ValueError, match=r"compression\.alpha_kappa"):
+    with pytest.raises(ValueError, match=r"compression\.feedback\.options\.alpha_kappa"):
         make_feedback("sapef", alpha_schedule="residual", alpha_kappa=0)
 
 
@@ -267,7 +267,7 @@ def test_engine_resume_is_bit_identical(tiny, tmp_path):
     ov = ["rounds=3", "checkpoint.every=1", "eval.every=3", "aggregator.name=craft",
           "aggregator.options.step=rprop", "aggregator.options.targets=loss",
           "compression.name=topk", "compression.options.ratio=0.1",
-          "compression.feedback=sapef", "compression.alpha_schedule=residual"]
+          "compression.feedback=sapef", "compression.feedback.options.alpha_schedule=residual"]
     ref, res = stop_and_resume(tiny, ov, tmp_path / "r")
     assert res.summary["model_sha256"] == ref.summary["model_sha256"]
     assert ref.config.server.lr == 1.0  # server.lr: auto for rprop

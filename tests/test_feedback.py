@@ -78,12 +78,12 @@ BASE = ["compression.name=topk", "compression.options.ratio=0.05", "rounds=3",
 
 def test_sapef_alpha_0_equals_ef_and_alpha_1_equals_saef(tiny):
     ef = fedloom.run(tiny, [*BASE, "compression.feedback=ef"])
-    sa0 = fedloom.run(tiny, [*BASE, "compression.feedback=sapef", "compression.alpha=0.0"])
+    sa0 = fedloom.run(tiny, [*BASE, "compression.feedback={name: sapef, options: {alpha: 0.0}}"])
     assert ef.summary["model_sha256"] == sa0.summary["model_sha256"]
     saef = fedloom.run(tiny, [*BASE, "compression.feedback=saef"])
-    sa1 = fedloom.run(tiny, [*BASE, "compression.feedback=sapef", "compression.alpha=1.0"])
+    sa1 = fedloom.run(tiny, [*BASE, "compression.feedback={name: sapef, options: {alpha: 1.0}}"])
     assert saef.summary["model_sha256"] == sa1.summary["model_sha256"]
-    mid = fedloom.run(tiny, [*BASE, "compression.feedback=sapef", "compression.alpha=0.5"])
+    mid = fedloom.run(tiny, [*BASE, "compression.feedback={name: sapef, options: {alpha: 0.5}}"])
     assert mid.summary["model_sha256"] not in {ef.summary["model_sha256"],
                                                saef.summary["model_sha256"]}
 
@@ -91,7 +91,7 @@ def test_sapef_alpha_0_equals_ef_and_alpha_1_equals_saef(tiny):
 def test_step_ahead_update_is_measured_from_received_model(tiny):
     """g = w − x_T includes the shift α e: with a zero learning-rate effect (lr tiny) the
     update is ≈ α e, not 0 (measuring from x_0 would drop it)."""
-    cfg = load_config(tiny, [*BASE, "compression.feedback=sapef", "compression.alpha=1.0",
+    cfg = load_config(tiny, [*BASE, "compression.feedback={name: sapef, options: {alpha: 1.0}}",
                              "client.lr=1e-12", "rounds=1"])
     exp = Experiment(cfg)
     st = exp.initial_state()
@@ -151,7 +151,7 @@ def test_craft_over_sapef_payloads_keeps_constraints_on_decoded_rows(tiny):
 
 def test_mismatch_and_theory_schedule_metrics(tiny):
     res = fedloom.run(tiny, [*BASE, "compression.feedback=sapef", "metrics.mismatch=true",
-                             "compression.alpha_schedule=theory"])
+                             "compression.feedback.options.alpha_schedule=theory"])
     last = res.metrics[-1]
     assert last["grad_mismatch"] >= 0 and last["residual_sq"] > 0 and last["grad_sq"] > 0
     assert last["lipschitz_estimate"] > 0 and 0 < last["alpha"] < 1
@@ -160,7 +160,7 @@ def test_mismatch_and_theory_schedule_metrics(tiny):
 
 def test_cser_resets_residuals_every_period(tiny):
     ov = ["compression.name=topk", "compression.options.ratio=0.05", "compression.feedback=cser",
-          "compression.period=2", "rounds=4", "dtype=float64"]
+          "compression.feedback.options.period=2", "rounds=4", "dtype=float64"]
     res = fedloom.run(tiny, ov)
     up = [m["uplink_bytes"] for m in res.metrics]
     down = [m["downlink_bytes"] for m in res.metrics]

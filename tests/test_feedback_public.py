@@ -141,7 +141,7 @@ def test_scafcom_trains_where_ef_trains_with_local_momentum(tiny):
           "client.steps=5", "rounds=16", "eval.every=16"]
     ef_acc, ef_loss = _final(fedloom.run(cfg, [*ov, "compression.feedback=ef"]))
     sc_acc, sc_loss = _final(fedloom.run(cfg, [*ov, "compression.feedback=scafcom",
-                                               "compression.beta=1.0"]))
+                                               "compression.feedback.options.beta=1.0"]))
     assert ef_acc > 0.6  # the problem is learnable in 16 rounds (chance: 0.1)
     assert sc_acc > 0.6 and sc_acc > ef_acc - 0.1
     assert sc_loss < 1.5 * ef_loss
@@ -226,7 +226,7 @@ def test_ef21_server_mean_tracks_all_stored_h_in_a_run(tiny):
         assert err <= 1e-6 * float(h.abs().max())
     assert float(h.abs().max()) > 0
     a = fedloom.run(tiny, ov)
-    s = fedloom.run(tiny, [*ov, "compression.ef21_mean=sampled"])
+    s = fedloom.run(tiny, [*ov, "compression.feedback.options.ef21_mean=sampled"])
     assert a.summary["model_sha256"] != s.summary["model_sha256"]
     assert all(m["rejected_updates"] == 0 for m in a.metrics + s.metrics)
 

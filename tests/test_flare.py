@@ -75,11 +75,11 @@ def test_flare_with_tau_zero_equals_ec_step_for_step(tiny):
             "compression.options.scope=tensor", "aggregator.options.weighted=false",
             "rounds=3", "dtype=float64"]
     ec = fedloom.run(tiny, [*base, "compression.feedback=ef"])
-    fl0 = fedloom.run(tiny, [*base, "compression.feedback=flare", "compression.tau=0"])
-    fl = fedloom.run(tiny, [*base, "compression.feedback=flare", "compression.tau=0.5"])
+    fl0 = fedloom.run(tiny, [*base, "compression.feedback={name: flare, options: {tau: 0}}"])
+    fl = fedloom.run(tiny, [*base, "compression.feedback={name: flare, options: {tau: 0.5}}"])
     assert fl0.summary["model_sha256"] == ec.summary["model_sha256"]
     assert fl.summary["model_sha256"] != ec.summary["model_sha256"]
-    prox = fedloom.run(tiny, [*base, "compression.feedback=ec_prox", "compression.tau=0.5"])
+    prox = fedloom.run(tiny, [*base, "compression.feedback={name: ec_prox, options: {tau: 0.5}}"])
     assert prox.summary["model_sha256"] != ec.summary["model_sha256"]
 
 

@@ -49,8 +49,8 @@ def _simulate(cfg, n):
 @pytest.mark.slow
 def test_flare_on_flower_matches_the_engine():
     """FLARE's penalty is applied by FedloomTrainer from the mod's accumulator."""
-    over = ["compression.feedback=flare", "compression.tau=0.5", "compression.options.ratio=0.02",
-            "rounds=3"]
+    over = ["compression.feedback={name: flare, options: {tau: 0.5}}",
+            "compression.options.ratio=0.02", "rounds=3"]
     from fedloom.config import config_to_dict, load_config
 
     cfg = config_to_dict(load_config(CFG, over))
@@ -150,7 +150,7 @@ def test_arrays_round_trip_and_errors():
 def test_unsupported_feedback_is_a_config_error():
     from fedloom.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"compression\.feedback: .scafcom."):
+    with pytest.raises(ConfigError, match=r"compression\.feedback\.name: .scafcom."):
         FedloomStrategy(CFG, ["compression.feedback=scafcom"])
 
 

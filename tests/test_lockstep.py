@@ -60,7 +60,7 @@ def _rounds(over: list[str], rounds: int = 2, base: dict = SYN):
     # SCAFFOLD-style shift; FLARE's penalty on the first steps
     ["compression.name=topk", "compression.options.ratio=0.2", "compression.feedback=scafcom"],
     ["compression.name=topk", "compression.options.ratio=0.2", "compression.options.scope=tensor",
-     "compression.feedback=flare", "compression.tau=0.5"],
+     "compression.feedback=flare", "compression.feedback.options.tau=0.5"],
 ])
 def test_lockstep_equals_sequential_bit_for_bit_in_float64(extra):
     wa, la, _ = _rounds(["dtype=float64", *extra])

@@ -77,17 +77,17 @@ def test_vmap_falls_back_to_sequential_for_methods_and_equals_it():
 
 
 @pytest.mark.parametrize("over,why", [
-    (["client.method=fedper", "client.method_options.personal=[nope]"],
-     "client.method_options.personal: no layer group 'nope'"),
-    (["client.method=fedper", "client.method_options.personal=[net.1,net.3]"],
+    (["client.method=fedper", "client.method.options.personal=[nope]"],
+     "client.method.options.personal: no layer group 'nope'"),
+    (["client.method=fedper", "client.method.options.personal=[net.1,net.3]"],
      "every layer group is personal"),
-    (["client.method=fedrep", "client.method_options.head_epochs=-1"], "head_epochs"),
+    (["client.method=fedrep", "client.method.options.head_epochs=-1"], "head_epochs"),
     (["client.method=apfl", "client.momentum=0.9"], "client.momentum: apfl"),
-    (["client.method=apfl", "client.method_options.alpha=2"], "alpha: must be in [0, 1]"),
-    (["client.method=moon", "client.method_options.tau=0"], "tau"),
-    (["client.method=feddyn", "client.method_options.alpha=0"], "alpha: must be a number > 0"),
+    (["client.method=apfl", "client.method.options.alpha=2"], "alpha: must be in [0, 1]"),
+    (["client.method=moon", "client.method.options.tau=0"], "tau"),
+    (["client.method=feddyn", "client.method.options.alpha=0"], "alpha: must be a number > 0"),
     (["client.method=fedbn", "model.buffers=keep_global"], "model.buffers: client.method"),
-    (["client.method=fedbabu", "client.method_options.lam=1"], "lam"),
+    (["client.method=fedbabu", "client.method.options.lam=1"], "lam"),
 ])
 def test_bad_options_are_one_line_config_errors(over, why):
     with pytest.raises(ConfigError) as e:
@@ -121,11 +121,11 @@ def test_fedper_and_fedbabu_never_move_the_servers_head_and_fedper_keeps_persona
 
 
 def test_moon_with_mu_zero_is_local_sgd_bit_for_bit():
-    a = fedloom.run(TINY, ["client.method=moon", "client.method_options.mu=0", "rounds=2",
+    a = fedloom.run(TINY, ["client.method=moon", "client.method.options.mu=0", "rounds=2",
                            *QUICK])
     b = fedloom.run(TINY, ["rounds=2", *QUICK])
     assert a.summary["model_sha256"] == b.summary["model_sha256"]
-    c = fedloom.run(TINY, ["client.method=moon", "client.method_options.mu=5", "rounds=2",
+    c = fedloom.run(TINY, ["client.method=moon", "client.method.options.mu=5", "rounds=2",
                            *QUICK])
     assert c.summary["model_sha256"] != b.summary["model_sha256"]
 
@@ -147,7 +147,7 @@ def test_fedbn_is_model_buffers_local():
 def test_apfl_alpha_stays_in_bounds_and_its_update_is_local_sgds():
     """APFL's global copy is plain local SGD (its update equals FedAvg's client
     update to rounding, float64), and α stays in [0, 1] under a huge α step."""
-    cfg = _cfg("apfl", "client.method_options.alpha_lr=1000", *F64)
+    cfg = _cfg("apfl", "client.method.options.alpha_lr=1000", *F64)
     exp = Experiment(cfg)
     st = exp.initial_state()
     job = exp.plan_round(st).jobs[0]
@@ -220,8 +220,8 @@ def test_fedper_and_fedbabu_local_rounds_equal_fl_benchs_rule():
 
 def test_fedrep_local_round_equals_fl_benchs_rule():
     """Head epochs with the body frozen, then body epochs with the head frozen."""
-    exp, _, plan = _job("fedrep", "client.method_options.head_epochs=2",
-                         "client.method_options.body_epochs=1")
+    exp, _, plan = _job("fedrep", "client.method.options.head_epochs=2",
+                         "client.method.options.body_epochs=1")
     job = plan.jobs[0]
     res = exp.method.run(exp.trainer, job)
     m = _module_at(exp, job.w)
@@ -239,7 +239,7 @@ def test_moon_local_round_equals_the_public_loss():
     """MOON's loss as the public code writes it: ``−log(exp(s_g/τ) / (exp(s_p/τ) +
     exp(s_g/τ)))``, μ × its mean added to the cross-entropy; z = the head's input.
     Second round, so the previous model is the client's own."""
-    exp, st, plan = _job("moon", "client.method_options.mu=2", "cohort.size=10")
+    exp, st, plan = _job("moon", "client.method.options.mu=2", "cohort.size=10")
     st, _ = exp.round(st)
     plan = exp.plan_round(st)
     job = plan.jobs[0]
@@ -281,7 +281,7 @@ def test_feddyn_two_rounds_equal_the_papers_algorithm():
     roundings written in: the uplink (identity) carries float32 values, and the
     store keeps ``g_k`` in float32 (``state.dtype``)."""
     alpha = 0.1
-    over = [f"client.method_options.alpha={alpha}", "cohort.size=10",
+    over = [f"client.method.options.alpha={alpha}", "cohort.size=10",
             "aggregator.options.weighted=false", "server.lr=1.0", "rounds=2"]
     cfg = _cfg("feddyn", *F64, *over)
     res = fedloom.run(cfg)

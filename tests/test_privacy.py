@@ -298,7 +298,8 @@ def _check(mode: str, aggregator: str = "fedavg", feedback: str = "none",
            method: str = "sgd", schedule: str = "constant") -> None:
     over = [f"privacy.mode={mode}", f"aggregator.name={aggregator}",
             f"compression.feedback={feedback}", f"client.method={method}",
-            f"compression.alpha_schedule={schedule}"]
+            *([f"compression.feedback.options.alpha_schedule={schedule}"]
+              if schedule != "constant" else [])]
     cfg = load_config(copy.deepcopy(TINY), over)
     from fedloom.compress.feedback import feedback_from_config
     from fedloom.params import Layout
@@ -306,7 +307,7 @@ def _check(mode: str, aggregator: str = "fedavg", feedback: str = "none",
     p = Privacy(mode, clip=1.0, noise_multiplier=1.0, delta=1e-5, cohort_size=4,
                 num_clients=10, seed=0)
     check_privacy(p, aggregator=make_aggregator(aggregator), aggregator_name=aggregator,
-                  feedback=feedback_from_config(cfg.compression, Layout.flat(8)),
+                  feedback=feedback_from_config(cfg.compression.feedback, Layout.flat(8)),
                   feedback_name=feedback, method=build("method", method, {}, "m"),
                   method_name=method, w=torch.zeros(8))
 
@@ -324,11 +325,11 @@ def test_dp_refuses_unnoised_server_state_and_accepts_what_it_covers():
     _check("central", feedback="ef")
     _check("central", feedback="sapef")
     for fb in ("ef21", "cser", "scafcom"):
-        with pytest.raises(ConfigError, match=r"^compression\.feedback: "):
+        with pytest.raises(ConfigError, match=r"^compression\.feedback\.name: "):
             _check("central", feedback=fb)
-    with pytest.raises(ConfigError, match=r"^compression\.alpha_schedule: "):
+    with pytest.raises(ConfigError, match=r"^compression\.feedback\.options\.alpha_schedule: "):
         _check("local", feedback="sapef", schedule="theory")
-    with pytest.raises(ConfigError, match=r"^client\.method: "):
+    with pytest.raises(ConfigError, match=r"^client\.method\.name: "):
         _check("local", method="scaffold")
     # local DP: the server's rule is post-processing of noisy messages
     for agg in ("craft", "median", "fednova"):

@@ -20,7 +20,7 @@ SYN = {"name": "syn", "seed": 2, "rounds": 3,
     ["client.steps=7"],
     ["compression.name=topk", "compression.options.ratio=0.2", "compression.feedback=sapef"],
     ["compression.name=topk", "compression.options.ratio=0.2", "compression.options.scope=tensor",
-     "compression.feedback=flare", "compression.tau=0.5"],
+     "compression.feedback=flare", "compression.feedback.options.tau=0.5"],
     ["compression.name=topk", "compression.options.ratio=0.2", "compression.feedback=scafcom"],
 ])
 def test_vmap_matches_sequential_in_float64(extra):
