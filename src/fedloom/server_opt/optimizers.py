@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Annotated
 
 import torch
 
-from fedloom.registry import register
+from fedloom.registry import Range, register
 from fedloom.server_opt import transforms as tx
 from fedloom.server_opt.transforms import Chain, ServerTransform, State
 
@@ -81,30 +82,36 @@ _REFERENCE = """
     """
 
 
+# The bounds of the options (server.optimizer.options, checked when a config loads): a
+# momentum or decay rate in [0, 1), an epsilon above 0. The step `lr` is server.lr.
+_Rate = Annotated[float, Range(ge=0, lt=1)]
+_Eps = Annotated[float, Range(gt=0)]
+
+
 @register("server_optimizer", "sgd")
 def sgd(lr: float = 1.0) -> ServerOptimizer:
     return ServerOptimizer("sgd", lr=lr)
 
 
 @register("server_optimizer", "momentum")
-def momentum(lr: float = 1.0, momentum: float = 0.9) -> ServerOptimizer:
+def momentum(lr: float = 1.0, momentum: _Rate = 0.9) -> ServerOptimizer:
     return ServerOptimizer("momentum", lr=lr, momentum=momentum)
 
 
 @register("server_optimizer", "adam")
-def adam(lr: float = 1.0, beta1: float = 0.9, beta2: float = 0.99,
-         eps: float = 1e-3) -> ServerOptimizer:
+def adam(lr: float = 1.0, beta1: _Rate = 0.9, beta2: _Rate = 0.99,
+         eps: _Eps = 1e-3) -> ServerOptimizer:
     return ServerOptimizer("adam", lr=lr, beta1=beta1, beta2=beta2, eps=eps)
 
 
 @register("server_optimizer", "yogi")
-def yogi(lr: float = 1.0, beta1: float = 0.9, beta2: float = 0.99,
-         eps: float = 1e-3) -> ServerOptimizer:
+def yogi(lr: float = 1.0, beta1: _Rate = 0.9, beta2: _Rate = 0.99,
+         eps: _Eps = 1e-3) -> ServerOptimizer:
     return ServerOptimizer("yogi", lr=lr, beta1=beta1, beta2=beta2, eps=eps)
 
 
 @register("server_optimizer", "adagrad")
-def adagrad(lr: float = 1.0, eps: float = 1e-3) -> ServerOptimizer:
+def adagrad(lr: float = 1.0, eps: _Eps = 1e-3) -> ServerOptimizer:
     return ServerOptimizer("adagrad", lr=lr, eps=eps)
 
 
