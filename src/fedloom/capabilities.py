@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 __all__ = ["AggregatorCaps", "BackendCaps", "CompressorCaps", "FeedbackCaps", "FromCapabilities",
-           "MethodCaps", "aggregator_caps", "backend_caps", "compressor_caps", "feedback_caps",
-           "method_caps"]
+           "MethodCaps", "SelectorCaps", "aggregator_caps", "backend_caps", "compressor_caps",
+           "feedback_caps", "method_caps", "selector_caps"]
 
 log = logging.getLogger("fedloom")
 
@@ -99,7 +99,18 @@ class BackendCaps:
     ships_indices: bool = False
 
 
-Caps = TypeVar("Caps", AggregatorCaps, CompressorCaps, FeedbackCaps, MethodCaps, BackendCaps)
+@dataclass(frozen=True)
+class SelectorCaps:
+    """A client selector's capabilities (:mod:`fedloom.selection`)."""
+
+    # Every available client is equally likely, whatever the past rounds reported:
+    # the sampling the privacy accountant assumes, and nothing a client reported
+    # steers who trains (privacy and secure aggregation need it).
+    uniform: bool = False
+
+
+Caps = TypeVar("Caps", AggregatorCaps, CompressorCaps, FeedbackCaps, MethodCaps, BackendCaps,
+               SelectorCaps)
 
 # How a loose flag's value was used before (truthiness, a collection of names):
 # the translation keeps each decision the engine took from it.
@@ -134,6 +145,11 @@ def method_caps(obj: object) -> MethodCaps:
 def backend_caps(obj: object) -> BackendCaps:
     """The capabilities of backend ``obj``."""
     return _read(obj, BackendCaps, "backend")
+
+
+def selector_caps(obj: object) -> SelectorCaps:
+    """The capabilities of client selector ``obj``."""
+    return _read(obj, SelectorCaps, "selector")
 
 
 class FromCapabilities:

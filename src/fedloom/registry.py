@@ -4,7 +4,7 @@ Three ways to name a component, accepted by every name field of a config
 (``aggregator.name``, ``compression.name``, ``compression.feedback.name``,
 ``compression.adaptive.name``, ``client.method.name``, ``data.name``, ``model.name``,
 ``data.partition.name``, ``attack.name``, ``backend.name``, ``server.optimizer.name``,
-``metrics.hooks``), by the CLI and by sweeps alike:
+``metrics.hooks``, ``cohort.selection.name``), by the CLI and by sweeps alike:
 
 - a **built-in**: each component module registers itself with
   :func:`register`; adding an algorithm touches its implementation file and
@@ -51,7 +51,8 @@ __all__ = ["ENTRY_POINT_GROUPS", "KINDS", "Range", "available", "build", "get",
 log = logging.getLogger("fedloom")
 
 KINDS = ("dataset", "model", "aggregator", "backend", "partitioner", "server_optimizer",
-         "compressor", "method", "attack", "feedback", "planner", "metric", "transform")
+         "compressor", "method", "attack", "feedback", "planner", "metric", "transform",
+         "selector")
 _KINDS = KINDS
 
 # Entry-point group → component kind.
@@ -69,6 +70,7 @@ ENTRY_POINT_GROUPS: dict[str, str] = {
     "fedloom.metrics": "metric",
     "fedloom.server_optimizers": "server_optimizer",
     "fedloom.transforms": "transform",
+    "fedloom.selectors": "selector",
 }
 
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {k: {} for k in _KINDS}
@@ -127,6 +129,9 @@ _MODULES = (
     "fedloom.compress.adaptive",
     "fedloom.compress.mismatch",
     "fedloom.attack",
+    "fedloom.selection.uniform",
+    "fedloom.selection.power",
+    "fedloom.selection.oort",
 )
 _loaded = False
 # Held while the built-ins load. Flower's simulation builds components from two

@@ -323,10 +323,16 @@ class System:
                 out[k] = _uniform(self.seed, r, k, Purpose.AVAILABILITY) < p
         return out
 
+    def available_ids(self, r: int) -> np.ndarray:
+        """The ids of the clients available in round ``r`` (sorted; their count is
+        reported in the round's metrics)."""
+        ids = np.flatnonzero(self.available(r)).astype(np.int64)
+        self._available[r] = len(ids)
+        return ids
+
     def sample(self, r: int, gen: np.random.Generator, size: int) -> torch.Tensor:
         """``size`` distinct available clients, uniformly (all when fewer are available)."""
-        ids = np.flatnonzero(self.available(r))
-        self._available[r] = len(ids)
+        ids = self.available_ids(r)
         chosen = ids if len(ids) <= size else gen.choice(ids, size, replace=False)
         return torch.from_numpy(np.sort(chosen)).long()
 

@@ -30,6 +30,7 @@ from fedloom.data.federated import FederatedData
 from fedloom.engine.fields import ClientFields
 from fedloom.params import Layout
 from fedloom.rng import Purpose, numpy_gen
+from fedloom.selection import Feedback, Uniform
 from fedloom.state import ClientStateStore
 
 __all__ = ["ClientData", "HookView", "ModelSpace", "Schedule", "ScreenRules"]
@@ -64,7 +65,8 @@ class ClientData:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Round ``r``'s cohort and local step size."""
+    """Round ``r``'s cohort (chosen by the run's client selector, :mod:`fedloom.selection`)
+    and local step size."""
 
     seed: int
     rounds: int
@@ -72,15 +74,41 @@ class Schedule:
     num_clients: int
     client: ClientConfig
     system: Any = None  # fedloom.system.SystemModel, or None when off
+    selector: Any = None  # a fedloom.selection.Selector; None: uniform
 
-    def sample_cohort(self, r: int) -> torch.Tensor:
-        """``cohort_size`` distinct clients, uniformly, from the round's own generator
-        (the available ones only, under a system model with availability)."""
-        gen = numpy_gen(self.seed, r, -1, Purpose.COHORT)
+    @property
+    def chooser(self) -> Any:
+        """The selector (uniform where none was given)."""
+        return self.selector if self.selector is not None else Uniform()
+
+    def initial_selection(self) -> dict[str, Any]:
+        """The selector's state before round 0."""
+        return self.chooser.init(self.num_clients)  # type: ignore[no-any-return]
+
+    def candidates(self, r: int) -> np.ndarray:
+        """The clients available in round ``r`` (all of them without availability)."""
         if self.system is not None and self.system.has_availability:
-            return self.system.sample(r, gen, self.cohort_size)  # type: ignore[no-any-return]
-        ids = gen.choice(self.num_clients, self.cohort_size, replace=False)
-        return torch.from_numpy(np.sort(ids)).long()
+            return self.system.available_ids(r)  # type: ignore[no-any-return]
+        return np.arange(self.num_clients, dtype=np.int64)
+
+    def select(self, r: int, state: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Round ``r``'s cohort (sorted ids) and the selector's new state, from its
+        state ``state`` and the round's own generator ``(seed, r, -1, "cohort")``."""
+        gen = numpy_gen(self.seed, r, -1, Purpose.COHORT)
+        # {}: a state from before selectors (an older checkpoint, a caller's RunState)
+        state = state or self.initial_selection()
+        ids, new = self.chooser.select(r, self.candidates(r), self.cohort_size, state, gen)
+        return torch.from_numpy(np.sort(np.asarray(ids, dtype=np.int64))).long(), new
+
+    def observe(self, state: dict[str, Any], feedback: Feedback) -> dict[str, Any]:
+        """The selector's state after the server received a round's reports."""
+        return self.chooser.observe(state, feedback)  # type: ignore[no-any-return]
+
+    def sample_cohort(self, r: int, state: dict[str, Any] | None = None) -> torch.Tensor:
+        """Round ``r``'s cohort from the selector's state ``state`` (default: its state
+        before round 0, which is every state of the stateless ``uniform``: ``cohort_size``
+        distinct available clients, uniformly, from the round's own generator)."""
+        return self.select(r, state if state is not None else self.initial_selection())[0]
 
     def lr(self, r: int) -> float:
         return lr_at_round(self.client.lr, self.client.schedule, r, self.rounds)

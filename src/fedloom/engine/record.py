@@ -1,4 +1,5 @@
-"""Record: a round's totals and its line of metrics, and the privacy accounting.
+"""Record: a round's totals and its line of metrics, the privacy accounting, and what
+the client selector is told of the round.
 
 The keys, in the order ``metrics.jsonl`` has them: the round's counts and
 bytes with the run's totals, the planner's and the rule's metrics, the
@@ -9,7 +10,7 @@ evaluation on schedule, timings and privacy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,8 +21,9 @@ from fedloom.engine.receive import Received
 from fedloom.engine.runstate import RoundPlan
 from fedloom.engine.server import ServerOutcome
 from fedloom.job import ClientResult
+from fedloom.selection import Feedback
 
-__all__ = ["account_privacy", "add_totals", "round_metrics"]
+__all__ = ["account_privacy", "add_totals", "round_metrics", "selection_feedback"]
 
 
 def add_totals(totals: dict[str, int], rx: Received, out: ServerOutcome) -> dict[str, int]:
@@ -106,3 +108,26 @@ def account_privacy(privacy: Any, plan: RoundPlan, results: Sequence[ClientResul
     if p.enabled:
         metrics["dp_epsilon"] = p.epsilon(privacy_state, plan.round + 1)
     return privacy_state
+
+
+def selection_feedback(plan: RoundPlan, results: Sequence[ClientResult], rx: Received,
+                       batch_size: int, *, times: Mapping[int, float] | None = None,
+                       late: Sequence[int] = (), deadline_s: float | None = None) -> Feedback:
+    """What the server received this round, for the client selector
+    (:class:`~fedloom.selection.Feedback`): the accepted clients' reported losses,
+    sample and step counts and (``times``: the system model's ``t_k``, when it times
+    the clients) durations; who did not report, who was late, who was rejected."""
+    acc = [i for i, ok in enumerate(rx.ok.tolist()) if ok]
+    clients = np.asarray([int(plan.cohort[i]) for i in acc], dtype=np.int64)
+    steps = ([int(rx.steps[i]) for i in acc] if rx.steps is not None
+             else [int(results[i].steps) for i in acc])
+    return Feedback(
+        round=plan.round, clients=clients,
+        losses=np.asarray([float(rx.losses[i]) for i in acc], dtype=np.float64),
+        samples=np.asarray([int(results[i].num_samples) for i in acc], dtype=np.int64),
+        steps=np.asarray(steps, dtype=np.int64), batch_size=int(batch_size),
+        durations=(np.asarray([float(times[int(k)]) for k in clients], dtype=np.float64)
+                   if times is not None else None),
+        dropped=np.asarray(plan.dropped, dtype=np.int64),
+        late=np.asarray(list(late), dtype=np.int64),
+        rejected=np.asarray(rx.rejected, dtype=np.int64), deadline_s=deadline_s)

@@ -47,6 +47,8 @@ KINDS: tuple[tuple[str, str, str, str], ...] = (
      "metrics.NAME_OPTION (or metrics.options.NAME.OPTION)"),
     ("partitioner", "Partitioners", "data.partition.name", "data.partition.OPTION"),
     ("attack", "Attacks", "attack.name", "attack.options.OPTION"),
+    ("selector", "Client selectors", "cohort.selection.name",
+     "cohort.selection.options.OPTION"),
 )
 # Arguments the engine passes itself: not options.
 CONTEXT = frozenset({"self", "layout"})
