@@ -1,33 +1,14 @@
 """The ``ray`` backend: a cohort's training spread over Ray workers.
 
-``ray.init()`` starts a local instance unless ``backend.address`` names a
-cluster to join (or Ray is already initialised in this process, e.g. by a
-test fixture or a notebook). The training data, the trainer and the local
-method are put in the object store once per run; a round submits one task
-per group of clients (:func:`~fedloom.engine.backends.balanced_groups`, as
-many groups as ``backend.workers`` or the cluster's CPUs) carrying only the
-jobs — start model, state rows, generator seeds and sample positions — and
-the server step stays on the driver.
-
-Failures: a task whose worker process dies is re-run by Ray up to
-``backend.max_retries`` times (``on_failure: retry``; the re-run uses the
-same jobs and seeds, so its result is the one the first attempt would have
-given), or, with ``on_failure: drop``, its clients are reported as dropped
-(``None``) and the round goes on without them. A half-finished update never
-reaches the server: a task returns whole results or nothing.
-
-Resources: a task reserves ``backend.threads`` CPUs (default 1; its torch
-threads) and ``backend.gpus_per_worker`` GPUs (Ray's ``num_gpus``, fractional
-allowed: 0.25 packs four tasks on a GPU; Ray schedules and sets
-``CUDA_VISIBLE_DEVICES`` for each). A task with a GPU trains on it, under the
-determinism settings of :func:`fedloom.device.configure`; the trainer, the
-data and the jobs travel as host tensors and the results come back as host
-tensors. Asking for more GPUs per task than the cluster has is a
-:class:`~fedloom.config.ConfigError` (Ray would wait for them forever).
-
-Fault injection for tests: ``FEDLOOM_KILL_ONCE`` (see
-:data:`fedloom.engine.backends.KILL_ENV`), read from the driver's environment
-when the backend is built.
+``ray.init()`` starts a local instance unless ``backend.address`` names a cluster
+(or Ray is already initialised). The data, trainer and local method go to the
+object store once per run; a round submits one task per group of clients
+carrying only the jobs, and the server step stays on the driver. A task whose
+worker dies is re-run with the same jobs and seeds (``on_failure: retry``) or its
+clients dropped (``drop``); a half-finished update never reaches the server. A
+task reserves ``backend.threads`` CPUs and ``backend.gpus_per_worker`` GPUs.
+Failures, resources and fault injection in detail: docs/deploy.md (The Ray
+backend in detail).
 """
 
 from __future__ import annotations

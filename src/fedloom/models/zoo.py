@@ -1,43 +1,20 @@
 """The papers' own models: ResNet-18 (SA-PEF), VGG-11/16/19, FC and CNN (FLARE).
 
-- ``resnet18``: the CIFAR variant of ResNet-18 (He et al. 2016) used by the
-  SA-PEF code: a 3×3 stride-1 stem of 64 channels with no max-pool, four
-  stages of two basic blocks (64, 128, 256, 512 channels; strides 1, 2, 2, 2),
-  projection shortcuts (1×1 convolution + norm) where the shape changes,
-  global average pooling, one linear layer; convolutions without bias.
-  11,173,962 parameters for 10 classes. ``model.norm`` chooses BatchNorm (the
-  SA-PEF code's), GroupNorm(1, C) or none; the layers keep one name whatever
-  the kind.
-- ``resnet9``: the SA-PEF code's CIFAR-10 model (see :class:`ResNet9`).
-- ``vgg11`` / ``vgg16`` / ``vgg19``: the FLARE code's Keras VGGs for 32×32
-  CIFAR images: 3×3 "same" convolutions, 2×2 max-pools after each stage, then
-  Dense(4096) → ReLU → Dropout(0.5) → Dense(4096) → ReLU → Dropout(0.5) →
-  Dense(classes), no normalisation layer. As in that code, VGG-11 puts its
-  ReLU only after the second convolution of each of its two-convolution
-  stages, and VGG-16/19 after every convolution. Keras' initialisation:
-  Glorot-uniform kernels, zero biases.
-- ``flare_fc``: the FLARE code's MNIST "FC": 784 → 4069 → 4069 → 4069 → 10,
-  no activation (a linear map; the widths are the code's, 4069), Glorot-normal
-  kernels (Keras' truncated normal, σ = √(2/(fan_in+fan_out))/0.8796, cut at
-  ±2 of its scale), zero biases; 36,356,525 parameters.
-- ``flare_cnn``: the FLARE code's MNIST CNN: conv 5×5 "valid" (32) → ReLU →
-  max-pool 2 → conv 5×5 "valid" (64) → ReLU → max-pool 2 → Dense(512) → ReLU →
-  Dense(classes), Glorot-normal kernels, zero biases; 582,026 parameters on
-  28×28 inputs. ``model.channels`` narrows the two convolutions.
+- ``resnet18``: the SA-PEF code's CIFAR ResNet-18 (He et al. 2016), 11,173,962
+  parameters for 10 classes; ``model.norm`` BatchNorm (the code's), GroupNorm or
+  none; ``resnet9``: the SA-PEF code's CIFAR-10 model (:class:`ResNet9`).
+- ``vgg11`` / ``vgg16`` / ``vgg19``: the FLARE code's Keras VGGs for 32×32 CIFAR
+  (its ReLU placement and Glorot-uniform initialisation).
+- ``flare_fc`` (784 → 4069 → 4069 → 4069 → 10, no activation, 36,356,525
+  parameters) and ``flare_cnn`` (582,026 parameters): the FLARE code's MNIST models.
+- ``craft_cnn`` (:class:`CraftCNN`), ``pfl_cnn`` (:class:`PflCNN`) and ``leaf_cnn``
+  (LEAF's FEMNIST CNN, Caldas et al. 2018; 6,603,710 parameters for 62 classes).
 
-Departures, stated: the FLARE code applies softmax in the model (twice for
-the CNN: a softmax activation, then a Softmax layer) and trains on the
-probabilities; fedloom's models return logits and the loss is cross-entropy
-on them (one softmax). Keras flattens channels-last; the order of the flat
-features differs, not the function class or the parameter count.
-
-- ``craft_cnn``: the CRAFT code's CNN for FEMNIST (see :class:`CraftCNN`).
-- ``pfl_cnn``: pfl-research's CIFAR-10 benchmark CNN (see :class:`PflCNN`).
-- ``leaf_cnn``: LEAF's FEMNIST CNN (Caldas et al. 2018): two 5×5 "same"
-  convolutions of 32 and 64 channels, each followed by ReLU and a 2×2
-  max-pool, then Dense(2048) → ReLU → Dense(classes); PyTorch's default
-  initialisation. 6,603,710 parameters for 62 classes on 28×28 inputs. The
-  built-in ``cnn`` is the same with McMahan et al.'s Dense(512).
+Departures: fedloom's models return logits and the loss is cross-entropy on them
+(the FLARE code applies softmax in the model and trains on the probabilities);
+Keras flattens channels-last, so the order of the flat features differs, not the
+function class or the parameter count. Each architecture layer by layer:
+docs/howto/datasets.md (The papers' models in detail).
 """
 
 from __future__ import annotations
@@ -75,7 +52,7 @@ class _Block(nn.Module):
 
 
 class ResNet18(nn.Module):
-    """ResNet-18, CIFAR variant (see the module docstring)."""
+    """ResNet-18, CIFAR variant (docs/howto/datasets.md: The papers' models in detail)."""
 
     def __init__(self, in_shape: tuple[int, ...], num_classes: int, norm: str = "batch",
                  width: int = 64) -> None:
@@ -152,7 +129,8 @@ _VGG = {
 
 
 class VGG(nn.Module):
-    """VGG-11/16/19 as the FLARE code builds them (see the module docstring)."""
+    """VGG-11/16/19 as the FLARE code builds them (docs/howto/datasets.md: The papers'
+    models in detail)."""
 
     fedloom_init = "glorot_uniform"
 
@@ -200,7 +178,7 @@ def _valid_convs(name: str, in_shape: tuple[int, ...], channels: tuple[int, int]
 
 
 class FlareCNN(nn.Module):
-    """The FLARE code's MNIST CNN (see the module docstring)."""
+    """The FLARE code's MNIST CNN (docs/howto/datasets.md: The papers' models in detail)."""
 
     fedloom_init = "glorot_normal"
 
@@ -263,7 +241,7 @@ def _flare_cnn(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) ->
 
 
 class LeafCNN(nn.Module):
-    """LEAF's FEMNIST CNN (see the module docstring)."""
+    """LEAF's FEMNIST CNN (docs/howto/datasets.md: The papers' models in detail)."""
 
     def __init__(self, in_shape: tuple[int, ...], num_classes: int,
                  channels: tuple[int, int] = (32, 64), hidden: int = 2048) -> None:

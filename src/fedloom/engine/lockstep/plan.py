@@ -3,30 +3,13 @@
 :func:`lockstep_plan` turns a module into the list of ops one step runs
 (:mod:`fedloom.engine.lockstep.step`), or says in one line why it cannot.
 
-Supported models: ones ``torch.fx`` traces to a chain (each node feeds the
-next) of ``nn.Linear`` (with or without bias), ``nn.Conv2d`` (zero padding,
-numeric or ``"valid"``, any stride/dilation, ``groups = 1``),
-``nn.MaxPool2d`` (without ``return_indices``), ``nn.AvgPool2d``, ``nn.Dropout``
-(not in place, p < 1), ``nn.GroupNorm`` (affine; client by client, as Conv2d),
-``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` (client by client, each client's own
-running statistics), ``nn.ReLU`` /
-``torch.relu`` / ``F.relu``, ``nn.Flatten`` / ``torch.flatten`` (from dim 1),
-``nn.Identity``, ending in the logits of the cross-entropy; every parameter
-trained (in the layout), no buffers but BatchNorm's, no module called twice; the samples'
-shape is carried through the chain (a Conv2d or pool sees ``[C, H, W]``, a
-Linear one vector). Everything else trains on the sequential path with one
-line in the log naming why: other layers (``BatchNorm3d``, ``Dropout2d``,
-adaptive pools, ``LayerNorm``, grouped or ``"same"``-padded convolutions, recurrent), local methods
-other than plain SGD/FedProx (``client.method``), ``client.amp``, data
-augmentation, a random train-mode forward other than the chain's dropout, and
-jobs that ask for a smoothness
-probe or carry a method's objective, mask or μ (these per chunk).
-
-Not supported yet (they fall back): residual networks — in the papers'
-models the normalisation layers sit inside ``resnet``, ``resnet9`` and
-``resnet18``, which are not chains, so GroupNorm and BatchNorm help only
-user chains until branching graphs are supported —, ``Dropout2d``, adaptive
-pools.
+Supported: models ``torch.fx`` traces to a chain of ``nn.Linear``, ``nn.Conv2d``
+(``groups = 1``, no ``"same"`` padding), ``nn.MaxPool2d``, ``nn.AvgPool2d``,
+``nn.Dropout``, ``nn.GroupNorm``, ``nn.BatchNorm1d/2d``, ReLU, Flatten and
+Identity, ending in the logits, trained with plain SGD/FedProx. Everything else
+(other layers, residual networks, other local methods, ``client.amp``,
+augmentation) trains on the sequential path with one log line naming why. The
+full list of conditions: docs/explanation/backends.md (Which models).
 """
 
 from __future__ import annotations

@@ -9,26 +9,13 @@ the module's order. :class:`StateLayout` splits such a record into
   :class:`~fedloom.params.Layout` whose layer groups are CRAFT's units, and
 - the **buffers**, which are averaged (or kept), never solved for.
 
-Which key is which: with ``model=`` given, exactly the module's trainable
-parameters (``named_parameters`` with ``requires_grad``) are parameters and the
-layer groups are :meth:`Layout.from_module`'s; everything else in the record
-is a buffer (a frozen parameter too: it is averaged like a statistic). Without
-a model the names decide: a tensor whose dtype is not floating point, or whose
-last name component is ``running_mean``, ``running_var`` or
-``num_batches_tracked`` (PyTorch's BatchNorm buffers), is a buffer, or any name
-in ``buffers=``; every other tensor is a parameter. The groups are then the
-module prefixes (``conv1.weight`` and ``conv1.bias`` form ``conv1``), and a
-module that has BatchNorm statistics joins the group just before it when both
-have the same parent, which is :meth:`Layout.from_module`'s rule for a norm
-layer after its convolution. A GroupNorm or LayerNorm cannot be told from its
-keys and then forms its own group; pass ``model=`` for the exact groups.
-Measured: for fedloom's ``mlp``, ``cnn``, ``resnet`` (BatchNorm) and
-``craft_cnn`` models the key-derived layout equals ``Layout.from_module``'s
-(tests/test_flower_strategies.py).
-
-The record is the truth for dtypes and order: :meth:`join` writes the same keys
-in the same order with each tensor's original dtype, so a stock app's
-``model.load_state_dict`` takes the result as it took the original.
+With ``model=`` the module's trainable parameters are the parameters and the
+groups are :meth:`Layout.from_module`'s; without, the names decide (BatchNorm's
+statistics and non-floating tensors are buffers). Checked: for fedloom's ``mlp``,
+``cnn``, ``resnet`` and ``craft_cnn`` the key-derived layout equals
+``Layout.from_module``'s (tests/test_flower_strategies.py). :meth:`join` writes
+the same keys, order and dtypes back. The rules in detail: docs/deploy.md (How a
+record splits into parameters and buffers).
 """
 
 from __future__ import annotations

@@ -1,33 +1,13 @@
 """The plots of ``fedloom compare`` and of a sweep's pages.
 
-Plots (matplotlib, the ``report`` extra): the metric against the round and
-against cumulative uplink, each group's mean over its seeds as a line and
-mean ± sd as a band (over the rounds every run of the group logged; the uplink
-axis is the seeds' mean cumulative uplink at each such round, logarithmic); and
-the per-client accuracy CDF: the mean of the runs' empirical CDFs with a ± sd
-band. (With equally many clients per run, that mean is the CDF of all seeds'
-clients pooled.) Round axes have integer ticks; log axes label 1, 2, 5 × 10^k
-(1 × 10^k only, over more than 2.5 decades) as plain numbers, minor ticks
-unlabelled, so labels do not collide.
-
-Facets. The plots of ``fedloom compare`` have one row per facet: per distinct
-combination of the ``data.*`` keys that differ between groups (a setting is its
-data; ``data.name`` first, then ``data.partition.*``, then the rest), or of the
-keys of ``--facet KEY …`` (``--facet none``: one facet). A row holds the round and
-the uplink panels (the CDF: one panel) under its facet's values
-(``data.name=mnist, alpha=0.1``), its legend to the right of its panels, one
-label a line, top-aligned with them: never over a curve; the figure widens for
-the widest label and grows a row's height per facet. In a panel a group is
-labelled by the keys that differ among that panel's groups only (``*.name`` keys
-first, by their value; others by their last component unless two share it),
-never by the facet's keys; a label keeps its colour across facets and plots
-while the labels fit ten colours. One facet is the figure of a small comparison:
-both panels side by side, the legend below them in as many columns as fit.
-A panel draws at most ``--max-lines N`` groups (default 8; 0: all): the N whose
-line ends highest (lowest for a loss, bytes or seconds metric), kept in their
-order, the same ones in both plots; its title says how many of how many, and the
-printed notes name the groups left out
-(``plots: facet data.name=mnist: 12 groups, 8 drawn …; not drawn: a | b``).
+Plots (matplotlib, the ``report`` extra): the metric against the round and against
+cumulative uplink (each group's seed mean as a line, mean ± sd as a band), and
+the per-client accuracy CDF (the mean of the runs' empirical CDFs, ± sd). The
+plots of ``fedloom compare`` have one row per facet (the ``data.*`` keys that
+differ between groups, or ``--facet KEY …``); a panel labels groups by the keys
+that differ among them and draws at most ``--max-lines N`` groups, naming the ones
+left out. Axes, facets, labels and legends in detail: docs/howto/cli.md (The
+plots in detail).
 """
 
 from __future__ import annotations
