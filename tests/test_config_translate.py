@@ -421,3 +421,19 @@ def test_resume_of_a_run_saved_the_old_way(tmp_path, tiny):
         save_checkpoint(p, ck)
     res = fedloom.run(tiny, ov, out=out, resume=True)
     assert res.summary["model_sha256"] == ref.summary["model_sha256"]
+
+
+def test_a_tuning_points_folder_keeps_its_name_in_the_new_shape():
+    """Trial folders are named by the point: the same trial, its key written either way,
+    is the folder an older version ran (so the sweep reuses it)."""
+    from fedloom.tuning import point_slug
+
+    new = {"server.lr": 1.0, "compression.feedback.options.alpha": 0.6,
+           "client.method.options.lam": 0.1, "server.optimizer.options.momentum": 0.9}
+    assert point_slug(new) == ("server.lr=1.0,compression.alpha=0.6,client.method_options.lam=0.1,"
+                               "server.momentum=0.9")
+    assert point_slug({"compression.feedback.options.decay": 0.5}) == (
+        "compression.feedback_options.decay=0.5")
+    # and every row of the table is spelt back (the folder of an option of each kind)
+    for old, new_key in tr.TABLE.items():
+        assert tr.old_spelling(new_key.replace("OPTION", "x")) == old.replace("OPTION", "x")

@@ -91,6 +91,7 @@ from typing import Any, TypeGuard, cast
 import numpy as np
 
 from fedloom.config import ConfigError
+from fedloom.config.translate import old_spelling
 from fedloom.names import encode_component
 from fedloom.rng import derive_seed
 
@@ -409,8 +410,10 @@ def overrides(params: Mapping[str, Any]) -> list[str]:
 def point_slug(params: Mapping[str, Any]) -> str:
     """A folder name for a point: ``client.lr=0.03,server.lr=1.0`` (characters outside
     ``[A-Za-z0-9._=,-]`` become ``_``; a name over 120 characters is cut and ended by
-    a digest of the whole, so two points never share a folder)."""
-    text = ",".join(f"{k}={_text(v)}" for k, v in params.items())
+    a digest of the whole, so two points never share a folder). A component's option
+    is spelt as before it moved into ``SECTION.options`` (``compression.alpha``), so
+    a sweep finds the trials an older version ran (fedloom.config.translate)."""
+    text = ",".join(f"{old_spelling(k)}={_text(v)}" for k, v in params.items())
     safe = encode_component(text, keep="-_.=,")
     if len(safe) <= 120:
         return safe

@@ -40,7 +40,8 @@ from typing import Any
 from fedloom import registry
 from fedloom.config.sections import ConfigError
 
-__all__ = ["FEEDBACK_KEYS", "OPTION_DICTS", "SERVER_KEYS", "TABLE", "translate", "twins"]
+__all__ = ["FEEDBACK_KEYS", "OPTION_DICTS", "SERVER_KEYS", "TABLE", "old_spelling", "translate",
+           "twins"]
 
 log = logging.getLogger("fedloom")
 
@@ -243,6 +244,26 @@ def twins(key: str) -> list[str]:
         if n >= 2 and parts[1] == "method_options" and n <= 3:
             return [".".join(["client", "method", "options", *parts[2:]])]
     return []
+
+
+def old_spelling(key: str) -> str:
+    """The dotted ``key`` as the old way wrote it (``compression.feedback.options.alpha``
+    → ``compression.alpha``), else ``key``: a name that must not change with the shape,
+    such as the folder of a tuning point (fedloom.tuning.point_slug), so that a sweep
+    finds the trials an older version ran."""
+    parts = key.split(".")
+    if len(parts) == 4 and parts[2] == "options":
+        sec, name, opt = parts[0], parts[1], parts[3]
+        if (sec, name) == ("compression", "feedback"):
+            return f"compression.{opt}" if opt in FEEDBACK_KEYS else (
+                f"compression.feedback_options.{opt}")
+        if (sec, name) == ("compression", "adaptive"):
+            return f"compression.adaptive_options.{opt}"
+        if (sec, name) == ("server", "optimizer") and opt in SERVER_KEYS:
+            return f"server.{opt}"
+        if (sec, name) == ("client", "method"):
+            return f"client.method_options.{opt}"
+    return key
 
 
 def translate(data: Mapping[str, Any]) -> Mapping[str, Any]:
