@@ -22,9 +22,9 @@ once (:mod:`fedloom.sweep` reads it)::
                                       # list in each method's space), methods: [...]
 
 and a method (or a setting) adds or replaces keys with its own ``space:``
-(FedProx's ``client.prox_mu``, SA-PEF's ``compression.alpha``, FLARE's
-``compression.tau``…). A key's values are a list, or (``tpe`` only) a range
-``{low: 1e-3, high: 1.0, log: true}``.
+(FedProx's ``client.prox_mu``, SA-PEF's ``compression.feedback.options.alpha``,
+FLARE's ``compression.feedback.options.tau``…). A key's values are a list, or (``tpe``
+only) a range ``{low: 1e-3, high: 1.0, log: true}``.
 
 Samplers.
 

@@ -13,7 +13,8 @@ A suite file (YAML) names the experiment grid::
     methods:
       FedAvg: []
       CRAFT-layer: [aggregator.name=craft, server.lr=$TUNE]
-      SA-PEF(0.5): {overrides: [compression.alpha=0.5], settings: [mnist]}  # some settings only
+      SA-PEF(0.5): {overrides: [compression.feedback.options.alpha=0.5],
+                    settings: [mnist]}  # some settings only
     tune:
       CRAFT-layer: {key: server.lr, grid: [0.1, 0.3, 1.0]}
     share_tuning: {Ditto+CRAFT: CRAFT-layer}   # reuse another method's tuned value

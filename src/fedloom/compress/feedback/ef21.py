@@ -83,7 +83,8 @@ class EF21(NoFeedback):
 
     def __init__(self, mean: Literal["all", "sampled"] = "all") -> None:
         if mean not in ("all", "sampled"):
-            raise ValueError(f"compression.ef21_mean: must be all or sampled, got {mean!r}")
+            raise ValueError(f"compression.feedback.options.ef21_mean: must be all or sampled, "
+                             f"got {mean!r}")
         self.mean = mean
 
     def fields(self, d: int) -> dict[str, FieldSpec]:
