@@ -11,9 +11,7 @@ accumulator ``A_k`` (zero at start):
    bias; ``penalty="l2"`` squares it). ``w − A_k`` is where the client would
    be had it sent everything.
 2. ``m_j = 1[|A_k,j| > t_l]``, ``t_l`` the median of ``|A_k|`` within tensor ``l`` as
-   the public code takes it (:func:`public_median`: ``tfp.stats.percentile(q=50)``, the
-   sorted ``|A|`` at position ``(n − 1)/2`` rounded half to even — for ``n`` divisible
-   by 4 the upper of the two middle values, for ``n ≡ 2 (mod 4)`` the lower).
+   the public code takes it (:func:`public_median`).
 3. ``τ_r = TAU / c^(r+1)``, the same for every client.
 4. ``u_k = g_k + A_k``; the compressor (per-tensor Top-k with the public count
    ``k_l = round(n_l R) + 1``, ``compression.options.scope=tensor``, see
@@ -36,8 +34,8 @@ the accumulator the client starts with (as the public code, which freezes them
 when building the local loss). The count's departures (float64 ``n·R``, exact ``k`` on
 ties, ``k ≤ n``) are listed in :mod:`fedloom.compress.sparse`.
 
-The rule before the check and its measured drift: docs/explanation/methods.md
-(FLARE in detail).
+The public median, the rule before the check and its measured drift:
+docs/explanation/methods.md (FLARE in detail).
 """
 
 from __future__ import annotations
