@@ -232,7 +232,7 @@ def test_ef21_server_mean_tracks_all_stored_h_in_a_run(tiny):
 
 
 def test_ef21_mean_option_is_checked():
-    with pytest.raises(ValueError, match=r"compression\.ef21_mean"):
+    with pytest.raises(ValueError, match=r"compression\.feedback\.options\.ef21_mean"):
         EF21("everyone")  # type: ignore[arg-type]
 
 
