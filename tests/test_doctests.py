@@ -14,6 +14,8 @@ import importlib
 import pytest
 
 MODULES = [
+    "fedloom.aggregate.gram",
+    "fedloom.compress.coding",
     "fedloom.rng",
     "fedloom.names",
     "fedloom.params",

@@ -218,7 +218,12 @@ def lincomb64(
 def safe_norm(x: torch.Tensor) -> float:
     """``‖x‖₂`` in float64 without overflow or underflow of the squares: the vector is
     divided by its largest entry first (the LAPACK ``dnrm2`` idea). Non-finite
-    entries give a non-finite norm."""
+    entries give a non-finite norm.
+
+    >>> x = torch.tensor([3e200, 4e200], dtype=torch.float64)
+    >>> float(torch.linalg.vector_norm(x)), safe_norm(x)
+    (inf, 4.9999999999999995e+200)
+    """
     x = x.to(torch.float64)
     a = float(x.abs().max()) if x.numel() else 0.0
     if not a > 0 or a == float("inf"):
@@ -292,7 +297,11 @@ def truncated_solve(
 
 
 def project_simplex(v: torch.Tensor) -> torch.Tensor:
-    """Euclidean projection onto ``{λ ≥ 0, Σλ = 1}`` (Duchi et al., ICML 2008)."""
+    """Euclidean projection onto ``{λ ≥ 0, Σλ = 1}`` (Duchi et al., ICML 2008).
+
+    >>> project_simplex(torch.tensor([0.5, 0.5, 1.0], dtype=torch.float64)).tolist()
+    [0.16666666666666669, 0.16666666666666669, 0.6666666666666667]
+    """
     n = v.numel()
     u, _ = torch.sort(v, descending=True)
     css = torch.cumsum(u, 0) - 1

@@ -39,7 +39,14 @@ _MAX_VARINT_BYTES = 5  # gaps < 2^35, enough for d < 2^32
 
 
 def varint_encode(values: np.ndarray) -> bytes:
-    """LEB128 of non-negative integers."""
+    """LEB128 of non-negative integers: 7 bits a byte, the high bit set on every byte
+    but a value's last.
+
+    >>> varint_encode(np.array([0, 1, 127, 128, 300]))
+    b'\\x00\\x01\\x7f\\x80\\x01\\xac\\x02'
+    >>> varint_decode(_, 5).tolist()
+    [0, 1, 127, 128, 300]
+    """
     v = np.asarray(values, dtype=np.uint64)
     if v.size == 0:
         return b""
@@ -106,7 +113,15 @@ def varint_size(values: np.ndarray) -> int:
 
 
 def encode_indices(idx: np.ndarray, d: int) -> tuple[int, bytes]:
-    """The smaller of varint gaps and a bitmap for sorted, distinct ``idx`` in ``[0, d)``."""
+    """The smaller of varint gaps and a bitmap for sorted, distinct ``idx`` in ``[0, d)``.
+
+    >>> encode_indices(np.array([2, 5, 6]), 1000)  # gaps 2, 2, 0: three bytes
+    (0, b'\\x02\\x02\\x00')
+    >>> encode_indices(np.arange(0, 16, 2), 16)     # every other entry: a 2-byte bitmap
+    (1, b'UU')
+    >>> decode_indices(0, b'\\x02\\x02\\x00', 3, 1000).tolist()
+    [2, 5, 6]
+    """
     idx = np.asarray(idx, dtype=np.int64)
     gaps = np.diff(idx, prepend=-1) - 1
     varint = varint_encode(gaps)
