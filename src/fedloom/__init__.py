@@ -3,7 +3,12 @@
 The public API::
 
     import fedloom
+    from fedloom.aggregate.craft import CRAFT
     result = fedloom.run("configs/quickstart.yaml", ["rounds=5"])
+    result = fedloom.run("configs/quickstart.yaml", aggregator=CRAFT(step="rprop"))
+    exp = fedloom.Experiment(fedloom.load_config("configs/quickstart.yaml"))
+    state = exp.initial_state()
+    state, metrics = exp.round(state)       # exp.algorithm: the parts a round applies
     agg = fedloom.make_aggregator("fedavg")
     comp = fedloom.make_compressor("topk", ratio=0.01)
     layout = fedloom.Layout.flat(10)
@@ -27,6 +32,7 @@ _LAZY = {
     "CohortInfo": "fedloom.aggregate.base",
     "make_aggregator": "fedloom.aggregate.base",
     "make_compressor": "fedloom.compress",
+    "Algorithm": "fedloom.engine.algorithm",
     "Components": "fedloom.engine.components",
     "Config": "fedloom.config",
     "ConfigError": "fedloom.config",
@@ -44,6 +50,7 @@ _LAZY = {
 
 __all__ = [
     "Aggregator",
+    "Algorithm",
     "ClientStateStore",
     "CohortInfo",
     "Components",
@@ -68,6 +75,7 @@ if TYPE_CHECKING:  # what static checkers and IDEs see
     from fedloom.compress import make_compressor
     from fedloom.config import Config, ConfigError, load_config
     from fedloom.data.sources import DatasetUnavailable
+    from fedloom.engine.algorithm import Algorithm
     from fedloom.engine.components import Components
     from fedloom.engine.experiment import Experiment
     from fedloom.engine.loop import run
