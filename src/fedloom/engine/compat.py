@@ -14,13 +14,13 @@ from typing import Any
 import torch
 
 from fedloom.buffers import has_batch_statistics, trains_on_one_sample
-from fedloom.capabilities import aggregator_caps, feedback_caps
+from fedloom.capabilities import aggregator_caps, feedback_caps, selector_caps
 from fedloom.config import BackendConfig, Config, ConfigError
 from fedloom.privacy import check_privacy, check_secure_aggregation
 
 __all__ = ["check_amp_dtype", "check_buffers_privacy", "check_cohort_size",
            "check_full_participation", "check_one_sample_batches", "check_privacy_sampling",
-           "check_privacy_scope", "check_vmap_random"]
+           "check_privacy_scope", "check_selection_scope", "check_vmap_random"]
 
 
 def check_amp_dtype(cfg: Config) -> None:
@@ -126,3 +126,27 @@ def check_event_mode(cfg: Config, *, aggregator: Any, feedback: Any, privacy: An
         raise ConfigError(f"system.concurrency: {s.concurrency} in flight and up to {k - 1} "
                           f"waiting in the buffer need {s.concurrency + k - 1} clients; the "
                           f"run has {num_clients}")
+
+
+def check_selection_scope(cfg: Config, selector: Any, privacy: Any) -> None:
+    """A client selector steered by what clients report (not ``SelectorCaps.uniform``:
+    :mod:`fedloom.selection`) is refused under differential privacy (the accountant's
+    amplification by sampling assumes a uniform cohort, and a loss-driven cohort
+    depends on unnoised client data), under secure aggregation (the server would read
+    each client's loss) and in the event-driven round modes (they dispatch clients as
+    others arrive, not cohorts)."""
+    if selector_caps(selector).uniform:
+        return
+    name = cfg.cohort.selection.name
+    if cfg.system.mode != "sync":
+        raise ConfigError(f"cohort.selection.name: {name} chooses synchronous cohorts; "
+                          f"system.mode {cfg.system.mode} dispatches clients one by one "
+                          "(cohort.selection: uniform)")
+    if privacy.enabled:
+        raise ConfigError(f"cohort.selection.name: {name} chooses clients from their "
+                          "reported losses; differential privacy (privacy.mode) needs the "
+                          "uniform cohort its accountant assumes (cohort.selection: uniform)")
+    if cfg.server.secure_aggregation:
+        raise ConfigError(f"cohort.selection.name: {name} reads each client's reported loss, "
+                          "which secure aggregation keeps from the server "
+                          "(cohort.selection: uniform)")

@@ -7,10 +7,9 @@ behind :class:`~fedloom.selection.base.Selector`: ``uniform`` (the default),
 state rides in the run state and the checkpoints.
 """
 
-from fedloom.selection.base import Feedback, Selector, check_selection_scope, no_feedback
+from fedloom.selection.base import Feedback, Selector, no_feedback
 from fedloom.selection.oort import Oort
 from fedloom.selection.power import PowerOfChoice
 from fedloom.selection.uniform import Uniform
 
-__all__ = ["Feedback", "Oort", "PowerOfChoice", "Selector", "Uniform", "check_selection_scope",
-           "no_feedback"]
+__all__ = ["Feedback", "Oort", "PowerOfChoice", "Selector", "Uniform", "no_feedback"]

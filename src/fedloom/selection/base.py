@@ -25,10 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from fedloom.capabilities import selector_caps
-from fedloom.config import ConfigError
-
-__all__ = ["Feedback", "Selector", "check_selection_scope", "fill_uniform", "no_feedback"]
+__all__ = ["Feedback", "Selector", "fill_uniform", "no_feedback"]
 
 _NONE = np.zeros(0, dtype=np.int64)
 
@@ -91,26 +88,3 @@ def fill_uniform(chosen: np.ndarray, candidates: np.ndarray, size: int,
     rest = np.setdiff1d(candidates, chosen)
     more = gen.choice(rest, want, replace=False)
     return np.concatenate([chosen, more.astype(np.int64)])
-
-
-def check_selection_scope(selector: Any, name: str, *, privacy: bool,
-                          secure_aggregation: bool, event_mode: bool = False) -> None:
-    """A selector steered by what clients report (not ``SelectorCaps.uniform``) is
-    refused under differential privacy (the accountant's amplification by sampling
-    assumes a uniform cohort, and a loss-driven cohort depends on unnoised client
-    data), under secure aggregation (the server would read each client's loss) and in
-    the event-driven round modes (they dispatch clients as others arrive, not cohorts)."""
-    if selector_caps(selector).uniform:
-        return
-    if event_mode:
-        raise ConfigError(f"cohort.selection.name: {name} chooses synchronous cohorts; the "
-                          "event-driven system.mode dispatches clients one by one "
-                          "(cohort.selection: uniform)")
-    if privacy:
-        raise ConfigError(f"cohort.selection.name: {name} chooses clients from their "
-                          "reported losses; differential privacy (privacy.mode) needs the "
-                          "uniform cohort its accountant assumes (cohort.selection: uniform)")
-    if secure_aggregation:
-        raise ConfigError(f"cohort.selection.name: {name} reads each client's reported loss, "
-                          "which secure aggregation keeps from the server "
-                          "(cohort.selection: uniform)")
