@@ -11,7 +11,8 @@ from torch.nn import functional as F
 
 from fedloom.params import Layout, functional_forward, training_mode
 
-__all__ = ["accuracy_stats", "conflict_rate", "evaluate", "evaluate_clients"]
+__all__ = ["accuracy_stats", "conflict_rate", "evaluate", "evaluate_clients",
+           "evaluate_clients_lm", "perplexity_stats"]
 
 
 def accuracy_stats(acc: np.ndarray, prefix: str = "client_acc") -> dict[str, float]:
@@ -36,6 +37,20 @@ def accuracy_stats(acc: np.ndarray, prefix: str = "client_acc") -> dict[str, flo
         f"{prefix}_best10": float(s[-k:].mean()),
         f"{prefix}_jain": float(a.sum() ** 2 / (a.size * sq)) if sq > 0 else 1.0,
     }
+
+
+def perplexity_stats(ppl: np.ndarray, prefix: str = "client_ppl") -> dict[str, float]:
+    """Statistics of per-client test perplexities (a causal LM's): ``mean``, ``std``
+    (``ddof=0``), ``worst10`` / ``best10`` the mean of the highest / lowest ``⌈0.1 N⌉``
+    (the worst clients have the *highest* perplexity)."""
+    a = np.asarray(ppl, dtype=np.float64)
+    a = a[~np.isnan(a)]
+    if a.size == 0:
+        return {}
+    k = max(1, math.ceil(0.1 * a.size))
+    s = np.sort(a)
+    return {f"{prefix}_mean": float(a.mean()), f"{prefix}_std": float(a.std()),
+            f"{prefix}_worst10": float(s[-k:].mean()), f"{prefix}_best10": float(s[:k].mean())}
 
 
 def conflict_rate(updates: torch.Tensor, agg: torch.Tensor) -> float:
@@ -65,6 +80,26 @@ def _predict(
 
 
 @torch.no_grad()
+def _per_sequence(
+    module: nn.Module, layout: Layout, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+    batch_size: int, buffers: dict[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels ``[N, T]`` (a causal LM's next tokens, logits ``[B, V, T]``): each sample's
+    token accuracy and mean token cross-entropy (float64), ``[N]`` each. Batch by batch:
+    a vocabulary's logits over the whole test set are never held at once."""
+    hits, losses = [], []
+    with training_mode(module, False):
+        for s in range(0, x.shape[0], batch_size):
+            logits = functional_forward(module, layout, w, x[s : s + batch_size],
+                                        buffers=buffers)
+            yb = y[s : s + batch_size]
+            hits.append((logits.argmax(1) == yb).double().flatten(1).mean(1))
+            ce = F.cross_entropy(logits.to(torch.float64), yb, reduction="none")
+            losses.append(ce.flatten(1).mean(1))
+    return torch.cat(hits), torch.cat(losses)
+
+
+@torch.no_grad()
 def evaluate(
     module: nn.Module, layout: Layout, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
     batch_size: int = 2048, buffers: dict[str, torch.Tensor] | None = None,
@@ -73,6 +108,9 @@ def evaluate(
     default: the module's own) on ``(x, y)``, in eval mode."""
     if x.shape[0] == 0:
         return float("nan"), float("nan")
+    if y.ndim > 1:  # next tokens: token accuracy and mean token cross-entropy
+        hit, ce = _per_sequence(module, layout, w, x, y, batch_size, buffers)
+        return float(hit.mean()), float(ce.mean())
     pred, logits = _predict(module, layout, w, x, batch_size, buffers)
     loss = F.cross_entropy(logits.to(torch.float64), y, reduction="mean")
     return float((pred == y).double().mean()), float(loss)
@@ -89,8 +127,30 @@ def evaluate_clients(
     ``x, y`` hold all clients' test samples, ``owner`` the client of each, so the
     model runs once over all of them. A client with no test sample gets NaN.
     """
+    if y.ndim > 1:
+        return evaluate_clients_lm(module, layout, w, x, y, owner, num_clients, batch_size,
+                                   buffers)[0]
     pred, _ = _predict(module, layout, w, x, batch_size, buffers)
     correct = torch.bincount(owner, weights=(pred == y).double(), minlength=num_clients)
     total = torch.bincount(owner, minlength=num_clients).double()
     acc = correct / total
     return acc.cpu().numpy()
+
+
+@torch.no_grad()
+def evaluate_clients_lm(
+    module: nn.Module, layout: Layout, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+    owner: torch.Tensor, num_clients: int, batch_size: int = 2048,
+    buffers: dict[str, torch.Tensor] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-client token accuracy and test perplexity of a causal LM (labels ``[N, T]``).
+
+    Every window has ``T`` tokens, so a client's mean over its windows is its mean over
+    tokens; perplexity is ``exp`` of the client's mean token cross-entropy. A client
+    with no test window gets NaN in both.
+    """
+    hit, ce = _per_sequence(module, layout, w, x, y, batch_size, buffers)
+    total = torch.bincount(owner, minlength=num_clients).double()
+    acc = torch.bincount(owner, weights=hit, minlength=num_clients) / total
+    loss = torch.bincount(owner, weights=ce, minlength=num_clients) / total
+    return acc.cpu().numpy(), torch.exp(loss).cpu().numpy()

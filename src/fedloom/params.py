@@ -147,6 +147,15 @@ class Layout:
         >>> layout["3.weight"]
         TensorSpec(name='3.weight', shape=(2, 3), offset=21)
         """
+        own_groups = getattr(module, "fedloom_layer_groups", None)
+        if callable(own_groups):
+            # The module names its groups (fedloom.models.llm: a LoRA adapter's A and B
+            # are two modules but one adapted projection, one group).
+            shapes = {n: tuple(p.shape) for n, p in module.named_parameters()
+                      if p.requires_grad}
+            if not shapes:
+                raise ValueError("Layout.from_module: the module has no trainable parameters")
+            return cls(list(shapes.items()), own_groups())
         specs: list[tuple[str, tuple[int, ...]]] = []
         groups: list[list[str]] = []
         last_parent: dict[str, int] = {}  # parent path -> index of its last group

@@ -92,6 +92,8 @@ _MODULES = (
     "fedloom.data.flwr_partition",
     "fedloom.models",
     "fedloom.models.zoo",
+    "fedloom.models.llm",
+    "fedloom.data.text",
     "fedloom.aggregate.mean",
     "fedloom.aggregate.craft",
     "fedloom.aggregate.fednova",

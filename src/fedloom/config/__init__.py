@@ -56,6 +56,7 @@ from fedloom.config.sections import (  # noqa: F401  (re-exported)
     EvalConfig,
     FeatureConfig,
     LoggingConfig,
+    LoRAConfig,
     MetricsConfig,
     ModelConfig,
     PartitionConfig,
@@ -66,6 +67,7 @@ from fedloom.config.sections import (  # noqa: F401  (re-exported)
     StateConfig,
     SyntheticConfig,
     SystemConfig,
+    TextConfig,
 )
 
 __all__ = [

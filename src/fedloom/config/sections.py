@@ -66,6 +66,21 @@ class ShakespeareConfig:
 
 
 @dataclass
+class TextConfig:
+    """``data.text``: the Shakespeare roles as token windows for a causal language model
+    (:mod:`fedloom.data.text`; the roles and their lines as ``data.shakespeare`` reads them)."""
+
+    seq_len: int = _f(64, ge=1)         # tokens of context; the labels are the next tokens
+    stride: int = _f(0, ge=0)           # a window every `stride` tokens; 0 = seq_len (disjoint)
+    # "char": LEAF's 80-letter alphabet (index 0 = unknown); else a local tokenizer
+    # directory, or a .gguf file (the model's own tokenizer)
+    tokenizer: str = "char"
+    min_chars: int = _f(4000, ge=1)     # a role needs this many characters to be a client
+    max_clients: int = _f(0, ge=0)      # 0 = every role that qualifies
+    max_windows: int = _f(0, ge=0)      # per client; 0 = all
+
+
+@dataclass
 class PartitionConfig:
     # A partitioner: iid, contiguous, dirichlet, shards, natural, classes, sizes, mixed,
     # flwr:NAME (a flwr-datasets partitioner), a plug-in or module:attr (a plug-in takes
@@ -123,6 +138,7 @@ class DataConfig:
     pool: Literal["train", "all"] = "train"
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     shakespeare: ShakespeareConfig = field(default_factory=ShakespeareConfig)
+    text: TextConfig = field(default_factory=TextConfig)
     # Your own data (name: npz or csv): the file, the label and client columns (csv).
     path: str = ""
     label: str = "label"
@@ -153,6 +169,17 @@ class DataConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """``model.lora``: low-rank adapters (Hu et al. 2021) on the named projections of
+    ``hf_causal_lm``; ``r: 0`` trains every parameter (no adapter)."""
+
+    r: int = _f(0, ge=0)
+    alpha: int = _f(16, ge=1)          # the scale is alpha / r (peft: an integer)
+    dropout: float = _f(0.0, ge=0, lt=1)
+    target_modules: list[str] = _f(["q_proj", "v_proj"])
+
+
+@dataclass
 class ModelConfig:
     name: str = "mlp"
     hidden: list[int] = _f([200, 200], ge=1)   # mlp
@@ -170,6 +197,13 @@ class ModelConfig:
     # average (data-weighted), local (per client, FedBN), keep_global (never updated).
     # See fedloom.buffers.
     buffers: Literal["average", "local", "keep_global"] = "average"
+    # hf_causal_lm (fedloom.models.llm): a local model directory, or a GGUF file (in
+    # `path` or alone), or a transformers LlamaConfig's keys (random init, no file);
+    # `lora` wraps it with adapters
+    path: str = ""
+    gguf_file: str = ""
+    config: dict[str, Any] = _f({})
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass

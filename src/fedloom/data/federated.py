@@ -58,6 +58,8 @@ def partition_indices(ds: Dataset, cfg: DataConfig, seed: int) -> list[np.ndarra
     p = cfg.partition
     rng = numpy_gen(seed, -1, -1, Purpose.PARTITION)
     labels = ds.y.numpy()
+    if labels.ndim > 1:  # a sequence of labels (data.name: text): its last one is the class
+        labels = labels.reshape(len(labels), -1)[:, -1]
     if uses_natural_split(ds, cfg):
         assert ds.groups is not None
         parts = get("partitioner", "natural")(labels, len(np.unique(ds.groups)), rng=rng,

@@ -35,12 +35,15 @@ MEASURES = {"hellinger": "Hellinger", "tv": "TV", "eff_classes": "eff. classes",
 
 def class_counts(labels: np.ndarray, parts: Sequence[np.ndarray],
                  num_classes: int | None = None) -> np.ndarray:
-    """``[N, C]`` integer counts of each class on each client (labels ``0…C−1``)."""
+    """``[N, C]`` integer counts of each class on each client (labels ``0…C−1``; a
+    sample with a sequence of labels counts each)."""
     labels = np.asarray(labels).astype(np.int64)
     c = int(num_classes if num_classes is not None else labels.max(initial=-1) + 1)
     out = np.zeros((len(parts), max(c, 1)), dtype=np.int64)
     for k, p in enumerate(parts):
-        out[k] = np.bincount(labels[np.asarray(p, dtype=np.int64)], minlength=out.shape[1])
+        # ravel: a sample with a sequence of labels (text) counts each of its tokens
+        out[k] = np.bincount(labels[np.asarray(p, dtype=np.int64)].ravel(),
+                             minlength=out.shape[1])
     return out
 
 

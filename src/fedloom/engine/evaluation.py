@@ -26,7 +26,13 @@ from fedloom.config import EvalConfig
 from fedloom.device import to_device
 from fedloom.engine.fields import BUFFERS, METHOD
 from fedloom.engine.parts import ClientData, ModelSpace
-from fedloom.metrics import accuracy_stats, evaluate, evaluate_clients
+from fedloom.metrics import (
+    accuracy_stats,
+    evaluate,
+    evaluate_clients,
+    evaluate_clients_lm,
+    perplexity_stats,
+)
 from fedloom.rng import derive_seed
 
 __all__ = ["Evaluator"]
@@ -61,7 +67,18 @@ class Evaluator:
         bs = self.settings.batch_size
         acc, loss = evaluate(sp.module, sp.layout, w, self.x_test, self.y_test, bs)
         out = {"test_acc": acc, "test_loss": loss}
-        if self.client_test_idx.numel():
+        lm = self.y_test.ndim > 1  # a causal LM's next tokens: token accuracy, perplexity
+        if lm:
+            out["test_ppl"] = math.exp(min(loss, 700.0)) if math.isfinite(loss) else loss
+        if self.client_test_idx.numel() and lm:
+            per_client, ppl = evaluate_clients_lm(
+                sp.module, sp.layout, w, cl.x[self.client_test_idx],
+                cl.y[self.client_test_idx], self.client_test_owner, cl.num_clients, bs,
+            )
+            out.update(accuracy_stats(per_client))
+            out.update(perplexity_stats(ppl))
+            self.last_client_acc = per_client
+        elif self.client_test_idx.numel():
             per_client = evaluate_clients(
                 sp.module, sp.layout, w, cl.x[self.client_test_idx],
                 cl.y[self.client_test_idx], self.client_test_owner, cl.num_clients, bs,

@@ -19,7 +19,7 @@ from torch import nn
 
 from fedloom.config import ModelConfig
 from fedloom.registry import get, register
-from fedloom.rng import Purpose, torch_gen
+from fedloom.rng import Purpose, derive_seed, seeded_global_rng, torch_gen
 
 __all__ = ["CNN", "MLP", "build_model", "init_parameters"]
 
@@ -231,6 +231,12 @@ def build_model(
     """Build a registered model (by ``cfg.name``) and initialise it from ``seed``."""
     if isinstance(cfg, ModelConfig):
         factory = get("model", cfg.name)
+        if getattr(factory, "fedloom_own_init", False):
+            # A factory that initialises its own weights (a pretrained base, LoRA's
+            # zero B; fedloom.models.llm) draws them from (seed, "init") globally.
+            with seeded_global_rng(derive_seed(seed, -1, -1, Purpose.INIT)):
+                own: nn.Module = factory(cfg, in_shape, num_classes)
+            return own.to(dtype)
         with torch.device("meta"):
             module = factory(cfg, in_shape, num_classes)
         module = _materialise(module)

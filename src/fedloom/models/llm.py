@@ -1,0 +1,180 @@
+"""``model.name: hf_causal_lm``: a causal language model, optionally with LoRA adapters.
+
+The settings it mirrors are the LLM benchmarks of FlowerTune (Flower's federated
+fine-tuning leaderboard) and pfl-research: a frozen pretrained base, low-rank
+adapters (Hu et al. 2021, LoRA: ``W x + (α/r) B A x``, ``A`` Kaiming-uniform and
+``B`` zero at the start, so the adapted model starts as the base) on the attention
+projections, and only the adapters trained, sent and averaged.
+
+Sources of the base, one of:
+
+- ``model.config``: the keys of a ``transformers.LlamaConfig`` (a tiny random-init
+  Llama, no file; ``vocab_size`` defaults to the data's number of tokens), drawn
+  from ``(seed, "init")`` through the global generators;
+- ``model.path``: a local model directory (``from_pretrained`` with
+  ``local_files_only``: nothing is downloaded, whatever ``HF_HUB_OFFLINE`` says);
+- ``model.gguf_file``: a GGUF file, alone or inside ``model.path`` (transformers
+  de-quantises it to the run's dtype; it needs the ``gguf`` package).
+
+What fedloom sees: the module's trainable parameters are the adapters only
+(peft freezes the base), so the flat ``Layout``, every update, payload and
+``uplink_bytes`` hold adapter tensors only; each adapted projection (its ``A`` and
+``B``) is one layer group, the unit of CRAFT's per-layer mode. The base is held
+once per process: :meth:`CausalLM.__deepcopy__` shares frozen tensors, so the
+copies that trainers make (one per trainer, not per client) hold their own
+adapters over the same base storage.
+
+The forward takes token ids ``[B, T]`` and returns logits as ``[B, V, T]`` — the
+class dimension second, as ``F.cross_entropy`` reads it with labels ``[B, T]`` —
+so local training's loss is the mean next-token cross-entropy unchanged.
+Departures from the benchmarks: plain SGD on the adapters (the benchmarks use
+AdamW locally), no padding or attention mask (every window is full), and no
+quantised base (the base is held in the run's dtype).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedloom.config import ModelConfig
+from fedloom.registry import register
+
+__all__ = ["CausalLM", "build_causal_lm"]
+
+INSTALL = "pip install 'fedloom[llm]'"
+
+
+class CausalLM(nn.Module):
+    """A transformers causal LM (peft-wrapped when it has adapters): ids in, logits
+    ``[B, V, T]`` out. Frozen tensors are shared by deep copies (the base once per
+    process); :meth:`fedloom_layer_groups` puts each adapter's ``A`` and ``B`` in one
+    layer group."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lm(input_ids=x.long(), use_cache=False)
+        logits: torch.Tensor = out.logits
+        return logits.transpose(1, 2)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CausalLM:
+        # The frozen base is read-only everywhere in fedloom: a copy keeps the same
+        # tensors (a 1B-parameter base is not held once per trainer or worker thread).
+        for p in self.parameters():
+            if not p.requires_grad:
+                memo[id(p)] = p
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    def fedloom_layer_groups(self) -> list[list[str]]:
+        """The trainable tensors' names in groups: one per adapted projection (its
+        ``lora_A`` and ``lora_B``), else one per owning module."""
+        groups: list[list[str]] = []
+        keys: list[str] = []
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            key = name.split(".lora_", 1)[0] if ".lora_" in name else name.rpartition(".")[0]
+            if keys and keys[-1] == key:
+                groups[-1].append(name)
+            else:
+                groups.append([name])
+                keys.append(key)
+        return groups
+
+
+def _need_packages() -> None:
+    import importlib.util
+
+    for mod in ("transformers", "peft"):
+        if importlib.util.find_spec(mod) is None:
+            raise ValueError(f"model.name: hf_causal_lm needs {mod}; install it with: {INSTALL}")
+
+
+def _base(cfg: ModelConfig, num_classes: int) -> nn.Module:
+    """The base model from ``model.config``, ``model.gguf_file`` or ``model.path``."""
+    import transformers
+
+    if cfg.config:
+        if cfg.path or cfg.gguf_file:
+            raise ValueError("model.config: give either model.config or model.path/gguf_file")
+        keys = {"vocab_size": num_classes, **cfg.config}
+        try:
+            lcfg = transformers.LlamaConfig(**keys)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"model.config: {str(e).splitlines()[0]}") from None
+        if lcfg.vocab_size < num_classes:
+            raise ValueError(f"model.config.vocab_size: {lcfg.vocab_size} is smaller than the "
+                             f"data's {num_classes} tokens")
+        return transformers.LlamaForCausalLM(lcfg)
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if cfg.gguf_file:
+        g = Path(cfg.path) / cfg.gguf_file if cfg.path else Path(cfg.gguf_file)
+        if not g.is_file():
+            raise ValueError(f"model.gguf_file: no such file: {g}")
+        where, kwargs["gguf_file"] = str(g.parent), g.name
+    elif cfg.path:
+        if not Path(cfg.path).is_dir():
+            raise ValueError(f"model.path: no such directory: {cfg.path}")
+        where = cfg.path
+    else:
+        raise ValueError("model.name: hf_causal_lm needs model.config, model.path or "
+                         "model.gguf_file")
+    try:
+        lm = transformers.AutoModelForCausalLM.from_pretrained(where, **kwargs)
+    except Exception as e:  # transformers' own reasons (format, a missing gguf package)
+        field = "model.gguf_file" if cfg.gguf_file else "model.path"
+        raise ValueError(f"{field}: {type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+    vocab = int(lm.get_output_embeddings().weight.shape[0])
+    if vocab < num_classes:
+        raise ValueError(f"model.path: the model's vocabulary ({vocab}) is smaller than the "
+                         f"data's {num_classes} tokens (data.text.tokenizer)")
+    out: nn.Module = lm
+    return out
+
+
+def _with_lora(lm: nn.Module, cfg: ModelConfig) -> nn.Module:
+    lo = cfg.lora
+    if lo.r == 0:
+        return lm  # every parameter trains
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    try:
+        with warnings.catch_warnings():
+            # peft asks transformers a deprecated question (is_gradient_checkpointing):
+            # a warning about their two versions, not about the run
+            warnings.simplefilter("ignore", FutureWarning)
+            wrapped: nn.Module = get_peft_model(lm, LoraConfig(
+                r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout,
+                target_modules=list(lo.target_modules), bias="none"))
+    except ValueError as e:  # e.g. a target module the model does not have
+        raise ValueError(f"model.lora: {str(e).strip().splitlines()[0]}") from None
+    return wrapped
+
+
+@register("model", "hf_causal_lm")
+def build_causal_lm(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """A causal LM over ``num_classes`` tokens (see the module docstring); its own
+    initialisation (transformers' and peft's), drawn from the global generators that
+    :func:`fedloom.models.build_model` seeds."""
+    _need_packages()
+    module = CausalLM(_with_lora(_base(cfg, num_classes), cfg))
+    module.eval()
+    return module
+
+
+# fedloom.models.build_model: the factory initialises its own weights (a pretrained
+# base must not be re-drawn, and LoRA's B starts at zero).
+build_causal_lm.fedloom_own_init = True  # type: ignore[attr-defined]

@@ -1,0 +1,147 @@
+"""Federated LoRA fine-tuning of a causal LM (issue #41 items 1-2): ``model.name:
+hf_causal_lm`` on ``data.name: text``, with a tiny random-init Llama and a fixture
+play, so no file is downloaded and every run takes seconds."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the llm extra (transformers) is not installed")
+pytest.importorskip("peft", reason="the llm extra (peft) is not installed")
+
+import fedloom
+from conftest import stop_and_resume
+from fedloom.client.sgd import LocalSGD
+from fedloom.config import ConfigError, DataConfig, ModelConfig, TextConfig
+from fedloom.data.shakespeare import NUM_CHARS, encode_text, parse_play
+from fedloom.data.text import text, windows
+from fedloom.models import build_model
+from fedloom.params import Layout
+
+ROLES = {
+    "Ham": "To be, or not to be, that is the question: whether 'tis nobler in the mind "
+           "to suffer the slings and arrows of outrageous fortune. ",
+    "Oph": "Good my lord, how does your honour for this many a day? I humbly thank you; "
+           "well, well, well. ",
+    "Lear": "Blow, winds, and crack your cheeks! rage! blow! You cataracts and hurricanoes, "
+            "spout till you have drench'd our steeples. ",
+    "Puck": "If we shadows have offended, think but this, and all is mended, that you have "
+            "but slumber'd here while these visions did appear. ",
+}
+HIDDEN, LAYERS, RANK = 16, 2, 2
+TINY = {"hidden_size": HIDDEN, "intermediate_size": 32, "num_hidden_layers": LAYERS,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32}
+LORA = {"r": RANK, "alpha": 4, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+# LoRA on q_proj and v_proj of every layer: A [r, h] and B [h, r] each
+ADAPTERS = LAYERS * 2 * (RANK * HIDDEN + HIDDEN * RANK)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("plays")
+    blocks = [f"{role}.\n{line}\n" for _ in range(6) for role, line in ROLES.items()]
+    (d / "a_gut.txt").write_text("THE FIXTURE\n\n" + "\n".join(blocks))
+    return str(d)
+
+
+def config(corpus, **over):
+    cfg = {
+        "rounds": 2, "seed": 0, "backend": "sequential",
+        "data": {"name": "text", "path": corpus, "partition": {"name": "natural"},
+                 "test_fraction": 0.25, "text": {"seq_len": 16, "min_chars": 200}},
+        "model": {"name": "hf_causal_lm", "config": dict(TINY), "lora": dict(LORA)},
+        "cohort": {"size": 2}, "client": {"lr": 0.5, "steps": 2, "batch_size": 4},
+        "eval": {"every": 1}, "checkpoint": {"every": 0},
+    }
+    cfg.update(over)
+    return cfg
+
+
+def tiny_model(seed=0):
+    cfg = ModelConfig(name="hf_causal_lm", config=dict(TINY))
+    cfg.lora.r, cfg.lora.alpha = RANK, 4
+    return build_model(cfg, (16,), NUM_CHARS, seed)
+
+
+def test_text_windows_are_next_tokens_one_client_per_role(corpus):
+    ds = text(DataConfig(name="text", path=corpus, text=TextConfig(seq_len=16, min_chars=200)),
+              seed=0)
+    assert ds.x.shape[1:] == (16,) and ds.y.shape == ds.x.shape and ds.num_classes == NUM_CHARS
+    assert len(set(ds.groups.tolist())) == len(ROLES)
+    first = sorted(ROLES)[0]  # clients in role order
+    codes = encode_text(parse_play(open(f"{corpus}/a_gut.txt").read())[first])
+    x, y = windows(codes, 16, 16)
+    assert torch.equal(ds.x[: len(x)], torch.from_numpy(x))
+    assert torch.equal(ds.y[: len(x)], torch.from_numpy(y))
+    assert torch.equal(ds.x[0, 1:], ds.y[0, :-1])  # the labels are the window shifted by one
+
+
+def test_only_adapters_in_the_layout_one_group_per_projection():
+    module = tiny_model()
+    layout = Layout.from_module(module)
+    assert layout.size == ADAPTERS
+    assert all(".lora_A." in n or ".lora_B." in n for n in layout.names)
+    assert len(layout.groups) == LAYERS * 2  # q_proj and v_proj of each layer
+    for g in layout.groups:
+        assert g.name.endswith(("q_proj", "v_proj"))
+        assert [n.split(".lora_")[1][0] for n in g.tensors] == ["A", "B"]
+    frozen = [p for p in module.parameters() if not p.requires_grad]
+    assert sum(p.numel() for p in frozen) > 10 * ADAPTERS
+    # LoRA's B starts at zero: the adapted model starts as the base
+    assert all(float(p.detach().abs().sum()) == 0 for n, p in module.named_parameters()
+               if ".lora_B." in n)
+
+
+def test_trainers_share_the_frozen_base():
+    module = tiny_model()
+    layout = Layout.from_module(module)
+    fm = [LocalSGD(module, layout)._flat_module() for _ in range(2)]
+    for name, p in module.named_parameters():
+        q1, q2 = (dict(f.module.named_parameters())[name] for f in fm)
+        if p.requires_grad:  # each trainer holds its own adapters
+            assert q1.data_ptr() != p.data_ptr() and q1.data_ptr() != q2.data_ptr()
+        else:  # the base once per process
+            assert q1.data_ptr() == p.data_ptr() == q2.data_ptr()
+
+
+def test_fedavg_trains_and_sends_only_adapters_base_unchanged(corpus):
+    base = {n: p.detach().clone() for n, p in tiny_model().named_parameters()
+            if not p.requires_grad}
+    res = fedloom.run(config(corpus, rounds=3))
+    assert res.layout.size == ADAPTERS
+    # identity payload: 8-byte header + 4 bytes a coordinate + 4-byte CRC-32C trailer
+    assert [m["uplink_bytes"] for m in res.metrics] == [2 * (ADAPTERS * 4 + 12)] * 3
+    assert float(res.w.abs().sum()) > 0
+    after = dict(res.model.named_parameters())
+    assert all(torch.equal(after[n], t) for n, t in base.items())  # bit-equal
+    losses = [m["train_loss"] for m in res.metrics]
+    assert losses[-1] < losses[0]
+    last = res.metrics[-1]
+    assert math.isclose(last["test_ppl"], math.exp(last["test_loss"]), rel_tol=1e-9)
+    for key in ("client_acc_mean", "client_acc_std", "client_acc_worst10",
+                "client_ppl_mean", "client_ppl_std", "client_ppl_worst10"):
+        assert math.isfinite(last[key]), key
+    assert last["client_ppl_worst10"] >= last["client_ppl_mean"] >= last["client_ppl_best10"]
+    assert 0 <= last["test_acc"] <= 1
+
+
+def test_craft_per_layer_and_topk_with_ef_run(corpus):
+    res = fedloom.run(config(corpus, aggregator={"name": "craft", "options": {"groups": "layer"}}))
+    assert len(res.layout.groups) == LAYERS * 2 and math.isfinite(res.metrics[-1]["test_loss"])
+    res = fedloom.run(config(corpus, compression={"name": "topk", "options": {"ratio": 0.25},
+                                                  "feedback": "ef"}))
+    assert res.metrics[-1]["uplink_bytes"] < 2 * ADAPTERS * 4
+    assert math.isfinite(res.metrics[-1]["test_loss"])
+
+
+def test_resume_is_bit_identical(corpus, tmp_path):
+    ref, res = stop_and_resume(config(corpus, rounds=3), [], tmp_path / "run", stop_after=2)
+    assert torch.equal(ref.w, res.w)
+
+
+def test_a_missing_gguf_file_is_one_line(corpus, tmp_path):
+    cfg = config(corpus)
+    cfg["model"] = {"name": "hf_causal_lm", "gguf_file": str(tmp_path / "absent.gguf")}
+    with pytest.raises(ConfigError, match=r"^model\.gguf_file: no such file: .*absent\.gguf$"):
+        fedloom.run(cfg)
