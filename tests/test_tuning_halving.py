@@ -259,6 +259,11 @@ def test_halving_real_runs_continue_bit_for_bit(tmp_path, monkeypatch):
     a = json.loads((continued / "summary.json").read_text())
     b = json.loads((fresh / "summary.json").read_text())
     assert a["rounds"] == b["rounds"] == 4 and a["model_sha256"] == b["model_sha256"]
+    # the lower rungs keep the checkpoint a continuation starts from; the last rung's
+    # runs, never continued, drop the checkpoints the sweep asked of them
+    slug = point_slug(top.params)
+    assert (runs / f"FedAvg@tune={slug}@r2" / "seed7" / "checkpoints" / "last.pt").is_file()
+    assert not (continued / "checkpoints").exists()
     doc = (tmp_path / "h.md").read_text()
     assert "rung reached" in doc and "2 (4 rounds)" in doc
 

@@ -9,7 +9,8 @@ tuning rounds, is the grid sampler's folder ``METHOD@tune=POINT``). A promoted
 trial's next run starts as a copy of its finished run (less ``summary.json``,
 so the sweep resumes it) and continues from its last checkpoint to the next
 rung's rounds; a checkpoint at the end of each rung is asked for when the
-setting's config has none (``checkpoint.every`` changes no result).
+setting's config has none (``checkpoint.every`` changes no result), and
+dropped again from the last rung's runs, which are never continued.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from __future__ import annotations
 import math
 import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fedloom.config import ConfigError, load_config
+from fedloom.engine.rundir import CHECKPOINT_FILE, PREVIOUS_CHECKPOINT_FILE
 from fedloom.sweep.suite import RunSpec, Suite, _spec
 from fedloom.tuning import (
     Trial,
@@ -95,9 +98,20 @@ def _continue_from(prev: RunSpec, spec: RunSpec) -> None:
         return  # done or stopped already (the sweep resumes it), or nothing to continue
     tmp = spec.out.with_name(spec.out.name + ".copying")
     shutil.rmtree(tmp, ignore_errors=True)  # a copy a killed sweep left half made
-    shutil.copytree(prev.out, tmp, symlinks=True)
+    # the resume reads the newest checkpoint; the one before it is only a fallback
+    prev_ckpt = Path(PREVIOUS_CHECKPOINT_FILE).name
+    shutil.copytree(prev.out, tmp, symlinks=True, ignore=shutil.ignore_patterns(prev_ckpt))
     (tmp / "summary.json").unlink()
     tmp.rename(spec.out)  # whole or not at all: a half copy is never resumed
+
+
+def _drop_checkpoints(specs: list[RunSpec]) -> None:
+    """Remove the checkpoints the sweep asked of a last rung's finished runs: a run of
+    the tuning rounds is never continued (a per-client state such as Ditto's personal
+    models makes each checkpoint tens of MB)."""
+    for spec in specs:
+        if spec.done:
+            shutil.rmtree(spec.out / Path(CHECKPOINT_FILE).parent, ignore_errors=True)
 
 
 def _rung_score(spec: RunSpec, metric: str) -> float:
@@ -154,6 +168,8 @@ def tune_halving(suite: Suite, pairs: list[Pair], lower: Callable[[str], bool],
             t.rung_scores[t.rounds] = t.score
             t.cost = plan.rounds_to(k) * plan.unit
             done_specs[(pair, i)] = specs
+            if k == len(plan.rungs) - 1 and plan.ckpt and continue_runs:
+                _drop_checkpoints(specs)
         for pair in pairs:
             plan = plans[pair]
             if k + 1 < len(plan.rungs):
