@@ -145,3 +145,34 @@ def test_a_missing_gguf_file_is_one_line(corpus, tmp_path):
     cfg["model"] = {"name": "hf_causal_lm", "gguf_file": str(tmp_path / "absent.gguf")}
     with pytest.raises(ConfigError, match=r"^model\.gguf_file: no such file: .*absent\.gguf$"):
         fedloom.run(cfg)
+
+
+def test_a_local_model_directory_and_its_tokenizer(corpus, tmp_path):
+    # model.path and data.text.tokenizer from a directory save_pretrained wrote (a
+    # character-level fast tokenizer and a tiny Llama): the route of a real model, offline
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    chars = sorted(set("".join(ROLES.values())))
+    vocab = {"[UNK]": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(
+        models.BPE(vocab, [], unk_token="[UNK]")), unk_token="[UNK]")
+    tok.save_pretrained(tmp_path)
+    torch.manual_seed(1)
+    saved = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab) + 3, **TINY))
+    saved.save_pretrained(tmp_path)
+    cfg = config(corpus, rounds=1)
+    cfg["data"]["text"]["tokenizer"] = str(tmp_path)
+    cfg["model"] = {"name": "hf_causal_lm", "path": str(tmp_path), "lora": dict(LORA)}
+    res = fedloom.run(cfg)
+    assert res.layout.size == ADAPTERS
+    # the base is the saved model's, not drawn again from the run's seed
+    after = {n.split("base_model.model.", 1)[1]: p for n, p in res.model.named_parameters()
+             if not p.requires_grad}
+    assert all(torch.equal(after[n.replace(".weight", ".base_layer.weight")]
+                           if n.replace(".weight", ".base_layer.weight") in after else after[n],
+                           p) for n, p in saved.named_parameters())
+    missing = config(corpus)
+    missing["model"] = {"name": "hf_causal_lm", "path": str(tmp_path / "absent")}
+    with pytest.raises(ConfigError, match=r"^model\.path: no such directory: .*absent$"):
+        fedloom.run(missing)
