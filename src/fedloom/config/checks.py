@@ -367,12 +367,14 @@ def _check_cross_fields(cfg: Config) -> None:
     check_name("server.optimizer.name", "server_optimizer", cfg.server.optimizer.name)
     check_name("compression.feedback.name", "feedback", cfg.compression.feedback.name)
     check_name("compression.adaptive.name", "planner", cfg.compression.adaptive.name)
+    check_name("cohort.selection.name", "selector", cfg.cohort.selection.name)
     layout = frozenset({"layout"})
     check_options("client.method", "method", cfg.client.method, layout)
     check_options("server.optimizer", "server_optimizer", cfg.server.optimizer,
                   frozenset({"lr"}))
     check_options("compression.feedback", "feedback", cfg.compression.feedback, layout)
     check_options("compression.adaptive", "planner", cfg.compression.adaptive)
+    check_options("cohort.selection", "selector", cfg.cohort.selection)
     check_name("data.partition.name", "partitioner", cfg.data.partition.name)
     _check_partition_keys(cfg.data.partition)
     for i, hook in enumerate(cfg.metrics.hooks):

@@ -207,8 +207,20 @@ class ModelConfig:
 
 
 @dataclass
+class SelectionConfig:
+    """``cohort.selection``: the client selector (uniform, power_of_choice, oort, a plug-in
+    or module:attr; :mod:`fedloom.selection`) and its factory's options; ``selection:
+    NAME`` is short for ``{name: NAME}``."""
+
+    name: str = "uniform"
+    options: dict[str, Any] = _f({})
+
+
+@dataclass
 class CohortConfig:
     size: int = _f(10, ge=1)
+    # Who of the available clients trains in a round (default: uniformly at random).
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
 
 
 @dataclass
@@ -528,7 +540,7 @@ class PrivacyConfig:
 # The sections written ``{name, options}`` (and the backend), by dotted path: a string
 # there is short for ``{name: STRING}`` (``feedback: sapef``, ``--set server.optimizer=adam``).
 SHORTHAND_SECTIONS = ("backend", "client.method", "server.optimizer", "compression.feedback",
-                      "compression.adaptive")
+                      "compression.adaptive", "cohort.selection")
 
 
 @dataclass

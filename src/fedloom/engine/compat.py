@@ -138,9 +138,10 @@ def check_selection_scope(cfg: Config, selector: Any, privacy: Any) -> None:
     if selector_caps(selector).uniform:
         return
     name = cfg.cohort.selection.name
-    if cfg.system.mode != "sync":
+    mode = getattr(cfg.system, "mode", "sync")  # the section's round mode, where it has one
+    if mode != "sync":
         raise ConfigError(f"cohort.selection.name: {name} chooses synchronous cohorts; "
-                          f"system.mode {cfg.system.mode} dispatches clients one by one "
+                          f"system.mode {mode} dispatches clients one by one "
                           "(cohort.selection: uniform)")
     if privacy.enabled:
         raise ConfigError(f"cohort.selection.name: {name} chooses clients from their "

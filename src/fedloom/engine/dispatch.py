@@ -68,7 +68,7 @@ def plan_round(algo: Algorithm, clients: ClientData, space: ModelSpace, schedule
     (:mod:`fedloom.hooks`); ``ships_indices``: the backend gathers the samples
     where it trains (no copy of the cohort's data here)."""
     r = st.next_round
-    cohort = schedule.sample_cohort(r)
+    cohort, selection = schedule.select(r, st.selection_state)
     lr = schedule.lr(r)
     w = st.w
     store, fields = clients.store, clients.fields
@@ -102,7 +102,8 @@ def plan_round(algo: Algorithm, clients: ClientData, space: ModelSpace, schedule
         jobs.append(algo.method.prepare(job, st.method_state))
         alphas.append(alpha)
         fb_rows.append(fb_state)
-    return RoundPlan(r, cohort, lr, jobs, alphas, fb_rows, old_rows, comp, adjust, measured)
+    return RoundPlan(r, cohort, lr, jobs, alphas, fb_rows, old_rows, comp, adjust, measured,
+                     selection_state=selection)
 
 
 def _start_buffers(fields: ClientFields, space: ModelSpace, st: RunState,

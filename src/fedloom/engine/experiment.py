@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -73,7 +73,12 @@ from fedloom.compress.feedback import UplinkResult
 from fedloom.engine.dispatch import plan_round
 from fedloom.engine.fields import FEEDBACK
 from fedloom.engine.receive import receive
-from fedloom.engine.record import account_privacy, add_totals, round_metrics
+from fedloom.engine.record import (
+    account_privacy,
+    add_totals,
+    round_metrics,
+    selection_feedback,
+)
 from fedloom.engine.runstate import RoundPlan, RunState
 from fedloom.engine.scatter import next_buffers, scatter
 from fedloom.engine.screen import all_finite
@@ -111,7 +116,9 @@ class Experiment(Setup):
             return self.finish_round(st, plan, results, ups, t0=t0, t_train=t_train)
         results, ups = sysm.after_uplink(sim, plan, self.clients, self.downlink_size,
                                          results, ups)  # timing, late
-        new, metrics = self.finish_round(st, plan, results, ups, t0=t0, t_train=t_train)
+        new, metrics = self.finish_round(st, plan, results, ups, t0=t0, t_train=t_train,
+                                         times=sim.times if sysm.timed else None,
+                                         late=sim.late, deadline_s=sysm.cfg.deadline_s)
         return sysm.finish(sim, st, new, metrics)
 
     def plan_round(self, st: RunState) -> RoundPlan:
@@ -130,13 +137,17 @@ class Experiment(Setup):
 
     def finish_round(self, st: RunState, plan: RoundPlan, results: Sequence[ClientResult],
                      ups: Sequence[UplinkResult], *, t0: float, t_train: float,
-                     client_state: bool = True, client_buffers: bool = False
-                     ) -> tuple[RunState, dict[str, Any]]:
+                     client_state: bool = True, client_buffers: bool = False,
+                     times: Mapping[int, float] | None = None, late: Sequence[int] = (),
+                     deadline_s: float | None = None) -> tuple[RunState, dict[str, Any]]:
         """The server's half of a round, from what the kept clients sent: receive
         (reject, clip), aggregate and step (a bad step is skipped, the round counted
         in ``rejected_rounds``), scatter client state (unless the clients keep it
         themselves: ``client_state=False``; ``client_buffers=True`` still keeps the
-        accepted clients' own buffers under ``model.buffers=local``), evaluate, log."""
+        accepted clients' own buffers under ``model.buffers=local``), evaluate, log;
+        tell the client selector what the server received (with the system model's
+        round times ``times`` of the reporting clients, the ``late`` ones and the
+        deadline, where it is on)."""
         r = plan.round
         algo, space, clients = self.algorithm, self.space, self.clients
         rx = receive(algo, space, self.rules, self.downlink_size, st, plan, results, ups)
@@ -179,9 +190,12 @@ class Experiment(Setup):
         metrics["wall_s"] = time.perf_counter() - t0
         privacy_state = account_privacy(self.privacy, plan, results, out.privacy_state,
                                         metrics)
+        selection_state = self.schedule.observe(plan.selection_state, selection_feedback(
+            plan, results, rx, self.cfg.client.batch_size, times=times, late=late,
+            deadline_s=deadline_s))
         return RunState(r + 1, out.w, out.opt_state, out.agg_state, method_state,
                         out.feedback_state, w_avg, totals, privacy_state=privacy_state,
-                        buffers=buffers), metrics
+                        buffers=buffers, selection_state=selection_state), metrics
 
     def evaluate(self, w: torch.Tensor) -> dict[str, float]:
         """Global test accuracy/loss and per-client accuracy statistics of ``w``

@@ -43,6 +43,8 @@ class RunState:
     privacy_state: dict[str, Any] = field(default_factory=dict)
     # the global module buffers (BatchNorm statistics; fedloom.buffers, model.buffers)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the client selector's state (cohort.selection; fedloom.selection; {} for uniform)
+    selection_state: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,6 +70,9 @@ class RoundPlan:
     dp_clipped: int | None = None
     # Clients the system model kept out (mid-round dropouts, late): not failed workers.
     withheld: set[int] = field(default_factory=set)
+    # The client selector's state after it chose this cohort (cohort.selection); the
+    # round's reports update it when the round ends.
+    selection_state: dict[str, Any] = field(default_factory=dict)
 
     def keep(self, kept: Sequence[int]) -> None:
         """Keep the cohort positions ``kept``; the others are dropped clients

@@ -321,8 +321,15 @@ class Setup:
         self.space = ModelSpace(self.module, self.layout, self.buffer_template,
                                 cfg.model.buffers, self.dtype, self.device)
         self.clients = ClientData(self.fed, self.x, self.y, self.store, self.fields)
+        # cohort.selection: a registered selector, plug-in or module:attr with its options
+        sel = cfg.cohort.selection
+        try:
+            selector = build("selector", sel.name, dict(sel.options), "cohort.selection.options")
+        except ValueError as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
+        compat.check_selection_scope(cfg, selector, self.privacy)
         self.schedule = Schedule(cfg.seed, cfg.rounds, cfg.cohort.size, self.fed.num_clients,
-                                 cfg.client, self.system)
+                                 cfg.client, self.system, selector)
         self.rules = ScreenRules(s.max_update_norm, s.max_norm_ratio, s.clip_norm,
                                  private=self.privacy.enabled)
         self.x_test = _to_run(self.fed.x_test, self.dtype, self.device)
@@ -390,7 +397,8 @@ class Setup:
                                   # the initial buffers, not the module's: evaluation
                                   # loads each round's buffers into the module
                                   buffers={n: v.clone()
-                                           for n, v in self.buffer_template.items()}),
+                                           for n, v in self.buffer_template.items()},
+                                  selection_state=self.schedule.initial_selection()),
                          self.device)
 
     def sample_cohort(self, r: int) -> torch.Tensor:
@@ -444,6 +452,7 @@ class Setup:
             "sim_time_s": st.sim_time_s,
             "privacy_state": to_host(st.privacy_state),
             "buffers": to_host(st.buffers),  # the global module buffers (fedloom.buffers)
+            "selection_state": st.selection_state,  # the client selector's (host) state
             "store": self.store.state_dict(snapshot_dir, tag=f"r{st.next_round}"),
             "config": config_to_dict(self.cfg),
         }
@@ -465,5 +474,17 @@ class Setup:
                                   privacy_state=self.privacy.checked_state(
                                       ckpt.get("privacy_state") or self.privacy.init()),
                                   # check_buffers passed: the mapping the template needs
-                                  buffers=cast("dict[str, torch.Tensor]", bufs)),
+                                  buffers=cast("dict[str, torch.Tensor]", bufs),
+                                  # .get: checkpoints from before client selectors
+                                  selection_state=self._selection_state(ckpt)),
                          self.device)
+
+    def _selection_state(self, ckpt: dict[str, Any]) -> dict[str, Any]:
+        """The selector's state in ``ckpt``; its initial state in a checkpoint from
+        before client selectors (those ran the stateless uniform selection)."""
+        state = ckpt.get("selection_state")
+        if state is None:
+            return self.schedule.initial_selection()
+        if not isinstance(state, dict):
+            raise ValueError(f"'selection_state' is a {type(state).__name__}, not a mapping")
+        return dict(state)
