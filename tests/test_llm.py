@@ -176,3 +176,10 @@ def test_a_local_model_directory_and_its_tokenizer(corpus, tmp_path):
     missing["model"] = {"name": "hf_causal_lm", "path": str(tmp_path / "absent")}
     with pytest.raises(ConfigError, match=r"^model\.path: no such directory: .*absent$"):
         fedloom.run(missing)
+
+
+def test_vmap_trains_as_the_sequential_path(corpus):
+    # vmap's masked loss reads a sample's loss as the mean over its tokens
+    seq = fedloom.run(config(corpus, rounds=1))
+    vm = fedloom.run(config(corpus, rounds=1, backend="vmap"))
+    assert torch.allclose(seq.w, vm.w, rtol=1e-4, atol=1e-6)

@@ -194,6 +194,8 @@ def _masked_loss(module: nn.Module, layout: Layout) -> Callable[..., torch.Tenso
                                                   strict=True)}
         logits = functional_call(module, {**params, **b}, (x,))
         ce = F.cross_entropy(logits, y, reduction="none")
+        if ce.ndim > 1:  # next tokens [B, T] (a causal LM): a sample's mean over its tokens
+            ce = ce.flatten(1).mean(1)
         return (ce * mask).sum() / mask.sum().clamp_min(1)
 
     return loss_fn
