@@ -183,3 +183,17 @@ def test_vmap_trains_as_the_sequential_path(corpus):
     seq = fedloom.run(config(corpus, rounds=1))
     vm = fedloom.run(config(corpus, rounds=1, backend="vmap"))
     assert torch.allclose(seq.w, vm.w, rtol=1e-4, atol=1e-6)
+
+
+def test_full_loss_is_per_token(corpus):
+    # the start loss of q-FedAvg, AFL and loss-driven selection: per label, as evaluate's
+    from fedloom.metrics import evaluate
+
+    ds = text(DataConfig(name="text", path=corpus, text=TextConfig(seq_len=16, min_chars=200)),
+              seed=0)
+    module = tiny_model()
+    layout = Layout.from_module(module)
+    w = layout.flatten(module)
+    loss = LocalSGD(module, layout).full_loss(w, ds.x, ds.y, batch=7)
+    assert math.isclose(loss, evaluate(module, layout, w, ds.x, ds.y)[1], rel_tol=1e-5)
+    assert math.isclose(loss, math.log(NUM_CHARS), rel_tol=0.05)  # a random model's

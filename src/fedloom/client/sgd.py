@@ -404,12 +404,14 @@ class LocalSGD:
     @torch.no_grad()
     def full_loss(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                   batch: int = 4096, buffers: dict[str, torch.Tensor] | None = None) -> float:
-        """Mean cross-entropy of ``w`` over all of ``(x, y)``: an evaluation (eval
-        mode, with ``buffers``; default: the module's own)."""
+        """Mean cross-entropy of ``w`` over all of ``(x, y)`` (over every label: a
+        sample's, or each next token's): an evaluation (eval mode, with ``buffers``;
+        default: the module's own)."""
         total = 0.0
         with training_mode(self.module, False):
             for s in range(0, x.shape[0], batch):
                 logits = functional_forward(self.module, self.layout, w, x[s : s + batch],
                                             buffers=buffers)
                 total += float(F.cross_entropy(logits, y[s : s + batch], reduction="sum"))
-        return total / max(1, x.shape[0])
+        # per label: one a sample, or one a token of a causal LM's next tokens [N, T]
+        return total / max(1, y.numel())
