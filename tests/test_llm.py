@@ -197,3 +197,57 @@ def test_full_loss_is_per_token(corpus):
     loss = LocalSGD(module, layout).full_loss(w, ds.x, ds.y, batch=7)
     assert math.isclose(loss, evaluate(module, layout, w, ds.x, ds.y)[1], rel_tol=1e-5)
     assert math.isclose(loss, math.log(NUM_CHARS), rel_tol=0.05)  # a random model's
+
+
+def _tiny_gguf(path, vocab=96):
+    """A tiny Llama written as GGUF (float32 tensors, llama.cpp's names)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    ffn, heads = TINY["intermediate_size"], TINY["num_attention_heads"]
+    w = GGUFWriter(str(path), "llama")
+    w.add_context_length(32)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"<{i}>" for i in range(vocab)])
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types([1] * vocab)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd": (vocab, HIDDEN), "output_norm": (HIDDEN,), "output": (vocab, HIDDEN)}
+    for i in range(LAYERS):
+        for name, shape in [("attn_q", (HIDDEN, HIDDEN)), ("attn_k", (HIDDEN, HIDDEN)),
+                            ("attn_v", (HIDDEN, HIDDEN)), ("attn_output", (HIDDEN, HIDDEN)),
+                            ("ffn_gate", (ffn, HIDDEN)), ("ffn_up", (ffn, HIDDEN)),
+                            ("ffn_down", (HIDDEN, ffn)), ("attn_norm", (HIDDEN,)),
+                            ("ffn_norm", (HIDDEN,))]:
+            shapes[f"blk.{i}.{name}"] = shape
+    tensors = {n: (rng.standard_normal(s) * 0.02).astype(np.float32) for n, s in shapes.items()}
+    for name, t in tensors.items():
+        w.add_tensor(f"{name}.weight", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tensors
+
+
+def test_a_gguf_file_loads_frozen_with_adapters(corpus, tmp_path):
+    pytest.importorskip("gguf", reason="GGUF files need the gguf package (the llm extra)")
+    tensors = _tiny_gguf(tmp_path / "tiny.gguf")
+    cfg = config(corpus, rounds=1)
+    cfg["model"] = {"name": "hf_causal_lm", "gguf_file": str(tmp_path / "tiny.gguf"),
+                    "lora": dict(LORA)}
+    res = fedloom.run(cfg)
+    assert res.layout.size == ADAPTERS
+    params = dict(res.model.named_parameters())
+    embed = params["lm.base_model.model.model.embed_tokens.weight"]
+    assert not embed.requires_grad
+    assert torch.equal(embed, torch.from_numpy(tensors["token_embd"]))  # the file's weights
+    assert math.isfinite(res.metrics[-1]["test_loss"])

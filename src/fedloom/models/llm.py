@@ -14,7 +14,7 @@ Sources of the base, one of:
 - ``model.path``: a local model directory (``from_pretrained`` with
   ``local_files_only``: nothing is downloaded, whatever ``HF_HUB_OFFLINE`` says);
 - ``model.gguf_file``: a GGUF file, alone or inside ``model.path`` (transformers
-  de-quantises it to the run's dtype; it needs the ``gguf`` package).
+  de-quantises it to the run's dtype, with the ``gguf`` package of the extra).
 
 What fedloom sees: the module's trainable parameters are the adapters only
 (peft freezes the base), so the flat ``Layout``, every update, payload and
