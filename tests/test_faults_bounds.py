@@ -30,7 +30,8 @@ from conftest import TINY, deadline
 from fedloom.cli import main
 
 ROUND = ["rounds=1", "checkpoint.every=0"]
-USER = ["data.num_clients=4", "cohort.size=2", "data.partition.min_samples=5"]  # 200 samples
+USER = ["data.num_clients=4", "cohort.size=2",
+        "data.partition.options.min_samples=5"]  # 200 samples
 DIGITS = sys.get_int_max_str_digits() + 700  # past Python's int-parsing limit (4300)
 
 

@@ -20,7 +20,7 @@ from fedloom.engine.checkpoint import MARKER_FILE
 from fedloom.engine.rundir import check_run_dir
 
 CFG = {"name": "faults", "seed": 1, "rounds": 1, "data": {"num_clients": 6, "partition":
-       {"name": "dirichlet", "alpha": 1.0, "min_samples": 5}},
+       {"name": "dirichlet", "options": {"alpha": 1.0, "min_samples": 5}}},
        "model": {"name": "mlp", "hidden": [8]}, "cohort": {"size": 3},
        "client": {"lr": 0.1, "batch_size": 8}, "checkpoint": {"every": 0}}
 

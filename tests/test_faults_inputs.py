@@ -22,7 +22,8 @@ from fedloom.data import DataError, from_arrays
 from fedloom.data.user import load_npz
 
 ROUND = ["rounds=1", "checkpoint.every=0"]
-USER = ["data.num_clients=4", "cohort.size=2", "data.partition.min_samples=5"]  # 200 samples
+USER = ["data.num_clients=4", "cohort.size=2",
+        "data.partition.options.min_samples=5"]  # 200 samples
 
 
 def _arrays(n=200, d=5, seed=0):

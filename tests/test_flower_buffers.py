@@ -43,7 +43,7 @@ from fedloom.integrations.flower import (  # noqa: E402
 # 600 of digits' 1797 samples: the same checks at a third of the training
 CFG = {"name": "flower-bn", "seed": 5, "rounds": 3, "dtype": "float64",
        "data": {"name": "digits", "num_clients": 4, "max_samples": 600,
-                "partition": {"name": "dirichlet", "alpha": 0.5, "min_samples": 20}},
+                "partition": {"name": "dirichlet", "options": {"alpha": 0.5, "min_samples": 20}}},
        "model": {"name": "resnet", "depth": 8, "width": 4, "norm": "batch"},
        "cohort": {"size": 2}, "client": {"lr": 0.05, "batch_size": 32, "epochs": 1},
        "aggregator": {"name": "fedavg"},

@@ -37,7 +37,7 @@ SYN = {"name": "syn", "seed": 2, "rounds": 2,
 # The built-in CNN (McMahan et al.'s, narrowed) on 8×8 digits, Dirichlet-split: ragged
 # clients of images; two convolutions, ReLU, max-pools, flatten, two Linear layers.
 CNNCFG = {**SYN, "data": {"name": "digits", "num_clients": 6, "max_samples": 300,
-                          "partition": {"name": "dirichlet", "alpha": 0.5}},
+                          "partition": {"name": "dirichlet", "options": {"alpha": 0.5}}},
           "model": {"name": "cnn", "channels": [2, 4]}, "cohort": {"size": 3}}
 
 
@@ -393,7 +393,7 @@ def test_sample_shapes_are_checked_through_the_convolutions():
 def test_fallbacks_log_one_line_and_equal_sequential(caplog):
     for extra, why in ((["client.method=ditto"], "local method ditto"),
                        (["model.name=resnet", "model.depth=8", "model.width=4",
-                         "model.norm=group", "data.name=digits", "data.partition.name=iid",
+                         "model.norm=group", "data.name=digits", "data.partition=iid",
                          "data.max_samples=300"],
                         "not a chain"),
                        (["client.amp=bf16", "dtype=float32"], "client.amp bf16")):

@@ -42,7 +42,7 @@ def _pooled(fn):
 
 def _flwr(name, **options):
     f = get("partitioner", f"flwr:{name}")
-    return lambda rng: f(LABELS, N, rng=rng, options=options)
+    return lambda rng: f(LABELS, N, rng=rng, **options)
 
 
 def _same_distribution(a, b, alpha=0.01):
@@ -75,24 +75,24 @@ def test_classes_matches_flwr_pathological_partitioner():
 
 def test_flwr_partitioner_is_disjoint_seeded_and_checked():
     f = get("partitioner", "flwr:IidPartitioner")
-    a = f(LABELS, N, rng=numpy_gen(1), options={})
-    b = f(LABELS, N, rng=numpy_gen(1), options={})
+    a = f(LABELS, N, rng=numpy_gen(1))
+    b = f(LABELS, N, rng=numpy_gen(1))
     allidx = np.concatenate(a)
     assert len(allidx) == len(np.unique(allidx)) == len(LABELS)
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     # shuffled first, as FederatedDataset does: every IID client sees every class
     assert all(len(np.unique(LABELS[p])) == C for p in a)
     with pytest.raises(PartitionError, match=r"data.partition.options.seed: set by fedloom"):
-        f(LABELS, N, rng=numpy_gen(1), options={"seed": 3})
+        f(LABELS, N, rng=numpy_gen(1), seed=3)
     with pytest.raises(PartitionError, match=r"data.partition.options.bogus: unknown option"):
-        f(LABELS, N, rng=numpy_gen(1), options={"bogus": 3})
+        f(LABELS, N, rng=numpy_gen(1), bogus=3)
 
 
 def test_flwr_names_in_the_config():
     cfg = load_config("configs/quickstart.yaml", [
-        "data.partition.name=flwr:DirichletPartitioner", "data.partition.alpha=0.5",
-        "data.partition.min_samples=10", "data.partition.options={alpha: 0.3}"])
+        "data.partition=flwr:DirichletPartitioner", "data.partition.options.alpha=0.5",
+        "data.partition.options.min_samples=10", "data.partition.options={alpha: 0.3}"])
     assert cfg.data.partition.options == {"alpha": 0.3}
     with pytest.raises(ConfigError, match=r"data.partition.name: flwr-datasets has no "
                                           r"partitioner 'Nope'"):
-        load_config("configs/quickstart.yaml", ["data.partition.name=flwr:Nope"])
+        load_config("configs/quickstart.yaml", ["data.partition=flwr:Nope"])

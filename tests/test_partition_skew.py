@@ -235,19 +235,25 @@ def test_feature_skew_is_per_client_seeded_and_leaves_labels():
 
 # ---------------------------------------------------- config, runs and the CLI
 _BASE = ["data.name=digits", "data.num_clients=12", "cohort.size=4", "rounds=1",
-         "model.hidden=[8]", "eval.every=1", "checkpoint.every=0", "data.partition.name=classes",
-         "data.partition.k=2", "data.partition.min_samples=5", "data.partition.alpha=0.5"]
+         "model.hidden=[8]", "eval.every=1", "checkpoint.every=0", "data.partition=classes",
+         "data.partition.options.k=2", "data.partition.options.min_samples=5",
+         "data.partition.options.alpha=0.5"]
 
 
 def test_config_refuses_keys_the_partitioner_does_not_take():
-    with pytest.raises(ConfigError, match=r"data.partition.k: not used by partitioner 'dirichlet'"):
-        load_config("configs/quickstart.yaml", ["data.partition.k=3"])
+    with pytest.raises(ConfigError, match=r"data.partition.options.k: unknown option for "
+                                          r"partitioner 'dirichlet'"):
+        load_config("configs/quickstart.yaml", ["data.partition.options.k=3"])
     with pytest.raises(ConfigError, match=r"data.feature.name: must be one of"):
         load_config("configs/quickstart.yaml", ["data.feature.name=blur"])
-    cfg = load_config("configs/quickstart.yaml", ["data.partition.name=mixed",
-                                                  "data.partition.then=classes",
-                                                  "data.partition.k=3"])
-    assert cfg.data.partition.k == 3
+    cfg = load_config("configs/quickstart.yaml", ["data.partition=mixed",
+                                                  "data.partition.options.then=classes",
+                                                  "data.partition.options.k=3"])
+    assert cfg.data.partition.options == {"then": "classes", "k": 3}
+    with pytest.raises(ConfigError, match=r"data.partition.options.k: unknown option for "
+                                          r"partitioner 'dirichlet'"):  # mixed's then
+        load_config("configs/quickstart.yaml", ["data.partition=mixed",
+                                                "data.partition.options.k=3"])
 
 
 def test_run_writes_partition_png_and_measures(tmp_path):
@@ -273,7 +279,8 @@ def test_partition_cli_table_plot_and_bad_input(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Hellinger (hellinger)" in out and "size Gini (size_gini)" in out
     assert png.stat().st_size > 0
-    assert main(["partition", "configs/quickstart.yaml", *_BASE, "data.partition.k=20"]) == 2
+    assert main(["partition", "configs/quickstart.yaml", *_BASE,
+                 "data.partition.options.k=20"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "data.partition: classes: k must be between" in err[0]
     assert main(["partition", str(tmp_path / "none.yaml")]) == 2

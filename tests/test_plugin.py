@@ -70,7 +70,7 @@ def test_algorithm_listing_shows_plugins_but_the_reference_does_not(capsys):
 
 
 def test_config_schema_checks_plugin_names_and_references():
-    cfg = load_config(TINY, ["aggregator.name=geomed", f"data.partition.name={ROUND_ROBIN}"])
+    cfg = load_config(TINY, ["aggregator.name=geomed", f"data.partition={ROUND_ROBIN}"])
     assert cfg.aggregator.name == "geomed"
     # an unknown name still lists the known ones, plug-ins included
     with pytest.raises(ConfigError, match=r"^aggregator\.name: unknown aggregator 'geomd' "
@@ -82,13 +82,13 @@ def test_config_schema_checks_plugin_names_and_references():
                                           r"\(ModuleNotFoundError"):
         load_config(TINY, ["compression.feedback=no_such_mod:f"])
     with pytest.raises(ConfigError, match=r"^data\.partition\.name: .*not a factory"):
-        load_config(TINY, ["data.partition.name=fedloom_example_plugin:__doc__"])
+        load_config(TINY, ["data.partition=fedloom_example_plugin:__doc__"])
 
 
 def test_cli_runs_the_plugins(tmp_path, capsys):
     out = tmp_path / "run"
     rc = main(["run", _config(tmp_path), "aggregator.name=geomed", "aggregator.options.iters=2",
-               f"data.partition.name={ROUND_ROBIN}", "--out", str(out), "--quiet"])
+               f"data.partition={ROUND_ROBIN}", "--out", str(out), "--quiet"])
     assert rc == 0
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["aggregator"]["name"] == "geomed"
@@ -97,7 +97,7 @@ def test_cli_runs_the_plugins(tmp_path, capsys):
     assert [m["geomed_iters"] for m in rows] == [2.0, 2.0]
     # the round-robin split: client k holds samples k, k + 10, … of the 1797 digits
     # (before its own train/test split), so sizes are 180 (k < 7) and 179
-    exp = Experiment(load_config(TINY, [f"data.partition.name={ROUND_ROBIN}"]))
+    exp = Experiment(load_config(TINY, [f"data.partition={ROUND_ROBIN}"]))
     sizes = [len(a) + len(b) for a, b in zip(exp.fed.train, exp.fed.test, strict=True)]
     assert sizes == [180] * 7 + [179] * 3
     rc = main(["run", _config(tmp_path), "aggregator.name=geomd", "--out", str(tmp_path / "x")])
@@ -111,7 +111,7 @@ def test_sweep_runs_the_plugins(tmp_path):
     suite = {
         "name": "p", "out": str(tmp_path / "runs"), "seeds": [1],
         "settings": {"digits": {"config": _config(tmp_path)}},
-        "methods": {"GeoMed": ["aggregator.name=geomed", f"data.partition.name={ROUND_ROBIN}"]},
+        "methods": {"GeoMed": ["aggregator.name=geomed", f"data.partition={ROUND_ROBIN}"]},
     }
     path = tmp_path / "suite.yaml"
     path.write_text(yaml.safe_dump(suite, sort_keys=False))

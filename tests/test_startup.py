@@ -47,7 +47,7 @@ def test_own_process_freezes_the_imports_and_collects_again(args):
 
 def test_a_run_trains_with_collection_on_and_torch_frozen(tmp_path):
     got = _probe("run", "configs/quickstart.yaml", "data.name=digits", "data.num_clients=5",
-                 "data.partition.name=iid", "cohort.size=2", "rounds=1", "--quiet",
+                 "data.partition=iid", "cohort.size=2", "rounds=1", "--quiet",
                  "--out", str(tmp_path / "r"))
     assert got["rc"] == 0
     # the experiment is built after start-up: collection on, torch's objects frozen

@@ -19,7 +19,7 @@ from fedloom.data import from_arrays
 from fedloom.engine.experiment import Experiment
 
 CFG = {"name": "user", "seed": 1, "rounds": 2, "data": {"num_clients": 6, "partition":
-       {"name": "dirichlet", "alpha": 1.0, "min_samples": 5}},
+       {"name": "dirichlet", "options": {"alpha": 1.0, "min_samples": 5}}},
        "model": {"name": "mlp", "hidden": [8]}, "cohort": {"size": 3},
        "client": {"lr": 0.1, "batch_size": 8}, "checkpoint": {"every": 0}}
 

@@ -30,7 +30,7 @@ NODE = 7
 # round trip through the worker for round r + 1 to be right.
 CFG = {"name": "warm", "seed": 3, "rounds": 3,
        "data": {"name": "digits", "num_clients": 3,
-                "partition": {"name": "dirichlet", "alpha": 1.0}},
+                "partition": {"name": "dirichlet", "options": {"alpha": 1.0}}},
        "model": {"name": "mlp", "hidden": [16]}, "cohort": {"size": 3},
        "client": {"lr": 0.1, "batch_size": 16, "epochs": 1},
        "aggregator": {"name": "fedavg"}, "server": {"lr": 1.0},

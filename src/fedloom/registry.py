@@ -242,6 +242,13 @@ def register_family(kind: str, prefix: str
     return deco
 
 
+def family(kind: str, name: str) -> str | None:
+    """The prefix of ``name`` when it is a family's ``PREFIX:NAME`` (``flwr``), else None."""
+    prefix, sep, _ = name.partition(":")
+    _ensure_loaded()
+    return prefix if sep and prefix in _FAMILIES.get(kind, {}) else None
+
+
 def available(kind: str) -> list[str]:
     """The names of ``kind``: built-ins, names registered in this process and
     installed entry points (``module:attr`` references are not listed)."""

@@ -16,7 +16,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from fedloom import registry
@@ -37,7 +37,7 @@ def _type_name(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
+    if origin in (list, Sequence):
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
     if origin is dict:
         return "a mapping"
@@ -65,7 +65,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if value is not None:
             raise ConfigError(f"{path}: must be null, got {_shown(value)}")
         return None
-    if origin is list:
+    if origin in (list, Sequence):  # Sequence: a factory's option (a list here)
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{path}: must be {_type_name(tp)}, got {_shown(value)}")
         (inner,) = typing.get_args(tp)
@@ -210,12 +210,18 @@ def check_name(field: str, kind: str, name: str) -> None:
 _CONTEXT = {
     "layout": "fedloom passes the model's layout",
     "lr": "the step size is server.lr, beside the optimizer: every comparison tunes it",
+    "labels": "fedloom passes the data's labels",
+    "num_clients": "data.num_clients",
+    "rng": "fedloom passes the run's partition generator",
+    "groups": "fedloom passes the source's client ids",
 }
 
 
 def _same(value: Any, default: Any) -> bool:
     if isinstance(value, bool) != isinstance(default, bool):
         return False
+    if isinstance(value, list) and isinstance(default, tuple):  # `counts: [] ` and `= ()`
+        default = list(default)
     try:
         return bool(value == default)
     except Exception:  # a value whose == is not a truth value (an array)
@@ -323,38 +329,26 @@ def check_system_config(cfg: SystemConfig) -> None:
         raise ConfigError("system.amplitude: only used by pattern sine")
 
 
-_OLDER_PARTITION_KEYS = frozenset({"name", "alpha", "min_samples", "shards_per_client",
-                                   "max_tries", "min_policy", "balance"})
+# What a partitioner is called with besides its options (fedloom.data.federated).
+_PARTITION_CONTEXT = frozenset({"labels", "num_clients", "rng", "groups"})
 
 
-def _check_partition_keys(p: PartitionConfig) -> None:
-    """A key of the heterogeneity partitioners (``k``, ``sizes``' and ``mixed``'s keys,
-    ``options``) set away from its default for a partitioner that does not take it is
-    refused (one line), as an unknown option is: it would be ignored. The older keys
-    (``alpha``, ``min_samples``, …) stay ignored by partitioners that do not take them,
-    as before: configs switch the partitioner by override (``data.partition.name=iid``)
-    and keep their Dirichlet keys."""
+def _check_partition(p: PartitionConfig) -> None:
+    """``data.partition.options`` against the partitioner's signature (check_options);
+    ``mixed`` hands the options it does not name to its ``then`` partitioner, whose
+    signature they are checked against in turn."""
+    check_options("data.partition", "partitioner", p, _PARTITION_CONTEXT)
+    factory = registry.get("partitioner", p.name)
+    if p.name != "mixed" or not getattr(factory, "__module__", "").startswith("fedloom."):
+        return
     import inspect
 
-    factory = registry.get("partitioner", p.name)
-    takes = set(inspect.signature(factory).parameters)
-    if any(v.kind is inspect.Parameter.VAR_KEYWORD
-           for v in inspect.signature(factory).parameters.values()):
-        if p.name != "mixed" or not getattr(factory, "__module__", "").startswith("fedloom."):
-            return
-        then = p.then or "dirichlet"
-        try:
-            takes |= set(inspect.signature(registry.get("partitioner", then)).parameters)
-        except KeyError as e:
-            raise ConfigError(f"data.partition.then: {e.args[0] if e.args else e}") from None
-    if not getattr(factory, "__module__", "").startswith("fedloom."):
-        return  # a plug-in takes the keys it names; the others are its business
-    default = PartitionConfig()
-    for f in dataclasses.fields(PartitionConfig):
-        if f.name in _OLDER_PARTITION_KEYS or getattr(p, f.name) == getattr(default, f.name):
-            continue
-        if f.name not in takes:
-            raise ConfigError(f"data.partition.{f.name}: not used by partitioner {p.name!r}")
+    own = set(inspect.signature(factory).parameters)
+    then = p.options.get("then", "dirichlet")
+    check_name("data.partition.options.then", "partitioner", str(then))
+    rest = PartitionConfig(str(then), {k: v for k, v in p.options.items() if k not in own})
+    check_options("data.partition", "partitioner", rest, _PARTITION_CONTEXT)
+    p.options = {**{k: v for k, v in p.options.items() if k in own}, **rest.options}
 
 
 def _check_cross_fields(cfg: Config) -> None:
@@ -376,7 +370,7 @@ def _check_cross_fields(cfg: Config) -> None:
     check_options("compression.adaptive", "planner", cfg.compression.adaptive)
     check_options("cohort.selection", "selector", cfg.cohort.selection)
     check_name("data.partition.name", "partitioner", cfg.data.partition.name)
-    _check_partition_keys(cfg.data.partition)
+    _check_partition(cfg.data.partition)
     for i, hook in enumerate(cfg.metrics.hooks):
         check_name(f"metrics.hooks[{i}]", "metric", hook)
     on = metric_names(cfg.metrics)

@@ -82,35 +82,18 @@ class TextConfig:
 
 @dataclass
 class PartitionConfig:
-    # A partitioner: iid, contiguous, dirichlet, shards, natural, classes, sizes, mixed,
-    # flwr:NAME (a flwr-datasets partitioner), a plug-in or module:attr (a plug-in takes
-    # the keys below that its signature names). See fedloom.data.partition.
+    """``data.partition``: the partitioner (iid, contiguous, dirichlet, shards, natural,
+    classes, sizes, mixed, ``flwr:NAME`` (a flwr-datasets partitioner), a plug-in or
+    module:attr; :mod:`fedloom.data.partition`) and its factory's options: dirichlet's
+    ``alpha`` (one α, or one per class), ``min_samples``, ``max_tries``, ``min_policy``,
+    ``balance``; shards' ``shards_per_client``; classes' ``k``, ``assign``, ``split``;
+    sizes' ``distribution``, ``exponent``, ``sigma``, ``counts``, ``then``; mixed's
+    ``iid_fraction``, ``then`` and the options of ``then``; flwr:NAME's, those of its
+    class (``num_partitions``, ``partition_by`` and ``seed`` are fedloom's). The
+    factory's signature states each option's type and bounds (``fedloom algorithms``);
+    ``partition: NAME`` is short for ``{name: NAME}``."""
+
     name: str = "dirichlet"
-    # dirichlet, classes (split dirichlet), sizes (then dirichlet): one α, or one per class
-    alpha: float | list[float] = _f(0.5, gt=0)
-    min_samples: int = _f(10, ge=1)
-    shards_per_client: int = _f(2, ge=1)
-    max_tries: int = _f(1000, ge=1)
-    # dirichlet: how the minimum is met (see fedloom.data.partition.dirichlet)
-    min_policy: Literal["resample", "move"] = "resample"
-    balance: bool = False
-    # classes: k classes per client, how they are assigned and split among holders
-    k: int = _f(2, ge=1)
-    assign: Literal["random", "round_robin"] = "random"
-    split: Literal["even", "dirichlet"] = "even"
-    # sizes: the client-size distribution (powerlaw: Pareto exponent; lognormal: sigma;
-    # list: counts, one relative size per client)
-    distribution: Literal["powerlaw", "lognormal", "list"] = "powerlaw"
-    exponent: float = _f(1.5, gt=0)
-    sigma: float = _f(1.0, ge=0)
-    counts: list[float] = _f([], ge=0)
-    # sizes: labels "iid" or "dirichlet"; mixed: the partitioner of the non-IID clients
-    # ("" = the partitioner's default: sizes iid, mixed dirichlet)
-    then: str = ""
-    # mixed: the fraction of clients that are IID
-    iid_fraction: float = _f(0.5, ge=0, le=1)
-    # flwr:NAME: the flwr-datasets partitioner's own options (num_partitions,
-    # partition_by and seed are fedloom's)
     options: dict[str, Any] = _f({})
 
 
@@ -540,7 +523,7 @@ class PrivacyConfig:
 # The sections written ``{name, options}`` (and the backend), by dotted path: a string
 # there is short for ``{name: STRING}`` (``feedback: sapef``, ``--set server.optimizer=adam``).
 SHORTHAND_SECTIONS = ("backend", "client.method", "server.optimizer", "compression.feedback",
-                      "compression.adaptive", "cohort.selection")
+                      "compression.adaptive", "cohort.selection", "data.partition")
 
 
 @dataclass

@@ -15,7 +15,9 @@ its new place:
   ``compression.adaptive_options`` → ``compression.adaptive.options``;
 - the server section's ``momentum``, ``beta1``, ``beta2``, ``eps`` →
   ``server.optimizer.options.KEY``;
-- ``client.method_options`` → ``client.method.options``.
+- ``client.method_options`` → ``client.method.options``;
+- the partition section's flat keys (:data:`PARTITION_KEYS`: ``alpha``,
+  ``min_samples``, ``k``, …) → ``data.partition.options.KEY``.
 
 A flat key went to a factory only when its signature named it, and was ignored
 otherwise (``compression.alpha`` under ``feedback: cser``); so it is moved only into
@@ -40,8 +42,8 @@ from typing import Any
 from fedloom import registry
 from fedloom.config.sections import ConfigError
 
-__all__ = ["FEEDBACK_KEYS", "OPTION_DICTS", "SERVER_KEYS", "TABLE", "old_spelling", "translate",
-           "twins"]
+__all__ = ["FEEDBACK_KEYS", "OPTION_DICTS", "PARTITION_KEYS", "SERVER_KEYS", "TABLE",
+           "old_spelling", "translate", "twins"]
 
 log = logging.getLogger("fedloom")
 
@@ -55,6 +57,14 @@ FEEDBACK_KEYS: dict[str, Any] = {
 }
 # The server section's flat optimizer keys and their old defaults.
 SERVER_KEYS: dict[str, Any] = {"momentum": 0.9, "beta1": 0.9, "beta2": 0.99, "eps": 1e-3}
+# The partition section's flat keys and their old defaults (each the default of the
+# built-in partitioners that take it; "then": "" meant the partitioner's own).
+PARTITION_KEYS: dict[str, Any] = {
+    "alpha": 0.5, "min_samples": 10, "shards_per_client": 2, "max_tries": 1000,
+    "min_policy": "resample", "balance": False, "k": 2, "assign": "random", "split": "even",
+    "distribution": "powerlaw", "exponent": 1.5, "sigma": 1.0, "counts": [], "then": "",
+    "iid_fraction": 0.5,
+}
 # (section, old key of an options mapping) → the section that now holds those options.
 OPTION_DICTS: dict[tuple[str, str], str] = {
     ("compression", "feedback_options"): "feedback",
@@ -65,12 +75,14 @@ OPTION_DICTS: dict[tuple[str, str], str] = {
 TABLE: dict[str, str] = {
     **{f"compression.{k}": f"compression.feedback.options.{k}" for k in FEEDBACK_KEYS},
     **{f"server.{k}": f"server.optimizer.options.{k}" for k in SERVER_KEYS},
+    **{f"data.partition.{k}": f"data.partition.options.{k}" for k in PARTITION_KEYS},
     **{f"{s}.{old}.OPTION": f"{s}.{new}.options.OPTION" for (s, old), new in OPTION_DICTS.items()},
 }
 # The default name of each named section (the dataclasses' defaults).
-_DEFAULT_NAME = {"feedback": "none", "adaptive": "none", "optimizer": "sgd", "method": "sgd"}
+_DEFAULT_NAME = {"feedback": "none", "adaptive": "none", "optimizer": "sgd", "method": "sgd",
+                 "partition": "dirichlet"}
 _KIND = {"feedback": "feedback", "adaptive": "planner", "optimizer": "server_optimizer",
-         "method": "method"}
+         "method": "method", "partition": "partitioner"}
 
 # Each warning once per process: a sweep reads the saved config of every run folder.
 _WARNED: set[str] = set()
@@ -238,6 +250,13 @@ def twins(key: str) -> list[str]:
             return [f"server.{parts[3]}"]
         if n == 3 and parts[1:3] == ["optimizer", "options"]:
             return [f"server.{k}" for k in SERVER_KEYS]
+    if parts[:2] == ["data", "partition"]:
+        if n == 3 and parts[2] in PARTITION_KEYS:
+            return [f"data.partition.options.{parts[2]}"]
+        if n == 4 and parts[2] == "options" and parts[3] in PARTITION_KEYS:
+            return [f"data.partition.{parts[3]}"]
+        if n == 3 and parts[2] == "options":
+            return [f"data.partition.{k}" for k in PARTITION_KEYS]
     if parts[0] == "client":
         if parts[1:3] == ["method", "options"] and n <= 4:
             return [".".join(["client", "method_options", *parts[3:]])]
@@ -263,7 +282,37 @@ def old_spelling(key: str) -> str:
             return f"server.{opt}"
         if (sec, name) == ("client", "method"):
             return f"client.method_options.{opt}"
+        if (sec, name) == ("data", "partition") and opt in PARTITION_KEYS:
+            return f"data.partition.{opt}"
     return key
+
+
+def _partition(data: dict[str, Any], notes: _Notes) -> None:
+    """``data.partition``'s flat keys into its options. A partitioner took the keys its
+    signature names; one that takes any (``mixed``, which hands them to ``then``; a
+    plug-in with ``**kwargs``) took them all, so each key not at its old default (the
+    default of every built-in that takes it) moves. A ``flwr:NAME`` partitioner took
+    only ``options``, which already are its options."""
+    part = data.get("partition")
+    if not isinstance(part, Mapping):
+        return  # a name alone (the shorthand), or what the section's checks will name
+    part = dict(part)
+    flat = {k: part.pop(k) for k in PARTITION_KEYS if k in part}
+    if not flat:
+        return
+    data["partition"] = part
+    sec = _Named(data, "partition", "data.partition")
+    family = isinstance(sec.name, str) and registry.family("partitioner", sec.name)
+    for k, v in flat.items():
+        old = f"data.partition.{k}"
+        named = sec.takes is not None and k in sec.takes
+        if sec.ok and not family and (named or (sec.takes is None and v != PARTITION_KEYS[k])):
+            sec.put(k, v, old, notes, PARTITION_KEYS[k], has_default=True)
+        elif v == PARTITION_KEYS[k]:
+            notes.dropped.append(f"{old} (its old default)")
+        else:
+            notes.ignored.setdefault(f"partitioner {sec.name!r}", []).append(old)
+    sec.store(data, "partition")
 
 
 def translate(data: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -273,7 +322,7 @@ def translate(data: Mapping[str, Any]) -> Mapping[str, Any]:
     notes = _Notes()
     out = dict(data)
     for name, fix in (("compression", _compression), ("server", _server),
-                      ("client", _client)):
+                      ("client", _client), ("data", _partition)):
         section = out.get(name)
         if isinstance(section, Mapping):
             section = dict(section)

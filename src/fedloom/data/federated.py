@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,7 @@ import torch
 from fedloom.config import DataConfig
 from fedloom.data.partition import PartitionError
 from fedloom.data.sources import Dataset
-from fedloom.registry import accepted_options, get
+from fedloom.registry import get
 from fedloom.rng import Purpose, numpy_gen
 
 __all__ = ["FederatedData", "build_federated", "partition_indices", "split_train_test",
@@ -76,33 +77,32 @@ def partition_indices(ds: Dataset, cfg: DataConfig, seed: int) -> list[np.ndarra
     if len(labels) < cfg.num_clients:
         raise PartitionError(f"data.num_clients: {cfg.num_clients} clients need a sample each; "
                              f"the data has {len(labels)} samples")
-    if p.name == "dirichlet" and cfg.num_clients * p.min_samples > len(labels):
-        raise PartitionError(
-            f"data.partition.min_samples: {cfg.num_clients} clients (data.num_clients) x "
-            f"{p.min_samples} = {cfg.num_clients * p.min_samples} exceeds the "
-            f"{len(labels)} samples")
-    if p.name == "shards" and cfg.num_clients * p.shards_per_client > len(labels):
-        raise PartitionError(
-            f"data.partition.shards_per_client: {cfg.num_clients} clients (data.num_clients) "
-            f"x {p.shards_per_client} shards exceed the {len(labels)} samples")
     fn = get("partitioner", p.name)
+    opts = dict(p.options)
+    params = inspect.signature(fn).parameters
+
+    def option(key: str) -> Any:  # given, else the partitioner's default
+        return opts.get(key, params[key].default)
+
+    if p.name == "dirichlet" and cfg.num_clients * option("min_samples") > len(labels):
+        raise PartitionError(
+            f"data.partition.options.min_samples: {cfg.num_clients} clients (data.num_clients)"
+            f" x {option('min_samples')} = {cfg.num_clients * option('min_samples')} exceeds "
+            f"the {len(labels)} samples")
+    if p.name == "shards" and cfg.num_clients * option("shards_per_client") > len(labels):
+        raise PartitionError(
+            f"data.partition.options.shards_per_client: {cfg.num_clients} clients "
+            f"(data.num_clients) x {option('shards_per_client')} shards exceed the "
+            f"{len(labels)} samples")
     if p.name == "natural":
         return fn(labels, cfg.num_clients, rng=rng, groups=ds.groups)
-    # Every partitioner (built-in, flwr:NAME, plug-in) takes the section's keys its
-    # signature names (a plug-in may also take `groups`, the source's client ids or
-    # None); `then` left empty keeps the partitioner's own default.
-    section: dict[str, Any] = {"alpha": p.alpha, "min_samples": p.min_samples,
-               "shards_per_client": p.shards_per_client, "max_tries": p.max_tries,
-               "min_policy": p.min_policy, "balance": p.balance, "k": p.k,
-               "assign": p.assign, "split": p.split, "distribution": p.distribution,
-               "exponent": p.exponent, "sigma": p.sigma, "counts": p.counts,
-               "iid_fraction": p.iid_fraction, "options": p.options, "groups": ds.groups}
-    if p.then:
-        section["then"] = p.then
-    if p.name == "mixed":  # its `then` partitioner takes the keys it names, not groups
-        section.pop("groups")
+    # Every partitioner (built-in, flwr:NAME, plug-in) takes its options (checked against
+    # its signature when the config loaded); one that names `groups` gets the source's
+    # client ids (or None).
+    if "groups" in params:
+        opts["groups"] = ds.groups
     try:
-        return fn(labels, cfg.num_clients, rng=rng, **accepted_options(fn, section))
+        return fn(labels, cfg.num_clients, rng=rng, **opts)
     except PartitionError as e:  # worded with the config's section
         msg = str(e)
         raise PartitionError(msg if msg.startswith("data.") else f"data.partition: {msg}"

@@ -58,8 +58,8 @@ def flwr_partitioner(name: str) -> Any:
                        f"{', '.join(names)})")
 
     def factory(labels: np.ndarray, num_clients: int, *, rng: np.random.Generator,
-                options: dict[str, Any] | None = None) -> list[np.ndarray]:
-        return _run(cls, labels, num_clients, rng, dict(options or {}))
+                **options: Any) -> list[np.ndarray]:
+        return _run(cls, labels, num_clients, rng, options)
 
     factory.__name__ = f"flwr:{name}"
     factory.__doc__ = (f"flwr-datasets' {name} (flwr_datasets.partitioner), its options "

@@ -29,11 +29,11 @@ Feature skew is not a split: it is a per-client transform of the inputs
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Annotated, Literal, Protocol
 
 import numpy as np
 
-from fedloom.registry import accepted_options, get, register
+from fedloom.registry import Range, accepted_options, get, register
 
 __all__ = ["PartitionError", "Partitioner", "classes", "contiguous", "dirichlet", "iid",
            "mixed", "natural", "shards", "sizes"]
@@ -56,6 +56,12 @@ def _check(labels: np.ndarray, num_clients: int) -> None:
         raise PartitionError(
             f"cannot give {num_clients} clients at least one sample each from {len(labels)} samples"
         )
+
+
+# The options' types and bounds (data.partition.options, checked when a config loads):
+# a concentration above 0 (one, or one per class), counts of at least 1.
+_Alpha = Annotated[float | list[float], Range(gt=0)]
+_Count = Annotated[int, Range(ge=1)]
 
 
 @register("partitioner", "iid")
@@ -92,10 +98,10 @@ def dirichlet(
     num_clients: int,
     *,
     rng: np.random.Generator,
-    alpha: float | Sequence[float] = 0.5,
-    min_samples: int = 10,
-    max_tries: int = 1000,
-    min_policy: str = "resample",
+    alpha: _Alpha = 0.5,
+    min_samples: _Count = 10,
+    max_tries: _Count = 1000,
+    min_policy: Literal["resample", "move"] = "resample",
     balance: bool = False,
 ) -> list[np.ndarray]:
     """Label-skewed split with ``p_c ~ Dir(α_c · 1_N)`` over the N clients, per class ``c``.
@@ -226,7 +232,8 @@ def _balance(parts: list[np.ndarray], target: int, rng: np.random.Generator) -> 
 
 @register("partitioner", "shards")
 def shards(
-    labels: np.ndarray, num_clients: int, *, rng: np.random.Generator, shards_per_client: int = 2
+    labels: np.ndarray, num_clients: int, *, rng: np.random.Generator,
+    shards_per_client: _Count = 2
 ) -> list[np.ndarray]:
     """McMahan et al. (2017), §3: sorted-label shards, ``s`` per client.
 
@@ -285,12 +292,12 @@ def classes(
     num_clients: int,
     *,
     rng: np.random.Generator,
-    k: int = 2,
-    assign: str = "random",
-    split: str = "even",
-    alpha: float | Sequence[float] = 0.5,
-    min_samples: int = 10,
-    max_tries: int = 1000,
+    k: _Count = 2,
+    assign: Literal["random", "round_robin"] = "random",
+    split: Literal["even", "dirichlet"] = "even",
+    alpha: _Alpha = 0.5,
+    min_samples: _Count = 10,
+    max_tries: _Count = 1000,
 ) -> list[np.ndarray]:
     """Label-quantity skew: every client holds exactly ``k`` distinct classes.
 
@@ -400,13 +407,13 @@ def sizes(
     num_clients: int,
     *,
     rng: np.random.Generator,
-    distribution: str = "powerlaw",
-    exponent: float = 1.5,
-    sigma: float = 1.0,
-    counts: Sequence[float] = (),
-    then: str = "iid",
-    alpha: float | Sequence[float] = 0.5,
-    min_samples: int = 10,
+    distribution: Literal["powerlaw", "lognormal", "list"] = "powerlaw",
+    exponent: Annotated[float, Range(gt=0)] = 1.5,
+    sigma: Annotated[float, Range(ge=0)] = 1.0,
+    counts: Annotated[Sequence[float], Range(ge=0)] = (),
+    then: Literal["iid", "dirichlet"] = "iid",
+    alpha: _Alpha = 0.5,
+    min_samples: _Count = 10,
 ) -> list[np.ndarray]:
     """Quantity skew: client ``k`` gets ``n_k`` samples with ``n_k`` drawn, labels after.
 
@@ -497,7 +504,7 @@ def mixed(
     num_clients: int,
     *,
     rng: np.random.Generator,
-    iid_fraction: float = 0.5,
+    iid_fraction: Annotated[float, Range(ge=0, le=1)] = 0.5,
     then: str = "dirichlet",
     **then_options: object,
 ) -> list[np.ndarray]:
