@@ -45,7 +45,7 @@ KINDS: tuple[tuple[str, str, str, str], ...] = (
     ("method", "Local methods", "client.method.name", "client.method.options.OPTION"),
     ("metric", "Client metrics", "metrics.hooks (or metrics.NAME: true)",
      "metrics.NAME_OPTION (or metrics.options.NAME.OPTION)"),
-    ("partitioner", "Partitioners", "data.partition.name", "data.partition.OPTION"),
+    ("partitioner", "Partitioners", "data.partition.name", "data.partition.options.OPTION"),
     ("attack", "Attacks", "attack.name", "attack.options.OPTION"),
     ("selector", "Client selectors", "cohort.selection.name",
      "cohort.selection.options.OPTION"),
