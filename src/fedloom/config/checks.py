@@ -327,6 +327,21 @@ def check_system_config(cfg: SystemConfig) -> None:
         raise ConfigError("system.deadline_s: needs a system.profile to time the clients")
     if cfg.pattern != "sine" and cfg.amplitude:
         raise ConfigError("system.amplitude: only used by pattern sine")
+    if cfg.mode != "sync":
+        _check_event_mode(cfg)
+
+
+def _check_event_mode(cfg: SystemConfig) -> None:
+    """What the event-driven modes (async, buffered) cannot combine with, one line each."""
+    m = f"system.mode {cfg.mode}"
+    if cfg.profile == "off":
+        raise ConfigError(f"system.profile: {m} orders arrivals by the time model; "
+                          "give the clients' devices (profile uniform, lognormal, classes or csv)")
+    if cfg.deadline_s is not None:
+        raise ConfigError(f"system.deadline_s: {m} has no rounds to close")
+    if cfg.availability < 1 or cfg.pattern != "none" or cfg.dropout > 0:
+        raise ConfigError(f"system.availability: {m} keeps every client available "
+                          "(availability 1, pattern none, dropout 0)")
 
 
 # What a partitioner is called with besides its options (fedloom.data.federated).

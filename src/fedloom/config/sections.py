@@ -490,6 +490,17 @@ class SystemConfig:
     amplitude: float = _f(0.0, ge=0, le=1)
     on_fraction: float = _f(0.5, gt=0, le=1)
     dropout: float = _f(0.0, ge=0, lt=1)
+    # The round mode (fedloom.engine.events): sync waits for the cohort; async applies
+    # each arrival at once (FedAsync), buffered every `buffer` arrivals (FedBuff), both
+    # with `concurrency` clients in flight (`buffer` is read by buffered only) and each
+    # arrival weighted by s(τ) of its staleness τ (server steps since its dispatch):
+    # constant 1, polynomial (1+τ)^-a, hinge 1 for τ ≤ b else 1/(a(τ−b)+1).
+    mode: Literal["sync", "async", "buffered"] = "sync"
+    concurrency: int = _f(10, ge=1)
+    buffer: int = _f(10, ge=1)
+    staleness: Literal["constant", "polynomial", "hinge"] = "polynomial"
+    staleness_a: float = _f(0.5, ge=0)
+    staleness_b: float = _f(4.0, ge=0)
 
 
 @dataclass

@@ -61,14 +61,17 @@ def client_job(feedback: Any, *, seed: int, client: int, round: int, w: torch.Te
 
 def plan_round(algo: Algorithm, clients: ClientData, space: ModelSpace, schedule: Schedule,
                st: RunState, *, hooks: Sequence[Any] = (), view: HookView | None = None,
-               ships_indices: bool = False) -> RoundPlan:
+               ships_indices: bool = False, cohort: torch.Tensor | None = None) -> RoundPlan:
     """The round's cohort and fully specified client jobs (the client state rows
     they need are gathered from the store). ``hooks`` are the run's client-metric
     plug-ins and ``view`` what they and the round planner read
     (:mod:`fedloom.hooks`); ``ships_indices``: the backend gathers the samples
-    where it trains (no copy of the cohort's data here)."""
+    where it trains (no copy of the cohort's data here); ``cohort``: these
+    clients instead of the schedule's draw (the event-driven modes)."""
     r = st.next_round
-    cohort, selection = schedule.select(r, st.selection_state)
+    selection = st.selection_state
+    if cohort is None:
+        cohort, selection = schedule.select(r, selection)
     lr = schedule.lr(r)
     w = st.w
     store, fields = clients.store, clients.fields

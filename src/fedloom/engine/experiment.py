@@ -100,7 +100,11 @@ class Experiment(Setup):
     """
 
     def round(self, st: RunState) -> tuple[RunState, dict[str, Any]]:
-        """Run round ``st.next_round``; return the new state and its metrics."""
+        """Run round ``st.next_round``; return the new state and its metrics. In the
+        event-driven modes (``system.mode`` async, buffered) a round is one server
+        step (:mod:`fedloom.engine.events`)."""
+        if self.events is not None:
+            return self.events.step(self, st)
         t0 = time.perf_counter()
         plan = self.plan_round(st)
         sysm = self.system
@@ -121,12 +125,13 @@ class Experiment(Setup):
                                          late=sim.late, deadline_s=sysm.cfg.deadline_s)
         return sysm.finish(sim, st, new, metrics)
 
-    def plan_round(self, st: RunState) -> RoundPlan:
-        """The round's cohort and fully specified client jobs
-        (:func:`~fedloom.engine.dispatch.plan_round`)."""
+    def plan_round(self, st: RunState, cohort: torch.Tensor | None = None) -> RoundPlan:
+        """The round's cohort (``cohort``: these clients) and fully specified client
+        jobs (:func:`~fedloom.engine.dispatch.plan_round`)."""
         return plan_round(self.algorithm, self.clients, self.space, self.schedule, st,
                           hooks=self.client_metrics, view=self.hook_view,
-                          ships_indices=backend_caps(self.backend).ships_indices)
+                          ships_indices=backend_caps(self.backend).ships_indices,
+                          cohort=cohort)
 
     def uplink_round(self, st: RunState, plan: RoundPlan,
                      raw: Sequence[ClientResult | None]

@@ -43,6 +43,9 @@ class RunState:
     privacy_state: dict[str, Any] = field(default_factory=dict)
     # the global module buffers (BatchNorm statistics; fedloom.buffers, model.buffers)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the event-driven modes' clients in flight and the models they started from
+    # (fedloom.engine.events; empty in sync mode)
+    events: dict[str, Any] = field(default_factory=dict)
     # the client selector's state (cohort.selection; fedloom.selection; {} for uniform)
     selection_state: dict[str, Any] = field(default_factory=dict)
 
@@ -70,6 +73,11 @@ class RoundPlan:
     dp_clipped: int | None = None
     # Clients the system model kept out (mid-round dropouts, late): not failed workers.
     withheld: set[int] = field(default_factory=set)
+    # The event-driven modes (fedloom.engine.events): per cohort position, a row added
+    # to the decoded row (FedAsync's w_t − w_τ) and the staleness weight s(τ) it is
+    # then scaled by, applied by the server half before screening
+    row_shifts: list[torch.Tensor | None] | None = None
+    row_scales: list[float] | None = None
     # The client selector's state after it chose this cohort (cohort.selection); the
     # round's reports update it when the round ends.
     selection_state: dict[str, Any] = field(default_factory=dict)
@@ -102,6 +110,10 @@ class RoundPlan:
         self.old_rows = {f: v[pos] for f, v in self.old_rows.items()}
         self.alphas = [self.alphas[i] for i in kept]
         self.fb_rows = [self.fb_rows[i] for i in kept]
+        if self.row_shifts is not None:
+            self.row_shifts = [self.row_shifts[i] for i in kept]
+        if self.row_scales is not None:
+            self.row_scales = [self.row_scales[i] for i in kept]
 
 
 @dataclass

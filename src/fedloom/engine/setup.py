@@ -45,6 +45,7 @@ from fedloom.engine import compat
 from fedloom.engine.algorithm import Algorithm
 from fedloom.engine.components import Components
 from fedloom.engine.evaluation import Evaluator
+from fedloom.engine.events import EventDriver
 from fedloom.engine.fields import BUFFERS, FEEDBACK, METHOD, ClientFields
 from fedloom.engine.parts import ClientData, HookView, ModelSpace, Schedule, ScreenRules
 from fedloom.engine.runstate import RunState
@@ -313,6 +314,11 @@ class Setup:
                                    feedback=self.feedback, method=self.method,
                                    compressor=self.uplink, w=self.layout.flatten(self.module))
         compat.check_buffers_privacy(cfg, self.privacy, bool(self.buffer_template))
+        compat.check_event_mode(cfg, aggregator=self.aggregator, feedback=self.feedback,
+                                privacy=self.privacy, num_clients=self.fed.num_clients)
+        # The event-driven round modes (system.mode async, buffered); None: synchronous.
+        self.events = (EventDriver(cfg.system, cfg.seed) if cfg.system.mode != "sync"
+                       else None)
 
     def _build_parts(self) -> None:
         # The values the round's stages read (fedloom.engine.parts): each stage
@@ -452,6 +458,7 @@ class Setup:
             "sim_time_s": st.sim_time_s,
             "privacy_state": to_host(st.privacy_state),
             "buffers": to_host(st.buffers),  # the global module buffers (fedloom.buffers)
+            "events": to_host(st.events),    # in flight (fedloom.engine.events)
             "selection_state": st.selection_state,  # the client selector's (host) state
             "store": self.store.state_dict(snapshot_dir, tag=f"r{st.next_round}"),
             "config": config_to_dict(self.cfg),
@@ -475,6 +482,8 @@ class Setup:
                                       ckpt.get("privacy_state") or self.privacy.init()),
                                   # check_buffers passed: the mapping the template needs
                                   buffers=cast("dict[str, torch.Tensor]", bufs),
+                                  # .get: checkpoints from before the event modes
+                                  events=dict(ckpt.get("events") or {}),
                                   # .get: checkpoints from before client selectors
                                   selection_state=self._selection_state(ckpt)),
                          self.device)
