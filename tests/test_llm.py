@@ -251,3 +251,12 @@ def test_a_gguf_file_loads_frozen_with_adapters(corpus, tmp_path):
     assert not embed.requires_grad
     assert torch.equal(embed, torch.from_numpy(tensors["token_embd"]))  # the file's weights
     assert math.isfinite(res.metrics[-1]["test_loss"])
+
+
+def test_image_data_is_refused_in_one_line():
+    pytest.importorskip("sklearn")
+    with pytest.raises(ConfigError, match=r"^model\.name: hf_causal_lm reads token windows"):
+        fedloom.run({"rounds": 1, "data": {"name": "digits", "num_clients": 4,
+                                           "partition": {"name": "iid"}},
+                     "cohort": {"size": 2}, "model": {"name": "hf_causal_lm",
+                                                      "config": dict(TINY)}})

@@ -170,6 +170,9 @@ def build_causal_lm(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: in
     initialisation (transformers' and peft's), drawn from the global generators that
     :func:`fedloom.models.build_model` seeds."""
     _need_packages()
+    if len(in_shape) != 1:
+        raise ValueError(f"model.name: hf_causal_lm reads token windows [seq_len] "
+                         f"(data.name: text), not inputs of shape {tuple(in_shape)}")
     module = CausalLM(_with_lora(_base(cfg, num_classes), cfg))
     module.eval()
     return module
