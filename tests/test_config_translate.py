@@ -308,9 +308,19 @@ def test_an_option_at_its_default_is_the_config_without_it():
 
 
 # ------------------------------------------------------------ shipped configs, suites
-def old_shape(data: dict[str, Any]) -> dict[str, Any]:
-    """A new-shape config mapping written the old way (the inverse of the translation)."""
+def old_shape(data: dict[str, Any], saved: bool = False) -> dict[str, Any]:
+    """A new-shape config mapping written the old way (the inverse of the translation);
+    ``saved``: as an older version saved it (config.yaml, a checkpoint), every flat key
+    there, at its old default where it was not set."""
     out = copy.deepcopy(data)
+    if saved:
+        out.setdefault("data", {}).setdefault("partition", {"name": "dirichlet"})
+        out = old_shape(out)
+        for sec, keys in ((out["compression"], tr.FEEDBACK_KEYS), (out["server"], tr.SERVER_KEYS),
+                          (out["data"]["partition"], tr.PARTITION_KEYS)):
+            for k, v in keys.items():
+                sec.setdefault(k, copy.deepcopy(v))
+        return out
     comp, srv, client = (out.setdefault(k, {}) for k in ("compression", "server", "client"))
     for key in ("feedback", "adaptive"):
         sec = comp.get(key)
@@ -370,7 +380,7 @@ def test_a_shipped_config_written_the_old_way_is_the_same_config(path):
     new = load_config(data)
     assert load_config(old_shape(data)) == new
     # and so is its whole saved form (a run folder's config.yaml of an older version)
-    assert load_config(old_shape(config_to_dict(new))) == new
+    assert load_config(old_shape(config_to_dict(new), saved=True)) == new
 
 
 @pytest.mark.parametrize("path", SUITES, ids=[str(p.relative_to(ROOT)) for p in SUITES])
@@ -407,13 +417,15 @@ def test_the_sweep_recognises_a_run_folder_saved_the_old_way(tmp_path):
     spec = RunSpec("s", "m", 1, str(cfg), ov, tmp_path / "run")
     spec.out.mkdir()
     saved = config_to_dict(resolve_auto(load_config(str(cfg), [*ov, "seed=1"])))
-    (spec.out / "config.yaml").write_text(yaml.safe_dump(old_shape(saved)))
-    assert "alpha: 0.5" in (spec.out / "config.yaml").read_text()  # the old shape
+    (spec.out / "config.yaml").write_text(yaml.safe_dump(old_shape(saved, saved=True)))
+    text = (spec.out / "config.yaml").read_text()
+    assert "alpha: 0.5" in text and "period: 5" in text and "beta1: 0.9" in text  # the old shape
     assert _stale(spec) is None
     # and a run folder that holds another value is still told apart
     (spec.out / "config.yaml").write_text(yaml.safe_dump(old_shape(
         {**saved, "compression": {**saved["compression"],
-                                  "feedback": {"name": "sapef", "options": {"alpha": 0.6}}}})))
+                                  "feedback": {"name": "sapef", "options": {"alpha": 0.6}}}},
+        saved=True)))
     assert "compression.feedback.options.alpha: 0.6 → 0.5" in (_stale(spec) or "")
 
 
@@ -434,12 +446,12 @@ def test_resume_of_a_run_saved_the_old_way(tmp_path, tiny):
         fedloom.run(tiny, ov, out=out, callbacks=[stop])
     # as an older version wrote them: config.yaml and each checkpoint's config
     saved = yaml.safe_load((out / "config.yaml").read_text())
-    (out / "config.yaml").write_text(yaml.safe_dump(old_shape(saved)))
+    (out / "config.yaml").write_text(yaml.safe_dump(old_shape(saved, saved=True)))
     ckpts = [p for p in out.rglob("*") if p.is_file() and p.suffix in (".pt", ".ckpt")]
     assert ckpts
     for p in ckpts:
         ck = load_checkpoint(p)
-        ck["config"] = old_shape(ck["config"])
+        ck["config"] = old_shape(ck["config"], saved=True)
         save_checkpoint(p, ck)
     res = fedloom.run(tiny, ov, out=out, resume=True)
     assert res.summary["model_sha256"] == ref.summary["model_sha256"]
