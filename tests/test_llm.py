@@ -260,3 +260,22 @@ def test_image_data_is_refused_in_one_line():
                                            "partition": {"name": "iid"}},
                      "cohort": {"size": 2}, "model": {"name": "hf_causal_lm",
                                                       "config": dict(TINY)}})
+
+
+def test_partitioners_apply_to_windows(corpus):
+    from fedloom.config import PartitionConfig
+    from fedloom.data.federated import build_federated
+    from fedloom.data.heterogeneity import class_counts
+
+    base = DataConfig(name="text", path=corpus, text=TextConfig(seq_len=16, min_chars=200))
+    ds = text(base, seed=0)
+    natural = build_federated(ds, DataConfig(**{**base.__dict__,
+                                                "partition": PartitionConfig(name="natural")}), 0)
+    assert natural.num_clients == len(ROLES)
+    iid = build_federated(ds, DataConfig(**{**base.__dict__, "num_clients": 3,
+                                            "partition": PartitionConfig(name="iid")}), 0)
+    assert iid.num_clients == 3
+    assert sum(len(a) + len(b) for a, b in zip(iid.train, iid.test, strict=True)) == len(ds)
+    # the token counts of each client (summary.json's heterogeneity measures)
+    counts = class_counts(ds.y.numpy(), iid.train, ds.num_classes)
+    assert counts.sum() == sum(len(t) for t in iid.train) * 16
