@@ -138,6 +138,12 @@ def test_craft_per_layer_and_topk_with_ef_run(corpus):
 def test_resume_is_bit_identical(corpus, tmp_path):
     ref, res = stop_and_resume(config(corpus, rounds=3), [], tmp_path / "run", stop_after=2)
     assert torch.equal(ref.w, res.w)
+    import json
+
+    per_client = json.loads((res.run_dir / "client_acc.json").read_text())
+    assert len(per_client["client_ppl"]) == len(per_client["client_acc"]) == len(ROLES)
+    assert math.isclose(sum(per_client["client_ppl"]) / len(ROLES),
+                        res.metrics[-1]["client_ppl_mean"], rel_tol=1e-9)
 
 
 def test_a_missing_gguf_file_is_one_line(corpus, tmp_path):

@@ -59,6 +59,8 @@ class Evaluator:
         ).long().to(space.device)
         # per-client accuracies of the last evaluation (written to client_acc.json)
         self.last_client_acc: np.ndarray | None = None
+        # a causal LM's per-client test perplexities (client_acc.json's client_ppl)
+        self.last_client_ppl: np.ndarray | None = None
         self.last_personal_acc: np.ndarray | None = None
 
     def global_(self, w: torch.Tensor) -> dict[str, float]:
@@ -77,7 +79,7 @@ class Evaluator:
             )
             out.update(accuracy_stats(per_client))
             out.update(perplexity_stats(ppl))
-            self.last_client_acc = per_client
+            self.last_client_acc, self.last_client_ppl = per_client, ppl
         elif self.client_test_idx.numel():
             per_client = evaluate_clients(
                 sp.module, sp.layout, w, cl.x[self.client_test_idx],
