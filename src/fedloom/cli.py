@@ -157,6 +157,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ("test loss", _num(s.get("test_loss"))),
         ("client acc mean ± std", _pm(s.get("client_acc_mean"), s.get("client_acc_std"))),
         ("client acc worst 10 %", _num(s.get("client_acc_worst10"))),
+        # a causal LM (fedloom.models.llm): the accuracies above are token accuracies
+        *([("test perplexity", _num(s.get("test_ppl"))),
+           ("client ppl mean ± std", _pm(s["client_ppl_mean"], s.get("client_ppl_std"))),
+           ("client ppl worst 10 %", _num(s.get("client_ppl_worst10")))]
+          if "client_ppl_mean" in s else []),
         *([("personal acc mean ± std", _pm(s["personal_acc_mean"], s.get("personal_acc_std"))),
            ("personal acc worst 10 %", _num(s.get("personal_acc_worst10")))]
           if "personal_acc_mean" in s else []),
