@@ -285,3 +285,14 @@ def test_partitioners_apply_to_windows(corpus):
     # the token counts of each client (summary.json's heterogeneity measures)
     counts = class_counts(ds.y.numpy(), iid.train, ds.num_classes)
     assert counts.sum() == sum(len(t) for t in iid.train) * 16
+
+
+def test_an_absent_tokenizer_is_one_line(corpus, tmp_path):
+    from fedloom.data import DatasetUnavailable
+
+    cfg = DataConfig(name="text", path=corpus, text=TextConfig(tokenizer=str(tmp_path / "no")))
+    with pytest.raises(DatasetUnavailable, match=r"^data\.text\.tokenizer: no such directory"):
+        text(cfg, seed=0)
+    cfg.text.tokenizer = str(tmp_path / "no.gguf")
+    with pytest.raises(DatasetUnavailable, match=r"^data\.text\.tokenizer: no such file"):
+        text(cfg, seed=0)
