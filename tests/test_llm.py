@@ -296,3 +296,11 @@ def test_an_absent_tokenizer_is_one_line(corpus, tmp_path):
     cfg.text.tokenizer = str(tmp_path / "no.gguf")
     with pytest.raises(DatasetUnavailable, match=r"^data\.text\.tokenizer: no such file"):
         text(cfg, seed=0)
+
+
+def test_rank_zero_trains_every_parameter():
+    module = build_model(ModelConfig(name="hf_causal_lm", config=dict(TINY)), (16,), NUM_CHARS, 0)
+    layout = Layout.from_module(module)
+    assert layout.size == sum(p.numel() for p in module.parameters())
+    # one group per module that owns parameters (a projection, a norm, the embedding)
+    assert all(len({n.rpartition(".")[0] for n in g.tensors}) == 1 for g in layout.groups)
