@@ -33,6 +33,8 @@ def _lint(src: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
         lines += ["", f"[importlinter:contract:{i}]", f"name = {c['name']}", f"type = {c['type']}"]
         key = "layers" if c["type"] == "layers" else "modules"
         lines += [f"{key} =", *(f"    {v}" for v in c[key])]
+        if c.get("ignore_imports"):  # e.g. an old import path that re-exports a moved package
+            lines += ["ignore_imports =", *(f"    {v}" for v in c["ignore_imports"])]
     ini = tmp_path / "contracts.ini"
     ini.write_text("\n".join(lines) + "\n")
     env = {**os.environ, "PYTHONPATH": str(src)}
