@@ -314,7 +314,10 @@ def test_dropout_masks_are_the_sequential_trainers(model, shape, dtype):
         if dtype == torch.float64:
             assert torch.equal(a.update, b.update) and a.loss == b.loss
         else:
-            assert torch.allclose(a.update, b.update, rtol=1e-5, atol=1e-6)
+            # float32: the batched and per-client kernels round differently, and with
+            # more than one thread differently again; these steps grow the weights
+            # (updates of norm ~1e2), so the check is relative to the update's norm
+            assert float((a.update - b.update).norm()) <= 1e-5 * float(b.update.norm())
     # the masks matter: without dropout the updates are others
     for mod in net.modules():
         if isinstance(mod, nn.Dropout):
