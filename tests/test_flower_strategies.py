@@ -530,6 +530,28 @@ def test_sapef_mod_trains_the_app_from_the_step_ahead_point():
 
 
 # ------------------------------------------------- against fedloom's own engine
+class _Float64Wire:
+    """The dense vector as little-endian float64 under identity's header: the stock
+    app's arrays are float64, and the engine's server half decodes the bytes it is
+    given (identity's own wire is float32)."""
+
+    def encode(self, x, *, gen=None):
+        from fedloom.compress.base import pack
+        from fedloom.compress.identity import CODEC_IDENTITY
+
+        body = x.detach().to(torch.float64).contiguous().cpu().numpy().astype("<f8")
+        return pack(CODEC_IDENTITY, x.shape[0], body.tobytes(), True)
+
+    def decode(self, payload, d=None):
+        import numpy as np
+
+        from fedloom.compress.base import unpack_header
+        from fedloom.compress.identity import CODEC_IDENTITY
+
+        d, body = unpack_header(payload, CODEC_IDENTITY, d, True)
+        return torch.from_numpy(np.frombuffer(body, dtype="<f8").copy())
+
+
 def test_three_stock_rounds_of_craft_end_at_the_engines_model():
     """A 3-round run of the stock app (float64, fedloom's ``mlp`` architecture, every
     client every round) with ``CRAFT``; the recorded replies, fed round by round to
@@ -538,6 +560,7 @@ def test_three_stock_rounds_of_craft_end_at_the_engines_model():
     cohort in the same order; asserted below 1e-12, which any order would meet)."""
     from fedloom.compress.feedback import UplinkResult
     from fedloom.config import load_config
+    from fedloom.engine.components import Components
     from fedloom.engine.experiment import Experiment
     from fedloom.job import ClientResult
 
@@ -548,7 +571,7 @@ def test_three_stock_rounds_of_craft_end_at_the_engines_model():
         "model": {"name": "mlp", "hidden": [8]}, "cohort": {"size": NODES},
         "aggregator": {"name": "craft", "options": {"precision": "float64"}},
         "server": {"lr": 0.5}, "checkpoint": {"every": 0}, "eval": {"every": 100}})
-    exp = Experiment(cfg)
+    exp = Experiment(cfg, components=Components(compressor=_Float64Wire()))
     st = exp.initial_state()
     arrays = ArrayRecord(OrderedDict((k, v.clone()) for k, v in
                                      exp.layout.unflatten(st.w).items()))
@@ -568,9 +591,8 @@ def test_three_stock_rounds_of_craft_end_at_the_engines_model():
             g = w_sent - exp.layout.flatten(c["arrays"].to_torch_state_dict())
             results.append(ClientResult(k, torch.empty(0), int(c["metrics"]["num-examples"]),
                                         float(c["metrics"]["train_loss"]), 1))
-            # the row is g itself: the engine aggregates what `sent` holds (the payload
-            # is for the byte counts; identity's wire is float32)
-            ups.append(UplinkResult(exp.uplink.encode(g), g, {}))
+            # the row is g itself: the server decodes it from the float64 wire
+            ups.append(UplinkResult(exp.uplink.encode(g), None, {}))
         st, _ = exp.finish_round(st, plan, results, ups, t0=0.0, t_train=0.0,
                                  client_state=False)
         sent = ArrayRecord(OrderedDict((k, v.clone()) for k, v in
