@@ -1,0 +1,176 @@
+"""The tuning part of a sweep's page: the protocol, every method's chosen point and
+every trial (with the rung a halving trial reached), and the sensitivity lines
+(:mod:`fedloom.tuning`); the seeds the page reports (:mod:`fedloom.sweep`'s list or
+sequential ``seeds: {min, max, batch}``). :mod:`fedloom.report.sweep` lays out the page.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fedloom.report.claims import metric_scale, plot_sensitivity, sensitivity_table
+from fedloom.report.compare import load_run, markdown_table, run_stats
+
+__all__: list[str] = []
+
+
+def _sequential(suite: Any) -> Any:
+    """The suite's ``seeds: {min, max, batch}`` (fedloom.sweep), None for a list."""
+    return getattr(suite, "sequential", None)
+
+
+def _seeds_text(suite: Any) -> str:
+    """The reported seeds as the page names them."""
+    seq = _sequential(suite)
+    if seq is None:
+        return str(suite.seeds)
+    return (f"1–{seq.max} (sequential: the first {seq.min}, then {seq.batch} more at a time "
+            "for the pairs still undecided)")
+
+
+def _sensitivity_lines(suite: Any, setting: str, doc: Path | None,
+                       chosen: dict[tuple[str, str], Any]) -> list[str]:
+    """The metric across the sensitivity key (fedloom.tuning), one line per method."""
+    specs = {m: rows for (s, m), rows in suite.sensitivity_specs.items() if s == setting}
+    if not specs:
+        return []
+    proto = suite.tuning
+    key = proto.sensitivity["key"]
+    metric = suite.report.get("sensitivity_metric", proto.metric)
+    lines_by_m: dict[str, list[tuple[Any, list[float]]]] = {}
+    missing = 0
+    for m, rows in specs.items():
+        pts = []
+        for v, sps in rows:
+            vals = []
+            for sp in sps:
+                if not sp.done:
+                    missing += 1
+                    continue
+                stats = run_stats(load_run(sp.out))
+                x = stats.get(metric)
+                vals.append(float(x) if isinstance(x, int | float) else float("nan"))
+            pts.append((v, vals))
+        lines_by_m[m] = pts
+    header, rows = sensitivity_table(lines_by_m, metric)
+    unit = " (%)" if metric_scale(metric)[0] == 100 else ""
+    seq = _sequential(suite)
+    seeds = suite.seeds if seq is None else suite.seeds[:seq.min]
+    out = [f"**Sensitivity to `{key}`** (final `{metric}`{unit}, mean ± sd over seeds "
+           f"{seeds}; every other key at its tuned value):", "",
+           markdown_table(header, rows), ""]
+    if missing:
+        out += [f"({missing} sensitivity runs have not finished.)", ""]
+    if doc is not None:
+        png = doc.parent / f"{suite.name}-{setting}-sensitivity.png"
+        picked = {m: chosen.get((setting, m), {}).get(key) for m in specs}
+        if plot_sensitivity(png, setting, lines_by_m, key, metric, picked):
+            out += [f"![{metric} across {key}, {setting}]({png.name})", ""]
+    return out
+
+
+def _tuning_rounds(suite: Any) -> str:
+    """How many rounds the tuning runs had, per setting where they differ."""
+    base = suite.tuning.rounds
+    per = {s: st.get("tuning_rounds", base) for s, st in suite.settings.items()}
+    if len(set(per.values())) == 1:
+        r = next(iter(per.values()))
+        return f"{r} rounds" if r else "the setting's rounds"
+    return "; ".join(f"{r or 'all its'} rounds on {s}" for s, r in per.items())
+
+
+def _protocol_lines(suite: Any, chosen: dict[tuple[str, str], Any]) -> list[str]:
+    """The tuning protocol, the chosen point of every method, and every trial."""
+    proto = suite.tuning
+    space_keys = sorted({k for s in suite.settings for m in suite.methods
+                         if (s, m) in suite.trials for k in suite.space(s, m)})
+    lines = ["## Tuning", "",
+             f"Every tuned method had the same budget: **{proto.budget} trials** per setting "
+             f"({proto.sampler} sampler, sampler seed {proto.seed}), each run on the tuning "
+             f"seed{'s' if len(proto.seeds) > 1 else ''} {proto.seeds} (not reported; the "
+             f"reported seeds are {_seeds_text(suite)}) for "
+             + _tuning_rounds(suite)
+             + f", scored by the final `{proto.metric}`"
+             + _own_metrics(suite)
+             + " (mean over tuning seeds; a diverged run scores worst), best score chosen. "
+             "Keys searched: "
+             + ", ".join(f"`{k}`" for k in space_keys) + ".", ""]
+    if proto.sampler == "halving":
+        lines += [_halving_lines(suite), ""]
+    shared = {m: src for m, src in suite.share_tuning.items()}
+    for setting in suite.settings:
+        picks = []
+        for m in suite.methods:
+            if (setting, m) not in chosen and m not in suite.untuned:
+                continue
+            if m in suite.untuned:
+                picks.append([m, "not tuned (its config as given)"])
+                continue
+            point = ", ".join(f"`{k}` = {v:g}" if isinstance(v, float) else f"`{k}` = {v}"
+                              for k, v in chosen[(setting, m)].items())
+            how = f"from {shared[m]}" if m in shared else "tuned"
+            picks.append([m, f"{point} ({how})"])
+        if picks:
+            lines += [f"**{setting}**", "", markdown_table(["method", "chosen"], picks), ""]
+    trial_rows = []
+    for (setting, m), ts in suite.trials.items():
+        pick = chosen.get((setting, m))
+        best = next((t for t in ts if t.params == pick), None)
+        for t in ts:
+            scale, _ = metric_scale(proto.metric)
+            score = f"{t.score * scale:.2f}" if t.score == t.score else "diverged"
+            mark = " ←" if best is not None and t is best else ""
+            rung = ([] if proto.sampler != "halving"
+                    else [f"{t.rung} ({t.rounds} rounds)" if t.rung is not None else "–"])
+            trial_rows.append([setting, m, str(t.index),
+                               ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                                         for k, v in t.params.items()), *rung, score + mark])
+    if trial_rows:
+        rung_head = ["rung reached"] if proto.sampler == "halving" else []
+        lines += ["<details><summary>Every trial (score: the selection metric"
+                  + (", in %" if metric_scale(proto.metric)[0] == 100 else "")
+                  + (" at the last rung it ran" if rung_head else "")
+                  + "; ← the chosen one)</summary>", "",
+                  markdown_table(["setting", "method", "trial", "point", *rung_head, "score"],
+                                 trial_rows),
+                  "", "</details>", ""]
+    return lines
+
+
+def _halving_lines(suite: Any) -> str:
+    """The halving plan (fedloom.tuning): rungs, and the client rounds (rounds × cohort
+    size × tuning seeds) each method had, used, and the grid sampler would have used."""
+    proto = suite.tuning
+    plans = getattr(proto, "plans", {}) or {}
+    if not plans:
+        return ""
+    text = (f"Successive halving (η = {proto.eta}): every trial runs the first rung, the "
+            f"best 1/{proto.eta} on the selection metric at a rung's last round go on to the "
+            "next (the earlier trial on a tie), continuing their runs from the rung's "
+            "checkpoint; a trial whose score is not finite or whose run diverged stops at "
+            "its rung; the choice is the best of the highest rung.")
+    by_rungs: dict[str, list[str]] = {}
+    for (setting, m), plan in plans.items():
+        rungs = ", ".join(f"{r['trials']} × {r['rounds']}" for r in plan["rungs"])
+        by_rungs.setdefault(rungs, []).append(f"{m} on {setting}" if len(suite.settings) > 1
+                                              else m)
+    for rungs, who in by_rungs.items():
+        text += f" Rungs (trials × rounds): {rungs}" + (
+            f" ({', '.join(who)})" if len(by_rungs) > 1 else "") + "."
+    costs = sorted({(p["client_rounds"], p["grid"]) for p in plans.values()})
+    text += (" Budget per method, in client rounds (rounds × cohort size × tuning seeds): "
+             + "; ".join(f"{b:,} planned, against {g:,} for the same trials all run to "
+                         f"the tuning rounds ({100 * b / g:.0f} %)" for b, g in costs)
+             + "; used: "
+             + ", ".join(f"{m}{f' on {s}' if len(suite.settings) > 1 else ''} {p['used']:,}"
+                         for (s, m), p in plans.items()) + ".")
+    return text
+
+
+def _own_metrics(suite: Any) -> str:
+    """``, … (M: its metric)`` for the methods that are chosen on their own metric."""
+    own = getattr(suite, "method_metric", {}) or {}
+    if not own:
+        return ""
+    return " (" + "; ".join(f"{m}: `{v}`" for m, v in own.items()) + ")"
