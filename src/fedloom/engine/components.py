@@ -1,7 +1,7 @@
 """Component objects given in Python instead of by name in the config.
 
 A user who holds an aggregator, server optimizer, compressor, feedback policy,
-local method or local-step transforms as objects (``CRAFT(step="rprop")``, a
+local method, local-step transforms or client selector as objects (``CRAFT(step="rprop")``, a
 class of their own) passes them to :func:`fedloom.run` or
 :class:`~fedloom.engine.setup.Setup`; the engine uses each where it would have
 built one from the config's name. :meth:`Components.into` records each given
@@ -43,6 +43,7 @@ class Components:
     feedback: Any = None
     method: Any = None
     transforms: tuple[Any, ...] = ()  # more terms of the local step (client.transforms)
+    selector: Any = None              # who trains in a round (cohort.selection)
 
     def into(self, cfg: Config) -> Config:
         """``cfg`` naming each given object (see the module docstring)."""
@@ -70,4 +71,8 @@ class Components:
         if self.transforms:
             cfg = r(cfg, client=r(cfg.client, transforms=[
                 {"name": object_name(t), "options": {}} for t in self.transforms]))
+        if self.selector is not None:
+            cfg = r(cfg, cohort=r(cfg.cohort, selection=r(cfg.cohort.selection,
+                                                          name=object_name(self.selector),
+                                                          options={})))
         return cfg

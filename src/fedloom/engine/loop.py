@@ -68,6 +68,7 @@ def run(
     feedback: Any = None,
     method: Any = None,
     transforms: Sequence[Any] = (),
+    selector: Any = None,
 ) -> Result:
     """Run an experiment; return the final model, metrics and summary.
 
@@ -102,15 +103,17 @@ def run(
         model: your own ``torch.nn.Module`` (its current weights are ``w_0``) or a
             factory returning one, instead of ``model.name``. Layer groups are
             derived from it, so CRAFT's per-layer mode works on it.
-        aggregator, server, compressor, feedback, method, transforms: component
+        aggregator, server, compressor, feedback, method, transforms, selector: component
             objects (e.g. ``CRAFT(step="rprop")``, a class of your own with the
             protocol of its kind; ``transforms``: terms of the local step,
-            :mod:`fedloom.client.transforms`) used instead of building the config
+            :mod:`fedloom.client.transforms`; ``selector``: who trains in a round,
+            :mod:`fedloom.selection`) used instead of building the config
             section's named ones; the config records each as ``object
             MODULE.CLASS`` (:mod:`fedloom.engine.components`).
     """
     given = Components(aggregator=aggregator, server=server, compressor=compressor,
-                       feedback=feedback, method=method, transforms=tuple(transforms))
+                       feedback=feedback, method=method, transforms=tuple(transforms),
+                       selector=selector)
     cfg = resolve_auto(given.into(load_config(config, overrides)))
     run_dir = Path(out) if out is not None else None
     resolved = config_to_dict(cfg)

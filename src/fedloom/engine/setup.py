@@ -330,7 +330,9 @@ class Setup:
         # cohort.selection: a registered selector, plug-in or module:attr with its options
         sel = cfg.cohort.selection
         try:
-            selector = build("selector", sel.name, dict(sel.options), "cohort.selection.options")
+            selector = (self.given.selector if self.given.selector is not None
+                        else build("selector", sel.name, dict(sel.options),
+                                   "cohort.selection.options"))
         except ValueError as e:
             raise ConfigError(str(e).splitlines()[0]) from None
         compat.check_selection_scope(cfg, selector, self.privacy)
