@@ -20,6 +20,7 @@ MODULES = [
     "fedloom.names",
     "fedloom.params",
     "fedloom.report.stats",
+    "fedloom.report.sweep_tuning",
 ]
 
 

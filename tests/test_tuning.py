@@ -160,6 +160,10 @@ def test_sweep_under_the_protocol_tunes_reports_and_resumes(tmp_path, monkeypatc
     assert doc.index("## Claims") < doc.index("## Tuning") < doc.index("## Results")
     assert "| FedProx beats FedAvg | FedAvg |" in doc and "(2 seeds)" in doc
     assert "**2 trials** per setting" in doc and "<details>" in doc and "←" in doc
+    # client.lr's grid is [0.05, 0.2]: any choice sits at its edge, and the page says so
+    lr = rec["settings"]["digits"]["FedAvg"]["chosen"]["client.lr"]
+    end = "lowest" if lr == 0.05 else "highest"
+    assert f"FedAvg `client.lr` = {lr:g} (the {end} searched)" in doc
     assert "Sensitivity to `client.lr`" in doc
     try:
         import matplotlib  # noqa: F401
@@ -330,3 +334,18 @@ def test_a_stale_trial_is_refused_not_scored_and_a_stopped_trial_resumes(tmp_pat
     assert [c for c in cmds if str(stopped) in c and "--resume" in c]
     assert (stopped / "summary.json").exists() and (done / "summary.json").exists()
     assert all(math.isfinite(t.score) for t in suite.trials[("digits", "FedAvg")])
+
+
+def test_grid_edge_names_the_end_a_choice_sits_at():
+    from fedloom.report.sweep_tuning import grid_edge
+    from fedloom.tuning import Range
+
+    grid = [0.003, 0.01, 0.03, 0.1]
+    assert [grid_edge(v, grid) for v in grid] == ["lowest", None, None, "highest"]
+    assert grid_edge(1.0, [1.0]) is None  # one value: nothing was searched
+    assert grid_edge("adam", ["sgd", "adam"]) is None and grid_edge(True, [True, False]) is None
+    assert grid_edge(float("nan"), grid) is None
+    # a range: within 1 % of its width of an end, on the log scale for a log range
+    assert grid_edge(1.05e-3, Range(1e-3, 1.0, log=True)) == "lowest"
+    assert grid_edge(0.03, Range(1e-3, 1.0, log=True)) is None
+    assert grid_edge(0.995, Range(0.0, 1.0)) == "highest"

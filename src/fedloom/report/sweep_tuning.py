@@ -6,13 +6,44 @@ sequential ``seeds: {min, max, batch}``). :mod:`fedloom.report.sweep` lays out t
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from fedloom.report.claims import metric_scale, plot_sensitivity, sensitivity_table
 from fedloom.report.compare import load_run, markdown_table, run_stats
 
-__all__: list[str] = []
+__all__ = ["grid_edge"]
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def grid_edge(value: Any, dim: Any) -> str | None:
+    """``"lowest"`` or ``"highest"`` when ``value`` sits at that end of its numeric
+    search dimension — a list of at least two numbers, or a range
+    (:class:`fedloom.tuning.Range`: ``low``, ``high``, ``log``) within 1 % of its
+    width, on the log scale for a log range — else ``None``: a choice at the edge of
+    what was searched, where a wider grid may choose past it.
+
+    >>> grid_edge(0.1, [0.003, 0.01, 0.03, 0.1]), grid_edge(0.03, [0.003, 0.03, 0.1])
+    ('highest', None)
+    >>> grid_edge("sgd", ["sgd", "adam"]), grid_edge(1, [1])
+    (None, None)
+    """
+    if not _number(value):
+        return None
+    if hasattr(dim, "low") and hasattr(dim, "high"):
+        lo, hi, x = float(dim.low), float(dim.high), float(value)
+        if getattr(dim, "log", False) and lo > 0 and x > 0:
+            lo, hi, x = math.log(lo), math.log(hi), math.log(x)
+        tol = 0.01 * (hi - lo)
+        return "lowest" if x <= lo + tol else "highest" if x >= hi - tol else None
+    nums = [v for v in dim if _number(v)]
+    if len(nums) < 2 or len(nums) != len(dim):
+        return None
+    return "lowest" if value == min(nums) else "highest" if value == max(nums) else None
 
 
 def _sequential(suite: Any) -> Any:
@@ -113,6 +144,20 @@ def _protocol_lines(suite: Any, chosen: dict[tuple[str, str], Any]) -> list[str]
             picks.append([m, f"{point} ({how})"])
         if picks:
             lines += [f"**{setting}**", "", markdown_table(["method", "chosen"], picks), ""]
+        edges = []  # a choice at the edge of its grid: a wider grid may choose past it
+        for m in suite.methods:
+            if (setting, m) not in chosen or m in suite.untuned or m in shared:
+                continue
+            space = suite.space(setting, m)
+            for k, v in chosen[(setting, m)].items():
+                end = grid_edge(v, space[k]) if k in space else None
+                if end is not None:
+                    edges.append(f"{m} `{k}` = {v:g}" if isinstance(v, float)
+                                 else f"{m} `{k}` = {v}")
+                    edges[-1] += f" (the {end} searched)"
+        if edges:
+            lines += ["At the edge of the searched values (a wider grid may choose past "
+                      "them): " + "; ".join(edges) + ".", ""]
     trial_rows = []
     for (setting, m), ts in suite.trials.items():
         pick = chosen.get((setting, m))
