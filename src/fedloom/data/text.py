@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from fedloom.config import DataConfig
-from fedloom.data.shakespeare import NUM_CHARS, _available, _files, encode_text, parse_play
+from fedloom.data.shakespeare import NUM_CHARS, _available, _files, encode_text, role_clients
 from fedloom.data.sources import _SOURCES, Dataset, DatasetUnavailable, SourceInfo
 from fedloom.registry import register
 
@@ -87,29 +87,21 @@ def text(cfg: DataConfig, seed: int) -> Dataset:
     tok = _tokenizer(s.tokenizer)
     vocab = NUM_CHARS if tok is None else len(tok)
     stride = s.stride or s.seq_len
-    xs, ys, gs = [], [], []
-    client = 0
-    for path in files:
-        roles = parse_play(path.read_text(encoding="utf-8", errors="replace"))
-        for role in sorted(roles):
-            speech = roles[role]
-            if len(speech) < s.min_chars:
-                continue
-            codes = (encode_text(speech) if tok is None
-                     else np.asarray(tok(speech, add_special_tokens=False)["input_ids"]))
-            x, y = windows(codes, s.seq_len, stride)
-            if s.max_windows:
-                x, y = x[: s.max_windows], y[: s.max_windows]
-            if len(x) < 2:  # a train and a test window at least
-                continue
-            xs.append(x)
-            ys.append(y)
-            gs.append(np.full(len(x), client))
-            client += 1
-            if s.max_clients and client >= s.max_clients:
-                break
-        if s.max_clients and client >= s.max_clients:
-            break
+
+    def role_windows(speech: str) -> tuple[np.ndarray, np.ndarray] | None:
+        if len(speech) < s.min_chars:
+            return None
+        codes = (encode_text(speech) if tok is None
+                 else np.asarray(tok(speech, add_special_tokens=False)["input_ids"]))
+        x, y = windows(codes, s.seq_len, stride)
+        if s.max_windows:
+            x, y = x[: s.max_windows], y[: s.max_windows]
+        if len(x) < 2:  # a train and a test window at least
+            return None
+        return x, y
+
+    xs, ys, gs = role_clients(files, s.max_clients, role_windows)
+    client = len(xs)
     if client < 2:
         raise DatasetUnavailable(f"text: only {client} role(s) with >= {s.min_chars} "
                                  f"characters and 2 windows of {s.seq_len} tokens "
