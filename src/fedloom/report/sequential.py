@@ -72,7 +72,7 @@ from typing import Any
 
 import numpy as np
 
-from fedloom.report.stats import Paired, _finite, verdict_of
+from fedloom.report.stats import Paired, _finite, check_paired_args, verdict_of
 
 __all__ = ["TAU2", "boundary", "confidence_sequence", "sequential_paired", "simulate",
            "widths_table"]
@@ -132,12 +132,7 @@ def sequential_paired(a: Mapping[Any, float], b: Mapping[Any, float], better: st
     """:func:`fedloom.report.stats.paired` with the confidence sequence in place of the
     t-interval: the differences in seed order (integers ascending), the verdict read
     from the CS after the last shared seed (``method="cs"``)."""
-    if better not in ("higher", "lower"):
-        raise ValueError(f"better: {better!r} (expected higher or lower)")
-    if not 0.5 < level < 1.0:
-        raise ValueError(f"level: {level} (expected a confidence level in (0.5, 1))")
-    if margin is not None and not (_finite(margin) and margin > 0):
-        raise ValueError(f"margin: {margin} (expected a positive number)")
+    check_paired_args(better, level, margin)
     pairs = sorted((s for s in a if s in b and _finite(a[s]) and _finite(b[s])
                     and math.isfinite(float(a[s]) - float(b[s]))), key=_seed_order)
     dropped = tuple(s for s in {**dict.fromkeys(a), **dict.fromkeys(b)} if s not in pairs)

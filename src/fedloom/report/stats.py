@@ -83,6 +83,17 @@ def _finite(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def check_paired_args(better: str, level: float, margin: float | None) -> None:
+    """``ValueError`` naming the argument of a paired comparison that is out of range
+    (shared by :func:`paired` and :func:`fedloom.report.sequential.sequential_paired`)."""
+    if better not in ("higher", "lower"):
+        raise ValueError(f"better: {better!r} (expected higher or lower)")
+    if not 0.5 < level < 1.0:
+        raise ValueError(f"level: {level} (expected a confidence level in (0.5, 1))")
+    if margin is not None and not (_finite(margin) and margin > 0):
+        raise ValueError(f"margin: {margin} (expected a positive number)")
+
+
 def paired(a: Mapping[Any, float], b: Mapping[Any, float], better: str = "higher",
            level: float = 0.95, method: str = "t", margin: float | None = None,
            seed: int = 0) -> Paired:
@@ -99,14 +110,9 @@ def paired(a: Mapping[Any, float], b: Mapping[Any, float], better: str = "higher
     >>> paired({1: 0.9}, {1: 0.8}).text()
     'no evidence +0.1 (1 seed: no interval)'
     """
-    if better not in ("higher", "lower"):
-        raise ValueError(f"better: {better!r} (expected higher or lower)")
+    check_paired_args(better, level, margin)
     if method not in ("t", "bootstrap"):
         raise ValueError(f"method: {method!r} (expected t or bootstrap)")
-    if not 0.5 < level < 1.0:
-        raise ValueError(f"level: {level} (expected a confidence level in (0.5, 1))")
-    if margin is not None and not (_finite(margin) and margin > 0):
-        raise ValueError(f"margin: {margin} (expected a positive number)")
     shared = [s for s in a if s in b]
     # a pair counts when both values and their difference are finite (1e308 − (−1e308)
     # overflows: that pair is dropped and named, not averaged as inf)
