@@ -58,6 +58,9 @@ class CohortInfo:
     lr: float | None = None               # client learning rate this round
     momentum: float = 0.0                 # client SGD momentum
     start_losses: torch.Tensor | None = None  # F_k(w): loss at the received model (before training)
+    # The global model the rows are relative to (w_k = w − g_k): for rules on the
+    # clients' models rather than their differences (LoRA's products B_k A_k)
+    w: torch.Tensor | None = None
 
 
 class Aggregator(Protocol):

@@ -129,7 +129,7 @@ def server_round(algo: Algorithm, rule: ServerRule, space: ModelSpace, num_clien
 
 
 def _cohort_info(algo: Algorithm, device: torch.device, num_clients: int, plan: RoundPlan,
-                 results: Sequence[ClientResult], rx: Received) -> CohortInfo:
+                 results: Sequence[ClientResult], rx: Received, st: RunState) -> CohortInfo:
     """What some rules need of the accepted clients (losses, steps, start losses)."""
     ok = rx.ok if not bool(rx.ok.all()) else slice(None)
     # The screened numbers of receive (a rejected client's may not fit a tensor).
@@ -147,6 +147,7 @@ def _cohort_info(algo: Algorithm, device: torch.device, num_clients: int, plan: 
         steps=steps[ok].to(dev), lr=plan.lr,
         momentum=algo.momentum,
         start_losses=start.to(dev) if start is not None else None,
+        w=st.w if "w" in algo.requires else None,
     )
 
 
@@ -154,7 +155,7 @@ def _aggregate_and_step(algo: Algorithm, space: ModelSpace, num_clients: int, st
                         plan: RoundPlan, results: Sequence[ClientResult],
                         ups: Sequence[UplinkResult], rx: Received, rule: ServerRule,
                         out: ServerOutcome) -> None:
-    info = _cohort_info(algo, space.device, num_clients, plan, results, rx)
+    info = _cohort_info(algo, space.device, num_clients, plan, results, rx, st)
     agg: torch.Tensor | None = None
     try:
         agg, cand_agg, cand_privacy, out.metrics = rule(rx.rows, rx.ok, rx.weights, info, st)
