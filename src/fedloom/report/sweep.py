@@ -31,6 +31,7 @@ from fedloom.report.compare import (
     run_stats,
     write_csv,
 )
+from fedloom.report.effort import head_lines
 from fedloom.report.sequential import sequential_paired
 from fedloom.report.stats import paired
 from fedloom.report.sweep_tuning import (
@@ -343,6 +344,8 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
         lines += [rep["intro"].strip(), ""]
     lines += ["Regenerate this page (runs that already finished are reused):", "", "```bash",
               rep.get("command", f"fedloom sweep {suite.path}"), "```", ""]
+    head_at = len(lines)  # the decided fraction and the compute go here (report.effort)
+    claim_recs: list[dict[str, Any]] = []
     targets = _targets(suite, table)
     claims = getattr(suite, "claims", None)
     seq = _sequential(suite)
@@ -518,6 +521,12 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
               f"Sweep wall time {elapsed_s / 60:.1f} min with {workers} single-thread workers "
               f"(sum of the reported runs' own wall time: {run_time / 60:.1f} min; tuning runs "
               "not included in that sum).", ""]
+    sens = [sp.out for rows in getattr(suite, "sensitivity_specs", {}).values()
+            for _, sps in rows for sp in sps]
+    lines[head_at:head_at] = head_lines(
+        claim_recs, {"tuning": [sp.out for sp in getattr(suite, "trial_specs", [])],
+                     "reported": [sp.out for sp in specs], "sensitivity": sens},
+        elapsed_s, workers, rep.get("before"))
     text = "\n".join(lines)
     if doc is not None:
         doc.parent.mkdir(parents=True, exist_ok=True)

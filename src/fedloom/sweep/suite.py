@@ -92,6 +92,7 @@ class Suite:
     # Filled by run_suite: each (setting, method)'s trials, and its sensitivity runs
     # {(setting, method): [(value, [RunSpec per seed])]}.
     trials: dict[tuple[str, str], list[Trial]] = field(default_factory=dict)
+    trial_specs: list[RunSpec] = field(default_factory=list)  # every tuning run asked for
     sensitivity_specs: dict[tuple[str, str], list[tuple[Any, list[RunSpec]]]] = field(
         default_factory=dict)
 

@@ -111,6 +111,10 @@ def tune_protocol(suite: Suite, workers: int, log: Callable[[str], None]
     trials: dict[tuple[str, str], list[Trial]] = {pair: [] for pair in pairs}
     specs: dict[tuple[str, str, int], list[RunSpec]] = {}
 
+    def run_trials(sps: list[RunSpec]) -> None:
+        suite.trial_specs.extend(sps)  # the page's compute counts them
+        _run_trials(sps, workers, log)
+
     def record(step_pairs: list[tuple[str, str]], index: int) -> None:
         for pair in step_pairs:
             t = trials[pair][index]
@@ -121,7 +125,7 @@ def tune_protocol(suite: Suite, workers: int, log: Callable[[str], None]
         from fedloom.sweep.halving import tune_halving
 
         trials = tune_halving(suite, pairs, lower_is_better, metric_of,
-                              lambda sp: _run_trials(sp, workers, log),
+                              run_trials,
                               continue_runs=workers > 0)
     elif proto.sampler == "grid":
         for pair in pairs:
@@ -129,7 +133,7 @@ def tune_protocol(suite: Suite, workers: int, log: Callable[[str], None]
                                                   *pair)):
                 trials[pair].append(Trial(i, point))
                 specs[(*pair, i)] = _trial_specs(suite, *pair, point)
-        _run_trials([sp for v in specs.values() for sp in v], workers, log)
+        run_trials([sp for v in specs.values() for sp in v])
         for i in range(proto.budget):
             record(pairs, i)
     else:
@@ -141,7 +145,7 @@ def tune_protocol(suite: Suite, workers: int, log: Callable[[str], None]
                                   startup=proto.startup)
                 trials[pair].append(Trial(i, point))
                 specs[(*pair, i)] = _trial_specs(suite, *pair, point)
-            _run_trials([sp for pair in pairs for sp in specs[(*pair, i)]], workers, log)
+            run_trials([sp for pair in pairs for sp in specs[(*pair, i)]])
             record(pairs, i)
     suite.trials = trials
     choose = halving_choice if proto.sampler == "halving" else best_trial
