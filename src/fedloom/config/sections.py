@@ -160,6 +160,9 @@ class LoRAConfig:
     alpha: int = _f(16, ge=1)          # the scale is alpha / r (peft: an integer)
     dropout: float = _f(0.0, ge=0, lt=1)
     target_modules: list[str] = _f(["q_proj", "v_proj"])
+    # which factors train (and so are in the Layout, sent and aggregated): "b" is
+    # FFA-LoRA's (Sun et al. 2024): A frozen at its random init, the same on every client
+    train: Literal["both", "b"] = "both"
 
 
 @dataclass

@@ -30,6 +30,14 @@ so local training's loss is the mean next-token cross-entropy unchanged.
 Departures from the benchmarks: plain SGD on the adapters (the benchmarks use
 AdamW locally), no padding or attention mask (every window is full), and no
 quantised base (the base is held in the run's dtype).
+
+``model.lora.train: b`` is FFA-LoRA (Sun et al., "Improving LoRA in
+Privacy-preserving Federated Learning", ICLR 2024): every ``A`` frozen at its
+initialisation, only the ``B`` matrices trained, sent and averaged, so that the
+average of the clients' ``B_k A`` is the average's product. No code by the authors
+was found; third-party code (david-stan/ffa-lora-flower) freezes the tensors named
+``lora_A`` as here. Departures: ``A`` is peft's Kaiming-uniform draw (the paper's
+is a Gaussian one) and ``alpha`` is left to the config (the paper raises it).
 """
 
 from __future__ import annotations
@@ -161,6 +169,12 @@ def _with_lora(lm: nn.Module, cfg: ModelConfig) -> nn.Module:
                 target_modules=list(lo.target_modules), bias="none"))
     except ValueError as e:  # e.g. a target module the model does not have
         raise ValueError(f"model.lora: {str(e).strip().splitlines()[0]}") from None
+    if lo.train == "b":
+        # FFA-LoRA: A stays at its init (drawn from the run's seed, so every client and
+        # a resumed run hold the same A) and, frozen, is out of the Layout and payloads
+        for name, p in wrapped.named_parameters():
+            if ".lora_A." in name:
+                p.requires_grad_(False)
     return wrapped
 
 
