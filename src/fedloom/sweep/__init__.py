@@ -137,6 +137,8 @@ CSV. The optional ``report:`` section shapes the page; every key is optional::
       compare: {baseline: FedAvg, candidates: [CRAFT]}
                               # "better/worse/within seed spread" lines
       notes: "…"              # closing paragraph
+      before: "…"             # what an earlier protocol decided, beside the page's own
+                              # decided cells and compute (fedloom.report.effort)
 """
 
 from __future__ import annotations
