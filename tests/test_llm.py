@@ -304,3 +304,135 @@ def test_rank_zero_trains_every_parameter():
     assert layout.size == sum(p.numel() for p in module.parameters())
     # one group per module that owns parameters (a projection, a norm, the embedding)
     assert all(len({n.rpartition(".")[0] for n in g.tensors}) == 1 for g in layout.groups)
+
+
+# ------------------------------------------- speed and memory (issue #41 item 4)
+def _layer0_calls(module, x):
+    """How often decoder layer 0's MLP runs in one forward and backward."""
+    mlp = next(m for n, m in module.named_modules() if n.endswith("layers.0.mlp"))
+    calls = []
+    handle = mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+    module.train()
+    torch.nn.functional.cross_entropy(module(x), x).backward()
+    handle.remove()
+    return len(calls)
+
+
+def test_gradient_checkpointing_recomputes_layers_and_trains_the_same(corpus):
+    x = torch.randint(0, NUM_CHARS, (2, 16))
+    plain = tiny_model()
+    cfg = ModelConfig(name="hf_causal_lm", config=dict(TINY), gradient_checkpointing=True)
+    cfg.lora.r, cfg.lora.alpha = RANK, 4
+    ckpt = build_model(cfg, (16,), NUM_CHARS, 0)
+    assert _layer0_calls(plain, x) == 1
+    assert _layer0_calls(ckpt, x) == 2  # the forward, then again in the backward
+    for (n, p), q in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
+        if p.requires_grad:
+            assert torch.allclose(p.grad, q.grad, atol=1e-6), n
+    model = {"name": "hf_causal_lm", "config": dict(TINY), "lora": dict(LORA)}
+    ref = fedloom.run(config(corpus, model=model))
+    res = fedloom.run(config(corpus, model={**model, "gradient_checkpointing": True}))
+    assert torch.allclose(ref.w, res.w, atol=1e-6)
+
+
+def test_a_bfloat16_base_under_float32_adapters(corpus):
+    cfg = ModelConfig(name="hf_causal_lm", config=dict(TINY), base_dtype="bfloat16")
+    cfg.lora.r, cfg.lora.alpha = RANK, 4
+    module = build_model(cfg, (16,), NUM_CHARS, 0)
+    params = dict(module.named_parameters())
+    assert {p.dtype for p in params.values() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
+    assert Layout.from_module(module).size == ADAPTERS
+    assert module(torch.zeros(1, 16, dtype=torch.long)).dtype == torch.float32
+    model = {"name": "hf_causal_lm", "config": dict(TINY), "lora": dict(LORA),
+             "base_dtype": "bfloat16"}
+    res = fedloom.run(config(corpus, model=model, rounds=3))
+    assert res.w.dtype == torch.float32 and float(res.w.abs().sum()) > 0
+    losses = [m["train_loss"] for m in res.metrics]
+    assert losses[-1] < losses[0]
+    after = dict(res.model.named_parameters())
+    assert all(torch.equal(after[n], p) for n, p in params.items() if not p.requires_grad)
+    with pytest.raises(ConfigError, match=r"^model\.base_dtype: bfloat16 is the frozen"):
+        fedloom.run(config(corpus, model={**model, "lora": {"r": 0}}))
+
+
+def test_summary_counts_local_training_tokens_and_peak_rss(corpus):
+    res = fedloom.run(config(corpus))
+    # every round: 2 clients × 2 steps × batch 4 windows × 16 tokens
+    assert [m["train_tokens"] for m in res.metrics] == [2 * 2 * 4 * 16] * 2
+    s = res.summary
+    assert s["train_tokens_total"] == 2 * 2 * 2 * 4 * 16
+    train_s = sum(m["train_s"] for m in res.metrics)
+    assert math.isclose(s["train_tokens_per_s"], s["train_tokens_total"] / train_s, rel_tol=1e-3)
+    assert s["peak_rss_mb"] > 0
+
+
+def test_a_cohort_of_ten_holds_one_base(corpus, monkeypatch):
+    # every forward of the run (10 clients' training, evaluation) reads the same
+    # frozen storage: one base in the process, not one a client
+    from fedloom.models.llm import CausalLM
+
+    seen, modules = set(), set()
+    forward = CausalLM.forward
+
+    def spy(self, x):
+        modules.add(id(self))
+        # by name: the evaluator's copy holds its adapters frozen, over the flat w
+        seen.update(p.untyped_storage().data_ptr() for n, p in self.named_parameters()
+                    if ".lora_" not in n)
+        return forward(self, x)
+
+    monkeypatch.setattr(CausalLM, "forward", spy)
+    cfg = config(corpus, rounds=1, cohort={"size": 10})
+    cfg["data"] = {**cfg["data"], "num_clients": 10, "partition": {"name": "iid"}}
+    res = fedloom.run(cfg)
+    assert res.metrics[-1]["cohort_size"] == 10
+    frozen = [p for p in res.model.parameters() if not p.requires_grad]
+    assert len(modules) >= 2  # the trainer's copy and the evaluated model
+    assert len(seen) == len({p.untyped_storage().data_ptr() for p in frozen})
+
+
+def test_model_pt_holds_the_adapters_and_loads_back(corpus, tmp_path):
+    from fedloom.engine.rundir import load_model
+
+    res = fedloom.run(config(corpus), out=tmp_path / "run")
+    blob = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    assert sorted(blob["state_dict"]) == sorted(n for n, p in res.model.named_parameters()
+                                                if p.requires_grad)
+    assert len(blob["base_omitted"]) == sum(1 for p in res.model.parameters()
+                                            if not p.requires_grad)
+    loaded = load_model(tmp_path / "run")
+    x = torch.randint(0, NUM_CHARS, (3, 16))
+    with torch.no_grad():
+        assert torch.equal(loaded(x), res.model(x))
+    # another seed draws another base: refused, not silently loaded
+    blob["config"]["seed"] = 1
+    torch.save(blob, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match=r"the rebuilt base is not the run's"):
+        load_model(tmp_path / "other.pt")
+
+
+def test_local_adamw_is_torch_adamw_and_trains_adapters(corpus):
+    from fedloom.client.adamw import AdamW
+    from fedloom.client.transforms import StepContext
+
+    torch.manual_seed(0)
+    w0 = torch.randn(20, dtype=torch.float64)
+    p = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.AdamW([p], lr=0.01, weight_decay=0.1)
+    w, term = w0.clone(), AdamW(weight_decay=0.1)
+    state = term.init(w)
+    for step in range(5):
+        g = torch.randn(20, dtype=torch.float64)
+        p.grad = g.clone()
+        opt.step()
+        d, state = term.update(g.clone(), state, StepContext(step, w.clone(), w0))
+        w = w - 0.01 * d
+    assert torch.allclose(w, p.detach(), rtol=0, atol=1e-12)
+    res = fedloom.run(config(corpus, rounds=3, client={"lr": 0.01, "steps": 2, "batch_size": 4,
+                                                       "transforms": [{"name": "adamw"}]}))
+    losses = [m["train_loss"] for m in res.metrics]
+    assert losses[-1] < losses[0]
+    with pytest.raises(ConfigError, match=r"^adamw: beta1 must be in \[0, 1\), got 1\.5$"):
+        fedloom.run(config(corpus, client={"transforms": [{"name": "adamw",
+                                                           "options": {"beta1": 1.5}}]}))

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 __all__ = ["CUBLAS_WORKSPACE", "apply_threads", "configure", "describe", "full_float32",
-           "peak_memory_mb",
+           "peak_memory_mb", "peak_rss_mb",
            "reset_peak", "resolve", "to_device", "to_host", "worker_threads"]
 
 CUBLAS_WORKSPACE = ":4096:8"
@@ -192,10 +192,15 @@ def peak_memory_mb(device: torch.device) -> tuple[float, str]:
     if device.type == "cuda":
         return (torch.cuda.max_memory_allocated(device) / 2**20,
                 "torch.cuda.max_memory_allocated")
+    return peak_rss_mb(), "peak RSS of the process (resource.getrusage)"
+
+
+def peak_rss_mb() -> float:
+    """The process's peak resident set size in MiB (``getrusage``'s ``ru_maxrss``:
+    since the process started, whatever ran in it before)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes.
-    return (rss / 2**20 if sys.platform == "darwin" else rss / 2**10,
-            "peak RSS of the process (resource.getrusage)")
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
 def to_device(obj: Any, device: torch.device, *, pin: bool = False) -> Any:

@@ -108,6 +108,7 @@ _MODULES = (
     "fedloom.aggregate.krum",
     "fedloom.aggregate.lora",
     "fedloom.client.methods",
+    "fedloom.client.adamw",
     "fedloom.client.scaffold",
     "fedloom.client.ditto",
     "fedloom.client.feddyn",

@@ -85,7 +85,8 @@ class _FlatModule:
     def __init__(self, module: nn.Module, layout: Layout) -> None:
         self.module = copy.deepcopy(module)
         params = dict(self.module.named_parameters())
-        first = next(iter(params.values()))
+        # the trained tensors' dtype (a frozen base may hold another: model.base_dtype)
+        first = params[layout.tensors[0].name] if layout.tensors else next(iter(params.values()))
         # On the module's device: the run's (fedloom.device), or a worker's GPU.
         self.w = torch.zeros(layout.size, dtype=first.dtype, device=first.device)
         self.g = torch.zeros(layout.size, dtype=first.dtype, device=first.device)

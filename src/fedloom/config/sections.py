@@ -190,6 +190,12 @@ class ModelConfig:
     gguf_file: str = ""
     config: dict[str, Any] = _f({})
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    # hf_causal_lm: recompute each decoder layer's activations in the backward
+    # (transformers' gradient checkpointing): less memory, about one more forward
+    gradient_checkpointing: bool = False
+    # hf_causal_lm: the frozen base's dtype; "run" = the run's dtype. bfloat16 halves
+    # the base's memory; the adapters (the Layout) stay in the run's dtype
+    base_dtype: Literal["run", "bfloat16"] = "run"
 
 
 @dataclass

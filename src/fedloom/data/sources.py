@@ -72,6 +72,9 @@ class Dataset:
     # The user's name of each class (a CSV's string labels, in sorted order): class k
     # is classes[k]; the run directory keeps the mapping (labels.json).
     classes: list[str] | None = None
+    # Token data (a causal LM's windows): the tokens one sample puts through local
+    # training (its seq_len); 0 = not token data. summary.json's train_tokens_per_s.
+    tokens_per_sample: int = 0
 
     @property
     def input_shape(self) -> tuple[int, ...]:

@@ -107,7 +107,8 @@ def text(cfg: DataConfig, seed: int) -> Dataset:
                                  f"characters and 2 windows of {s.seq_len} tokens "
                                  "(data.text.min_chars, data.text.seq_len)")
     return Dataset("text", torch.from_numpy(np.concatenate(xs)),
-                   torch.from_numpy(np.concatenate(ys)), vocab, groups=np.concatenate(gs))
+                   torch.from_numpy(np.concatenate(ys)), vocab, groups=np.concatenate(gs),
+                   tokens_per_sample=s.seq_len)
 
 
 _SOURCES["text"] = SourceInfo(

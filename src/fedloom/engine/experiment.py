@@ -86,6 +86,7 @@ from fedloom.engine.server import server_round, server_rule
 from fedloom.engine.setup import Setup
 from fedloom.engine.uplink import client_postprocessors, uplink_round
 from fedloom.job import ClientResult
+from fedloom.system import samples_for_steps
 
 __all__ = ["Experiment"]
 
@@ -191,6 +192,12 @@ class Experiment(Setup):
             if ev.settings.finetune_steps:
                 metrics.update(ev.finetuned(out.w, r))
         metrics["train_s"] = t_train
+        per_sample = self.fed.dataset.tokens_per_sample
+        if per_sample:  # token data: what local training put through (train_tokens_per_s)
+            batch = self.cfg.client.batch_size
+            metrics["train_tokens"] = per_sample * sum(
+                samples_for_steps(res.steps, len(clients.fed.train[res.client]), batch)
+                for res in results)
         metrics["agg_s"] = t_agg
         metrics["wall_s"] = time.perf_counter() - t0
         privacy_state = account_privacy(self.privacy, plan, results, out.privacy_state,

@@ -214,7 +214,8 @@ class ProcessBackend:
         self.inner = inner
         self.on_failure, self.max_retries = on_failure, max_retries
         self.d = trainer.layout.size
-        self.dtype = next(trainer.module.parameters()).dtype
+        # the trained tensors' dtype (a frozen base may hold another: model.base_dtype)
+        self.dtype = dict(trainer.module.named_parameters())[trainer.layout.tensors[0].name].dtype
         self._out: torch.Tensor | None = None
         self._buf_id = 0
         self._seq = 0

@@ -51,8 +51,8 @@ from fedloom.engine.setup import Setup
 
 __all__ = ["CHECKPOINT_FILE", "CLIENT_ACC_FILE", "CONFIG_FILE", "LABELS_FILE", "METRICS_DIGEST",
            "METRICS_FILE", "MODEL_FILE", "PREVIOUS_CHECKPOINT_FILE", "SUMMARY_FILE",
-           "check_run_dir", "metrics_digest", "open_run_dir", "read_metrics", "save",
-           "write_outputs"]
+           "check_run_dir", "load_model", "metrics_digest", "model_blob", "open_run_dir",
+           "read_metrics", "save", "write_outputs"]
 
 log = logging.getLogger("fedloom")
 
@@ -451,13 +451,88 @@ def _set_aside(ckpt_dir: Path, why: str, round_: int, snap_files: set[str]) -> N
     log.warning("%s", msg)
 
 
+def _frozen_entries(module: torch.nn.Module, trained: Sequence[str]) -> list[str]:
+    """The ``state_dict`` keys of the parameters not in the Layout (a frozen base),
+    tied names included."""
+    keep = set(trained)
+    frozen = {id(p) for n, p in module.named_parameters() if n not in keep}
+    return [k for k, v in module.state_dict(keep_vars=True).items() if id(v) in frozen]
+
+
+def _tensors_sha256(tensors: Sequence[torch.Tensor]) -> str:
+    """SHA-256 of the tensors' bytes, in order (any dtype: bfloat16 has no numpy type)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def model_blob(exp: Setup, st: RunState) -> dict[str, Any]:
+    """``model.pt``'s content: the ``state_dict``, the flat vector ``w``, its tensor
+    names, and what :func:`load_model` rebuilds the module from (the config, the
+    input shape, the number of classes). A model built from the config with frozen
+    parameters (``hf_causal_lm``'s base) is saved without them: ``base_omitted``
+    names them and ``base_sha256`` is their hash, since the config rebuilds them (a
+    1B-parameter base is not written again for a run that trained a few MB of adapters)."""
+    ds = exp.fed.dataset
+    state = dict(exp.module.state_dict())
+    blob: dict[str, Any] = {"w": to_host(st.w), "names": exp.layout.names,
+                            "config": config_to_dict(exp.cfg),
+                            "in_shape": list(ds.input_shape), "num_classes": ds.num_classes,
+                            "model_from_config": exp.model_from_config}
+    frozen = _frozen_entries(exp.module, exp.layout.names) if exp.model_from_config else []
+    if frozen:
+        blob["base_omitted"] = frozen
+        blob["base_sha256"] = _tensors_sha256([state[k] for k in frozen])
+        state = {k: v for k, v in state.items() if k not in set(frozen)}
+    blob["state_dict"] = to_host(state)
+    return blob
+
+
+def load_model(path: str | Path, model: torch.nn.Module | None = None) -> torch.nn.Module:
+    """The final model of a run: ``path`` is its run directory or its ``model.pt``.
+
+    The module is ``model`` when given (the run's model was the caller's own), else
+    rebuilt from the saved config (on the CPU, in the run's dtype); the saved
+    ``state_dict`` is loaded into it. An adapters-only file (``base_omitted``) gets
+    its base from the rebuild, checked against ``base_sha256``: a ``model.path``
+    whose files changed since the run is refused in one line."""
+    from fedloom.models import build_model
+
+    p = Path(path)
+    file = p / MODEL_FILE if p.is_dir() else p
+    blob = torch.load(file, map_location="cpu", weights_only=True)
+    if model is None:
+        if not blob.get("model_from_config", False):
+            raise ValueError(f"{file}: the run's model was given in Python, not by its "
+                             "config; pass it as load_model(path, model=...)")
+        from fedloom.config import config_from_dict
+
+        cfg = config_from_dict(blob["config"])
+        dtype = {"float32": torch.float32, "float64": torch.float64}[cfg.dtype]
+        model = build_model(cfg.model, tuple(blob["in_shape"]), int(blob["num_classes"]),
+                            cfg.seed, dtype)
+    omitted = list(blob.get("base_omitted", []))
+    missing, unexpected = model.load_state_dict(blob["state_dict"], strict=not omitted)
+    if unexpected or set(missing) - set(omitted):
+        raise ValueError(f"{file}: the state_dict does not fit the model (missing "
+                         f"{sorted(set(missing) - set(omitted))[:3]}, unexpected "
+                         f"{sorted(unexpected)[:3]})")
+    if omitted:
+        state = model.state_dict()
+        if _tensors_sha256([state[k] for k in omitted]) != blob["base_sha256"]:
+            raise ValueError(f"{file}: the rebuilt base is not the run's (base_sha256 "
+                             "differs: model.path's files changed, or another seed)")
+    model.eval()
+    return model
+
+
 def write_outputs(exp: Setup, st: RunState, run_dir: Path, history: Sequence[dict[str, Any]],
                   summary: dict[str, Any]) -> None:
     """A finished run's files: the model (with its buffers), the summary, the
     per-client accuracies of the last evaluation and the plots."""
     buf = io.BytesIO()
-    torch.save({"state_dict": to_host(dict(exp.module.state_dict())), "w": to_host(st.w),
-                "names": exp.layout.names}, buf)
+    torch.save(model_blob(exp, st), buf)
     atomic_write_bytes(run_dir / MODEL_FILE, buf.getvalue())
     atomic_write_json(run_dir / SUMMARY_FILE, summary)
     per_client = {name: [None if not np.isfinite(a) else float(a) for a in arr]

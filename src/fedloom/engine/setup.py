@@ -180,6 +180,8 @@ class Setup:
     def _build_model(self, model: torch.nn.Module | Callable[[], torch.nn.Module] | None
                      ) -> None:
         cfg, ds = self.cfg, self.fed.dataset
+        # model.pt: a module built from the config is rebuilt from it (load_model)
+        self.model_from_config = model is None
         try:
             if model is None:
                 self.module = build_model(cfg.model, ds.input_shape, ds.num_classes, cfg.seed,

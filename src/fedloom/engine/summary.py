@@ -18,7 +18,7 @@ from fedloom.aggregate.base import default_server_lr
 from fedloom.buffers import buffers_sha256
 from fedloom.config import Config
 from fedloom.data.heterogeneity import heterogeneity
-from fedloom.device import describe, peak_memory_mb
+from fedloom.device import describe, peak_memory_mb, peak_rss_mb
 from fedloom.engine.runstate import RunState, model_sha256
 from fedloom.engine.setup import Setup, resolve_auto
 
@@ -131,6 +131,15 @@ def summarize(exp: Setup, st: RunState, history: list[dict[str, Any]],
     peak, kind = peak_memory_mb(exp.device)
     summary["peak_device_memory_mb"] = round(peak, 1)
     summary["peak_device_memory_kind"] = kind
+    # The process's peak RSS on any device (getrusage: since the process started,
+    # whatever else ran in it; on CUDA the host side, next to the device's peak)
+    summary["peak_rss_mb"] = round(peak_rss_mb(), 1)
+    tokens = [m["train_tokens"] for m in history if "train_tokens" in m]
+    if tokens:  # token data: the tokens of local training over its wall time (train_s)
+        train_s = sum(m.get("train_s", 0.0) for m in history if "train_tokens" in m)
+        summary["train_tokens_total"] = int(sum(tokens))
+        summary["train_tokens_per_s"] = (round(sum(tokens) / train_s, 1) if train_s > 0
+                                         else float("nan"))
     summary["threads"] = exp.threads
     worker = getattr(getattr(exp.backend, "chosen", None) or exp.backend, "worker_threads", None)
     if worker is not None:

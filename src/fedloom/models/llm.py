@@ -24,6 +24,14 @@ once per process: :meth:`CausalLM.__deepcopy__` shares frozen tensors, so the
 copies that trainers make (one per trainer, not per client) hold their own
 adapters over the same base storage.
 
+Speed and memory: ``model.gradient_checkpointing`` recomputes each decoder layer's
+activations in the backward (transformers' checkpointing, non-reentrant, in train
+mode); ``model.base_dtype: bfloat16`` holds the frozen base in bfloat16 while the
+adapters keep the run's dtype (the logits are cast back for the loss). The run's
+``model.pt`` holds the adapters, not the base, which the config rebuilds
+(:func:`fedloom.engine.rundir.load_model`); local AdamW is ``client.transforms:
+[{name: adamw}]`` (:mod:`fedloom.client.adamw`).
+
 The forward takes token ids ``[B, T]`` and returns logits as ``[B, V, T]`` — the
 class dimension second, as ``F.cross_entropy`` reads it with labels ``[B, T]`` —
 so local training's loss is the mean next-token cross-entropy unchanged.
@@ -63,14 +71,44 @@ class CausalLM(nn.Module):
     process); :meth:`fedloom_layer_groups` puts each adapter's ``A`` and ``B`` in one
     layer group."""
 
-    def __init__(self, lm: nn.Module) -> None:
+    def __init__(self, lm: nn.Module, base_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.lm = lm
+        # model.base_dtype: the frozen tensors' dtype whatever ``.to(dtype)`` asks
+        # (None: they follow the module, as any parameter)
+        self.base_dtype = base_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.lm(input_ids=x.long(), use_cache=False)
         logits: torch.Tensor = out.logits
+        if self.base_dtype is not None:
+            # a bfloat16 base gives bfloat16 logits: the loss is taken in the adapters' dtype
+            logits = logits.to(self.adapter_dtype())
         return logits.transpose(1, 2)
+
+    def adapter_dtype(self) -> torch.dtype:
+        """The adapters' dtype (the run's; ``requires_grad`` is no guide: evaluation
+        may load detached tensors)."""
+        return next((p.dtype for n, p in self.named_parameters() if ".lora_" in n),
+                    torch.float32)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> CausalLM:
+        # build_model casts the whole module to the run's dtype; a bfloat16 base is
+        # cast back here (the adapters keep the run's dtype, the Layout's)
+        super()._apply(fn, recurse)
+        self.cast_base()
+        return self
+
+    def cast_base(self) -> None:
+        """The frozen floating tensors of the base to ``base_dtype`` (when set); an
+        adapter's tensors keep theirs, frozen or not (FFA-LoRA's ``A``: peft feeds
+        ``A``'s output to ``B``, so the two share a dtype)."""
+        if self.base_dtype is None:
+            return
+        for name, p in self.named_parameters():
+            if (not p.requires_grad and p.is_floating_point() and ".lora_" not in name
+                    and p.dtype != self.base_dtype):
+                p.data = p.data.to(self.base_dtype)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CausalLM:
         # The frozen base is read-only everywhere in fedloom: a copy keeps the same
@@ -187,7 +225,27 @@ def build_causal_lm(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: in
     if len(in_shape) != 1:
         raise ValueError(f"model.name: hf_causal_lm reads token windows [seq_len] "
                          f"(data.name: text), not inputs of shape {tuple(in_shape)}")
-    module = CausalLM(_with_lora(_base(cfg, num_classes), cfg))
+    base = _base(cfg, num_classes)
+    if cfg.gradient_checkpointing:
+        # non-reentrant checkpointing: the adapters' gradients flow without peft's
+        # enable_input_require_grads (which only the reentrant variant needs); it acts
+        # in train mode only, as local training runs
+        kwargs = {"use_reentrant": False}
+        enable: Any = getattr(base, "activation_checkpointing_enable", None)
+        if enable is not None:  # the name in recent transformers (the old one warns)
+            enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            old: Any = getattr(base, "gradient_checkpointing_enable", None)
+            old(gradient_checkpointing_kwargs=kwargs)
+    lm = _with_lora(base, cfg)
+    base_dtype = None
+    if cfg.base_dtype == "bfloat16":
+        if cfg.lora.r == 0:
+            raise ValueError("model.base_dtype: bfloat16 is the frozen base's dtype; with "
+                             "model.lora.r: 0 every parameter trains (use client.amp: bf16)")
+        base_dtype = torch.bfloat16
+    module = CausalLM(lm, base_dtype)
+    module.cast_base()
     module.eval()
     return module
 
