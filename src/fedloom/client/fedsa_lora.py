@@ -15,9 +15,9 @@ layer group (a projection's ``A`` and ``B`` are one group): a sampled client
    ``B`` never moves from its zero start).
 
 Personal model for evaluation: the global ``A`` with the client's ``B``
-(``personal_acc_*``, ``personal_ppl_*`` where the model is a language model); a
-client never sampled is reported with the global model, whose ``B`` is zero, i.e.
-the base (``unsampled_acc_*``).
+(``personal_acc_*``, the token accuracy for a language model); a client never
+sampled is reported with the global model, whose ``B`` is zero, i.e. the base
+(``unsampled_acc_*``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,147 @@
+"""LoRA-aware methods in whole runs (issue #41 item 3): FedIT's product error, the exact
+aggregation, FedSA-LoRA and FFA-LoRA on a tiny random-init Llama over a fixture play
+(tests/test_llm.py's setting), alone and with the engine's other parts (CRAFT, robust
+rules, Top-k with error feedback)."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the llm extra (transformers) is not installed")
+pytest.importorskip("peft", reason="the llm extra (peft) is not installed")
+
+import fedloom
+from conftest import stop_and_resume
+from fedloom.config import ConfigError, ModelConfig
+from fedloom.data.shakespeare import NUM_CHARS
+from fedloom.models import build_model
+from test_llm import ADAPTERS, LAYERS, LORA, ROLES, TINY
+
+HEADER = 12  # an identity payload's 8-byte header and 4-byte CRC-32C trailer
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("plays")
+    blocks = [f"{role}.\n{line}\n" for _ in range(6) for role, line in ROLES.items()]
+    (d / "a_gut.txt").write_text("THE FIXTURE\n\n" + "\n".join(blocks))
+    return str(d)
+
+
+def config(corpus, rounds=2, method=None, train="both", **over):
+    client = {"lr": 0.5, "steps": 2, "batch_size": 4}
+    if method:
+        client["method"] = {"name": method}
+    cfg = {
+        "rounds": rounds, "seed": 0, "backend": "sequential",
+        "data": {"name": "text", "path": corpus, "partition": {"name": "natural"},
+                 "test_fraction": 0.25, "text": {"seq_len": 16, "min_chars": 200}},
+        "model": {"name": "hf_causal_lm", "config": dict(TINY),
+                  "lora": {**LORA, "train": train}},
+        "cohort": {"size": 2}, "client": client,
+        "eval": {"every": 1}, "checkpoint": {"every": 0},
+    }
+    cfg.update(over)
+    return cfg
+
+
+def adapters(module, which):
+    return {n: p.detach().clone() for n, p in module.named_parameters()
+            if f".lora_{which}." in n}
+
+
+def test_fedit_logs_the_product_error_each_round(corpus):
+    # (that its model is FedAvg's: tests/test_lora.py)
+    res = fedloom.run(config(corpus, rounds=2, aggregator={"name": "fedit"}))
+    errs = [m["lora_product_error"] for m in res.metrics]
+    # clients that train both factors do not share A: the error is small but not zero
+    assert all(0 < e < 1 for e in errs)
+    assert all(m["lora_product_error_max"] >= m["lora_product_error"] for m in res.metrics)
+
+
+def test_exact_aggregation_runs_and_truncates_less_than_fedit_misses(corpus):
+    res = fedloom.run(config(corpus, rounds=3, aggregator={"name": "lora_exact"}))
+    assert res.layout.size == ADAPTERS
+    for m in res.metrics:
+        assert 0 < m["lora_truncation_error"] < m["lora_product_error"] < 1
+    assert math.isfinite(res.metrics[-1]["test_loss"])
+    assert res.metrics[-1]["train_loss"] < res.metrics[0]["train_loss"]
+
+
+def test_exact_aggregation_resumes_bit_identically(corpus, tmp_path):
+    # its state (the A/B pairing) is checkpointed; evaluation at the end only, for time
+    cfg = config(corpus, rounds=2, aggregator={"name": "lora_exact"}, eval={"every": 2})
+    ref, res = stop_and_resume(cfg, [], tmp_path / "run", stop_after=1)
+    assert torch.equal(ref.w, res.w)
+
+
+def test_ffa_lora_sends_b_only_and_keeps_a(corpus):
+    cfg = ModelConfig(name="hf_causal_lm", config=dict(TINY))
+    cfg.lora.r, cfg.lora.alpha = LORA["r"], LORA["alpha"]
+    a_init = adapters(build_model(cfg, (16,), NUM_CHARS, 0), "A")  # the run's A draw
+    res = fedloom.run(config(corpus, rounds=2, train="b"))
+    assert res.layout.size == ADAPTERS // 2
+    assert all(".lora_B." in n for n in res.layout.names)
+    assert len(res.layout.groups) == LAYERS * 2  # still one group per adapted projection
+    # two clients a round: B's coordinates only, A's half of a dense update saved
+    assert [m["uplink_bytes"] for m in res.metrics] == [2 * (ADAPTERS // 2 * 4 + HEADER)] * 2
+    a_after = adapters(res.model, "A")
+    assert a_after.keys() == a_init.keys()
+    assert all(torch.equal(a_after[n], a_init[n]) for n in a_init)  # bit-equal
+    assert all(float(b.abs().sum()) > 0 for b in adapters(res.model, "B").values())
+    assert math.isfinite(res.metrics[-1]["test_loss"])
+
+
+def test_fedsa_lora_shares_a_and_keeps_each_clients_b(corpus):
+    res = fedloom.run(config(corpus, rounds=3, method="fedsa_lora"))
+    b = [t for t in res.layout if ".lora_B." in t.name]
+    a = [t for t in res.layout if ".lora_A." in t.name]
+    # the server's B never moves from LoRA's zero start; its A does
+    assert all(float(res.w[t.slice].abs().max()) == 0 for t in b)
+    init = adapters(build_model(_model_cfg(), (16,), NUM_CHARS, 0), "A")
+    moved = adapters(res.model, "A")
+    assert any(not torch.equal(moved[n], init[n]) for n in init)
+    assert len(a) == len(b) == LAYERS * 2
+    last = res.metrics[-1]
+    # evaluated on the personal models (the global A, each client's B) as FedPer is
+    assert last["personal_clients"] >= 2 and math.isfinite(last["personal_acc_mean"])
+
+
+def _model_cfg():
+    cfg = ModelConfig(name="hf_causal_lm", config=dict(TINY))
+    cfg.lora.r, cfg.lora.alpha = LORA["r"], LORA["alpha"]
+    return cfg
+
+
+def test_fedsa_lora_and_exact_refuse_b_only_adapters(corpus):
+    with pytest.raises(ConfigError, match=r"fedsa_lora needs LoRA adapters with both A and B"):
+        fedloom.run(config(corpus, rounds=1, method="fedsa_lora", train="b"))
+    # (the aggregator sees the layout when the run starts, after the config's checks)
+    with pytest.raises(ValueError, match=r"lora_exact: the model has no LoRA pair"):
+        fedloom.run(config(corpus, rounds=1, train="b", aggregator={"name": "lora_exact"}))
+
+
+TOPK = {"name": "topk", "options": {"ratio": 0.25}}
+
+
+@pytest.mark.parametrize("case", [
+    # Top-k with SA-PEF's feedback on FFA-LoRA's B and on the exact aggregation
+    {"train": "b", "compression": {**TOPK, "feedback": "sapef"}},
+    {"aggregator": {"name": "lora_exact"}, "compression": {**TOPK, "feedback": "sapef"}},
+    # EF21 under FedIT's error metric, FLARE's feedback with FedSA-LoRA
+    {"aggregator": {"name": "fedit"}, "compression": {**TOPK, "feedback": "ef21"}},
+    {"method": "fedsa_lora", "compression": {**TOPK, "feedback": "flare"}},
+    # CRAFT per adapted projection on FFA-LoRA's B; a robust rule with FedSA-LoRA
+    {"train": "b", "aggregator": {"name": "craft", "options": {"groups": "layer"}}},
+    {"method": "fedsa_lora", "aggregator": {"name": "median"}},
+], ids=["ffa+topk+sapef", "exact+topk+sapef", "fedit+topk+ef21", "fedsa+topk+flare",
+        "ffa+craft", "fedsa+median"])
+def test_composes_with_the_engine(corpus, case):
+    res = fedloom.run(config(corpus, rounds=2, **case))
+    d = ADAPTERS // 2 if case.get("train") == "b" else ADAPTERS
+    assert res.layout.size == d
+    last = res.metrics[-1]
+    assert math.isfinite(last["test_loss"]) and last["rejected_rounds_total"] == 0
+    if "compression" in case:  # a quarter of the coordinates: well under a dense payload
+        assert last["uplink_bytes"] < 2 * (d * 4 + HEADER) / 2
