@@ -93,6 +93,9 @@ class Rule:
 
 RULES = {
     "fedavg": Rule("convex", True),
+    # without LoRA pairs in the layout (these cohorts' layout), both are FedAvg
+    "fedit": Rule("convex", True),
+    "lora_exact": Rule("convex", True),
     "krum": Rule("convex", True),
     "qfedavg": Rule("convex", False),
     "fedfv": Rule("convex", True, solver=True),

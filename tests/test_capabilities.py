@@ -49,6 +49,10 @@ BEFORE: dict[tuple[str, str, tuple[tuple[str, Any], ...]], dict[str, Any]] = {
     ("aggregator", "median", ()): {},
     ("aggregator", "qfedavg", ()): {"requires": {"start_losses", "lr"}},
     ("aggregator", "trimmed_mean", ()): {},
+    # added since: LoRA's rules read the global model the rows are relative to
+    ("aggregator", "fedit", ()): {"requires": {"w"}, "linear": True, "dp_mean": True,
+                                  "weighted": True},
+    ("aggregator", "lora_exact", ()): {"requires": {"w"}, "weighted": True},
     ("compressor", "bf16", ()): {"linear": True},
     ("compressor", "fp16", ()): {"linear": True},
     ("compressor", "identity", ()): {"linear": True},
@@ -76,6 +80,7 @@ BEFORE: dict[tuple[str, str, tuple[tuple[str, Any], ...]], dict[str, Any]] = {
     # a flag added since: its local work is plain SGD with a term in the job (the
     # lock-step trainer runs it)
     ("method", "fedbabu", ()): {"batched": True},
+    ("method", "fedsa_lora", ()): {},
     **{("backend", b, ()): {} for b in ("auto", "lockstep", "sequential", "vmap")},
     ("backend", "process", ()): {"ships_indices": True},
     ("backend", "ray", ()): {"ships_indices": True},
@@ -93,13 +98,20 @@ def _layout() -> Layout:
                                                   torch.nn.Linear(3, 2)))
 
 
+def _lora_layout() -> Layout:
+    return Layout([("q.lora_A.default.weight", (2, 4)), ("q.lora_B.default.weight", (3, 2))],
+                  [["q.lora_A.default.weight", "q.lora_B.default.weight"]])
+
+
 def _built(kind: str, name: str, options: dict[str, Any]) -> Any:
     """The component as the engine holds it (a backend: its class, whose factory
     needs a trainer; the capabilities are class attributes)."""
     factory = get(kind, name)
     if kind == "backend":
         return typing.get_type_hints(factory)["return"]
-    extra = accepted_options(factory, {"layout": _layout()})
+    # FedSA-LoRA splits a LoRA adapter's A and B: a layout that has them
+    layout = _lora_layout() if name == "fedsa_lora" else _layout()
+    extra = accepted_options(factory, {"layout": layout})
     return build(kind, name, {**extra, **options}, f"{kind}.options")
 
 

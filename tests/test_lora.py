@@ -244,10 +244,13 @@ def test_exact_at_the_start_zero_b_is_finite(dtype):
     assert torch.isfinite(out).all()
 
 
-def test_exact_refuses_what_it_cannot_do():
+def test_exact_without_pairs_is_the_mean_and_refuses_what_it_cannot_do():
+    # B alone (FFA-LoRA's layout): the weighted mean, without the global model
     only_b = Layout([(f"{PROJ[0]}.lora_B.default.weight", (FOUT, R))])
-    with pytest.raises(ValueError, match=r"^lora_exact: the model has no LoRA pair"):
-        LoRAExact().init(only_b)
+    rows = torch.randn(3, only_b.size, dtype=torch.float64)
+    n = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    out, _, metrics = LoRAExact()(rows, n, LoRAExact().init(only_b), info=None)
+    assert torch.allclose(out, (n / n.sum()) @ rows) and metrics == {}
     with pytest.raises(ValueError, match=r"^aggregator\.options\.split: must be"):
         LoRAExact(split="svd")  # type: ignore[arg-type]
     lay = layout()

@@ -22,11 +22,14 @@ model the cohort's rows are relative to (``CohortInfo.w``, asked for with
 ``requires={"w"}``): ``B_k = B − g_{B,k}``, ``A_k = A − g_{A,k}``. Every product and
 factorisation is computed in float64 (a projection's ``[out, in]`` product at most;
 the SVD only of an ``[m r, m r]`` core). Coordinates outside any pair (a trainable
-tensor that is not an adapter) get the weighted mean.
+tensor that is not an adapter) get the weighted mean; a model without any pair
+(FFA-LoRA's ``model.lora.train: b``, whose shared ``A`` makes the mean of ``B``
+exact already, or a model without adapters) gets FedAvg from both rules.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,6 +45,8 @@ from fedloom.plain import state_type
 from fedloom.registry import register
 
 __all__ = ["FedIT", "LoRAExact", "LoRAPairs", "lora_pairs", "mean_product", "refactorise"]
+
+log = logging.getLogger("fedloom")
 
 # A singular value at or below this fraction of a projection's largest is read as zero:
 # the products are formed in float64 from float32 (or float64) factors, whose rounding
@@ -289,9 +294,10 @@ class LoRAExact:
     def init(self, layout: Layout) -> LoRAPairs:
         pairs = lora_pairs(layout)
         if not pairs.pairs:
-            raise ValueError("lora_exact: the model has no LoRA pair (lora_A and lora_B "
-                             "tensors in one layer group); with model.lora.train: b only B "
-                             "is trained and the mean of B is exact (fedavg)")
+            # not an error: with model.lora.train: b (A shared and frozen) the mean of B
+            # is already the mean of the products, and any other model has no product
+            log.warning("lora_exact: the model has no LoRA pair (lora_A and lora_B tensors "
+                        "in one layer group): the weighted mean (fedavg) on every coordinate")
         return pairs
 
     def __call__(
@@ -303,10 +309,12 @@ class LoRAExact:
         info: CohortInfo | None = None,
     ) -> tuple[torch.Tensor, LoRAPairs, Mapping[str, float]]:
         check_cohort("lora_exact", updates, weights)
-        w = _need_w("lora_exact", info, state.d)
         p = normalise_weights(weights if self.weighted else torch.ones_like(weights),
                               updates.dtype)
         out = p @ updates  # the mean where no pair is
+        if not state.pairs:
+            return out, state, {}
+        w = _need_w("lora_exact", info, state.d)
         p64 = p.detach().double().cpu()
         rows, w_host = updates.detach().cpu(), w.detach().cpu()
         num_fedit, trunc_sq, total_sq = 0.0, 0.0, 0.0

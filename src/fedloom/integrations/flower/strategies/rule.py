@@ -9,6 +9,7 @@ steps of the package docstring (:mod:`fedloom.integrations.flower.strategies`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -451,6 +452,8 @@ class FedloomRule(FedAvg):
         sl = self.state_layout
         assert sl is not None
         info = self._info(server_round, accepted)
+        if "w" in self.requires:  # the model the rows are relative to (row = w − w_k)
+            info = dataclasses.replace(info, w=w)
         weights = torch.tensor([r["n"] for r in accepted], dtype=self.dtype)
         try:
             agg, cand_state, metrics = self.aggregator(rows, weights, self.agg_state, info=info)
