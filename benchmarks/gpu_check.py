@@ -55,7 +55,17 @@ writes the report as it stands and exits 3):
    width 104, 59 tensors), m = 10 and 100 correlated random updates on the
    device, TF32 off (as fedloom sets it for a run), and CRAFT's constraint
    error ``max_i |⟨u_i, g⟩ − ρ_i|`` as CRAFT reports it.
-7. ``peak_memory`` — the peak device memory of each step (and of each
+7. ``llm`` — LoRA fine-tuning of a causal LM of SmolLM2-135M's shape
+   (:mod:`fedloom.models.llm` with ``model.config``: a random-init Llama of hidden
+   576, 30 layers, 9 heads, 3 key-value heads, intermediate 1536, vocabulary
+   49152, tied embeddings; 134.5M parameters), rank-8 adapters on ``q_proj`` and
+   ``v_proj``, token windows of 512, batch 8: tokens per second of a forward and
+   backward (median of 5 after 2 warm-up steps) and the peak device memory, with
+   the base in float32 and in bfloat16 (``model.base_dtype``), each with and
+   without ``model.gradient_checkpointing``. Without transformers and peft it is
+   "not available". ``--quick``: hidden 32, 2 layers, vocabulary 256, windows of
+   32, batch 2.
+8. ``peak_memory`` — the peak device memory of each step (and of each
    measurement inside it): ``torch.cuda.max_memory_allocated`` after a reset
    for in-process work; for Flower's actors, which are other processes, the
    device's used memory (``torch.cuda.mem_get_info``, every process, CUDA
@@ -108,12 +118,13 @@ import torch  # noqa: E402
 import workload  # noqa: E402
 
 PY = sys.executable
-STEPS = ("pytest_cuda", "quickstart", "round_time", "resnet", "pfl_cifar10", "aggregation")
+STEPS = ("pytest_cuda", "quickstart", "round_time", "resnet", "pfl_cifar10", "aggregation",
+         "llm")
 # Each step's share of --budget-s (seconds of the default 420); the rest is slack
 # for start-up (importing torch, creating the CUDA context) and writing the report.
 # A step may also use what the steps before it left unused, never the later ones' shares.
 SHARES = {"pytest_cuda": 60, "quickstart": 50, "round_time": 175, "resnet": 40,
-          "pfl_cifar10": 25, "aggregation": 35, "repro_flare_fc": 0}
+          "pfl_cifar10": 25, "aggregation": 35, "llm": 20, "repro_flare_fc": 0}
 # Not part of the default check (--repro-flare-fc adds it with its own --repro-budget-s).
 OPTIONAL_STEPS = ("repro_flare_fc",)
 DEFAULT_BUDGET = 420.0
@@ -890,10 +901,80 @@ def step_repro_flare_fc(ck: Check, rec: dict[str, Any]) -> None:
         ck.save()
 
 
+# ------------------------------------------------- 7. LoRA on a 135M causal LM
+# SmolLM2-135M's config.json (HuggingFaceTB/SmolLM2-135M), random init: the shape sets
+# the cost, not the weights
+SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+                "max_position_embeddings": 8192, "rope_theta": 100000.0,
+                "tie_word_embeddings": True}
+LLM_QUICK = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 256,
+             "max_position_embeddings": 64, "tie_word_embeddings": True}
+LLM_VARIANTS = {"float32": ("run", False), "float32_ckpt": ("run", True),
+                "bf16_base": ("bfloat16", False), "bf16_base_ckpt": ("bfloat16", True)}
+
+
+def llm_step_rate(module: torch.nn.Module, dev: torch.device, batch: int, seq: int,
+                  vocab: int, warmup: int, timed: int) -> dict[str, Any]:
+    """Tokens per second of forward + backward (train mode, next-token cross-entropy
+    over random tokens): the median of ``timed`` steps after ``warmup``."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(dev)
+    module.train()
+
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        logits = module(x[:, :-1])  # [B, V, T]
+        torch.nn.functional.cross_entropy(logits, x[:, 1:]).backward()
+
+    for _ in range(warmup):
+        step()
+    times = [_timed(step, dev) for _ in range(timed)]
+    med = statistics.median(times)
+    return {"step_s": round(med, 5), "tokens_per_s": round(batch * seq / med, 1),
+            "steps_timed": timed}
+
+
+def step_llm(ck: Check, rec: dict[str, Any]) -> None:
+    import importlib.util
+
+    for mod in ("transformers", "peft"):
+        if importlib.util.find_spec(mod) is None:
+            raise NotAvailable(f"{mod} is not installed (pip install 'fedloom[llm]')")
+    from fedloom.config import ModelConfig
+    from fedloom.models import build_model
+
+    quick = ck.args.quick
+    shape = LLM_QUICK if quick else SMOLLM2_135M
+    seq, batch = (32, 2) if quick else (512, 8)
+    warmup, timed = (1, 2) if quick else (2, 5)
+    vocab = int(shape["vocab_size"])
+    rec.update(model="SmolLM2-135M's shape, random init" if not quick else "toy Llama",
+               config=shape, lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+               seq_len=seq, batch_size=batch,
+               tf32_matmul=torch.backends.cuda.matmul.allow_tf32, results={})
+
+    def one(base_dtype: str, ckpt: bool) -> dict[str, Any]:
+        cfg = ModelConfig(name="hf_causal_lm", config=dict(shape), base_dtype=base_dtype,
+                          gradient_checkpointing=ckpt)
+        cfg.lora.r, cfg.lora.alpha = 8, 16
+        module = build_model(cfg, (seq,), vocab, seed=0).to(ck.dev)
+        params = list(module.parameters())
+        got = llm_step_rate(module, ck.dev, batch, seq, vocab, warmup, timed)
+        got.update(num_parameters=sum(p.numel() for p in params),
+                   trainable=sum(p.numel() for p in params if p.requires_grad))
+        del module, params
+        return got
+
+    for name, (base_dtype, ckpt) in LLM_VARIANTS.items():
+        ck.measure(rec["results"], name, lambda b=base_dtype, c=ckpt: one(b, c))
+
+
 STEP_FNS: dict[str, Callable[[Check, dict[str, Any]], None]] = {
     "pytest_cuda": step_pytest_cuda, "quickstart": step_quickstart,
     "round_time": step_round_time, "resnet": step_resnet, "pfl_cifar10": step_pfl_cifar10,
-    "aggregation": step_aggregation,
+    "aggregation": step_aggregation, "llm": step_llm,
     "repro_flare_fc": step_repro_flare_fc}
 
 
@@ -1132,7 +1213,28 @@ def markdown(res: dict[str, Any]) -> str:
                          f"{_f(row.get('craft_over_fedavg'), '×')} | "
                          f"{_f(_get(row, 'craft', 'max_violation'))} | {peaks} |")
         lines.append("")
-    lines += ["## 7. Peak memory of each step", "",
+    lm = st.get("llm")
+    if lm and lm.get("results"):
+        lines += ["## 7. LoRA on a causal LM", "",
+                  f"{lm['model']}: {lm['config']['num_hidden_layers']} layers, hidden "
+                  f"{lm['config']['hidden_size']}, vocabulary {lm['config']['vocab_size']}; "
+                  f"rank-8 adapters on q_proj and v_proj; windows of {lm['seq_len']} tokens, "
+                  f"batch {lm['batch_size']}; forward and backward, median step.", "",
+                  "| base | checkpointing | tokens/s | step (s) | peak MB | parameters "
+                  "(trainable) |", "|---|---|---|---|---|---|"]
+        for name, (base_dtype, ckpt) in LLM_VARIANTS.items():
+            r = lm["results"].get(name)
+            if r is None:
+                continue
+            if "error" in r:
+                lines.append(f"| {base_dtype} | {ckpt} | {r['error'][:200]} | | | |")
+                continue
+            lines.append(f"| {'float32' if base_dtype == 'run' else base_dtype} | "
+                         f"{'yes' if ckpt else 'no'} | {_f(r.get('tokens_per_s'))} | "
+                         f"{_f(r.get('step_s'))} | {_f(r.get('peak_device_mb'), nd=5)} | "
+                         f"{r.get('num_parameters', 0):,} ({r.get('trainable', 0):,}) |")
+        lines.append("")
+    lines += ["## 8. Peak memory of each step", "",
               "| step | MB | what it measures |", "|---|---|---|"]
     for name, pm in res.get("peak_memory", {}).items():
         lines.append(f"| {name} | {_f(pm['mb'], nd=5)} | {pm['measures']} |")

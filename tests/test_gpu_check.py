@@ -14,7 +14,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = {"pytest_cuda", "quickstart", "round_time", "resnet", "pfl_cifar10", "aggregation"}
+STEPS = {"pytest_cuda", "quickstart", "round_time", "resnet", "pfl_cifar10", "aggregation",
+         "llm"}
 
 
 def _module():
@@ -191,6 +192,28 @@ def test_a_step_past_its_budget_keeps_its_figures_and_its_child_is_killed(tmp_pa
     assert rec["seconds"] < 10 and not ck.children
     with pytest.raises(ProcessLookupError):  # killed and reaped
         os.kill(int(pid_file.read_text()), 0)
+
+
+def test_the_llm_step_measures_each_variant_at_toy_size(tmp_path):
+    """Step 7 on the CPU at --quick sizes: tokens per second and peak memory of the
+    four variants (base float32 / bfloat16, checkpointing off / on), one model size."""
+    import argparse
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    mod = _module()
+    ck = mod.Check(argparse.Namespace(budget_s=300.0, quick=True, out=str(tmp_path)),
+                   torch.device("cpu"))
+    ck.step("llm", mod.step_llm)
+    rec = json.loads(ck.json_path.read_text())["steps"]["llm"]
+    assert rec["status"] == "ok", rec.get("reason")
+    assert set(rec["results"]) == set(mod.LLM_VARIANTS)
+    rows = rec["results"].values()
+    assert all(r["tokens_per_s"] > 0 and r["peak_device_mb"] > 0 for r in rows)
+    # rank-8 adapters on q_proj [32→32] and v_proj [32→16] of 2 layers
+    assert {(r["num_parameters"], r["trainable"]) for r in rows} == {
+        (next(iter(rows))["num_parameters"], 2 * (8 * 32 + 32 * 8 + 8 * 32 + 16 * 8))}
+    assert "## 7. LoRA on a causal LM" in ck.md_path.read_text()
 
 
 @pytest.mark.slow  # three FLARE/EC/EF21 runs in a subprocess: make test-all

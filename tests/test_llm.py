@@ -205,10 +205,15 @@ def test_full_loss_is_per_token(corpus):
     assert math.isclose(loss, math.log(NUM_CHARS), rel_tol=0.05)  # a random model's
 
 
-def _tiny_gguf(path, vocab=96):
-    """A tiny Llama written as GGUF (float32 tensors, llama.cpp's names)."""
+def _tiny_gguf(path, vocab=96, tokens=None):
+    """A tiny Llama written as GGUF (float32 tensors, llama.cpp's names); ``tokens``:
+    its sentencepiece-style vocabulary (``<unk>``, ``<s>``, ``</s>`` first), else
+    ``vocab`` placeholder tokens."""
     import numpy as np
     from gguf import GGUFWriter
+
+    if tokens is not None:
+        vocab = len(tokens)
 
     ffn, heads = TINY["intermediate_size"], TINY["num_attention_heads"]
     w = GGUFWriter(str(path), "llama")
@@ -222,9 +227,16 @@ def _tiny_gguf(path, vocab=96):
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(vocab)
     w.add_tokenizer_model("llama")
-    w.add_token_list([f"<{i}>" for i in range(vocab)])
+    if tokens is None:
+        w.add_token_list([f"<{i}>" for i in range(vocab)])
+        w.add_token_types([1] * vocab)
+    else:  # llama.cpp's token types: 2 unknown, 3 control, 1 normal
+        w.add_token_list(tokens)
+        w.add_token_types([2, 3, 3] + [1] * (vocab - 3))
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
     w.add_token_scores([0.0] * vocab)
-    w.add_token_types([1] * vocab)
     rng = np.random.default_rng(0)
     shapes = {"token_embd": (vocab, HIDDEN), "output_norm": (HIDDEN,), "output": (vocab, HIDDEN)}
     for i in range(LAYERS):
@@ -257,6 +269,31 @@ def test_a_gguf_file_loads_frozen_with_adapters(corpus, tmp_path):
     assert not embed.requires_grad
     assert torch.equal(embed, torch.from_numpy(tensors["token_embd"]))  # the file's weights
     assert math.isfinite(res.metrics[-1]["test_loss"])
+
+
+def test_a_gguf_files_own_tokenizer_makes_the_windows(corpus, tmp_path):
+    # data.text.tokenizer and model.gguf_file naming one file, as for a published
+    # GGUF model: the windows are the file's token ids (a character vocabulary here,
+    # "▁" the space, as sentencepiece spells it)
+    pytest.importorskip("gguf", reason="GGUF files need the gguf package (the llm extra)")
+    chars = sorted(set("".join(ROLES.values())) - {" "})
+    tokens = ["<unk>", "<s>", "</s>", "\u2581", *chars]
+    _tiny_gguf(tmp_path / "tok.gguf", tokens=tokens)
+    cfg = DataConfig(name="text", path=corpus, text=TextConfig(
+        seq_len=16, min_chars=200, tokenizer=str(tmp_path / "tok.gguf")))
+    ds = text(cfg, seed=0)
+    assert ds.num_classes == len(tokens)
+    first = sorted(ROLES)[0]
+    speech = parse_play(open(f"{corpus}/a_gut.txt").read())[first]
+    # sentencepiece's prefix space first, then one token a character
+    want = ["\u2581"] + ["\u2581" if c == " " else c for c in speech[:15]]
+    assert [tokens[i] for i in ds.x[0].tolist()] == want
+    assert torch.equal(ds.x[0, 1:], ds.y[0, :-1])
+    run = config(corpus, rounds=1)
+    run["data"]["text"]["tokenizer"] = str(tmp_path / "tok.gguf")
+    run["model"] = {"name": "hf_causal_lm", "gguf_file": str(tmp_path / "tok.gguf"),
+                    "lora": dict(LORA)}
+    assert math.isfinite(fedloom.run(run).metrics[-1]["test_loss"])
 
 
 def test_image_data_is_refused_in_one_line():
