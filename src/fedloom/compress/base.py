@@ -29,6 +29,7 @@ import warnings
 from typing import Protocol
 
 import google_crc32c
+import numpy as np
 import torch
 
 from fedloom.capabilities import CompressorCaps
@@ -57,9 +58,13 @@ class PayloadError(ValueError):
     """A payload that cannot be decoded (truncated, oversized, corrupt)."""
 
 
-def crc32c(data: bytes | bytearray | memoryview) -> int:
-    """CRC-32C (Castagnoli) of ``data``."""
-    return int(google_crc32c.value(bytes(data)))
+def crc32c(data: bytes | bytearray | memoryview | np.ndarray, crc: int = 0) -> int:
+    """CRC-32C (Castagnoli) of ``data``, continuing ``crc`` (the CRC of the bytes
+    before it). Read in place: google-crc32c takes ``bytes`` or a NumPy array, not a
+    memoryview or bytearray, which are read through a NumPy view rather than copied
+    (a payload's CRC was one more copy of its body)."""
+    buf = data if isinstance(data, bytes | np.ndarray) else np.frombuffer(data, np.uint8)
+    return int(google_crc32c.extend(crc, buf) if crc else google_crc32c.value(buf))
 
 
 def check_checksum_option(checksum: object) -> bool:
@@ -109,10 +114,17 @@ def pack_header(codec: int, d: int, checksum: bool = False) -> bytes:
     return HEADER.pack(MAGIC, VERSION_CRC if checksum else VERSION, codec, d)
 
 
-def pack(codec: int, d: int, body: bytes, checksum: bool) -> bytes:
-    """Header, body and (with ``checksum``) the CRC-32C trailer."""
-    out = pack_header(codec, d, checksum) + body
-    return out + TRAILER.pack(crc32c(out)) if checksum else out
+def pack(codec: int, d: int, body: bytes | np.ndarray, checksum: bool) -> bytes:
+    """Header, body and (with ``checksum``) the CRC-32C trailer. ``body`` may be a
+    contiguous NumPy array (its bytes in memory order): the CRC reads it in place
+    and the payload is written in one join, so the body is copied once."""
+    head = pack_header(codec, d, checksum)
+    # an array's buffer, read by join without a copy of its own
+    body_buf = memoryview(body) if isinstance(body, np.ndarray) else body  # type: ignore[arg-type]
+    if not checksum:
+        return b"".join((head, body_buf))
+    crc = crc32c(body, crc32c(head)) if len(body) else crc32c(head)
+    return b"".join((head, body_buf, TRAILER.pack(crc)))
 
 
 def unpack_header(

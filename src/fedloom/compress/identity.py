@@ -6,6 +6,8 @@ Payload: 8-byte header + ``4 d`` bytes (+ the 4-byte CRC-32C trailer unless
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -38,14 +40,34 @@ class Identity:
         sent = x.detach().to(torch.float32)
         if x.dtype == torch.float64:  # a finite float64 entry beyond float32 is not sent as ±inf
             check_fits(x.detach(), sent, "identity", "float32")
+        # The tensor's own buffer where it already is contiguous float32 on the host:
+        # the CRC reads it in place and the payload is its one copy.
         body = sent.contiguous().cpu().numpy().astype("<f4", copy=False)
-        return pack(CODEC_IDENTITY, x.shape[0], body.tobytes(), self.checksum)
+        return pack(CODEC_IDENTITY, x.shape[0], body, self.checksum)
 
-    def decode(self, payload: bytes, d: int | None = None) -> torch.Tensor:
+    def _body(self, payload: bytes, d: int | None) -> np.ndarray:
+        """The checked payload's values, a read-only view of its bytes."""
         d, body = unpack_header(payload, CODEC_IDENTITY, d, self.checksum)
         if len(body) != 4 * d:
             raise PayloadError(f"identity payload: body has {len(body)} bytes, expected {4 * d}")
-        return torch.from_numpy(np.frombuffer(body, dtype="<f4").astype(np.float32))
+        return np.frombuffer(body, dtype="<f4")
+
+    def decode(self, payload: bytes, d: int | None = None) -> torch.Tensor:
+        return torch.from_numpy(self._body(payload, d).astype(np.float32))
+
+    def decode_into(self, payload: bytes, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` written into ``out`` (a vector of the expected size, any
+        float dtype and device): the payload's values are read in place and copied
+        once, where ``decode`` then a copy into the server's rows copied them twice.
+        Returns ``out``."""
+        vals = self._body(payload, out.shape[0])
+        if not vals.dtype.isnative:  # a big-endian host: the one place a copy is made
+            vals = vals.astype(np.float32)
+        # a read-only view: torch warns on (but nothing here writes through) such an array
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            out.copy_(torch.from_numpy(vals))
+        return out
 
 
 @register("compressor", "identity")

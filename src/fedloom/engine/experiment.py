@@ -72,7 +72,7 @@ from fedloom.capabilities import backend_caps
 from fedloom.compress.feedback import UplinkResult
 from fedloom.engine.dispatch import plan_round
 from fedloom.engine.fields import FEEDBACK
-from fedloom.engine.receive import receive
+from fedloom.engine.receive import RowBuffer, receive
 from fedloom.engine.record import (
     account_privacy,
     add_totals,
@@ -156,7 +156,12 @@ class Experiment(Setup):
         deadline, where it is on)."""
         r = plan.round
         algo, space, clients = self.algorithm, self.space, self.clients
-        rx = receive(algo, space, self.rules, self.downlink_size, st, plan, results, ups)
+        # the server's [m, d] rows: one buffer for the run, written over every round
+        rows = self.__dict__.get("_row_buffer")
+        if rows is None:
+            rows = self.__dict__["_row_buffer"] = RowBuffer()
+        rx = receive(algo, space, self.rules, self.downlink_size, st, plan, results, ups,
+                     rows)
         t1 = time.perf_counter()
         out = server_round(algo, server_rule(self.privacy, algo.aggregator), space,
                            clients.num_clients, st, plan, results, ups, rx)

@@ -41,7 +41,7 @@ from fedloom.engine.screen import (
 )
 from fedloom.job import ClientResult
 
-__all__ = ["Received", "receive"]
+__all__ = ["Received", "RowBuffer", "receive"]
 
 log = logging.getLogger("fedloom")
 
@@ -66,14 +66,15 @@ class Received:
 
 def receive(algo: Algorithm, space: ModelSpace, rules: ScreenRules, downlink_size: int,
             st: RunState, plan: RoundPlan, results: Sequence[ClientResult],
-            ups: Sequence[UplinkResult]) -> Received:
+            ups: Sequence[UplinkResult], buffer: RowBuffer | None = None) -> Received:
     """Decode, screen and clip the kept clients' payloads (``downlink_size``: the
-    bytes of one broadcast, counted for every planned client)."""
+    bytes of one broadcast, counted for every planned client; ``buffer``: where the
+    rows are written, reused across rounds, :class:`RowBuffer`)."""
     refused = plan.refused
     sent = [u for i, u in enumerate(ups) if i not in refused]
     density = (float(np.mean([coordinates_sent(u.payload) for u in sent])) / space.layout.size
                if sent else float("nan"))
-    rows, undecodable = _decode(algo.feedback, space, st, plan, ups)
+    rows, undecodable = _decode(algo.feedback, space, st, plan, ups, buffer)
     reasons = {**refused, **undecodable}
     # With a size rule on, one norm pass also tells the non-finite rows.
     norms = row_norms(rows) if rules.sized else None
@@ -94,6 +95,10 @@ def receive(algo: Algorithm, space: ModelSpace, rules: ScreenRules, downlink_siz
             finite[i] = False
             reasons[i] = why
         if rules.clip_norm is not None:
+            # a payload's decoded vector is what it sent, before the server clips
+            for u in ups:
+                if u.sent is not None and u.sent.numel() and _shares(u.sent, rows):
+                    u.sent = u.sent.clone()
             clipped = clip_rows(rows, norms, finite, rules.clip_norm)
     cohort = plan.cohort
     rejected = [int(cohort[i]) for i in sorted(reasons)]
@@ -117,6 +122,11 @@ def receive(algo: Algorithm, space: ModelSpace, rules: ScreenRules, downlink_siz
                     downlink_size * len(plan.jobs), density, steps, start)
 
 
+def _shares(t: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether ``t`` is one of ``rows``' rows (a decode straight into the buffer)."""
+    return t.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()
+
+
 def _loss(v: object) -> float:
     """A training loss for the round's metrics (NaN where it is not a finite number)."""
     return float(v) if loss_reason("loss", v) is None else float("nan")  # type: ignore[arg-type]
@@ -137,26 +147,58 @@ def _reject_absurd_numbers(results: Sequence[ClientResult], finite: torch.Tensor
             reasons[i] = why
 
 
+class RowBuffer:
+    """The server's ``[m, d]`` rows, one allocation reused round after round.
+
+    A fresh ``m × d`` matrix a round (``torch.stack`` of the decoded rows) cost a
+    copy of every row and, being new memory each time, first-touch page faults on
+    all of it (0.4 s a round at 50 clients × 1.6M parameters). The buffer grows
+    when a cohort is larger than any before, and is replaced when ``d``, the dtype
+    or the device change; :meth:`rows` is its first ``m`` rows. A round's rows are
+    valid until the next round's :func:`receive` writes over them: nothing the
+    server keeps past a round refers to them (aggregator and feedback states copy).
+    """
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def rows(self, m: int, d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        b = self._buf
+        if (b is None or b.shape[0] < m or b.shape[1] != d or b.dtype != dtype
+                or b.device != torch.device(device)):
+            b = self._buf = torch.empty((m, d), dtype=dtype, device=device)
+        return b[:m]
+
+
 def _decode(feedback: Any, space: ModelSpace, st: RunState, plan: RoundPlan,
-            ups: Sequence[UplinkResult]) -> tuple[torch.Tensor, dict[int, str]]:
+            ups: Sequence[UplinkResult], buffer: RowBuffer | None = None
+            ) -> tuple[torch.Tensor, dict[int, str]]:
     """The server half of the uplink: each payload decoded here, with the round's
     compressor (never the client's own decode), then the feedback policy's
     ``server_row``. Returns the ``[m, d]`` rows the aggregator would receive (zeros
     for refused clients and for those whose payload does not decode) and why each
-    of the latter was rejected."""
+    of the latter was rejected. The rows are written into ``buffer``'s (a fresh
+    matrix without one); a compressor with ``decode_into`` decodes straight into
+    its row, which then is the payload's ``sent`` vector too."""
     d = space.layout.size
-    zeros = torch.zeros(d, dtype=space.dtype, device=space.device)
+    rows = (buffer.rows(len(ups), d, space.dtype, space.device) if buffer is not None
+            else torch.empty((len(ups), d), dtype=space.dtype, device=space.device))
+    comp = plan.comp
+    into = getattr(comp, "decode_into", None)
     failed: dict[int, str] = {}
-    row_list = []
     for i, u in enumerate(ups):
+        out = rows[i]
         if i in plan.refused:
-            row_list.append(zeros)
+            out.zero_()
             continue
         try:
-            u.sent = plan.comp.decode(u.payload, d).to(space.device, space.dtype)
+            if into is not None:
+                u.sent = into(u.payload, out)
+            else:
+                u.sent = comp.decode(u.payload, d).to(space.device, space.dtype)
         except (ValueError, ArithmeticError, struct.error) as e:
             failed[i] = f"payload could not be decoded ({first_line(e)})"
-            row_list.append(zeros)
+            out.zero_()
             continue
         row = feedback.server_row(u, plan.fb_rows[i], st.feedback_state)
         # the event-driven modes' staleness (fedloom.engine.events): FedAsync's
@@ -166,9 +208,8 @@ def _decode(feedback: Any, space: ModelSpace, st: RunState, plan: RoundPlan,
             row = row + shift
         if plan.row_scales is not None:
             row = row * plan.row_scales[i]
-        row_list.append(row)
-    rows = (torch.stack(row_list) if row_list
-            else torch.empty((0, d), device=space.device)).to(space.dtype)
+        if row is not out:  # the decoded row itself is already in place
+            out.copy_(row)
     return rows, failed
 
 
