@@ -212,6 +212,19 @@ def test_exact_matches_floras_stacking():
         assert torch.allclose(b @ a, b1 @ a1, atol=1e-12)
 
 
+def test_exact_when_the_clients_a_cancel_in_the_mean():
+    # A_2 = −A_1, B_2 = −B_1: FedAvg's Ā and B̄ are zero, the mean product is B_1 A_1
+    # (rank r); the closest split has nothing to project, the balanced one carries it
+    lay = layout(extra=False)
+    w, (w1,) = draw(lay, 1, seed=7)
+    new, metrics = exact_step(lay, w, [w1, -w1])
+    for proj, (a, b) in factors(lay, new).items():
+        a1, b1 = factors(lay, w1)[proj]
+        assert torch.allclose(b @ a, b1 @ a1, atol=1e-12)
+    assert metrics["lora_truncation_error"] < 1e-12
+    assert math.isclose(metrics["lora_product_error"], 1.0, rel_tol=1e-12)  # B̄Ā = 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_exact_at_the_start_zero_b_is_finite(dtype):
     # LoRA's start: B = 0 on the server and on every client (no step taken yet): M = 0

@@ -52,6 +52,13 @@ log = logging.getLogger("fedloom")
 # the products are formed in float64 from float32 (or float64) factors, whose rounding
 # is about 1e-16 of the largest; 1e-12 leaves four orders of margin.
 _RANK_TOL = 1e-12
+# The closest split is kept when B'A' is M_r to this relative accuracy (float64
+# rounding is ~1e-15 of it); else C was singular and the balanced split is used.
+_EXACT_TOL = 1e-8
+# ... and when the part of Ā it keeps on M's row space is at least this fraction of the
+# clients' A_k (a root-mean-square row norm): B' grows as its inverse, and float32's
+# 1e-7 of A in the next global model becomes about 1e-4 of the product at this bound.
+_COND_TOL = 1e-3
 Pair = tuple[int, int, int, int, int]  # a_offset, r, fan_in, b_offset, fan_out
 
 
@@ -130,10 +137,13 @@ def refactorise(p: torch.Tensor, ak: torch.Tensor, bk: torch.Tensor,
 
     ``split="closest"``: ``A'`` is the FedAvg ``Ā = Σ p_k A_k`` projected onto the row
     space of ``M_r`` (completed, where ``M_r`` has rank ``q < r``, by the part of
-    ``Ā``'s row space outside it), the exact factorisation whose ``A'`` is nearest
-    ``Ā``; ``B' = M_r A'⁺``. It is FedAvg whenever the clients share ``A`` (then
-    ``M = B̄A``), and it gives back ``(A, B)`` when every client sends the same pair;
-    ``M = 0`` (every ``B_k`` zero, as at the start) gives ``(Ā, 0)``.
+    ``Ā``'s row space outside it), ``B' = M_r A'⁺``: where ``M_r`` has rank ``r``, the
+    exact factorisation whose ``A'`` is nearest ``Ā``. It is FedAvg whenever the
+    clients share ``A`` (then ``M = B̄A``), and it gives back ``(A, B)`` when every
+    client sends the same pair; ``M = 0`` (every ``B_k`` zero, as at the start) gives
+    ``(Ā, 0)``. Where ``Ā`` is (nearly) orthogonal to ``M``'s row space (the clients'
+    ``A_k`` cancel in their mean) no such ``A'`` carries ``M_r``, and that projection
+    gets the balanced split.
     ``split="balanced"``: ``B' = U_r √S_r``, ``A' = √S_r V_rᵀ``; both factors carry
     ``√σ``, so a small product makes a small ``A`` too (and ``M = 0`` makes ``A' = 0``,
     from which LoRA's gradients are zero).
@@ -147,11 +157,7 @@ def refactorise(p: torch.Tensor, ak: torch.Tensor, bk: torch.Tensor,
     big = float(s[0]) if s.numel() else 0.0
     q = int((kept > big * _RANK_TOL).sum()) if big > 0 else 0
     if split == "balanced":
-        root = kept.clamp(min=0).sqrt()
-        a_new = torch.zeros(r, fin, dtype=torch.float64)
-        b_new = torch.zeros(bk.shape[1], r, dtype=torch.float64)
-        a_new[: kept.numel()] = root.unsqueeze(1) * v[:, : kept.numel()].T
-        b_new[:, : kept.numel()] = u[:, : kept.numel()] * root
+        a_new, b_new = _balanced(u, kept, v, r, fin)
         return a_new, b_new, trunc, total
     a_bar = torch.einsum("k,kri->ri", p, ak)
     vq = v[:, :q]
@@ -166,7 +172,29 @@ def refactorise(p: torch.Tensor, ak: torch.Tensor, bk: torch.Tensor,
     a_new = c @ vq.T                                  # Ā projected onto span(vq)
     # B' = U_q S_q V_qᵀ A'⁺ with A'⁺ = vq C⁺: U_q S_q times the first q rows of C⁺
     b_new = (u[:, :q] * s[:q]) @ torch.linalg.pinv(c)[:q]
+    if q:
+        # Ā (nearly) orthogonal to M's row space (clients' A_k that cancel in the mean)
+        # makes C (nearly) singular: B'A' misses M_r, or A' is tiny and B' huge (float32
+        # then loses A' in w − Δ). That projection gets the balanced split.
+        a_rms = math.sqrt(float(torch.einsum("k,kri->", p, ak * ak)) / r)
+        c_min = float(torch.linalg.svdvals(c[:, :q])[-1])
+        m_r = (u[:, :q] * s[:q]) @ v[:, :q].T
+        if c_min <= _COND_TOL * a_rms or float(((b_new @ a_new - m_r) ** 2).sum()) > (
+                _EXACT_TOL ** 2 * float((s[:q] ** 2).sum())):
+            a_new, b_new = _balanced(u, kept, v, r, fin)
     return a_new, b_new, trunc, total
+
+
+def _balanced(u: torch.Tensor, kept: torch.Tensor, v: torch.Tensor, r: int, fin: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A' = √S_r V_rᵀ``, ``B' = U_r √S_r`` (zero rows and columns past ``M``'s rank)."""
+    k = kept.numel()
+    root = kept.clamp(min=0).sqrt()
+    a_new = torch.zeros(r, fin, dtype=torch.float64)
+    b_new = torch.zeros(u.shape[0], r, dtype=torch.float64)
+    a_new[:k] = root.unsqueeze(1) * v[:, :k].T
+    b_new[:, :k] = u[:, :k] * root
+    return a_new, b_new
 
 
 def _ratio(num_sq: float, den_sq: float) -> float:
@@ -254,8 +282,11 @@ class LoRAExact:
     truncation of ``M`` (whose rank is up to ``m r``), logged each round as
     ``lora_truncation_error`` = ``‖M − M_r‖_F / ‖M‖_F`` pooled over the projections
     (with ``lora_product_error``, FedIT's error on the same cohort, for comparison).
-    In tests/test_lora.py's tiny Llama (rank 2, 2 clients a round, 3 rounds) the
-    truncation error stays below FedIT's product error in every round.
+    The truncation error is never above FedIT's: ``B̄Ā`` has rank at most ``r`` and
+    ``M_r`` is the nearest rank-``r`` matrix to ``M`` (Eckart–Young), per projection.
+    With configs/llm/tiny.yaml (10 rounds) it went 0.0020 → 0.0003 while FedIT's went
+    0.0030 → 0.0005, and the test perplexity matched FedAvg's to 0.01
+    (docs/howto/llm.md).
 
     Reference:
         paper: the exact aggregation FLoRA (Wang et al., "FLoRA: Federated Fine-Tuning
