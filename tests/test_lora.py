@@ -10,6 +10,7 @@ import torch
 
 from fedloom.aggregate.base import CohortInfo, make_aggregator
 from fedloom.aggregate.lora import LoRAExact, lora_pairs
+from fedloom.client.fedsa_lora import FedSALoRA
 from fedloom.params import Layout
 
 R, FIN, FOUT = 2, 6, 5   # rank, in and out features of each adapted projection
@@ -274,3 +275,21 @@ def test_exact_without_pairs_is_the_mean_and_refuses_what_it_cannot_do():
             info=None)
     assert LoRAExact().capabilities.requires == frozenset({"w"})
     assert not LoRAExact().capabilities.linear
+
+
+def test_fedsa_lora_keeps_exactly_the_b_coordinates():
+    lay = layout()
+    b = torch.zeros(lay.size, dtype=torch.bool)
+    for t in lay:
+        if ".lora_B." in t.name:
+            b[t.slice] = True
+    assert torch.equal(FedSALoRA(lay).mask.bool(), b)
+    a = torch.zeros_like(b)
+    for t in lay:
+        if ".lora_A." in t.name:
+            a[t.slice] = True
+    assert torch.equal(FedSALoRA(lay, keep="A").mask.bool(), a)  # the paper's ablation
+    # the head (no adapter) is shared either way; a model without A or B is refused
+    assert not FedSALoRA(lay).mask[-3:].any()
+    with pytest.raises(ValueError, match=r"^client\.method: fedsa_lora needs LoRA adapters"):
+        FedSALoRA(Layout([(f"{PROJ[0]}.lora_B.default.weight", (FOUT, R))]))

@@ -228,6 +228,10 @@ class FedIT(FedAvg):
             adapter vector; tests/test_lora.py compares the two).
         departures: the error metric is fedloom's (the paper does not measure it); it
             costs one ``[out, in]`` product a projection (``measure=False`` skips it).
+            It reads each client's row: under ``server.secure_aggregation`` a sum-only
+            server could not compute it (the simulation does; the direction is the
+            sum's), and with ``privacy.mode: central`` the rule is not called, so it is
+            not logged.
     """
 
     def __init__(self, weighted: bool = True, measure: bool = True) -> None:
