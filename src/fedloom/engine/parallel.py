@@ -118,6 +118,16 @@ def _train_group(blob: bytes, out: torch.Tensor, rows: list[int]) -> bytes:
 _IN_SHARED = torch.empty(0)  # marks an update that was written to the shared buffer
 
 
+def _use_count(t: torch.Tensor) -> int:
+    """References to ``t``'s storage (every view of it holds one). Without torch's
+    counter (a private function) every buffer counts as still in use: a new one a
+    round, as safe as a copy of every row."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:  # pragma: no cover (present in torch 2.x)
+        return 1 << 30
+    return int(count(t.untyped_storage()._cdata))
+
+
 class _RemoteTraceback(Exception):
     """The worker's traceback, attached as the cause of the error it raised."""
 
@@ -217,6 +227,7 @@ class ProcessBackend:
         # the trained tensors' dtype (a frozen base may hold another: model.base_dtype)
         self.dtype = dict(trainer.module.named_parameters())[trainer.layout.tensors[0].name].dtype
         self._out: torch.Tensor | None = None
+        self._out_refs = 0  # the buffer's storage use count with no row handed out
         self._buf_id = 0
         self._seq = 0
         # Tensors sent at start-up go through shared memory (torch's reducers), from
@@ -264,8 +275,14 @@ class ProcessBackend:
 
     # ------------------------------------------------------------------ rounds
     def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
-        if self._out is None or self._out.shape[0] < len(jobs):
+        # The updates are handed out as rows of the shared buffer, not copies of them
+        # (a copy of every update a round, done serially in this process, cost as much
+        # as the uplink). A buffer some of whose rows are still referenced (a caller
+        # that keeps last round's results) is left to them and a new one is made.
+        if (self._out is None or self._out.shape[0] < len(jobs)
+                or _use_count(self._out) > self._out_refs):
             self._out = torch.empty((len(jobs), self.d), dtype=self.dtype).share_memory_()
+            self._out_refs = _use_count(self._out)
             self._buf_id += 1
         self._seq += 1
         try:
@@ -320,7 +337,7 @@ class ProcessBackend:
                         g = busy.pop(i)
                         for j, res in zip(g, pickle.loads(msg[2]), strict=True):
                             if res is not None and res.update.numel() == 0 and self.d > 0:
-                                res.update = buf[j].clone()  # the buffer is reused next round
+                                res.update = buf[j]  # valid while the caller holds it
                             out[j] = res
                     continue  # "ready", or a late reply to an abandoned round
                 if w.proc.is_alive() and not w.conn.closed:
