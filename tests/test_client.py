@@ -81,7 +81,8 @@ def test_batch_indices_of_a_client_without_samples_is_an_error_not_a_hang():
 def test_job_batches_are_the_batches_train_draws(epochs, max_steps, monkeypatch):
     """The batched backends and APFL draw a client's batches with ``job_batches``:
     it must give exactly the index batches ``train`` steps over (recorded here by
-    wrapping ``batch_indices``), and another ``gen_seed`` another order."""
+    wrapping ``epoch_batches``, which ``train`` draws its epochs' permutations and
+    batches with), and another ``gen_seed`` another order."""
     model = MLP(4, [4], 2)
     layout = Layout.from_module(model)
     x, y = torch.randn(11, 4), torch.randint(0, 2, (11,))
@@ -89,15 +90,16 @@ def test_job_batches_are_the_batches_train_draws(epochs, max_steps, monkeypatch)
     job = ClientJob(0, 0, layout.flatten(model), 0.1, x, y, gen_seed=13, epochs=epochs,
                     max_steps=max_steps)
     seen: list[list[torch.Tensor]] = []
-    real = LocalSGD.batch_indices
+    real = LocalSGD.epoch_batches
 
     def record(self, *a, **k):
-        seen.append(real(self, *a, **k))
-        return seen[-1]
+        plan = real(self, *a, **k)
+        seen.append([perm[s:e] for perm, spans in plan for s, e in spans])
+        return plan
 
-    monkeypatch.setattr(LocalSGD, "batch_indices", record)  # a frozen dataclass: the class
+    monkeypatch.setattr(LocalSGD, "epoch_batches", record)  # a frozen dataclass: the class
     _, _, steps, _ = trainer.train(job)
-    monkeypatch.setattr(LocalSGD, "batch_indices", real)
+    monkeypatch.setattr(LocalSGD, "epoch_batches", real)
     got = trainer.job_batches(job)
     assert len(seen) == 1 and steps == len(got) == len(seen[0])
     assert all(torch.equal(a, b) for a, b in zip(got, seen[0], strict=True))

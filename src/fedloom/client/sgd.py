@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,10 +91,15 @@ class _FlatModule:
         # On the module's device: the run's (fedloom.device), or a worker's GPU.
         self.w = torch.zeros(layout.size, dtype=first.dtype, device=first.device)
         self.g = torch.zeros(layout.size, dtype=first.dtype, device=first.device)
+        # the trained parameters and their gradients' views of g, in the same order
+        self.params: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
         for spec in layout.tensors:
             p = params[spec.name]
             p.data = self.w[spec.slice].view(spec.shape)
             p.grad = self.g[spec.slice].view(spec.shape)
+            self.params.append(p)
+            self.grads.append(p.grad)
         for name, p in params.items():
             if name not in layout._by_name:  # frozen parameters are not trained
                 p.requires_grad_(False)
@@ -103,6 +109,18 @@ class _FlatModule:
         named = dict(self.module.named_buffers())
         self.buffers = {n: named[n] for n in buffer_names(self.module)}
         self.init_buffers = module_buffers(self.module)
+
+
+def _epoch_views(x: torch.Tensor, y: torch.Tensor,
+                 plan: list[tuple[torch.Tensor, list[tuple[int, int]]]]
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each step's ``(x[indices], y[indices])``: one gather of ``x`` and ``y`` by an
+    epoch's permutation, its batches slices (views) of it, instead of one gather a
+    step; the same samples in the same order."""
+    for perm, spans in plan:
+        xp, yp = x[perm], y[perm]
+        for a, b in spans:
+            yield xp[a:b], yp[a:b]
 
 
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -183,7 +201,10 @@ class LocalSGD:
 
     def batch(self, x: torch.Tensor, idx: torch.Tensor, seed: int, step: int) -> torch.Tensor:
         """The inputs of local step ``step``: ``x[idx]``, augmented when configured."""
-        xb = x[idx]
+        return self.augmented(x[idx], seed, step)
+
+    def augmented(self, xb: torch.Tensor, seed: int, step: int) -> torch.Tensor:
+        """The batch ``xb`` of local step ``step``, augmented when configured."""
         if self.augment is None:
             return xb
         g = torch.Generator()
@@ -200,19 +221,31 @@ class LocalSGD:
                       max_steps: int | None = None) -> list[torch.Tensor]:
         """The index batches of one round: permutations chained epoch after epoch
         (the first ``max_steps`` of them when that is set)."""
+        return [perm[a:b] for perm, spans in self.epoch_batches(n, gen, epochs, max_steps)
+                for a, b in spans]
+
+    def epoch_batches(self, n: int, gen: torch.Generator, epochs: int | None = None,
+                      max_steps: int | None = None
+                      ) -> list[tuple[torch.Tensor, list[tuple[int, int]]]]:
+        """:meth:`batch_indices` by epoch: each epoch's permutation and the
+        ``[start, stop)`` spans of it that are its batches (the same draws)."""
         total = self.num_steps(n, epochs)
         if max_steps is not None:
             total = min(total, max_steps)
         if n <= 0:
             # no sample to draw from: with client.steps set this loop would never end
             raise ValueError("local training: the client holds no training sample")
-        out: list[torch.Tensor] = []
-        while len(out) < total:
+        out: list[tuple[torch.Tensor, list[tuple[int, int]]]] = []
+        count = 0
+        while count < total:
             perm = torch.randperm(n, generator=gen)
+            spans: list[tuple[int, int]] = []
             for s in range(0, n, self.batch_size):
-                out.append(perm[s : s + self.batch_size])
-                if len(out) == total:
+                spans.append((s, min(s + self.batch_size, n)))
+                count += 1
+                if count == total:
                     break
+            out.append((perm, spans))
         return out
 
     def job_batches(self, job: ClientJob) -> list[torch.Tensor]:
@@ -318,21 +351,33 @@ class LocalSGD:
         loss_sum = 0.0
         smooth: float | None = None
         first_grad: torch.Tensor | None = None
-        batches = self.batch_indices(int(y.shape[0]), gen, epochs, max_steps)
+        plan = self.epoch_batches(int(y.shape[0]), gen, epochs, max_steps)
+        batches = [perm[a:b] for perm, spans in plan for a, b in spans]
         dseed = gen.initial_seed()  # the batch-order seed; step t's dropout stream from it
         scaler = _LossScale() if self.amp == "fp16" else None
-        for step, idx in enumerate(batches):
-            fm.g.zero_()
+        # The plain step (cross-entropy, full precision) takes the gradient as
+        # autograd.grad's tensors and copies them into g: backward into .grad views
+        # of g adds into them, so g had to be zeroed first and then read back (two
+        # more passes over d a step). The bits are the same: 0 + x is x.
+        plain = objective is None and self.amp == "none"
+        for step, (xs, ys) in enumerate(_epoch_views(x, y, plan)):
             reseed(derive_seed(dseed, step, -1, Purpose.DROPOUT), w.device)
-            xb = self.batch(x, idx, dseed, step)
-            if objective is not None:
-                loss = objective(fm.module, xb, y[idx], step)
+            xb = self.augmented(xs, dseed, step)
+            if plain:
+                loss = F.cross_entropy(fm.module(xb), ys)
+                grads = torch.autograd.grad(loss, fm.params, allow_unused=True)
+                for gv, gr in zip(fm.grads, grads, strict=True):
+                    if gr is None:  # a parameter the loss does not reach: ∇ = 0
+                        gv.zero_()
+                    else:
+                        gv.copy_(gr)
+            elif objective is not None:
+                fm.g.zero_()
+                loss = objective(fm.module, xb, ys, step)
                 loss.backward()
-            elif self.amp == "none":
-                loss = F.cross_entropy(fm.module(xb), y[idx])
-                loss.backward()  # accumulates into fm.g through the parameters' .grad views
             else:
-                loss = _amp_backward(fm.module, xb, y[idx], self.amp, scaler, fm.g)
+                fm.g.zero_()
+                loss = _amp_backward(fm.module, xb, ys, self.amp, scaler, fm.g)
             grad = fm.g
             loss_sum += float(loss.detach())
             if scaler is not None and not scaler.finite:
