@@ -30,7 +30,7 @@ from fedloom.config import BackendConfig
 from fedloom.registry import register
 
 __all__ = ["KILL_ENV", "Backend", "SequentialBackend", "balanced_groups", "light_job",
-           "maybe_die", "with_data"]
+           "maybe_die", "take_rows", "with_data"]
 
 # Fault injection for tests of worker death (process and ray backends): with
 # ``FEDLOOM_KILL_ONCE=<client>:<marker file>`` in the environment when the backend
@@ -95,11 +95,24 @@ def light_job(job: ClientJob) -> ClientJob:
     return dataclasses.replace(job, x=_EMPTY, y=_EMPTY)
 
 
+def take_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``t[idx]``; a view of ``t`` where ``idx`` is a run of consecutive rows (a
+    client that owns a block of the data: no copy of its samples a round)."""
+    n = int(idx.numel())
+    if n and idx.dim() == 1 and idx.dtype in (torch.int64, torch.int32):
+        a = int(idx[0])
+        if int(idx[-1]) - a == n - 1 and (n == 1 or bool((idx[1:] - idx[:-1] == 1).all())):
+            if 0 <= a and a + n <= t.shape[0]:
+                return t[a : a + n]
+    return t[idx]
+
+
 def with_data(job: ClientJob, x: torch.Tensor, y: torch.Tensor) -> ClientJob:
     """The shipped job with its samples gathered again from the whole data."""
     if job.data_index is None:
         return job
-    return dataclasses.replace(job, x=x[job.data_index], y=y[job.data_index])
+    return dataclasses.replace(job, x=take_rows(x, job.data_index),
+                               y=take_rows(y, job.data_index))
 
 
 def balanced_groups(jobs: Sequence[ClientJob], n: int) -> list[list[int]]:

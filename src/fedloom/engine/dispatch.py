@@ -19,6 +19,7 @@ import torch
 from fedloom.buffers import load_buffers, unflatten_buffers
 from fedloom.device import to_device
 from fedloom.engine.algorithm import Algorithm
+from fedloom.engine.backends import take_rows
 from fedloom.engine.fields import BUFFERS, FEEDBACK, METHOD, ClientFields
 from fedloom.engine.parts import ClientData, HookView, ModelSpace, Schedule
 from fedloom.engine.runstate import RoundPlan, RunState
@@ -96,7 +97,9 @@ def plan_round(algo: Algorithm, clients: ClientData, space: ModelSpace, schedule
             value = hook.measure(view, w, k, fb_state, len(idx))
             if value is not None:
                 got.append(value)
-        xk, yk = (_NO_DATA, _NO_DATA) if ships_indices else (clients.x[idx], clients.y[idx])
+        # a client's block of rows is handed over as a view, not copied (take_rows)
+        xk, yk = ((_NO_DATA, _NO_DATA) if ships_indices
+                  else (take_rows(clients.x, idx), take_rows(clients.y, idx)))
         job = client_job(fb, seed=schedule.seed, client=k, round=r, w=w, lr=lr, x=xk, y=yk,
                          fb_state=fb_state, fb_server=st.feedback_state, alpha=alpha,
                          epochs=adjust.epochs, state=fields.own(METHOD, old_rows, i),
