@@ -14,7 +14,7 @@ import fedloom
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, LocalSGD
 from fedloom.config import load_config
-from fedloom.engine.auto import LOCKSTEP_MIN_COHORT, lockstep_reason
+from fedloom.engine.auto import CANDIDATES, choose, lockstep_reason
 from fedloom.engine.backends import SequentialBackend
 from fedloom.engine.experiment import Experiment
 from fedloom.engine.lockstep import LockstepBackend, lockstep_plan, shape_reason
@@ -410,45 +410,102 @@ def test_fallbacks_log_one_line_and_equal_sequential(caplog):
         assert torch.equal(wa, wb)
 
 
-def test_auto_picks_lockstep_by_its_rule(caplog):
-    over = ["backend.name=auto", "backend.workers=1", "dtype=float64"]
+def _fake_measure(times: dict[str, float], ran: list[str]):
+    """A measure that times nothing: sequential really trains (its results are the
+    first cohort's), the others report the given seconds without running."""
+    def measure(backend, jobs):
+        name = _auto_name(backend)
+        ran.append(name)
+        if name == "sequential":
+            return backend.train_cohort(jobs), times[name]
+        return [None] * len(jobs), times[name]
+    return measure
+
+
+def _auto_name(backend) -> str:
+    inner = getattr(backend, "inner", None)
+    return backend.name if inner in (None, "sequential") else f"{backend.name}+{inner}"
+
+
+@pytest.mark.parametrize("times,want", [
+    ({"sequential": 3.0, "lockstep": 2.0, "process": 1.5, "process+lockstep": 1.2},
+     "process+lockstep"),
+    ({"sequential": 3.0, "lockstep": 1.0, "process": 1.5, "process+lockstep": 1.2},
+     "lockstep"),
+    ({"sequential": 1.0, "lockstep": 2.0, "process": 1.5, "process+lockstep": 1.2},
+     "sequential"),
+    ({"sequential": 2.0, "lockstep": 2.0, "process": 2.0, "process+lockstep": 2.0},
+     "sequential"),  # a tie: the first in CANDIDATES order
+    ({"sequential": 2.0, "lockstep": 1.0, "process": 1.0, "process+lockstep": 1.0},
+     "lockstep"),
+])
+def test_auto_keeps_the_fastest_candidate_given_the_timings(times, want, caplog):
+    """auto times every candidate that applies (a CPU run, two workers, a cohort of 4:
+    no vmap) and keeps the fastest, ties to the earlier in CANDIDATES; the first
+    cohort's results are sequential's whichever wins, and the table is logged."""
+    over = ["backend.name=auto", "backend.workers=2", "dtype=float64"]
+    exp = Experiment(load_config(SYN, over))
+    ran: list[str] = []
+    exp.backend.measure = _fake_measure(times, ran)
     with caplog.at_level(logging.INFO, logger="fedloom"):
-        w, _, backend = _rounds(over)
-    assert backend.name == "lockstep" and backend.times == {}  # chosen, nothing timed
-    assert any("backend auto: using lockstep" in r.getMessage() for r in caplog.records)
-    assert torch.equal(w, _rounds(["dtype=float64"])[0])  # sequential's model, bit for bit
+        st, _ = exp.round(exp.initial_state())
+    assert ran == ["sequential", "lockstep", "process", "process+lockstep"]
+    assert exp.backend.times == times and exp.backend.name == want == choose(times)
+    assert _auto_name(exp.backend.chosen) == want
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"using {want}" in text and all(k in text for k in times)
+    ref = Experiment(load_config(SYN, ["dtype=float64"]))
+    assert torch.equal(st.w, ref.round(ref.initial_state())[0].w)
+    exp.close()
+
+
+def test_auto_choose_is_deterministic():
+    assert choose({"process": 1.0, "sequential": 1.0}) == "sequential"
+    assert choose({"vmap": 1.0, "process+lockstep": 1.0, "process": 1.0}) == "vmap"
+    assert choose({"lockstep": 0.5, "sequential": 1.0}) == "lockstep"
+    assert list(CANDIDATES) == ["sequential", "lockstep", "vmap", "process", "process+lockstep"]
+    with pytest.raises(ValueError):
+        choose({})
+
+
+def test_auto_candidates_where_they_apply():
+    """One worker: no process candidates; a model or method lock-step does not run:
+    no lockstep candidate (nor process+lockstep); vmap only on a GPU."""
+    exp = Experiment(load_config(SYN, ["backend.name=auto", "backend.workers=1"]))
+    jobs = exp.plan_round(exp.initial_state()).jobs
+    assert list(exp.backend.candidates(jobs)) == ["sequential", "lockstep"]
+    exp.close()
+    exp = Experiment(load_config(SYN, ["backend.name=auto", "backend.workers=2"]))
+    assert list(exp.backend.candidates(jobs)) == ["sequential", "lockstep", "process",
+                                                   "process+lockstep"]
+    assert list(exp.backend.candidates(jobs[:3])) == ["sequential", "lockstep"]  # < 2 a worker
+    exp.close()
+    exp = Experiment(load_config(SYN, ["backend.name=auto", "backend.workers=2",
+                                       "client.method=ditto"]))
+    assert list(exp.backend.candidates(jobs)) == ["sequential", "process"]
+    exp.close()
 
 
 def test_auto_rule_reasons():
     net = CNN((1, 8, 8), 3, (2, 4)).double()
     layout, jobs = _jobs(net, [5, 9, 6], (1, 8, 8), torch.float64)
     ls = LockstepBackend(LocalSGD(net, layout, batch_size=4), LocalMethod())
-    cpu = torch.device("cpu")
-    assert lockstep_reason(ls, jobs, cpu) is None
-    assert "on cuda" in lockstep_reason(ls, jobs, torch.device("cuda"))
-    small = jobs[: LOCKSTEP_MIN_COHORT - 1]
-    assert f"a cohort of {len(small)} < {LOCKSTEP_MIN_COHORT}" in lockstep_reason(ls, small, cpu)
-    assert "probe" in lockstep_reason(ls, [replace(j, probe_smoothness=True) for j in jobs], cpu)
+    assert lockstep_reason(ls, jobs) is None
+    assert "probe" in lockstep_reason(ls, [replace(j, probe_smoothness=True) for j in jobs])
     bad = [replace(j, x=j.x[:, :, :6, :6]) for j in jobs]  # 6×6: 4 × 1 × 1 features, not 16
-    assert "features" in lockstep_reason(ls, bad, cpu)
+    assert "features" in lockstep_reason(ls, bad)
     tanh = nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
     ls = LockstepBackend(LocalSGD(tanh, Layout.from_module(tanh)), LocalMethod())
-    assert "Tanh" in lockstep_reason(ls, jobs, cpu)
+    assert "Tanh" in lockstep_reason(ls, jobs)
 
 
-def test_auto_times_the_backends_where_the_rule_does_not_apply(caplog):
-    over = ["backend.name=auto", "backend.workers=1", "dtype=float64",
-            f"cohort.size={LOCKSTEP_MIN_COHORT - 1}"]
-    exp = Experiment(load_config(SYN, over))
+def test_auto_times_the_candidates_and_runs_on_the_chosen(caplog):
+    """Real timings (one worker: sequential and lockstep): the choice is choose() of
+    them, and the run gives sequential's models, bit for bit in float64."""
+    over = ["backend.name=auto", "backend.workers=1", "dtype=float64"]
     with caplog.at_level(logging.INFO, logger="fedloom"):
-        st, _ = exp.round(exp.initial_state())
-    assert any("not lockstep (a cohort of" in r.getMessage() for r in caplog.records)
-    assert set(exp.backend.times) == {"sequential", "vmap", "lockstep"}
-    assert exp.backend.name == min(exp.backend.times, key=exp.backend.times.get)
-    ref = Experiment(load_config(SYN, over[2:]))
-    st2, _ = ref.round(ref.initial_state())
-    st, _ = exp.round(st)
-    st2, _ = ref.round(st2)
-    if exp.backend.name in ("sequential", "lockstep"):
-        assert torch.equal(st.w, st2.w)
-    exp.close()
+        w, _, backend = _rounds(over)
+    assert set(backend.times) == {"sequential", "lockstep"}
+    assert backend.name == choose(backend.times)
+    assert any("backend auto: using" in r.getMessage() for r in caplog.records)
+    assert torch.equal(w, _rounds(["dtype=float64"])[0])  # sequential's model, bit for bit

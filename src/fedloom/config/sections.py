@@ -399,9 +399,9 @@ class BackendConfig:
       Linear/Conv2d/pooling/GroupNorm/BatchNorm/ReLU/Dropout/Flatten, bit for bit the
       sequential results in float64; anything else trains on the sequential path (one log line;
       :mod:`fedloom.engine.lockstep`);
-    - ``auto``: lockstep on a CPU run it supports with a cohort of at least 2 (its rule,
-      :mod:`fedloom.engine.auto`); otherwise times the first cohort on sequential, vmap,
-      lockstep and process (where they apply), keeps the fastest and logs the times;
+    - ``auto``: times the first cohort on sequential, lockstep, vmap (on a GPU), process
+      and process+lockstep, where each applies, keeps the fastest and logs the table
+      (:mod:`fedloom.engine.auto`);
     - ``process``: ``workers`` single-thread processes on this machine, each running
       ``inner`` (sequential, vmap or lockstep) on its share of the cohort;
     - ``ray``: Ray tasks (``address`` joins a cluster; empty starts a local one).

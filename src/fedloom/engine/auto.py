@@ -1,14 +1,21 @@
-"""``backend: auto``: lock-step where it applies on CPU; otherwise time the first cohort on
-every backend that applies and keep the fastest.
+"""``backend: auto``: time the first cohort on every backend that applies, keep the fastest.
 
-On a CPU run whose first cohort has at least :data:`LOCKSTEP_MIN_COHORT` (2)
-clients and that ``lockstep`` trains itself (:func:`lockstep_reason`), ``auto``
-uses ``lockstep`` without timing anything: it gives ``sequential``'s results and
-was faster from two clients on wherever it was measured. Otherwise one log line
-says why, and the first cohort is timed on ``sequential``, ``vmap``, ``lockstep``
-and ``process`` where each applies (its results come from ``sequential``); the
-choice is logged and kept in :attr:`AutoBackend.name`. The rule's measurements
-and the candidates in detail: docs/explanation/backends.md (auto).
+The candidates, in this order (which also breaks a tie): ``sequential``;
+``lockstep`` where it trains the run itself (:func:`lockstep_reason`);
+``vmap`` on a GPU, where it applies (on a CPU it was never the fastest: section 1
+of the benchmarks); ``process`` and ``process+lockstep`` (``backend.workers``
+workers, default one per core or GPU, each running ``sequential`` or
+``lockstep`` on its share) where there are at least two workers and two clients
+per worker. Each candidate first trains the cohort's first client alone (its
+one-time set-up: a worker's first job, lock-step's buffers; a process pool is
+started before that), then the whole first cohort, timed; the choice is
+:func:`choose` of those times, logged with the table, and kept in
+:attr:`AutoBackend.name`. The first cohort's results are ``sequential``'s (every
+backend gives them: bit for bit in float64, to float32 rounding otherwise), so
+what a run computes does not depend on which backend won. The pools not chosen
+are shut down. Why measure rather than rule: lock-step was taken without timing
+until ``process+lockstep`` measured 11–23 % faster on two idle cores
+(docs/explanation/backends.md, auto).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,26 +37,46 @@ from fedloom.engine.lockstep import LockstepBackend, job_reason, shape_reason
 from fedloom.engine.vmap import VmapBackend
 from fedloom.registry import register
 
-__all__ = ["LOCKSTEP_MIN_COHORT", "AutoBackend", "lockstep_reason"]
+__all__ = ["CANDIDATES", "AutoBackend", "choose", "lockstep_reason"]
 
-# The smallest first cohort the rule sends to lockstep (see the module docstring).
-LOCKSTEP_MIN_COHORT = 2
+# Every backend auto may time, in the order it times them and breaks ties.
+CANDIDATES = ("sequential", "lockstep", "vmap", "process", "process+lockstep")
 
 log = logging.getLogger("fedloom")
 
+# (backend, jobs) -> (its results, seconds): how a candidate is timed (a test injects one)
+Measure = Callable[[Any, Sequence[ClientJob]], "tuple[list[ClientResult | None], float]"]
 
-def lockstep_reason(ls: LockstepBackend, jobs: Sequence[ClientJob],
-                    device: torch.device) -> str | None:
-    """Why the lock-step rule does not pick ``lockstep`` for a run whose first cohort is
-    ``jobs`` on ``device`` (None: it does)."""
-    if device.type != "cpu":
-        return f"the run is on {device.type}, the rule is measured on CPU"
+
+def lockstep_reason(ls: LockstepBackend, jobs: Sequence[ClientJob]) -> str | None:
+    """Why ``lockstep`` is not a candidate for a run whose first cohort is ``jobs``
+    (None: it is)."""
     if ls.reason is not None:
         return ls.reason
-    if len(jobs) < LOCKSTEP_MIN_COHORT:
-        return f"a cohort of {len(jobs)} < {LOCKSTEP_MIN_COHORT} clients"
+    if not jobs:
+        return "an empty cohort"
     assert ls.plan is not None
     return job_reason(jobs) or shape_reason(ls.plan, tuple(jobs[0].x.shape[1:]))
+
+
+def choose(times: Mapping[str, float]) -> str:
+    """The fastest of the timed candidates; of equal times, the first in
+    :data:`CANDIDATES` (so the same times always give the same choice)."""
+    if not times:
+        raise ValueError("backend auto: no candidate was timed")
+    rank = {name: i for i, name in enumerate(CANDIDATES)}
+    return min(times, key=lambda n: (times[n], rank.get(n, len(rank)), n))
+
+
+def timed(backend: Any, jobs: Sequence[ClientJob]) -> tuple[list[ClientResult | None], float]:
+    """The default :data:`Measure`: start a pool's workers and train the first job
+    alone (set-up, untimed), then the whole cohort, timed."""
+    if hasattr(backend, "warm_up"):
+        backend.warm_up()
+    backend.train_cohort(list(jobs[:1]))
+    t = time.perf_counter()
+    out = backend.train_cohort(jobs)
+    return out, time.perf_counter() - t
 
 
 class AutoBackend:
@@ -60,63 +87,67 @@ class AutoBackend:
     capabilities = BackendCaps()
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor | None = None,
-                 y: torch.Tensor | None = None, workers: int = 0) -> None:
+                 y: torch.Tensor | None = None, workers: int = 0,
+                 measure: Measure | None = None) -> None:
         self.trainer, self.method, self.x, self.y = trainer, method, x, y
-        # On CUDA the process candidate has one worker per GPU (one GPU: not tried).
+        # On CUDA the process candidates have one worker per GPU (one GPU: not tried).
         gpus = torch.cuda.device_count() if x is not None and x.device.type == "cuda" else 0
         self.workers = workers or gpus or os.cpu_count() or 1
         self.seq = SequentialBackend(trainer, method)
         self.vmap = VmapBackend(trainer, method, x=x, y=y)
         self.lockstep = LockstepBackend(trainer, method, x=x, y=y)
+        self.measure: Measure = measure or timed
         self.chosen: Any = None
         self.name = "auto"
         self.times: dict[str, float] = {}
 
-    def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
-        if self.chosen is not None:
-            return self.chosen.train_cohort(jobs)
+    def candidates(self, jobs: Sequence[ClientJob]) -> dict[str, Callable[[], Any]]:
+        """The candidates that apply to a first cohort ``jobs``, in :data:`CANDIDATES`
+        order, each as a function that builds it (a process pool starts on first use)."""
         p = next(self.trainer.module.parameters(), None)
-        why = lockstep_reason(self.lockstep, jobs,
-                              p.device if p is not None else torch.device("cpu"))
+        device = p.device if p is not None else torch.device("cpu")
+        out: dict[str, Callable[[], Any]] = {"sequential": lambda: self.seq}
+        why = lockstep_reason(self.lockstep, jobs)
         if why is None:
-            self.name, self.chosen = "lockstep", self.lockstep
-            log.info("backend auto: using lockstep (CPU, a supported model, a cohort of "
-                     "%d >= %d clients)", len(jobs), LOCKSTEP_MIN_COHORT)
-            return self.lockstep.train_cohort(jobs)
-        log.info("backend auto: not lockstep (%s); timing the first cohort", why)
-        t = time.perf_counter()
-        out = self.seq.train_cohort(jobs)
-        self.times["sequential"] = time.perf_counter() - t
-        backends: dict[str, Any] = {"sequential": self.seq}
-        if self.vmap.enabled:
-            t = time.perf_counter()
-            self.vmap.train_cohort(jobs)
-            self.times["vmap"] = time.perf_counter() - t
-            backends["vmap"] = self.vmap
-        if self.lockstep.enabled:
-            t = time.perf_counter()
-            self.lockstep.train_cohort(jobs)
-            self.times["lockstep"] = time.perf_counter() - t
-            backends["lockstep"] = self.lockstep
+            out["lockstep"] = lambda: self.lockstep
+        else:
+            log.info("backend auto: lockstep not a candidate (%s)", why)
+        if device.type == "cuda" and self.vmap.enabled:
+            out["vmap"] = lambda: self.vmap
         if (self.workers > 1 and len(jobs) >= 2 * self.workers and self.x is not None
                 and self.y is not None):  # x and y are set together
             from fedloom.engine.parallel import ProcessBackend
 
-            proc = ProcessBackend(self.trainer, self.method, self.x, self.y,
-                                  workers=self.workers)
-            proc.warm_up()
-            t = time.perf_counter()
-            proc.train_cohort(jobs)
-            self.times["process"] = time.perf_counter() - t
-            backends["process"] = proc
-        self.name = min(self.times, key=self.times.__getitem__)
-        self.chosen = backends[self.name]
-        for name, b in backends.items():
+            x, y = self.x, self.y
+            out["process"] = lambda: ProcessBackend(self.trainer, self.method, x, y,
+                                                    workers=self.workers)
+            if why is None:
+                out["process+lockstep"] = lambda: ProcessBackend(
+                    self.trainer, self.method, x, y, workers=self.workers, inner="lockstep")
+        return out
+
+    def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
+        if self.chosen is not None:
+            return self.chosen.train_cohort(jobs)
+        built: dict[str, Any] = {}
+        out: list[ClientResult | None] = []
+        for name, make in self.candidates(jobs).items():
+            built[name] = make()
+            res, self.times[name] = self.measure(built[name], jobs)
+            if name == "sequential":
+                out = res  # the first cohort's results, whichever backend wins
+        self.name = choose(self.times)
+        self.chosen = built[self.name]
+        for name, b in built.items():
             if name != self.name and hasattr(b, "close"):
                 b.close()
-        log.info(
-            "backend auto: using %s (first cohort: %s)", self.name,
-            ", ".join(f"{k} {v:.3f} s" for k, v in self.times.items()))
+        best = self.times[self.name]
+        log.info("backend auto: the first cohort (%d clients) on each candidate:\n%s",
+                 len(jobs), "\n".join(
+                     f"  {k:<17} {v:8.3f} s  {v / best:5.2f}×"
+                     f"{'  <- chosen' if k == self.name else ''}"
+                     for k, v in self.times.items()))
+        log.info("backend auto: using %s", self.name)
         return out
 
     def close(self) -> None:
