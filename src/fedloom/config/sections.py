@@ -78,6 +78,9 @@ class TextConfig:
     min_chars: int = _f(4000, ge=1)     # a role needs this many characters to be a client
     max_clients: int = _f(0, ge=0)      # 0 = every role that qualifies
     max_windows: int = _f(0, ge=0)      # per client; 0 = all
+    # the natural clients: "role", one per (play, role) with min_chars characters;
+    # "play", one per play with all its roles' lines (min_chars of the whole play)
+    clients: Literal["role", "play"] = "role"
 
 
 @dataclass

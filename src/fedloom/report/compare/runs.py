@@ -312,7 +312,9 @@ def _number(v: Any) -> float:
 
 
 def lower_is_better(metric: str) -> bool:
-    return any(w in metric for w in ("loss", "bytes")) or metric.endswith(("_s", "_s_total"))
+    # perplexity (test_ppl, client_ppl_*): a causal LM's exp(loss)
+    return (any(w in metric for w in ("loss", "bytes", "ppl"))
+            or metric.endswith(("_s", "_s_total")))
 
 
 def metric_value(run: Run, metric: str, at: str | int = "final",
