@@ -97,3 +97,19 @@ def test_perplexity_is_lower_is_better():
     for m in ("test_ppl", "client_ppl_mean", "client_ppl_worst10", "client_ppl_std"):
         assert lower_is_better(m)
     assert not lower_is_better("client_acc_worst10")
+
+
+def test_the_lora_suite_validates_without_its_model_file():
+    # configs/llm/suite.yaml (docs/results/lora.md): every method x tuning point loads,
+    # on the play split; the GGUF is read only when a run starts
+    from pathlib import Path
+
+    from fedloom.sweep import validate_suite
+    from fedloom.sweep.suite import load_suite
+
+    root = Path(__file__).resolve().parents[1]
+    suite = load_suite(str(root / "configs/llm/suite.yaml"))
+    assert validate_suite(suite) > 0
+    cfg = load_config(str(root / "configs/llm/lora.yaml"))
+    assert cfg.data.text.clients == "play" and cfg.data.text.tokenizer == cfg.model.gguf_file
+    assert cfg.model.lora.r == 8 and cfg.model.lora.alpha == 16
