@@ -290,7 +290,7 @@ class LocalSGD:
                                           buffers=buffers, grad_mask=grad_mask,
                                           objective=objective, epochs=epochs,
                                           max_steps=max_steps, transforms=transforms)
-        return w, loss, steps
+        return w.clone(), loss, steps
 
     def _descend(self, x0: torch.Tensor, anchor: torch.Tensor, x: torch.Tensor,
                  y: torch.Tensor, lr: float, gen: torch.Generator, *,
@@ -394,7 +394,9 @@ class LocalSGD:
             with torch.no_grad():
                 grad, dstate = direction.update(grad, dstate, StepContext(step, w, anchor))
                 w.sub_(grad, alpha=lr)
-        return w.detach().clone(), loss_sum / max(1, len(batches)), len(batches), smooth
+        # the flat module's own vector, written over by the next training: the public
+        # entry points (descend, train) hand out a copy, run() reads it once
+        return w.detach(), loss_sum / max(1, len(batches)), len(batches), smooth
 
     def _flat_module(self) -> _FlatModule:
         # Built once per trainer (and per worker process, after unpickling).
@@ -425,6 +427,11 @@ class LocalSGD:
         """The job's local steps from ``job.start`` (default ``w``), the prox term
         pulling towards ``w``: ``(w_k, mean batch loss, steps, smoothness probe or
         None)``. The buffers training ended with are :meth:`_trained_buffers`."""
+        w_k, loss, steps, smooth = self._train(job)
+        return w_k.clone(), loss, steps, smooth
+
+    def _train(self, job: ClientJob) -> tuple[torch.Tensor, float, int, float | None]:
+        """:meth:`train` with ``w_k`` the trainer's own vector (valid until it trains again)."""
         gen = torch.Generator()
         gen.manual_seed(job.gen_seed)
         x0 = job.start if job.start is not None else job.w
@@ -439,8 +446,8 @@ class LocalSGD:
         w_global = job.w
         start_loss = (self.full_loss(w_global, job.x, job.y, buffers=job.buffers)
                       if job.start_loss else None)
-        w_k, loss, steps, smooth = self.train(job)
-        update = (w_global - w_k).contiguous()
+        w_k, loss, steps, smooth = self._train(job)
+        update = torch.sub(w_global, w_k)  # a new vector: w_k is the trainer's own
         res = ClientResult(job.client, update, int(job.y.shape[0]), loss, steps, start_loss,
                            buffers=self._trained_buffers())
         if smooth is not None:

@@ -92,8 +92,9 @@ def uplink_round(algo: Algorithm, post: Sequence[Postprocessor], rules: ScreenRu
     # A client whose worker died (backend.on_failure=drop) is dropped for the
     # round: nothing of it is aggregated and its state rows stay as they were.
     plan.keep([i for i, res in enumerate(raw) if res is not None])
-    # Results of workers elsewhere (process, ray: host tensors) onto the run's device.
-    raw = to_device(list(raw), device)
+    # Results of workers elsewhere (process, ray: host tensors) onto the run's device
+    # (on a CPU run they are there already: no walk through every result).
+    raw = list(raw) if device.type == "cpu" else to_device(list(raw), device)
     failed = [k for k in plan.dropped if k not in plan.withheld]
     if failed:
         log.warning("round %d: dropped clients %s (their worker failed)", r + 1, failed)
