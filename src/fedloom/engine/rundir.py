@@ -463,7 +463,8 @@ def _tensors_sha256(tensors: Sequence[torch.Tensor]) -> str:
     """SHA-256 of the tensors' bytes, in order (any dtype: bfloat16 has no numpy type)."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        # the bytes as a buffer, not a copy (a base of 1B parameters is 4 GB)
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 

@@ -41,8 +41,12 @@ __all__ = ["VmapBackend", "vmap_supported"]
 
 
 def vmap_supported(module: nn.Module) -> bool:
-    """Models with recurrent layers are left to the sequential backend."""
-    return not any(isinstance(m, nn.RNNBase) for m in module.modules())
+    """Models with recurrent layers, and models that say so (``fedloom_vmap =
+    False``: a causal LM with gradient checkpointing, whose layers call
+    ``requires_grad_`` inside the forward, which torch.func refuses), are left to
+    the sequential backend."""
+    return (bool(getattr(module, "fedloom_vmap", True))
+            and not any(isinstance(m, nn.RNNBase) for m in module.modules()))
 
 
 class VmapBackend:

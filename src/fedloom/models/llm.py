@@ -77,6 +77,9 @@ class CausalLM(nn.Module):
         # model.base_dtype: the frozen tensors' dtype whatever ``.to(dtype)`` asks
         # (None: they follow the module, as any parameter)
         self.base_dtype = base_dtype
+        # fedloom.engine.vmap.vmap_supported: False sends backend vmap's training to
+        # the sequential path (model.gradient_checkpointing)
+        self.fedloom_vmap = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.lm(input_ids=x.long(), use_cache=False)
@@ -227,9 +230,9 @@ def build_causal_lm(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: in
                          f"(data.name: text), not inputs of shape {tuple(in_shape)}")
     base = _base(cfg, num_classes)
     if cfg.gradient_checkpointing:
-        # non-reentrant checkpointing: the adapters' gradients flow without peft's
-        # enable_input_require_grads (which only the reentrant variant needs); it acts
-        # in train mode only, as local training runs
+        # non-reentrant checkpointing: gradients reach the adapters inside a
+        # checkpointed layer whatever its input (the reentrant variant needs inputs that
+        # require grad); it acts in train mode only, as local training runs
         kwargs = {"use_reentrant": False}
         enable: Any = getattr(base, "activation_checkpointing_enable", None)
         if enable is not None:  # the name in recent transformers (the old one warns)
@@ -246,6 +249,9 @@ def build_causal_lm(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: in
         base_dtype = torch.bfloat16
     module = CausalLM(lm, base_dtype)
     module.cast_base()
+    # backend vmap trains a checkpointed model on the sequential path
+    # (fedloom.engine.vmap.vmap_supported)
+    module.fedloom_vmap = not cfg.gradient_checkpointing
     module.eval()
     return module
 
