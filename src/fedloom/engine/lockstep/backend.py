@@ -178,7 +178,11 @@ class LockstepBackend:
                 if t < steps[k]:
                     groups.setdefault(len(batches[k][t]), []).append(k)
             active = sum(len(g) for g in groups.values())
-            G.zero_()
+            # _step writes every parameter's slice of its rows once a step (no
+            # accumulation), so G needs zeroing only where some rows are not written
+            # this step: a finished client's, or clients split by batch size
+            if len(groups) != 1 or active != m:
+                G.zero_()
             for n, ks in groups.items():
                 rows = every if len(ks) == m else torch.tensor(ks, device=W.device)
                 idx = table[rows, t, :n]

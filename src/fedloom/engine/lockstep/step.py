@@ -1,7 +1,7 @@
 """One lock-step local step: every client's forward and backward, written out by hand.
 
 :func:`_step` runs a plan (:mod:`fedloom.engine.lockstep.plan`) on activations
-``[m, n, …]`` and adds each client's gradient into its row of ``G``; the package
+``[m, n, …]`` and writes each client's gradient into its row of ``G``; the package
 docstring (:mod:`fedloom.engine.lockstep`) gives the operations it runs.
 
 Convolutions run client by client with the call ``nn.Conv2d`` makes (a grouped
@@ -74,7 +74,7 @@ def _step(plan: list[_Op], W: torch.Tensor, X: torch.Tensor, Y: torch.Tensor,
           bufs: list[dict[str, torch.Tensor]] | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """One local step's forward and backward for every row of ``W`` on its batch
-    ``X [m, n, ...]``, ``Y [m, n]``: the gradients are added into ``G`` (zeroed);
+    ``X [m, n, ...]``, ``Y [m, n]``: the gradients are written into ``G`` (every slice);
     returns the log-probabilities and the labels. Activations are ``[m, n, ...]``
     throughout; a pool runs once on the ``[m·n, C, H, W]`` view of them. ``seeds``:
     each row's seed of this step's dropout masks; ``bufs``: each row's buffers
@@ -157,9 +157,9 @@ def _step(plan: list[_Op], W: torch.Tensor, X: torch.Tensor, Y: torch.Tensor,
         if op.kind == "linear":
             assert isinstance(s, torch.Tensor)
             out, inp = op.shape
-            G[:, op.weight].view(m, out, inp).add_(_mm(g.transpose(1, 2), s))
+            G[:, op.weight].view(m, out, inp).copy_(_mm(g.transpose(1, 2), s))
             if op.bias is not None:
-                G[:, op.bias].add_(g.sum(1))
+                G[:, op.bias].copy_(g.sum(1))
             if i > first:
                 g = _mm(g, W[:, op.weight].view(m, out, inp))
         elif op.kind == "conv":
@@ -234,16 +234,16 @@ def _client_backward(m: int, one, G: torch.Tensor, op: _Op, need_input: bool,
                      g: torch.Tensor) -> torch.Tensor:
     """A layer's backward client by client: ``one(k)`` is client ``k``'s
     ``(∂ℓ/∂input, ∂ℓ/∂weight, ∂ℓ/∂bias)`` (autograd's own op for the layer); the
-    parameter gradients are added into ``G``'s rows (``0 + g``, elementwise: the bits
-    of adding them in the layer's shape); returns the stacked input gradients, or
+    parameter gradients are written into ``G``'s rows (each parameter's slice once a
+    step, so ``G`` needs no zeroing first); returns the stacked input gradients, or
     ``g`` as it was where no layer below needs them."""
     dxs = []
     for k in range(m):
         dx, dw, db = one(k)
         if op.weight is not None:
-            G[k, op.weight].add_(dw.reshape(-1))
+            G[k, op.weight].copy_(dw.reshape(-1))
         if op.bias is not None:
-            G[k, op.bias].add_(db.reshape(-1))
+            G[k, op.bias].copy_(db.reshape(-1))
         dxs.append(dx)
     return torch.stack(dxs) if need_input else g
 
