@@ -358,7 +358,8 @@ class LocalSGD:
         # The plain step (cross-entropy, full precision) takes the gradient as
         # autograd.grad's tensors and copies them into g: backward into .grad views
         # of g adds into them, so g had to be zeroed first and then read back (two
-        # more passes over d a step). The bits are the same: 0 + x is x.
+        # more passes over d a step). The bits are the same (0 + x is x; a -0.0 entry
+        # stays -0.0, which moves no parameter that is not -0.0 itself).
         plain = objective is None and self.amp == "none"
         for step, (xs, ys) in enumerate(_epoch_views(x, y, plan)):
             reseed(derive_seed(dseed, step, -1, Purpose.DROPOUT), w.device)
