@@ -170,8 +170,14 @@ def test_a_local_model_directory_and_its_tokenizer(corpus, tmp_path):
     cfg = config(corpus, rounds=1)
     cfg["data"]["text"]["tokenizer"] = str(tmp_path)
     cfg["model"] = {"name": "hf_causal_lm", "path": str(tmp_path), "lora": dict(LORA)}
-    res = fedloom.run(cfg)
+    res = fedloom.run(cfg, out=tmp_path / "run")
     assert res.layout.size == ADAPTERS
+    # model.pt holds the adapters; load_model reads the directory again for the base
+    from fedloom.engine.rundir import load_model
+
+    x = torch.randint(0, len(vocab), (2, 16))
+    with torch.no_grad():
+        assert torch.equal(load_model(tmp_path / "run")(x), res.model(x))
     # the base is the saved model's, not drawn again from the run's seed
     after = {n.split("base_model.model.", 1)[1]: p for n, p in res.model.named_parameters()
              if not p.requires_grad}
