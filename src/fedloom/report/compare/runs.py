@@ -312,8 +312,9 @@ def _number(v: Any) -> float:
 
 
 def lower_is_better(metric: str) -> bool:
-    # perplexity (test_ppl, client_ppl_*): a causal LM's exp(loss)
-    return (any(w in metric for w in ("loss", "bytes", "ppl"))
+    # perplexity (test_ppl, client_ppl_*): a causal LM's exp(loss); "ppl" as a word of
+    # the name, so that a name such as "updates_applied" is not one
+    return (any(w in metric for w in ("loss", "bytes")) or "ppl" in metric.split("_")
             or metric.endswith(("_s", "_s_total")))
 
 
