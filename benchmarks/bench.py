@@ -333,7 +333,9 @@ def topk(quick: bool, repeats: int) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------ 5. memory
 def _ef_config(clients: int, hidden: list[int], rounds: int, cohort: int) -> list[str]:
+    # iid takes no options: the quickstart's Dirichlet alpha is dropped with its name
     return ["data.name=mnist", f"data.num_clients={clients}", "data.partition.name=iid",
+            "data.partition.options={}",
             f"model.hidden={json.dumps(hidden)}", f"cohort.size={cohort}", f"rounds={rounds}",
             "compression.name=topk", "compression.options.ratio=0.01",
             "compression.feedback=ef", "checkpoint.every=0", "eval.every=1000"]

@@ -75,6 +75,7 @@ def _one(clients: int, hidden: list[int], rounds: int, cohort: int, every: int) 
         out = Path(d) / "run"
         cmd = [exe, "run", str(ROOT / "configs/quickstart.yaml"), "data.name=mnist",
                f"data.num_clients={clients}", "data.partition.name=iid",
+               "data.partition.options={}",  # iid takes no options (the quickstart's alpha)
                f"data.max_samples={SAMPLES_PER_CLIENT * clients}",
                f"model.hidden={json.dumps(hidden)}", f"cohort.size={cohort}",
                f"rounds={rounds}", "compression.name=topk", "compression.options.ratio=0.01",
