@@ -12,21 +12,15 @@ pytest.importorskip("transformers", reason="the llm extra (transformers) is not 
 pytest.importorskip("peft", reason="the llm extra (peft) is not installed")
 
 import fedloom
+import test_llm
 from conftest import stop_and_resume
 from fedloom.config import ConfigError, ModelConfig
 from fedloom.data.shakespeare import NUM_CHARS
 from fedloom.models import build_model
-from test_llm import ADAPTERS, LAYERS, LORA, ROLES, TINY
+from test_llm import ADAPTERS, LAYERS, LORA, TINY
 
+corpus = test_llm.corpus  # test_llm's fixture play, shared (a pytest fixture)
 HEADER = 12  # an identity payload's 8-byte header and 4-byte CRC-32C trailer
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("plays")
-    blocks = [f"{role}.\n{line}\n" for _ in range(6) for role, line in ROLES.items()]
-    (d / "a_gut.txt").write_text("THE FIXTURE\n\n" + "\n".join(blocks))
-    return str(d)
 
 
 def config(corpus, rounds=2, method=None, train="both", **over):

