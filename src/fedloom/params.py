@@ -223,6 +223,38 @@ class Layout:
     def __repr__(self) -> str:
         return f"Layout(d={self.size}, tensors={len(self.tensors)}, groups={len(self.groups)})"
 
+    def lora_pairs(self) -> tuple[tuple[int, int, int, int, int], ...]:
+        """The LoRA adapters: ``(a_offset, r, fan_in, b_offset, fan_out)`` for each
+        ``….lora_A.…`` tensor ``[r, in]`` whose ``….lora_B.…`` namesake ``[out, r]``
+        is in the same layer group (:mod:`fedloom.models.llm` groups them per
+        adapted projection). Read by the LoRA-aware aggregators and local methods."""
+        pairs: list[tuple[int, int, int, int, int]] = []
+        for g in self.groups:
+            for name in g.tensors:
+                if ".lora_A." not in name:
+                    continue
+                b_name = name.replace(".lora_A.", ".lora_B.", 1)
+                if b_name not in g.tensors:
+                    continue
+                a, b = self[name], self[b_name]
+                if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1]:
+                    raise ValueError(f"{name} {a.shape} and {b_name} {b.shape} are not a "
+                                     "LoRA pair (A [r, in], B [out, r])")
+                pairs.append((a.offset, a.shape[0], a.shape[1], b.offset, b.shape[0]))
+        return tuple(pairs)
+
+    def lora_rank_cut(self, rank: int) -> torch.Tensor:
+        """The coordinates a client of LoRA rank ``rank`` does not hold (bool ``[d]``):
+        the rows ``rank:`` of every adapter's ``A`` and the columns ``rank:`` of its
+        ``B`` (HetLoRA's truncation: that client's ``B A`` is the first ``rank`` terms
+        of the full one's)."""
+        cut = torch.zeros(self.size, dtype=torch.bool)
+        for a0, r, fin, b0, fout in self.lora_pairs():
+            if rank < r:
+                cut[a0 + rank * fin:a0 + r * fin] = True
+                cut[b0:b0 + fout * r].view(fout, r)[:, rank:] = True
+        return cut
+
     # ----------------------------------------------------------- (un)flattening
     def flatten(self, tensors: Mapping[str, torch.Tensor] | nn.Module) -> torch.Tensor:
         """Concatenate named tensors (or a module's parameters) into one vector."""

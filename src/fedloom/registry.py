@@ -119,6 +119,7 @@ _MODULES = (
     "fedloom.client.moon",
     "fedloom.client.fedbn",
     "fedloom.client.fedsa_lora",
+    "fedloom.client.hetlora",
     "fedloom.aggregate.server_opt",
     "fedloom.engine.backends",
     "fedloom.engine.vmap",
