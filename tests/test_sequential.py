@@ -240,3 +240,43 @@ def test_sequential_seeds_need_claims(tmp_path):
 
     with pytest.raises(ConfigError, match="needs claims"):
         load_suite(_suite(tmp_path, {"min": 3, "max": 5, "batch": 1}, claims=[]))
+
+
+def test_verdict_runs_come_before_sensitivity_and_a_killed_sweep_keeps_its_time(
+        tmp_path, monkeypatch):
+    from fedloom.sweep import run_suite
+
+    calls, order = [], []
+    fake = _fake_run(calls)
+
+    def run(cmd, **kw):
+        order.append(cmd[cmd.index("--out") + 1])
+        return fake(cmd, **kw)
+
+    monkeypatch.setattr("fedloom.sweep.running.RUNNER", "subprocess")
+    monkeypatch.setattr("fedloom.sweep.running.subprocess.run", run)
+    tuning = {"budget": 2, "seeds": [100], "metric": "test_acc", "rounds": 1,
+              "sampler": "grid", "space": {"server.lr": [0.5, 1.0]},
+              "sensitivity": {"key": "server.lr"}}
+    path = _suite(tmp_path, {"min": 3, "max": 5, "batch": 2}, tuning=tuning)
+    run_suite(path, workers=1, log=lambda s: None)
+    kinds = ["tune" if "@tune=" in o else "sens" if "@sens=" in o else "main" for o in order]
+    assert "sens" in kinds and "main" in kinds
+    # tuning, then every seed the claims asked for (both batches), then sensitivity
+    assert kinds == sorted(kinds, key=["tune", "main", "sens"].index)
+    state = tmp_path / "runs" / "seq.sweep.json"
+    spent = json.loads(state.read_text())["elapsed_s"]
+    assert spent > 0
+
+    # a sweep killed in its second batch has written its wall time all the same
+    path = _suite(tmp_path, {"min": 3, "max": 7, "batch": 2}, tuning=tuning)
+
+    def killed(cmd, **kw):
+        if any(a == "seed=6" for a in cmd):
+            raise KeyboardInterrupt
+        return fake(cmd, **kw)
+
+    monkeypatch.setattr("fedloom.sweep.running.subprocess.run", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_suite(path, workers=1, log=lambda s: None)
+    assert json.loads(state.read_text())["elapsed_s"] > spent

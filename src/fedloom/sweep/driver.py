@@ -18,7 +18,14 @@ from pathlib import Path
 from fedloom.sweep.checks import drop_missing_data, validate_suite
 from fedloom.sweep.running import _run_all
 from fedloom.sweep.sequential import finished_only, first_seeds, sequential_runs
-from fedloom.sweep.suite import StaleRunsError, Suite, SweepError, SweepFolderError, load_suite
+from fedloom.sweep.suite import (
+    RunSpec,
+    StaleRunsError,
+    Suite,
+    SweepError,
+    SweepFolderError,
+    load_suite,
+)
 from fedloom.sweep.tune import _tune, main_specs, sensitivity_specs
 
 
@@ -106,6 +113,26 @@ def _run_locked(suite: Suite, workers: int, log: Callable[[str], None],
     from fedloom.report.sweep import write_report
 
     t0 = time.perf_counter()
+    state = _state_file(suite)
+    prior = float(json.loads(state.read_text()).get("elapsed_s", 0.0)) if state.exists() else 0.0
+    state = suite.out / f"{suite.name}.sweep.json"
+
+    def record() -> float:
+        """The sweep's wall time so far, summed over continued invocations, written
+        after every batch: a sweep that is killed keeps what it had spent."""
+        total = prior + time.perf_counter() - t0
+        state.parent.mkdir(parents=True, exist_ok=True)
+        tmp = state.with_name(state.name + ".tmp")
+        tmp.write_text(json.dumps({"elapsed_s": total, "workers": workers}, indent=2))
+        os.replace(tmp, state)
+        return total
+
+    def run_batch(batch: list[RunSpec]) -> None:
+        try:
+            _run_all(batch, workers, log)
+        finally:
+            record()
+
     try:
         chosen = _tune(suite, workers, log)
     except SweepError as e:  # no tuned value, no main runs: nothing to report
@@ -118,33 +145,25 @@ def _run_locked(suite: Suite, workers: int, log: Callable[[str], None],
     failure: SweepError | None = None
     try:
         if suite.sequential is None:
-            _run_all([*specs, *dict.fromkeys(extra)], workers, log)
+            run_batch([*specs, *dict.fromkeys(extra)])
         else:
-            # the sensitivity runs first (a fixed set); then batch by batch, the seeds
-            # going to the pairs whose claims are still open
-            try:
-                if extra:
-                    _run_all(list(dict.fromkeys(extra)), workers, log)
-            except StaleRunsError:
-                raise
-            except SweepError as e:
-                failure = e  # the main runs still go on
-            specs, failed = sequential_runs(suite, specs,
-                                            lambda b: _run_all(b, workers, log), log)
-            failure = failed or failure
+            # the claims' runs first, batch by batch, the seeds going to the pairs whose
+            # claims are still open; then the sensitivity runs (a fixed set, which no
+            # verdict waits for)
+            specs, failure = sequential_runs(suite, specs, run_batch, log)
+            if extra:
+                try:
+                    run_batch(list(dict.fromkeys(extra)))
+                except StaleRunsError:
+                    raise
+                except SweepError as e:
+                    failure = failure or e
     except StaleRunsError as e:  # no page made of runs of another config
         e.suite = suite
         raise
     except SweepError as e:
         failure = e  # still report the runs that finished ("Incomplete" counts the rest)
-    elapsed = time.perf_counter() - t0
-    state = _state_file(suite)
-    prior = json.loads(state.read_text()) if state.exists() else {}
-    state = suite.out / f"{suite.name}.sweep.json"
-    # Wall time of the whole sweep: the sum over continued invocations.
-    total = float(prior.get("elapsed_s", 0.0)) + elapsed
-    state.parent.mkdir(parents=True, exist_ok=True)
-    state.write_text(json.dumps({"elapsed_s": total, "workers": workers}, indent=2))
+    total = record()  # wall time of the whole sweep: the sum over continued invocations
     suite.report_text = write_report(suite, chosen, specs, total, workers, csv)
     if failure is not None:
         failure.suite = suite
