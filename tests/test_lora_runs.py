@@ -3,6 +3,7 @@ aggregation, FedSA-LoRA and FFA-LoRA on a tiny random-init Llama over a fixture 
 (tests/test_llm.py's setting), alone and with the engine's other parts (CRAFT, robust
 rules, Top-k with error feedback)."""
 
+import json
 import math
 
 import pytest
@@ -17,6 +18,8 @@ from conftest import stop_and_resume
 from fedloom.config import ConfigError, ModelConfig
 from fedloom.data.shakespeare import NUM_CHARS
 from fedloom.models import build_model
+from fedloom.report.compare import lower_is_better
+from test_evaluation import count_one_pass, two_passes, untimed
 from test_llm import ADAPTERS, LAYERS, LORA, TINY
 
 corpus = test_llm.corpus  # test_llm's fixture play, shared (a pytest fixture)
@@ -100,6 +103,63 @@ def test_fedsa_lora_shares_a_and_keeps_each_clients_b(corpus):
     last = res.metrics[-1]
     # evaluated on the personal models (the global A, each client's B) as FedPer is
     assert last["personal_clients"] >= 2 and math.isfinite(last["personal_acc_mean"])
+
+
+PPL = ("mean", "std", "worst10", "best10")
+
+
+def test_fedsa_lora_reports_each_clients_perplexity_with_its_own_b(corpus, tmp_path):
+    # one round, 2 of the 4 roles sampled: two clients with a B of their own, two
+    # evaluated with the initial B (the global model's, zero)
+    cfg = config(corpus, rounds=1, method="fedsa_lora", logging={"plots": False})
+    res = fedloom.run(cfg, out=tmp_path / "run")
+    last = res.metrics[-1]
+    assert last["personal_clients"] == 2
+    for key in [f"{p}_ppl_{s}" for p in ("personal", "unsampled") for s in PPL]:
+        assert math.isfinite(last[key]), key
+    assert last["personal_ppl_worst10"] >= last["personal_ppl_mean"] >= last["personal_ppl_best10"]
+    per = json.loads((res.run_dir / "client_acc.json").read_text())
+    mine = [k for k, p in enumerate(per["personal_ppl"]) if p is not None]
+    assert len(mine) == 2 and len(per["personal_ppl"]) == len(per["client_ppl"]) == 4
+    assert math.isclose(sum(per["personal_ppl"][k] for k in mine) / 2,
+                        last["personal_ppl_mean"], rel_tol=1e-12)
+    # a trained B moves each sampled client's perplexity off the global model's
+    for k in mine:
+        assert per["personal_ppl"][k] != per["client_ppl"][k]
+        assert per["personal_acc"][k] is not None
+    assert last["personal_ppl_mean"] != sum(per["client_ppl"][k] for k in mine) / 2
+    # the others' model is the global one: the global pass's perplexities, to the
+    # rounding of a pass over the client's windows alone
+    rest = [k for k in range(4) if k not in mine]
+    assert math.isclose(last["unsampled_ppl_mean"],
+                        sum(per["client_ppl"][k] for k in rest) / 2, rel_tol=1e-9)
+    # perplexity is lower-is-better wherever runs are compared (tuning, claims, plots)
+    assert all(lower_is_better(f"{p}_ppl_{s}") for p in ("personal", "unsampled")
+               for s in ("mean", "worst10", "best10"))
+
+
+def test_fedsa_lora_personal_metrics_resume_bit_identically(corpus, tmp_path):
+    # round 2's personal models hold round 1's B, restored from the checkpoint
+    cfg = config(corpus, rounds=2, method="fedsa_lora")
+    ref, res = stop_and_resume(cfg, [], tmp_path / "run", stop_after=1)
+    assert torch.equal(ref.w, res.w)
+    a, b = ref.metrics[-1], res.metrics[-1]
+    keys = [k for k in a if k.startswith(("personal_", "unsampled_", "client_", "test_"))]
+    assert "personal_ppl_worst10" in keys and "test_ppl" in keys
+    assert {k: b[k] for k in keys} == {k: a[k] for k in keys}
+
+
+def test_one_pass_gives_the_two_passes_numbers_for_a_language_model(corpus, monkeypatch):
+    # the text source's pooled test windows are the clients' (fedloom.engine.evaluation)
+    cfg = config(corpus, rounds=2, method="fedsa_lora")
+    calls = count_one_pass(monkeypatch)
+    one = fedloom.run(cfg)
+    assert calls[0] == 2
+    two_passes(monkeypatch)
+    two = fedloom.run(cfg)
+    assert calls[0] == 2
+    assert untimed(one.metrics) == untimed(two.metrics)  # exact float equality
+    assert "client_ppl_worst10" in one.metrics[-1] and "personal_ppl_mean" in one.metrics[-1]
 
 
 def _model_cfg():

@@ -165,6 +165,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         *([("personal acc mean ± std", _pm(s["personal_acc_mean"], s.get("personal_acc_std"))),
            ("personal acc worst 10 %", _num(s.get("personal_acc_worst10")))]
           if "personal_acc_mean" in s else []),
+        *([("personal ppl mean ± std", _pm(s["personal_ppl_mean"], s.get("personal_ppl_std"))),
+           ("personal ppl worst 10 %", _num(s.get("personal_ppl_worst10")))]
+          if "personal_ppl_mean" in s else []),
         ("uplink total", _fmt_bytes(s["uplink_bytes_total"])),
         ("downlink total", _fmt_bytes(s["downlink_bytes_total"])),
         ("rejected updates", f"{s['rejected_updates_total']}"),

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from fedloom.params import Layout, functional_forward, training_mode
 
 __all__ = ["accuracy_stats", "conflict_rate", "evaluate", "evaluate_clients",
-           "evaluate_clients_lm", "perplexity_stats"]
+           "evaluate_clients_lm", "evaluate_pooled_and_clients", "perplexity_stats"]
 
 
 def accuracy_stats(acc: np.ndarray, prefix: str = "client_acc") -> dict[str, float]:
@@ -99,6 +99,32 @@ def _per_sequence(
     return torch.cat(hits), torch.cat(losses)
 
 
+def _pooled_lm(hit: torch.Tensor, ce: torch.Tensor) -> tuple[float, float]:
+    # token accuracy and mean token cross-entropy of every window together
+    return float(hit.mean()), float(ce.mean())
+
+
+def _per_client_lm(hit: torch.Tensor, ce: torch.Tensor, owner: torch.Tensor,
+                   num_clients: int) -> tuple[np.ndarray, np.ndarray]:
+    total = torch.bincount(owner, minlength=num_clients).double()
+    acc = torch.bincount(owner, weights=hit, minlength=num_clients) / total
+    loss = torch.bincount(owner, weights=ce, minlength=num_clients) / total
+    return acc.cpu().numpy(), torch.exp(loss).cpu().numpy()
+
+
+def _pooled_classes(pred: torch.Tensor, logits: torch.Tensor, y: torch.Tensor
+                    ) -> tuple[float, float]:
+    loss = F.cross_entropy(logits.to(torch.float64), y, reduction="mean")
+    return float((pred == y).double().mean()), float(loss)
+
+
+def _per_client_classes(pred: torch.Tensor, y: torch.Tensor, owner: torch.Tensor,
+                        num_clients: int) -> np.ndarray:
+    correct = torch.bincount(owner, weights=(pred == y).double(), minlength=num_clients)
+    total = torch.bincount(owner, minlength=num_clients).double()
+    return (correct / total).cpu().numpy()
+
+
 @torch.no_grad()
 def evaluate(
     module: nn.Module, layout: Layout, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
@@ -109,11 +135,9 @@ def evaluate(
     if x.shape[0] == 0:
         return float("nan"), float("nan")
     if y.ndim > 1:  # next tokens: token accuracy and mean token cross-entropy
-        hit, ce = _per_sequence(module, layout, w, x, y, batch_size, buffers)
-        return float(hit.mean()), float(ce.mean())
+        return _pooled_lm(*_per_sequence(module, layout, w, x, y, batch_size, buffers))
     pred, logits = _predict(module, layout, w, x, batch_size, buffers)
-    loss = F.cross_entropy(logits.to(torch.float64), y, reduction="mean")
-    return float((pred == y).double().mean()), float(loss)
+    return _pooled_classes(pred, logits, y)
 
 
 @torch.no_grad()
@@ -131,10 +155,7 @@ def evaluate_clients(
         return evaluate_clients_lm(module, layout, w, x, y, owner, num_clients, batch_size,
                                    buffers)[0]
     pred, _ = _predict(module, layout, w, x, batch_size, buffers)
-    correct = torch.bincount(owner, weights=(pred == y).double(), minlength=num_clients)
-    total = torch.bincount(owner, minlength=num_clients).double()
-    acc = correct / total
-    return acc.cpu().numpy()
+    return _per_client_classes(pred, y, owner, num_clients)
 
 
 @torch.no_grad()
@@ -150,7 +171,31 @@ def evaluate_clients_lm(
     with no test window gets NaN in both.
     """
     hit, ce = _per_sequence(module, layout, w, x, y, batch_size, buffers)
-    total = torch.bincount(owner, minlength=num_clients).double()
-    acc = torch.bincount(owner, weights=hit, minlength=num_clients) / total
-    loss = torch.bincount(owner, weights=ce, minlength=num_clients) / total
-    return acc.cpu().numpy(), torch.exp(loss).cpu().numpy()
+    return _per_client_lm(hit, ce, owner, num_clients)
+
+
+@torch.no_grad()
+def evaluate_pooled_and_clients(
+    module: nn.Module, layout: Layout, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+    owner: torch.Tensor, num_clients: int, batch_size: int = 2048,
+    buffers: dict[str, torch.Tensor] | None = None,
+) -> tuple[tuple[float, float], np.ndarray, np.ndarray | None]:
+    """:func:`evaluate` and the per-client metrics of :func:`evaluate_clients` (a
+    causal LM: of :func:`evaluate_clients_lm`) on the same samples, from one forward
+    pass: ``((accuracy, loss), per-client accuracy, per-client perplexity or None)``.
+
+    For a test set that is the union of the clients' splits (``owner`` the client of
+    each sample). Each number is the one the separate functions give on these
+    samples, bit for bit: the same batches go through the model once, and each
+    statistic is the same reduction of the same per-sample values.
+    """
+    if x.shape[0] == 0:
+        nan = np.full(num_clients, np.nan)
+        return (float("nan"), float("nan")), nan, (nan.copy() if y.ndim > 1 else None)
+    if y.ndim > 1:
+        hit, ce = _per_sequence(module, layout, w, x, y, batch_size, buffers)
+        acc, ppl = _per_client_lm(hit, ce, owner, num_clients)
+        return _pooled_lm(hit, ce), acc, ppl
+    pred, logits = _predict(module, layout, w, x, batch_size, buffers)
+    return (_pooled_classes(pred, logits, y),
+            _per_client_classes(pred, y, owner, num_clients), None)

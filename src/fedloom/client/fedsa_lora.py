@@ -14,10 +14,23 @@ layer group (a projection's ``A`` and ``B`` are one group): a sampled client
    zeros, so any aggregator, compressor and feedback policy applies; the server's
    ``B`` never moves from its zero start).
 
-Personal model for evaluation: the global ``A`` with the client's ``B``
-(``personal_acc_*``, the token accuracy for a language model); a client never
-sampled is reported with the global model, whose ``B`` is zero, i.e. the base
-(``unsampled_acc_*``).
+Personal model for evaluation: client ``k``'s ``(A, B_k)``, the global ``A`` with
+its own ``B``, on its own test split
+(:meth:`fedloom.engine.evaluation.Evaluator.personal`): ``personal_acc_*`` (token
+accuracy) and, the model being a causal LM, ``personal_ppl_*``, the statistics over
+those clients of
+
+    ppl_k = exp( −(1 / (N_k T)) Σ_i Σ_t log p_{A, B_k}(y_{i,t} | x_{i,1..t}) ),
+
+``i`` over the client's ``N_k`` test windows of ``T`` tokens: lower is better
+(``worst10``: the mean of the highest ``⌈0.1 N⌉``), and ``log ppl_k`` is its mean
+token loss; ``client_acc.json`` holds each client's as ``personal_acc`` and
+``personal_ppl``. A client never sampled has no ``B`` of its own yet and uses the
+initial one, the server's, which never moves (LoRA's zero: the global ``A`` with
+``B = 0``, i.e. the base model; ``keep: A``: the initial ``A``); it is reported
+apart, as ``unsampled_acc_*`` and ``unsampled_ppl_*``, and ``personal_clients``
+counts the others. The global model's ``client_ppl_*`` are of ``(A, 0)`` on every
+client, so the difference is what the personal ``B`` bring.
 """
 
 from __future__ import annotations
@@ -70,10 +83,16 @@ def _fedsa_lora(layout: Layout, keep: Literal["B", "A"] = "B") -> FedSALoRA:
         code: Pengxin-Guo/FedSA-LoRA, federatedscope/llm/yamls/fedsa-lora.yaml (checked:
             FederatedScope's personalization.local_param: ['lora_B'], i.e. the tensors
             named lora_B stay local and every other trainable tensor is averaged; A and
-            B both train, federate.freeze_A: False).
+            B both train, federate.freeze_A: False); federatedscope/llm/trainer/trainer.py
+            (checked: a client's evaluation, LLMTrainer._hook_on_fit_end, is of its own
+            model, its lora_B kept local, on its own split: {split}_avg_loss, the mean
+            token loss of its batches weighted by batch size, as personal_ppl_*'s log
+            here with windows of equal length).
         departures: B's update is sent as zeros rather than left out (FedPer's
             departure: every aggregator and compressor applies; an identity payload
             still counts B's zeros in uplink_bytes, a sparse one does not); local
-            training is fedloom's SGD (the paper's code uses AdamW).
+            training is fedloom's SGD (the paper's code uses AdamW); a client never
+            sampled is evaluated with the initial B and counted apart
+            (unsampled_ppl_*), not in personal_ppl_*.
     """
     return FedSALoRA(layout, keep)

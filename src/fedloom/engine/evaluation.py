@@ -1,6 +1,15 @@
 """Evaluation: the global model on the global and per-client test splits, and the
 personal models of a local method that keeps them.
 
+The global model's pooled metrics (``test_*``) and per-client ones (``client_*``)
+come from one forward pass over the clients' test splits when the pooled test set
+is their union, sample for sample (a source without a test set of its own, the text
+source for one: :func:`fedloom.data.federated.build_federated`); the numbers are
+those of a pass over each, bit for bit (the same batches, the same reductions:
+:func:`fedloom.metrics.evaluate_pooled_and_clients`). A source's own test set, or
+``data.feature``'s skew (applied to the clients' rows, not to the pooled set),
+keeps the two passes.
+
 Under ``model.buffers=local`` (FedBN) a client's own split is evaluated with
 its own buffers once it has any. The personal models are the local method's
 (:meth:`fedloom.client.methods.LocalMethod.personal_models`, from its own
@@ -31,11 +40,31 @@ from fedloom.metrics import (
     evaluate,
     evaluate_clients,
     evaluate_clients_lm,
+    evaluate_pooled_and_clients,
     perplexity_stats,
 )
 from fedloom.rng import derive_seed
 
 __all__ = ["Evaluator"]
+
+
+def _same_rows(x_test: torch.Tensor, y_test: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+               idx: torch.Tensor, chunk: int = 4096) -> bool:
+    """Whether ``(x_test, y_test)`` is ``(x[idx], y[idx])`` exactly (same rows, same
+    order, same dtype), compared ``chunk`` rows at a time so that no second copy of a
+    large test set is made at once. No rows (no client has a test split): False, the
+    pooled set being then the training samples."""
+    n = int(idx.numel())
+    if (n == 0 or x_test.shape[1:] != x.shape[1:] or x_test.shape[0] != n
+            or y_test.shape[1:] != y.shape[1:] or y_test.shape[0] != n
+            or x_test.dtype != x.dtype or y_test.dtype != y.dtype):
+        return False
+    for s in range(0, n, chunk):
+        part = idx[s : s + chunk]
+        if not (torch.equal(x_test[s : s + chunk], x[part])
+                and torch.equal(y_test[s : s + chunk], y[part])):
+            return False
+    return True
 
 
 class Evaluator:
@@ -57,42 +86,63 @@ class Evaluator:
         self.client_test_owner = torch.from_numpy(
             np.concatenate([np.full(len(t), k) for k, t in enumerate(test_idx)])
         ).long().to(space.device)
+        # The pooled test set is the union of the clients' splits, in this order, when
+        # the source has no test set of its own (FederatedData; the text source, for
+        # one): then one forward pass gives both the pooled and the per-client metrics.
+        # Checked on the tensors rather than assumed from the source, since a source's
+        # own test set, data.feature's skew of the clients' rows (not of the pooled
+        # set) or data given to run() make the two differ.
+        self.pooled_is_clients = _same_rows(x_test, y_test, clients.x, clients.y,
+                                            self.client_test_idx)
         # per-client accuracies of the last evaluation (written to client_acc.json)
         self.last_client_acc: np.ndarray | None = None
         # a causal LM's per-client test perplexities (client_acc.json's client_ppl)
         self.last_client_ppl: np.ndarray | None = None
         self.last_personal_acc: np.ndarray | None = None
+        # a causal LM's per-client perplexities of the personal models (personal_ppl)
+        self.last_personal_ppl: np.ndarray | None = None
 
     def global_(self, w: torch.Tensor) -> dict[str, float]:
-        """Global test accuracy/loss and per-client accuracy statistics of ``w``."""
+        """Global test accuracy/loss and per-client accuracy statistics of ``w`` (a
+        causal LM: token accuracy, and perplexity pooled and per client). One forward
+        pass when the pooled test set is the clients' splits
+        (:attr:`pooled_is_clients`), else one over each."""
         sp, cl = self.space, self.clients
         bs = self.settings.batch_size
-        acc, loss = evaluate(sp.module, sp.layout, w, self.x_test, self.y_test, bs)
-        out = {"test_acc": acc, "test_loss": loss}
         lm = self.y_test.ndim > 1  # a causal LM's next tokens: token accuracy, perplexity
+        ppl: np.ndarray | None = None
+        if self.pooled_is_clients:
+            (acc, loss), per_client, ppl = evaluate_pooled_and_clients(
+                sp.module, sp.layout, w, cl.x[self.client_test_idx],
+                cl.y[self.client_test_idx], self.client_test_owner, cl.num_clients, bs)
+        else:
+            acc, loss = evaluate(sp.module, sp.layout, w, self.x_test, self.y_test, bs)
+            if self.client_test_idx.numel() and lm:
+                per_client, ppl = evaluate_clients_lm(
+                    sp.module, sp.layout, w, cl.x[self.client_test_idx],
+                    cl.y[self.client_test_idx], self.client_test_owner, cl.num_clients, bs)
+            elif self.client_test_idx.numel():
+                per_client = evaluate_clients(
+                    sp.module, sp.layout, w, cl.x[self.client_test_idx],
+                    cl.y[self.client_test_idx], self.client_test_owner, cl.num_clients, bs)
+        out = {"test_acc": acc, "test_loss": loss}
         if lm:
             out["test_ppl"] = math.exp(min(loss, 700.0)) if math.isfinite(loss) else loss
-        if self.client_test_idx.numel() and lm:
-            per_client, ppl = evaluate_clients_lm(
-                sp.module, sp.layout, w, cl.x[self.client_test_idx],
-                cl.y[self.client_test_idx], self.client_test_owner, cl.num_clients, bs,
-            )
-            out.update(accuracy_stats(per_client))
+        if not self.client_test_idx.numel():
+            return out
+        if not lm and cl.fields.has(BUFFERS):
+            # FedBN: a client's own split with its own statistics (the pass above used
+            # the global buffers, as the pooled metrics should)
+            for k, bufs in self.local_buffers(range(cl.num_clients)):
+                idx = torch.from_numpy(cl.fed.test[k])
+                if len(idx):
+                    per_client[k], _ = evaluate(sp.module, sp.layout, w, cl.x[idx],
+                                                cl.y[idx], bs, buffers=bufs)
+        out.update(accuracy_stats(per_client))
+        self.last_client_acc = per_client
+        if ppl is not None:
             out.update(perplexity_stats(ppl))
-            self.last_client_acc, self.last_client_ppl = per_client, ppl
-        elif self.client_test_idx.numel():
-            per_client = evaluate_clients(
-                sp.module, sp.layout, w, cl.x[self.client_test_idx],
-                cl.y[self.client_test_idx], self.client_test_owner, cl.num_clients, bs,
-            )
-            if cl.fields.has(BUFFERS):  # FedBN: a client's own split with its own statistics
-                for k, bufs in self.local_buffers(range(cl.num_clients)):
-                    idx = torch.from_numpy(cl.fed.test[k])
-                    if len(idx):
-                        per_client[k], _ = evaluate(sp.module, sp.layout, w, cl.x[idx],
-                                                    cl.y[idx], bs, buffers=bufs)
-            out.update(accuracy_stats(per_client))
-            self.last_client_acc = per_client
+            self.last_client_ppl = ppl
         return out
 
     def local_buffers(self, ids: Sequence[int], chunk: int = 256
@@ -117,11 +167,21 @@ class Evaluator:
         client's own test split (``personal_acc_*``, over the clients that have one);
         the clients that have none yet — never sampled, so no personal state — are
         reported apart, with the global model (``unsampled_acc_*``), and
-        ``personal_clients`` counts the first group."""
+        ``personal_clients`` counts the first group.
+
+        A causal LM (labels ``[N, T]``): the accuracies are token accuracies, and each
+        client's test perplexity, ``exp`` of its mean token cross-entropy, is reported
+        the same way (``personal_ppl_*`` and ``unsampled_ppl_*``:
+        :func:`~fedloom.metrics.perplexity_stats`, lower is better, ``worst10`` the
+        highest); a client's loss is the log of its perplexity. One forward pass a
+        client: its model is its own."""
         sp, cl = self.space, self.clients
         n = cl.num_clients
+        lm = cl.y.ndim > 1
         acc = np.full(n, np.nan)
         unsampled = np.full(n, np.nan)
+        ppl = np.full(n, np.nan)
+        unsampled_ppl = np.full(n, np.nan)
         bs = self.settings.batch_size
         f = cl.fields
         for s in range(0, n, chunk):
@@ -137,13 +197,20 @@ class Evaluator:
                     continue
                 idx = torch.from_numpy(te)
                 own = dict(self.local_buffers([k])) if f.has(BUFFERS) else {}
-                target = acc if bool(have[j]) else unsampled
-                target[k], _ = evaluate(sp.module, sp.layout,
-                                        models[j] if bool(have[j]) else w,
-                                        cl.x[idx], cl.y[idx], bs, buffers=own.get(k))
+                mine = bool(have[j])
+                a, loss = evaluate(sp.module, sp.layout, models[j] if mine else w,
+                                   cl.x[idx], cl.y[idx], bs, buffers=own.get(k))
+                (acc if mine else unsampled)[k] = a
+                if lm:  # exp in float64 as evaluate_clients_lm's client_ppl (inf past e^709)
+                    (ppl if mine else unsampled_ppl)[k] = float(
+                        torch.exp(torch.tensor(loss, dtype=torch.float64)))
         self.last_personal_acc = acc
         out = accuracy_stats(acc, prefix="personal_acc")
         out.update(accuracy_stats(unsampled, prefix="unsampled_acc"))
+        if lm:
+            self.last_personal_ppl = ppl
+            out.update(perplexity_stats(ppl, prefix="personal_ppl"))
+            out.update(perplexity_stats(unsampled_ppl, prefix="unsampled_ppl"))
         out["personal_clients"] = float(np.count_nonzero(~np.isnan(acc)))
         return out
 

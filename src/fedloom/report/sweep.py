@@ -82,6 +82,21 @@ def _fmt(ms: tuple[float, float] | None, pct: bool = True) -> str:
     return f"{ms[0] * scale:.1f} ± {ms[1] * scale:.1f}"
 
 
+def _personal_row(method: str, row: dict[str, Any], columns: list[tuple[str, str, str]],
+                  blank: int) -> str | None:
+    """The table row of a method's personal models (None when its runs have none): under
+    each ``client_*`` column the ``personal_*`` value (``personal_acc_*`` under
+    ``client_acc_*``; a causal LM's ``personal_ppl_*`` under ``client_ppl_*``), "–"
+    under the others and the ``blank`` columns after them."""
+    own = [f"personal_{k[len('client_'):]}" if k.startswith("client_") else None
+           for k, _, _ in columns]
+    if not any(k is not None and k in row for k in own):
+        return None
+    cells = [_fmt(row.get(k) if k is not None else None, kind == "pct")
+             for k, (_, _, kind) in zip(own, columns, strict=True)]
+    return f"| {method} (personal models) | " + " | ".join(cells) + " |" + " – |" * blank
+
+
 def _to_target(runs: list[dict[str, Any]], target: float,
                timed: bool = False) -> list[str]:
     """Mean rounds and uplink MB (and, ``timed``, simulated minutes: ``sim_time_s`` of
@@ -451,11 +466,9 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
             wall_cell = f"{wall[0]:.1f}" if wall else "–"
             name = method if seq is None else f"{method} (n={len(r['runs'])})"
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {wall_cell} |")
-            if any(k.startswith("personal_acc_mean") for k in r):
-                pm = [_fmt(r.get(f"personal_acc_{k}")) for k in ("mean", "std", "worst10",
-                                                                  "best10")]
-                lines.append(f"| {method} (personal models) | " + " | ".join(pm) +
-                             " |" + " – |" * (len(columns) + len(extra) - 4 + 1))
+            personal = _personal_row(method, r, columns, len(extra) + 1)
+            if personal is not None:
+                lines.append(personal)
         lines.append("")
         curves = rep.get("curves")
         if curves and doc is not None:
