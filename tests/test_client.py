@@ -106,3 +106,56 @@ def test_job_batches_are_the_batches_train_draws(epochs, max_steps, monkeypatch)
     other = trainer.job_batches(ClientJob(0, 0, job.w, 0.1, x, y, gen_seed=14, epochs=epochs,
                                           max_steps=max_steps))
     assert not all(torch.equal(a, b) for a, b in zip(got, other, strict=True))
+
+
+class _Same:
+    """A local transform that leaves the direction as it is: its presence alone sends
+    the step through the chain (the gradient copied into the flat vector first)."""
+
+    def init(self, W: torch.Tensor) -> None:
+        return None
+
+    def update(self, D: torch.Tensor, state: None, ctx: object) -> tuple[torch.Tensor, None]:
+        return D, None
+
+
+class _SmallCNN(nn.Module):
+    """Conv, pooling, dropout and a dense layer, plus a parameter the loss never reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.MaxPool2d(2),
+                                      nn.Dropout(0.25), nn.Flatten())
+        self.head = nn.Linear(4 * 3 * 3, 3)
+        self.unused = nn.Parameter(torch.tensor([-0.0, 0.0, 1.5]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_direct_step_is_the_chain_step_bit_for_bit(dtype):
+    """With nothing but the gradient in the direction, each parameter steps by
+    autograd's tensor (no flat gradient): the same bits as the chain's step on the
+    flat vector, dropout masks included, and a parameter without a gradient
+    (-0.0 entry too) stays exactly where it was."""
+    torch.manual_seed(0)
+    model = _SmallCNN().to(dtype)
+    layout = Layout.from_module(model)
+    x, y = torch.randn(23, 2, 8, 8, dtype=dtype), torch.randint(0, 3, (23,))
+    w0 = layout.flatten(model)
+    trainer = LocalSGD(model, layout, batch_size=5, epochs=2, random_forward=True)
+    direct = trainer.run(ClientJob(3, 1, w0, 0.3, x, y, gen_seed=11))
+    # the step took autograd's tensors as they were: nothing went through the flat gradient
+    assert not trainer._flat_module().g.any()
+    chained = trainer.run(ClientJob(3, 1, w0, 0.3, x, y, gen_seed=11, transforms=(_Same(),)))
+    probed = trainer.run(ClientJob(3, 1, w0, 0.3, x, y, gen_seed=11, probe_smoothness=True))
+    assert direct.steps == chained.steps == probed.steps == 10
+    assert direct.update.abs().sum() > 0
+    assert torch.equal(direct.update, chained.update)
+    assert torch.equal(direct.update, probed.update)
+    assert direct.loss == chained.loss == probed.loss
+    unused = layout.tensors[[t.name for t in layout.tensors].index("unused")].slice
+    w_k, _, _, _ = trainer.train(ClientJob(3, 1, w0, 0.3, x, y, gen_seed=11))
+    assert torch.equal(w_k[unused], w0[unused])
+    assert torch.equal(torch.signbit(w_k[unused]), torch.tensor([True, False, False]))
