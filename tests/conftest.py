@@ -16,8 +16,31 @@ from typing import Any
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 
-import pytest
-import torch
+
+def _worker_threads() -> int | None:
+    """Under ``pytest -n N``: the cores per pytest worker (at least 1), else None.
+
+    Each worker otherwise takes torch's default of one intra-op thread per core, so
+    ``-n auto`` runs cores² threads on the cores; on the test configs' small tensors
+    the threads then mostly wait on one another (measured on 2 busy cores: a tiny
+    3-round run 0.6 s at 2 threads against 0.1 s at 1)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers <= 0:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // workers)
+
+
+# Set before torch is imported, so that the subprocesses a test starts (a CLI run
+# compared with an in-process one) take the same count; an explicit setting wins.
+if (_THREADS := _worker_threads()) is not None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if _THREADS is not None and os.environ["OMP_NUM_THREADS"] == str(_THREADS):
+    torch.set_num_threads(_THREADS)  # in case a plug-in imported torch first
 
 # A tiny experiment: digits (1797 samples), 10 clients, 3 rounds, a small MLP.
 TINY: dict[str, Any] = {
@@ -108,6 +131,26 @@ def cli_in_process(cmd, env=None, cwd=None, **kwargs):
             root.removeHandler(log)
             torch.set_num_threads(threads)
     return subprocess.CompletedProcess(list(cmd), rc, out.getvalue(), err.getvalue())
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--dist loadgroup``: the ``xdist_group`` suffix on each marked test's id, where
+    pytest-xdist's own could not put it. pytest-xdist (3.8) writes the suffixed id to
+    ``item._nodeid``, which pytest 9 no longer reads (the id is ``item._id``), so every
+    group was silently ignored: the "ray" tests ran on both workers at once, two Ray
+    clusters on the two cores, and test_ray.py's module cluster was started twice."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # pytest before 9: pytest-xdist's suffix works
+        return
+    for item in items:
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                 for m in item.iter_markers("xdist_group")}
+        if names and "@" not in item.nodeid and hasattr(item, "_id"):
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(names))}")
 
 
 def flower_simulation(server_app, client_app, num_supernodes: int) -> None:

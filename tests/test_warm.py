@@ -24,6 +24,11 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedloom.integrations import warm
 
+# under `pytest -n`: this file's tests on one worker, in order, so that they share the
+# module's warm directory and the worker its first test started (each worker started
+# imports torch and builds the experiment: a second or more of CPU time)
+pytestmark = pytest.mark.xdist_group("warm")
+
 TARGET = "_warm_app:app"
 NODE = 7
 # SA-PEF Top-k: the residual lives in Context.state, so the state has to make the
