@@ -55,21 +55,28 @@ def test_suite_errors(tmp_path):
         main_specs(load_suite(path), {})
 
 
+# No tuning here: each phase of a sweep (tuning, then the main runs) starts its own
+# workers, and a tuning trial is a run like any other (the tuning itself is tested
+# above); one phase of 4 runs on 2 workers still gives each worker several runs.
+UNTUNED = {"tune": {}, "methods": {"FedAvg": [], "CRAFT": ["aggregator.name=craft",
+                                                          "server.lr=0.5"]}}
+
+
 def test_worker_processes_give_the_subprocess_result(tmp_path, monkeypatch):
     """The default runner (long-lived spawned workers, several runs each) computes what
     a fresh process per run computes: the same model, bit for bit, on this machine."""
     import json
 
-    path = _suite(tmp_path, seeds=[1, 2])
+    path = _suite(tmp_path, seeds=[1, 2], **UNTUNED)
     run_suite(path, workers=2, log=lambda s: None)  # RUNNER = "worker": real processes
     runs = tmp_path / "runs" / "digits"
     worker = {p.parent.name + "/" + p.parent.parent.name: json.loads(p.read_text())
               for p in runs.rglob("summary.json")}
-    assert len(worker) == 6  # FedAvg, CRAFT × 2 seeds, 2 tuning runs
+    assert len(worker) == 4  # FedAvg, CRAFT × 2 seeds
     monkeypatch.setattr("fedloom.sweep.running.RUNNER", "subprocess")
     monkeypatch.setattr("fedloom.sweep.running.subprocess.run", cli_in_process)
     other = tmp_path / "again"
-    path2 = _suite(tmp_path, seeds=[1, 2], out=str(other))
+    path2 = _suite(tmp_path, seeds=[1, 2], out=str(other), **UNTUNED)
     run_suite(path2, workers=1, log=lambda s: None)
     fresh = {p.parent.name + "/" + p.parent.parent.name: json.loads(p.read_text())
              for p in (other / "digits").rglob("summary.json")}
