@@ -93,9 +93,10 @@ class Rule:
 
 RULES = {
     "fedavg": Rule("convex", True),
-    # without LoRA pairs in the layout (these cohorts' layout), both are FedAvg
+    # without LoRA pairs in the layout (these cohorts' layout), the LoRA rules are FedAvg
     "fedit": Rule("convex", True),
     "lora_exact": Rule("convex", True),
+    "hetlora": Rule("convex", True),
     "krum": Rule("convex", True),
     "qfedavg": Rule("convex", False),
     "fedfv": Rule("convex", True, solver=True),

@@ -53,6 +53,7 @@ BEFORE: dict[tuple[str, str, tuple[tuple[str, Any], ...]], dict[str, Any]] = {
     ("aggregator", "fedit", ()): {"requires": {"w"}, "linear": True, "dp_mean": True,
                                   "weighted": True},
     ("aggregator", "lora_exact", ()): {"requires": {"w"}, "weighted": True},
+    ("aggregator", "hetlora", ()): {"requires": {"w"}, "weighted": True},
     ("compressor", "bf16", ()): {"linear": True},
     ("compressor", "fp16", ()): {"linear": True},
     ("compressor", "identity", ()): {"linear": True},
@@ -81,6 +82,7 @@ BEFORE: dict[tuple[str, str, tuple[tuple[str, Any], ...]], dict[str, Any]] = {
     # lock-step trainer runs it)
     ("method", "fedbabu", ()): {"batched": True},
     ("method", "fedsa_lora", ()): {},
+    ("method", "hetlora", ()): {},
     **{("backend", b, ()): {} for b in ("auto", "lockstep", "sequential", "vmap")},
     ("backend", "process", ()): {"ships_indices": True},
     ("backend", "ray", ()): {"ships_indices": True},
@@ -109,8 +111,8 @@ def _built(kind: str, name: str, options: dict[str, Any]) -> Any:
     factory = get(kind, name)
     if kind == "backend":
         return typing.get_type_hints(factory)["return"]
-    # FedSA-LoRA splits a LoRA adapter's A and B: a layout that has them
-    layout = _lora_layout() if name == "fedsa_lora" else _layout()
+    # FedSA-LoRA and HetLoRA split a LoRA adapter's A and B: a layout that has them
+    layout = _lora_layout() if name in ("fedsa_lora", "hetlora") else _layout()
     extra = accepted_options(factory, {"layout": layout})
     return build(kind, name, {**extra, **options}, f"{kind}.options")
 

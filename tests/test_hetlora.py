@@ -105,6 +105,19 @@ def test_zero_padding_matches_the_public_baseline(ranks):
     assert metrics["hetlora_outside"] == 0
 
 
+def test_without_pairs_or_at_full_rank_it_is_fedavg():
+    rows = torch.randn(3, 4, dtype=torch.float64)
+    n = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    info = CohortInfo(clients=torch.arange(3), round=0, num_clients=3, w=torch.zeros(4))
+    out, _ = step(Layout([("w", (4,))]), rows, n, info)
+    assert torch.allclose(out, (n / n.sum()) @ rows, atol=1e-15, rtol=0)
+
+
+def test_default_ranks_are_a_quarter_a_half_and_all_of_r():
+    assert check_ranks(layout(), None, "x") == (1, 2, 4)
+    assert make_aggregator("hetlora").init(layout()).ranks == (1, 2, 4)
+
+
 def test_all_clients_at_full_rank_is_fedavg():
     c = cohort(ranks=(R,))
     out, _ = step(c.lay, c.rows, c.n, c.info, ranks=[R])
@@ -144,8 +157,6 @@ def test_what_a_client_sends_beyond_its_rank_is_left_out_and_measured():
 def test_refusals_name_the_option():
     lay = layout()
     no_pairs = Layout([("w", (4,))])
-    with pytest.raises(ValueError, match=r"aggregator: hetlora needs LoRA adapters"):
-        make_aggregator("hetlora").init(no_pairs)
     with pytest.raises(ValueError, match=r"aggregator.options.ranks: each rank .* rank 4"):
         make_aggregator("hetlora", ranks=[2, 5]).init(lay)
     with pytest.raises(ValueError, match=r"aggregator.options.pad"):

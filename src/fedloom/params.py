@@ -286,6 +286,13 @@ class Layout:
                 params[name].copy_(view)
 
 
+def lora_default_ranks(r: int) -> tuple[int, ...]:
+    """HetLoRA's client ranks when none are given (:mod:`fedloom.client.hetlora`,
+    :class:`fedloom.aggregate.lora.HetLoRA`): ``(r/4, r/2, r)`` rounded down, at least
+    1 — three device classes, (2, 4, 8) for rank-8 adapters."""
+    return (max(1, r // 4), max(1, r // 2), r)
+
+
 def functional_forward(
     module: nn.Module, layout: Layout, w: torch.Tensor, *args: torch.Tensor,
     buffers: Mapping[str, torch.Tensor] | None = None,

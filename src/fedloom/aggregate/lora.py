@@ -40,7 +40,7 @@ import torch
 from fedloom.aggregate.base import CohortInfo, check_cohort, normalise_weights
 from fedloom.aggregate.mean import FedAvg
 from fedloom.capabilities import AggregatorCaps
-from fedloom.params import Layout
+from fedloom.params import Layout, lora_default_ranks
 from fedloom.plain import state_type
 from fedloom.registry import register
 
@@ -365,12 +365,14 @@ class RankCuts:
 
     cuts: dict[int, torch.Tensor]
     d: int
+    ranks: tuple[int, ...]  # the clients' ranks (client c: ranks[c % len])
 
 
 class HetLoRA:
     """HetLoRA's aggregation: the clients' adapters of ranks ``r_k ≤ r``, zero-padded to
     rank ``r``, averaged. Client ``c`` has rank ``ranks[c % len(ranks)]``, the same
-    option as the ``hetlora`` local method's (:mod:`fedloom.client.hetlora`), whose
+    option as the ``hetlora`` local method's (:mod:`fedloom.client.hetlora`; when not
+    given, :func:`fedloom.params.lora_default_ranks` of the adapters' rank for both), whose
     clients send zeros for the terms ``i ≥ r_k`` they do not hold.
 
     With ``p_k`` the clients' weights and, per coordinate of an adapter's term ``i``,
@@ -387,7 +389,8 @@ class HetLoRA:
     local``, or ``ranks`` that disagree with the method's) is left out, and its share
     of the cohort's squared update norm is logged as ``hetlora_outside`` (0 when the
     method and the aggregator agree). Every coordinate outside the adapters gets the
-    weighted mean.
+    weighted mean, and so does every coordinate of a model without LoRA pairs (with a
+    warning, as ``lora_exact``).
 
     Reference:
         paper: Cho et al., "Heterogeneous LoRA for Federated Fine-tuning of On-Device
@@ -403,13 +406,14 @@ class HetLoRA:
 
     default_server_lr = 1.0
 
-    def __init__(self, ranks: Sequence[int] = (2, 4, 8), weighted: bool = True,
+    def __init__(self, ranks: Sequence[int] | None = None, weighted: bool = True,
                  pad: Literal["zero", "holders"] = "zero") -> None:
         if pad not in ("zero", "holders"):
             raise ValueError(f"aggregator.options.pad: must be 'zero' or 'holders', got {pad!r}")
-        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) or not ranks:
+        if ranks is not None and (isinstance(ranks, (str, bytes))
+                                  or not isinstance(ranks, Sequence) or not ranks):
             raise ValueError(f"aggregator.options.ranks: a non-empty list of ranks, got {ranks!r}")
-        self.ranks = tuple(ranks)
+        self.ranks: tuple[int, ...] = () if ranks is None else tuple(ranks)
         self.weighted = weighted
         self.pad: Literal["zero", "holders"] = pad
 
@@ -423,16 +427,18 @@ class HetLoRA:
     def init(self, layout: Layout) -> RankCuts:
         pairs = layout.lora_pairs()
         if not pairs:
-            raise ValueError("aggregator: hetlora needs LoRA adapters with A and B trained "
-                             "(model.name: hf_causal_lm, model.lora.r > 0, "
-                             "model.lora.train: both)")
+            # as lora_exact: every client holds every coordinate there is
+            log.warning("hetlora: the model has no LoRA pair (lora_A and lora_B tensors in "
+                        "one layer group): the weighted mean (fedavg) on every coordinate")
+            return RankCuts({}, layout.size, (1,))
         top = min(p[1] for p in pairs)
-        for r in self.ranks:
+        ranks = self.ranks or lora_default_ranks(top)
+        for r in ranks:
             if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= top:
                 raise ValueError("aggregator.options.ranks: each rank a whole number from 1 "
                                  f"to the adapters' rank {top}, got {r!r}")
-        return RankCuts({r: layout.lora_rank_cut(r) for r in set(self.ranks) if r < top},
-                        layout.size)
+        return RankCuts({r: layout.lora_rank_cut(r) for r in set(ranks) if r < top},
+                        layout.size, tuple(ranks))
 
     def __call__(
         self,
@@ -443,11 +449,13 @@ class HetLoRA:
         info: CohortInfo | None = None,
     ) -> tuple[torch.Tensor, RankCuts, Mapping[str, float]]:
         check_cohort("hetlora", updates, weights)
-        if info is None:
-            raise ValueError("hetlora: needs the cohort's client ids (CohortInfo)")
         p = normalise_weights(weights if self.weighted else torch.ones_like(weights),
                               updates.dtype)
-        ranks = [self.ranks[int(c) % len(self.ranks)] for c in info.clients.tolist()]
+        if not state.cuts:  # every client at full rank, or no adapters: FedAvg
+            return p @ updates, state, {"hetlora_outside": 0.0}
+        if info is None:
+            raise ValueError("hetlora: needs the cohort's client ids (CohortInfo)")
+        ranks = [state.ranks[int(c) % len(state.ranks)] for c in info.clients.tolist()]
         rows = updates
         # the weight of the clients that do not hold each coordinate: 1 − h
         missing = torch.zeros(state.d, dtype=updates.dtype, device=updates.device)
@@ -466,7 +474,9 @@ class HetLoRA:
                 rows[idx.unsqueeze(1), cut.nonzero().squeeze(1).unsqueeze(0)] = 0
             missing += float(p[ks].sum()) * cut.to(updates.dtype)
         out = p @ rows
-        if self.pad == "zero":
+        if not bool(missing.any()):  # this cohort's clients all at full rank
+            pass
+        elif self.pad == "zero":
             w = _need_w("hetlora", info, state.d).to(updates)
             out += missing * w
         else:

@@ -22,7 +22,8 @@ others, so any aggregator, compressor and feedback policy applies:
   does not hold (the global value is kept for it), not as zero-padding.
 
 Client ``c``'s rank is ``ranks[c % len(ranks)]`` (a fixed capacity per device, as in
-the paper's setting); the aggregator reads the same ``ranks``.
+the paper's setting; by default ``(r/4, r/2, r)``); the aggregator reads the same
+``ranks``.
 """
 
 from __future__ import annotations
@@ -32,21 +33,24 @@ from collections.abc import Sequence
 
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
-from fedloom.params import Layout
+from fedloom.params import Layout, lora_default_ranks
 from fedloom.registry import register
 
 __all__ = ["HetLoRA", "check_ranks"]
 
 
-def check_ranks(layout: Layout, ranks: Sequence[int], field: str) -> tuple[int, ...]:
+def check_ranks(layout: Layout, ranks: Sequence[int] | None, field: str) -> tuple[int, ...]:
     """The clients' ranks, each a whole number from 1 to the adapters' rank (one-line
-    ``ValueError`` naming ``field`` otherwise, or when the model has no LoRA pair)."""
+    ``ValueError`` naming ``field`` otherwise, or when the model has no LoRA pair);
+    ``None``: :func:`fedloom.params.lora_default_ranks`."""
     pairs = layout.lora_pairs()
     if not pairs:
         raise ValueError(f"{field}: heterogeneous ranks need LoRA adapters with A and B "
                          "trained (model.name: hf_causal_lm, model.lora.r > 0, "
                          "model.lora.train: both)")
     top = min(p[1] for p in pairs)
+    if ranks is None:
+        return lora_default_ranks(top)
     if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) or not ranks:
         raise ValueError(f"{field}: a non-empty list of ranks, got {ranks!r}")
     out = []
@@ -63,7 +67,7 @@ class HetLoRA(LocalMethod):
 
     name = "hetlora"
 
-    def __init__(self, layout: Layout, ranks: Sequence[int]) -> None:
+    def __init__(self, layout: Layout, ranks: Sequence[int] | None = None) -> None:
         self.ranks = check_ranks(layout, ranks, "client.method.options.ranks")
         top = min(p[1] for p in layout.lora_pairs())
         # one mask per distinct rank below the adapters' (a client at full rank is
@@ -91,10 +95,11 @@ class HetLoRA(LocalMethod):
 
 
 @register("method", "hetlora")
-def _hetlora(layout: Layout, ranks: Sequence[int] = (2, 4, 8)) -> HetLoRA:
+def _hetlora(layout: Layout, ranks: Sequence[int] | None = None) -> HetLoRA:
     """HetLoRA: client ``c`` trains the first ``ranks[c % len(ranks)]`` terms of the
     adapters and sends them (pair it with ``aggregator.name: hetlora`` and the same
-    ``ranks`` for the paper's zero-padded mean).
+    ``ranks`` for the paper's zero-padded mean; not given: ``(r/4, r/2, r)`` of the
+    adapters' rank ``r``, for both).
 
     Reference:
         paper: Cho et al., "Heterogeneous LoRA for Federated Fine-tuning of On-Device
