@@ -33,6 +33,37 @@ def test_process_backend_same_bits(extra, inner):
     assert [m["uplink_bytes"] for m in res.metrics] == [m["uplink_bytes"] for m in ref.metrics]
 
 
+def test_process_backend_uplinks_each_client_as_it_arrives(monkeypatch):
+    """Plain FedAvg, identity compressor: the parent screens, encodes and decodes
+    each client's update as its worker sends it, while the others still train
+    (EarlyUplink), and the run is the sequential one, metrics included. With the
+    ratio bound tight, clients are refused by the cohort's median after their
+    early work was done: it is discarded and their rows are zeroed."""
+    from fedloom.engine.uplink import EarlyUplink
+
+    seen: list[int] = []
+    call = EarlyUplink.__call__
+
+    def spy(self, i, res):
+        seen.append(i)
+        call(self, i, res)
+
+    monkeypatch.setattr(EarlyUplink, "__call__", spy)
+    wall = ("train_s", "agg_s", "wall_s")
+    for extra in ([], ["server.max_norm_ratio=1.05"]):
+        seen.clear()
+        ref = fedloom.run(TINY, ["dtype=float64", *extra])
+        assert not seen  # the sequential backend hands the cohort over at once
+        res = fedloom.run(TINY, ["dtype=float64", "backend=process", "backend.workers=2",
+                                 *extra])
+        assert len(seen) == TINY["rounds"] * TINY["cohort"]["size"]
+        assert res.summary["model_sha256"] == ref.summary["model_sha256"]
+        assert ([{k: v for k, v in m.items() if k not in wall} for m in res.metrics]
+                == [{k: v for k, v in m.items() if k not in wall} for m in ref.metrics])
+        if extra:
+            assert sum(m.get("rejected_updates", 0) for m in res.metrics) > 0
+
+
 def test_process_backend_runs_lockstep_in_its_workers():
     """``backend.inner: lockstep``: each worker trains its group lock-step (the TINY
     MLP is lock-step's), and the run has the sequential backend's bits in float64."""

@@ -67,3 +67,28 @@ def test_drop_drops_only_the_dead_workers_clients(tmp_path, monkeypatch):
     assert sorted(dropped[0]) == sorted(dead)
     assert dropped[1:] == [[], []]
     assert res.metrics[0]["dropped_clients"] == len(dead)
+
+
+@pytest.mark.parametrize("policy", ["retry", "drop"])
+def test_worker_dying_mid_stream(tmp_path, monkeypatch, policy):
+    """Plain FedAvg: each worker sends every client's result as it is trained, and
+    the parent starts that client's uplink at once. The worker dies at its group's
+    last client, after sending the others: retried, the clients sent twice are
+    redone and the run is the sequential one; dropped, the whole group is dropped,
+    the clients it had sent included."""
+    exp = Experiment(load_config(TINY, ["dtype=float64"]))
+    jobs = exp.plan_round(exp.initial_state()).jobs
+    groups = [[jobs[i].client for i in g] for g in balanced_groups(jobs, 2)]
+    exp.close()
+    dead = next(g for g in groups if len(g) > 1)  # a client before the victim is sent
+    marker = tmp_path / "killed"
+    monkeypatch.setenv("FEDLOOM_KILL_ONCE", f"{dead[-1]}:{marker}")  # round 1 only
+    res = fedloom.run(TINY, [*PROC, f"backend.on_failure={policy}"])
+    assert marker.exists()
+    dropped = [m.get("dropped_client_ids", []) for m in res.metrics]
+    if policy == "retry":
+        ref = fedloom.run(TINY, ["dtype=float64"])
+        assert res.summary["model_sha256"] == ref.summary["model_sha256"]
+        assert dropped == [[], [], []]
+    else:
+        assert sorted(dropped[0]) == sorted(dead) and dropped[1:] == [[], []]

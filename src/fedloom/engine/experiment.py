@@ -84,7 +84,7 @@ from fedloom.engine.scatter import next_buffers, scatter
 from fedloom.engine.screen import all_finite
 from fedloom.engine.server import server_round, server_rule
 from fedloom.engine.setup import Setup
-from fedloom.engine.uplink import client_postprocessors, uplink_round
+from fedloom.engine.uplink import EarlyUplink, client_postprocessors, uplink_round
 from fedloom.job import ClientResult
 from fedloom.system import samples_for_steps
 
@@ -109,14 +109,17 @@ class Experiment(Setup):
         t0 = time.perf_counter()
         plan = self.plan_round(st)
         sysm = self.system
-        if sysm is None:
+        early = self._early_uplink(st, plan) if sysm is None else None
+        if early is not None:
+            raw = self.backend.train_cohort(plan.jobs, on_result=early)
+        elif sysm is None:
             raw = self.backend.train_cohort(plan.jobs)
         else:  # dropouts, partial work (fedloom.system)
             sim = sysm.begin(plan, self.clients, self.trainer, self.layout.size,
                              self.downlink_size)
             raw = sim.train(self.backend, plan.jobs)
         t_train = time.perf_counter() - t0
-        results, ups = self.uplink_round(st, plan, raw)
+        results, ups = self.uplink_round(st, plan, raw, early)
         if sysm is None:
             return self.finish_round(st, plan, results, ups, t0=t0, t_train=t_train)
         results, ups = sysm.after_uplink(sim, plan, self.clients, self.downlink_size,
@@ -135,11 +138,31 @@ class Experiment(Setup):
                           cohort=cohort)
 
     def uplink_round(self, st: RunState, plan: RoundPlan,
-                     raw: Sequence[ClientResult | None]
+                     raw: Sequence[ClientResult | None], early: EarlyUplink | None = None
                      ) -> tuple[list[ClientResult], list[UplinkResult]]:
         """What the kept clients send (:func:`~fedloom.engine.uplink.uplink_round`)."""
         return uplink_round(self.algorithm, client_postprocessors(self.attack, self.privacy),
-                            self.rules, self.schedule, self.device, st, plan, raw)
+                            self.rules, self.schedule, self.device, st, plan, raw, early)
+
+    def _early_uplink(self, st: RunState, plan: RoundPlan) -> EarlyUplink | None:
+        """Each client's own uplink work, done as its result arrives, where the
+        backend hands results over one by one (``process``): on 50 clients a round
+        it was a serial tail after the workers returned, the cores idle but one."""
+        if not getattr(self.backend, "streams", False) or not EarlyUplink.applies(
+                self.algorithm, client_postprocessors(self.attack, self.privacy),
+                self.device, plan):
+            return None
+        space = self.space
+        rows = self._server_rows().rows(len(plan.jobs), space.layout.size, space.dtype,
+                                       space.device)
+        return EarlyUplink(self.algorithm, self.schedule, st, plan, rows)
+
+    def _server_rows(self) -> RowBuffer:
+        """The server's ``[m, d]`` rows: one buffer for the run, written over every round."""
+        rows = self.__dict__.get("_row_buffer")
+        if rows is None:
+            rows = self.__dict__["_row_buffer"] = RowBuffer()
+        return rows
 
     def finish_round(self, st: RunState, plan: RoundPlan, results: Sequence[ClientResult],
                      ups: Sequence[UplinkResult], *, t0: float, t_train: float,
@@ -156,12 +179,8 @@ class Experiment(Setup):
         deadline, where it is on)."""
         r = plan.round
         algo, space, clients = self.algorithm, self.space, self.clients
-        # the server's [m, d] rows: one buffer for the run, written over every round
-        rows = self.__dict__.get("_row_buffer")
-        if rows is None:
-            rows = self.__dict__["_row_buffer"] = RowBuffer()
         rx = receive(algo, space, self.rules, self.downlink_size, st, plan, results, ups,
-                     rows)
+                     self._server_rows())
         t1 = time.perf_counter()
         out = server_round(algo, server_rule(self.privacy, algo.aggregator), space,
                            clients.num_clients, st, plan, results, ups, rx)

@@ -33,7 +33,7 @@ import os
 import pickle
 import traceback
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -100,19 +100,41 @@ def run_group(backend: Any, x: torch.Tensor, y: torch.Tensor,
     return backend.train_cohort([with_data(j, x, y) for j in jobs])
 
 
-def _train_group(blob: bytes, out: torch.Tensor, rows: list[int]) -> bytes:
+def _train_group(blob: bytes, out: torch.Tensor, rows: list[int],
+                 part: Callable[[int, bytes], None] | None = None) -> bytes | None:
     # Jobs and the small part of the results travel as plain pickles; the dense
     # updates are written into ``out``, a tensor in shared memory that the parent
     # allocated (one handle per worker instead of one pickled copy per update).
     jobs = pickle.loads(blob)
-    maybe_die(_WORKER.get("kill_once"), jobs)
     dev = _WORKER.get("device", torch.device("cpu"))
-    results = run_group(_WORKER["backend"], _WORKER["x"], _WORKER["y"], to_device(jobs, dev))
+    backend = _WORKER["backend"]
+    kill = _WORKER.get("kill_once")
+    if part is not None and isinstance(backend, SequentialBackend):
+        # Streamed: each client's result goes to the parent as soon as it is trained,
+        # so the parent's per-client uplink work overlaps the others' training. The
+        # sequential backend trains each job on its own, so one job at a time is the
+        # same computation as the whole group.
+        for row, job in zip(rows, jobs, strict=True):
+            maybe_die(kill, [job])  # at that client's turn: the ones before it were sent
+            res = run_group(backend, _WORKER["x"], _WORKER["y"], to_device([job], dev))[0]
+            part(row, _host_blob(res, out, row))
+        return None
+    maybe_die(kill, jobs)
+    results = run_group(backend, _WORKER["x"], _WORKER["y"], to_device(jobs, dev))
     for row, res in zip(rows, results, strict=True):
-        if res is not None and res.update.shape == out.shape[1:]:
-            out[row].copy_(res.update)
-            res.update = _IN_SHARED
+        _to_shared(res, out, row)
     return pickle.dumps(to_host(results), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _to_shared(res: ClientResult | None, out: torch.Tensor, row: int) -> None:
+    if res is not None and res.update.shape == out.shape[1:]:
+        out[row].copy_(res.update)
+        res.update = _IN_SHARED
+
+
+def _host_blob(res: ClientResult | None, out: torch.Tensor, row: int) -> bytes:
+    _to_shared(res, out, row)
+    return pickle.dumps(to_host(res), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 _IN_SHARED = torch.empty(0)  # marks an update that was written to the shared buffer
@@ -142,8 +164,10 @@ def _error_reply(seq: int, e: BaseException) -> tuple[str, int, Any]:
 
 
 def _worker_main(conn: Any, initargs: _InitArgs, device: str = "cpu") -> None:
-    """A worker: set up once, then answer ``(seq, jobs, buffer, rows)`` requests
-    with ``("ok", seq, results)`` until ``None`` or the parent is gone."""
+    """A worker: set up once, then answer ``(seq, jobs, buffer, rows, stream)``
+    requests with ``("ok", seq, results)`` until ``None`` or the parent is gone
+    (``stream``: one ``("part", seq, (row, result))`` a client as it is trained,
+    then ``("ok", seq, None)``)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
@@ -161,12 +185,17 @@ def _worker_main(conn: Any, initargs: _InitArgs, device: str = "cpu") -> None:
             return  # the parent is gone
         if msg is None:
             return
-        seq, blob, new_out, rows = msg
+        seq, blob, new_out, rows, stream = msg
         if new_out is not None:  # the buffer is sent only when it changes
             out = new_out
+
+        def part(row: int, res: bytes, seq: int = seq) -> None:
+            conn.send(("part", seq, (row, res)))
+
         try:
             assert out is not None
-            reply: tuple[str, int, Any] = ("ok", seq, _train_group(blob, out, rows))
+            reply: tuple[str, int, Any] = ("ok", seq, _train_group(blob, out, rows,
+                                                                  part if stream else None))
         except BaseException as e:
             reply = _error_reply(seq, e)
         conn.send(reply)
@@ -273,8 +302,21 @@ class ProcessBackend:
             raise exc from _RemoteTraceback(f"\n'''\n{tb}'''")
         return msg
 
+    @property
+    def streams(self) -> bool:
+        """Whether :meth:`train_cohort` can hand each result to ``on_result`` as it
+        arrives (the sequential inner backend trains, and sends, one client at a time)."""
+        return self.inner == "sequential"
+
     # ------------------------------------------------------------------ rounds
-    def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
+    def train_cohort(self, jobs: Sequence[ClientJob],
+                     on_result: Callable[[int, ClientResult], None] | None = None
+                     ) -> list[ClientResult | None]:
+        """Train ``jobs``; with ``on_result`` (where :attr:`streams`), each client's
+        result is also passed to ``on_result(position, result)`` as it arrives,
+        while the workers still train the others. A client whose worker died may be
+        passed again (its group run again: the same result) or end up ``None`` in
+        the returned list (``on_failure: drop``): the list is what counts."""
         # The updates are handed out as rows of the shared buffer, not copies of them
         # (a copy of every update a round, done serially in this process, cost as much
         # as the uplink). A buffer some of whose rows are still referenced (a caller
@@ -286,15 +328,17 @@ class ProcessBackend:
             self._buf_id += 1
         self._seq += 1
         try:
-            return self._run_groups(jobs, self._out, self._seq)
+            return self._run_groups(jobs, self._out, self._seq,
+                                    on_result if self.streams else None)
         except BaseException:
             # A worker's error, retries exhausted or Ctrl-C: the round is abandoned,
             # and so are the workers still busy with it (a later call starts anew).
             self.close()
             raise
 
-    def _run_groups(self, jobs: Sequence[ClientJob], buf: torch.Tensor,
-                    seq: int) -> list[ClientResult | None]:
+    def _run_groups(self, jobs: Sequence[ClientJob], buf: torch.Tensor, seq: int,
+                    on_result: Callable[[int, ClientResult], None] | None = None
+                    ) -> list[ClientResult | None]:
         groups = balanced_groups(jobs, self.workers)
         out: list[ClientResult | None] = [None] * len(jobs)
         pool = self._workers()
@@ -317,7 +361,8 @@ class ProcessBackend:
                 blob = pickle.dumps([to_host(light_job(jobs[j])) for j in g],
                                     protocol=pickle.HIGHEST_PROTOCOL)
                 try:
-                    w.conn.send((seq, blob, buf if w.buf_id != self._buf_id else None, g))
+                    w.conn.send((seq, blob, buf if w.buf_id != self._buf_id else None, g,
+                                 on_result is not None))
                 except OSError:  # it died just now, before taking the group
                     self._replace(i)
                     todo.appendleft(g)
@@ -333,17 +378,24 @@ class ProcessBackend:
                     continue
                 msg = self._recv(w) if w.conn.poll() else None
                 if msg is not None:
-                    if msg[0] == "ok" and msg[1] == seq:
+                    if msg[0] == "part" and msg[1] == seq:
+                        j, blob = msg[2]
+                        res = out[j] = self._from_shared(pickle.loads(blob), buf, j)
+                        if res is not None and on_result is not None:
+                            on_result(j, res)
+                    elif msg[0] == "ok" and msg[1] == seq:
                         g = busy.pop(i)
-                        for j, res in zip(g, pickle.loads(msg[2]), strict=True):
-                            if res is not None and res.update.numel() == 0 and self.d > 0:
-                                res.update = buf[j]  # valid while the caller holds it
-                            out[j] = res
+                        if msg[2] is not None:  # not streamed: the group's results at once
+                            for j, res in zip(g, pickle.loads(msg[2]), strict=True):
+                                out[j] = self._from_shared(res, buf, j)
                     continue  # "ready", or a late reply to an abandoned round
                 if w.proc.is_alive() and not w.conn.closed:
                     continue  # the sentinel is not set; nothing to read yet
-                # The worker died holding group g: only g is affected.
+                # The worker died holding group g: only g is affected (the results
+                # it streamed before dying included: the group is run again or dropped).
                 g = busy.pop(i)
+                for j in g:
+                    out[j] = None
                 code = w.proc.exitcode
                 self._replace(i)
                 n = gid[id(g)]
@@ -361,6 +413,12 @@ class ProcessBackend:
                                 "run again", code, clients)
                     todo.append(g)
         return out
+
+    def _from_shared(self, res: ClientResult | None, buf: torch.Tensor,
+                     j: int) -> ClientResult | None:
+        if res is not None and res.update.numel() == 0 and self.d > 0:
+            res.update = buf[j]  # valid while the caller holds it
+        return res
 
     def warm_up(self) -> None:
         """Start every worker now (spawn, imports, the data), not inside a timed round."""

@@ -81,6 +81,9 @@ class RoundPlan:
     # The client selector's state after it chose this cohort (cohort.selection); the
     # round's reports update it when the round ends.
     selection_state: dict[str, Any] = field(default_factory=dict)
+    # Kept cohort positions whose payload was already decoded into the server's row
+    # as the result arrived (fedloom.engine.uplink.EarlyUplink): receive skips it.
+    predecoded: set[int] = field(default_factory=set)
 
     def keep(self, kept: Sequence[int]) -> None:
         """Keep the cohort positions ``kept``; the others are dropped clients
@@ -106,6 +109,7 @@ class RoundPlan:
 
     def _select(self, kept: Sequence[int]) -> None:
         pos = torch.tensor(kept, dtype=torch.long)
+        self.predecoded = set()  # decoded into rows by the old positions: decode again
         self.cohort = self.cohort[pos]
         self.old_rows = {f: v[pos] for f, v in self.old_rows.items()}
         self.alphas = [self.alphas[i] for i in kept]

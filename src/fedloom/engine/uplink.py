@@ -27,8 +27,8 @@ from fedloom.engine.screen import first_line, non_finite_reason, row_norms, scre
 from fedloom.job import ClientResult
 from fedloom.rng import Purpose, torch_gen
 
-__all__ = ["AttackStage", "LocalPrivacyStage", "Postprocessor", "client_postprocessors",
-           "uplink_round"]
+__all__ = ["AttackStage", "EarlyUplink", "LocalPrivacyStage", "Postprocessor",
+           "client_postprocessors", "uplink_round"]
 
 log = logging.getLogger("fedloom")
 
@@ -78,16 +78,74 @@ def client_postprocessors(attack: Any, privacy: Any) -> list[Postprocessor]:
     return chain
 
 
+class EarlyUplink:
+    """Each client's own part of the uplink, done as its result arrives from a
+    worker while the others still train (the ``process`` backend streams them):
+    the dense update's norm, the encode and the server's decode into its row of
+    ``rows``. :func:`uplink_round` and :func:`~fedloom.engine.receive.receive`
+    then use what was done instead of doing it again; everything that reads the
+    cohort (the screening by the norms' median, which clients are refused) still
+    happens there, in the same order. Only where none of this depends on the
+    cohort or on the order of the clients (:meth:`applies`): no client-side
+    postprocessor, the plain feedback policy (encode, keep nothing) and the
+    identity compressor (a payload is the vector's bytes), on the host. A result
+    passed again (its worker died and the group ran again) is redone."""
+
+    def __init__(self, algo: Algorithm, schedule: Schedule, st: RunState, plan: RoundPlan,
+                 rows: torch.Tensor) -> None:
+        self.algo, self.schedule, self.st, self.plan, self.rows = algo, schedule, st, plan, rows
+        self.m = len(plan.jobs)
+        self.norms: dict[int, torch.Tensor] = {}
+        self.ups: dict[int, UplinkResult] = {}
+        self.decoded: set[int] = set()
+
+    @staticmethod
+    def applies(algo: Algorithm, post: Sequence[Postprocessor], device: torch.device,
+                plan: RoundPlan) -> bool:
+        from fedloom.compress.feedback.base import NoFeedback
+        from fedloom.compress.identity import Identity
+
+        # exact types: a subclass may keep state, or encode by the cohort
+        return (not post and device.type == "cpu" and type(plan.comp) is Identity
+                and type(algo.feedback) is NoFeedback
+                and plan.row_shifts is None and plan.row_scales is None)
+
+    def __call__(self, i: int, res: ClientResult) -> None:
+        self.ups.pop(i, None)
+        self.decoded.discard(i)
+        norm = self.norms[i] = row_norms([res.update])
+        if not bool(torch.isfinite(norm).all()):
+            return  # refused by the screening; uplink_round names why
+        try:
+            up = _uplink(self.algo, self.schedule, self.st, self.plan, res, i, self.m)
+        except (ValueError, ArithmeticError, struct.error):
+            return  # uplink_round encodes it again and refuses the client there
+        self.ups[i] = up
+        try:
+            up.sent = self.plan.comp.decode_into(up.payload, self.rows[i])
+        except (ValueError, ArithmeticError, struct.error):
+            up.sent = None  # receive decodes it again and rejects the client there
+            return
+        self.decoded.add(i)
+
+    def complete(self, results: Sequence[ClientResult]) -> bool:
+        """Whether every kept client's result came through here: no client was
+        dropped (the positions and ``m`` are the round's) and none is missing."""
+        return len(results) == self.m and len(self.norms) == self.m
+
+
 def uplink_round(algo: Algorithm, post: Sequence[Postprocessor], rules: ScreenRules,
                  schedule: Schedule, device: torch.device, st: RunState, plan: RoundPlan,
-                 raw: Sequence[ClientResult | None]
+                 raw: Sequence[ClientResult | None], early: EarlyUplink | None = None
                  ) -> tuple[list[ClientResult], list[UplinkResult]]:
     """Drop the clients whose training failed (``None``), run the client-side
     chain, screen the kept clients' dense updates, then run each accepted
     client's feedback policy and compressor: what it sends and its new state. A
     client refused here, or whose encode or decode fails, gets an empty
     placeholder result and is named in ``plan.refused`` (rejected and counted
-    by the server's half of the round; the run goes on)."""
+    by the server's half of the round; the run goes on). ``early``: what was
+    done for each client as its result arrived (:class:`EarlyUplink`), used where
+    it covers the whole round."""
     r = plan.round
     # A client whose worker died (backend.on_failure=drop) is dropped for the
     # round: nothing of it is aggregated and its state rows stay as they were.
@@ -104,21 +162,30 @@ def uplink_round(algo: Algorithm, post: Sequence[Postprocessor], rules: ScreenRu
             stage(res, r)
         if isinstance(stage, LocalPrivacyStage):
             plan.dp_clipped = stage.clipped
-    refused = _screen_dense(rules, results)
-    ups = [_send(algo, schedule, st, plan, res, i, len(results), refused)
+    if early is not None and not early.complete(results):
+        early = None
+    refused = _screen_dense(rules, results, early)
+    ups = [_send(algo, schedule, st, plan, res, i, len(results), refused, early)
            for i, res in enumerate(results)]
     plan.refused = refused
+    if early is not None:
+        # rows a refused client's decode wrote are zeroed by receive, as any refused row
+        plan.predecoded = {i for i in early.decoded if i not in refused}
     return results, ups
 
 
-def _screen_dense(rules: ScreenRules, results: Sequence[ClientResult]) -> dict[int, str]:
+def _screen_dense(rules: ScreenRules, results: Sequence[ClientResult],
+                  early: EarlyUplink | None = None) -> dict[int, str]:
     """Client side, before encoding: the rules the server applies to what it
     receives, on the dense update (a huge value in a coordinate that a sparsifier
     leaves out is seen here, and nothing non-finite is encoded). One pass a
     client: its norm, which is finite exactly when the update is (and its float64
     norm does not overflow: an absurd update all the same)."""
     refused: dict[int, str] = {}
-    norms = row_norms([res.update for res in results])
+    # a norm taken as the result arrived is the same number: row_norms takes each
+    # vector's on its own
+    norms = (torch.cat([early.norms[i] for i in range(len(results))]) if early is not None
+             else row_norms([res.update for res in results]))
     finite = torch.isfinite(norms)
     for i in (~finite).nonzero().flatten().tolist():
         refused[i] = non_finite_reason(results[i].update)
@@ -129,19 +196,27 @@ def _screen_dense(rules: ScreenRules, results: Sequence[ClientResult]) -> dict[i
     return refused
 
 
-def _send(algo: Algorithm, schedule: Schedule, st: RunState, plan: RoundPlan,
-          res: ClientResult, i: int, m: int, refused: dict[int, str]) -> UplinkResult:
-    """Client ``i``'s (of ``m`` reporting) feedback policy and compressor (nothing
-    for a refused one)."""
+def _uplink(algo: Algorithm, schedule: Schedule, st: RunState, plan: RoundPlan,
+            res: ClientResult, i: int, m: int) -> UplinkResult:
+    """Client ``i``'s (of ``m`` reporting) feedback policy and compressor."""
     r = plan.round
+    ctx = UplinkContext(r, plan.lr, res.steps, plan.alphas[i],
+                        torch_gen(schedule.seed, r, res.client, Purpose.COMPRESS),
+                        algo.momentum, m, schedule.num_clients)
+    return algo.feedback.uplink(res.update, plan.fb_rows[i], plan.comp, ctx, st.feedback_state)
+
+
+def _send(algo: Algorithm, schedule: Schedule, st: RunState, plan: RoundPlan,
+          res: ClientResult, i: int, m: int, refused: dict[int, str],
+          early: EarlyUplink | None = None) -> UplinkResult:
+    """Client ``i``'s (of ``m`` reporting) feedback policy and compressor (nothing
+    for a refused one; ``early``'s result where it has one)."""
     up = None
     if i not in refused:
-        ctx = UplinkContext(r, plan.lr, res.steps, plan.alphas[i],
-                            torch_gen(schedule.seed, r, res.client, Purpose.COMPRESS),
-                            algo.momentum, m, schedule.num_clients)
         try:
-            up = algo.feedback.uplink(res.update, plan.fb_rows[i], plan.comp, ctx,
-                                     st.feedback_state)
+            up = early.ups.get(i) if early is not None else None
+            if up is None:
+                up = _uplink(algo, schedule, st, plan, res, i, m)
         except (ValueError, ArithmeticError, struct.error) as e:
             # PayloadError is a ValueError; a float32 header field that
             # overflows is an OverflowError or struct.error. One client's
