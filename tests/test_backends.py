@@ -137,3 +137,50 @@ def test_process_worker_death(tmp_path, monkeypatch, policy):
     else:
         assert 4 in dropped[0] and dropped[1:] == [[], []]
         assert len(res.metrics) == TINY["rounds"]
+
+
+def test_process_workers_write_the_server_rows_float32(monkeypatch):
+    """float32, identity compressor: each worker writes its client's update into the
+    server's row (shared memory) and the parent neither copies nor serialises it
+    (InPlacePayload: the bytes counted are the identity payload's); the run is the
+    sequential one at one thread, every metric but the times, refusals included."""
+    from fedloom.compress.identity import InPlacePayload
+    from fedloom.engine.parallel import ProcessBackend
+
+    made: list[int] = []
+    init = InPlacePayload.__init__
+
+    def spy(self, row, checksum):
+        made.append(row.numel())
+        init(self, row, checksum)
+
+    monkeypatch.setattr(InPlacePayload, "__init__", spy)
+    adopted: list[bool] = []
+    train = ProcessBackend.train_cohort
+
+    def spy_train(self, jobs, on_result=None):
+        out = train(self, jobs, on_result)
+        rows = getattr(on_result, "rows", None)
+        adopted.append(rows is not None and self._out.data_ptr() == rows.data_ptr())
+        return out
+
+    monkeypatch.setattr(ProcessBackend, "train_cohort", spy_train)
+    wall = ("train_s", "agg_s", "wall_s")
+    threads = torch.get_num_threads()
+    for extra in ([], ["server.max_norm_ratio=1.05"]):
+        made.clear()
+        adopted.clear()
+        try:
+            torch.set_num_threads(1)
+            ref = fedloom.run(TINY, extra)
+        finally:
+            torch.set_num_threads(threads)
+        assert not made
+        res = fedloom.run(TINY, ["backend=process", "backend.workers=2", *extra])
+        assert adopted and all(adopted)
+        assert len(made) == TINY["rounds"] * TINY["cohort"]["size"]
+        assert res.summary["model_sha256"] == ref.summary["model_sha256"]
+        assert ([{k: v for k, v in m.items() if k not in wall} for m in res.metrics]
+                == [{k: v for k, v in m.items() if k not in wall} for m in ref.metrics])
+        if extra:
+            assert sum(m.get("rejected_updates", 0) for m in res.metrics) > 0

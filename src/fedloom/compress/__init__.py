@@ -3,12 +3,12 @@
 from typing import Any
 
 from fedloom.compress.base import Compressor, PayloadError
-from fedloom.compress.identity import Identity
+from fedloom.compress.identity import Identity, InPlacePayload
 from fedloom.compress.quant import QSGD, Cast, ScaledSign
 from fedloom.compress.sparse import RandK, TopK, topk_indices
 
 
-def coordinates_sent(payload: bytes) -> int:
+def coordinates_sent(payload: bytes | InPlacePayload) -> int:
     """How many coordinates a payload carries: ``k`` for sparse payloads, else ``d``.
 
     Reads the header (and a sparse payload's u32 ``k``) only; it does not validate the
@@ -17,6 +17,8 @@ def coordinates_sent(payload: bytes) -> int:
     from fedloom.compress.base import HEADER, MAGIC
     from fedloom.compress.sparse import CODEC_RANDK, CODEC_TOPK
 
+    if isinstance(payload, InPlacePayload):
+        return payload.row.numel()
     if not isinstance(payload, bytes | bytearray | memoryview):
         raise PayloadError(f"coordinates_sent: expected bytes, got {type(payload).__name__}")
     if len(payload) < HEADER.size:
@@ -47,5 +49,5 @@ def make_compressor(name: str, **options: Any) -> Compressor:
     return comp
 
 
-__all__ = ["QSGD", "Cast", "Compressor", "Identity", "PayloadError", "RandK", "ScaledSign",
-           "TopK", "coordinates_sent", "make_compressor", "topk_indices"]
+__all__ = ["QSGD", "Cast", "Compressor", "Identity", "InPlacePayload", "PayloadError", "RandK",
+           "ScaledSign", "TopK", "coordinates_sent", "make_compressor", "topk_indices"]

@@ -13,6 +13,8 @@ import torch
 
 from fedloom.capabilities import CompressorCaps
 from fedloom.compress.base import (
+    HEADER,
+    TRAILER,
     PayloadError,
     check_checksum_option,
     check_fits,
@@ -21,9 +23,33 @@ from fedloom.compress.base import (
 )
 from fedloom.registry import register
 
-__all__ = ["Identity"]
+__all__ = ["Identity", "InPlacePayload"]
 
 CODEC_IDENTITY = 0
+
+
+class InPlacePayload:
+    """An identity payload that stays where the update is: a float32 row the server
+    reads in place (a ``process`` worker wrote it into the server's row in shared
+    memory). ``len`` is the size of :meth:`Identity.encode`'s payload, the bytes the
+    run counts as sent; ``bytes(p)`` builds that payload, bit for bit, for whatever
+    needs the bytes themselves. Nothing is serialised or checksummed otherwise: the
+    vector never leaves the machine's memory, and the checksum guards a transport.
+    """
+
+    __slots__ = ("checksum", "row")
+
+    def __init__(self, row: torch.Tensor, checksum: bool) -> None:
+        if row.ndim != 1 or row.dtype != torch.float32 or row.device.type != "cpu":
+            raise ValueError("InPlacePayload: expected a float32 vector on the host, got "
+                             f"{row.dtype} of shape {tuple(row.shape)} on {row.device}")
+        self.row, self.checksum = row, checksum
+
+    def __len__(self) -> int:
+        return HEADER.size + 4 * self.row.numel() + (TRAILER.size if self.checksum else 0)
+
+    def __bytes__(self) -> bytes:
+        return Identity(self.checksum).encode(self.row)
 
 
 class Identity:
@@ -52,14 +78,23 @@ class Identity:
             raise PayloadError(f"identity payload: body has {len(body)} bytes, expected {4 * d}")
         return np.frombuffer(body, dtype="<f4")
 
-    def decode(self, payload: bytes, d: int | None = None) -> torch.Tensor:
+    def decode(self, payload: bytes | InPlacePayload, d: int | None = None) -> torch.Tensor:
+        if isinstance(payload, InPlacePayload):
+            payload = bytes(payload)
         return torch.from_numpy(self._body(payload, d).astype(np.float32))
 
-    def decode_into(self, payload: bytes, out: torch.Tensor) -> torch.Tensor:
+    def decode_into(self, payload: bytes | InPlacePayload, out: torch.Tensor) -> torch.Tensor:
         """:meth:`decode` written into ``out`` (a vector of the expected size, any
         float dtype and device): the payload's values are read in place and copied
         once, where ``decode`` then a copy into the server's rows copied them twice.
         Returns ``out``."""
+        if isinstance(payload, InPlacePayload):
+            if payload.checksum != self.checksum or payload.row.shape != out.shape:
+                payload = bytes(payload)  # the checks of the bytes, with their messages
+            else:
+                if payload.row.data_ptr() != out.data_ptr():
+                    out.copy_(payload.row)
+                return out
         vals = self._body(payload, out.shape[0])
         if not vals.dtype.isnative:  # a big-endian host: the one place a copy is made
             vals = vals.astype(np.float32)

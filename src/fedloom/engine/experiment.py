@@ -153,8 +153,11 @@ class Experiment(Setup):
                 self.device, plan):
             return None
         space = self.space
-        rows = self._server_rows().rows(len(plan.jobs), space.layout.size, space.dtype,
-                                       space.device)
+        buffer = self._server_rows()
+        rows = buffer.rows(len(plan.jobs), space.layout.size, space.dtype, space.device)
+        if getattr(self.backend, "writes_rows", False):
+            # the workers write each update into its server row: no copy of it here
+            buffer.share()
         return EarlyUplink(self.algorithm, self.schedule, st, plan, rows)
 
     def _server_rows(self) -> RowBuffer:

@@ -169,6 +169,12 @@ class RowBuffer:
             b = self._buf = torch.empty((m, d), dtype=dtype, device=device)
         return b[:m]
 
+    def share(self) -> None:
+        """Move the buffer to shared memory (in place, once), so that worker
+        processes can write the rows themselves (the ``process`` backend)."""
+        if self._buf is not None and self._buf.device.type == "cpu" and not self._buf.is_shared():
+            self._buf.share_memory_()
+
 
 def _decode(feedback: Any, space: ModelSpace, st: RunState, plan: RoundPlan,
             ups: Sequence[UplinkResult], buffer: RowBuffer | None = None
