@@ -6,6 +6,8 @@ The configs have ragged client sizes (Dirichlet), partial participation (4 of
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -44,9 +46,9 @@ def test_process_backend_uplinks_each_client_as_it_arrives(monkeypatch):
     seen: list[int] = []
     call = EarlyUplink.__call__
 
-    def spy(self, i, res):
+    def spy(self, i, res, sent=None):
         seen.append(i)
-        call(self, i, res)
+        call(self, i, res, sent)
 
     monkeypatch.setattr(EarlyUplink, "__call__", spy)
     wall = ("train_s", "agg_s", "wall_s")
@@ -184,3 +186,46 @@ def test_process_workers_write_the_server_rows_float32(monkeypatch):
                 == [{k: v for k, v in m.items() if k not in wall} for m in ref.metrics])
         if extra:
             assert sum(m.get("rejected_updates", 0) for m in res.metrics) > 0
+
+
+@pytest.mark.parametrize("extra", [
+    ["compression.name=topk", "compression.options.ratio=0.1"],
+    ["compression.name=qsgd"],
+    ["compression.name=topk", "compression.options.ratio=0.1", "client.lr=1e20"]],
+    ids=["topk", "qsgd", "topk-diverged"])
+def test_process_workers_encode_their_clients_updates(monkeypatch, extra):
+    """A pure compressor and the plain feedback policy: each worker takes its
+    client's norm and encodes its update where it was trained (ClientSide, the
+    client's own generator), and the parent only decodes; the run is the sequential
+    one at one thread, metrics included. Diverged clients (non-finite updates) are
+    not encoded by their workers, and are refused and counted as on the sequential
+    backend."""
+    from fedloom.engine.uplink import EarlyUplink
+
+    sent: list[bool] = []
+    call = EarlyUplink.__call__
+
+    def spy(self, i, res, s=None):
+        sent.append(s is not None and s.payload is not None)
+        call(self, i, res, s)
+
+    monkeypatch.setattr(EarlyUplink, "__call__", spy)
+    wall = ("train_s", "agg_s", "wall_s")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ref = fedloom.run(TINY, extra)
+    finally:
+        torch.set_num_threads(threads)
+    assert not sent
+    res = fedloom.run(TINY, ["backend=process", "backend.workers=2", *extra])
+    assert len(sent) == TINY["rounds"] * TINY["cohort"]["size"]
+    assert res.summary["model_sha256"] == ref.summary["model_sha256"]
+    # as JSON: a diverged run's NaN losses compare equal there
+    assert ([json.dumps({k: v for k, v in m.items() if k not in wall}) for m in res.metrics]
+            == [json.dumps({k: v for k, v in m.items() if k not in wall}) for m in ref.metrics])
+    rejected = sum(m.get("rejected_updates", 0) for m in res.metrics)
+    if "client.lr=1e20" in extra:
+        assert rejected > 0 and not all(sent)
+    else:
+        assert rejected == 0 and all(sent)

@@ -33,7 +33,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "fedloom"
 
 # The loose flags each built-in had before the dataclasses (getattr on the built
 # component with the engine's defaults, at the options named): (kind, name,
-# options) → flags; a flag not listed had the default.
+# options) → flags; a flag not listed had the default. Flags added since (``pure``) are
+# listed where a built-in sets them.
 BEFORE: dict[tuple[str, str, tuple[tuple[str, Any], ...]], dict[str, Any]] = {
     ("aggregator", "afl", ()): {"requires": {"start_losses"}, "full_participation": True},
     ("aggregator", "config", ()): {},
@@ -54,13 +55,13 @@ BEFORE: dict[tuple[str, str, tuple[tuple[str, Any], ...]], dict[str, Any]] = {
                                   "weighted": True},
     ("aggregator", "lora_exact", ()): {"requires": {"w"}, "weighted": True},
     ("aggregator", "hetlora", ()): {"requires": {"w"}, "weighted": True},
-    ("compressor", "bf16", ()): {"linear": True},
-    ("compressor", "fp16", ()): {"linear": True},
-    ("compressor", "identity", ()): {"linear": True},
-    ("compressor", "qsgd", ()): {},
-    ("compressor", "randk", ()): {},
-    ("compressor", "sign", ()): {},
-    ("compressor", "topk", ()): {},
+    ("compressor", "bf16", ()): {"linear": True, "pure": True},
+    ("compressor", "fp16", ()): {"linear": True, "pure": True},
+    ("compressor", "identity", ()): {"linear": True, "pure": True},
+    ("compressor", "qsgd", ()): {"pure": True},
+    ("compressor", "randk", ()): {"pure": True},
+    ("compressor", "sign", ()): {"pure": True},
+    ("compressor", "topk", ()): {"pure": True},
     ("feedback", "cser", ()): {"row_only": False},
     ("feedback", "ec_prox", ()): {"row_only": True},
     ("feedback", "ef", ()): {"row_only": True},

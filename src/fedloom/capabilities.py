@@ -63,6 +63,10 @@ class CompressorCaps:
     # Payloads are dense values on the same coordinates for every client: a sum-only
     # (secure aggregation) server can add them.
     linear: bool = False
+    # ``encode(x, gen=...)`` reads ``x``, the generator and the compressor's settings
+    # only (no state, nothing of the cohort), and the object pickles: a ``process``
+    # worker may encode its client's update where it was made.
+    pure: bool = False
 
 
 @dataclass(frozen=True)

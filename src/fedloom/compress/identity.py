@@ -55,7 +55,7 @@ class InPlacePayload:
 class Identity:
     name = "identity"
     # a dense vector: a sum of payload vectors is the sum of the updates
-    capabilities = CompressorCaps(linear=True)
+    capabilities = CompressorCaps(linear=True, pure=True)
 
     def __init__(self, checksum: bool = True) -> None:
         self.checksum = check_checksum_option(checksum)

@@ -58,7 +58,7 @@ class Cast:
 
     codec = CODEC_CAST
     # Dense values on every coordinate: a sum-only server can add them (fedloom.privacy).
-    capabilities = CompressorCaps(linear=True)
+    capabilities = CompressorCaps(linear=True, pure=True)
 
     def __init__(self, dtype: Literal["float16", "bfloat16"] = "float16",
                  checksum: bool = True) -> None:
@@ -97,7 +97,7 @@ class ScaledSign:
 
     name = "sign"
     codec = CODEC_SIGN
-    capabilities = CompressorCaps()  # one scale per client: the payloads do not add up
+    capabilities = CompressorCaps(pure=True)  # one scale per client: the payloads do not add up
 
     def __init__(self, checksum: bool = True) -> None:
         self.checksum = check_checksum_option(checksum)
@@ -128,7 +128,8 @@ class QSGD:
 
     name = "qsgd"
     codec = CODEC_QSGD
-    capabilities = CompressorCaps()  # per-client norms and levels: the payloads do not add up
+    # per-client norms and levels: the payloads do not add up
+    capabilities = CompressorCaps(pure=True)
 
     def __init__(self, levels: int = 16, checksum: bool = True) -> None:
         # An integer: ``s`` travels as a u16 and sets the bit width of a level.

@@ -220,7 +220,8 @@ class TopK:
 
     name = "topk"
     codec = CODEC_TOPK
-    capabilities = CompressorCaps()  # each client's own coordinates: the payloads do not add up
+    # each client's own coordinates: the payloads do not add up
+    capabilities = CompressorCaps(pure=True)
 
     def __init__(self, ratio: float | None = 0.01, count: int | None = None,
                  scope: Literal["global", "tensor", "group"] = "global",
@@ -286,7 +287,8 @@ class RandK:
 
     name = "randk"
     codec = CODEC_RANDK
-    capabilities = CompressorCaps()  # each client's own coordinates: the payloads do not add up
+    # each client's own coordinates: the payloads do not add up
+    capabilities = CompressorCaps(pure=True)
 
     def __init__(self, ratio: float | None = 0.01, count: int | None = None,
                  scaled: bool = True, values: ValueDtype = "float32",

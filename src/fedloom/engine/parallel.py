@@ -102,7 +102,8 @@ def run_group(backend: Any, x: torch.Tensor, y: torch.Tensor,
 
 
 def _train_group(blob: bytes, out: torch.Tensor, rows: list[int],
-                 part: Callable[[int, bytes], None] | None = None) -> bytes | None:
+                 part: Callable[[int, bytes, Any], None] | None = None,
+                 client_side: Callable[[torch.Tensor, int], Any] | None = None) -> bytes | None:
     # Jobs and the small part of the results travel as plain pickles; the dense
     # updates are written into ``out``, a tensor in shared memory that the parent
     # allocated (one handle per worker instead of one pickled copy per update).
@@ -122,7 +123,10 @@ def _train_group(blob: bytes, out: torch.Tensor, rows: list[int],
             maybe_die(kill, [job])  # at that client's turn: the ones before it were sent
             with backend.trainer.updates_into(out[row]) if direct else nullcontext():
                 res = run_group(backend, _WORKER["x"], _WORKER["y"], to_device([job], dev))[0]
-            part(row, _host_blob(res, out, row))
+            # the client's own uplink work (its norm, its encode), where the update is
+            sent = (client_side(res.update, res.client)
+                    if client_side is not None and res is not None else None)
+            part(row, _host_blob(res, out, row), sent)
         return None
     maybe_die(kill, jobs)
     results = run_group(backend, _WORKER["x"], _WORKER["y"], to_device(jobs, dev))
@@ -172,8 +176,9 @@ def _error_reply(seq: int, e: BaseException) -> tuple[str, int, Any]:
 def _worker_main(conn: Any, initargs: _InitArgs, device: str = "cpu") -> None:
     """A worker: set up once, then answer ``(seq, jobs, buffer, rows, stream)``
     requests with ``("ok", seq, results)`` until ``None`` or the parent is gone
-    (``stream``: one ``("part", seq, (row, result))`` a client as it is trained,
-    then ``("ok", seq, None)``)."""
+    (``stream``: one ``("part", seq, (row, result, sent))`` a client as it is
+    trained, then ``("ok", seq, None)``; ``sent``: what ``stream``, when it is a
+    :class:`~fedloom.engine.uplink.ClientSide`, did of the client's uplink)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
@@ -195,13 +200,15 @@ def _worker_main(conn: Any, initargs: _InitArgs, device: str = "cpu") -> None:
         if new_out is not None:  # the buffer is sent only when it changes
             out = new_out
 
-        def part(row: int, res: bytes, seq: int = seq) -> None:
-            conn.send(("part", seq, (row, res)))
+        def part(row: int, res: bytes, sent: Any, seq: int = seq) -> None:
+            conn.send(("part", seq, (row, res, sent)))
 
         try:
             assert out is not None
-            reply: tuple[str, int, Any] = ("ok", seq, _train_group(blob, out, rows,
-                                                                  part if stream else None))
+            # stream: False, True, or the client side of the uplink to run (ClientSide)
+            side = None if isinstance(stream, bool) else stream
+            reply: tuple[str, int, Any] = ("ok", seq, _train_group(
+                blob, out, rows, part if stream else None, side))
         except BaseException as e:
             reply = _error_reply(seq, e)
         conn.send(reply)
@@ -377,6 +384,8 @@ class ProcessBackend:
                     ) -> list[ClientResult | None]:
         groups = balanced_groups(jobs, self.workers)
         out: list[ClientResult | None] = [None] * len(jobs)
+        # the client side of each client's uplink, for the workers to do (on the host)
+        side = getattr(on_result, "client_side", None) if self.gpus == 0 else None
         pool = self._workers()
         todo: deque[list[int]] = deque(groups)
         deaths = [0] * len(groups)
@@ -398,7 +407,7 @@ class ProcessBackend:
                                     protocol=pickle.HIGHEST_PROTOCOL)
                 try:
                     w.conn.send((seq, blob, buf if w.buf_id != self._buf_id else None, g,
-                                 on_result is not None))
+                                 side if side is not None else on_result is not None))
                 except OSError:  # it died just now, before taking the group
                     self._replace(i)
                     todo.appendleft(g)
@@ -415,10 +424,13 @@ class ProcessBackend:
                 msg = self._recv(w) if w.conn.poll() else None
                 if msg is not None:
                     if msg[0] == "part" and msg[1] == seq:
-                        j, blob = msg[2]
+                        j, blob, sent = msg[2]
                         res = out[j] = self._from_shared(pickle.loads(blob), buf, j)
                         if res is not None and on_result is not None:
-                            on_result(j, res)
+                            if sent is None:
+                                on_result(j, res)
+                            else:  # the worker did the client's own uplink work
+                                on_result(j, res, sent)  # type: ignore[call-arg]
                     elif msg[0] == "ok" and msg[1] == seq:
                         g = busy.pop(i)
                         if msg[2] is not None:  # not streamed: the group's results at once

@@ -15,12 +15,14 @@ import logging
 import struct
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from fedloom.capabilities import compressor_caps
 from fedloom.compress.feedback import UplinkContext, UplinkResult
-from fedloom.compress.identity import InPlacePayload
+from fedloom.compress.identity import Identity, InPlacePayload
 from fedloom.device import to_device
 from fedloom.engine.algorithm import Algorithm
 from fedloom.engine.parts import Schedule, ScreenRules
@@ -29,8 +31,8 @@ from fedloom.engine.screen import first_line, non_finite_reason, row_norms, scre
 from fedloom.job import ClientResult
 from fedloom.rng import Purpose, torch_gen
 
-__all__ = ["AttackStage", "EarlyUplink", "LocalPrivacyStage", "Postprocessor",
-           "client_postprocessors", "uplink_round"]
+__all__ = ["AttackStage", "ClientSide", "EarlyUplink", "LocalPrivacyStage", "Postprocessor",
+           "Sent", "client_postprocessors", "uplink_round"]
 
 log = logging.getLogger("fedloom")
 
@@ -80,6 +82,46 @@ def client_postprocessors(attack: Any, privacy: Any) -> list[Postprocessor]:
     return chain
 
 
+@dataclass
+class Sent:
+    """What a worker did of its client's uplink (:class:`ClientSide`): the update's
+    norm (``[1]``, float64, as :func:`~fedloom.engine.screen.row_norms`) and its
+    payload (``None``: not encoded there — a non-finite update, an encode that
+    failed, or a float32 identity vector the server reads in place)."""
+
+    norm: torch.Tensor
+    payload: bytes | None = None
+
+
+@dataclass(frozen=True)
+class ClientSide:
+    """The client's own part of the uplink, done by a ``process`` worker right
+    after training, where the update is (and is still in the cache): the norm the
+    screening reads and, with a pure compressor
+    (:attr:`~fedloom.capabilities.CompressorCaps.pure`), the encode, with the
+    client's own generator ``(seed, round, client, compress)`` — the bytes the
+    parent would have made. The parent then only decodes. An update that is not
+    finite is not encoded (the server refuses it, naming why)."""
+
+    comp: Any
+    seed: int
+    round: int
+
+    def __call__(self, update: torch.Tensor, client: int) -> Sent:
+        norm = row_norms([update])
+        if not bool(torch.isfinite(norm).all()):
+            return Sent(norm)
+        if (type(self.comp) is Identity and update.dtype == torch.float32
+                and sys.byteorder == "little"):
+            return Sent(norm)  # read in place by the server (InPlacePayload)
+        try:
+            payload = self.comp.encode(update, gen=torch_gen(self.seed, self.round, client,
+                                                             Purpose.COMPRESS))
+        except (ValueError, ArithmeticError, struct.error):
+            return Sent(norm)  # encoded again by the parent, which refuses the client
+        return Sent(norm, payload)
+
+
 class EarlyUplink:
     """Each client's own part of the uplink, done as its result arrives from a
     worker while the others still train (the ``process`` backend streams them):
@@ -89,8 +131,10 @@ class EarlyUplink:
     cohort (the screening by the norms' median, which clients are refused) still
     happens there, in the same order. Only where none of this depends on the
     cohort or on the order of the clients (:meth:`applies`): no client-side
-    postprocessor, the plain feedback policy (encode, keep nothing) and the
-    identity compressor (a payload is the vector's bytes), on the host. A result
+    postprocessor, the plain feedback policy (encode, keep nothing) and a pure
+    compressor (:attr:`~fedloom.capabilities.CompressorCaps.pure`), on the host.
+    The workers take the norm and encode where the update was made
+    (:attr:`client_side`); a float32 identity update is read in place. A result
     passed again (its worker died and the group ran again) is redone."""
 
     def __init__(self, algo: Algorithm, schedule: Schedule, st: RunState, plan: RoundPlan,
@@ -105,21 +149,26 @@ class EarlyUplink:
     def applies(algo: Algorithm, post: Sequence[Postprocessor], device: torch.device,
                 plan: RoundPlan) -> bool:
         from fedloom.compress.feedback.base import NoFeedback
-        from fedloom.compress.identity import Identity
 
-        # exact types: a subclass may keep state, or encode by the cohort
-        return (not post and device.type == "cpu" and type(plan.comp) is Identity
+        # the exact type: a subclass may keep state
+        return (not post and device.type == "cpu" and compressor_caps(plan.comp).pure
                 and type(algo.feedback) is NoFeedback
                 and plan.row_shifts is None and plan.row_scales is None)
 
-    def __call__(self, i: int, res: ClientResult) -> None:
+    @property
+    def client_side(self) -> ClientSide:
+        """What a worker may do of each client's uplink (the process backend)."""
+        return ClientSide(self.plan.comp, self.schedule.seed, self.plan.round)
+
+    def __call__(self, i: int, res: ClientResult, sent: Sent | None = None) -> None:
         self.ups.pop(i, None)
         self.decoded.discard(i)
-        norm = self.norms[i] = row_norms([res.update])
+        norm = self.norms[i] = sent.norm if sent is not None else row_norms([res.update])
         if not bool(torch.isfinite(norm).all()):
             return  # refused by the screening; uplink_round names why
         row = self.rows[i]
-        if (res.update.data_ptr() == row.data_ptr() and row.dtype == torch.float32
+        if (type(self.plan.comp) is Identity and res.update.data_ptr() == row.data_ptr()
+                and row.dtype == torch.float32
                 and res.update.shape == row.shape and sys.byteorder == "little"):
             # The worker wrote the update into this very row (shared memory): the
             # identity payload's body is these float32 bytes, and the server's decode of
@@ -129,12 +178,18 @@ class EarlyUplink:
             self.decoded.add(i)
             return
         try:
-            up = _uplink(self.algo, self.schedule, self.st, self.plan, res, i, self.m)
+            up = (UplinkResult(sent.payload, None, {}) if sent is not None
+                  and sent.payload is not None  # NoFeedback's result of that payload
+                  else _uplink(self.algo, self.schedule, self.st, self.plan, res, i, self.m))
         except (ValueError, ArithmeticError, struct.error):
             return  # uplink_round encodes it again and refuses the client there
         self.ups[i] = up
+        comp = self.plan.comp
+        into = getattr(comp, "decode_into", None)
         try:
-            up.sent = self.plan.comp.decode_into(up.payload, self.rows[i])
+            # into the server's row, as receive would (decode_into, or decode then copy)
+            up.sent = (into(up.payload, row) if into is not None
+                       else row.copy_(comp.decode(up.payload, row.shape[0])))
         except (ValueError, ArithmeticError, struct.error):
             up.sent = None  # receive decodes it again and rejects the client there
             return
