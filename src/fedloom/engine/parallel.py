@@ -45,7 +45,7 @@ from fedloom.capabilities import BackendCaps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig
-from fedloom.device import apply_threads, configure, to_device, to_host, worker_threads
+from fedloom.device import configure, to_device, to_host, worker_threads
 from fedloom.engine.backends import (
     KILL_ENV,
     SequentialBackend,
@@ -360,15 +360,6 @@ class ProcessBackend:
                 self._buf_id += 1
             buf = self._out
         self._seq += 1
-        # While the workers hold every core, the parent's own per-client work (the
-        # streamed results' uplink) runs on one thread: torch's other threads would
-        # spin-wait for cores the workers hold (a 6.5 MB row copy 6.8 ms on two
-        # threads, 2.3 ms on one, beside two busy workers on two cores). Only copies,
-        # norms and checksums run here; the aggregation after the round keeps the
-        # process's count.
-        one = (stream is not None and self.gpus == 0
-               and self.workers * self.worker_threads >= (os.cpu_count() or 1))
-        _, restore = apply_threads(1 if one else 0)
         try:
             return self._run_groups(jobs, buf, self._seq, stream)
         except BaseException:
@@ -376,8 +367,6 @@ class ProcessBackend:
             # and so are the workers still busy with it (a later call starts anew).
             self.close()
             raise
-        finally:
-            restore()
 
     def _run_groups(self, jobs: Sequence[ClientJob], buf: torch.Tensor, seq: int,
                     on_result: Callable[[int, ClientResult], None] | None = None
