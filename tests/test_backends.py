@@ -141,11 +141,14 @@ def test_process_worker_death(tmp_path, monkeypatch, policy):
         assert len(res.metrics) == TINY["rounds"]
 
 
-def test_process_workers_write_the_server_rows_float32(monkeypatch):
+@pytest.mark.parametrize("inner", ["sequential", "lockstep"])
+def test_process_workers_write_the_server_rows_float32(monkeypatch, inner):
     """float32, identity compressor: each worker writes its client's update into the
     server's row (shared memory) and the parent neither copies nor serialises it
     (InPlacePayload: the bytes counted are the identity payload's); the run is the
-    sequential one at one thread, every metric but the times, refusals included."""
+    sequential one at one thread, every metric but the times, refusals included.
+    Lock-step workers hand their group's results over together, each one passed on
+    as a sequential worker's is."""
     from fedloom.compress.identity import InPlacePayload
     from fedloom.engine.parallel import ProcessBackend
 
@@ -178,7 +181,8 @@ def test_process_workers_write_the_server_rows_float32(monkeypatch):
         finally:
             torch.set_num_threads(threads)
         assert not made
-        res = fedloom.run(TINY, ["backend=process", "backend.workers=2", *extra])
+        res = fedloom.run(TINY, ["backend=process", "backend.workers=2",
+                                 f"backend.inner={inner}", *extra])
         assert adopted and all(adopted)
         assert len(made) == TINY["rounds"] * TINY["cohort"]["size"]
         assert res.summary["model_sha256"] == ref.summary["model_sha256"]

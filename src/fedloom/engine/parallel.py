@@ -130,9 +130,11 @@ def _train_group(blob: bytes, out: torch.Tensor, rows: list[int],
         return None
     maybe_die(kill, jobs)
     results = run_group(backend, _WORKER["x"], _WORKER["y"], to_device(jobs, dev))
+    sents = ([client_side(res.update, res.client) if res is not None else None
+              for res in results] if client_side is not None else None)
     for row, res in zip(rows, results, strict=True):
         _to_shared(res, out, row)
-    return pickle.dumps(to_host(results), protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.dumps((to_host(results), sents), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _to_shared(res: ClientResult | None, out: torch.Tensor, row: int) -> None:
@@ -324,11 +326,10 @@ class ProcessBackend:
                 and rows.dtype == self.dtype and rows.ndim == 2 and rows.shape[0] >= m
                 and rows.shape[1] == self.d and rows.is_contiguous())
 
-    @property
-    def streams(self) -> bool:
-        """Whether :meth:`train_cohort` can hand each result to ``on_result`` as it
-        arrives (the sequential inner backend trains, and sends, one client at a time)."""
-        return self.inner == "sequential"
+    #: :meth:`train_cohort` hands each result to ``on_result`` as it arrives: one
+    #: client at a time from sequential workers, a group at a time from lock-step and
+    #: vmap ones (they train their group together)
+    streams = True
 
     # ------------------------------------------------------------------ rounds
     def train_cohort(self, jobs: Sequence[ClientJob],
@@ -343,7 +344,7 @@ class ProcessBackend:
         # (a copy of every update a round, done serially in this process, cost as much
         # as the uplink). A buffer some of whose rows are still referenced (a caller
         # that keeps last round's results) is left to them and a new one is made.
-        stream = on_result if self.streams else None
+        stream = on_result
         rows = getattr(stream, "rows", None)
         if isinstance(rows, torch.Tensor) and self._writable(rows, len(jobs)):
             # The caller's rows (the server's, in shared memory): each update is written
@@ -423,8 +424,14 @@ class ProcessBackend:
                     elif msg[0] == "ok" and msg[1] == seq:
                         g = busy.pop(i)
                         if msg[2] is not None:  # not streamed: the group's results at once
-                            for j, res in zip(g, pickle.loads(msg[2]), strict=True):
-                                out[j] = self._from_shared(res, buf, j)
+                            results, sents = pickle.loads(msg[2])
+                            for n, (j, res) in enumerate(zip(g, results, strict=True)):
+                                res = out[j] = self._from_shared(res, buf, j)
+                                if res is not None and on_result is not None:
+                                    if sents is None or sents[n] is None:
+                                        on_result(j, res)
+                                    else:  # the worker did the client's own uplink work
+                                        on_result(j, res, sents[n])  # type: ignore[call-arg]
                     continue  # "ready", or a late reply to an abandoned round
                 if w.proc.is_alive() and not w.conn.closed:
                     continue  # the sentinel is not set; nothing to read yet
