@@ -233,3 +233,32 @@ def test_process_workers_encode_their_clients_updates(monkeypatch, extra):
         assert rejected > 0 and not all(sent)
     else:
         assert rejected == 0 and all(sent)
+
+
+def test_process_workers_follow_the_server_rows_as_the_cohort_grows():
+    """The server's rows handed to the workers are a view of a buffer that holds the
+    largest cohort so far: a round with more clients than the first one handed over
+    (the same buffer, more of it) gives the workers the larger view, and every update
+    lands in its own row of it."""
+    from fedloom.config import load_config
+    from fedloom.engine.experiment import Experiment
+
+    exp = Experiment(load_config(TINY, ["backend=process", "backend.workers=2"]))
+    try:
+        jobs = exp.plan_round(exp.initial_state()).jobs
+        assert len(jobs) >= 4
+        big = torch.zeros((len(jobs), exp.layout.size)).share_memory_()
+
+        class Sink:
+            def __init__(self, rows):
+                self.rows = rows
+
+            def __call__(self, i, res, sent=None):
+                pass
+
+        for m in (2, len(jobs)):
+            out = exp.backend.train_cohort(jobs[:m], on_result=Sink(big[:m]))
+            assert [r.update.data_ptr() for r in out] == [big[j].data_ptr() for j in range(m)]
+            assert all(bool(big[j].abs().sum() > 0) for j in range(m))
+    finally:
+        exp.close()

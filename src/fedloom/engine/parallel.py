@@ -350,7 +350,9 @@ class ProcessBackend:
             # The caller's rows (the server's, in shared memory): each update is written
             # where the server reads it. They are the caller's to keep or overwrite.
             buf = rows
-            if self._out is None or self._out.data_ptr() != rows.data_ptr():
+            # a new buffer, or more of it: the workers' handle is their view of it
+            if (self._out is None or self._out.data_ptr() != rows.data_ptr()
+                    or self._out.shape != rows.shape):
                 self._out, self._out_refs = rows, -1
                 self._buf_id += 1
         else:
