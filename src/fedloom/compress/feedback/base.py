@@ -29,6 +29,7 @@ import torch
 
 from fedloom.capabilities import FeedbackCaps, feedback_caps
 from fedloom.compress.base import Compressor
+from fedloom.compress.identity import InPlacePayload
 from fedloom.state import FieldSpec
 
 ServerState = dict[str, Any]
@@ -50,7 +51,8 @@ class UplinkContext:
 
 @dataclass
 class UplinkResult:
-    payload: bytes
+    # the bytes sent; a float32 identity vector read where it is (InPlacePayload)
+    payload: bytes | InPlacePayload
     # decode(payload): the client's own where its rows need it (None: it did not
     # decode), replaced by the server's decode of the bytes before server_row
     sent: torch.Tensor | None
