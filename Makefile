@@ -117,7 +117,7 @@ repro-lora: $(VENV)/.report
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache docs/_build
 
-# Speed and memory (benchmarks/results.json + results.md); about 5 min on 2 cores.
+# Speed and memory (benchmarks/results.json + results.md); about 15 min on 2 cores.
 bench: $(VENV)/.dev
 	$(PY) benchmarks/bench.py
 
