@@ -509,3 +509,38 @@ def test_auto_times_the_candidates_and_runs_on_the_chosen(caplog):
     assert backend.name == choose(backend.times)
     assert any("backend auto: using" in r.getMessage() for r in caplog.records)
     assert torch.equal(w, _rounds(["dtype=float64"])[0])  # sequential's model, bit for bit
+
+
+def test_auto_streams_through_the_chosen_process_backend(monkeypatch):
+    """When auto has chosen ``process``, the rounds after the first hand each client's
+    result over as it arrives (the chosen backend's streaming: the uplink work as
+    results come, the rows in place), as ``backend: process`` does; before the choice
+    it does not stream. The model is the sequential run's, bit for bit (float64)."""
+    from fedloom.engine.uplink import EarlyUplink
+
+    seen: list[int] = []
+    call = EarlyUplink.__call__
+
+    def spy(self, i, res, sent=None):
+        seen.append(i)
+        call(self, i, res, sent)
+
+    monkeypatch.setattr(EarlyUplink, "__call__", spy)
+    over = ["backend.name=auto", "backend.workers=2", "dtype=float64"]
+    exp = Experiment(load_config(SYN, over))
+    assert not exp.backend.streams
+    exp.backend.measure = _fake_measure(
+        {"sequential": 3.0, "lockstep": 2.0, "process": 1.0, "process+lockstep": 1.5}, [])
+    ref = Experiment(load_config(SYN, ["dtype=float64"]))
+    st, st_ref = exp.initial_state(), ref.initial_state()
+    try:
+        for r in range(3):
+            st, _ = exp.round(st)
+            st_ref, _ = ref.round(st_ref)
+            if r == 0:
+                assert not seen and exp.backend.name == "process" and exp.backend.streams
+        assert len(seen) == 2 * exp.cfg.cohort.size
+        assert torch.equal(st.w, st_ref.w)
+    finally:
+        exp.close()
+        ref.close()

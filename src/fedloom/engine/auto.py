@@ -13,9 +13,11 @@ started before that), then the whole first cohort, timed; the choice is
 :attr:`AutoBackend.name`. The first cohort's results are ``sequential``'s (every
 backend gives them: bit for bit in float64, to float32 rounding otherwise), so
 what a run computes does not depend on which backend won. The pools not chosen
-are shut down. Why measure rather than rule: lock-step was taken without timing
-until ``process+lockstep`` measured 11–23 % faster on two idle cores
-(docs/explanation/backends.md, auto).
+are shut down; from the second round on, the chosen backend runs as it does when
+named (a chosen ``process`` backend hands each result over as it arrives, for the
+uplink work and the rows written in place). Why measure rather than rule:
+lock-step was taken without timing until ``process+lockstep`` measured 11–23 %
+faster on two idle cores (docs/explanation/backends.md, auto).
 """
 
 from __future__ import annotations
@@ -126,8 +128,22 @@ class AutoBackend:
                     self.trainer, self.method, x, y, workers=self.workers, inner="lockstep")
         return out
 
-    def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
+    @property
+    def streams(self) -> bool:
+        """The chosen backend's (it hands each result to ``on_result`` as it arrives);
+        no before the choice: the first cohort's results are the sequential run's."""
+        return bool(getattr(self.chosen, "streams", False))
+
+    @property
+    def writes_rows(self) -> bool:
+        """The chosen backend's: it writes the updates into ``on_result.rows``."""
+        return bool(getattr(self.chosen, "writes_rows", False))
+
+    def train_cohort(self, jobs: Sequence[ClientJob],
+                     on_result: Callable[..., None] | None = None) -> list[ClientResult | None]:
         if self.chosen is not None:
+            if on_result is not None and self.streams:
+                return self.chosen.train_cohort(jobs, on_result=on_result)
             return self.chosen.train_cohort(jobs)
         built: dict[str, Any] = {}
         out: list[ClientResult | None] = []
