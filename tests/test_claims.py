@@ -49,3 +49,60 @@ def test_sensitivity_table_orders_values_and_counts_missing_seeds():
     header, rows = sensitivity_table(lines, "test_acc")
     assert header == ["method", "0.01", "0.1"]
     assert rows[0][1] == "20.0 ± 0.0 (1/2)" and rows[0][2].startswith("60.0 ± 14.1")
+
+
+def test_a_claims_direction_comes_from_its_metric_and_a_contradiction_is_refused(tmp_path):
+    """A claim on a loss judged as "higher is better" turned its verdicts over (a
+    higher loss printed as better); the suite now takes the direction the metric's
+    name states and refuses one that contradicts it, in one line naming the field."""
+    import yaml
+
+    from conftest import TINY
+    from fedloom.config import ConfigError
+    from fedloom.report.claims import claim_direction
+    from fedloom.sweep import load_suite
+
+    assert [claim_direction(m) for m in ("test_loss", "client_ppl_worst10",
+                                         "uplink_bytes_total", "client_acc_std",
+                                         "rounds_to_target", "test_acc", "updates_applied")
+            ] == ["lower", "lower", "lower", "lower", "lower", "higher", None]
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump(TINY))
+
+    def load(claim):
+        suite = {"name": "t", "out": str(tmp_path / "runs"), "doc": str(tmp_path / "t.md"),
+                 "seeds": [1], "settings": {"s": {"config": str(cfg)}},
+                 "methods": {"A": [], "B": []},
+                 "claims": [{"claim": "c", "method": "A", "against": ["B"], **claim}]}
+        path = tmp_path / "suite.yaml"
+        path.write_text(yaml.safe_dump(suite, sort_keys=False))
+        return load_suite(path)
+
+    assert load({"metric": "test_loss"}).claims[0]["better"] == "lower"
+    assert load({"metric": "test_acc"}).claims[0]["better"] == "higher"
+    assert load({"metric": "updates_applied", "better": "lower"}).claims[0]["better"] == "lower"
+    for claim, msg in [({"metric": "test_loss", "better": "higher"},
+                        r"claims\[0\]\.better: higher, but test_loss improves when it is lower"),
+                       ({"metric": "test_acc", "better": "lower"}, r"claims\[0\]\.better: lower"),
+                       ({"metric": "updates_applied"}, r"claims\[0\]\.better: missing")]:
+        with pytest.raises(ConfigError, match=msg) as err:
+            load(claim)
+        assert "\n" not in str(err.value)
+
+
+def test_a_loss_cell_reads_to_the_third_decimal_and_lower_is_better():
+    # differences of test loss A − B: +0.010, +0.012, +0.014 nats (A's loss higher on
+    # every seed): with lower better that is worse, and one decimal would print +0.0.
+    # t-interval: 0.012 ± 4.303 · 0.002 / √3 = [+0.007, +0.017], inside ±0.05: a claim
+    # with that margin asks "level?", and the answer is equivalent (the sign stays)
+    a = [_run(s, [0.5], test_loss=3.0 + d) for s, d in zip((1, 2, 3), (0.010, 0.012, 0.014))]
+    b = [_run(s, [0.5], test_loss=3.0) for s in (1, 2, 3)]
+    table = {"s": {"A": {"runs": a}, "B": {"runs": b}}}
+    claim = {"claim": "A level with B", "method": "A", "against": ["B"],
+             "metric": "test_loss", "better": "lower"}
+    _, rows, recs = claim_table([claim], table, ["s"], {"s": None})
+    assert recs[0]["verdict"] == "worse" and rows[0][2].startswith("**worse** +0.012 [+0.007, ")
+    _, rows, recs = claim_table([{**claim, "margin": 0.05}], table, ["s"], {"s": None})
+    assert rows[0][2].startswith("**equivalent** +0.012 [+0.007, ")
+    _, rows, recs = claim_table([claim], table, ["s"], {"s": None}, sequential=True)
+    assert rows[0][2].startswith(f"**{recs[0]['verdict']}** (n=3) +0.012 [")

@@ -7,7 +7,8 @@ A suite's ``claims:`` list states what a paper claims, one entry each::
         method: CRAFT
         against: [FedAvg, FedAvgM, FedProx]
         metric: client_acc_worst10      # a final metric, or rounds_to_target
-        better: higher                  # higher (default) | lower
+        better: higher                  # higher | lower: from the metric's name when it
+                                        # says (claim_direction); a contradiction is refused
         margin: 0.01                    # optional: "equivalent" inside ± margin
         settings: [mnist]               # optional: where the claim applies
 
@@ -42,8 +43,28 @@ from fedloom.report.compare import first_reach, log_ticks
 from fedloom.report.sequential import sequential_paired
 from fedloom.report.stats import Paired, paired
 
-__all__ = ["claim_table", "metric_scale", "plot_sensitivity", "seed_values",
-           "sensitivity_table"]
+__all__ = ["claim_direction", "claim_table", "metric_digits", "metric_scale",
+           "plot_sensitivity", "seed_values", "sensitivity_table"]
+
+
+def claim_direction(metric: str) -> str | None:
+    """The direction in which ``metric`` improves when its name says it: ``lower`` for
+    losses, perplexities, bytes, seconds, spreads (``*_std``) and ``rounds_to_target``,
+    ``higher`` for accuracies; ``None`` when the name does not say (a claim on such a
+    metric must give ``better:``).
+
+    >>> claim_direction("test_loss"), claim_direction("client_acc_worst10")
+    ('lower', 'higher')
+    >>> claim_direction("rounds_to_target"), claim_direction("updates_applied") is None
+    ('lower', True)
+    """
+    from fedloom.report.compare import lower_is_better
+
+    if metric == "rounds_to_target" or metric.endswith("_std") or lower_is_better(metric):
+        return "lower"
+    if "acc" in metric.split("_"):
+        return "higher"
+    return None
 
 
 def metric_scale(metric: str) -> tuple[float, str]:
@@ -53,6 +74,12 @@ def metric_scale(metric: str) -> tuple[float, str]:
     if metric == "rounds_to_target":
         return 1.0, "rounds"
     return 1.0, ""
+
+
+def metric_digits(metric: str) -> int:
+    """Decimals of a difference: 3 for losses (a margin of 0.05 nats is read at the third
+    decimal), else 1."""
+    return 3 if "loss" in metric else 1
 
 
 def seed_values(runs: Sequence[dict[str, Any]], metric: str,
@@ -82,7 +109,7 @@ def seed_values(runs: Sequence[dict[str, Any]], metric: str,
 
 def _cell(res: Paired, metric: str, censored: int) -> str:
     scale, unit = metric_scale(metric)
-    text = res.text(scale, unit, digits=1)
+    text = res.text(scale, unit, digits=metric_digits(metric))
     if censored:
         text += f"; {censored} run{'s' if censored > 1 else ''} never reached it"
     return f"**{res.verdict}**" + text[len(res.verdict):] if res.n else text
@@ -94,15 +121,16 @@ def _sequential_cell(res: Paired, metric: str, censored: int, max_seeds: int | N
         return "no pairs"
     scale, unit = metric_scale(metric)
     u = f" {unit}" if unit else ""
+    dg = metric_digits(metric)
     at_max = ", max" if max_seeds is not None and res.n >= max_seeds and \
         res.verdict == "no evidence" else ""
-    text = f"**{res.verdict}** (n={res.n}{at_max}) {res.mean * scale:+.1f}{u}"
+    text = f"**{res.verdict}** (n={res.n}{at_max}) {res.mean * scale:+.{dg}f}{u}"
     if res.n < 2:
         text += " (no interval)"
     elif not (math.isfinite(res.low) and math.isfinite(res.high)):
         text += " (no finite interval yet)"
     else:
-        text += f" [{res.low * scale:+.1f}, {res.high * scale:+.1f}]"
+        text += f" [{res.low * scale:+.{dg}f}, {res.high * scale:+.{dg}f}]"
     if censored:
         text += f"; {censored} run{'s' if censored > 1 else ''} never reached it"
     return text
@@ -120,7 +148,8 @@ def claim_table(claims: Sequence[dict[str, Any]], table: dict[str, dict[str, Any
     rows: list[list[str]] = []
     records: list[dict[str, Any]] = []
     for c in claims:
-        metric, better = c["metric"], c.get("better", "higher")
+        metric = c["metric"]
+        better = c.get("better") or claim_direction(metric) or "higher"
         for base in c["against"]:
             cells = []
             for s in cols:

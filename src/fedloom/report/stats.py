@@ -22,10 +22,13 @@ The **verdict** is read from the interval, never from the size of the mean: with
 ``better`` the direction in which the metric improves (higher accuracy, lower
 spread or rounds),
 
+* ``equivalent`` when a ``margin`` is given and the interval lies inside
+  ``(−margin, margin)`` (two one-sided tests at the same level: "at equal mean"). A
+  claim with a margin asks whether the methods are level, so this comes first: an
+  interval such as ``[+0.017, +0.022]`` nats against a margin of 0.05 answers "level",
+  and its sign stays on the cell;
 * ``better`` when the whole interval lies on the improving side of 0,
 * ``worse`` when it lies wholly on the other side,
-* ``equivalent`` when a ``margin`` is given and the interval lies inside
-  ``(−margin, margin)`` (two one-sided tests at the same level: "at equal mean"),
 * ``no evidence`` otherwise, and always with fewer than 2 pairs (no interval).
 
 Each interval is per comparison (not adjusted for the number of comparisons on a
@@ -157,13 +160,15 @@ def verdict_of(low: float, high: float, better: str = "higher",
     'worse'
     >>> verdict_of(-0.2, 0.3), verdict_of(-0.2, 0.3, margin=0.5)
     ('no evidence', 'equivalent')
+    >>> verdict_of(0.017, 0.022, better="lower"), verdict_of(0.017, 0.022, "lower", 0.05)
+    ('worse', 'equivalent')
     """
+    if margin is not None and -margin < low and high < margin:
+        return "equivalent"
     sign = 1.0 if better == "higher" else -1.0
     lo_s, hi_s = sorted((low * sign, high * sign))
     if lo_s > 0:
         return "better"
     if hi_s < 0:
         return "worse"
-    if margin is not None and -margin < low and high < margin:
-        return "equivalent"
     return "no evidence"

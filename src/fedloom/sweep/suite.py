@@ -320,8 +320,24 @@ def _load_claims(p: Path, raw: Any, methods: dict[str, list[str]],
         for m in [c["method"], *against]:
             if m not in methods:
                 raise ConfigError(f"{at}: {m!r} is not a method of this suite")
-        if c.get("better", "higher") not in ("higher", "lower"):
+        if not isinstance(c["metric"], str) or not c["metric"]:
+            raise ConfigError(f"{at}.metric: needs a metric name")
+        better = c.get("better")
+        if better is not None and better not in ("higher", "lower"):
             raise ConfigError(f"{at}.better: expected higher or lower")
+        # a claim judged in the wrong direction turns every verdict over (a higher loss
+        # read as "better"), so the direction a metric's name states is taken when none
+        # is given, and a direction that contradicts it is refused
+        from fedloom.report.claims import claim_direction
+
+        known = claim_direction(c["metric"])
+        if better is None and known is None:
+            raise ConfigError(f"{at}.better: missing (the name {c['metric']!r} does not "
+                              "say whether higher or lower is better)")
+        if better is not None and known is not None and better != known:
+            raise ConfigError(f"{at}.better: {better}, but {c['metric']} improves when it "
+                              f"is {known}")
+        c = {**c, "better": better or known}
         for s in c.get("settings") or []:
             if s not in settings:
                 raise ConfigError(f"{at}.settings: unknown setting {s!r}")
