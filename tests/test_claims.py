@@ -95,7 +95,8 @@ def test_a_loss_cell_reads_to_the_third_decimal_and_lower_is_better():
     # every seed): with lower better that is worse, and one decimal would print +0.0.
     # t-interval: 0.012 ± 4.303 · 0.002 / √3 = [+0.007, +0.017], inside ±0.05: a claim
     # with that margin asks "level?", and the answer is equivalent (the sign stays)
-    a = [_run(s, [0.5], test_loss=3.0 + d) for s, d in zip((1, 2, 3), (0.010, 0.012, 0.014))]
+    a = [_run(s, [0.5], test_loss=3.0 + d)
+         for s, d in zip((1, 2, 3), (0.010, 0.012, 0.014), strict=True)]
     b = [_run(s, [0.5], test_loss=3.0) for s in (1, 2, 3)]
     table = {"s": {"A": {"runs": a}, "B": {"runs": b}}}
     claim = {"claim": "A level with B", "method": "A", "against": ["B"],
