@@ -262,3 +262,33 @@ def test_process_workers_follow_the_server_rows_as_the_cohort_grows():
             assert all(bool(big[j].abs().sum() > 0) for j in range(m))
     finally:
         exp.close()
+
+
+def test_process_workers_read_the_rounds_model_from_shared_memory():
+    """A cohort whose jobs all carry the round's model gets it through one shared
+    buffer (not a pickled copy a group); jobs with models of their own (stale models,
+    as under asynchronous aggregation) carry theirs. Either way, and alternating, every
+    update is the sequential backend's, bit for bit in float64."""
+    import dataclasses
+
+    from fedloom.config import load_config
+    from fedloom.engine.experiment import Experiment
+
+    ref = Experiment(load_config(TINY, ["dtype=float64"]))
+    exp = Experiment(load_config(TINY, ["dtype=float64", "backend=process",
+                                        "backend.workers=2"]))
+    try:
+        jobs = ref.plan_round(ref.initial_state()).jobs  # with their samples, for both
+        w = jobs[0].w
+        own = [dataclasses.replace(j, w=w + 0.01 * (k + 1)) for k, j in enumerate(jobs)]
+        for cohort in (jobs, own, jobs):
+            got = exp.backend.train_cohort(cohort)
+            want = ref.backend.train_cohort(cohort)
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a.update, b.update)
+            assert exp.backend._w is not None and exp.backend._w.is_shared()
+            assert exp.backend._w.data_ptr() != w.data_ptr()  # a copy the workers hold
+        assert not torch.equal(got[0].update, exp.backend.train_cohort(own)[0].update)
+    finally:
+        exp.close()
+        ref.close()

@@ -88,8 +88,13 @@ def _sequential(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig | Non
 _EMPTY = torch.empty(0)
 
 
-def light_job(job: ClientJob) -> ClientJob:
-    """The job without its samples (``data_index`` names them) for shipping."""
+def light_job(job: ClientJob, shared_model: bool = False) -> ClientJob:
+    """The job without its samples (``data_index`` names them) for shipping, and
+    without its model where the receiver holds it (``shared_model``: ``w`` is
+    ``None``; the process backend's workers read the round's model from shared
+    memory)."""
+    if shared_model:
+        job = dataclasses.replace(job, w=None)  # type: ignore[arg-type]
     if job.data_index is None:
         return job
     return dataclasses.replace(job, x=_EMPTY, y=_EMPTY)

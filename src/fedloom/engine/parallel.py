@@ -108,6 +108,9 @@ def _train_group(blob: bytes, out: torch.Tensor, rows: list[int],
     # updates are written into ``out``, a tensor in shared memory that the parent
     # allocated (one handle per worker instead of one pickled copy per update).
     jobs = pickle.loads(blob)
+    w = _WORKER.get("w")
+    if w is not None:  # the round's model, read from shared memory (see ProcessBackend)
+        jobs = [dataclasses.replace(j, w=w) if j.w is None else j for j in jobs]
     dev = _WORKER.get("device", torch.device("cpu"))
     backend = _WORKER["backend"]
     kill = _WORKER.get("kill_once")
@@ -141,15 +144,14 @@ def _to_shared(res: ClientResult | None, out: torch.Tensor, row: int) -> None:
     if res is not None and res.update.shape == out.shape[1:]:
         if res.update.data_ptr() != out[row].data_ptr():  # not written there already
             out[row].copy_(res.update)
-        res.update = _IN_SHARED
+        # None, not an empty tensor: a tensor in a pickle goes through torch's
+        # serialisation (about 0.5 ms a client in the parent's load)
+        res.update = None  # type: ignore[assignment]
 
 
 def _host_blob(res: ClientResult | None, out: torch.Tensor, row: int) -> bytes:
     _to_shared(res, out, row)
     return pickle.dumps(to_host(res), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-_IN_SHARED = torch.empty(0)  # marks an update that was written to the shared buffer
 
 
 def _use_count(t: torch.Tensor) -> int:
@@ -198,9 +200,11 @@ def _worker_main(conn: Any, initargs: _InitArgs, device: str = "cpu") -> None:
             return  # the parent is gone
         if msg is None:
             return
-        seq, blob, new_out, rows, stream = msg
+        seq, blob, new_out, new_w, rows, stream = msg
         if new_out is not None:  # the buffer is sent only when it changes
             out = new_out
+        if new_w is not None:  # so is the model's: False when jobs carry their own
+            _WORKER["w"] = new_w if isinstance(new_w, torch.Tensor) else None
 
         def part(row: int, res: bytes, sent: Any, seq: int = seq) -> None:
             conn.send(("part", seq, (row, res, sent)))
@@ -229,6 +233,7 @@ class _Worker:
         child.close()
         self.ready = False
         self.buf_id = -1  # which of the parent's buffers this worker holds
+        self.w_id = -1    # which of the parent's model buffers it holds (0: none)
 
     @property
     def pid(self) -> int | None:
@@ -273,6 +278,8 @@ class ProcessBackend:
         self._out: torch.Tensor | None = None
         self._out_refs = 0  # the buffer's storage use count with no row handed out
         self._buf_id = 0
+        self._w: torch.Tensor | None = None  # the round's model in shared memory
+        self._w_id = 0
         self._seq = 0
         # Tensors sent at start-up go through shared memory (torch's reducers), from
         # the host: a worker moves them to its own GPU.
@@ -376,6 +383,7 @@ class ProcessBackend:
                     ) -> list[ClientResult | None]:
         groups = balanced_groups(jobs, self.workers)
         out: list[ClientResult | None] = [None] * len(jobs)
+        shared_w = self._share_model(jobs)
         # the client side of each client's uplink, for the workers to do (on the host)
         side = getattr(on_result, "client_side", None) if self.gpus == 0 else None
         pool = self._workers()
@@ -395,16 +403,18 @@ class ProcessBackend:
                                 "round work was sent; replaced", w.pid, w.proc.exitcode)
                     w = self._replace(i)
                 g = todo.popleft()
-                blob = pickle.dumps([to_host(light_job(jobs[j])) for j in g],
+                blob = pickle.dumps([to_host(light_job(jobs[j], shared_w)) for j in g],
                                     protocol=pickle.HIGHEST_PROTOCOL)
+                w_id = self._w_id if shared_w else 0
+                new_w = (None if w.w_id == w_id else self._w if shared_w else False)
                 try:
-                    w.conn.send((seq, blob, buf if w.buf_id != self._buf_id else None, g,
-                                 side if side is not None else on_result is not None))
+                    w.conn.send((seq, blob, buf if w.buf_id != self._buf_id else None, new_w,
+                                 g, side if side is not None else on_result is not None))
                 except OSError:  # it died just now, before taking the group
                     self._replace(i)
                     todo.appendleft(g)
                     continue
-                w.buf_id = self._buf_id
+                w.buf_id, w.w_id = self._buf_id, w_id
                 busy[i] = g
             if not busy:
                 continue
@@ -462,9 +472,30 @@ class ProcessBackend:
 
     def _from_shared(self, res: ClientResult | None, buf: torch.Tensor,
                      j: int) -> ClientResult | None:
-        if res is not None and res.update.numel() == 0 and self.d > 0:
+        if res is not None and res.update is None:
             res.update = buf[j]  # valid while the caller holds it
         return res
+
+    def _share_model(self, jobs: Sequence[ClientJob]) -> bool:
+        """Whether the jobs' model goes through shared memory this round: when they all
+        carry the same host tensor (a synchronous round's broadcast), it is copied
+        once into a buffer the workers hold (sent to them once, like the rows), and
+        the jobs travel without it. Pickled, it was one copy a group written to the
+        pipe by this process and read back by each worker, a round (6.5 MB each on
+        the CIFAR-10 shape). Jobs with models of their own (stale ones under
+        asynchronous aggregation) carry them as before."""
+        if self.gpus or not jobs:
+            return False
+        w = jobs[0].w
+        if (not isinstance(w, torch.Tensor) or w.device.type != "cpu" or w.ndim != 1
+                or any(j.w is not w for j in jobs)):
+            return False
+        if self._w is None or self._w.shape != w.shape or self._w.dtype != w.dtype:
+            self._w = torch.empty_like(w).share_memory_()
+            self._w_id += 1
+        # no worker reads it now: a round's workers are done before the next is sent
+        self._w.copy_(w)
+        return True
 
     def warm_up(self) -> None:
         """Start every worker now (spawn, imports, the data), not inside a timed round."""
