@@ -107,3 +107,25 @@ def test_a_loss_cell_reads_to_the_third_decimal_and_lower_is_better():
     assert rows[0][2].startswith("**equivalent** +0.012 [+0.007, ")
     _, rows, recs = claim_table([claim], table, ["s"], {"s": None}, sequential=True)
     assert rows[0][2].startswith(f"**{recs[0]['verdict']}** (n=3) +0.012 [")
+
+
+def test_a_sequential_cell_says_when_its_mean_left_the_running_interval():
+    # seeds 1-3 differ by about +2 pp; seeds 4-12 by +80 pp (the method collapses on
+    # the baseline's side): the running intersection keeps the first looks' narrow
+    # interval, which the 12-seed mean (+54.7 pp) lies far outside. The cell says so.
+    diffs = [0.02, 0.021, 0.019] + [0.8] * 9
+    a = [_run(s, [0.5], client_acc_mean=0.1 + d) for s, d in enumerate(diffs, 1)]
+    b = [_run(s, [0.5], client_acc_mean=0.1) for s in range(1, 13)]
+    table = {"s": {"A": {"runs": a}, "B": {"runs": b}}}
+    claim = {"claim": "A above B", "method": "A", "against": ["B"],
+             "metric": "client_acc_mean", "better": "higher"}
+    _, rows, recs = claim_table([claim], table, ["s"], {"s": None}, sequential=True,
+                                max_seeds=12)
+    rec = recs[0]
+    assert not rec["low"] <= rec["diff"] <= rec["high"]
+    assert "mean outside the interval" in rows[0][2]
+    # seeds that agree: no such words
+    same = [_run(s, [0.5], client_acc_mean=0.12 + 0.001 * (s % 3)) for s in range(1, 13)]
+    _, rows, _ = claim_table([claim], {"s": {"A": {"runs": same}, "B": {"runs": b}}}, ["s"],
+                             {"s": None}, sequential=True, max_seeds=12)
+    assert "outside" not in rows[0][2]
