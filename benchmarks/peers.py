@@ -360,6 +360,9 @@ def framework_commands(wl: dict[str, Any], peers: dict[str, Path], quick: bool
            for label, over in _fedloom_backends(wl, quick)]
     # the floor: the same batches in plain PyTorch, no framework
     fws.append(("plain_torch", [py, str(HERE / "peer_torch.py"), "--threads", str(THREADS)]))
+    if not quick:  # the same batches over two processes side by side: the measured floor
+        fws.append(("plain_torch:2proc", [py, str(HERE / "peer_torch.py"), "--threads",
+                                          str(THREADS), "--procs", "2"]))
     if not quick and flower_reason() is None:  # Ray's start-up is too slow for --quick
         fws.append(("flower", [py, str(HERE / "peer_flower.py"), "--threads", str(THREADS)]))
     for name, path in peers.items():
@@ -469,7 +472,13 @@ def markdown(section: dict[str, Any]) -> list[str]:
              "`flgo:parallel2` (2 clients at a time in threads), `pfl:torchrun2` (pfl's 2 "
              "workers under torch's launcher, `gloo` all-reduce) and `flower` (Ray, one CPU a "
              "client: 2 at a time) use both cores; the others one. `plain_torch` is the floor "
-             "of one core: the same batches in plain PyTorch, no framework.", ""]
+             "of one core: the same batches in plain PyTorch, no framework. "
+             "`plain_torch:2proc` is the measured floor of two: the same batches over two "
+             "plain-PyTorch processes side by side, nothing between them but the round's "
+             "start and their partial sums in shared memory. One core's time ÷ 2 (a perfect "
+             "split) assumes that two busy cores do not slow each other; the difference "
+             "between the two floors is what sharing the machine's caches and memory costs "
+             "two processes here.", ""]
     for why in section.get("skipped", {}).values():
         lines += [f"{why}", ""]
     for row in section.get("workloads", {}).values():
@@ -543,6 +552,11 @@ def goals(section: dict[str, Any]) -> list[tuple[str, str, bool, str]]:
                             "all a framework can take away")
                 else:
                     why += (f"; fedloom's round is {best[1] / ideal:.2f}× that floor")
+                two = fws.get("plain_torch:2proc", {}).get("round_s")
+                if two:
+                    why += (f"; two plain-PyTorch processes side by side take {two:.3f} s "
+                            f"(the measured floor of {cores}), fedloom "
+                            f"{best[1] / two:.2f}× that")
             rows.append((goal, f"{got:.2f}×", got >= 1.5, why))
     return rows
 

@@ -228,3 +228,28 @@ def test_a_peers_fastest_mode_is_the_one_its_goal_compares_with():
     got, met, why = {g: (a, b, c) for g, a, b, c in peers.goals(sec)}[
         "round time ≥ 1.5× pfl (reference/10 clients/round)"]
     assert got == "3.00×" and met and "pfl:torchrun2's 0.300 s" in why
+
+
+def test_the_two_process_floor_trains_the_same_round(toy_spec, tmp_path):
+    """``peer_torch.py --procs 2`` (the measured floor of two cores) splits the cohort
+    over two processes and sums their partial averages: the model of one process to
+    float32 rounding (the MLP has no dropout), and each round reported to the driver."""
+    import json
+    import subprocess
+    import sys
+
+    folder, _ = toy_spec
+    finals = []
+    for procs in (1, 2):
+        out = tmp_path / f"w{procs}.pt"
+        run = subprocess.run([sys.executable, str(Path(peers.__file__).parent / "peer_torch.py"),
+                              "--spec", str(folder), "--final", str(out), "--threads", "1",
+                              "--procs", str(procs)], input="go\n", capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert [json.loads(s)["round"] for s in run.stdout.splitlines()] == [1, 2]
+        finals.append(torch.load(out, weights_only=True))
+    start = torch.cat([t.reshape(-1) for t in torch.load(folder / "spec.pt",
+                                                         weights_only=True)["init"]])
+    assert not torch.equal(finals[0], start)
+    torch.testing.assert_close(finals[1], finals[0], rtol=1e-5, atol=1e-6)
