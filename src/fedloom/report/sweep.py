@@ -524,10 +524,7 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
                     lines.append(s)
         lines.append("")
     if rep.get("notes"):
-        # a folded YAML block turns one blank line into one newline: every line of
-        # the folded text is a paragraph of its own on the page
-        paras = [p.strip() for p in rep["notes"].strip().splitlines() if p.strip()]
-        lines += ["## Notes", "", "\n\n".join(paras), ""]
+        lines += ["## Notes", "", rep["notes"].strip(), ""]
     missing = sum(1 for s in specs if not (s.out / "summary.json").exists())
     if missing:
         lines += ["## Incomplete", "",
