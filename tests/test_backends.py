@@ -146,9 +146,12 @@ def test_process_workers_write_the_server_rows_float32(monkeypatch, inner):
     """float32, identity compressor: each worker writes its client's update into the
     server's row (shared memory) and the parent neither copies nor serialises it
     (InPlacePayload: the bytes counted are the identity payload's); the run is the
-    sequential one at one thread, every metric but the times, refusals included.
+    sequential one at one thread, every metric but the times, refusals and server
+    clipping included. The size rules read the norms the workers took (no second
+    pass over the rows in the parent), and clip by them to the same bits.
     Lock-step workers hand their group's results over together, each one passed on
     as a sequential worker's is."""
+    import fedloom.engine.receive as receive_mod
     from fedloom.compress.identity import InPlacePayload
     from fedloom.engine.parallel import ProcessBackend
 
@@ -170,26 +173,39 @@ def test_process_workers_write_the_server_rows_float32(monkeypatch, inner):
         return out
 
     monkeypatch.setattr(ProcessBackend, "train_cohort", spy_train)
+    passes: list[int] = []
+    norms = receive_mod.row_norms
+
+    def spy_norms(rows):
+        passes.append(len(rows))
+        return norms(rows)
+
+    monkeypatch.setattr(receive_mod, "row_norms", spy_norms)
     wall = ("train_s", "agg_s", "wall_s")
     threads = torch.get_num_threads()
-    for extra in ([], ["server.max_norm_ratio=1.05"]):
+    for extra in ([], ["server.max_norm_ratio=1.05"], ["server.clip_norm=0.02"]):
         made.clear()
         adopted.clear()
+        passes.clear()
         try:
             torch.set_num_threads(1)
             ref = fedloom.run(TINY, extra)
         finally:
             torch.set_num_threads(threads)
         assert not made
+        ref_passes = len(passes)
         res = fedloom.run(TINY, ["backend=process", "backend.workers=2",
                                  f"backend.inner={inner}", *extra])
         assert adopted and all(adopted)
+        assert ref_passes > 0 and len(passes) == ref_passes  # none in the process run
         assert len(made) == TINY["rounds"] * TINY["cohort"]["size"]
         assert res.summary["model_sha256"] == ref.summary["model_sha256"]
         assert ([{k: v for k, v in m.items() if k not in wall} for m in res.metrics]
                 == [{k: v for k, v in m.items() if k not in wall} for m in ref.metrics])
-        if extra:
+        if extra and "max_norm_ratio" in extra[0]:
             assert sum(m.get("rejected_updates", 0) for m in res.metrics) > 0
+        if extra and "clip_norm" in extra[0]:
+            assert sum(m["clipped_updates"] for m in res.metrics) > 0
 
 
 @pytest.mark.parametrize("extra", [

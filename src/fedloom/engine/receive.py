@@ -77,7 +77,8 @@ def receive(algo: Algorithm, space: ModelSpace, rules: ScreenRules, downlink_siz
     rows, undecodable = _decode(algo.feedback, space, st, plan, ups, buffer)
     reasons = {**refused, **undecodable}
     # With a size rule on, one norm pass also tells the non-finite rows.
-    norms = row_norms(rows) if rules.sized else None
+    norms = ((plan.prenorms.clone() if plan.prenorms is not None else row_norms(rows))
+             if rules.sized else None)
     finite = torch.isfinite(norms) if norms is not None else finite_rows(rows)
     # Masks and ids stay on the host (m entries): a host index works on a device
     # tensor, not the other way round.

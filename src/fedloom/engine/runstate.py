@@ -84,6 +84,10 @@ class RoundPlan:
     # Kept cohort positions whose payload was already decoded into the server's row
     # as the result arrived (fedloom.engine.uplink.EarlyUplink): receive skips it.
     predecoded: set[int] = field(default_factory=set)
+    # [m] float64: each row's norm as decoded, where every row is the client's dense
+    # update read in place (EarlyUplink; the norm taken by the worker): receive's size
+    # rules use these instead of another pass over the rows. None: receive takes them.
+    prenorms: torch.Tensor | None = None
 
     def keep(self, kept: Sequence[int]) -> None:
         """Keep the cohort positions ``kept``; the others are dropped clients
@@ -110,6 +114,7 @@ class RoundPlan:
     def _select(self, kept: Sequence[int]) -> None:
         pos = torch.tensor(kept, dtype=torch.long)
         self.predecoded = set()  # decoded into rows by the old positions: decode again
+        self.prenorms = None
         self.cohort = self.cohort[pos]
         self.old_rows = {f: v[pos] for f, v in self.old_rows.items()}
         self.alphas = [self.alphas[i] for i in kept]

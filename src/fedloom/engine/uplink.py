@@ -147,6 +147,7 @@ class EarlyUplink:
         self.norms: dict[int, torch.Tensor] = {}
         self.ups: dict[int, UplinkResult] = {}
         self.decoded: set[int] = set()
+        self.inplace: set[int] = set()  # rows that are the client's update itself
 
     @staticmethod
     def applies(algo: Algorithm, post: Sequence[Postprocessor], device: torch.device,
@@ -166,6 +167,7 @@ class EarlyUplink:
     def __call__(self, i: int, res: ClientResult, sent: Sent | None = None) -> None:
         self.ups.pop(i, None)
         self.decoded.discard(i)
+        self.inplace.discard(i)
         norm = self.norms[i] = (torch.tensor([sent.norm], dtype=torch.float64)
                                 if sent is not None else row_norms([res.update]))
         if not bool(torch.isfinite(norm).all()):
@@ -180,6 +182,7 @@ class EarlyUplink:
             # length is what is counted (InPlacePayload).
             self.ups[i] = UplinkResult(InPlacePayload(row, self.plan.comp.checksum), row, {})
             self.decoded.add(i)
+            self.inplace.add(i)
             return
         try:
             up = (UplinkResult(sent.payload, None, {}) if sent is not None
@@ -242,6 +245,13 @@ def uplink_round(algo: Algorithm, post: Sequence[Postprocessor], rules: ScreenRu
     if early is not None:
         # rows a refused client's decode wrote are zeroed by receive, as any refused row
         plan.predecoded = {i for i in early.decoded if i not in refused}
+        if all(i in early.inplace or i in refused for i in range(len(results))):
+            # Every accepted row is its client's dense update, bit for bit (the
+            # identity, read in place): its norm is the one taken where the update was
+            # made, the same function of the same bits, so receive's size rules need
+            # no second pass over the [m, d] rows. A refused row's entry is never read
+            # (receive marks it not finite by its reason).
+            plan.prenorms = torch.cat([early.norms[i] for i in range(len(results))])
     return results, ups
 
 
