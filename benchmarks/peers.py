@@ -352,17 +352,24 @@ def flower_reason() -> str | None:
             "(pip install 'flwr[simulation]')" if missing else None)
 
 
+# glibc's environment for the two settings fedloom.device.keep_freed_heap makes in
+# fedloom's training processes: blocks up to 32 MiB from the heap, up to 1 GiB of it
+# kept free at its top. The floors run with them, so that they stay floors.
+KEEP_HEAP_ENV = ["MALLOC_MMAP_THRESHOLD_=33554432", "MALLOC_TRIM_THRESHOLD_=1073741824"]
+
+
 def framework_commands(wl: dict[str, Any], peers: dict[str, Path], quick: bool
                        ) -> list[tuple[str, list[str]]]:
     """Every framework's driver command for ``wl`` (the spec's arguments follow)."""
     py = sys.executable
     fws = [(f"fedloom:{label}", [py, str(HERE / "peer_fedloom.py"), "--backend", over])
            for label, over in _fedloom_backends(wl, quick)]
-    # the floor: the same batches in plain PyTorch, no framework
-    fws.append(("plain_torch", [py, str(HERE / "peer_torch.py"), "--threads", str(THREADS)]))
+    # the floor: the same batches in plain PyTorch, no framework, with glibc's heap kept
+    # between steps (without it, each step faults in again what the last one freed)
+    plain = ["env", *KEEP_HEAP_ENV, py, str(HERE / "peer_torch.py"), "--threads", str(THREADS)]
+    fws.append(("plain_torch", plain))
     if not quick:  # the same batches over two processes side by side: the measured floor
-        fws.append(("plain_torch:2proc", [py, str(HERE / "peer_torch.py"), "--threads",
-                                          str(THREADS), "--procs", "2"]))
+        fws.append(("plain_torch:2proc", [*plain, "--procs", "2"]))
     if not quick and flower_reason() is None:  # Ray's start-up is too slow for --quick
         fws.append(("flower", [py, str(HERE / "peer_flower.py"), "--threads", str(THREADS)]))
     for name, path in peers.items():
@@ -472,7 +479,11 @@ def markdown(section: dict[str, Any]) -> list[str]:
              "`flgo:parallel2` (2 clients at a time in threads), `pfl:torchrun2` (pfl's 2 "
              "workers under torch's launcher, `gloo` all-reduce) and `flower` (Ray, one CPU a "
              "client: 2 at a time) use both cores; the others one. `plain_torch` is the floor "
-             "of one core: the same batches in plain PyTorch, no framework. "
+             "of one core: the same batches in plain PyTorch, no framework, with glibc's "
+             "heap kept between steps (the two settings fedloom's training processes make, "
+             "given as glibc's environment variables; with glibc's own thresholds each "
+             "step faults in again the memory the last one freed, and the floors would not "
+             "be floors). "
              "`plain_torch:2proc` is the measured floor of two: the same batches over two "
              "plain-PyTorch processes side by side, nothing between them but the round's "
              "start and their partial sums in shared memory. One core's time ÷ 2 (a perfect "

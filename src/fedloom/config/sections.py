@@ -447,6 +447,9 @@ class BackendConfig:
     # (every core in a fresh process); process and ray workers: 0 = 1 each.
     threads: int = _f(0, ge=0)
     gpus_per_worker: float = _f(0.0, ge=0)  # ray: GPUs a task reserves (Ray's num_gpus)
+    # glibc: the processes that train keep the heap memory a step frees for the next
+    # (fedloom.device.keep_freed_heap; in this process it stays so after the run)
+    keep_heap: bool = True
 
 
 @dataclass

@@ -90,8 +90,9 @@ class AutoBackend:
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor | None = None,
                  y: torch.Tensor | None = None, workers: int = 0,
-                 measure: Measure | None = None) -> None:
+                 measure: Measure | None = None, keep_heap: bool = True) -> None:
         self.trainer, self.method, self.x, self.y = trainer, method, x, y
+        self.keep_heap = keep_heap
         # On CUDA the process candidates have one worker per GPU (one GPU: not tried).
         gpus = torch.cuda.device_count() if x is not None and x.device.type == "cuda" else 0
         self.workers = workers or gpus or os.cpu_count() or 1
@@ -122,10 +123,12 @@ class AutoBackend:
 
             x, y = self.x, self.y
             out["process"] = lambda: ProcessBackend(self.trainer, self.method, x, y,
-                                                    workers=self.workers)
+                                                    workers=self.workers,
+                                                    keep_heap=self.keep_heap)
             if why is None:
                 out["process+lockstep"] = lambda: ProcessBackend(
-                    self.trainer, self.method, x, y, workers=self.workers, inner="lockstep")
+                    self.trainer, self.method, x, y, workers=self.workers, inner="lockstep",
+                    keep_heap=self.keep_heap)
         return out
 
     @property
@@ -174,4 +177,5 @@ class AutoBackend:
 @register("backend", "auto")
 def _auto(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig | None = None,
           x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> AutoBackend:
-    return AutoBackend(trainer, method, x, y, workers=cfg.workers if cfg is not None else 0)
+    return AutoBackend(trainer, method, x, y, workers=cfg.workers if cfg is not None else 0,
+                       keep_heap=cfg.keep_heap if cfg is not None else True)

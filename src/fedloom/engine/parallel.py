@@ -45,7 +45,7 @@ from fedloom.capabilities import BackendCaps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig
-from fedloom.device import configure, to_device, to_host, worker_threads
+from fedloom.device import configure, keep_freed_heap, to_device, to_host, worker_threads
 from fedloom.engine.backends import (
     KILL_ENV,
     SequentialBackend,
@@ -79,13 +79,16 @@ def make_inner(trainer: LocalSGD, method: LocalMethod, inner: str, chunk: int = 
 
 
 # What a worker is set up from (:func:`_init_worker`'s arguments before ``device``).
-_InitArgs = tuple[LocalSGD, LocalMethod, torch.Tensor, torch.Tensor, str, int, "str | None", int]
+_InitArgs = tuple[LocalSGD, LocalMethod, torch.Tensor, torch.Tensor, str, int, "str | None", int,
+                  bool]
 
 
 def _init_worker(trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
                  inner: str, chunk: int, kill_once: str | None, threads: int = 0,
-                 device: str = "cpu") -> None:
+                 keep_heap: bool = True, device: str = "cpu") -> None:
     worker_threads(threads)
+    if keep_heap:  # a worker's steps reuse the heap (no page faults every step)
+        keep_freed_heap()
     dev = torch.device(device)
     if dev.type == "cuda":
         configure(dev)
@@ -265,7 +268,8 @@ class ProcessBackend:
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
                  workers: int = 0, inner: str = "sequential", chunk: int = 0,
-                 on_failure: str = "retry", max_retries: int = 2, threads: int = 0) -> None:
+                 on_failure: str = "retry", max_retries: int = 2, threads: int = 0,
+                 keep_heap: bool = True) -> None:
         # The run's device is where its data is; on CUDA, one worker per visible GPU.
         self.gpus = torch.cuda.device_count() if x.device.type == "cuda" else 0
         self.workers = workers or self.gpus or os.cpu_count() or 1
@@ -286,7 +290,7 @@ class ProcessBackend:
         if x.device.type != "cpu":
             trainer = dataclasses.replace(trainer, module=copy.deepcopy(trainer.module).cpu())
         self._initargs = (trainer, method, x.cpu(), y.cpu(), inner, chunk,
-                          os.environ.get(KILL_ENV), threads)
+                          os.environ.get(KILL_ENV), threads, keep_heap)
         # Started on first use: a run that fails validation after the backend is
         # built (a bad compressor option) spawns nothing.
         self._pool: list[_Worker] = []
@@ -524,4 +528,5 @@ def _process(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig,
              x: torch.Tensor, y: torch.Tensor) -> ProcessBackend:
     return ProcessBackend(trainer, method, x, y, workers=cfg.workers, inner=cfg.inner,
                           chunk=cfg.chunk, on_failure=cfg.on_failure,
-                          max_retries=cfg.max_retries, threads=cfg.threads)
+                          max_retries=cfg.max_retries, threads=cfg.threads,
+                          keep_heap=cfg.keep_heap)

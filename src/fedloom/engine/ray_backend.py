@@ -27,7 +27,7 @@ from fedloom.capabilities import BackendCaps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig, ConfigError
-from fedloom.device import configure, to_device, to_host, worker_threads
+from fedloom.device import configure, keep_freed_heap, to_device, to_host, worker_threads
 from fedloom.engine.backends import KILL_ENV, balanced_groups, light_job, maybe_die
 from fedloom.registry import register
 
@@ -40,6 +40,8 @@ def _train_group(setup: dict[str, Any], x_np: np.ndarray, y_np: np.ndarray,
     from fedloom.engine.parallel import make_inner, run_group
 
     worker_threads(setup.get("threads", 0))
+    if setup.get("keep_heap", True):  # the task's steps reuse the heap (once a process)
+        keep_freed_heap()
     maybe_die(setup.get("kill_once"), jobs)
     with warnings.catch_warnings():
         # The arrays are read-only views of Ray's shared object store (no copy);
@@ -127,7 +129,8 @@ class RayBackend:
         # Put once: every task refers to these objects instead of carrying them.
         self._setup = ray.put({"trainer": trainer, "method": method, "inner": cfg.inner,
                                "chunk": cfg.chunk, "kill_once": os.environ.get(KILL_ENV),
-                               "threads": cfg.threads, "gpus": gpus})
+                               "threads": cfg.threads, "gpus": gpus,
+                               "keep_heap": cfg.keep_heap})
         # NumPy arrays: a task reads them from the shared object store without a copy
         # (a pickled tensor would be copied into every task).
         self._x = ray.put(x.cpu().numpy())

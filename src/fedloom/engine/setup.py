@@ -36,6 +36,7 @@ from fedloom.device import (
     apply_threads,
     configure,
     describe,
+    keep_freed_heap,
     reset_peak,
     resolve,
     to_device,
@@ -379,6 +380,9 @@ class Setup:
         self._restore = [configure(self.device)]
         in_process = self.cfg.backend.name not in ("process", "ray")
         self.threads, undo = apply_threads(self.cfg.backend.threads if in_process else 0)
+        if in_process and self.cfg.backend.keep_heap:
+            # not put back by close(): glibc cannot return to its moving thresholds
+            keep_freed_heap()
         self._restore.append(undo)
         reset_peak(self.device)
         info = describe(self.device)
