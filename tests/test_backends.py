@@ -19,6 +19,17 @@ from fedloom.engine.backends import balanced_groups
 EF = ["compression.name=topk", "compression.options.ratio=0.1", "compression.feedback=ef"]
 
 
+def _at_once(monkeypatch: pytest.MonkeyPatch, extra: list[str]):
+    """TINY on the sequential backend with the cohort's results handed over at once
+    after training (no early uplink, every update a fresh vector): the reference the
+    streamed paths (process workers, the sequential backend's own) must equal."""
+    from fedloom.engine.backends import SequentialBackend
+
+    with monkeypatch.context() as mp:
+        mp.setattr(SequentialBackend, "streams", False)
+        return fedloom.run(TINY, extra)
+
+
 # every client variant under the sequential inner backend; under vmap the one that
 # exercises the most (compression with client state): the other two said the same
 @pytest.mark.parametrize(("inner", "extra"), [
@@ -54,8 +65,8 @@ def test_process_backend_uplinks_each_client_as_it_arrives(monkeypatch):
     wall = ("train_s", "agg_s", "wall_s")
     for extra in ([], ["server.max_norm_ratio=1.05"]):
         seen.clear()
-        ref = fedloom.run(TINY, ["dtype=float64", *extra])
-        assert not seen  # the sequential backend hands the cohort over at once
+        ref = _at_once(monkeypatch, ["dtype=float64", *extra])
+        assert not seen  # the reference hands the cohort over at once
         res = fedloom.run(TINY, ["dtype=float64", "backend=process", "backend.workers=2",
                                  *extra])
         assert len(seen) == TINY["rounds"] * TINY["cohort"]["size"]
@@ -189,7 +200,7 @@ def test_process_workers_write_the_server_rows_float32(monkeypatch, inner):
         passes.clear()
         try:
             torch.set_num_threads(1)
-            ref = fedloom.run(TINY, extra)
+            ref = _at_once(monkeypatch, extra)
         finally:
             torch.set_num_threads(threads)
         assert not made
@@ -234,7 +245,7 @@ def test_process_workers_encode_their_clients_updates(monkeypatch, extra):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        ref = fedloom.run(TINY, extra)
+        ref = _at_once(monkeypatch, extra)
     finally:
         torch.set_num_threads(threads)
     assert not sent
@@ -308,3 +319,51 @@ def test_process_workers_read_the_rounds_model_from_shared_memory():
     finally:
         exp.close()
         ref.close()
+
+
+@pytest.mark.parametrize("extra", [
+    [], ["server.max_norm_ratio=1.05"], ["server.clip_norm=0.02"], ["dtype=float64"],
+    ["compression.name=topk", "compression.options.ratio=0.1"],
+    ["compression.name=topk", "compression.options.ratio=0.1", "client.lr=1e20"],
+    ["client.method=scaffold"], EF],
+    ids=["plain", "ratio", "clip", "float64", "topk", "topk-diverged", "scaffold", "topk_ef"])
+def test_sequential_backend_streams_to_the_same_bits(monkeypatch, extra):
+    """The sequential backend hands each result over as it is trained and plain
+    local SGD writes its update into the server's row (float32 identity: the
+    payload read in place, InPlacePayload). The run is the one with the cohort
+    handed over at once, model and every metric but the times, with refusals,
+    clipping, compression, a diverged client, a method with its own ``run`` and
+    error feedback (which the early uplink leaves to the round)."""
+    from fedloom.compress.identity import InPlacePayload
+    from fedloom.engine.uplink import EarlyUplink
+
+    made: list[int] = []
+    init = InPlacePayload.__init__
+
+    def spy_payload(self, row, checksum):
+        made.append(row.numel())
+        init(self, row, checksum)
+
+    seen: list[int] = []
+    call = EarlyUplink.__call__
+
+    def spy(self, i, res, sent=None):
+        seen.append(i)
+        call(self, i, res, sent)
+
+    monkeypatch.setattr(InPlacePayload, "__init__", spy_payload)
+    monkeypatch.setattr(EarlyUplink, "__call__", spy)
+    wall = ("train_s", "agg_s", "wall_s")
+    ref = _at_once(monkeypatch, extra)
+    assert not seen and not made
+    res = fedloom.run(TINY, extra)
+    n = TINY["rounds"] * TINY["cohort"]["size"]
+    assert len(seen) == (0 if extra == EF else n)
+    plain32 = not any(e.startswith(("compression", "dtype", "client.method")) for e in extra)
+    assert len(made) == (n if plain32 else 0)
+    assert res.summary["model_sha256"] == ref.summary["model_sha256"]
+    # as JSON: a diverged run's NaN losses compare equal there
+    assert ([json.dumps({k: v for k, v in m.items() if k not in wall}) for m in res.metrics]
+            == [json.dumps({k: v for k, v in m.items() if k not in wall}) for m in ref.metrics])
+    if "client.lr=1e20" in extra:
+        assert sum(m.get("rejected_updates", 0) for m in res.metrics) > 0

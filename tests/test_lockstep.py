@@ -515,7 +515,9 @@ def test_auto_streams_through_the_chosen_process_backend(monkeypatch):
     """When auto has chosen ``process``, the rounds after the first hand each client's
     result over as it arrives (the chosen backend's streaming: the uplink work as
     results come, the rows in place), as ``backend: process`` does; before the choice
-    it does not stream. The model is the sequential run's, bit for bit (float64)."""
+    it does not stream. The model is the sequential run's, bit for bit (float64),
+    with the cohort handed over at once there."""
+    from fedloom.engine.backends import SequentialBackend
     from fedloom.engine.uplink import EarlyUplink
 
     seen: list[int] = []
@@ -526,6 +528,7 @@ def test_auto_streams_through_the_chosen_process_backend(monkeypatch):
         call(self, i, res, sent)
 
     monkeypatch.setattr(EarlyUplink, "__call__", spy)
+    monkeypatch.setattr(SequentialBackend, "streams", False)  # the reference's rounds
     over = ["backend.name=auto", "backend.workers=2", "dtype=float64"]
     exp = Experiment(load_config(SYN, over))
     assert not exp.backend.streams

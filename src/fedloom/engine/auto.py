@@ -142,6 +142,11 @@ class AutoBackend:
         """The chosen backend's: it writes the updates into ``on_result.rows``."""
         return bool(getattr(self.chosen, "writes_rows", False))
 
+    @property
+    def shared_rows(self) -> bool:
+        """The chosen backend's: whether the rows it writes must be in shared memory."""
+        return bool(getattr(self.chosen, "shared_rows", True))
+
     def train_cohort(self, jobs: Sequence[ClientJob],
                      on_result: Callable[..., None] | None = None) -> list[ClientResult | None]:
         if self.chosen is not None:

@@ -155,7 +155,8 @@ class Experiment(Setup):
         space = self.space
         buffer = self._server_rows()
         rows = buffer.rows(len(plan.jobs), space.layout.size, space.dtype, space.device)
-        if getattr(self.backend, "writes_rows", False):
+        if getattr(self.backend, "writes_rows", False) and getattr(self.backend,
+                                                                   "shared_rows", True):
             # the workers write each update into its server row: no copy of it here
             buffer.share()
         return EarlyUplink(self.algorithm, self.schedule, st, plan, rows)
