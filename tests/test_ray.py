@@ -106,3 +106,39 @@ def test_gpus_or_threads_beyond_the_cluster_are_one_line_config_errors():
 def test_ray_summary_records_worker_threads():
     res = fedloom.run(TINY, ["backend=ray", "backend.workers=2", "rounds=1"])
     assert res.summary["worker_threads"] == 1
+
+
+@pytest.mark.parametrize("extra", [
+    ["compression.name=topk", "compression.options.ratio=0.1"], []], ids=["topk", "identity"])
+def test_ray_tasks_do_their_clients_uplink(monkeypatch, extra):
+    """With a pure compressor and the plain feedback policy, each Ray task takes
+    its clients' norms and encodes their updates (Top-k: the payload comes back
+    with the result; the float32 identity: the norm only, the parent encodes), and
+    each group's results are handed over as its task returns. The run is the
+    sequential one with the cohort handed over at once, model and metrics."""
+    import json
+
+    from fedloom.engine.backends import SequentialBackend
+    from fedloom.engine.uplink import EarlyUplink
+
+    sent: list[tuple[bool, bool]] = []
+    call = EarlyUplink.__call__
+
+    def spy(self, i, res, s=None):
+        sent.append((s is not None, s is not None and s.payload is not None))
+        call(self, i, res, s)
+
+    monkeypatch.setattr(EarlyUplink, "__call__", spy)
+    with monkeypatch.context() as mp:
+        mp.setattr(SequentialBackend, "streams", False)
+        ref = fedloom.run(TINY, ["dtype=float64", *extra])
+    assert not sent
+    res = fedloom.run(TINY, ["dtype=float64", "backend=ray", "backend.workers=2", *extra])
+    assert len(sent) == TINY["rounds"] * TINY["cohort"]["size"]
+    assert all(s for s, _ in sent)  # every norm taken by a task
+    # float64 identity is no in-place float32 row: the tasks encode it as well
+    assert all(p for _, p in sent)
+    assert res.summary["model_sha256"] == ref.summary["model_sha256"]
+    wall = ("train_s", "agg_s", "wall_s")
+    assert ([json.dumps({k: v for k, v in m.items() if k not in wall}) for m in res.metrics]
+            == [json.dumps({k: v for k, v in m.items() if k not in wall}) for m in ref.metrics])

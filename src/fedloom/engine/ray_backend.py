@@ -17,7 +17,7 @@ import copy
 import dataclasses
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,11 @@ from fedloom.registry import register
 __all__ = ["RayBackend"]
 
 def _train_group(setup: dict[str, Any], x_np: np.ndarray, y_np: np.ndarray,
-                 jobs: list[ClientJob]) -> list[ClientResult | None]:
+                 jobs: list[ClientJob], side: Any = None
+                 ) -> tuple[list[ClientResult | None], list[Any] | None]:
+    """Train ``jobs``; with ``side`` (a :class:`~fedloom.engine.uplink.ClientSide`),
+    also each client's own part of the uplink, where its update is: its norm and,
+    with a pure compressor, its payload."""
     import warnings
 
     from fedloom.engine.parallel import make_inner, run_group
@@ -56,7 +60,10 @@ def _train_group(setup: dict[str, Any], x_np: np.ndarray, y_np: np.ndarray,
         trainer = dataclasses.replace(trainer, module=trainer.module.to(dev))
         x, y, jobs = x.to(dev), y.to(dev), to_device(jobs, dev)
     backend = make_inner(trainer, setup["method"], setup["inner"], setup["chunk"], x, y)
-    return to_host(run_group(backend, x, y, jobs))
+    results = to_host(run_group(backend, x, y, jobs))
+    sents = ([side(res.update, res.client) if res is not None else None for res in results]
+             if side is not None else None)
+    return results, sents
 
 
 def _check_address(address: str) -> str:
@@ -84,6 +91,10 @@ class RayBackend:
 
     name = "ray"
     capabilities = BackendCaps(ships_indices=True)  # jobs carry data_index; workers hold the data
+    #: :meth:`train_cohort` hands each group's results to ``on_result`` as its task
+    #: returns (in the order the tasks finish), with what the task did of each
+    #: client's uplink (:class:`~fedloom.engine.uplink.ClientSide`)
+    streams = True
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
                  cfg: BackendConfig) -> None:
@@ -115,7 +126,7 @@ class RayBackend:
         retries = cfg.max_retries if cfg.on_failure == "retry" else 0
         self.on_failure = cfg.on_failure
         self.worker_threads = cfg.threads or 1
-        gpus = cfg.gpus_per_worker
+        gpus = self.gpus = cfg.gpus_per_worker
         if gpus > resources.get("GPU", 0):
             self.close()
             raise ConfigError(f"backend.gpus_per_worker: {gpus:g} asked for, the Ray cluster "
@@ -138,23 +149,42 @@ class RayBackend:
         self._task = ray.remote(num_cpus=self.worker_threads, num_gpus=gpus,
                                 max_retries=retries, retry_exceptions=False)(_train_group)
 
-    def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
+    def train_cohort(self, jobs: Sequence[ClientJob],
+                     on_result: Callable[..., None] | None = None
+                     ) -> list[ClientResult | None]:
+        """Train ``jobs``; with ``on_result``, each group's results are also passed to
+        ``on_result(position, result[, sent])`` as its task returns, and the tasks do
+        each client's own part of the uplink (``on_result.client_side``, on the host).
+        The returned list is what counts (a dropped group's clients are ``None``)."""
         ray = self.ray
         groups = balanced_groups(jobs, self.workers)
+        side = getattr(on_result, "client_side", None) if not self.gpus else None
         refs = [self._task.remote(self._setup, self._x, self._y,
-                                  [to_host(light_job(jobs[i])) for i in g]) for g in groups]
+                                  [to_host(light_job(jobs[i])) for i in g], side)
+                for g in groups]
+        group_of = dict(zip(refs, groups, strict=True))
         out: list[ClientResult | None] = [None] * len(jobs)
-        for g, ref in zip(groups, refs, strict=True):
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            g = group_of[done[0]]
             try:
-                results = ray.get(ref)
+                results, sents = ray.get(done[0])
             except (ray.exceptions.WorkerCrashedError, ray.exceptions.RayTaskError,
                     ray.exceptions.NodeDiedError, ray.exceptions.ObjectLostError) as e:
                 if self.on_failure == "retry":
                     raise RuntimeError(f"backend: a Ray task failed after "
                                        f"{type(e).__name__}; retries exhausted") from e
                 continue  # its clients are dropped for this round
-            for i, res in zip(g, results, strict=True):
+            for n, (i, res) in enumerate(zip(g, results, strict=True)):
                 out[i] = res
+                if res is None or on_result is None:
+                    continue
+                sent = sents[n] if sents is not None else None
+                if sent is None:
+                    on_result(i, res)
+                else:  # the task did the client's own uplink work
+                    on_result(i, res, sent)
         return out
 
     def close(self) -> None:

@@ -88,7 +88,8 @@ class Sent:
     """What a worker did of its client's uplink (:class:`ClientSide`): the update's
     norm (a float, as :func:`~fedloom.engine.screen.row_norms` gives it) and its
     payload (``None``: not encoded there — a non-finite update, an encode that
-    failed, or a float32 identity vector the server reads in place)."""
+    failed, or a float32 identity vector, which the server reads in place where the
+    worker wrote it into the server's row and encodes itself otherwise)."""
 
     norm: float
     payload: bytes | None = None
@@ -96,8 +97,8 @@ class Sent:
 
 @dataclass(frozen=True)
 class ClientSide:
-    """The client's own part of the uplink, done by a ``process`` worker right
-    after training, where the update is (and is still in the cache): the norm the
+    """The client's own part of the uplink, done by a ``process`` worker or a Ray
+    task right after training, where the update is (and is still in the cache): the norm the
     screening reads and, with a pure compressor
     (:attr:`~fedloom.capabilities.CompressorCaps.pure`), the encode, with the
     client's own generator ``(seed, round, client, compress)`` — the bytes the
