@@ -345,3 +345,25 @@ def test_keep_freed_heap_stops_the_page_faults_of_every_step():
     default, kept = faults("default"), faults("keep")
     assert default > 1000  # the pattern this guards against is there to begin with
     assert kept * 10 < default, (kept, default)
+
+
+def test_keep_freed_heap_is_a_no_op_off_glibc(monkeypatch):
+    """Off glibc (musl, macOS, Windows) nothing is called and the answer is False."""
+    import fedloom.device as device
+
+    monkeypatch.setattr(device, "_KEPT", [])
+    monkeypatch.setattr(device.platform, "libc_ver", lambda: ("", ""))
+    assert device.keep_freed_heap() is False
+    assert device._KEPT == [False]
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_backend_keep_heap_decides_whether_the_run_keeps_it(monkeypatch, keep):
+    """``backend.keep_heap`` (default true) is what the run's process does with its
+    allocator on an in-process backend; false leaves it alone."""
+    import fedloom.engine.setup as setup_mod
+
+    calls: list[int] = []
+    monkeypatch.setattr(setup_mod, "keep_freed_heap", lambda: calls.append(1) or True)
+    fedloom.run(TINY, [] if keep else ["backend.keep_heap=false"])
+    assert bool(calls) is keep
