@@ -81,6 +81,24 @@ def tiny() -> dict[str, Any]:
     return copy.deepcopy(TINY)
 
 
+@pytest.fixture
+def early_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, Any]]:
+    """Every call of the early uplink (:class:`fedloom.engine.uplink.EarlyUplink`)
+    while the test runs, as ``(cohort position, what the worker sent or None)``;
+    each call is then made as usual."""
+    from fedloom.engine.uplink import EarlyUplink
+
+    calls: list[tuple[int, Any]] = []
+    call = EarlyUplink.__call__
+
+    def spy(self: EarlyUplink, i: int, res: Any, sent: Any = None) -> None:
+        calls.append((i, sent))
+        call(self, i, res, sent)
+
+    monkeypatch.setattr(EarlyUplink, "__call__", spy)
+    return calls
+
+
 def stop_and_resume(config, overrides, out, stop_after=2):
     """Run, stop after round ``stop_after`` (a KeyboardInterrupt from a callback), resume;
     return (uninterrupted result, resumed result)."""

@@ -46,22 +46,13 @@ def test_process_backend_same_bits(extra, inner):
     assert [m["uplink_bytes"] for m in res.metrics] == [m["uplink_bytes"] for m in ref.metrics]
 
 
-def test_process_backend_uplinks_each_client_as_it_arrives(monkeypatch):
+def test_process_backend_uplinks_each_client_as_it_arrives(monkeypatch, early_calls):
     """Plain FedAvg, identity compressor: the parent screens, encodes and decodes
     each client's update as its worker sends it, while the others still train
     (EarlyUplink), and the run is the sequential one, metrics included. With the
     ratio bound tight, clients are refused by the cohort's median after their
     early work was done: it is discarded and their rows are zeroed."""
-    from fedloom.engine.uplink import EarlyUplink
-
-    seen: list[int] = []
-    call = EarlyUplink.__call__
-
-    def spy(self, i, res, sent=None):
-        seen.append(i)
-        call(self, i, res, sent)
-
-    monkeypatch.setattr(EarlyUplink, "__call__", spy)
+    seen = early_calls
     wall = ("train_s", "agg_s", "wall_s")
     for extra in ([], ["server.max_norm_ratio=1.05"]):
         seen.clear()
@@ -224,23 +215,13 @@ def test_process_workers_write_the_server_rows_float32(monkeypatch, inner):
     ["compression.name=qsgd"],
     ["compression.name=topk", "compression.options.ratio=0.1", "client.lr=1e20"]],
     ids=["topk", "qsgd", "topk-diverged"])
-def test_process_workers_encode_their_clients_updates(monkeypatch, extra):
+def test_process_workers_encode_their_clients_updates(monkeypatch, early_calls, extra):
     """A pure compressor and the plain feedback policy: each worker takes its
     client's norm and encodes its update where it was trained (ClientSide, the
     client's own generator), and the parent only decodes; the run is the sequential
     one at one thread, metrics included. Diverged clients (non-finite updates) are
     not encoded by their workers, and are refused and counted as on the sequential
     backend."""
-    from fedloom.engine.uplink import EarlyUplink
-
-    sent: list[bool] = []
-    call = EarlyUplink.__call__
-
-    def spy(self, i, res, s=None):
-        sent.append(s is not None and s.payload is not None)
-        call(self, i, res, s)
-
-    monkeypatch.setattr(EarlyUplink, "__call__", spy)
     wall = ("train_s", "agg_s", "wall_s")
     threads = torch.get_num_threads()
     try:
@@ -248,8 +229,9 @@ def test_process_workers_encode_their_clients_updates(monkeypatch, extra):
         ref = _at_once(monkeypatch, extra)
     finally:
         torch.set_num_threads(threads)
-    assert not sent
+    assert not early_calls
     res = fedloom.run(TINY, ["backend=process", "backend.workers=2", *extra])
+    sent = [s is not None and s.payload is not None for _, s in early_calls]
     assert len(sent) == TINY["rounds"] * TINY["cohort"]["size"]
     assert res.summary["model_sha256"] == ref.summary["model_sha256"]
     # as JSON: a diverged run's NaN losses compare equal there
@@ -327,7 +309,7 @@ def test_process_workers_read_the_rounds_model_from_shared_memory():
     ["compression.name=topk", "compression.options.ratio=0.1", "client.lr=1e20"],
     ["client.method=scaffold"], EF],
     ids=["plain", "ratio", "clip", "float64", "topk", "topk-diverged", "scaffold", "topk_ef"])
-def test_sequential_backend_streams_to_the_same_bits(monkeypatch, extra):
+def test_sequential_backend_streams_to_the_same_bits(monkeypatch, early_calls, extra):
     """The sequential backend hands each result over as it is trained and plain
     local SGD writes its update into the server's row (float32 identity: the
     payload read in place, InPlacePayload). The run is the one with the cohort
@@ -335,8 +317,8 @@ def test_sequential_backend_streams_to_the_same_bits(monkeypatch, extra):
     clipping, compression, a diverged client, a method with its own ``run`` and
     error feedback (which the early uplink leaves to the round)."""
     from fedloom.compress.identity import InPlacePayload
-    from fedloom.engine.uplink import EarlyUplink
 
+    seen = early_calls
     made: list[int] = []
     init = InPlacePayload.__init__
 
@@ -344,15 +326,7 @@ def test_sequential_backend_streams_to_the_same_bits(monkeypatch, extra):
         made.append(row.numel())
         init(self, row, checksum)
 
-    seen: list[int] = []
-    call = EarlyUplink.__call__
-
-    def spy(self, i, res, sent=None):
-        seen.append(i)
-        call(self, i, res, sent)
-
     monkeypatch.setattr(InPlacePayload, "__init__", spy_payload)
-    monkeypatch.setattr(EarlyUplink, "__call__", spy)
     wall = ("train_s", "agg_s", "wall_s")
     ref = _at_once(monkeypatch, extra)
     assert not seen and not made

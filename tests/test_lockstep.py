@@ -511,23 +511,15 @@ def test_auto_times_the_candidates_and_runs_on_the_chosen(caplog):
     assert torch.equal(w, _rounds(["dtype=float64"])[0])  # sequential's model, bit for bit
 
 
-def test_auto_streams_through_the_chosen_process_backend(monkeypatch):
+def test_auto_streams_through_the_chosen_process_backend(monkeypatch, early_calls):
     """When auto has chosen ``process``, the rounds after the first hand each client's
     result over as it arrives (the chosen backend's streaming: the uplink work as
     results come, the rows in place), as ``backend: process`` does; before the choice
     it does not stream. The model is the sequential run's, bit for bit (float64),
     with the cohort handed over at once there."""
     from fedloom.engine.backends import SequentialBackend
-    from fedloom.engine.uplink import EarlyUplink
 
-    seen: list[int] = []
-    call = EarlyUplink.__call__
-
-    def spy(self, i, res, sent=None):
-        seen.append(i)
-        call(self, i, res, sent)
-
-    monkeypatch.setattr(EarlyUplink, "__call__", spy)
+    seen = early_calls
     monkeypatch.setattr(SequentialBackend, "streams", False)  # the reference's rounds
     over = ["backend.name=auto", "backend.workers=2", "dtype=float64"]
     exp = Experiment(load_config(SYN, over))

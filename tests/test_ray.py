@@ -110,7 +110,7 @@ def test_ray_summary_records_worker_threads():
 
 @pytest.mark.parametrize("extra", [
     ["compression.name=topk", "compression.options.ratio=0.1"], []], ids=["topk", "identity"])
-def test_ray_tasks_do_their_clients_uplink(monkeypatch, extra):
+def test_ray_tasks_do_their_clients_uplink(monkeypatch, early_calls, extra):
     """With a pure compressor and the plain feedback policy, each Ray task takes
     its clients' norms and encodes their updates (Top-k: the payload comes back
     with the result; the float32 identity: the norm only, the parent encodes), and
@@ -119,21 +119,13 @@ def test_ray_tasks_do_their_clients_uplink(monkeypatch, extra):
     import json
 
     from fedloom.engine.backends import SequentialBackend
-    from fedloom.engine.uplink import EarlyUplink
 
-    sent: list[tuple[bool, bool]] = []
-    call = EarlyUplink.__call__
-
-    def spy(self, i, res, s=None):
-        sent.append((s is not None, s is not None and s.payload is not None))
-        call(self, i, res, s)
-
-    monkeypatch.setattr(EarlyUplink, "__call__", spy)
     with monkeypatch.context() as mp:
         mp.setattr(SequentialBackend, "streams", False)
         ref = fedloom.run(TINY, ["dtype=float64", *extra])
-    assert not sent
+    assert not early_calls
     res = fedloom.run(TINY, ["dtype=float64", "backend=ray", "backend.workers=2", *extra])
+    sent = [(s is not None, s is not None and s.payload is not None) for _, s in early_calls]
     assert len(sent) == TINY["rounds"] * TINY["cohort"]["size"]
     assert all(s for s, _ in sent)  # every norm taken by a task
     # float64 identity is no in-place float32 row: the tasks encode it as well

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -101,9 +101,22 @@ class SequentialBackend:
             with into(rows[i]) if direct else nullcontext():  # type: ignore[index,misc]
                 res = self.method.run(self.trainer, job)
             out.append(res)
-            if res is not None:
-                on_result(i, res)
+            hand_over(on_result, i, res)
         return out
+
+
+def hand_over(on_result: Callable[..., None] | None, i: int, res: ClientResult | None,
+              sent: Any = None) -> None:
+    """Pass cohort position ``i``'s result to a backend caller's ``on_result`` as it
+    comes (nothing for a failed client or without ``on_result``), with what its
+    worker did of its uplink where it did any (``sent``, a
+    :class:`~fedloom.engine.uplink.Sent`)."""
+    if res is None or on_result is None:
+        return
+    if sent is None:
+        on_result(i, res)
+    else:  # the worker did the client's own uplink work
+        on_result(i, res, sent)
 
 
 @register("backend", "sequential")

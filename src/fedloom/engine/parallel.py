@@ -50,6 +50,7 @@ from fedloom.engine.backends import (
     KILL_ENV,
     SequentialBackend,
     balanced_groups,
+    hand_over,
     light_job,
     maybe_die,
     with_data,
@@ -431,23 +432,16 @@ class ProcessBackend:
                 if msg is not None:
                     if msg[0] == "part" and msg[1] == seq:
                         j, blob, sent = msg[2]
-                        res = out[j] = self._from_shared(pickle.loads(blob), buf, j)
-                        if res is not None and on_result is not None:
-                            if sent is None:
-                                on_result(j, res)
-                            else:  # the worker did the client's own uplink work
-                                on_result(j, res, sent)  # type: ignore[call-arg]
+                        out[j] = self._from_shared(pickle.loads(blob), buf, j)
+                        hand_over(on_result, j, out[j], sent)
                     elif msg[0] == "ok" and msg[1] == seq:
                         g = busy.pop(i)
                         if msg[2] is not None:  # not streamed: the group's results at once
                             results, sents = pickle.loads(msg[2])
                             for n, (j, res) in enumerate(zip(g, results, strict=True)):
-                                res = out[j] = self._from_shared(res, buf, j)
-                                if res is not None and on_result is not None:
-                                    if sents is None or sents[n] is None:
-                                        on_result(j, res)
-                                    else:  # the worker did the client's own uplink work
-                                        on_result(j, res, sents[n])  # type: ignore[call-arg]
+                                out[j] = self._from_shared(res, buf, j)
+                                hand_over(on_result, j, out[j],
+                                          sents[n] if sents is not None else None)
                     continue  # "ready", or a late reply to an abandoned round
                 if w.proc.is_alive() and not w.conn.closed:
                     continue  # the sentinel is not set; nothing to read yet

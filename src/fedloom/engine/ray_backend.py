@@ -28,7 +28,7 @@ from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig, ConfigError
 from fedloom.device import configure, keep_freed_heap, to_device, to_host, worker_threads
-from fedloom.engine.backends import KILL_ENV, balanced_groups, light_job, maybe_die
+from fedloom.engine.backends import KILL_ENV, balanced_groups, hand_over, light_job, maybe_die
 from fedloom.registry import register
 
 __all__ = ["RayBackend"]
@@ -178,13 +178,7 @@ class RayBackend:
                 continue  # its clients are dropped for this round
             for n, (i, res) in enumerate(zip(g, results, strict=True)):
                 out[i] = res
-                if res is None or on_result is None:
-                    continue
-                sent = sents[n] if sents is not None else None
-                if sent is None:
-                    on_result(i, res)
-                else:  # the task did the client's own uplink work
-                    on_result(i, res, sent)
+                hand_over(on_result, i, res, sents[n] if sents is not None else None)
         return out
 
     def close(self) -> None:
