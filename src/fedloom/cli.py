@@ -120,6 +120,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else _default_out(args.config, cfg.name)
     if args.resume and not args.out:
         raise ValueError("--resume needs --out DIR (the run directory to continue)")
+    if args.allow_data_change and not args.resume:
+        raise ValueError("--allow-data-change goes with --resume (a new run records its data)")
     base = _check_out(out)
     bar = tqdm(total=cfg.rounds, desc="rounds", unit="rd", file=sys.stderr,
                disable=args.quiet, dynamic_ncols=True)
@@ -139,7 +141,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from fedloom.engine.checkpoint import RunDirWriteError
 
     try:
-        result = run(cfg, out=out, resume=args.resume, callbacks=[progress])
+        result = run(cfg, out=out, resume=args.resume, callbacks=[progress],
+                     allow_data_change=args.allow_data_change)
     except RunDirWriteError as e:  # e.g. a full disk: the checkpoints so far are kept
         _remove_new_dirs(out, base)
         then = "free some space" if e.full else "make it writable"
@@ -410,6 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest intact checkpoint "
                         "(checkpoints/last.pt, else prev.pt: a warning says which)")
+    r.add_argument("--allow-data-change", action="store_true",
+                   help="with --resume: continue on data other than the run was trained on "
+                        "(refused otherwise); data.json notes the round it changed at")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(func=_cmd_run)
     s = sub.add_parser("sweep", help="run a suite of settings x methods x seeds, then report")

@@ -31,6 +31,7 @@ from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.data.sources import Dataset
 from fedloom.engine.checkpoint import RunDirWriteError, lock_run_dir
 from fedloom.engine.components import Components
+from fedloom.engine.datarecord import DataRecord, data_source
 from fedloom.engine.experiment import Experiment
 from fedloom.engine.rundir import (
     CHECKPOINT_FILE,
@@ -69,6 +70,7 @@ def run(
     method: Any = None,
     transforms: Sequence[Any] = (),
     selector: Any = None,
+    allow_data_change: bool = False,
 ) -> Result:
     """Run an experiment; return the final model, metrics and summary.
 
@@ -89,7 +91,15 @@ def run(
             both); the config must match the one saved there. The result is
             bit-identical to an uninterrupted run. A damaged checkpoint, state
             snapshot, config or metrics file with no intact one to fall back on
-            raises one line naming it.
+            raises one line naming it. The data must be the data the run was
+            trained on (its fingerprint in ``out``'s ``data.json``,
+            :mod:`fedloom.engine.datarecord`): other data raises
+            :class:`~fedloom.engine.datarecord.DataChangedError`, one line naming it
+            and what changed, before anything is written. A run from before
+            ``data.json`` resumes unchecked.
+        allow_data_change: resume on other data all the same (``--allow-data-change``):
+            the rounds after the checkpoint train on it, and ``data.json`` notes the
+            round at which the data changed and what changed.
         callbacks: called as ``cb(state, metrics)`` after each round is logged
             (``metrics.jsonl``, ``metrics.csv``, TensorBoard) and checkpointed:
             ``metrics`` is that round's record (``metrics["round"]`` its number,
@@ -130,11 +140,14 @@ def run(
     lock, created = lock_run_dir(run_dir, resume)
     try:
         check_run_dir(run_dir, resolved, resume)
+        record = DataRecord(run_dir, resume, allow_data_change,
+                            data_source(cfg.data, data is not None),
+                            cfg.data.path if data is None else "")
         with _write_errors(run_dir):  # the memmap state files are made here
             exp = Experiment(cfg, state_dir=run_dir / "state", data=data, model=model,
-                             components=given)
+                             components=given, data_check=record.check)
             try:
-                return _loop(exp, cfg, resolved, run_dir, resume, callbacks)
+                return _loop(exp, cfg, resolved, run_dir, resume, callbacks, record)
             finally:
                 exp.close()
     except BaseException:
@@ -229,9 +242,12 @@ class _Sinks:
 
 
 def _loop(exp: Experiment, cfg: Config, resolved: dict[str, Any], run_dir: Path | None,
-          resume: bool, callbacks: Sequence[Callback]) -> Result:
+          resume: bool, callbacks: Sequence[Callback], record: DataRecord | None = None
+          ) -> Result:
     if run_dir is not None:
         st, history, snap_files = open_run_dir(exp, cfg, resolved, run_dir, resume)
+        if record is not None:  # data.json: the data the rounds from st on train on
+            record.write(st.next_round)
     else:
         st, history, snap_files = exp.initial_state(), [], set()
     ckpt_dir = (run_dir / CHECKPOINT_FILE).parent if run_dir is not None else None

@@ -136,6 +136,7 @@ class Setup:
         data: Dataset | None = None,
         model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
         components: Components | None = None,
+        data_check: Callable[[Dataset], None] | None = None,
     ) -> None:
         # Component objects stand in for their config sections (recorded as
         # `object MODULE.CLASS`, fedloom.engine.components); the rest is built from cfg.
@@ -146,7 +147,7 @@ class Setup:
         # The device first: device=cuda without CUDA fails before any data is loaded.
         self.device = resolve(cfg.device)
         compat.check_amp_dtype(cfg)
-        self._build_data(data)
+        self._build_data(data, data_check)
         self._build_model(model)
         self._build_training()
         self._build_server()
@@ -157,9 +158,14 @@ class Setup:
         self._apply_process_settings()
 
     # ------------------------------------------------------------------ building
-    def _build_data(self, data: Dataset | None) -> None:
+    def _build_data(self, data: Dataset | None,
+                    data_check: Callable[[Dataset], None] | None) -> None:
         cfg = self.cfg
         ds = data if data is not None else load_dataset(cfg.data, cfg.seed)
+        if data_check is not None:
+            # the run directory's check of the data as loaded (a resume on other data is
+            # refused), before anything is built that writes into the directory
+            data_check(ds)
         self.fed: FederatedData = build_federated(ds, cfg.data, cfg.seed)
         compat.check_cohort_size(cfg, self.fed.num_clients)
         ds = self.fed.dataset

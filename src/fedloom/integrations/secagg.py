@@ -32,10 +32,9 @@ docs/deploy.md (SecAgg+ in detail).
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,6 +43,7 @@ from fedloom.config import Config, ConfigError, load_config
 from fedloom.engine.experiment import Experiment
 from fedloom.engine.runstate import RunState, model_sha256
 from fedloom.integrations.flower.cache import _experiment
+from fedloom.integrations.flower.discovery import discover_clients
 from fedloom.integrations.flower.messages import HELLO_KEY, ConfigSource, _client_id
 from fedloom.privacy import check_secure_aggregation, clip_update, make_privacy
 from fedloom.rng import Purpose, derive_seed, torch_gen
@@ -185,22 +185,9 @@ class SecAggStrategy(LegacyStrategy):
 
     def discover(self, grid: Grid) -> None:
         """Which node is which client (each node's ``client-id``/``partition-id``)."""
-        n = self.exp.fed.num_clients
-        deadline = time.monotonic() + self.node_timeout
-        while len(ids := list(grid.get_node_ids())) < n:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"secagg: {len(ids)} of {n} SuperNodes connected after "
-                                   f"{self.node_timeout:g} s")
-            time.sleep(0.2)
-        hello = [Message(RecordDict({HELLO_KEY: ConfigRecord({"ask": "client-id"})}),
-                         dst_node_id=i, message_type=MessageType.TRAIN) for i in ids]
-        for rep in grid.send_and_receive(hello, timeout=self.node_timeout):
-            if not rep.has_error():
-                cid = rep.content[HELLO_KEY]["client-id"]  # an int the node sent
-                self.nodes[int(cast(int, cid))] = rep.metadata.src_node_id
-        missing = sorted(set(range(n)) - set(self.nodes))
-        if missing:
-            raise RuntimeError(f"secagg: no SuperNode for clients {missing[:10]}")
+        self.nodes = discover_clients(grid, self.exp.fed.num_clients, self.node_timeout,
+                                      who="secagg", needs="SecAggStrategy needs fedloom's "
+                                      "secagg_client_app on every node")
 
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
         return ndarrays_to_parameters(_arrays(self.exp, self.state.w))

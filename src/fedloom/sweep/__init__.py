@@ -90,7 +90,8 @@ it stopped (a run stopped mid-way resumes). A run in ``out:``, finished or stopp
 whose saved config differs from the one the suite now asks of it (a method's
 overrides changed) stops the sweep before the runs it is one of start (the tuning
 trials, a TPE step's trials, the main runs): one line naming it and the key (exit
-1), no page made. ``$TUNE`` is
+1), no page made; so does one trained on other data than its setting names now
+(its ``data.json``: :mod:`fedloom.sweep.datacheck`). ``$TUNE`` is
 replaced by the value the tuning runs chose: the grid value with the best
 ``tune_metric`` on ``tune_seed``. A run that fails does not
 stop the others; the report is made from those that finished, then

@@ -2,7 +2,8 @@
 
 :func:`_run_all` starts the runs not yet finished (one stopped mid-way resumes),
 after refusing runs in ``out:`` that hold another config than the suite asks
-(:func:`_stale`, :class:`~fedloom.sweep.suite.StaleRunsError`). Commands go to
+(:func:`_stale`, :class:`~fedloom.sweep.suite.StaleRunsError`) or were trained on
+other data than their setting names now (:mod:`fedloom.sweep.datacheck`). Commands go to
 long-lived worker processes (:class:`_Launcher`) or, with ``RUNNER =
 "subprocess"``, to a fresh process each through ``subprocess.run`` (what tests
 replace: ``fedloom.sweep.running.RUNNER`` and
@@ -25,6 +26,7 @@ from typing import Any
 import yaml
 
 from fedloom.config import ConfigError
+from fedloom.sweep.datacheck import check_data
 from fedloom.sweep.suite import RunSpec, StaleRunsError, SweepError
 
 
@@ -191,6 +193,9 @@ def _run_all(specs: list[RunSpec], workers: int, log: Callable[[str], None]) -> 
         if todo:
             raise FileNotFoundError(f"{len(todo)} runs have not finished")
         return
+    # the data each run to reuse or resume was trained on (data.json): loading it runs
+    # code (a plug-in source), so not for a report
+    check_data(specs)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     launcher: Any = _Launcher(workers) if RUNNER == "worker" and todo else _launch_subprocess
 

@@ -34,9 +34,9 @@ from fedloom.compress.feedback import UplinkResult
 from fedloom.config import ConfigError, load_config
 from fedloom.engine.experiment import Experiment
 from fedloom.engine.runstate import RunState, model_sha256
+from fedloom.integrations.flower.discovery import discover_clients
 from fedloom.integrations.flower.messages import (
     BUFFERS_KEY,
-    HELLO_KEY,
     REPLY_KEY,
     ConfigSource,
     _check_scope,
@@ -99,42 +99,10 @@ class FedloomStrategy(Strategy):
                  self.exp.fed.num_clients, c.cohort.size)
 
     def _discover(self, grid: Grid) -> None:
-        n = self.exp.fed.num_clients
-        deadline = time.monotonic() + self.node_timeout
-        while len(ids := list(grid.get_node_ids())) < n:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"flower: {len(ids)} of {n} SuperNodes connected after "
-                                   f"{self.node_timeout:g} s")
-            time.sleep(0.2)
-        # A node that did not answer is asked again (three asks, within node_timeout):
-        # on a loaded machine a simulated node's first reply can be an error or late;
-        # an app that cannot answer (a stock ClientApp) fails each ask at once.
-        asked, answered = list(ids), set()
-        for attempt in range(3):
-            left = deadline - time.monotonic()
-            if not asked or left <= 0:
-                break
-            hello = [Message(RecordDict({HELLO_KEY: ConfigRecord({"ask": "client-id"})}),
-                             dst_node_id=i, message_type=MessageType.TRAIN) for i in asked]
-            for rep in grid.send_and_receive(hello, timeout=left):
-                if rep.has_error():
-                    log.warning("flower: node %d did not say its client id (ask %d of 3): %s",
-                                rep.metadata.src_node_id, attempt + 1, rep.error.reason)
-                    continue
-                k = rec_int(rep.content[HELLO_KEY]["client-id"])
-                if k in self.nodes and self.nodes[k] != rep.metadata.src_node_id:
-                    raise RuntimeError(f"flower: two SuperNodes claim client {k}")
-                self.nodes[k] = rep.metadata.src_node_id
-                answered.add(rep.metadata.src_node_id)
-            asked = [i for i in asked if i not in answered]
-        missing = sorted(set(range(n)) - set(self.nodes))
-        if missing:
-            # A stock ClientApp cannot answer the hello (it fails on the missing
-            # "arrays"): say where such an app's strategies are.
-            raise RuntimeError(f"flower: no SuperNode for clients {missing[:10]} (this "
-                               "strategy needs fedloom's client_app or FedloomMod on every "
-                               "node; for a stock Flower ClientApp use "
-                               "fedloom.integrations.flower.strategies)")
+        self.nodes = discover_clients(
+            grid, self.exp.fed.num_clients, self.node_timeout, who="flower",
+            needs="this strategy needs fedloom's client_app or FedloomMod on every node; for "
+                  "a stock Flower ClientApp use fedloom.integrations.flower.strategies")
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
