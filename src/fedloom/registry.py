@@ -25,6 +25,13 @@ Three ways to name a component, accepted by every name field of a config
   the module is imported and ``attr`` is the factory. A module that is not
   importable from ``sys.path`` is looked for in the current directory too.
 
+Reading results never imports: under :func:`no_imports` (``fedloom compare``, a
+sweep's report and its stale-run checks read a run folder's ``config.yaml``, which
+may be anyone's) :func:`get` finds only what is already registered, and a name it
+would have to import (an entry point not loaded yet, a family's ``PREFIX:NAME``, a
+``module:attr``) raises :class:`NotImported`: the config's checks then keep that
+name and its options as text.
+
 The factory is called exactly as a built-in's (options by name from its config
 section), so a plug-in is checked by the config schema and runs in the CLI,
 the API and ``fedloom sweep`` (whose runs are subprocesses: a name
@@ -34,6 +41,8 @@ use an entry point or ``module:attr`` there).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import importlib
 import importlib.metadata
@@ -42,11 +51,11 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["ENTRY_POINT_GROUPS", "KINDS", "Range", "available", "build", "get",
-           "is_reference", "option_types", "origin", "register"]
+__all__ = ["ENTRY_POINT_GROUPS", "KINDS", "NotImported", "Range", "available", "build", "get",
+           "is_reference", "no_imports", "option_types", "origin", "register"]
 
 log = logging.getLogger("fedloom")
 
@@ -147,6 +156,29 @@ _loaded = False
 _LOAD_LOCK = threading.RLock()
 _loading = False
 _REFERENCE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+# True inside no_imports(). A context variable, not a module flag: a sweep's threads and
+# a Flower simulation's build components at the same time, and only the reading that
+# asked for it must be refused imports.
+_NO_IMPORTS: contextvars.ContextVar[bool] = contextvars.ContextVar("fedloom_no_imports",
+                                                                  default=False)
+
+
+class NotImported(KeyError):
+    """A plug-in's name looked up under :func:`no_imports`: building it would import
+    code (an entry point's module, a family's library, a ``module:attr``)."""
+
+
+@contextlib.contextmanager
+def no_imports() -> Iterator[None]:
+    """While open (in this thread), :func:`get` returns only factories already
+    registered: the built-ins (fedloom's own modules), names registered in this process
+    and entry points already loaded; any other plug-in raises :class:`NotImported`.
+    For reading results: naming code in a run folder must not run it."""
+    token = _NO_IMPORTS.set(True)
+    try:
+        yield
+    finally:
+        _NO_IMPORTS.reset(token)
 
 
 def _ensure_loaded() -> None:
@@ -270,7 +302,8 @@ def origin(kind: str, name: str) -> str:
 
 def get(kind: str, name: str) -> Callable[..., Any]:
     """The factory of ``name`` (a registered name, an entry point or ``module:attr``);
-    ``KeyError`` with one line when there is none."""
+    ``KeyError`` with one line when there is none; :class:`NotImported` (a KeyError)
+    under :func:`no_imports` for a plug-in that would have to be imported."""
     _ensure_loaded()
     if kind not in _REGISTRY:
         raise KeyError(f"unknown component kind {kind!r}")
@@ -278,6 +311,10 @@ def get(kind: str, name: str) -> Callable[..., Any]:
     if factory is not None:
         return factory
     ep = _ENTRY_POINTS[kind].get(name)
+    prefix, sep, rest = name.partition(":")
+    if _NO_IMPORTS.get() and (ep is not None or is_reference(name)
+                              or (sep and prefix in _FAMILIES[kind])):
+        raise NotImported(f"{kind} {name!r}: a plug-in, not imported while results are read")
     if ep is not None:
         try:
             # object, not Any: the callable() check below is what makes it a factory
@@ -290,7 +327,6 @@ def get(kind: str, name: str) -> Callable[..., Any]:
             raise KeyError(f"{kind} {name!r}: entry point {ep.value} is not callable")
         _REGISTRY[kind][name] = loaded
         return loaded
-    prefix, sep, rest = name.partition(":")
     if sep and prefix in _FAMILIES[kind]:
         return _FAMILIES[kind][prefix](rest)
     if is_reference(name):

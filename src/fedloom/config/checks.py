@@ -180,8 +180,17 @@ def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
     return cls(**kwargs)
 
 
-def config_from_dict(data: Mapping[str, Any]) -> Config:
-    """Validate a plain mapping into a :class:`Config` (raises :class:`ConfigError`)."""
+def config_from_dict(data: Mapping[str, Any], plugins: bool = True) -> Config:
+    """Validate a plain mapping into a :class:`Config` (raises :class:`ConfigError`).
+
+    ``plugins=False`` reads it as data (a run folder's saved config, read by
+    ``fedloom compare`` or a sweep's report): a plug-in's name is not imported
+    (:func:`fedloom.registry.no_imports`), so it and its options stay as written,
+    unchecked; every other check is made. Only what runs a config imports the code
+    it names: reading someone's results must not run their code."""
+    if not plugins:
+        with registry.no_imports():
+            return config_from_dict(data)
     if not isinstance(data, Mapping):
         raise ConfigError(f"config: must be a mapping at the top level, got {type(data).__name__}")
     # A config written the old way is rewritten first (fedloom.config.translate).
@@ -199,6 +208,8 @@ def check_name(field: str, kind: str, name: str) -> None:
     registered, nor an installed entry point, nor an importable ``module:attr``."""
     try:
         registry.get(kind, name)
+    except registry.NotImported:
+        return  # read as data (config_from_dict's plugins=False): the name as text
     except KeyError as e:
         msg = e.args[0] if e.args else str(e)
         if msg.startswith("unknown "):
@@ -239,7 +250,10 @@ def check_options(path: str, kind: str, section: Any, context: frozenset[str] = 
     ``context``: the arguments fedloom passes the factory itself (``layout``)."""
     import inspect
 
-    factory = registry.get(kind, section.name)
+    try:
+        factory = registry.get(kind, section.name)
+    except registry.NotImported:
+        return  # read as data: a plug-in's options stay as written, unchecked
     params = inspect.signature(factory).parameters
     anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     names = {k for k, p in params.items() if k != "self" and p.kind in (
@@ -353,8 +367,10 @@ def _check_partition(p: PartitionConfig) -> None:
     ``mixed`` hands the options it does not name to its ``then`` partitioner, whose
     signature they are checked against in turn."""
     check_options("data.partition", "partitioner", p, _PARTITION_CONTEXT)
+    if p.name != "mixed":  # before the look-up: a plug-in read as data is not imported
+        return
     factory = registry.get("partitioner", p.name)
-    if p.name != "mixed" or not getattr(factory, "__module__", "").startswith("fedloom."):
+    if not getattr(factory, "__module__", "").startswith("fedloom."):
         return
     import inspect
 

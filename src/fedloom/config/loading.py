@@ -256,10 +256,13 @@ def _resolve_config_path(source: str | Path) -> Path:
 
 
 def load_config(
-    source: str | Path | Mapping[str, Any] | Config, overrides: Sequence[str] = ()
+    source: str | Path | Mapping[str, Any] | Config, overrides: Sequence[str] = (),
+    plugins: bool = True,
 ) -> Config:
     """Load a config from a YAML file (or the bare name of a shipped config, e.g.
-    ``quickstart``), a mapping or a :class:`Config`, then apply overrides."""
+    ``quickstart``), a mapping or a :class:`Config`, then apply overrides.
+    ``plugins=False``: read it as data, importing no plug-in it names
+    (:func:`~fedloom.config.config_from_dict`)."""
     if isinstance(source, Config):
         data = config_to_dict(source)
     elif isinstance(source, Mapping):
@@ -273,4 +276,4 @@ def load_config(
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: must hold a mapping at the top level")
         data.setdefault("name", path.stem)
-    return config_from_dict(apply_overrides(data, overrides))
+    return config_from_dict(apply_overrides(data, overrides), plugins)

@@ -56,7 +56,7 @@ from fedloom.metrics import evaluate
 from fedloom.models import build_model
 from fedloom.params import Layout, training_mode
 from fedloom.privacy import make_privacy
-from fedloom.registry import accepted_options, build, get
+from fedloom.registry import NotImported, accepted_options, build, get
 from fedloom.rng import Purpose, derive_seed, seeded_global_rng
 from fedloom.state import ClientStateStore, FieldSpec
 from fedloom.system import make_system
@@ -78,6 +78,8 @@ def resolve_auto(cfg: Config) -> Config:
         return cfg
     try:
         lr = default_server_lr(cfg.aggregator.name, cfg.aggregator.options)
+    except NotImported:
+        return cfg  # read as data (registry.no_imports): a plug-in's step stays auto
     except (KeyError, ValueError) as e:
         raise ConfigError(f"server.lr: auto: {e.args[0] if e.args else e}") from None
     return dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, lr=lr))

@@ -43,10 +43,13 @@ def _base_overrides(suite: Suite, setting: str, method: str, point: dict[str, An
 
 
 def _plan_config(suite: Suite, setting: str, method: str, point: dict[str, Any]) -> Any:
-    """The trial's config as a run would load it (its rounds, cohort and schedule)."""
+    """The trial's config as a run would load it (its rounds, cohort and schedule),
+    read as data: the plan needs no plug-in's code, and ``--report-only`` runs none
+    (a sweep that runs has checked its configs, plug-ins imported, already)."""
     s = suite.settings[setting]
     return load_config(s["config"], [*s.get("overrides", []),
-                                     *_base_overrides(suite, setting, method, point)])
+                                     *_base_overrides(suite, setting, method, point)],
+                       plugins=False)
 
 
 class _Plan:

@@ -137,11 +137,18 @@ def _launch_subprocess(cmd: list[str], env: dict[str, str]) -> tuple[int, str]:
 RUNNER = "worker"
 
 
-def _stale(spec: RunSpec) -> str | None:
+def _stale(spec: RunSpec, imports: bool = False) -> str | None:
     """What differs between a finished run's saved config and the one the suite asks of
     it (``key: saved → asked``), else None. A run directory is named by setting, method
     and seed, not by its tuned values: when a tuning choice or a method's overrides
-    change, the old run must not stand in for the new one."""
+    change, the old run must not stand in for the new one.
+
+    The saved config is read as data, importing no plug-in it names (the folder may be
+    anyone's); so is the asked one unless ``imports`` (a sweep about to run it, whose
+    checks have imported its plug-ins already): a report runs no code."""
+    import contextlib
+
+    from fedloom import registry
     from fedloom.config import config_from_dict, config_to_dict, load_config, safe_load_bounded
     from fedloom.engine.setup import resolve_auto
     from fedloom.report.compare.groups import _flatten
@@ -151,9 +158,10 @@ def _stale(spec: RunSpec) -> str | None:
         saved = safe_load_bounded((spec.out / "config.yaml").read_text(),
                                   str(spec.out / "config.yaml"))
         # resolved as a run resolves it (server.lr: auto, a method's buffer policy: FedBN)
-        asked = config_to_dict(resolve_auto(load_config(spec.config, [*spec.overrides,
-                                                                      f"seed={spec.seed}"])))
-        saved = config_to_dict(config_from_dict(saved))
+        with contextlib.nullcontext() if imports else registry.no_imports():
+            asked = config_to_dict(resolve_auto(load_config(
+                spec.config, [*spec.overrides, f"seed={spec.seed}"])))
+        saved = config_to_dict(config_from_dict(saved, plugins=False))
     except (OSError, yaml.YAMLError, ConfigError, ValueError, TypeError):
         return None  # unreadable: resuming or rerunning it reports the problem
     a, b = _flatten(saved), _flatten(asked)
@@ -172,10 +180,11 @@ def _stale(spec: RunSpec) -> str | None:
     return None
 
 
-def _check_not_stale(specs: list[RunSpec]) -> None:
+def _check_not_stale(specs: list[RunSpec], imports: bool) -> None:
     """:class:`StaleRunsError` when a run of ``specs`` in ``out:`` holds another config:
-    a finished one would stand in for the run asked, a stopped one could not resume."""
-    stale = [(s, why) for s in specs if s.out.exists() and (why := _stale(s))]
+    a finished one would stand in for the run asked, a stopped one could not resume.
+    ``imports``: the suite's configs may import their plug-ins (:func:`_stale`)."""
+    stale = [(s, why) for s in specs if s.out.exists() and (why := _stale(s, imports))]
     if stale:
         s, why = stale[0]
         done = sum(sp.done for sp, _ in stale)
@@ -187,7 +196,7 @@ def _check_not_stale(specs: list[RunSpec]) -> None:
 
 
 def _run_all(specs: list[RunSpec], workers: int, log: Callable[[str], None]) -> None:
-    _check_not_stale(specs)
+    _check_not_stale(specs, imports=workers > 0)  # workers 0: a report, which runs no code
     todo = [s for s in specs if not s.done]
     if workers <= 0:  # report only: run nothing
         if todo:

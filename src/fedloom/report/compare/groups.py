@@ -49,13 +49,15 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _normalised(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` in this version's schema (defaults filled in), else as it is."""
+    """``config`` in this version's schema (defaults filled in), else as it is. Read
+    as data: a plug-in it names is compared by its name and options, never imported
+    (a run folder's ``config.yaml`` may be anyone's; reading results runs no code)."""
     if not config:
         return config
     from fedloom.config import ConfigError, config_from_dict, config_to_dict
 
     try:
-        return config_to_dict(config_from_dict(config))
+        return config_to_dict(config_from_dict(config, plugins=False))
     except (ConfigError, ValueError, TypeError):
         return config
 
