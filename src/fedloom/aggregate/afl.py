@@ -22,9 +22,10 @@ The paper and the public code report the running average of the iterates: set
 Checked against the public rule: tests/test_baselines_public.py replays two
 rounds of the public update (direction and λ, NumPy) and compares to 1e-12.
 Departure: a client whose update is rejected this round drops out of this
-round's model step (the others' λ renormalised) and gets no loss term in this
-round's λ step; the public code has no rejected updates. The former defaults:
-docs/explanation/methods.md (AFL in detail).
+round's model step (the others' λ renormalised; no model step where the others
+hold no λ) and gets no loss term in this round's λ step; the public code has no
+rejected updates. The λ step is exact for any finite losses (``__call__``).
+The former defaults: docs/explanation/methods.md (AFL in detail).
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ class AFL:
         code: WwZzz/easyFL (``afl.py``, which follows the fair_flearn code): γ_λ = 0.01, γ_w =
             the client lr.
         departures: a client whose update is rejected drops out of the round's model step (the
-            others' λ renormalised) and gets no loss term in the λ step; the public code has no
-            rejected updates.
+            others' λ renormalised; no model step where they hold no λ) and gets no loss term in
+            the λ step; the public code has no rejected updates.
         measured: two rounds of the public update (direction and λ) replayed in NumPy: equal to
             1e-12 (tests/test_baselines_public.py).
     """
@@ -78,20 +79,43 @@ class AFL:
         self, updates: torch.Tensor, weights: torch.Tensor, state: torch.Tensor | None, *,
         info: CohortInfo | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Mapping[str, float]]:
+        """The model step ``Σ_k λ_k g_k / Σ_k λ_k`` over the accepted clients and the
+        ascent step ``λ ← Proj_Δ(λ + γ_λ F)`` (``F_k`` = 0 for an absent client).
+
+        The ascent is formed as ``Proj_Δ(λ + max(γ_λ(F − B), −4))`` with ``B = max_k F_k``:
+        the projection is shift-invariant, and an entry that the floor raises stays below
+        ``max − 3`` and gets 0 as before, so a finite loss of any size (1e308, or −1e308
+        beside it, where ``γ_λ F`` or a difference would overflow) gives the exact
+        projection (tests/test_loss_range.py: losses ±1e-300 … ±1e300, γ_λ up to 1e10,
+        against rational arithmetic: at most 0.375 ulp of 1).
+        Accepted clients that hold none of ``λ`` (the mass sits on a rejected one) make
+        no model step (a zero direction, ``afl_no_mass`` = 1) and ``λ`` still takes its
+        step; before, ``0/0`` made the direction NaN and the round, ``λ`` included, was
+        skipped for as long as that client was rejected. A NaN or infinite loss raises
+        ValueError (the engine rejects such clients before).
+        """
         if info is None or info.start_losses is None:
             raise ValueError("afl: needs the clients' losses (info.start_losses)")
+        F = info.start_losses.to(torch.float64)
+        if not bool(torch.isfinite(F).all()):
+            raise ValueError(f"afl: the start losses must be finite, got {F.tolist()}")
         N = info.num_clients
         lam = (state if state is not None
                else torch.full((N,), 1.0 / N, dtype=torch.float64, device=updates.device))
         ids = info.clients
         # Rows missing this round (rejected updates) drop out of this step only.
-        coef = lam[ids] / lam[ids].sum()
-        direction = coef.to(updates.dtype) @ updates
-        new = lam.clone()
-        new[ids] = lam[ids] + self.gamma_lambda * info.start_losses.to(torch.float64)
-        new = project_simplex(new)
+        mass = lam[ids].sum()
+        if mass > 0:
+            direction = (lam[ids] / mass).to(updates.dtype) @ updates
+        else:
+            direction = torch.zeros(updates.shape[1], dtype=updates.dtype, device=updates.device)
+        b = torch.zeros_like(lam)
+        b[ids] = F
+        # λ + γ_λ b − γ_λ max(b): the same projection, and no overflow (docstring above)
+        new = project_simplex(lam + (self.gamma_lambda * (b - b.max())).clamp_min(-4.0))
         return direction, new, {"afl_lambda_max": float(new.max()),
-                                "afl_worst_loss": float(info.start_losses.max())}
+                                "afl_worst_loss": float(F.max()),
+                                "afl_no_mass": float(not mass > 0)}
 
 
 # The class is its own factory: its constructor arguments are the config options.

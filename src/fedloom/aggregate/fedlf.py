@@ -173,14 +173,7 @@ class FedLF:
                 f"{state[-1][1] if state else 0}"
             )
         m = updates.shape[0]
-        loss = info.start_losses.to(torch.float64)
-        p = torch.full((m,), m**-0.5, dtype=torch.float64, device=updates.device)
-        ln = torch.linalg.vector_norm(loss)
-        h = torch.zeros(m, dtype=torch.float64, device=updates.device)
-        if ln > 0:
-            h = ((loss @ p) * loss / ln - p * ln) / ln**2
-            if float(torch.linalg.vector_norm(h) * ln) < 1e-12:
-                h.zero_()  # equal losses: the row would not move d* (see the docstring)
+        h = _fairness(info.start_losses.to(device=updates.device, dtype=torch.float64))
         out = torch.zeros(updates.shape[1], dtype=torch.float64, device=updates.device)
         zero_groups = 0
         for start, stop in state:
@@ -196,6 +189,34 @@ class FedLF:
         if norm > 0:
             out = (out / norm) * target
         return out.to(updates.dtype), state, {"fedlf_zero_groups": float(zero_groups)}
+
+
+def _fairness(loss: torch.Tensor) -> torch.Tensor:
+    """The fairness row's weights ``h = ((l·p) l/‖l‖ − p‖l‖)/‖l‖²`` (``p = 1/√m``) for
+    the losses ``l``, up to a positive factor; 0 for equal losses (see FedLF).
+
+    ``h(c·l) = h(l)/c`` for ``c > 0`` and only ``h``'s direction is used (``f`` is
+    normalised, ``w = λ + λ_f h/‖Σ h_i û_i‖`` too, the equal-losses test is scale-free),
+    so ``h`` is taken of ``l/max|l|`` (one rounding per entry, none for a power of two):
+    ``‖l‖`` and ``‖l‖²`` stay in range for every finite ``l``. Before, losses of 1e160
+    (``‖l‖² = inf``) or 1e-170 (``‖l‖ = 0``) dropped the fairness row without a word.
+    tests/test_loss_range.py: losses of either sign from 1e-300 to 1e300, spreads of 600
+    decades. A NaN or infinite loss raises ValueError (the engine rejects such clients).
+    """
+    if not bool(torch.isfinite(loss).all()):
+        raise ValueError(f"fedlf: the start losses must be finite, got {loss.tolist()}")
+    m = loss.numel()
+    h = torch.zeros(m, dtype=torch.float64, device=loss.device)
+    top = float(loss.abs().max()) if m else 0.0
+    if not top > 0:
+        return h
+    loss = loss / top
+    p = torch.full((m,), m**-0.5, dtype=torch.float64, device=loss.device)
+    ln: torch.Tensor = torch.linalg.vector_norm(loss)
+    h = (torch.dot(loss, p) * loss / ln - p * ln) / (ln * ln)
+    if float(torch.linalg.vector_norm(h) * ln) < 1e-12:
+        h.zero_()  # equal losses: the row would not move d* (see the FedLF docstring)
+    return h
 
 
 def _group_coef(

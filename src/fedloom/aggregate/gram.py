@@ -297,16 +297,44 @@ def truncated_solve(
 
 
 def project_simplex(v: torch.Tensor) -> torch.Tensor:
-    """Euclidean projection onto ``{λ ≥ 0, Σλ = 1}`` (Duchi et al., ICML 2008).
+    """Euclidean projection of ``v`` onto the simplex ``{λ ≥ 0, Σλ = 1}``, exact for any
+    finite ``v`` (the sort-based rule of Held, Wolfe & Crowder 1974; Duchi et al., ICML 2008).
+
+    The projection is ``x_i = max(v_i − θ, 0)`` with ``θ`` the one number where
+    ``Σ_i max(v_i − θ, 0) = 1``: with ``u`` the entries in descending order,
+    ``ρ = max{k : u_k − (Σ_{i≤k} u_i − 1)/k > 0}`` and ``θ = (Σ_{i≤ρ} u_i − 1)/ρ``.
+
+    Scale: adding ``c`` to every entry adds ``c`` to ``θ`` and leaves ``x`` unchanged, so
+    the largest entry ``M`` is subtracted first. Then ``θ − M ∈ [−1, −1/n]`` (the largest
+    term, ``M − θ``, is at most the sum 1), an entry below ``M − 1`` gets 0, and entries
+    below ``M − 2`` are raised to ``−2`` without changing ``x``: the sums run over numbers
+    in ``[−2, 0]`` whatever the size of ``v`` (1e308 and −1e308 included; without the shift
+    ``v = [1e16, .1, .1]`` lost the ``− 1`` in ``1e16 − 1``, no ``k`` passed the test and
+    the call raised). ``v_i − M`` within 2 of ``M`` is rounded once, by at most half an
+    ulp of 2 (not at all where ``|M| ≥ 4``: Sterbenz's lemma), so every entry of ``x`` is
+    the exact projection to a few ulps of 1 (absolute; ``x ∈ [0, 1]``) and ``Σx = 1`` to
+    as many. tests/test_loss_range.py checks this against rational arithmetic for
+    entries from 1e-300 to 1.7e308 in magnitude, either sign, spreads of 600 decades,
+    ties and ``n = 1`` … 8 (measured: at most 0.17 ulp of 1).
+
+    Raises ValueError for an empty ``v`` or a NaN or infinite entry (no projection).
 
     >>> project_simplex(torch.tensor([0.5, 0.5, 1.0], dtype=torch.float64)).tolist()
-    [0.16666666666666669, 0.16666666666666669, 0.6666666666666667]
+    [0.16666666666666663, 0.16666666666666663, 0.6666666666666666]
+    >>> project_simplex(torch.tensor([1e16, 0.1, 0.1], dtype=torch.float64)).tolist()
+    [1.0, 0.0, 0.0]
     """
     n = v.numel()
-    u, _ = torch.sort(v, descending=True)
+    if n == 0:
+        raise ValueError("project_simplex: needs at least one entry (the simplex of none is empty)")
+    if not bool(torch.isfinite(v).all()):
+        bad = float(v[~torch.isfinite(v)][0])
+        raise ValueError(f"project_simplex: every entry must be finite, got {bad}")
+    w = (v - v.max()).clamp_min(-2.0)  # −inf (e.g. −1e308 − 1e308) too: it is below M − 1
+    u, _ = torch.sort(w, descending=True)
     css = torch.cumsum(u, 0) - 1
     ks = torch.arange(1, n + 1, dtype=v.dtype, device=v.device)
-    cond = u - css / ks > 0
+    cond = u - css / ks > 0  # k = 1 always passes: u_1 = 0, css_1 = −1
     r = int(cond.nonzero().max()) + 1
     theta = css[r - 1] / r
-    return (v - theta).clamp_min(0)
+    return (w - theta).clamp_min(0)
