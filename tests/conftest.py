@@ -171,6 +171,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(names))}")
 
 
+# The strategies' node_timeout in the Flower simulations: a ceiling, not a wait. The
+# client-id ask ends when every node has answered (the nodes are ready: Ray's actors
+# started, each node's app loaded), so this bounds only a start that never ends and
+# its expiry says what it waited for. On 2 cores kept busy by other processes that
+# start took longer than the strategies' default of 120 s (issue #59).
+FLOWER_NODE_TIMEOUT_S = 900.0
+
+
 def flower_simulation(server_app, client_app, num_supernodes: int) -> None:
     """Flower's ``run_simulation`` on Ray with 2 CPUs, one per client, no dashboard.
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fedloom
-from conftest import flower_simulation
+from conftest import FLOWER_NODE_TIMEOUT_S, flower_simulation
 
 flwr = pytest.importorskip("flwr")
 pytest.importorskip("ray")
@@ -41,7 +41,7 @@ FRAMING_BYTES_PER_REPLY = 600
 
 
 def _simulate(cfg, n):
-    strategy = FedloomStrategy(cfg)
+    strategy = FedloomStrategy(cfg, node_timeout=FLOWER_NODE_TIMEOUT_S)
     flower_simulation(server_app(strategy), client_app(cfg), n)
     return strategy
 
@@ -119,7 +119,7 @@ def test_secagg_plus_on_flower_ends_at_the_unmasked_model():
     cfg = config_to_dict(load_config(CFG, over))
     ref = fedloom.run(cfg)
     assert ref.metrics[0]["dp_clipped"] > 0  # the clip is active
-    strategy = SecAggStrategy(cfg)
+    strategy = SecAggStrategy(cfg, node_timeout=FLOWER_NODE_TIMEOUT_S)
     flower_simulation(secagg_server_app(strategy), secagg_client_app(cfg), 6)
     assert [m["cohort_size"] for m in strategy.history] == [3]
     assert strategy.history[0]["dp_epsilon"] == ref.metrics[0]["dp_epsilon"]

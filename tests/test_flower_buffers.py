@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fedloom
-from conftest import flower_simulation
+from conftest import FLOWER_NODE_TIMEOUT_S, flower_simulation
 from fedloom.buffers import BUFFER_POLICIES, buffers_sha256
 
 flwr = pytest.importorskip("flwr")
@@ -90,7 +90,7 @@ class _LocalGrid:
 
 def _run_flower(policy: str, ray_runtime: bool) -> FedloomStrategy:
     over = [f"model.buffers={policy}"]
-    strategy = FedloomStrategy(CFG, over)
+    strategy = FedloomStrategy(CFG, over, node_timeout=FLOWER_NODE_TIMEOUT_S)
     app = client_app(CFG, over)
     if ray_runtime:
         flower_simulation(server_app(strategy), app, 4)

@@ -38,9 +38,14 @@ flower-superlink --insecure --host 127.0.0.1 --port "$PORT" \
   --disable-runtime-dependency-installation --database :flwr-in-memory: \
   > "$WORK/superlink.log" 2>&1 &
 PIDS+=($!)
-# wait (up to 60 s) until the SuperLink accepts connections
-for ((i = 0; i < 120; i++)); do
+# wait until the SuperLink accepts connections (at most 300 s: a loaded machine)
+for ((i = 0; ; i++)); do
   (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null && break
+  if ((i >= 600)); then
+    echo "run_local.sh: the SuperLink did not accept connections on port $PORT within 300 s;" \
+      "its log: $WORK/superlink.log" >&2
+    exit 1
+  fi
   sleep 0.5
 done
 # The N SuperNodes share this machine's cores: each trains with nproc / N torch

@@ -16,7 +16,9 @@ log = logging.getLogger("fedloom")
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = fedloom_config(context)
-    strategy = FedloomStrategy(cfg)
+    # at most node-timeout s for the SuperNodes to connect and say which client they are
+    node_timeout = float(context.run_config.get("node-timeout", 120.0))
+    strategy = FedloomStrategy(cfg, node_timeout=node_timeout)
     # Flower's deployment grid waits 3 s between pulls for replies; 0 keeps that.
     poll = float(context.run_config.get("poll-s", 0.1))
     if poll > 0:
