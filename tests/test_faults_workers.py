@@ -12,6 +12,7 @@ import os
 import signal
 
 import pytest
+import yaml
 
 import fedloom
 from conftest import TINY
@@ -92,3 +93,20 @@ def test_worker_dying_mid_stream(tmp_path, monkeypatch, policy):
         assert dropped == [[], [], []]
     else:
         assert sorted(dropped[0]) == sorted(dead) and dropped[1:] == [[], []]
+
+
+@pytest.mark.parametrize("spec", ["abc", "4", "x:/tmp/m", "4:", "-1:/tmp/m"])
+def test_a_malformed_kill_once_is_one_line_naming_it(tmp_path, monkeypatch, capsys, spec):
+    """``FEDLOOM_KILL_ONCE`` not ``CLIENT:MARKER_FILE``: one line naming the variable
+    and the form, exit 2, checked when the backend is built (it failed inside a
+    worker, as ``invalid literal for int()``)."""
+    from fedloom import cli
+
+    monkeypatch.setenv("FEDLOOM_KILL_ONCE", spec)
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump({**TINY, "rounds": 1, "logging": {"plots": False}}))
+    capsys.readouterr()
+    rc = cli.main(["run", str(cfg), *PROC, "--out", str(tmp_path / "run"), "--quiet"])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert rc == 2 and len(err) == 1, err
+    assert f"FEDLOOM_KILL_ONCE={spec!r}" in err[0] and "CLIENT:MARKER_FILE" in err[0], err

@@ -27,11 +27,11 @@ import torch
 from fedloom.capabilities import BackendCaps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
-from fedloom.config import BackendConfig
+from fedloom.config import BackendConfig, ConfigError
 from fedloom.registry import register
 
-__all__ = ["KILL_ENV", "Backend", "SequentialBackend", "balanced_groups", "light_job",
-           "maybe_die", "take_rows", "with_data"]
+__all__ = ["KILL_ENV", "Backend", "SequentialBackend", "balanced_groups", "kill_spec",
+           "light_job", "maybe_die", "take_rows", "with_data"]
 
 # Fault injection for tests of worker death (process and ray backends): with
 # ``FEDLOOM_KILL_ONCE=<client>:<marker file>`` in the environment when the backend
@@ -41,14 +41,39 @@ __all__ = ["KILL_ENV", "Backend", "SequentialBackend", "balanced_groups", "light
 KILL_ENV = "FEDLOOM_KILL_ONCE"
 
 
+def kill_spec() -> str | None:
+    """``FEDLOOM_KILL_ONCE`` as a backend reads it when it is built: None when unset,
+    else checked here, in the run's own process (a malformed one failed inside a
+    worker, as an error that named no variable); :class:`ConfigError` naming it and
+    the form it takes otherwise."""
+    import os
+
+    spec = os.environ.get(KILL_ENV)
+    if not spec:
+        return None
+    client, sep, marker = spec.partition(":")
+    if not (sep and client.isascii() and client.isdigit() and marker):
+        raise ConfigError(f"{KILL_ENV}={spec!r}: expected CLIENT:MARKER_FILE (a client id "
+                          "≥ 0, then the file whose absence lets one worker die, e.g. "
+                          f"4:/tmp/killed); unset {KILL_ENV} outside tests of worker death")
+    return spec
+
+
 def maybe_die(spec: str | None, jobs: Sequence[ClientJob]) -> None:
+    """Kill this process when ``spec`` (:func:`kill_spec`) names a client of ``jobs``
+    and its marker file is not there yet; the marker is created first, new
+    (``O_EXCL``: never a file a link there points to), so exactly one worker dies."""
     if not spec:
         return
     import os
 
     client, _, marker = spec.partition(":")
-    if any(j.client == int(client) for j in jobs) and not os.path.exists(marker):
-        open(marker, "w").close()
+    if any(j.client == int(client) for j in jobs):
+        try:
+            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                             0o644))
+        except FileExistsError:  # another worker died already (or a link stands there)
+            return
         os.kill(os.getpid(), 9)
 
 

@@ -47,10 +47,10 @@ from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig
 from fedloom.device import configure, keep_freed_heap, to_device, to_host, worker_threads
 from fedloom.engine.backends import (
-    KILL_ENV,
     SequentialBackend,
     balanced_groups,
     hand_over,
+    kill_spec,
     light_job,
     maybe_die,
     with_data,
@@ -291,7 +291,7 @@ class ProcessBackend:
         if x.device.type != "cpu":
             trainer = dataclasses.replace(trainer, module=copy.deepcopy(trainer.module).cpu())
         self._initargs = (trainer, method, x.cpu(), y.cpu(), inner, chunk,
-                          os.environ.get(KILL_ENV), threads, keep_heap)
+                          kill_spec(), threads, keep_heap)
         # Started on first use: a run that fails validation after the backend is
         # built (a bad compressor option) spawns nothing.
         self._pool: list[_Worker] = []

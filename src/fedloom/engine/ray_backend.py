@@ -28,7 +28,13 @@ from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig, ConfigError
 from fedloom.device import configure, keep_freed_heap, to_device, to_host, worker_threads
-from fedloom.engine.backends import KILL_ENV, balanced_groups, hand_over, light_job, maybe_die
+from fedloom.engine.backends import (
+    balanced_groups,
+    hand_over,
+    kill_spec,
+    light_job,
+    maybe_die,
+)
 from fedloom.registry import register
 
 __all__ = ["RayBackend"]
@@ -99,6 +105,7 @@ class RayBackend:
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
                  cfg: BackendConfig) -> None:
         host = _check_address(cfg.address)
+        kill_once = kill_spec()  # checked before a cluster is started
         if host in ("", "127.0.0.1", "localhost", "::1") and "ray" not in sys.modules:
             # A local instance (or one on loopback) stays on loopback: Ray otherwise
             # advertises the machine's first non-loopback address. Read at import.
@@ -139,7 +146,7 @@ class RayBackend:
             trainer = dataclasses.replace(trainer, module=copy.deepcopy(trainer.module).cpu())
         # Put once: every task refers to these objects instead of carrying them.
         self._setup = ray.put({"trainer": trainer, "method": method, "inner": cfg.inner,
-                               "chunk": cfg.chunk, "kill_once": os.environ.get(KILL_ENV),
+                               "chunk": cfg.chunk, "kill_once": kill_once,
                                "threads": cfg.threads, "gpus": gpus,
                                "keep_heap": cfg.keep_heap})
         # NumPy arrays: a task reads them from the shared object store without a copy
