@@ -210,3 +210,22 @@ def test_a_dataset_named_by_reference_trains():
     with pytest.raises(ConfigError, match=r"^data\.name: dataset 'fedloom_example_plugin\.data:"
                                           r"nope': cannot import it \(AttributeError"):
         load_config(TINY, ["data.name=fedloom_example_plugin.data:nope"])
+
+
+@pytest.mark.parametrize("field, kind", [("aggregator", "aggregator"),
+                                         ("compression", "compressor")])
+def test_a_factory_that_returns_something_else_is_one_line_exit_2(tmp_path, monkeypatch, capsys,
+                                                                   field, kind):
+    """``module:attr`` whose factory returns no aggregator (no compressor): one line
+    naming the field, the factory and what it returned, exit 2, not a traceback from
+    inside the first round."""
+    (tmp_path / "not_a_rule.py").write_text("def make(**options):\n    return 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    capsys.readouterr()
+    rc = main(["run", _config(tmp_path), f"{field}.name=not_a_rule:make",
+               "--out", str(tmp_path / "run"), "--quiet"])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"fedloom: error: {field}.name: not_a_rule:make returned 42 "
+                             "(type int)"), err
+    assert f"not an {kind}" in err[0] or f"not a {kind}" in err[0], err

@@ -404,9 +404,32 @@ def option_types(factory: Callable[..., Any]) -> dict[str, tuple[Any, dict[str, 
     return out
 
 
+# The methods an object a factory of these kinds returns must have (their protocols:
+# fedloom.aggregate.base.Aggregator, fedloom.compress.base.Compressor). A plug-in's
+# factory that returns something else is one line naming it (build), not a traceback
+# from deep inside the first round.
+_SHAPES: dict[str, tuple[str, ...]] = {"aggregator": ("init", "__call__"),
+                                       "compressor": ("encode", "decode")}
+
+
+def _check_shape(kind: str, name: str, obj: object, field: str) -> None:
+    """``ValueError`` naming the config's name field, the factory and what it returned
+    when ``obj`` lacks a method of :data:`_SHAPES` [kind]."""
+    missing = [m for m in _SHAPES.get(kind, ()) if not callable(getattr(obj, m, None))]
+    if missing:
+        shown = repr(obj)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        needs = " and ".join(f"{m}()" for m in _SHAPES[kind])
+        an = "an" if kind[0] in "aeiou" else "a"
+        raise ValueError(f"{field.removesuffix('.options')}.name: {name} returned {shown} "
+                         f"(type {type(obj).__name__}), not {an} {kind} (one has {needs}; "
+                         f"{missing[0]}() is missing)")
+
+
 def build(kind: str, name: str, options: dict[str, Any], field: str) -> Any:
     """Call the factory of ``name`` with ``options``; an unknown option raises a
-    one-line ``ValueError`` naming ``field.option``."""
+    one-line ``ValueError`` naming ``field.option``, and a factory whose result is not
+    of its kind (:data:`_SHAPES`) one naming the name field, the factory and the result."""
     import inspect
 
     factory = get(kind, name)
@@ -419,6 +442,8 @@ def build(kind: str, name: str, options: dict[str, Any], field: str) -> Any:
                 f"(expected one of: {', '.join(sorted(params)) or 'none'})"
             )
     try:
-        return factory(**options)
+        obj = factory(**options)
     except TypeError as e:
         raise ValueError(f"{field}: {e}") from None
+    _check_shape(kind, name, obj, field)
+    return obj
