@@ -282,7 +282,7 @@ class _Disk:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 return real_mkstemp(*a, **k)
 
-            monkeypatch.setattr("fedloom.engine.checkpoint.tempfile.mkstemp", mkstemp)
+            monkeypatch.setattr("fedloom.files.tempfile.mkstemp", mkstemp)
 
     def fill(self) -> None:
         self.full = True

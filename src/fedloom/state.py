@@ -36,6 +36,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from fedloom.files import new_tmp
+
 __all__ = ["ClientStateStore", "FieldSpec"]
 
 
@@ -316,8 +318,9 @@ def _sparse_copy(src: Path, dst: Path, expect: str | None = None,
     (SHA-256 of every byte of the file, holes read as zeros): checking it reads
     the whole file.
     """
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp")
+    # a new file (O_EXCL), never one a link at a fixed temporary name points to
+    fd, tmp = new_tmp(dst)
+    fo = os.fdopen(fd, "wb")  # closed by the with below, or on the way out
     full = hashlib.sha256() if expect_full is not None else None
     try:
         fi = os.open(src, os.O_RDONLY)
@@ -325,7 +328,7 @@ def _sparse_copy(src: Path, dst: Path, expect: str | None = None,
             size = os.fstat(fi).st_size
             chunks = (range((size + _CHUNK - 1) // _CHUNK) if full is not None
                       else _data_chunks(fi, size))
-            with open(tmp, "wb") as fo:
+            with fo:
 
                 def pieces() -> Iterator[tuple[int, bytes]]:
                     for c in chunks:
@@ -353,6 +356,7 @@ def _sparse_copy(src: Path, dst: Path, expect: str | None = None,
             raise ValueError(_DAMAGED.format(src=src))
         tmp.replace(dst)
     except BaseException:
+        fo.close()
         tmp.unlink(missing_ok=True)
         raise
     return digest
@@ -369,8 +373,15 @@ class _RowFile:
         self.itemsize = dtype.itemsize
         self.row_bytes = shape[1] * dtype.itemsize
         self.nbytes = shape[0] * self.row_bytes
-        with open(self.path, "wb") as f:  # a sparse file of the full size: rows read 0
-            f.truncate(self.nbytes)
+        # A sparse file of the full size (rows read 0), new: what stood at the path is
+        # unlinked, not truncated, so a link or a second name left there keeps its data.
+        self.path.unlink(missing_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o644)
+        try:
+            os.ftruncate(fd, self.nbytes)
+        finally:
+            os.close(fd)
         self.reopen()
 
     def reopen(self) -> None:

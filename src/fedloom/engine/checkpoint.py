@@ -14,7 +14,8 @@
   never read.
 - :func:`lock_run_dir` writes only into a run directory (new, empty or marked
   ``RUN/.fedloom-run``) and holds an exclusive ``flock`` on ``RUN/.lock`` for the
-  run's life (:class:`RunDirError` names the holder's pid).
+  run's life (:class:`RunDirError` names the holder's pid). The lock file is
+  opened without following a link and never truncated (:mod:`fedloom.files`).
 
 Each guarantee in detail: docs/explanation/reliability.md (Run-directory files).
 """
@@ -22,7 +23,6 @@ Each guarantee in detail: docs/explanation/reliability.md (Run-directory files).
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import io
 import json
@@ -30,14 +30,21 @@ import logging
 import os
 import secrets
 import stat
-import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from fedloom.files import (
+    NotInPlace,
+    file_kind,
+    lock_pid_file,
+    not_a_lock_file,
+    replace_bytes,
+    write_tmp,
+)
 from fedloom.plain import PlainDataError, decode, encode, registered_types
 
 __all__ = [
@@ -87,17 +94,8 @@ def _cannot_write(path: Path, e: OSError) -> RunDirWriteError:
     return err
 
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
-          (stat.S_ISSOCK, "a socket"))
-
-
-def _kind(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
-
-
 def _not_regular(path: Path, mode: int, what: str) -> str:
-    kind = _kind(mode)
+    kind = file_kind(mode)
     if stat.S_ISDIR(mode):  # the usual damage: say it as before
         return f"{path}: is a directory, not {what}"
     try:
@@ -136,50 +134,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _umask() -> int:
-    """The process's umask, read without changing it (``os.umask`` sets it, which
-    races with other threads creating files); the usual 0o022 where it cannot be read."""
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
-
-
-def _write_tmp(path: Path, data: bytes) -> Path:
-    """``data`` in a fsynced temporary file beside ``path``; returns its path.
-
-    ``mkstemp`` makes the file 0600; it gets the mode ``open()`` would give a new
-    file (``0666 & ~umask``: 0644 under the usual umask 022, 0640 under 027) so a
-    run directory is readable by the group like the files written without a rename.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o666 & ~_umask())
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return Path(tmp)
-
-
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically; :class:`RunDirWriteError` naming
     ``path`` when it cannot be written (the old file is left as it was)."""
     try:
-        tmp = _write_tmp(path, data)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        replace_bytes(path, data)
     except OSError as e:
         raise _cannot_write(path, e) from None
 
@@ -218,7 +177,7 @@ def save_checkpoint(path: Path, state: dict[str, Any], *,
 
 
 def _write_rotated(path: Path, data: bytes, keep_previous: Path | None) -> None:
-    tmp = _write_tmp(path, data)
+    tmp = write_tmp(path, data)
     try:
         if keep_previous is not None and path.is_file():
             link = keep_previous.with_name(f".{keep_previous.name}.{secrets.token_hex(4)}.tmp")
@@ -421,7 +380,8 @@ def _is_run_dir(run_dir: Path) -> bool | None:
     become one, ``None`` for one of a fedloom from before the marker (it gets the
     marker only when resumed), ``False`` for any other."""
     names = {p.name for p in run_dir.iterdir()}
-    if not names - {LOCK_FILE, MARKER_FILE} or (run_dir / MARKER_FILE).is_file():
+    marker = run_dir / MARKER_FILE
+    if not names - {LOCK_FILE, MARKER_FILE} or (marker.is_file() and not marker.is_symlink()):
         return True
     return None if _is_run_dir_before_marker(run_dir) else False
 
@@ -437,10 +397,11 @@ def _is_run_dir_before_marker(run_dir: Path) -> bool:
 
 def _mark(run_dir: Path) -> None:
     """Write the marker (before the lock file: the directory is a run directory
-    before fedloom puts anything else in it)."""
+    before fedloom puts anything else in it). ``O_EXCL``: a new file, never one a
+    link there points to."""
     try:
-        fd = os.open(run_dir / MARKER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                     0o644)
+        fd = os.open(run_dir / MARKER_FILE,
+                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except FileExistsError:  # a racing run marked it first, or an earlier life did
         return
     try:
@@ -455,9 +416,12 @@ def lock_run_dir(run_dir: Path, resume: bool = False) -> tuple[RunDirLock, bool]
 
     Raises :class:`RunDirError` when the folder cannot be created or opened, when
     it is an existing directory that is not a run directory (see the module
-    docstring: nothing in it is touched), or when another process holds the
-    lock (naming its pid).
+    docstring: nothing in it is touched), when ``RUN/.lock`` is a link, not a
+    regular file, has a second name or holds something other than a pid (nothing
+    is written: :func:`fedloom.files.lock_pid_file`), or when another process holds
+    the lock (naming its pid).
     """
+    lock = run_dir / LOCK_FILE
     try:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -474,35 +438,19 @@ def lock_run_dir(run_dir: Path, resume: bool = False) -> tuple[RunDirLock, bool]
                 f"{run_dir}: not a fedloom run directory{real}: it is not empty and holds "
                 f"neither {MARKER_FILE} nor a run's config.yaml with checkpoints/ or "
                 "metrics.jsonl; fedloom writes nothing into it (use another --out)")
+        # A lock file fedloom could not write: refused before the marker goes in
+        # (lock_pid_file checks again on the descriptor it opens).
+        why = not_a_lock_file(lock)
+        if why is not None:
+            raise NotInPlace(why)
         if known or resume:
             _mark(run_dir)
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
+        fd = lock_pid_file(lock, lambda pid: RunDirError(
+            f"{run_dir}: in use by another fedloom run (pid {pid}); wait for it to end or use "
+            "another --out"))
+    except NotInPlace as e:
+        raise RunDirError(str(e)) from None
+    except OSError as e:  # cannot create it, or a file system without locks
         raise RunDirError(f"{run_dir}: cannot use it as a run directory "
                           f"({e.strerror or type(e).__name__})") from None
-    lock_fd(fd, lambda pid: RunDirError(
-        f"{run_dir}: in use by another fedloom run (pid {pid}); wait for it to end or use "
-        "another --out"), lambda why: RunDirError(f"{run_dir}: cannot lock it ({why})"))
-    return RunDirLock(fd, run_dir / LOCK_FILE), created
-
-
-def lock_fd(fd: int, in_use: Callable[[str], Exception],
-            cannot: Callable[[str], Exception]) -> None:
-    """Take an exclusive, non-blocking ``flock`` on the open lock file ``fd`` and write
-    this process's pid into it. Another process holding it: ``fd`` is closed and
-    ``in_use(its pid)`` raised; a file system without locks: closed, ``cannot(why)``.
-    The kernel drops the lock when the process ends in any way (``SIGKILL``
-    included), so a killed holder never leaves a stale lock."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        try:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-        finally:
-            os.close(fd)
-        raise in_use(holder) from None
-    except OSError as e:  # e.g. a file system without locks
-        os.close(fd)
-        raise cannot(e.strerror or type(e).__name__) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return RunDirLock(fd, lock), created

@@ -44,7 +44,13 @@ from fedloom.engine.rundir import (
     save,
     write_outputs,
 )
-from fedloom.engine.runlog import METRICS_CSV_FILE, TENSORBOARD_DIR, MetricsCSV, TensorBoardSink
+from fedloom.engine.runlog import (
+    METRICS_CSV_FILE,
+    TENSORBOARD_DIR,
+    MetricsCSV,
+    TensorBoardSink,
+    append_text,
+)
 from fedloom.engine.runstate import Callback, Result, RunState, model_sha256
 from fedloom.engine.setup import resolve_auto
 from fedloom.engine.summary import DivergenceWatch, summarize
@@ -207,7 +213,7 @@ class _Sinks:
             self.tb = (TensorBoardSink(self.paths["tb"], next_round + 1 if resume else None)
                        if cfg.logging.tensorboard else None)
         with _write_errors(self.paths["jsonl"]):
-            self.jsonl = open(self.paths["jsonl"], "a")
+            self.jsonl = append_text(self.paths["jsonl"])  # never through a link
 
     def write(self, m: dict[str, Any]) -> None:
         self.digest = metrics_digest([m], self.digest)

@@ -12,7 +12,8 @@ The sinks here are views of it, rebuilt from it whenever they could disagree:
   off removes it rather than keep a copy that disagrees. A key first seen in a later round
   (``test_acc`` when ``eval.every > 1``, ``rejected_reasons`` when a client is
   rejected) makes the file be rewritten with the wider header (atomically);
-  otherwise a round appends one line. A cell holds ``json.dumps`` of the value
+  otherwise a round appends one line (:func:`append_text`: never through a
+  link, never to a file with a second name). A cell holds ``json.dumps`` of the value
   (``NaN``/``Infinity`` for non-finite floats, which pandas reads as floats;
   lists and mappings as JSON), a string as it is, and nothing where the round
   lacks the key.
@@ -29,11 +30,13 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from fedloom.engine.checkpoint import atomic_write_bytes
+from fedloom.files import open_in_place
 
 __all__ = ["METRICS_CSV_FILE", "TENSORBOARD_DIR", "MetricsCSV", "TensorBoardSink",
            "csv_columns", "csv_text"]
@@ -71,6 +74,15 @@ def csv_text(rows: Sequence[dict[str, Any]]) -> str:
     return _lines([{c: c for c in columns}], columns) + _lines(rows, columns)
 
 
+def append_text(path: Path) -> TextIO:
+    """``path`` opened to append text (UTF-8), created if missing; a link, anything
+    but a regular file, or a file with a second name is refused
+    (:class:`fedloom.files.NotInPlace`, one line): the rows of a run are appended
+    to its own files only, never to what a link there points to."""
+    return os.fdopen(open_in_place(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a",
+                     encoding="utf-8")
+
+
 class MetricsCSV:
     """``metrics.csv`` kept equal to the rows of ``metrics.jsonl``.
 
@@ -93,7 +105,7 @@ class MetricsCSV:
         if any(k not in self.columns for k in row) or not self.columns:
             self._rewrite()  # a new key: the header widens, earlier rows get empty cells
             return
-        with open(self.path, "a", encoding="utf-8") as f:
+        with append_text(self.path) as f:
             f.write(_lines([row], self.columns))
 
 

@@ -238,6 +238,13 @@ def _paths(target: str, node_id: int) -> tuple[Path, Path, Path]:
     return d / f"{key}.sock", d / f"{key}.lock", d / f"{key}.log"
 
 
+def _no_follow(path: str, flags: int) -> int:
+    """``open()``'s opener for the files appended to in place (the lock, the log):
+    never through a link (``ELOOP``), so a link left in the directory cannot make the
+    relay write into what it points to."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
 def _try_connect(sock: Path, authkey: bytes) -> Any | None:
     from multiprocessing.connection import Client
 
@@ -259,7 +266,7 @@ def _connect(target: str, node_id: int, idle_s: float, start_timeout_s: float) -
     if conn is not None:
         return conn
     # One relay starts the worker; the others wait on the lock, then connect.
-    with open(lock, "a") as lf:
+    with open(lock, "a", opener=_no_follow) as lf:
         fcntl.flock(lf, fcntl.LOCK_EX)
         conn = _try_connect(sock, authkey)
         if conn is not None:
@@ -267,7 +274,7 @@ def _connect(target: str, node_id: int, idle_s: float, start_timeout_s: float) -
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()  # a dead worker's socket
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        with open(logf, "ab") as out:
+        with open(logf, "ab", opener=_no_follow) as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "fedloom.integrations.warm", "--socket", str(sock),
                  "--idle-s", str(idle_s), "--watch-pid", str(os.getppid())],

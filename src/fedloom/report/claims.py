@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from fedloom.files import save_figure
 from fedloom.report.compare import first_reach, log_ticks
 from fedloom.report.sequential import sequential_paired
 from fedloom.report.stats import Paired, paired
@@ -258,7 +259,6 @@ def plot_sensitivity(path: str | Path, title: str,
     ax.set_title(f"{title}: mean over seeds, band ± sd{ring}", fontsize=9)
     fig.legend(*ax.get_legend_handles_labels(), loc="outside right upper", fontsize=7,
                frameon=False)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    save_figure(fig, path)  # replaced whole: never written through a link
     plt.close(fig)
     return True

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fedloom.files import save_figure
+
 __all__ = ["client_order", "write_partition_plot"]
 
 
@@ -71,7 +73,6 @@ def write_partition_plot(path: Path, counts: np.ndarray,
                  f"classes {m['classes']:.2f}, size Gini {m['size_gini']:.3f}")
     if head:
         ax.set_title(head, fontsize=9, loc="left")
-    path = Path(path)
-    fig.savefig(path)
+    path = save_figure(fig, path)  # replaced whole: never written through a link
     plt.close(fig)
     return path

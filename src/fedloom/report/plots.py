@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedloom.files import save_figure
+
 __all__ = ["have_matplotlib", "write_run_plots"]
 
 
@@ -61,6 +63,6 @@ def write_run_plots(run_dir: Path, history: Sequence[dict[str, Any]]) -> list[Pa
     axes[1].legend(fontsize=8)
     fig.tight_layout()
     path = run_dir / "curves.png"
-    fig.savefig(path)
+    save_figure(fig, path)  # replaced: never written through a link
     plt.close(fig)
     return [path]

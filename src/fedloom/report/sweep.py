@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from fedloom.files import save_figure, write_output
 from fedloom.report.claims import (
     claim_table,
     metric_scale,
@@ -161,7 +162,7 @@ def _time_plot(path: Path, title: str, groups: dict[str, list[dict[str, Any]]]) 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
     return True
 
@@ -183,7 +184,7 @@ def _sweep_plot(path: Path, title: str, xs: list[float], ys: list[tuple[float, f
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
     return True
 
@@ -256,7 +257,7 @@ def _heterogeneity_lines(spec: Mapping[str, Any], table: dict[str, dict[str, Any
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     png = doc.parent / f"{name}-heterogeneity.png"
-    fig.savefig(png)
+    save_figure(fig, png)
     plt.close(fig)
     return [*out, f"![client accuracy against {x}]({png.name})", ""]
 
@@ -542,8 +543,7 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
         elapsed_s, workers, rep.get("before"))
     text = "\n".join(lines)
     if doc is not None:
-        doc.parent.mkdir(parents=True, exist_ok=True)
-        doc.write_text(text)
+        write_output(doc, text)  # replaced whole: never written through a link
     if csv is not None:
         write_csv(csv, records)
     return text

@@ -19,6 +19,7 @@ from fedloom.sweep.checks import drop_missing_data, validate_suite
 from fedloom.sweep.running import _run_all
 from fedloom.sweep.sequential import finished_only, first_seeds, sequential_runs
 from fedloom.sweep.suite import (
+    SWEEP_LOCK,
     RunSpec,
     StaleRunsError,
     Suite,
@@ -37,9 +38,6 @@ def _state_file(suite: Suite) -> Path:
     return named if named.exists() or not legacy.exists() else legacy
 
 
-SWEEP_LOCK = ".fedloom-sweep.lock"
-
-
 def _lock_out(out: Path) -> int:
     """Create ``out`` if needed and take an exclusive ``flock`` on
     ``OUT/.fedloom-sweep.lock`` (as :func:`fedloom.engine.checkpoint.lock_run_dir`
@@ -47,20 +45,21 @@ def _lock_out(out: Path) -> int:
     kernel drops the lock when the process ends in any way (``SIGKILL`` included), so
     a killed sweep leaves no stale lock. Another sweep holding it:
     :class:`SweepFolderError` naming its pid, and nothing in ``out`` is touched but
-    the lock file."""
-    from fedloom.engine.checkpoint import lock_fd
+    the lock file. A lock file that is a link, not a regular file, has a second name
+    or holds something other than a pid: :class:`SweepFolderError` naming it, nothing
+    written (:func:`fedloom.files.lock_pid_file`)."""
+    from fedloom.files import NotInPlace, lock_pid_file
 
     try:
         out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out / SWEEP_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
+        return lock_pid_file(out / SWEEP_LOCK, lambda pid: SweepFolderError(
+            f"out: {out}: in use by another fedloom sweep (pid {pid}); wait for it to end "
+            "or give this suite its own out:"))
+    except NotInPlace as e:
+        raise SweepFolderError(f"out: {e}") from None
+    except OSError as e:  # cannot create it, or a file system without locks
         raise SweepFolderError(f"out: {out}: cannot use it as a sweep's folder "
                                f"({e.strerror or type(e).__name__})") from None
-    lock_fd(fd, lambda pid: SweepFolderError(
-        f"out: {out}: in use by another fedloom sweep (pid {pid}); wait for it to end or "
-        "give this suite its own out:"), lambda why: SweepFolderError(
-        f"out: {out}: cannot lock it ({why})"))
-    return fd
 
 
 def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = print,
@@ -110,6 +109,7 @@ def _report_only(suite: Suite, workers: int, log: Callable[[str], None],
 
 def _run_locked(suite: Suite, workers: int, log: Callable[[str], None],
                 csv: str | Path | None) -> Suite:
+    from fedloom.files import write_output
     from fedloom.report.sweep import write_report
 
     t0 = time.perf_counter()
@@ -121,10 +121,8 @@ def _run_locked(suite: Suite, workers: int, log: Callable[[str], None],
         """The sweep's wall time so far, summed over continued invocations, written
         after every batch: a sweep that is killed keeps what it had spent."""
         total = prior + time.perf_counter() - t0
-        state.parent.mkdir(parents=True, exist_ok=True)
-        tmp = state.with_name(state.name + ".tmp")
-        tmp.write_text(json.dumps({"elapsed_s": total, "workers": workers}, indent=2))
-        os.replace(tmp, state)
+        # replaced whole: a link there is replaced, never written through
+        write_output(state, json.dumps({"elapsed_s": total, "workers": workers}, indent=2))
         return total
 
     def run_batch(batch: list[RunSpec]) -> None:

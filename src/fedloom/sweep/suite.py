@@ -31,6 +31,8 @@ from fedloom.tuning import (
 )
 
 TUNE = "$TUNE"
+# The sweep's lock file in out: (fedloom.sweep.driver)
+SWEEP_LOCK = ".fedloom-sweep.lock"
 
 
 class SweepError(RuntimeError):

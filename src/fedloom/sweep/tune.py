@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
 from fedloom.config import ConfigError
+from fedloom.files import write_output
 from fedloom.sweep.checks import _sens_values, _sensitive
 from fedloom.sweep.running import _run_all, read_summary
 from fedloom.sweep.suite import (
@@ -196,10 +196,8 @@ def _write_tuning_record(suite: Suite, chosen: dict[tuple[str, str], dict[str, A
                            if t.rung is not None else {})} for t in ts],
             **({"plan": proto.plans[(setting, method)]}
                if (setting, method) in proto.plans else {})}
-    suite.out.mkdir(parents=True, exist_ok=True)
-    tmp = suite.out / f"{suite.name}.tuning.json.tmp"
-    tmp.write_text(json.dumps(rec, indent=1, default=str))
-    os.replace(tmp, suite.out / f"{suite.name}.tuning.json")
+    # replaced whole: a link there is replaced, never written through
+    write_output(suite.out / f"{suite.name}.tuning.json", json.dumps(rec, indent=1, default=str))
 
 
 def sensitivity_specs(suite: Suite, chosen: dict[tuple[str, str], Any]

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedloom.files import write_output
 from fedloom.report.compare.figures import (
     DEFAULT_MAX_LINES,
     Panel,
@@ -93,9 +94,7 @@ def compare(paths: Sequence[str | Path], metrics: Sequence[str] = DEFAULT_METRIC
             notes.append(f"note: group {g.label!r} holds the same seed more than once "
                          f"({', '.join(map(str, seen))})")
     if markdown_path is not None:
-        md = Path(markdown_path)
-        md.parent.mkdir(parents=True, exist_ok=True)
-        md.write_text(lead + ".\n\n" + markdown_table(header, rows) + "\n")
+        md = write_output(markdown_path, lead + ".\n\n" + markdown_table(header, rows) + "\n")
         notes.append(f"markdown: {md}")
     if csv_path is not None:
         notes.append(f"csv: {write_csv(csv_path, records)}")

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from fedloom.files import save_figure
 from fedloom.report.compare.groups import Group, _flatten, _label, _normalised, _show
 from fedloom.report.compare.runs import _number, lower_is_better
 
@@ -313,8 +314,7 @@ def _style_curve_axes(axes: Sequence[Any], metric: str, percent: bool,
 
 
 def _save(fig: Any, path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    save_figure(fig, path)  # replaced whole: never written through a link
     _pyplot().close(fig)
 
 

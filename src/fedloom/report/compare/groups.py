@@ -17,6 +17,7 @@ that reach it, with ``(k/n)`` when some do not.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedloom.files import write_output
 from fedloom.report.compare.runs import (
     Run,
     first_reach,
@@ -219,11 +221,10 @@ def write_csv(path: str | Path, records: Sequence[dict[str, Any]]) -> Path:
     cols: dict[str, None] = {}
     for rec in records:
         cols.update(dict.fromkeys(rec))
-    p.parent.mkdir(parents=True, exist_ok=True)
-    with open(p, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=list(cols), lineterminator="\n")
-        w.writeheader()
-        for rec in records:
-            w.writerow({k: ("" if v is None else v) for k, v in rec.items()})
-    return p
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(cols), lineterminator="\n")
+    w.writeheader()
+    for rec in records:
+        w.writerow({k: ("" if v is None else v) for k, v in rec.items()})
+    return write_output(p, buf.getvalue())  # replaced whole: never written through a link
 
