@@ -222,3 +222,32 @@ def test_a_tuning_trials_damaged_summary_is_one_line(tmp_path, monkeypatch, caps
     capsys.readouterr()
     assert cli.main(["sweep", str(path), "--workers", "1"]) != 0
     _one_line(capsys, str(summary))
+
+
+@pytest.mark.parametrize("setting", ["t.sweep.json", "sweep.json", "t.tuning.json",
+                                     ".fedloom-sweep.lock", "t.md", "t-digits-curves.png"])
+def test_a_setting_named_like_the_sweeps_own_file_is_refused(tmp_path, capsys, setting):
+    """A setting's folder ``OUT/SETTING`` named as a file the sweep writes there (its
+    state file, its tuning record, its lock, the page and its figures when ``doc:``
+    is in ``out:``): one line naming the field, exit 2, nothing written. It was an
+    ``IsADirectoryError`` traceback that left a ``.tmp``, on every rerun."""
+    cfg = tmp_path / "tiny.yaml"
+    path = _write_suite(tmp_path, doc=str(tmp_path / "a" / "out" / "t.md"),
+                        settings={setting: {"config": str(cfg)}})
+    before = _files(tmp_path)
+    assert cli.main(["sweep", str(path), "--workers", "1"]) == 2
+    _one_line(capsys, str(path), "settings", repr(setting), "reserved")
+    assert _files(tmp_path) == before
+
+
+def test_a_folder_where_the_state_file_goes_is_one_line(tmp_path, monkeypatch, capsys):
+    """``OUT/NAME.sweep.json`` a folder (made by hand): one line naming it, exit 2,
+    before any run; no temporary file left behind."""
+    _in_process(monkeypatch)
+    path = _write_suite(tmp_path)
+    out = tmp_path / "a" / "out"
+    (out / "t.sweep.json").mkdir(parents=True)
+    assert cli.main(["sweep", str(path), "--workers", "1"]) == 2
+    _one_line(capsys, str(out / "t.sweep.json"), "is a directory")
+    assert sorted(p.name for p in out.iterdir()) == [".fedloom-sweep.lock", "t.sweep.json"]
+

@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from fedloom.sweep.checks import drop_missing_data, validate_suite
 from fedloom.sweep.running import _run_all
@@ -62,6 +63,40 @@ def _lock_out(out: Path) -> int:
                                f"({e.strerror or type(e).__name__})") from None
 
 
+def _read_state(suite: Suite) -> dict[str, Any]:
+    """The sweep's state file (:func:`_state_file`) of its earlier invocations; {} when
+    there is none. One that is not a regular file, cannot be read or is not a JSON
+    object: :class:`SweepFolderError` naming it (what a rerun would meet again)."""
+    from fedloom.files import file_kind
+
+    state = _state_file(suite)
+    again = "remove it (the sweep's wall time then starts again from 0)"
+    if not (state.exists() or state.is_symlink()):
+        return {}
+    if not state.is_file():  # a folder made there, a FIFO: never read
+        kind = file_kind(state.lstat().st_mode)
+        raise SweepFolderError(f"{state}: is {kind}, not the sweep's state file; {again}")
+    try:
+        with open(state, "rb") as f:
+            rec = json.loads(f.read(1 << 20))  # a few numbers and lines: 1 MiB is plenty
+    except (OSError, ValueError, RecursionError) as e:
+        why = e.strerror if isinstance(e, OSError) else type(e).__name__
+        raise SweepFolderError(f"{state}: cannot be read as the sweep's state ({why}); "
+                               f"{again}") from None
+    if not isinstance(rec, dict):
+        raise SweepFolderError(f"{state}: holds a {type(rec).__name__}, not the sweep's "
+                               f"state; {again}")
+    return rec
+
+
+def _write_state(suite: Suite, rec: dict[str, Any]) -> None:
+    """``OUT/NAME.sweep.json``, replaced whole (:func:`fedloom.files.write_output`: a
+    link there is replaced, not written through; a folder there is one line)."""
+    from fedloom.files import write_output
+
+    write_output(suite.out / f"{suite.name}.sweep.json", json.dumps(rec, indent=2))
+
+
 def run_suite(path: str | Path, workers: int = 2, log: Callable[[str], None] = print,
               report_only: bool = False, csv: str | Path | None = None) -> Suite:
     """Run (or continue) a suite, then make its report (``report_only``: from the runs
@@ -90,8 +125,7 @@ def _report_only(suite: Suite, workers: int, log: Callable[[str], None],
                  csv: str | Path | None) -> Suite:
     from fedloom.report.sweep import write_report
 
-    state = _state_file(suite)
-    prior = json.loads(state.read_text()) if state.exists() else {}
+    prior = _read_state(suite)
     try:
         chosen = _tune(suite, 0, log)
     except (FileNotFoundError, ValueError):
@@ -109,20 +143,17 @@ def _report_only(suite: Suite, workers: int, log: Callable[[str], None],
 
 def _run_locked(suite: Suite, workers: int, log: Callable[[str], None],
                 csv: str | Path | None) -> Suite:
-    from fedloom.files import write_output
     from fedloom.report.sweep import write_report
 
     t0 = time.perf_counter()
-    state = _state_file(suite)
-    prior = float(json.loads(state.read_text()).get("elapsed_s", 0.0)) if state.exists() else 0.0
-    state = suite.out / f"{suite.name}.sweep.json"
+    prior = _read_state(suite)
+    spent = float(prior.get("elapsed_s", 0.0))
 
     def record() -> float:
         """The sweep's wall time so far, summed over continued invocations, written
         after every batch: a sweep that is killed keeps what it had spent."""
-        total = prior + time.perf_counter() - t0
-        # replaced whole: a link there is replaced, never written through
-        write_output(state, json.dumps({"elapsed_s": total, "workers": workers}, indent=2))
+        total = spent + time.perf_counter() - t0
+        _write_state(suite, {"elapsed_s": total, "workers": workers})
         return total
 
     def run_batch(batch: list[RunSpec]) -> None:

@@ -265,7 +265,8 @@ def _suite_name(raw: dict[str, Any]) -> str:
 def _check_names(p: Path, raw: dict[str, Any]) -> None:
     """Every name of the suite that becomes part of a path is one file or folder name
     (fedloom.names): the suite's (``OUT/NAME.sweep.json``, the page's plots), each
-    setting's (``OUT/SETTING``), each method's folder (``OUT/SETTING/METHOD``, its name
+    setting's (``OUT/SETTING``, never a name of the sweep's own files there:
+    :func:`_reserved_names`), each method's folder (``OUT/SETTING/METHOD``, its name
     encoded; two methods never share one) and each ``report.across`` panel's (its
     plot). :class:`ConfigError` naming the field otherwise, before anything is
     written."""
@@ -275,8 +276,13 @@ def _check_names(p: Path, raw: dict[str, Any]) -> None:
     if not isinstance(raw["settings"], dict) or not isinstance(raw["methods"], dict):
         what = "settings" if not isinstance(raw["settings"], dict) else "methods"
         raise ConfigError(f"{p}: {what}: needs a mapping of names")
+    reserved = _reserved_names(raw)
     for setting in raw["settings"]:
         path_component(setting, f"{p}: settings")
+        if setting in reserved:
+            out = Path(raw.get("out", f"runs/{_suite_name(raw)}"))
+            raise ConfigError(f"{p}: settings: {setting!r} is reserved: {out / setting} is "
+                              f"{reserved[setting]} (rename the setting)")
     folders: dict[str, str] = {}
     for method in raw["methods"]:
         if not isinstance(method, str):
@@ -294,6 +300,27 @@ def _check_names(p: Path, raw: dict[str, Any]) -> None:
             # the plot's file: NAME-PANEL.png, PANEL its name, else its metric
             path_component(panel.get("name", panel.get("metric", "client_acc_mean")),
                            f"{p}: report.across.panels[{i}].name")
+
+
+def _reserved_names(raw: dict[str, Any]) -> dict[str, str]:
+    """The names the sweep's own files take in ``out:``, each with what it is: a
+    setting's folder ``OUT/SETTING`` must not be one of them (the sweep would write
+    its file onto the folder, or the runs into its file). Method folders are a level
+    deeper (``OUT/SETTING/METHOD``), where the sweep writes nothing else. When the
+    page goes into ``out:`` too, its name and its figures' (``NAME-….png``)."""
+    name = _suite_name(raw)
+    names = {f"{name}.sweep.json": "the sweep's state file",
+             "sweep.json": "the state file of a sweep from before suites had names",
+             f"{name}.tuning.json": "the sweep's tuning record",
+             SWEEP_LOCK: "the sweep's lock file"}
+    doc, out = raw.get("doc"), raw.get("out", f"runs/{name}")
+    if isinstance(doc, str) and doc and isinstance(out, str) and (
+            Path(doc).resolve().parent == Path(out).resolve()):
+        names[Path(doc).name] = "the sweep's page (doc:)"
+        figures = [s for s in raw["settings"] if isinstance(s, str)
+                   and s.startswith(f"{name}-") and s.lower().endswith(".png")]
+        names.update(dict.fromkeys(figures, "the name of one of the page's figures (doc:)"))
+    return names
 
 
 CLAIM_KEYS = {"claim", "method", "against", "metric", "better", "margin", "settings"}
