@@ -251,3 +251,31 @@ def test_a_folder_where_the_state_file_goes_is_one_line(tmp_path, monkeypatch, c
     _one_line(capsys, str(out / "t.sweep.json"), "is a directory")
     assert sorted(p.name for p in out.iterdir()) == [".fedloom-sweep.lock", "t.sweep.json"]
 
+
+def test_a_run_that_resumed_from_prev_is_printed_and_recorded(tmp_path, monkeypatch, capsys):
+    """A stopped run whose ``last.pt`` is damaged resumes from ``prev.pt``: the sweep
+    prints the run's line naming it (the run's stderr is otherwise dropped when it
+    succeeds) and keeps it in ``OUT/NAME.sweep.json`` (``checkpoint_fallbacks``)."""
+    import json
+
+    _in_process(monkeypatch)
+    cfg = {**CONFIG, "rounds": 3, "checkpoint": {"every": 1}, "logging": {"plots": False}}
+    path = _write_suite(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli.main(["sweep", str(path), "--workers", "1"]) == 0
+    run = tmp_path / "a" / "out" / "digits" / "FedAvg" / "seed1"
+    (run / "summary.json").unlink()  # stopped before its end
+    last = run / "checkpoints" / "last.pt"
+    data = bytearray(last.read_bytes())
+    data[-5] ^= 0xFF
+    last.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert cli.main(["sweep", str(path), "--workers", "1"]) == 0
+    said = [x for x in capsys.readouterr().out.splitlines() if "resumed from" in x]
+    assert len(said) == 1, said
+    line = said[0]
+    assert "digits/FedAvg/seed1: " in line and str(last) in line
+    assert f"resumed from {run / 'checkpoints' / 'prev.pt'} (round 2)" in line
+    state = json.loads((tmp_path / "a" / "out" / "t.sweep.json").read_text())
+    assert [line.endswith(x) for x in state["checkpoint_fallbacks"]] == [True]
+    assert (run / "summary.json").exists()

@@ -3,8 +3,10 @@
 It loads and checks the suite, holds ``out:`` for its whole life (an exclusive
 lock on ``OUT/.fedloom-sweep.lock``: :func:`_lock_out`), tunes, runs the main and
 sensitivity runs, and writes the report (:mod:`fedloom.report.sweep`), keeping
-the sweep's wall time over its invocations in ``OUT/NAME.sweep.json``. With
-``report_only`` it makes the page of the runs finished so far and takes no lock.
+the sweep's wall time over its invocations in ``OUT/NAME.sweep.json``, with the
+runs that resumed from ``prev.pt`` because their ``last.pt`` was refused
+(``checkpoint_fallbacks``). With ``report_only`` it makes the page of the runs
+finished so far and takes no lock.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ def _lock_out(out: Path) -> int:
                                f"({e.strerror or type(e).__name__})") from None
 
 
+# OUT/NAME.sweep.json: the lines of the runs that resumed from prev.pt because their
+# last.pt was refused (fedloom.sweep.running), over every invocation
+FALLBACKS_KEY = "checkpoint_fallbacks"
+
+
 def _read_state(suite: Suite) -> dict[str, Any]:
     """The sweep's state file (:func:`_state_file`) of its earlier invocations; {} when
     there is none. One that is not a regular file, cannot be read or is not a JSON
@@ -94,6 +101,8 @@ def _write_state(suite: Suite, rec: dict[str, Any]) -> None:
     link there is replaced, not written through; a folder there is one line)."""
     from fedloom.files import write_output
 
+    if not rec.get(FALLBACKS_KEY):
+        rec = {k: v for k, v in rec.items() if k != FALLBACKS_KEY}
     write_output(suite.out / f"{suite.name}.sweep.json", json.dumps(rec, indent=2))
 
 
@@ -148,17 +157,20 @@ def _run_locked(suite: Suite, workers: int, log: Callable[[str], None],
     t0 = time.perf_counter()
     prior = _read_state(suite)
     spent = float(prior.get("elapsed_s", 0.0))
+    # the runs that resumed from prev.pt in earlier invocations stay on record
+    earlier = [str(x) for x in prior.get(FALLBACKS_KEY, [])]
 
     def record() -> float:
         """The sweep's wall time so far, summed over continued invocations, written
         after every batch: a sweep that is killed keeps what it had spent."""
         total = spent + time.perf_counter() - t0
-        _write_state(suite, {"elapsed_s": total, "workers": workers})
+        _write_state(suite, {"elapsed_s": total, "workers": workers,
+                             FALLBACKS_KEY: [*earlier, *suite.fallbacks]})
         return total
 
     def run_batch(batch: list[RunSpec]) -> None:
         try:
-            _run_all(batch, workers, log)
+            _run_all(batch, workers, log, suite.fallbacks)
         finally:
             record()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -195,7 +196,23 @@ def _check_not_stale(specs: list[RunSpec], imports: bool) -> None:
                              "out:")
 
 
-def _run_all(specs: list[RunSpec], workers: int, log: Callable[[str], None]) -> None:
+# What a run logs when it resumed from prev.pt because its last.pt was refused
+# (fedloom.engine.rundir._set_aside: "…; resumed from RUN/checkpoints/prev.pt (round R)…")
+_FALLBACK = re.compile(r"; resumed from .*prev\.pt \(round \d+\)")
+
+
+def _fallback_lines(stderr: str) -> list[str]:
+    """The lines of a run's stderr that say it resumed from ``prev.pt`` (:data:`_FALLBACK`)."""
+    return [ln.strip().removeprefix("fedloom: ") for ln in stderr.splitlines()
+            if _FALLBACK.search(ln)]
+
+
+def _run_all(specs: list[RunSpec], workers: int, log: Callable[[str], None],
+             fallbacks: list[str] | None = None) -> None:
+    """Run the runs of ``specs`` not finished, ``workers`` at a time (module docstring).
+    A run's stderr is kept only when it fails, so a run that resumed from ``prev.pt``
+    because its ``last.pt`` was refused would pass unseen: its line is logged, naming
+    the run, and appended to ``fallbacks`` (the sweep keeps them in its state file)."""
     _check_not_stale(specs, imports=workers > 0)  # workers 0: a report, which runs no code
     todo = [s for s in specs if not s.done]
     if workers <= 0:  # report only: run nothing
@@ -216,6 +233,11 @@ def _run_all(specs: list[RunSpec], workers: int, log: Callable[[str], None]) -> 
             cmd = spec.command()
         t0 = time.perf_counter()
         rc, stderr = launcher(cmd, env)
+        for line in _fallback_lines(stderr):
+            note = f"{spec.setting}/{spec.out.parent.name}/seed{spec.seed}: {line}"
+            log(note)
+            if fallbacks is not None:
+                fallbacks.append(note)
         if rc != 0:
             msg = (f"{spec.setting}/{spec.method}/seed{spec.seed} failed: "
                    f"{(stderr.strip().splitlines() or ['?'])[-1]}")

@@ -97,6 +97,9 @@ class Suite:
     trial_specs: list[RunSpec] = field(default_factory=list)  # every tuning run asked for
     sensitivity_specs: dict[tuple[str, str], list[tuple[Any, list[RunSpec]]]] = field(
         default_factory=dict)
+    # Filled as runs end: the line of each run that resumed from prev.pt because its
+    # last.pt was refused (printed, and kept in OUT/NAME.sweep.json)
+    fallbacks: list[str] = field(default_factory=list)
 
     def space(self, setting: str, method: str) -> Space:
         """The method's space in a setting: the suite's, the setting's, the method's."""

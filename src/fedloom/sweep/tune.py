@@ -56,7 +56,7 @@ def tuned_values(
                 ov = [o.replace(TUNE, str(value)) for o in suite.methods[method]]
                 specs[(setting, method, value)] = _spec(suite, setting, method, suite.tune_seed,
                                                         ov, tag=_tune_tag(value))
-    _run_all(list(specs.values()), workers, log)
+    _run_all(list(specs.values()), workers, log, suite.fallbacks)
     chosen: dict[tuple[str, str], Any] = {}
     for setting in suite.settings:
         for method, t in suite.tune.items():
@@ -113,7 +113,7 @@ def tune_protocol(suite: Suite, workers: int, log: Callable[[str], None]
 
     def run_trials(sps: list[RunSpec]) -> None:
         suite.trial_specs.extend(sps)  # the page's compute counts them
-        _run_trials(sps, workers, log)
+        _run_trials(sps, workers, log, suite.fallbacks)
 
     def record(step_pairs: list[tuple[str, str]], index: int) -> None:
         for pair in step_pairs:
@@ -162,12 +162,14 @@ def tune_protocol(suite: Suite, workers: int, log: Callable[[str], None]
     return chosen
 
 
-def _run_trials(specs: list[RunSpec], workers: int, log: Callable[[str], None]) -> None:
+def _run_trials(specs: list[RunSpec], workers: int, log: Callable[[str], None],
+                fallbacks: list[str]) -> None:
     """Tuning runs: one that fails scores worst (NaN) and the tuning goes on. Trials
     in ``out:`` that hold another config stop the sweep (:class:`StaleRunsError`), as
-    main runs do: a stale trial must not be scored, nor chosen."""
+    main runs do: a stale trial must not be scored, nor chosen. ``fallbacks``: as
+    :func:`~fedloom.sweep.running._run_all`'s."""
     try:
-        _run_all(specs, workers, log)
+        _run_all(specs, workers, log, fallbacks)
     except StaleRunsError:
         raise
     except SweepError as e:
