@@ -6,6 +6,7 @@ The configs have ragged client sizes (Dirichlet), partial participation (4 of
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -26,7 +27,8 @@ def _at_once(monkeypatch: pytest.MonkeyPatch, extra: list[str]):
     from fedloom.engine.backends import SequentialBackend
 
     with monkeypatch.context() as mp:
-        mp.setattr(SequentialBackend, "streams", False)
+        mp.setattr(SequentialBackend, "capabilities", dataclasses.replace(
+            SequentialBackend.capabilities, streams=False))
         return fedloom.run(TINY, extra)
 
 
@@ -170,7 +172,7 @@ def test_process_workers_write_the_server_rows_float32(monkeypatch, inner):
 
     def spy_train(self, jobs, on_result=None):
         out = train(self, jobs, on_result)
-        rows = getattr(on_result, "rows", None)
+        rows = on_result.rows if on_result is not None else None
         adopted.append(rows is not None and self._out.data_ptr() == rows.data_ptr())
         return out
 
@@ -259,6 +261,8 @@ def test_process_workers_follow_the_server_rows_as_the_cohort_grows():
         big = torch.zeros((len(jobs), exp.layout.size)).share_memory_()
 
         class Sink:
+            client_side = None  # nothing of the uplink done in the workers
+
             def __init__(self, rows):
                 self.rows = rows
 

@@ -57,7 +57,7 @@ BEFORE: dict[tuple[str, str, tuple[tuple[str, Any], ...]], dict[str, Any]] = {
     ("aggregator", "hetlora", ()): {"requires": {"w"}, "weighted": True},
     ("compressor", "bf16", ()): {"linear": True, "pure": True},
     ("compressor", "fp16", ()): {"linear": True, "pure": True},
-    ("compressor", "identity", ()): {"linear": True, "pure": True},
+    ("compressor", "identity", ()): {"linear": True, "pure": True, "decode_into": True},
     ("compressor", "qsgd", ()): {"pure": True},
     ("compressor", "randk", ()): {"pure": True},
     ("compressor", "sign", ()): {"pure": True},
@@ -84,9 +84,12 @@ BEFORE: dict[tuple[str, str, tuple[tuple[str, Any], ...]], dict[str, Any]] = {
     ("method", "fedbabu", ()): {"batched": True},
     ("method", "fedsa_lora", ()): {},
     ("method", "hetlora", ()): {},
-    **{("backend", b, ()): {} for b in ("auto", "lockstep", "sequential", "vmap")},
-    ("backend", "process", ()): {"ships_indices": True},
-    ("backend", "ray", ()): {"ships_indices": True},
+    # auto: before its choice (then the chosen backend's, test_auto_reads_the_chosen_caps)
+    **{("backend", b, ()): {} for b in ("auto", "lockstep", "vmap")},
+    ("backend", "sequential", ()): {"streams": True, "writes_rows": True, "shared_rows": False},
+    ("backend", "process", ()): {"ships_indices": True, "streams": True, "writes_rows": True,
+                                 "worker_threads": 1},
+    ("backend", "ray", ()): {"ships_indices": True, "streams": True, "worker_threads": 1},
 }
 
 CAPS = {"aggregator": AggregatorCaps, "compressor": CompressorCaps, "feedback": FeedbackCaps,
@@ -108,10 +111,16 @@ def _lora_layout() -> Layout:
 
 def _built(kind: str, name: str, options: dict[str, Any]) -> Any:
     """The component as the engine holds it (a backend: its class, whose factory
-    needs a trainer; the capabilities are class attributes)."""
+    needs a trainer, or where its capabilities read its settings, an instance of it
+    with those settings only: one thread a worker, nothing chosen yet)."""
     factory = get(kind, name)
     if kind == "backend":
-        return typing.get_type_hints(factory)["return"]
+        cls = typing.get_type_hints(factory)["return"]
+        if not isinstance(vars(cls).get("capabilities"), property):
+            return cls
+        obj = cls.__new__(cls)  # no workers, pool or Ray cluster started
+        vars(obj).update({"chosen": None} if name == "auto" else {"worker_threads": 1})
+        return obj
     # FedSA-LoRA and HetLoRA split a LoRA adapter's A and B: a layout that has them
     layout = _lora_layout() if name in ("fedsa_lora", "hetlora") else _layout()
     extra = accepted_options(factory, {"layout": layout})
@@ -247,3 +256,188 @@ def test_the_engine_probes_no_capability_flag_by_name():
     bad = [f"{p.relative_to(SRC)}:{line}: {name}" for p in files
            for line, name in _probes(p) if name in FLAGS]
     assert not bad, "capability flags probed by name:\n" + "\n".join(bad)
+
+
+def test_the_engine_looks_nothing_up_by_name():
+    """No ``getattr``/``hasattr`` in ``fedloom.engine`` at all: what it once probed on a
+    component is a capability field, a protocol member, or read by one of the
+    functions of fedloom.capabilities."""
+    bad = [f"{p.relative_to(SRC)}:{node.lineno}" for p in sorted((SRC / "engine").rglob("*.py"))
+           for node in ast.walk(ast.parse(p.read_text(), str(p)))
+           if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+           and node.func.id in ("getattr", "hasattr")]
+    assert not bad, "getattr/hasattr in the engine:\n" + "\n".join(bad)
+
+
+class _PlainBackend:
+    """A plug-in backend written as a plain class: no capabilities, name or close()."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def train_cohort(self, jobs):  # takes no on_result: it does not stream
+        return self.inner.train_cohort(jobs)
+
+
+class _PlainCompressor:
+    """A plug-in compressor without capabilities (the identity's bytes)."""
+
+    name = "plain"
+    checksum = True
+
+    def __init__(self) -> None:
+        from fedloom.compress.identity import Identity
+
+        self.inner = Identity()
+
+    def encode(self, x, *, gen=None):
+        return self.inner.encode(x, gen=gen)
+
+    def decode(self, payload, d=None):
+        return self.inner.decode(payload, d)
+
+
+def test_a_plug_in_without_the_new_fields_has_their_defaults():
+    """What the engine's probes answered for a plug-in that had none of it: no
+    streaming, rows that would need shared memory, no worker threads, decode then
+    copy; its own ``close()`` and ``name`` where it has them, else nothing to stop and
+    the config's name. Silently."""
+    from fedloom.capabilities import backend_close, backend_name, model_vmap
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert backend_caps(_PlainBackend(None)) == BackendCaps(
+            ships_indices=False, streams=False, writes_rows=False, shared_rows=True,
+            worker_threads=None)
+        assert compressor_caps(_PlainCompressor()) == CompressorCaps(decode_into=False)
+    assert backend_name(_PlainBackend(None), "mine") == "mine"
+    assert backend_close(_PlainBackend(None))() is None
+    closed: list[bool] = []
+
+    class Closing(_PlainBackend):
+        name = "closing"
+
+        def close(self) -> None:
+            closed.append(True)
+
+    closing = Closing(None)
+    backend_close(closing)()
+    assert closed == [True] and backend_name(closing, "mine") == "closing"
+    module = torch.nn.Linear(2, 2)
+    assert model_vmap(module)
+    module.fedloom_vmap = False  # a model that torch.func may not batch
+    assert not model_vmap(module)
+
+
+def test_the_probed_attributes_of_an_old_plug_in_are_translated():
+    """A plug-in that set the attributes the engine probed before they were fields
+    (``streams = True``, a ``decode_into`` method) keeps their meaning, with the one
+    deprecation message."""
+    old = _fresh("OldStreaming", streams=True, writes_rows=True, shared_rows=False,
+                 worker_threads=2)()
+    with pytest.warns(DeprecationWarning, match="streams, writes_rows, shared_rows, "
+                                                "worker_threads; declare"):
+        assert backend_caps(old) == BackendCaps(streams=True, writes_rows=True,
+                                                shared_rows=False, worker_threads=2)
+    into = _fresh("OldInto", (_PlainCompressor,), decode_into=lambda self, p, out: out)()
+    with pytest.warns(DeprecationWarning, match=r"decode_into; declare .*decode_into=True"):
+        assert compressor_caps(into) == CompressorCaps(decode_into=True)
+
+
+def test_auto_reads_the_chosen_caps():
+    """``backend: auto`` has the chosen backend's streaming, rows and worker threads,
+    never ``ships_indices`` (its jobs carry their samples); none before the choice."""
+    from fedloom.engine.auto import AutoBackend
+    from fedloom.engine.backends import SequentialBackend
+    from fedloom.engine.parallel import ProcessBackend
+
+    auto = AutoBackend.__new__(AutoBackend)
+    auto.chosen = None
+    assert backend_caps(auto) == BackendCaps()
+    auto.chosen = SequentialBackend.__new__(SequentialBackend)
+    assert backend_caps(auto) == BackendCaps(streams=True, writes_rows=True, shared_rows=False)
+    auto.chosen = ProcessBackend.__new__(ProcessBackend)
+    auto.chosen.worker_threads = 3
+    assert backend_caps(auto) == BackendCaps(streams=True, writes_rows=True, worker_threads=3)
+
+
+def _rounds(exp: Any, n: int = 2) -> Any:
+    st = exp.initial_state()
+    try:
+        for _ in range(n):
+            st, _ = exp.round(st)
+    finally:
+        exp.close()
+    return st
+
+
+def test_the_engine_honours_a_plug_in_backends_declared_fields(tiny):
+    """A plain plug-in backend runs without streaming (its ``train_cohort`` takes no
+    sink), is closed without a ``close()`` and named by the config; one that declares
+    ``streams`` and ``writes_rows`` gets the early uplink's sink, with rows in this
+    process's memory where it says ``shared_rows=False``. Both give the built-in's
+    model, bit for bit."""
+    from fedloom.config import load_config
+    from fedloom.engine.experiment import Experiment
+    from fedloom.engine.summary import summarize
+
+    cfg = load_config(tiny, ["dtype=float64"])
+    ref = _rounds(Experiment(cfg))
+    plain = Experiment(cfg)
+    plain.backend = _PlainBackend(plain.backend)
+    st = _rounds(plain)
+    assert torch.equal(st.w, ref.w)
+    assert summarize(plain, st, [])["backend"] == "sequential"  # the config's name
+    assert "worker_threads" not in summarize(plain, st, [])
+
+    sinks: list[Any] = []
+
+    class Streaming(_PlainBackend):
+        capabilities = BackendCaps(streams=True, writes_rows=True, shared_rows=False)
+
+        def train_cohort(self, jobs, on_result=None):
+            sinks.append(on_result)
+            return self.inner.train_cohort(jobs, on_result=on_result)
+
+    streaming = Experiment(cfg)
+    streaming.backend = Streaming(streaming.backend)
+    assert torch.equal(_rounds(streaming).w, ref.w)
+    assert len(sinks) == 2 and all(s is not None and not s.rows.is_shared() for s in sinks)
+
+
+class _Counting(_PlainCompressor):
+    """The identity's bytes, counting how the server decodes them."""
+
+    def __init__(self, decode_into: bool) -> None:
+        super().__init__()
+        self.capabilities = CompressorCaps(pure=True, decode_into=decode_into)
+        self.calls = {"decode": 0, "decode_into": 0}
+
+    def decode(self, payload, d=None):
+        self.calls["decode"] += 1
+        return super().decode(payload, d)
+
+    def decode_into(self, payload, out):
+        self.calls["decode_into"] += 1
+        return self.inner.decode_into(payload, out)
+
+
+@pytest.mark.parametrize("backend", ["sequential", "lockstep"])
+def test_the_engine_decodes_into_the_row_where_a_compressor_declares_it(tiny, backend):
+    """``decode_into`` is used where the compressor declares it (the early uplink's
+    decode with the streaming sequential backend, receive's with lock-step), and
+    ``decode`` then a copy where it does not, though the method is there; the same
+    model either way."""
+    from fedloom.config import load_config
+    from fedloom.engine.components import Components
+    from fedloom.engine.experiment import Experiment
+
+    cfg = load_config(tiny, ["dtype=float64", f"backend={backend}"])
+    ws = []
+    for into in (True, False):
+        comp = _Counting(into)
+        ws.append(_rounds(Experiment(cfg, components=Components(compressor=comp))).w)
+        used = "decode_into" if into else "decode"
+        assert comp.calls[used] == 2 * tiny["cohort"]["size"], comp.calls
+        assert comp.calls["decode" if into else "decode_into"] == 0, comp.calls
+    assert torch.equal(ws[0], ws[1])

@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import fedloom
+from fedloom.capabilities import backend_caps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, LocalSGD
 from fedloom.config import load_config
@@ -520,10 +521,11 @@ def test_auto_streams_through_the_chosen_process_backend(monkeypatch, early_call
     from fedloom.engine.backends import SequentialBackend
 
     seen = early_calls
-    monkeypatch.setattr(SequentialBackend, "streams", False)  # the reference's rounds
+    monkeypatch.setattr(SequentialBackend, "capabilities", replace(
+        SequentialBackend.capabilities, streams=False))  # the reference's rounds
     over = ["backend.name=auto", "backend.workers=2", "dtype=float64"]
     exp = Experiment(load_config(SYN, over))
-    assert not exp.backend.streams
+    assert not backend_caps(exp.backend).streams
     exp.backend.measure = _fake_measure(
         {"sequential": 3.0, "lockstep": 2.0, "process": 1.0, "process+lockstep": 1.5}, [])
     ref = Experiment(load_config(SYN, ["dtype=float64"]))
@@ -533,7 +535,8 @@ def test_auto_streams_through_the_chosen_process_backend(monkeypatch, early_call
             st, _ = exp.round(st)
             st_ref, _ = ref.round(st_ref)
             if r == 0:
-                assert not seen and exp.backend.name == "process" and exp.backend.streams
+                assert (not seen and exp.backend.name == "process"
+                        and backend_caps(exp.backend).streams)
         assert len(seen) == 2 * exp.cfg.cohort.size
         assert torch.equal(st.w, st_ref.w)
     finally:

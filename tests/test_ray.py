@@ -6,6 +6,8 @@ down after it; the tests skip where Ray is not installed (``fedloom[ray]``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import fedloom
@@ -121,7 +123,8 @@ def test_ray_tasks_do_their_clients_uplink(monkeypatch, early_calls, extra):
     from fedloom.engine.backends import SequentialBackend
 
     with monkeypatch.context() as mp:
-        mp.setattr(SequentialBackend, "streams", False)
+        mp.setattr(SequentialBackend, "capabilities", dataclasses.replace(
+            SequentialBackend.capabilities, streams=False))
         ref = fedloom.run(TINY, ["dtype=float64", *extra])
     assert not early_calls
     res = fedloom.run(TINY, ["dtype=float64", "backend=ray", "backend.workers=2", *extra])

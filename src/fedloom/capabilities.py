@@ -16,6 +16,12 @@ the engine probed with a default; a plug-in that still does is translated by the
 reader, with one deprecation message naming it, and runs as it did. A loose flag
 set below a declared ``capabilities`` (a plug-in's subclass of a built-in that
 sets ``row_only = False``) overrides that field the same way.
+
+The engine looks nothing up on a component by name: what it once probed
+(``getattr(backend, "streams", False)``, a compressor's ``decode_into``) is a
+field here. The few protocol members a plug-in written before them may lack (a
+backend's ``close()`` and ``name``) and a model's own ``fedloom_vmap`` are read
+by the functions below the readers, with the answer they had before.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 __all__ = ["AggregatorCaps", "BackendCaps", "CompressorCaps", "FeedbackCaps", "FromCapabilities",
-           "MethodCaps", "SelectorCaps", "aggregator_caps", "backend_caps", "compressor_caps",
-           "feedback_caps", "method_caps", "selector_caps"]
+           "MethodCaps", "SelectorCaps", "aggregator_caps", "backend_caps", "backend_close",
+           "backend_name", "compressor_caps", "feedback_caps", "method_caps", "model_vmap",
+           "selector_caps"]
 
 log = logging.getLogger("fedloom")
 
@@ -67,6 +74,10 @@ class CompressorCaps:
     # only (no state, nothing of the cohort), and the object pickles: a ``process``
     # worker may encode its client's update where it was made.
     pure: bool = False
+    # It has ``decode_into(payload, out)``: decodes straight into the server's row
+    # ``out`` and returns it (the identity's, with no copy); otherwise the server
+    # copies ``decode(payload, d)`` into the row.
+    decode_into: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,6 +112,16 @@ class BackendCaps:
     # Jobs carry data_index and the backend gathers the samples where it trains (its
     # workers hold the data): the engine ships no copy of a client's samples.
     ships_indices: bool = False
+    # ``train_cohort(jobs, on_result=sink)`` hands each result to the sink as it is
+    # trained (the engine's early uplink works on it while the others still train).
+    streams: bool = False
+    # It writes each update into the sink's ``rows`` (the server's), where it can.
+    writes_rows: bool = False
+    # The rows it writes must be in shared memory (its workers are other processes).
+    shared_rows: bool = True
+    # The torch threads each of its worker processes runs with (summary.json's
+    # worker_threads); None: it trains in this process, with the run's threads.
+    worker_threads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -121,7 +142,8 @@ Caps = TypeVar("Caps", AggregatorCaps, CompressorCaps, FeedbackCaps, MethodCaps,
 _TRANSLATE: dict[str, Callable[[Any], Any]] = {
     "requires": frozenset,
     "full_participation": bool, "linear": bool, "dp_mean": bool, "weighted": bool,
-    "row_only": bool, "ships_indices": bool,
+    "row_only": bool, "ships_indices": bool, "decode_into": bool,
+    "streams": bool, "writes_rows": bool, "shared_rows": bool,
 }
 _WARNED: set[tuple[str, str]] = set()
 
@@ -154,6 +176,37 @@ def backend_caps(obj: object) -> BackendCaps:
 def selector_caps(obj: object) -> SelectorCaps:
     """The capabilities of client selector ``obj``."""
     return _read(obj, SelectorCaps, "selector")
+
+
+# Members of a protocol that a plug-in written before them may lack, looked up here
+# (the engine calls the protocol; it probes no component): the plug-in's own where
+# it has one, else the answer it had before they were on the protocol.
+
+def backend_name(obj: object, default: str) -> str:
+    """Backend ``obj``'s ``name`` (auto's: the backend it chose); ``default`` (the
+    config's ``backend.name``) for a plug-in without one."""
+    name: str = getattr(obj, "name", default)
+    return name
+
+
+def backend_close(obj: object) -> Callable[[], None]:
+    """Backend ``obj``'s ``close()``, which stops what it started (workers, a pool, a
+    Ray instance) when the run ends; every built-in has one. For a plug-in without
+    one, a call that does nothing."""
+    close: Callable[[], None] | None = getattr(obj, "close", None)
+    return close if close is not None else _nothing
+
+
+def model_vmap(module: object) -> bool:
+    """Whether model ``module`` lets torch.func batch its clients (the ``vmap`` backend):
+    a model says it may not with the attribute ``fedloom_vmap = False`` (a causal LM
+    with gradient checkpointing, whose layers call ``requires_grad_`` inside the
+    forward, which torch.func refuses); by default it may."""
+    return bool(getattr(module, "fedloom_vmap", True))
+
+
+def _nothing() -> None:
+    return None
 
 
 class FromCapabilities:

@@ -30,7 +30,8 @@ import torch
 
 __all__ = ["CUBLAS_WORKSPACE", "apply_threads", "configure", "describe", "full_float32",
            "keep_freed_heap", "peak_memory_mb", "peak_rss_mb",
-           "reset_peak", "resolve", "to_device", "to_host", "worker_threads"]
+           "reset_peak", "resolve", "storage_use_count", "to_device", "to_host",
+           "worker_threads"]
 
 CUBLAS_WORKSPACE = ":4096:8"
 
@@ -243,6 +244,17 @@ def peak_rss_mb() -> float:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes.
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def storage_use_count(t: torch.Tensor) -> int:
+    """References to ``t``'s storage (every view of it holds one), from torch's
+    private ``torch._C._storage_Use_Count`` (torch 2.x): probed here, with the other
+    torch-version helpers, not where the count is used. Where a torch version lacks
+    it, every buffer counts as still in use (a new one each time: as safe as a copy)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:  # pragma: no cover (present in torch 2.x)
+        return 1 << 30
+    return int(count(t.untyped_storage()._cdata))
 
 
 def to_device(obj: Any, device: torch.device, *, pin: bool = False) -> Any:

@@ -30,14 +30,19 @@ class LocalMethod:
 
     ``capabilities``: a :class:`~fedloom.capabilities.MethodCaps`, read from the
     method's factory as well (before the run is built: ``model_buffers``, the buffer
-    policy a method is, sets ``model.buffers``); ``check_trainer(trainer)``, where a
-    method defines it, refuses trainer settings it cannot run with (one-line
-    ``ValueError``) when the run is built.
+    policy a method is, sets ``model.buffers``); :meth:`check_trainer` refuses trainer
+    settings the method cannot run with when the run is built.
     """
 
     name = "sgd"
     personal = False  # True when clients keep personal models to evaluate
     capabilities = MethodCaps()
+
+    def check_trainer(self, trainer: LocalSGD) -> None:
+        """Raise a one-line ``ValueError`` on trainer settings this method cannot run
+        with (APFL's and MOON's); called once, when the run is built. By default,
+        every setting is fine."""
+        return None
 
     def fields(self, d: int) -> dict[str, FieldSpec]:
         return {}

@@ -177,8 +177,10 @@ class Compressor(Protocol):
     ``checksum``: whether payloads carry (and ``decode`` requires) the CRC-32C trailer.
     ``capabilities``: a :class:`~fedloom.capabilities.CompressorCaps` (``linear``:
     payloads are dense values on the same coordinates for every client, so a sum-only,
-    secure-aggregation server can add them, :mod:`fedloom.privacy`); its defaults
-    when absent, read by :func:`~fedloom.capabilities.compressor_caps`.
+    secure-aggregation server can add them, :mod:`fedloom.privacy`; ``decode_into``: it
+    has ``decode_into(payload, out)``, which decodes into the server's row ``out`` and
+    returns it); its defaults when absent, read by
+    :func:`~fedloom.capabilities.compressor_caps`.
     """
 
     name: str

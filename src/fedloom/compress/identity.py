@@ -54,8 +54,9 @@ class InPlacePayload:
 
 class Identity:
     name = "identity"
-    # a dense vector: a sum of payload vectors is the sum of the updates
-    capabilities = CompressorCaps(linear=True, pure=True)
+    # a dense vector: a sum of payload vectors is the sum of the updates; decoded
+    # straight into the server's row (decode_into)
+    capabilities = CompressorCaps(linear=True, pure=True, decode_into=True)
 
     def __init__(self, checksum: bool = True) -> None:
         self.checksum = check_checksum_option(checksum)

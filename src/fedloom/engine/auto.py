@@ -22,19 +22,20 @@ faster on two idle cores (docs/explanation/backends.md, auto).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Protocol
 
 import torch
 
-from fedloom.capabilities import BackendCaps
+from fedloom.capabilities import BackendCaps, backend_caps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig
-from fedloom.engine.backends import SequentialBackend
+from fedloom.engine.backends import Backend, ResultSink, SequentialBackend
 from fedloom.engine.lockstep import LockstepBackend, job_reason, shape_reason
 from fedloom.engine.vmap import VmapBackend
 from fedloom.registry import register
@@ -46,8 +47,16 @@ CANDIDATES = ("sequential", "lockstep", "vmap", "process", "process+lockstep")
 
 log = logging.getLogger("fedloom")
 
+
+class Candidate(Backend, Protocol):
+    """A backend auto may time (each is a built-in): the protocol's members, and
+    ``warm_up()``, which starts what it would start on first use (a pool's workers)."""
+
+    def warm_up(self) -> None: ...
+
+
 # (backend, jobs) -> (its results, seconds): how a candidate is timed (a test injects one)
-Measure = Callable[[Any, Sequence[ClientJob]], "tuple[list[ClientResult | None], float]"]
+Measure = Callable[[Candidate, Sequence[ClientJob]], "tuple[list[ClientResult | None], float]"]
 
 
 def lockstep_reason(ls: LockstepBackend, jobs: Sequence[ClientJob]) -> str | None:
@@ -70,11 +79,11 @@ def choose(times: Mapping[str, float]) -> str:
     return min(times, key=lambda n: (times[n], rank.get(n, len(rank)), n))
 
 
-def timed(backend: Any, jobs: Sequence[ClientJob]) -> tuple[list[ClientResult | None], float]:
+def timed(backend: Candidate, jobs: Sequence[ClientJob]
+          ) -> tuple[list[ClientResult | None], float]:
     """The default :data:`Measure`: start a pool's workers and train the first job
     alone (set-up, untimed), then the whole cohort, timed."""
-    if hasattr(backend, "warm_up"):
-        backend.warm_up()
+    backend.warm_up()
     backend.train_cohort(list(jobs[:1]))
     t = time.perf_counter()
     out = backend.train_cohort(jobs)
@@ -83,10 +92,6 @@ def timed(backend: Any, jobs: Sequence[ClientJob]) -> tuple[list[ClientResult | 
 
 class AutoBackend:
     """See the module docstring."""
-
-    # Its in-process candidates train on the samples each job carries (a chosen process
-    # backend drops them before shipping a job).
-    capabilities = BackendCaps()
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor | None = None,
                  y: torch.Tensor | None = None, workers: int = 0,
@@ -100,16 +105,16 @@ class AutoBackend:
         self.vmap = VmapBackend(trainer, method, x=x, y=y)
         self.lockstep = LockstepBackend(trainer, method, x=x, y=y)
         self.measure: Measure = measure or timed
-        self.chosen: Any = None
+        self.chosen: Candidate | None = None
         self.name = "auto"
         self.times: dict[str, float] = {}
 
-    def candidates(self, jobs: Sequence[ClientJob]) -> dict[str, Callable[[], Any]]:
+    def candidates(self, jobs: Sequence[ClientJob]) -> dict[str, Callable[[], Candidate]]:
         """The candidates that apply to a first cohort ``jobs``, in :data:`CANDIDATES`
         order, each as a function that builds it (a process pool starts on first use)."""
         p = next(self.trainer.module.parameters(), None)
         device = p.device if p is not None else torch.device("cpu")
-        out: dict[str, Callable[[], Any]] = {"sequential": lambda: self.seq}
+        out: dict[str, Callable[[], Candidate]] = {"sequential": lambda: self.seq}
         why = lockstep_reason(self.lockstep, jobs)
         if why is None:
             out["lockstep"] = lambda: self.lockstep
@@ -132,28 +137,23 @@ class AutoBackend:
         return out
 
     @property
-    def streams(self) -> bool:
-        """The chosen backend's (it hands each result to ``on_result`` as it arrives);
-        no before the choice: the first cohort's results are the sequential run's."""
-        return bool(getattr(self.chosen, "streams", False))
-
-    @property
-    def writes_rows(self) -> bool:
-        """The chosen backend's: it writes the updates into ``on_result.rows``."""
-        return bool(getattr(self.chosen, "writes_rows", False))
-
-    @property
-    def shared_rows(self) -> bool:
-        """The chosen backend's: whether the rows it writes must be in shared memory."""
-        return bool(getattr(self.chosen, "shared_rows", True))
+    def capabilities(self) -> BackendCaps:
+        """The chosen backend's streaming, rows and worker threads (none before the
+        choice: the first cohort's results are the sequential run's). Jobs carry
+        their samples: the in-process candidates train on them, and a chosen process
+        backend drops them before shipping a job."""
+        if self.chosen is None:
+            return BackendCaps()
+        return dataclasses.replace(backend_caps(self.chosen), ships_indices=False)
 
     def train_cohort(self, jobs: Sequence[ClientJob],
-                     on_result: Callable[..., None] | None = None) -> list[ClientResult | None]:
+                     on_result: ResultSink | None = None) -> list[ClientResult | None]:
         if self.chosen is not None:
-            if on_result is not None and self.streams:
-                return self.chosen.train_cohort(jobs, on_result=on_result)
+            if on_result is not None and self.capabilities.streams:
+                # a backend that streams takes on_result (sequential, process)
+                return self.chosen.train_cohort(jobs, on_result=on_result)  # type: ignore[call-arg]
             return self.chosen.train_cohort(jobs)
-        built: dict[str, Any] = {}
+        built: dict[str, Candidate] = {}
         out: list[ClientResult | None] = []
         for name, make in self.candidates(jobs).items():
             built[name] = make()
@@ -163,7 +163,7 @@ class AutoBackend:
         self.name = choose(self.times)
         self.chosen = built[self.name]
         for name, b in built.items():
-            if name != self.name and hasattr(b, "close"):
+            if name != self.name:
                 b.close()
         best = self.times[self.name]
         log.info("backend auto: the first cohort (%d clients) on each candidate:\n%s",
@@ -175,7 +175,7 @@ class AutoBackend:
         return out
 
     def close(self) -> None:
-        if self.chosen is not None and hasattr(self.chosen, "close"):
+        if self.chosen is not None:
             self.chosen.close()
 
 

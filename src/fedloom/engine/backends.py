@@ -30,8 +30,8 @@ from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig, ConfigError
 from fedloom.registry import register
 
-__all__ = ["KILL_ENV", "Backend", "SequentialBackend", "balanced_groups", "kill_spec",
-           "light_job", "maybe_die", "take_rows", "with_data"]
+__all__ = ["KILL_ENV", "Backend", "InProcess", "ResultSink", "SequentialBackend",
+           "balanced_groups", "kill_spec", "light_job", "maybe_die", "take_rows", "with_data"]
 
 # Fault injection for tests of worker death (process and ray backends): with
 # ``FEDLOOM_KILL_ONCE=<client>:<marker file>`` in the environment when the backend
@@ -79,17 +79,57 @@ def maybe_die(spec: str | None, jobs: Sequence[ClientJob]) -> None:
 
 class Backend(Protocol):
     """``capabilities``: a :class:`~fedloom.capabilities.BackendCaps` (``ships_indices``:
-    jobs carry ``data_index`` and the backend gathers the samples itself), read by
-    :func:`~fedloom.capabilities.backend_caps`; ``close()``, where a backend has one,
-    stops its workers when the run ends."""
+    jobs carry ``data_index`` and the backend gathers the samples itself; ``streams``,
+    ``writes_rows``, ``shared_rows``: what it does with a :class:`ResultSink`), read by
+    :func:`~fedloom.capabilities.backend_caps`; ``close()`` stops what it started
+    (workers, a pool) when the run ends, and does nothing where it started nothing.
+    A plug-in without ``close()`` or ``name`` is read as before they were here
+    (:func:`~fedloom.capabilities.backend_close`, :func:`~fedloom.capabilities.backend_name`)."""
 
     name: str
-    capabilities: BackendCaps
+
+    @property
+    def capabilities(self) -> BackendCaps: ...
 
     def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]: ...
 
+    def close(self) -> None: ...
 
-class SequentialBackend:
+
+class ResultSink(Protocol):
+    """What a backend that streams (``BackendCaps.streams``) hands each result to, its
+    ``train_cohort(jobs, on_result=sink)``: the engine's early uplink
+    (:class:`~fedloom.engine.uplink.EarlyUplink`). Called as ``sink(position,
+    result)``, or ``sink(position, result, sent)`` with what the client's worker did
+    of its uplink."""
+
+    @property
+    def rows(self) -> torch.Tensor | None:
+        """The server's ``[m, d]`` rows, into which a backend that writes rows puts
+        each update (``BackendCaps.writes_rows``); None: it keeps its own."""
+        ...
+
+    @property
+    def client_side(self) -> Callable[[torch.Tensor, int], Any] | None:
+        """What a worker may do of each client's uplink, ``client_side(update,
+        client)`` (:class:`~fedloom.engine.uplink.ClientSide`); None: nothing."""
+        ...
+
+    def __call__(self, i: int, res: ClientResult, sent: Any = None) -> None: ...
+
+
+class InProcess:
+    """A backend that trains in this process: nothing to start before
+    ``backend: auto`` times it (:meth:`warm_up`), nothing to stop (:meth:`close`)."""
+
+    def warm_up(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class SequentialBackend(InProcess):
     """Clients one after another in this process.
 
     With ``on_result`` (the engine's early uplink), each client's result is handed
@@ -101,29 +141,26 @@ class SequentialBackend:
     without (the tests compare the runs' models and metrics)."""
 
     name = "sequential"
-    capabilities = BackendCaps()  # trains on the samples each job carries
-    #: hands each result to ``on_result`` as it is trained
-    streams = True
-    #: writes the updates into ``on_result.rows`` (this process's memory: not shared)
-    writes_rows = True
-    shared_rows = False
+    # trains on the samples each job carries; hands each result to ``on_result`` as it
+    # is trained and writes the updates into ``on_result.rows`` (this process's
+    # memory: not shared)
+    capabilities = BackendCaps(streams=True, writes_rows=True, shared_rows=False)
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod) -> None:
         self.trainer = trainer
         self.method = method
 
-    def train_cohort(self, jobs: Sequence[ClientJob],
-                     on_result: Callable[[int, ClientResult], None] | None = None
+    def train_cohort(self, jobs: Sequence[ClientJob], on_result: ResultSink | None = None
                      ) -> list[ClientResult | None]:
         if on_result is None:
             return [self.method.run(self.trainer, job) for job in jobs]
-        rows = getattr(on_result, "rows", None)
-        into = getattr(self.trainer, "updates_into", None)
-        direct = (into is not None and type(self.method).run is LocalMethod.run
-                  and isinstance(rows, torch.Tensor) and rows.shape[0] >= len(jobs))
+        rows = on_result.rows
+        if not (type(self.method).run is LocalMethod.run and isinstance(rows, torch.Tensor)
+                and rows.shape[0] >= len(jobs)):
+            rows = None  # each update a vector of its own
         out: list[ClientResult | None] = []
         for i, job in enumerate(jobs):
-            with into(rows[i]) if direct else nullcontext():  # type: ignore[index,misc]
+            with self.trainer.updates_into(rows[i]) if rows is not None else nullcontext():
                 res = self.method.run(self.trainer, job)
             out.append(res)
             hand_over(on_result, i, res)

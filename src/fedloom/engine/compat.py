@@ -138,7 +138,7 @@ def check_selection_scope(cfg: Config, selector: Any, privacy: Any) -> None:
     if selector_caps(selector).uniform:
         return
     name = cfg.cohort.selection.name
-    mode = getattr(cfg.system, "mode", "sync")  # the section's round mode, where it has one
+    mode = cfg.system.mode
     if mode != "sync":
         raise ConfigError(f"cohort.selection.name: {name} chooses synchronous cohorts; "
                           f"system.mode {mode} dispatches clients one by one "

@@ -148,15 +148,15 @@ class Experiment(Setup):
         """Each client's own uplink work, done as its result arrives, where the
         backend hands results over one by one (``process``): on 50 clients a round
         it was a serial tail after the workers returned, the cores idle but one."""
-        if not getattr(self.backend, "streams", False) or not EarlyUplink.applies(
+        caps = backend_caps(self.backend)
+        if not caps.streams or not EarlyUplink.applies(
                 self.algorithm, client_postprocessors(self.attack, self.privacy),
                 self.device, plan):
             return None
         space = self.space
         buffer = self._server_rows()
         rows = buffer.rows(len(plan.jobs), space.layout.size, space.dtype, space.device)
-        if getattr(self.backend, "writes_rows", False) and getattr(self.backend,
-                                                                   "shared_rows", True):
+        if caps.writes_rows and caps.shared_rows:
             # the workers write each update into its server row: no copy of it here
             buffer.share()
         return EarlyUplink(self.algorithm, self.schedule, st, plan, rows)

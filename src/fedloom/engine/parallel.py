@@ -45,8 +45,16 @@ from fedloom.capabilities import BackendCaps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig
-from fedloom.device import configure, keep_freed_heap, to_device, to_host, worker_threads
+from fedloom.device import (
+    configure,
+    keep_freed_heap,
+    storage_use_count,
+    to_device,
+    to_host,
+    worker_threads,
+)
 from fedloom.engine.backends import (
+    ResultSink,
     SequentialBackend,
     balanced_groups,
     hand_over,
@@ -158,16 +166,6 @@ def _host_blob(res: ClientResult | None, out: torch.Tensor, row: int) -> bytes:
     return pickle.dumps(to_host(res), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _use_count(t: torch.Tensor) -> int:
-    """References to ``t``'s storage (every view of it holds one). Without torch's
-    counter (a private function) every buffer counts as still in use: a new one a
-    round, as safe as a copy of every row."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    if count is None:  # pragma: no cover (present in torch 2.x)
-        return 1 << 30
-    return int(count(t.untyped_storage()._cdata))
-
-
 class _RemoteTraceback(Exception):
     """The worker's traceback, attached as the cause of the error it raised."""
 
@@ -265,7 +263,6 @@ class ProcessBackend:
     """``workers`` single-thread processes, each training a share of the cohort."""
 
     name = "process"
-    capabilities = BackendCaps(ships_indices=True)  # jobs carry data_index; workers hold the data
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
                  workers: int = 0, inner: str = "sequential", chunk: int = 0,
@@ -329,35 +326,36 @@ class ProcessBackend:
             raise exc from _RemoteTraceback(f"\n'''\n{tb}'''")
         return msg
 
-    #: whether :meth:`train_cohort` writes the updates into ``on_result.rows`` when
-    #: those are in shared memory (the server's rows: no copy of them in the parent)
-    writes_rows = True
+    @property
+    def capabilities(self) -> BackendCaps:
+        """Jobs carry ``data_index`` (the workers hold the data). :meth:`train_cohort`
+        hands each result to ``on_result`` as it arrives (``streams``: one client at a
+        time from sequential workers, a group at a time from lock-step and vmap ones,
+        which train their group together), and writes the updates into
+        ``on_result.rows`` when those are in shared memory (``writes_rows``: the
+        server's rows, no copy of them in the parent)."""
+        return BackendCaps(ships_indices=True, streams=True, writes_rows=True,
+                           worker_threads=self.worker_threads)
 
     def _writable(self, rows: torch.Tensor, m: int) -> bool:
         return (self.gpus == 0 and rows.device.type == "cpu" and rows.is_shared()
                 and rows.dtype == self.dtype and rows.ndim == 2 and rows.shape[0] >= m
                 and rows.shape[1] == self.d and rows.is_contiguous())
 
-    #: :meth:`train_cohort` hands each result to ``on_result`` as it arrives: one
-    #: client at a time from sequential workers, a group at a time from lock-step and
-    #: vmap ones (they train their group together)
-    streams = True
-
     # ------------------------------------------------------------------ rounds
-    def train_cohort(self, jobs: Sequence[ClientJob],
-                     on_result: Callable[[int, ClientResult], None] | None = None
+    def train_cohort(self, jobs: Sequence[ClientJob], on_result: ResultSink | None = None
                      ) -> list[ClientResult | None]:
-        """Train ``jobs``; with ``on_result`` (where :attr:`streams`), each client's
-        result is also passed to ``on_result(position, result)`` as it arrives,
-        while the workers still train the others. A client whose worker died may be
-        passed again (its group run again: the same result) or end up ``None`` in
-        the returned list (``on_failure: drop``): the list is what counts."""
+        """Train ``jobs``; with ``on_result``, each client's result is also passed
+        to ``on_result(position, result)`` as it arrives, while the workers still
+        train the others. A client whose worker died may be passed again (its group
+        run again: the same result) or end up ``None`` in the returned list
+        (``on_failure: drop``): the list is what counts."""
         # The updates are handed out as rows of the shared buffer, not copies of them
         # (a copy of every update a round, done serially in this process, cost as much
         # as the uplink). A buffer some of whose rows are still referenced (a caller
         # that keeps last round's results) is left to them and a new one is made.
         stream = on_result
-        rows = getattr(stream, "rows", None)
+        rows = stream.rows if stream is not None else None
         if isinstance(rows, torch.Tensor) and self._writable(rows, len(jobs)):
             # The caller's rows (the server's, in shared memory): each update is written
             # where the server reads it. They are the caller's to keep or overwrite.
@@ -369,9 +367,9 @@ class ProcessBackend:
                 self._buf_id += 1
         else:
             if (self._out is None or self._out.shape[0] < len(jobs) or self._out_refs < 0
-                    or _use_count(self._out) > self._out_refs):
+                    or storage_use_count(self._out) > self._out_refs):
                 self._out = torch.empty((len(jobs), self.d), dtype=self.dtype).share_memory_()
-                self._out_refs = _use_count(self._out)
+                self._out_refs = storage_use_count(self._out)
                 self._buf_id += 1
             buf = self._out
         self._seq += 1
@@ -384,13 +382,12 @@ class ProcessBackend:
             raise
 
     def _run_groups(self, jobs: Sequence[ClientJob], buf: torch.Tensor, seq: int,
-                    on_result: Callable[[int, ClientResult], None] | None = None
-                    ) -> list[ClientResult | None]:
+                    on_result: ResultSink | None = None) -> list[ClientResult | None]:
         groups = balanced_groups(jobs, self.workers)
         out: list[ClientResult | None] = [None] * len(jobs)
         shared_w = self._share_model(jobs)
         # the client side of each client's uplink, for the workers to do (on the host)
-        side = getattr(on_result, "client_side", None) if self.gpus == 0 else None
+        side = on_result.client_side if on_result is not None and self.gpus == 0 else None
         pool = self._workers()
         todo: deque[list[int]] = deque(groups)
         deaths = [0] * len(groups)

@@ -17,7 +17,7 @@ import copy
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig, ConfigError
 from fedloom.device import configure, keep_freed_heap, to_device, to_host, worker_threads
 from fedloom.engine.backends import (
+    ResultSink,
     balanced_groups,
     hand_over,
     kill_spec,
@@ -96,11 +97,6 @@ class RayBackend:
     """Client training in Ray tasks; see the module docstring."""
 
     name = "ray"
-    capabilities = BackendCaps(ships_indices=True)  # jobs carry data_index; workers hold the data
-    #: :meth:`train_cohort` hands each group's results to ``on_result`` as its task
-    #: returns (in the order the tasks finish), with what the task did of each
-    #: client's uplink (:class:`~fedloom.engine.uplink.ClientSide`)
-    streams = True
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
                  cfg: BackendConfig) -> None:
@@ -156,8 +152,16 @@ class RayBackend:
         self._task = ray.remote(num_cpus=self.worker_threads, num_gpus=gpus,
                                 max_retries=retries, retry_exceptions=False)(_train_group)
 
-    def train_cohort(self, jobs: Sequence[ClientJob],
-                     on_result: Callable[..., None] | None = None
+    @property
+    def capabilities(self) -> BackendCaps:
+        """Jobs carry ``data_index`` (the tasks read the data from the object store);
+        :meth:`train_cohort` hands each group's results to ``on_result`` as its task
+        returns (``streams``: in the order the tasks finish), with what the task did
+        of each client's uplink (:class:`~fedloom.engine.uplink.ClientSide`)."""
+        return BackendCaps(ships_indices=True, streams=True,
+                           worker_threads=self.worker_threads)
+
+    def train_cohort(self, jobs: Sequence[ClientJob], on_result: ResultSink | None = None
                      ) -> list[ClientResult | None]:
         """Train ``jobs``; with ``on_result``, each group's results are also passed to
         ``on_result(position, result[, sent])`` as its task returns, and the tasks do
@@ -165,7 +169,7 @@ class RayBackend:
         The returned list is what counts (a dropped group's clients are ``None``)."""
         ray = self.ray
         groups = balanced_groups(jobs, self.workers)
-        side = getattr(on_result, "client_side", None) if not self.gpus else None
+        side = on_result.client_side if on_result is not None and not self.gpus else None
         refs = [self._task.remote(self._setup, self._x, self._y,
                                   [to_host(light_job(jobs[i])) for i in g], side)
                 for g in groups]

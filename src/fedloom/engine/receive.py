@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedloom.capabilities import compressor_caps
 from fedloom.compress import coordinates_sent
 from fedloom.compress.feedback import UplinkResult
 from fedloom.engine.algorithm import Algorithm
@@ -185,13 +186,14 @@ def _decode(feedback: Any, space: ModelSpace, st: RunState, plan: RoundPlan,
     ``server_row``. Returns the ``[m, d]`` rows the aggregator would receive (zeros
     for refused clients and for those whose payload does not decode) and why each
     of the latter was rejected. The rows are written into ``buffer``'s (a fresh
-    matrix without one); a compressor with ``decode_into`` decodes straight into
+    matrix without one); a compressor with ``decode_into``
+    (:attr:`~fedloom.capabilities.CompressorCaps.decode_into`) decodes straight into
     its row, which then is the payload's ``sent`` vector too."""
     d = space.layout.size
     rows = (buffer.rows(len(ups), d, space.dtype, space.device) if buffer is not None
             else torch.empty((len(ups), d), dtype=space.dtype, device=space.device))
     comp = plan.comp
-    into = getattr(comp, "decode_into", None)
+    into = compressor_caps(comp).decode_into
     failed: dict[int, str] = {}
     for i, u in enumerate(ups):
         out = rows[i]
@@ -204,8 +206,8 @@ def _decode(feedback: Any, space: ModelSpace, st: RunState, plan: RoundPlan,
         try:
             if done:
                 u.sent = out  # the row itself, as decode_into returns it
-            elif into is not None:
-                u.sent = into(u.payload, out)
+            elif into:
+                u.sent = comp.decode_into(u.payload, out)
             else:
                 u.sent = comp.decode(u.payload, d).to(space.device, space.dtype)
         except (ValueError, ArithmeticError, struct.error) as e:

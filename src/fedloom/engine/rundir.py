@@ -238,7 +238,7 @@ def check_run_dir(run_dir: Path, resolved: dict[str, Any], resume: bool) -> None
             raise RunDirError(f"{saved}: not UTF-8 text (byte {e.start}): the run's config is "
                               "damaged") from None
         except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
+            mark = e.problem_mark if isinstance(e, yaml.MarkedYAMLError) else None
             where = f" at line {mark.line + 1}" if mark is not None else ""
             raise RunDirError(f"{saved}: not valid YAML{where}: the run's config is damaged"
                               ) from None

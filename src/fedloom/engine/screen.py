@@ -7,8 +7,10 @@ aggregator would get) and by the guards of :mod:`fedloom.engine.server`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -184,8 +186,8 @@ def all_finite(x: Any) -> bool:
         return all(all_finite(v) for v in x.values())
     if isinstance(x, list | tuple):
         return all(all_finite(v) for v in x)
-    if hasattr(x, "__dataclass_fields__"):
-        return all(all_finite(getattr(x, f)) for f in x.__dataclass_fields__)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return all(all_finite(attrgetter(f.name)(x)) for f in dataclasses.fields(x))
     return True
 
 

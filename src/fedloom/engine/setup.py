@@ -22,7 +22,7 @@ import torch
 from fedloom.aggregate.base import default_server_lr, make_aggregator
 from fedloom.attack import make_attack
 from fedloom.buffers import check_buffers, module_buffers, random_in_train
-from fedloom.capabilities import aggregator_caps, method_caps
+from fedloom.capabilities import aggregator_caps, backend_close, method_caps
 from fedloom.client.sgd import LocalSGD
 from fedloom.compress import make_compressor
 from fedloom.compress.feedback import feedback_from_config
@@ -142,6 +142,8 @@ class Setup:
     ) -> None:
         # Component objects stand in for their config sections (recorded as
         # `object MODULE.CLASS`, fedloom.engine.components); the rest is built from cfg.
+        # what close() puts back of the process-wide settings (_apply_process_settings)
+        self._restore: list[Callable[[], None]] = []
         self.given = components or Components()
         cfg = resolve_auto(self.given.into(cfg))  # server.lr: auto → the rule's default step
         self.cfg = cfg
@@ -247,9 +249,7 @@ class Setup:
                 extra = accepted_options(get("method", c.method.name), {"layout": self.layout})
                 self.method = build("method", c.method.name, {**c.method.options, **extra},
                                     "client.method.options")
-            check = getattr(self.method, "check_trainer", None)
-            if check is not None:
-                check(self.trainer)
+            self.method.check_trainer(self.trainer)
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e).splitlines()[0]) from None
         compat.check_full_participation(cfg, self.aggregator, self.fed.num_clients)
@@ -385,7 +385,7 @@ class Setup:
         # puts the previous ones back. Determinism and TF32 off on CUDA
         # (fedloom.device.configure); backend.threads for the process that trains
         # (process and ray workers set their own).
-        self._restore = [configure(self.device)]
+        self._restore.append(configure(self.device))
         in_process = self.cfg.backend.name not in ("process", "ray")
         self.threads, undo = apply_threads(self.cfg.backend.threads if in_process else 0)
         if in_process and self.cfg.backend.keep_heap:
@@ -449,10 +449,8 @@ class Setup:
     def close(self) -> None:
         """Stop the backend's workers, if it has any; put back the process-wide
         settings the run changed (threads, CUDA determinism flags)."""
-        close = getattr(self.backend, "close", None)
-        if close is not None:
-            close()
-        while getattr(self, "_restore", None):
+        backend_close(self.backend)()
+        while self._restore:
             self._restore.pop()()
 
     # ------------------------------------------------------------- checkpoints

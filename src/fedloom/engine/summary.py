@@ -16,6 +16,7 @@ import torch
 
 from fedloom.aggregate.base import default_server_lr
 from fedloom.buffers import buffers_sha256
+from fedloom.capabilities import backend_caps, backend_name
 from fedloom.config import Config
 from fedloom.data.heterogeneity import heterogeneity
 from fedloom.device import describe, peak_memory_mb, peak_rss_mb
@@ -105,7 +106,7 @@ def summarize(exp: Setup, st: RunState, history: list[dict[str, Any]],
     stopped before its last round)."""
     summary: dict[str, Any] = {"rounds": st.next_round, "model_sha256": model_sha256(st.w),
                                "num_parameters": exp.layout.size,
-                               "backend": getattr(exp.backend, "name", exp.cfg.backend.name),
+                               "backend": backend_name(exp.backend, exp.cfg.backend.name),
                                # the step used (server.lr: auto resolved to the rule's default)
                                "server_lr": exp.cfg.server.lr,
                                "versions": _versions()}
@@ -117,9 +118,8 @@ def summarize(exp: Setup, st: RunState, history: list[dict[str, Any]],
     for m in history:  # final value of each metric (eval metrics from the last eval round)
         summary.update({k: v for k, v in m.items() if k not in _PER_ROUND_ONLY})
     # How heterogeneous the split is (fedloom.data.heterogeneity), as partition_* keys
-    counts = getattr(exp, "partition_counts", None)
-    if counts is not None:
-        summary.update({f"partition_{k}": v for k, v in heterogeneity(counts).items()})
+    summary.update({f"partition_{k}": v
+                    for k, v in heterogeneity(exp.partition_counts).items()})
     summary["rejected_updates_total"] = st.totals["rejected_updates"]
     summary["rejected_rounds_total"] = st.totals.get("rejected_rounds", 0)
     summary["clipped_updates_total"] = st.totals.get("clipped_updates", 0)
@@ -141,7 +141,7 @@ def summarize(exp: Setup, st: RunState, history: list[dict[str, Any]],
         summary["train_tokens_per_s"] = (round(sum(tokens) / train_s, 1) if train_s > 0
                                          else float("nan"))
     summary["threads"] = exp.threads
-    worker = getattr(getattr(exp.backend, "chosen", None) or exp.backend, "worker_threads", None)
+    worker = backend_caps(exp.backend).worker_threads  # auto: the chosen backend's
     if worker is not None:
         summary["worker_threads"] = worker
     if exp.privacy.enabled:  # ε spent (also when no round ran) and why the run stopped

@@ -193,10 +193,9 @@ class EarlyUplink:
             return  # uplink_round encodes it again and refuses the client there
         self.ups[i] = up
         comp = self.plan.comp
-        into = getattr(comp, "decode_into", None)
         try:
             # into the server's row, as receive would (decode_into, or decode then copy)
-            up.sent = (into(up.payload, row) if into is not None
+            up.sent = (comp.decode_into(up.payload, row) if compressor_caps(comp).decode_into
                        else row.copy_(comp.decode(up.payload, row.shape[0])))
         except (ValueError, ArithmeticError, struct.error):
             up.sent = None  # receive decodes it again and rejects the client there

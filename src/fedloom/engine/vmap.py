@@ -29,11 +29,12 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.nn import functional as F
 
 from fedloom.buffers import has_batch_statistics
-from fedloom.capabilities import BackendCaps
+from fedloom.capabilities import BackendCaps, model_vmap
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.client.transforms import StepContext, jobs_chain
 from fedloom.config import BackendConfig
+from fedloom.engine.backends import InProcess
 from fedloom.params import Layout
 from fedloom.registry import register
 
@@ -42,14 +43,14 @@ __all__ = ["VmapBackend", "vmap_supported"]
 
 def vmap_supported(module: nn.Module) -> bool:
     """Models with recurrent layers, and models that say so (``fedloom_vmap =
-    False``: a causal LM with gradient checkpointing, whose layers call
-    ``requires_grad_`` inside the forward, which torch.func refuses), are left to
-    the sequential backend."""
-    return (bool(getattr(module, "fedloom_vmap", True))
+    False``, :func:`~fedloom.capabilities.model_vmap`: a causal LM with gradient
+    checkpointing, whose layers call ``requires_grad_`` inside the forward, which
+    torch.func refuses), are left to the sequential backend."""
+    return (model_vmap(module)
             and not any(isinstance(m, nn.RNNBase) for m in module.modules()))
 
 
-class VmapBackend:
+class VmapBackend(InProcess):
     name = "vmap"
     capabilities = BackendCaps()  # trains on the samples each job carries
 

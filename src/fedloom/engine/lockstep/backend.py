@@ -31,6 +31,7 @@ from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.client.transforms import StepContext, jobs_chain
 from fedloom.config import BackendConfig
+from fedloom.engine.backends import InProcess
 from fedloom.engine.lockstep.plan import _Op, lockstep_plan
 from fedloom.engine.lockstep.step import _forward, _step
 from fedloom.registry import register
@@ -103,7 +104,7 @@ def job_reason(jobs: Sequence[ClientJob]) -> str | None:
     return None
 
 
-class LockstepBackend:
+class LockstepBackend(InProcess):
     """See the module docstring."""
 
     name = "lockstep"
