@@ -1,8 +1,9 @@
 """A local step's direction as one chain of gradient transforms.
 
-In the manner of optax's ``GradientTransformation``: a transform holds its
-settings, ``init(W)`` gives its state and ``update(D, state, ctx)`` returns the
-new direction and state. :func:`chain` composes them. The sequential trainer
+The terms are transforms of :mod:`fedloom.transforms` (optax's shape: ``init(W)``
+gives a term's state, ``update(D, state, ctx)`` the new direction and state,
+:func:`~fedloom.transforms.chain` composes them, its state the tuple of theirs)
+whose context is a :class:`StepContext`. The sequential trainer
 (:class:`fedloom.client.sgd.LocalSGD`, one client: ``D`` of shape ``[d]``) and
 the batched ones (:mod:`fedloom.engine.vmap`, :mod:`fedloom.engine.lockstep`:
 ``[m, d]``, one row a client) build the same chain with :func:`local_chain` and
@@ -13,7 +14,8 @@ defined once. For a step with gradient ``g`` at parameters ``w``:
           + ∇P(w) while t < P.steps (FLARE, EC+prox penalty)
           + wd·w (weight decay) + μ(w − w₀) (FedProx)
     D ← D ⊙ M (frozen coordinates: FedBABU's head, FedRep's phases)
-    b ← D on the first step, else β·b + D; D ← b (heavy ball, as torch.optim.SGD)
+    b ← D on the first step, else β·b + D; D ← b (momentum, as torch.optim.SGD;
+                                                the server's is heavy_ball)
 
 Each term is the arithmetic the trainers computed before this module, op for op
 (``add(…, alpha=·)`` is one fused multiply-add): sequential and lock-step stay bit
@@ -29,11 +31,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 
 from fedloom.job import ClientJob, Penalty
+from fedloom.transforms import Chain, Transform, chain
 
 __all__ = ["Chain", "LocalTransform", "Mask", "Momentum", "PenaltyTerm", "PerClient", "Prox",
            "Shift", "StepContext", "WeightDecay", "chain", "jobs_chain", "local_chain"]
@@ -51,11 +54,8 @@ class StepContext:
     live: Sequence[bool] | None = None
 
 
-class LocalTransform(Protocol):
-    def init(self, W: torch.Tensor) -> Any: ...
-
-    def update(self, D: torch.Tensor, state: Any, ctx: StepContext
-               ) -> tuple[torch.Tensor, Any]: ...
+# A term of the local step: a transform whose context is the step's.
+LocalTransform = Transform[StepContext]
 
 
 @dataclass(frozen=True)
@@ -140,9 +140,10 @@ class Mask:
 
 @dataclass(frozen=True)
 class Momentum:
-    """Heavy ball as torch.optim.SGD (dampening 0, no Nesterov): ``b = D`` on the
+    """Momentum as torch.optim.SGD (dampening 0, no Nesterov): ``b = D`` on the
     first step, then ``b ← β·b + D``; the direction is ``b``. State: ``b`` (None
-    before the first step); it restarts every round."""
+    before the first step); it restarts every round (the server's momentum, whose
+    buffer lives across rounds, is :func:`fedloom.server_opt.transforms.heavy_ball`)."""
 
     beta: float
 
@@ -155,36 +156,13 @@ class Momentum:
         return b, b
 
 
-@dataclass(frozen=True)
-class Chain:
-    """The transforms in order; its state is the tuple of theirs."""
-
-    transforms: tuple[LocalTransform, ...]
-
-    def init(self, W: torch.Tensor) -> tuple[Any, ...]:
-        return tuple(t.init(W) for t in self.transforms)
-
-    def update(self, D: torch.Tensor, state: tuple[Any, ...], ctx: StepContext
-               ) -> tuple[torch.Tensor, tuple[Any, ...]]:
-        new = []
-        for t, s in zip(self.transforms, state, strict=True):
-            D, s = t.update(D, s, ctx)
-            new.append(s)
-        return D, tuple(new)
-
-
-def chain(*transforms: LocalTransform) -> Chain:
-    """The transforms applied one after the other (an empty chain is the identity)."""
-    return Chain(tuple(transforms))
-
-
 def local_chain(shifts: Sequence[torch.Tensor | None] = (),
                 penalties: Sequence[Penalty | None] = (),
                 masks: Sequence[torch.Tensor | None] = (), *, weight_decay: float = 0.0,
                 prox_mu: float = 0.0, momentum: float = 0.0,
                 like: torch.Tensor | None = None,
                 extra: Sequence[LocalTransform] = (),
-                per_client: Sequence[Sequence[LocalTransform]] = ()) -> Chain:
+                per_client: Sequence[Sequence[LocalTransform]] = ()) -> Chain[StepContext]:
     """The chain of a local step, its terms in the order of the module docstring;
     a term that is zero or absent for every client is left out.
 
@@ -221,12 +199,12 @@ def local_chain(shifts: Sequence[torch.Tensor | None] = (),
     parts.extend(extra)
     if momentum:
         parts.append(Momentum(momentum))
-    return Chain(tuple(parts))
+    return chain(*parts)
 
 
 def jobs_chain(jobs: Sequence[ClientJob], W: torch.Tensor, *, weight_decay: float = 0.0,
                prox_mu: float = 0.0, momentum: float = 0.0,
-               extra: Sequence[LocalTransform] = ()) -> Chain:
+               extra: Sequence[LocalTransform] = ()) -> Chain[StepContext]:
     """:func:`local_chain` of a cohort's jobs on the stacked parameters ``W``."""
     return local_chain([j.grad_shift for j in jobs], [j.penalty for j in jobs],
                        [j.grad_mask for j in jobs], weight_decay=weight_decay,
@@ -261,7 +239,7 @@ class PerClient:
     chains: tuple[tuple[LocalTransform, ...], ...]
 
     def init(self, W: torch.Tensor) -> tuple[tuple[Any, ...], ...]:
-        return tuple(tuple(t.init(W[k]) for t in ts) for k, ts in enumerate(self.chains))
+        return tuple(chain(*ts).init(W[k]) for k, ts in enumerate(self.chains))
 
     def update(self, D: torch.Tensor, state: tuple[tuple[Any, ...], ...], ctx: StepContext
                ) -> tuple[torch.Tensor, tuple[tuple[Any, ...], ...]]:
@@ -270,10 +248,6 @@ class PerClient:
             if not ts or (ctx.live is not None and not ctx.live[k]):
                 new.append(ss)
                 continue
-            row, row_ctx, out = D[k], StepContext(ctx.step, ctx.W[k], ctx.W0[k]), []
-            for t, s in zip(ts, ss, strict=True):
-                row, s = t.update(row, s, row_ctx)
-                out.append(s)
-            D[k] = row
-            new.append(tuple(out))
+            D[k], ss = chain(*ts).update(D[k], ss, StepContext(ctx.step, ctx.W[k], ctx.W0[k]))
+            new.append(ss)
         return D, tuple(new)

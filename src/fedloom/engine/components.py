@@ -22,15 +22,32 @@ from typing import Any
 
 from fedloom.config import Config, ConfigError
 
-__all__ = ["OBJECT_PREFIX", "Components", "object_name"]
+__all__ = ["OBJECT_PREFIX", "Components", "moved_objects", "object_name"]
 
 # A space, so that the name can never be a registry name or a `module:attr` reference.
 OBJECT_PREFIX = "object "
+
+# Classes of fedloom that moved since a run directory may have recorded them: the
+# server optimizer's old name → its new one (the chain of server transforms became
+# the one chain of fedloom.transforms).
+_MOVED = {"object fedloom.server_opt.transforms.Chain": "object fedloom.transforms.Chain"}
 
 
 def object_name(obj: object) -> str:
     """``object MODULE.CLASS``: how the config records a component given as an object."""
     return f"{OBJECT_PREFIX}{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def moved_objects(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved config (a mapping) naming a moved class by its new name, so that the
+    run resumes; ``saved`` itself when it names none."""
+    srv = saved.get("server")
+    opt = srv.get("optimizer") if isinstance(srv, dict) else None
+    name = opt.get("name") if isinstance(opt, dict) else opt
+    if not (isinstance(srv, dict) and isinstance(name, str) and name in _MOVED):
+        return saved
+    new = {**opt, "name": _MOVED[name]} if isinstance(opt, dict) else _MOVED[name]
+    return {**saved, "server": {**srv, "optimizer": new}}
 
 
 @dataclass(frozen=True)

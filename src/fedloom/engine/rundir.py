@@ -46,6 +46,7 @@ from fedloom.engine.checkpoint import (
     remove_leftovers,
     save_checkpoint,
 )
+from fedloom.engine.components import moved_objects
 from fedloom.engine.runstate import RunState
 from fedloom.engine.setup import Setup
 
@@ -202,11 +203,12 @@ def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
     """A run directory's saved config with today's defaults filled in: a run made
     before a setting existed resumes (a new setting's default is the behaviour
     from before it). A saved config that no longer loads (a renamed or removed
-    key) is compared as it is, and so differs."""
+    key, a component given as an object) is compared as it is, and so differs,
+    but for the names of fedloom's classes that moved (:func:`moved_objects`)."""
     try:
         return config_to_dict(load_config(saved))
     except (ConfigError, TypeError, ValueError):
-        return saved
+        return moved_objects(saved)
 
 
 def _config_diff(a: Any, b: Any, at: str = "") -> list[str]:
@@ -301,7 +303,10 @@ def _restore_checked(exp: Setup, cfg: Config, resolved: dict[str, Any],
     if not (isinstance(totals, dict) and all(k in totals for k in _TOTAL_KEYS)
             and all(isinstance(v, int) for v in totals.values())):
         raise bad("'totals' is not a mapping of the run's integer totals")
-    for key in ("opt_state", "method_state", "feedback_state", "store"):
+    # opt_state: a chain's tuple, or a mapping (an optimizer of one's own, an earlier layout)
+    if not isinstance(ck["opt_state"], dict | tuple):
+        raise bad(f"'opt_state' is a {type(ck['opt_state']).__name__}, not a tuple or mapping")
+    for key in ("method_state", "feedback_state", "store"):
         if not isinstance(ck[key], dict):
             raise bad(f"{key!r} is a {type(ck[key]).__name__}, not a mapping")
     digest = ck.get(METRICS_DIGEST)

@@ -29,7 +29,7 @@ class RunState:
 
     next_round: int
     w: torch.Tensor
-    opt_state: dict[str, torch.Tensor]
+    opt_state: Any  # the server optimizer's (a chain's: a tuple, one entry a transform)
     agg_state: Any
     method_state: dict[str, torch.Tensor] = field(default_factory=dict)
     feedback_state: dict[str, Any] = field(default_factory=dict)  # SA-PEF's L̂, SCAFCOM's c

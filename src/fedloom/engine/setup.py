@@ -44,6 +44,7 @@ from fedloom.device import (
 )
 from fedloom.engine import compat
 from fedloom.engine.algorithm import Algorithm
+from fedloom.engine.checkpoint import legacy_opt_state
 from fedloom.engine.components import Components
 from fedloom.engine.evaluation import Evaluator
 from fedloom.engine.events import EventDriver
@@ -485,8 +486,10 @@ class Setup:
         if why is not None:
             raise ValueError(f"'buffers' is {why}")
         self.store.load_state_dict(ckpt["store"], snapshot_dir)
+        # The server optimizer's state of an earlier layout (one flat mapping) in today's.
+        opt_state = legacy_opt_state(ckpt["opt_state"], lambda: self.server.init(ckpt["w"]))
         # Loaded on the CPU (map_location), continued on the run's device.
-        return to_device(RunState(ckpt["next_round"], ckpt["w"], ckpt["opt_state"],
+        return to_device(RunState(ckpt["next_round"], ckpt["w"], opt_state,
                                   ckpt["agg_state"], ckpt["method_state"],
                                   ckpt["feedback_state"], ckpt["w_avg"], dict(ckpt["totals"]),
                                   # .get: checkpoints from before the simulated clock

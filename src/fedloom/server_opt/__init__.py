@@ -14,12 +14,12 @@ As in the paper there is no bias correction, ``τ`` (``eps``) is the
 adaptivity floor (default 1e-3) and the second moment starts at ``τ²``.
 
 Each named optimizer (:mod:`fedloom.server_opt.optimizers`, the registered
-``server.optimizer`` names) is a chain of the transforms of
-:mod:`fedloom.server_opt.transforms` (``scale``, ``momentum``, ``adam``,
-``yogi``, ``adagrad``) ending in ``scale(η)``. A chain of one's own is a server
-optimizer too: ``fedloom.run(cfg, server=chain(momentum(0.9), scale(0.5)))``.
-The names exported here are the transforms'; the registered factories of the
-same names (which take ``lr``) are :mod:`fedloom.server_opt.optimizers`'.
+``server.optimizer`` names, which take ``lr``) is a chain of the transforms of
+:mod:`fedloom.server_opt.transforms` (``scale``, ``heavy_ball``,
+``scale_by_adam``, ``scale_by_yogi``, ``scale_by_adagrad``), composed by the one
+``chain`` of :mod:`fedloom.transforms` that the local step uses too. A chain of
+one's own is a server optimizer too:
+``fedloom.run(cfg, server=chain(heavy_ball(0.9), scale(0.5)))``.
 """
 
 from fedloom.server_opt.optimizers import ServerOptimizer, make_server_optimizer
@@ -27,8 +27,7 @@ from fedloom.server_opt.transforms import (
     Adagrad,
     Adam,
     Chain,
-    Momentum,
-    Preconditioner,
+    HeavyBall,
     Scale,
     ServerTransform,
     State,
@@ -36,11 +35,16 @@ from fedloom.server_opt.transforms import (
     adagrad,
     adam,
     chain,
+    heavy_ball,
     momentum,
     scale,
+    scale_by_adagrad,
+    scale_by_adam,
+    scale_by_yogi,
     yogi,
 )
 
-__all__ = ["Adagrad", "Adam", "Chain", "Momentum", "Preconditioner", "Scale",
-           "ServerOptimizer", "ServerTransform", "State", "Yogi", "adagrad", "adam",
-           "chain", "make_server_optimizer", "momentum", "scale", "yogi"]
+__all__ = ["Adagrad", "Adam", "Chain", "HeavyBall", "Scale", "ServerOptimizer",
+           "ServerTransform", "State", "Yogi", "adagrad", "adam", "chain", "heavy_ball",
+           "make_server_optimizer", "momentum", "scale", "scale_by_adagrad", "scale_by_adam",
+           "scale_by_yogi", "yogi"]

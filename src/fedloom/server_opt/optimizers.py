@@ -1,27 +1,31 @@
 """The named server optimizers (``server.optimizer``), each a chain of
-:mod:`fedloom.server_opt.transforms` ending in the step size ``η``:
+:mod:`fedloom.server_opt.transforms` with the step size ``η``, built from the
+table of kinds (kind → the chain at a :class:`ServerOptimizer`'s settings):
 
 - sgd:      ``scale(η)``
-- momentum: ``momentum(β), scale(η)``
-- adam:     ``adam(β₁, β₂, τ), scale(η)``
-- yogi:     ``yogi(β₁, β₂, τ), scale(η)``
-- adagrad:  ``adagrad(τ), scale(η)``
+- momentum: ``heavy_ball(β), scale(η)``
+- adam:     ``scale_by_adam(β₁, β₂, τ, lr=η)``
+- yogi:     ``scale_by_yogi(β₁, β₂, τ, lr=η)``
+- adagrad:  ``scale_by_adagrad(τ, lr=η)``
 
-Each gives the model and the state (keys ``v``, ``m``) of the optimizers these
-chains replaced, bit for bit: checkpoints written before resume.
+Each gives the model of the optimizers these chains replaced, bit for bit; their
+state is the chain's tuple (:mod:`fedloom.transforms`), and a checkpoint written
+when it was one flat mapping (keys ``v``, ``m``) resumes through
+:func:`fedloom.engine.checkpoint.legacy_opt_state`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 
 from fedloom.registry import Range, register
 from fedloom.server_opt import transforms as tx
-from fedloom.server_opt.transforms import Chain, ServerTransform, State
+from fedloom.transforms import Chain
 
 __all__ = ["ServerOptimizer", "adagrad", "adam", "make_server_optimizer",
            "momentum", "sgd", "yogi"]
@@ -40,30 +44,31 @@ class ServerOptimizer:
     eps: float = 1e-3
 
     @cached_property
-    def chain(self) -> Chain:
-        """The transforms of :attr:`kind`, then ``scale(lr)``."""
-        first: tuple[ServerTransform, ...]
-        if self.kind == "sgd":
-            first = ()
-        elif self.kind == "momentum":
-            first = (tx.momentum(self.momentum),)
-        elif self.kind == "adam":
-            first = (tx.adam(self.beta1, self.beta2, self.eps),)
-        elif self.kind == "yogi":
-            first = (tx.yogi(self.beta1, self.beta2, self.eps),)
-        elif self.kind == "adagrad":
-            first = (tx.adagrad(self.eps),)
-        else:
+    def chain(self) -> Chain[torch.Tensor]:
+        """The chain of :attr:`kind` at these settings."""
+        build = _CHAINS.get(self.kind)
+        if build is None:
             raise ValueError(f"server.optimizer: unknown {self.kind!r}")
-        return tx.chain(*first, tx.scale(self.lr))
+        return build(self)
 
-    def init(self, w: torch.Tensor) -> State:
+    def init(self, w: torch.Tensor) -> tuple[Any, ...]:
         return self.chain.init(w)
 
-    def step(self, w: torch.Tensor, agg: torch.Tensor, state: State
-             ) -> tuple[torch.Tensor, State]:
+    def step(self, w: torch.Tensor, agg: torch.Tensor, state: tuple[Any, ...]
+             ) -> tuple[torch.Tensor, tuple[Any, ...]]:
         """``w − η·opt(agg)`` and the new state."""
         return self.chain.step(w, agg, state)
+
+
+# kind -> its chain at an optimizer's settings. A preconditioner takes the step size
+# itself: it multiplies the numerator, (η·m)/(√v + τ), as these optimizers always did.
+_CHAINS: dict[str, Callable[[ServerOptimizer], Chain[torch.Tensor]]] = {
+    "sgd": lambda o: tx.chain(tx.scale(o.lr)),
+    "momentum": lambda o: tx.chain(tx.heavy_ball(o.momentum), tx.scale(o.lr)),
+    "adam": lambda o: tx.chain(tx.scale_by_adam(o.beta1, o.beta2, o.eps, lr=o.lr)),
+    "yogi": lambda o: tx.chain(tx.scale_by_yogi(o.beta1, o.beta2, o.eps, lr=o.lr)),
+    "adagrad": lambda o: tx.chain(tx.scale_by_adagrad(o.eps, lr=o.lr)),
+}
 
 
 def make_server_optimizer(kind: str, **kw: float) -> ServerOptimizer:
