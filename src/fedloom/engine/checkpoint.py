@@ -11,7 +11,9 @@
 - Reading a checkpoint runs no code: tensors and plain data only
   (:mod:`fedloom.plain`), read with ``torch.load(weights_only=True)``; older
   formats through a restricted loader. Files that are not regular files are
-  never read.
+  never read, nor is one whose load cannot fit in the memory left
+  (:func:`_check_memory`); running out of memory while loading is damage too: a
+  :class:`CheckpointError`, so a resume falls back to ``prev.pt``.
 - :func:`lock_run_dir` writes only into a run directory (new, empty or marked
   ``RUN/.fedloom-run``) and holds an exclusive ``flock`` on ``RUN/.lock`` for the
   run's life (:class:`RunDirError` names the holder's pid). The lock file is
@@ -37,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedloom.bounded import available_memory, size_text
 from fedloom.files import (
     NotInPlace,
     file_kind,
@@ -217,11 +220,33 @@ def _read(path: Path) -> bytes:
             end = head.find(b"\n")
             raise CheckpointError(f"{path}: truncated or extended: {st.st_size - end - 1} bytes "
                                   f"of content, the header says {expected - end - 1}")
+        _check_memory(path, st.st_size)
         return head + _read_fd(fd, st.st_size - len(head))
     except OSError as e:
         raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
     finally:
         os.close(fd)
+
+
+# Room for the rest of a load besides the file's bytes and its tensors: the decoder's
+# working memory and the run's own allocations meanwhile.
+_LOAD_HEADROOM = 64 * 2**20
+
+
+def _check_memory(path: Path, size: int) -> None:
+    """Refuse, unread, a checkpoint of ``size`` bytes whose load needs more than the
+    memory this process can still take (:func:`~fedloom.bounded.available_memory`).
+    The rule: a load holds twice the file at its peak (its bytes, then the tensors
+    decoded from them; measured on a 200 MB checkpoint: 2.0x), plus
+    ``_LOAD_HEADROOM``. A 4 GiB file (a sparse one whose header matches its size)
+    under a 3 GiB address-space limit is refused here instead of reading until
+    ``MemoryError``."""
+    need = 2 * size + _LOAD_HEADROOM
+    avail = available_memory()
+    if avail is not None and need > avail:
+        raise CheckpointError(f"{path}: {size} bytes: loading it takes about "
+                              f"{size_text(need)} of memory and {size_text(avail)} is "
+                              "available; refused unread")
 
 
 def _read_fd(fd: int, n: int) -> bytes:
@@ -314,6 +339,8 @@ def _load_payload(path: Path, payload: bytes, version: int | None) -> Any:
             return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except PlainDataError as e:
         raise CheckpointError(f"{path}: cannot be decoded ({e})") from None
+    except MemoryError:  # not the file's content: load_checkpoint says so
+        raise
     except Exception as e:  # a damaged pickle can raise almost anything
         name = _unsafe_name(e)
         if name is not None:
@@ -331,11 +358,15 @@ def load_checkpoint(path: Path, required: Iterable[str] = ()) -> dict[str, Any]:
 
     Raises :class:`CheckpointError` (one line naming ``path``) for a missing,
     unreadable, empty, truncated, damaged or undecodable file, one that is a
-    directory, or one whose dict lacks a key of ``required``.
+    directory, one too large for the memory left (before reading it, or on a
+    ``MemoryError`` while loading it), or one whose dict lacks a key of ``required``.
     """
     path = Path(path)
-    payload, version = _payload(path, _read(path))
-    state = _load_payload(path, payload, version)
+    try:
+        payload, version = _payload(path, _read(path))
+        state = _load_payload(path, payload, version)
+    except MemoryError:  # the memory left was less than _check_memory was told
+        raise CheckpointError(f"{path}: ran out of memory while loading it") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a checkpoint dict")
     missing = [k for k in required if k not in state]

@@ -1,0 +1,53 @@
+"""Reads that stay within a bound: the memory this process can still take, so that
+a read which cannot fit is refused before it starts rather than ending in
+``MemoryError`` half way.
+
+Only the standard library.
+"""
+
+from __future__ import annotations
+
+import resource
+
+__all__ = ["available_memory", "size_text"]
+
+
+def size_text(n: int) -> str:
+    """A size for a message: ``4.3 GB``, ``512 MB`` or ``900 bytes``."""
+    if n >= 10**9:
+        return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e6:.0f} MB" if n >= 10**6 else f"{n} bytes"
+
+
+def _proc_fields(path: str, names: tuple[bytes, ...]) -> dict[bytes, int]:
+    """The ``NAME: N kB`` fields of a ``/proc`` file, in bytes ({} where it cannot
+    be read: not Linux)."""
+    out: dict[bytes, int] = {}
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                name, _, rest = line.partition(b":")
+                if name in names:
+                    out[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return {}
+    return out
+
+
+def available_memory() -> int | None:
+    """The bytes this process can still allocate, as far as the system says: the
+    least of ``MemAvailable + SwapFree`` (``/proc/meminfo``: what the kernel can
+    give without killing anything), the address-space limit less what the process
+    maps (``RLIMIT_AS`` less ``VmSize``: ``ulimit -v``, ``prlimit --as``) and the
+    data limit less its data (``RLIMIT_DATA`` less ``VmData``); ``None`` where none
+    is known (no ``/proc``). A container's cgroup limit is not seen."""
+    found: list[int] = []
+    mem = _proc_fields("/proc/meminfo", (b"MemAvailable", b"SwapFree"))
+    if b"MemAvailable" in mem:
+        found.append(mem[b"MemAvailable"] + mem.get(b"SwapFree", 0))
+    own = _proc_fields("/proc/self/status", (b"VmSize", b"VmData"))
+    for which, used in ((resource.RLIMIT_AS, b"VmSize"), (resource.RLIMIT_DATA, b"VmData")):
+        soft = resource.getrlimit(which)[0]
+        if soft != resource.RLIM_INFINITY and used in own:
+            found.append(max(0, soft - own[used]))
+    return min(found) if found else None
