@@ -9,7 +9,8 @@ that names the file or field, exit 2 and no traceback, or stays within a stated 
 - CSV tables larger than ``fedloom.data.user.MAX_CSV_BYTES`` or wider than
   ``MAX_CSV_COLUMNS`` (checked before parsing), and a parser out of memory;
 - ``fedloom compare`` on metrics that are null, a mapping, a string, missing, NaN
-  where a count must be finite, or JSON nested 100,000 levels deep.
+  where a count must be finite, JSON nested 100,000 levels deep, or a line longer
+  than ``fedloom.bounded.MAX_JSONL_LINE``.
 
 Each case goes through the command line: ``fedloom.cli.main`` in this process (an
 exception would fail the test; one case also as a ``python -m fedloom.cli`` process).
@@ -18,6 +19,8 @@ exception would fail the test; one case also as a ``python -m fedloom.cli`` proc
 from __future__ import annotations
 
 import json
+import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -321,11 +324,65 @@ def test_compare_keeps_nan_and_infinite_metrics_as_values(tmp_path, capsys):
     assert "–" in out and "inf" in out
 
 
+def _long_line_run(path: Path, size: int) -> Path:
+    """A finished run whose metrics.jsonl's line 2 is ``size`` bytes, most of them a
+    hole (a sparse file: no disk)."""
+    run = _fake_run(path)
+    p = run / "metrics.jsonl"
+    lines = p.read_bytes().splitlines(keepends=True)
+    with open(p, "wb") as f:
+        f.write(lines[0] + b'{"round": 2, "x": "')
+        f.seek(size, os.SEEK_CUR)
+        f.write(b'"}\n' + lines[2])
+    return run
+
+
+def test_compare_a_metrics_line_over_the_bound_is_one_line_read_no_further(tmp_path, capsys):
+    """A line of 64 MiB, four times fedloom.bounded.MAX_JSONL_LINE: one line naming the
+    file and line, exit 2, and no more than the bound's worth of it read (the peak of
+    Python's allocations; the whole file was read and split before)."""
+    import tracemalloc
+
+    from fedloom.bounded import MAX_JSONL_LINE
+
+    run = _long_line_run(tmp_path / "runs" / "a", 4 * MAX_JSONL_LINE)
+    capsys.readouterr()
+    tracemalloc.start()
+    try:
+        rc = main(["compare", str(run)])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    line = _one_line(capsys, rc)
+    assert line == (f"fedloom: error: {run / 'metrics.jsonl'}: line 2 is longer than "
+                    f"{MAX_JSONL_LINE:,} bytes, the bound on a metrics line (fedloom.bounded."
+                    "MAX_JSONL_LINE): the file is damaged"), line
+    assert peak < 3 * MAX_JSONL_LINE, peak
+
+
+def test_compare_a_1_gib_metrics_line_under_a_3_gib_limit(tmp_path):
+    """The issue's 1 GiB line in a process limited to 3 GiB of address space
+    (``prlimit --as``): one line, exit 2, no more read than the bound (the file was read
+    whole and split: 2 GiB, and a line that parses as JSON was a MemoryError traceback)."""
+    run = _long_line_run(tmp_path / "runs" / "a", 2**30)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
+
+    p = subprocess.run([sys.executable, "-m", "fedloom.cli", "compare", str(run)],
+                       capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.splitlines() == [f"fedloom: error: {run / 'metrics.jsonl'}: line 2 is "
+                                     "longer than 16,777,216 bytes, the bound on a metrics "
+                                     "line (fedloom.bounded.MAX_JSONL_LINE): the file is "
+                                     "damaged"], p.stderr[-3000:]
+
+
 def test_compare_deep_json_as_a_process_prints_only_the_error(tmp_path):
     """The issue's 100,000-deep JSON in a real process: one line, exit 2."""
     run = _fake_run(tmp_path / "runs" / "a", summary_text=DEEP)
     p = subprocess.run([sys.executable, "-m", "fedloom.cli", "compare", str(run)],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 2, p.stderr
     assert p.stderr.splitlines() == [f"fedloom: error: {run / 'summary.json'}: not valid JSON "
                                      "(nested too deeply)"], p.stderr

@@ -258,6 +258,69 @@ def test_metrics_cut_mid_line_falls_back_to_prev(stopped, tmp_path, capsys, capl
     assert "prev.pt (round 1)" in warn[0]
 
 
+def _sparse_line(f, size: int, at: str = "") -> None:
+    """Append a line of ``size`` bytes to the open file ``f``: ``at`` and then a hole
+    (no disk, read as zero bytes) up to its newline."""
+    f.write(at.encode())
+    f.seek(size - len(at), os.SEEK_CUR)
+    f.write(b"\n")
+
+
+def test_a_metrics_line_over_the_bound_is_damage_never_held(tmp_path, caplog):
+    """A line of 64 MiB (four times fedloom.bounded.MAX_JSONL_LINE) among intact rounds:
+    a damaged line, dropped with one warning saying why, read past without being held
+    (the peak of Python's allocations stays under three bounds' worth, the reader's
+    chunk and its copy; the whole file was read before, then split: twice the line)."""
+    import tracemalloc
+
+    from fedloom.bounded import MAX_JSONL_LINE
+    from fedloom.engine.rundir import read_metrics
+
+    p = tmp_path / "metrics.jsonl"
+    with open(p, "wb") as f:
+        f.write(b'{"round": 1}\n')
+        _sparse_line(f, 4 * MAX_JSONL_LINE, '{"round": 2, "x": "')
+        f.write(b'{"round": 2}\n{"round": 3}\n')
+    caplog.set_level(logging.WARNING, logger="fedloom")
+    tracemalloc.start()
+    try:
+        rows = read_metrics(p, 2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert rows == [{"round": 1}, {"round": 2}]
+    assert peak < 3 * MAX_JSONL_LINE, peak
+    warn = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warn == [f"{p}: dropped 1 damaged lines (2; line 2 over the {MAX_JSONL_LINE:,}-byte "
+                    "bound on a metrics line); rounds 1–2 are intact"], warn
+
+
+def test_metrics_line_over_the_bound_falls_back_to_prev(stopped, tmp_path, capsys, caplog,
+                                                        monkeypatch):
+    """Round 2's line longer than the bound (lowered here to 4 KiB, above the run's own
+    rows, which the resume rewrites and keeps reading): ``last.pt`` (round 2) cannot be
+    continued, ``prev.pt`` (round 1) can, as for a torn line: resumed from it to the
+    uninterrupted model and metrics. Unlike a torn line, it is no news of a kill: the
+    reading for prev.pt says it dropped it, then the fallback says why."""
+    monkeypatch.setattr("fedloom.bounded.MAX_JSONL_LINE", 4096)
+    out = _copy(stopped, tmp_path)
+    p = out / "metrics.jsonl"
+    lines = p.read_bytes().split(b"\n")
+    assert max(map(len, lines)) < 4096
+    with open(p, "wb") as f:
+        f.write(lines[0] + b"\n")
+        _sparse_line(f, 5000, lines[1][:-1].decode() + ', "x": "')
+    caplog.set_level(logging.WARNING, logger="fedloom")
+    rc, err = _cli(tmp_path / "tiny.yaml", out, capsys, "--resume")
+    assert rc == 0, err
+    assert _sha(out) == stopped[1]
+    assert _stable(_rows(out)) == _stable(stopped[2])
+    warn = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warn) == 2, warn
+    assert all("line 2 over the 4,096-byte bound on a metrics line" in w for w in warn), warn
+    assert "rounds 1–1 are intact" in warn[0] and "prev.pt (round 1)" in warn[1], warn
+
+
 # ------------------------------------------------------------------ full disk
 class _Disk:
     """A small file system under ``path``: a real 16 MiB tmpfs (``real``), or

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import yaml
 
+from fedloom import bounded
 from fedloom.config import Config, ConfigError, config_to_dict, load_config, safe_load_bounded
 from fedloom.device import to_host
 from fedloom.engine.checkpoint import (
@@ -100,7 +101,9 @@ def read_metrics(path: Path, upto: int, totals: dict[str, int] | None = None,
                  digest: str | None = None) -> list[dict[str, Any]]:
     """The metrics of rounds ``1 … upto`` (the checkpoint's round), validated.
 
-    Each line must be a UTF-8 JSON object with an integer ``round``. Lines of
+    Each line must be a UTF-8 JSON object with an integer ``round``, no longer than
+    :data:`~fedloom.bounded.MAX_JSONL_LINE` (a longer one is damaged; the file is
+    read line by line and such a line never held whole). Lines of
     later rounds (run after the checkpoint by a killed run; they are run again)
     are dropped, and so is a torn last line (what a kill leaves; alone, it is not
     reported). Other damaged lines are dropped with a warning naming them when
@@ -114,15 +117,18 @@ def read_metrics(path: Path, upto: int, totals: dict[str, int] | None = None,
     """
     if upto == 0:
         return []
-    return _metrics_rows(path, _metrics_bytes(path, upto), upto, totals, digest)
+    return _metrics_rows(path, _metrics_lines(path, upto), upto, totals, digest)
 
 
-def _metrics_bytes(path: Path, upto: int) -> bytes:
-    """The metrics file's bytes; :class:`RunDirError` when there is no such file
-    to read (whatever checkpoint is resumed)."""
+def _metrics_lines(path: Path, upto: int) -> list[bytes | None]:
+    """The metrics file's lines, without their newlines, ``None`` for one longer than
+    :data:`~fedloom.bounded.MAX_JSONL_LINE`; :class:`RunDirError` when there is no
+    such file to read (whatever checkpoint is resumed)."""
     check_regular(path, "the metrics file")
     try:
-        return path.read_bytes()
+        with open(path, "rb") as f:
+            return [line if line is None or not line.endswith(b"\n") else line[:-1]
+                    for line in bounded.jsonl_lines(f)]
     except IsADirectoryError:
         raise RunDirError(f"{path}: is a directory, not the metrics file") from None
     except FileNotFoundError:
@@ -132,18 +138,23 @@ def _metrics_bytes(path: Path, upto: int) -> bytes:
         raise RunDirError(f"{path}: cannot be read ({e.strerror or e})") from None
 
 
-def _metrics_rows(path: Path, raw: bytes, upto: int, totals: dict[str, int] | None,
-                  digest: str | None) -> list[dict[str, Any]]:
-    """Rounds ``1 … upto`` of ``raw`` checked (see :func:`read_metrics`);
+def _damaged(bad: list[int], long: list[int]) -> str:
+    """``bad`` (1-based line numbers) for a message; those of ``long`` were over the bound."""
+    over = (f"; line{'s' if len(long) > 1 else ''} {_ranges(long)} over the "
+            f"{bounded.MAX_JSONL_LINE:,}-byte bound on a metrics line" if long else "")
+    return f"{_ranges(bad)}{over}"
+
+
+def _metrics_rows(path: Path, lines: list[bytes | None], upto: int,
+                  totals: dict[str, int] | None, digest: str | None) -> list[dict[str, Any]]:
+    """Rounds ``1 … upto`` of the file's ``lines`` checked (see :func:`read_metrics`);
     :class:`RunDirError` when they are not those of the checkpoint."""
-    lines = raw.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()  # the file ends with a newline
     out: list[dict[str, Any]] = []
     bad: list[int] = []  # 1-based line numbers
+    long = [no for no, line in enumerate(lines, 1) if line is None]
     for no, line in enumerate(lines, 1):
         try:
-            obj = json.loads(line.decode("utf-8"))
+            obj: Any = None if line is None else json.loads(line.decode("utf-8"))
         # ValueError: also an integer past Python's int-parsing limit; RecursionError:
         # nesting deeper than the parser's stack. Either is a damaged line.
         except (UnicodeDecodeError, ValueError, RecursionError):
@@ -159,7 +170,7 @@ def _metrics_rows(path: Path, raw: bytes, upto: int, totals: dict[str, int] | No
             out.append(obj)
     missing = sorted(set(range(1, upto + 1)) - {m["round"] for m in out})
     if missing:
-        dmg = f" ({len(bad)} damaged lines: {_ranges(bad)})" if bad else ""
+        dmg = f" ({len(bad)} damaged lines: {_damaged(bad, long)})" if bad else ""
         raise RunDirError(f"{path}: rounds {_ranges(missing)} before the checkpoint's round "
                           f"{upto} are missing{dmg}")
     if digest is not None and metrics_digest(out) != digest:
@@ -172,9 +183,10 @@ def _metrics_rows(path: Path, raw: bytes, upto: int, totals: dict[str, int] | No
             if name in last and key in totals and last[name] != totals[key]:
                 raise RunDirError(f"{path}: round {upto} has {name}={last[name]}, the checkpoint "
                                   f"{totals[key]}: the file is not this run's")
-    if bad and bad != [len(lines)]:  # a torn last line is what a kill leaves: no news
+    # A torn last line is what a kill leaves: no news (a line over the bound is no torn one).
+    if bad and (bad != [len(lines)] or long):
         log.warning("%s: dropped %d damaged lines (%s); rounds 1–%d are intact", path, len(bad),
-                    _ranges(bad), upto)
+                    _damaged(bad, long), upto)
     return out
 
 
@@ -346,7 +358,7 @@ def _open_checkpoint(exp: Setup, cfg: Config, resolved: dict[str, Any], run_dir:
     if not (there(last) or there(prev)):
         return None
     problems: list[str] = []
-    raw: bytes | None = None  # the metrics file, read once (its absence is no fallback)
+    lines: list[bytes | None] | None = None  # metrics.jsonl, read once (no fallback if absent)
     metrics_bad = False
     for p in (last, prev):
         if not there(p):
@@ -358,9 +370,9 @@ def _open_checkpoint(exp: Setup, cfg: Config, resolved: dict[str, Any], run_dir:
             problems.append(str(e))
             continue
         path = run_dir / METRICS_FILE
-        raw = _metrics_bytes(path, st.next_round) if raw is None else raw
+        lines = _metrics_lines(path, st.next_round) if lines is None else lines
         try:
-            history = _metrics_rows(path, raw, st.next_round, st.totals, digest)
+            history = _metrics_rows(path, lines, st.next_round, st.totals, digest)
         except RunDirError as e:  # those rows are not this checkpoint's: as if it were damaged
             problems.append(f"{e}, so {p.name} (round {st.next_round}) cannot be continued")
             metrics_bad = True

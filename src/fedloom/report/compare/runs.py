@@ -15,7 +15,9 @@ the metrics a table shows are numbers wherever they appear (NaN is one: fedloom
 logs it for a metric without a value; so is an infinite, diverged loss), and
 ``client_acc.json`` holds lists of numbers or nulls. JSON nested deeper than
 Python's recursion limit or holding an integer longer than its int-parsing limit
-(4300 digits) is refused naming the file (and line).
+(4300 digits) is refused naming the file (and line), and so is a line of
+``metrics.jsonl`` longer than :data:`fedloom.bounded.MAX_JSONL_LINE` (16 MiB; the
+file is read line by line, and such a line is never held whole).
 
 Numbers. For each metric, each run gives one value: its ``final`` value (the
 run's ``summary.json``, which holds the last logged value of every metric, plus
@@ -42,6 +44,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from fedloom import bounded
 from fedloom.config import safe_load_bounded
 
 
@@ -199,16 +202,28 @@ def _read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
     run leaves)."""
     if not path.is_file():
         return [], []
-    lines = _read_bytes(path).split(b"\n")
+    try:
+        with open(path, "rb") as f:
+            return _metrics_records(path, bounded.jsonl_lines(f))
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def _metrics_records(path: Path, lines: Iterable[bytes | None]
+                     ) -> tuple[list[dict[str, Any]], list[int]]:
     rows: list[dict[str, Any]] = []
     where: list[int] = []
     for no, line in enumerate(lines, 1):
+        if line is None:  # read past, never held: a damaged file, not a record
+            raise ValueError(f"{path}: line {no} is longer than {bounded.MAX_JSONL_LINE:,} "
+                             "bytes, the bound on a metrics line (fedloom.bounded."
+                             "MAX_JSONL_LINE): the file is damaged")
         if not line.strip():
             continue
         try:
             obj = _parse_json(line)
         except _NotJSON as e:
-            if no == len(lines) and not str(e):  # torn, not deep or long
+            if not line.endswith(b"\n") and not str(e):  # the last line, torn (not deep or long)
                 continue
             raise ValueError(f"{path}: line {no} is "
                              + (f"not valid JSON{e}" if str(e) else "not a metrics record")
