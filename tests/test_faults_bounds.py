@@ -6,8 +6,9 @@ that names the file or field, exit 2 and no traceback, or stays within a stated 
 - an integer literal longer than Python's int-parsing limit
   (``sys.get_int_max_str_digits()``) in a config, an override, or a run's
   ``config.yaml``, ``summary.json``, ``metrics.jsonl``;
-- CSV tables larger than ``fedloom.data.user.MAX_CSV_BYTES`` or wider than
-  ``MAX_CSV_COLUMNS`` (checked before parsing), and a parser out of memory;
+- CSV tables larger than ``fedloom.data.user.MAX_CSV_BYTES``, wider than
+  ``MAX_CSV_COLUMNS``, of more than ``MAX_CSV_CELLS`` cells or whose parse would
+  take more memory than is left (checked before parsing), and a parser out of memory;
 - ``fedloom compare`` on metrics that are null, a mapping, a string, missing, NaN
   where a count must be finite, JSON nested 100,000 levels deep, or a line longer
   than ``fedloom.bounded.MAX_JSONL_LINE``.
@@ -183,10 +184,62 @@ def test_a_csv_header_wider_than_the_bound_is_refused_from_the_header(tmp_path, 
 def test_a_quoted_comma_in_the_header_is_not_a_column(monkeypatch):
     from fedloom.data import user
 
-    assert user._header_columns_over(b'a,"b,c",d\n1,2,3\n', 3) is False
-    assert user._header_columns_over(b'a,"b,c",d,e\n1,2,3,4\n', 3) is True
-    assert user._header_columns_over(b'a,b\r\n1,2\r\n', 2) is False
-    assert user._header_columns_over(b'a,b,c', 2) is True  # no newline at all
+    assert user._header_columns(b'a,"b,c",d\n1,2,3\n', 3) == 3
+    assert user._header_columns(b'a,"b,c",d,e\n1,2,3,4\n', 3) == 4
+    assert user._header_columns(b'a,b\r\n1,2\r\n', 2) == 2
+    assert user._header_columns(b'a,b,c', 2) == 3  # no newline at all
+    assert user._header_columns(b'a,b,c,d,e\n', 2) == 3  # counted no further than needed
+
+
+def test_the_rows_of_a_csv_are_counted_from_its_line_breaks():
+    """An upper bound, read in chunks: ``\\n``, ``\\r\\n`` or ``\\r`` alone, a last
+    line without one, blank lines (the parser's rows of empty cells)."""
+    import io
+
+    from fedloom.data import user
+
+    for text, rows in ((b"a,b\n1,2\n3,4\n", 2), (b"a,b\r\n1,2\r\n3,4", 2),
+                       (b"a,b\r1,2\r", 1), (b"a,b\n\n\n", 2), (b"a,b", 0), (b"", 0)):
+        assert user._data_rows(io.BytesIO(text)) == rows, text
+
+
+def _never(*a, **k):
+    raise AssertionError("parsed a file above the bound")
+
+
+def test_a_csv_of_more_cells_than_the_bound_is_refused_before_parsing(tmp_path, capsys,
+                                                                     monkeypatch):
+    """The issue's shape under both other bounds, 99,999 columns × 1,000 rows (there
+    200 MB that took 3.8 GB to parse and aborted in pyarrow under a 3 GiB limit; here
+    blank rows, which the parser reads as rows of empty cells): refused from its
+    header and line breaks, with the cells, the bound and the memory it would take."""
+    from fedloom.data.user import MAX_CSV_CELLS
+
+    path = tmp_path / "d.csv"
+    path.write_text("label," + ",".join(f"c{i}" for i in range(99_998)) + "\n" + "\n" * 1000)
+    monkeypatch.setattr("pandas.read_csv", _never)
+    line = _run(tmp_path, capsys, *ROUND, *USER, "data.name=csv", f"data.path={path}")
+    assert line.startswith(
+        f"fedloom: error: {path}: 99,999 columns × 1,000 rows = 99,999,000 cells, above the "
+        f"bound of {MAX_CSV_CELLS:,} cells for a CSV table (fedloom.data.user.MAX_CSV_CELLS: "
+        "about 3.6 GB to parse); save the arrays as .npz"), line
+
+
+def test_a_csv_whose_parse_would_not_fit_in_the_memory_left_is_refused_before_parsing(
+        tmp_path, capsys, monkeypatch):
+    """Under every bound, but more to parse than the memory left (said here to be
+    10 kB): refused before parsing, naming what it takes (not a MemoryError after
+    the parse has taken what there was, or an abort inside pyarrow)."""
+    from fedloom.data import user
+
+    path = _csv(tmp_path / "d.csv")
+    size = path.stat().st_size
+    monkeypatch.setattr(user, "available_memory", lambda: 10_000)
+    monkeypatch.setattr("pandas.read_csv", _never)
+    line = _run(tmp_path, capsys, *ROUND, *USER, "data.name=csv", f"data.path={path}")
+    assert line.startswith(f"fedloom: error: {path}: not enough memory to read the table: 3 "
+                           f"columns × 200 rows ({size} bytes) take about "), line
+    assert "to parse and 10000 bytes is available" in line, line
 
 
 def test_a_csv_parse_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch):

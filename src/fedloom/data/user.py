@@ -21,9 +21,12 @@ column converted here: features as ``float()`` (so a CSV, an ``.npz`` and
 :func:`from_arrays` give the same model bits), integer labels as they are and text
 labels mapped to ``0 … C−1`` in sorted order (:attr:`Dataset.classes`,
 ``labels.json``). Refused, one line each: labels not below the sample count,
-object arrays in ``.npz`` files, CSV files not in UTF-8, over :data:`MAX_CSV_BYTES`
-or :data:`MAX_CSV_COLUMNS` (bounds fixed, so that a file is accepted alike on every
-machine), and features that are not finite or beyond float32's range.
+object arrays in ``.npz`` files, CSV files not in UTF-8, over :data:`MAX_CSV_BYTES`,
+:data:`MAX_CSV_COLUMNS` or :data:`MAX_CSV_CELLS` (bounds fixed, so that a file is
+accepted alike on every machine), CSV files whose parse would take more memory
+than is left (checked before parsing: it would end in a ``MemoryError``, or abort
+the process inside pyarrow), and features that are not finite or beyond float32's
+range.
 Each conversion and refusal with its reasons and measurements:
 docs/howto/datasets.md (Your own data in detail).
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import zipfile
 import zlib
 from pathlib import Path
@@ -40,12 +44,13 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from fedloom.bounded import available_memory, size_text
 from fedloom.config import DataConfig
 from fedloom.data.sources import _SOURCES, Dataset, SourceInfo
 from fedloom.registry import register
 
-__all__ = ["MAX_CSV_BYTES", "MAX_CSV_COLUMNS", "DataError", "from_arrays", "load_csv",
-           "load_npz"]
+__all__ = ["MAX_CSV_BYTES", "MAX_CSV_CELLS", "MAX_CSV_COLUMNS", "DataError", "from_arrays",
+           "load_csv", "load_npz"]
 
 log = logging.getLogger("fedloom")
 
@@ -59,6 +64,21 @@ class DataError(ValueError):
 # a parse at MAX_CSV_BYTES, half a minute and 0.8 GB for MAX_CSV_COLUMNS columns).
 MAX_CSV_BYTES = 256 * 2**20
 MAX_CSV_COLUMNS = 100_000
+# Cells (columns × rows): a parse holds about 32 bytes a cell (_parse_memory), so a
+# table of short cells under both bounds above could still need 4 GB (99,999 columns
+# × 1,000 rows, 200 MB). 60 million cells: about 2 GB at the peak, and room for the
+# largest common table (MNIST as CSV: 60,000 rows × 785 columns, 47.1 million).
+MAX_CSV_CELLS = 60_000_000
+
+
+def _parse_memory(columns: int, rows: int, size: int) -> int:
+    """The bytes a parse of a table of ``columns`` × ``rows`` cells and ``size``
+    bytes holds at its peak, over-estimated: 32 bytes a cell, 4 a byte of text and
+    4 KiB a column. Measured (load_csv: pandas 3's pyarrow strings, the float
+    columns, the dataset) on tables of 10 to 99,999 columns of one-digit to
+    18-digit cells: 24-32 bytes a cell and 4-5 a byte, each table's peak within 0-30%
+    below this (pandas 2's Python strings take up to a third more)."""
+    return 32 * columns * rows + 4 * size + 4096 * columns
 
 
 def _labels(y: Any, where: str) -> np.ndarray:
@@ -210,11 +230,11 @@ def load_npz(cfg: DataConfig, seed: int) -> Dataset:
                        get.get("y_test"), name="npz", source=str(p))
 
 
-def _header_columns_over(source: bytes | BinaryIO, limit: int) -> bool:
-    """Whether the first line of CSV text names more than ``limit`` columns: commas
-    outside double quotes up to the first line break, read 1 MiB at a time and no
-    further than the count needs (a header of 10**6 names, or one line of 200 MB,
-    costs no more memory than a chunk)."""
+def _header_columns(source: bytes | BinaryIO, limit: int) -> int:
+    """The columns the first line of CSV text names, counted up to ``limit + 1`` (more
+    than ``limit``: at least that): commas outside double quotes up to the first
+    line break, read 1 MiB at a time and no further than the count needs (a header
+    of 10**6 names, or one line of 200 MB, costs no more memory than a chunk)."""
     f = io.BytesIO(source) if isinstance(source, bytes) else source
     count, quoted = 1, False
     while chunk := f.read(1 << 20):
@@ -223,7 +243,7 @@ def _header_columns_over(source: bytes | BinaryIO, limit: int) -> bool:
                       default=-1)
             count += chunk[:end].count(b",") if end >= 0 else chunk.count(b",")
             if end >= 0 or count > limit:
-                return count > limit
+                return min(count, limit + 1)
             continue
         for byte in chunk:  # quoted names: byte by byte ("" toggles twice: no change)
             if byte == 0x22:
@@ -231,14 +251,31 @@ def _header_columns_over(source: bytes | BinaryIO, limit: int) -> bool:
             elif not quoted and byte == 0x2C:
                 count += 1
                 if count > limit:
-                    return True
+                    return count
             elif not quoted and byte in (0x0A, 0x0D):
-                return False
-    return count > limit
+                return count
+    return min(count, limit + 1)
+
+
+def _data_rows(f: BinaryIO) -> int:
+    """The rows below the header of CSV text, at most: its line breaks (``\\n``, or
+    ``\\r`` alone), a last line without one, less the header. A line break inside
+    quotes counts too, and so does a blank line (a row of empty cells to the parser):
+    an upper bound, read 1 MiB at a time."""
+    lf = cr = 0
+    last = b""
+    while chunk := f.read(1 << 20):
+        lf += chunk.count(b"\n")
+        cr += chunk.count(b"\r")
+        last = chunk
+    lines = max(lf, cr) + (1 if last and last[-1:] not in (b"\n", b"\r") else 0)
+    return max(lines - 1, 0)
 
 
 def _check_csv_bounds(p: Path) -> int:
-    """Refuse a table above :data:`MAX_CSV_BYTES` or :data:`MAX_CSV_COLUMNS` before
+    """Refuse a table above :data:`MAX_CSV_BYTES`, :data:`MAX_CSV_COLUMNS` or
+    :data:`MAX_CSV_CELLS`, or one whose parse would take more memory than is left
+    (:func:`_parse_memory` against :func:`~fedloom.bounded.available_memory`), before
     it is parsed; return its size."""
     size = p.stat().st_size
     if size > MAX_CSV_BYTES:
@@ -247,14 +284,35 @@ def _check_csv_bounds(p: Path) -> int:
                         "7-17x its size in memory); save the arrays as .npz (data.name=npz)")
     try:
         with open(p, "rb") as f:
-            wide = _header_columns_over(f, MAX_CSV_COLUMNS)
+            columns = _header_columns(f, MAX_CSV_COLUMNS)
+            if columns <= MAX_CSV_COLUMNS:
+                f.seek(0, os.SEEK_SET)
+                rows = _data_rows(f)
     except OSError as e:
         raise DataError(f"{p}: cannot be read ({e.strerror or e})") from None
-    if wide:
+    if columns > MAX_CSV_COLUMNS:
         raise DataError(f"{p}: more than {MAX_CSV_COLUMNS} columns in the header, the bound "
                         "for a CSV table (fedloom.data.user.MAX_CSV_COLUMNS); save the arrays "
                         "as .npz (data.name=npz)")
+    _check_cells(p, columns, rows, size)
     return size
+
+
+def _check_cells(p: Path, columns: int, rows: int, size: int) -> None:
+    """Refuse a table of more than :data:`MAX_CSV_CELLS` cells, or one whose parse
+    would take more memory than this process can still take."""
+    shape = f"{columns:,} columns × {rows:,} rows"
+    need = _parse_memory(columns, rows, size)
+    if columns * rows > MAX_CSV_CELLS:
+        raise DataError(f"{p}: {shape} = {columns * rows:,} cells, above the bound of "
+                        f"{MAX_CSV_CELLS:,} cells for a CSV table (fedloom.data.user."
+                        f"MAX_CSV_CELLS: about {size_text(need)} to parse); save the arrays "
+                        "as .npz (data.name=npz)")
+    avail = available_memory()
+    if avail is not None and need > avail:
+        raise DataError(f"{p}: not enough memory to read the table: {shape} ({size} bytes) "
+                        f"take about {size_text(need)} to parse and {size_text(avail)} is "
+                        "available; save the arrays as .npz (data.name=npz)")
 
 
 def load_csv(cfg: DataConfig, seed: int) -> Dataset:
