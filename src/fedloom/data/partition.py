@@ -149,19 +149,7 @@ def dirichlet(
     best = 0
     best_parts: list[np.ndarray] | None = None
     for _ in range(max_tries):
-        parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
-        sizes = np.zeros(num_clients, dtype=np.int64)
-        for a_c, idx in zip(alphas, by_class, strict=True):
-            idx = rng.permutation(idx)
-            p = rng.dirichlet(np.full(num_clients, a_c))
-            # Balancing rule: clients that already hold n/N samples get no more.
-            p = p * (sizes < n / num_clients)
-            total = p.sum()
-            p = p / total if total > 0 else np.full(num_clients, 1.0 / num_clients)
-            cuts = (np.cumsum(p) * len(idx)).astype(np.int64)[:-1]
-            for k, chunk in enumerate(np.split(idx, cuts)):
-                parts[k].append(chunk)
-                sizes[k] += len(chunk)
+        parts, sizes = _dirichlet_draw(by_class, alphas, num_clients, n, rng)
         if best_parts is None or int(sizes.min()) > best:
             best = int(sizes.min())
             best_parts = [np.concatenate(p) for p in parts]
@@ -178,6 +166,27 @@ def dirichlet(
         f"{num_clients} clients >= {min_samples} samples (best minimum: {best}); "
         "lower min_samples or num_clients, or raise alpha"
     )
+
+
+def _dirichlet_draw(
+    by_class: list[np.ndarray], alphas: np.ndarray, num_clients: int, n: int,
+    rng: np.random.Generator,
+) -> tuple[list[list[np.ndarray]], np.ndarray]:
+    """One draw of ``dirichlet``: each client's chunks per class, and its size."""
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    sizes = np.zeros(num_clients, dtype=np.int64)
+    for a_c, idx in zip(alphas, by_class, strict=True):
+        idx = rng.permutation(idx)
+        p = rng.dirichlet(np.full(num_clients, a_c))
+        # Balancing rule: clients that already hold n/N samples get no more.
+        p = p * (sizes < n / num_clients)
+        total = p.sum()
+        p = p / total if total > 0 else np.full(num_clients, 1.0 / num_clients)
+        cuts = (np.cumsum(p) * len(idx)).astype(np.int64)[:-1]
+        for k, chunk in enumerate(np.split(idx, cuts)):
+            parts[k].append(chunk)
+            sizes[k] += len(chunk)
+    return parts, sizes
 
 
 def _class_alphas(alpha: float | Sequence[float], num_classes: int, who: str) -> np.ndarray:
@@ -330,17 +339,7 @@ def classes(
     _check(labels, num_clients)
     cls = np.unique(labels)
     c_n = len(cls)
-    if not 1 <= k <= c_n:
-        raise PartitionError(f"classes: k must be between 1 and the {c_n} classes of the "
-                             f"data, got {k}")
-    if num_clients * k < c_n:
-        raise PartitionError(f"classes: {num_clients} clients x k={k} classes = "
-                             f"{num_clients * k} holders cannot cover the {c_n} classes")
-    if assign not in ("random", "round_robin"):
-        raise PartitionError(f"classes: assign must be 'random' or 'round_robin', "
-                             f"got {assign!r}")
-    if split not in ("even", "dirichlet"):
-        raise PartitionError(f"classes: split must be 'even' or 'dirichlet', got {split!r}")
+    _check_classes_options(num_clients, c_n, k, assign, split)
     alphas = _class_alphas(alpha, c_n, "classes")
     by_class = [np.flatnonzero(labels == c) for c in cls]
     if num_clients * min_samples > len(labels):
@@ -365,20 +364,7 @@ def classes(
             why = (f"class {cls[c].item()!r} has {len(by_class[c])} samples for "
                    f"{counts[c]} holders")
             continue
-        parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
-        for c in range(c_n):
-            idx = rng.permutation(by_class[c])
-            h = holders[c]
-            if split == "even":
-                chunks = np.array_split(idx, len(h))
-            else:  # one sample each, the rest by Dirichlet proportions
-                q = rng.dirichlet(np.full(len(h), alphas[c]))
-                extra = _cut_sizes(q, len(idx) - len(h))
-                cuts = np.cumsum(1 + extra)[:-1]
-                chunks = np.split(idx, cuts)
-            for j, chunk in zip(h, chunks, strict=True):
-                parts[j].append(chunk)
-        out = [np.sort(np.concatenate(p)) for p in parts]
+        out = _split_among_holders(by_class, holders, num_clients, split, alphas, rng)
         small = min(range(num_clients), key=lambda j: len(out[j]))
         if len(out[small]) >= min_samples:
             return out
@@ -388,6 +374,42 @@ def classes(
                          + (f" in every one of {max_tries} draws" if assign == "random"
                             or split == "dirichlet" else "")
                          + "; raise num_clients·k, lower min_samples or change assign")
+
+
+def _check_classes_options(num_clients: int, c_n: int, k: int, assign: str, split: str) -> None:
+    """Refuse a ``classes`` setting that no draw can meet, naming the constraint."""
+    if not 1 <= k <= c_n:
+        raise PartitionError(f"classes: k must be between 1 and the {c_n} classes of the "
+                             f"data, got {k}")
+    if num_clients * k < c_n:
+        raise PartitionError(f"classes: {num_clients} clients x k={k} classes = "
+                             f"{num_clients * k} holders cannot cover the {c_n} classes")
+    if assign not in ("random", "round_robin"):
+        raise PartitionError(f"classes: assign must be 'random' or 'round_robin', "
+                             f"got {assign!r}")
+    if split not in ("even", "dirichlet"):
+        raise PartitionError(f"classes: split must be 'even' or 'dirichlet', got {split!r}")
+
+
+def _split_among_holders(
+    by_class: list[np.ndarray], holders: list[np.ndarray], num_clients: int, split: str,
+    alphas: np.ndarray, rng: np.random.Generator,
+) -> list[np.ndarray]:
+    """Share each class's shuffled samples among its holders; each client's sorted indices."""
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for c in range(len(by_class)):
+        idx = rng.permutation(by_class[c])
+        h = holders[c]
+        if split == "even":
+            chunks = np.array_split(idx, len(h))
+        else:  # one sample each, the rest by Dirichlet proportions
+            q = rng.dirichlet(np.full(len(h), alphas[c]))
+            extra = _cut_sizes(q, len(idx) - len(h))
+            cuts = np.cumsum(1 + extra)[:-1]
+            chunks = np.split(idx, cuts)
+        for j, chunk in zip(h, chunks, strict=True):
+            parts[j].append(chunk)
+    return [np.sort(np.concatenate(p)) for p in parts]
 
 
 def _cut_sizes(p: np.ndarray, total: int) -> np.ndarray:
@@ -446,24 +468,7 @@ def sizes(
     if num_clients * min_samples > n:
         raise PartitionError(f"sizes: {num_clients} clients x min_samples {min_samples} = "
                              f"{num_clients * min_samples} exceeds the {n} samples")
-    if distribution == "powerlaw":
-        if exponent <= 0:
-            raise PartitionError(f"sizes: exponent must be > 0, got {exponent}")
-        w = rng.pareto(exponent, num_clients) + 1.0
-    elif distribution == "lognormal":
-        if sigma < 0:
-            raise PartitionError(f"sizes: sigma must be >= 0, got {sigma}")
-        w = np.exp(sigma * rng.standard_normal(num_clients))
-    elif distribution == "list":
-        w = np.asarray(list(counts), dtype=np.float64)
-        if w.shape != (num_clients,):
-            raise PartitionError(f"sizes: counts needs one value per client "
-                                 f"({num_clients}), got {len(w)}")
-        if not (np.all(np.isfinite(w)) and np.all(w >= 0) and w.sum() > 0):
-            raise PartitionError("sizes: counts must be >= 0 with a positive sum")
-    else:
-        raise PartitionError(f"sizes: distribution must be powerlaw, lognormal or list, "
-                             f"got {distribution!r}")
+    w = _size_weights(distribution, exponent, sigma, counts, num_clients, rng)
     if counts and distribution != "list":
         raise PartitionError(f"sizes: counts is used by distribution list only "
                              f"(distribution is {distribution})")
@@ -475,10 +480,43 @@ def sizes(
         raise PartitionError(f"sizes: then must be 'iid' or 'dirichlet', got {then!r}")
     cls = np.unique(labels)
     alphas = _class_alphas(alpha, len(cls), "sizes")
+    return _fill_by_dirichlet(labels, cls, n_k, alphas, rng)
+
+
+def _size_weights(
+    distribution: str, exponent: float, sigma: float, counts: Sequence[float],
+    num_clients: int, rng: np.random.Generator,
+) -> np.ndarray:
+    """The relative client sizes ``w_k`` of ``sizes``: drawn, or the given ``counts``."""
+    if distribution == "powerlaw":
+        if exponent <= 0:
+            raise PartitionError(f"sizes: exponent must be > 0, got {exponent}")
+        return rng.pareto(exponent, num_clients) + 1.0
+    if distribution == "lognormal":
+        if sigma < 0:
+            raise PartitionError(f"sizes: sigma must be >= 0, got {sigma}")
+        return np.exp(sigma * rng.standard_normal(num_clients))
+    if distribution == "list":
+        w = np.asarray(list(counts), dtype=np.float64)
+        if w.shape != (num_clients,):
+            raise PartitionError(f"sizes: counts needs one value per client "
+                                 f"({num_clients}), got {len(w)}")
+        if not (np.all(np.isfinite(w)) and np.all(w >= 0) and w.sum() > 0):
+            raise PartitionError("sizes: counts must be >= 0 with a positive sum")
+        return w
+    raise PartitionError(f"sizes: distribution must be powerlaw, lognormal or list, "
+                         f"got {distribution!r}")
+
+
+def _fill_by_dirichlet(
+    labels: np.ndarray, cls: np.ndarray, n_k: np.ndarray, alphas: np.ndarray,
+    rng: np.random.Generator,
+) -> list[np.ndarray]:
+    """Fill client ``k``'s ``n_k`` slots class by class with proportions ``q_k ~ Dir(α)``."""
     pools = [list(rng.permutation(np.flatnonzero(labels == c))) for c in cls]
     left = np.array([len(p) for p in pools], dtype=np.int64)
     out = []
-    for j in range(num_clients):
+    for j in range(len(n_k)):
         q = rng.dirichlet(alphas)
         need = int(n_k[j])
         mine: list[int] = []
