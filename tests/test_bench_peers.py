@@ -245,7 +245,7 @@ def test_the_two_process_floor_trains_the_same_round(toy_spec, tmp_path):
         run = subprocess.run([sys.executable, str(Path(peers.__file__).parent / "peer_torch.py"),
                               "--spec", str(folder), "--final", str(out), "--threads", "1",
                               "--procs", str(procs)], input="go\n", capture_output=True,
-                             text=True, timeout=120)
+                             text=True, timeout=600)
         assert run.returncode == 0, run.stderr
         assert [json.loads(s)["round"] for s in run.stdout.splitlines()] == [1, 2]
         finals.append(torch.load(out, weights_only=True))

@@ -73,7 +73,7 @@ def test_config_file_errors(tmp_path):
 def _cli(*args, cwd, in_process=False):
     run = cli_in_process if in_process else subprocess.run
     return run([sys.executable, "-m", "fedloom.cli", *args], cwd=cwd,
-               capture_output=True, text=True, timeout=120)
+               capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.parametrize(

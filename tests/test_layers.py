@@ -39,7 +39,7 @@ def _lint(src: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     ini.write_text("\n".join(lines) + "\n")
     env = {**os.environ, "PYTHONPATH": str(src)}
     return subprocess.run([str(LINT), "--config", str(ini), "--no-cache"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=120)
+                          env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_contracts_hold_on_the_package(tmp_path):

@@ -149,7 +149,7 @@ def test_bad_npz_inputs_exit_2_with_one_line(tmp_path, case, message):
     run = subprocess.run if case == "missing_y" else cli_in_process
     p = run([sys.executable, "-m", "fedloom.cli", "run", str(cfg), "data.name=npz",
              f"data.path={tmp_path / 'bad.npz'}", "data.min_samples=3", "--out", str(out),
-             "--quiet"], capture_output=True, text=True, timeout=120)
+             "--quiet"], capture_output=True, text=True, timeout=600)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines

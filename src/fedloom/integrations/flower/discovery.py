@@ -88,6 +88,8 @@ def discover_clients(grid: Grid, num_clients: int, node_timeout: float, *, who: 
     if missing:
         raise RuntimeError(_why_missing(who, needs, missing, len(ids), sorted(nodes), failed,
                                         node_timeout, time.monotonic() - start))
+    log.info("%s: %d SuperNodes said which client they are in %.1f s (node_timeout %g s)",
+             who, len(nodes), time.monotonic() - start, node_timeout)
     return nodes
 
 
