@@ -11,6 +11,7 @@ import torch
 
 from fedloom.aggregate.gram import (
     Precision,
+    TruncatedSolve,
     combine,
     gram,
     gram_noise,
@@ -59,8 +60,9 @@ class CraftSolver:
         self, R: torch.Tensor, weights: torch.Tensor, ref: torch.Tensor | None,
         precision: Precision, *, final: bool,
     ) -> GroupSolve | None:
+        """One try of the Gram solve at ``precision``; ``None`` hands the group on to float64."""
         nan = float("nan")
-        m, dq = R.shape
+        dq = R.shape[1]
         # One pass for the Gram and R·ĝ, one (fused) pass for g and the check R·g;
         # rows of the cohort are never copied (unusable ones get coefficient 0).
         G_raw, Rref = gram(R, ref, chunk=self.chunk, precision=precision)
@@ -98,6 +100,17 @@ class CraftSolver:
                               noise=gram_noise(k, gram_dtype), final=final)
         if sol is None:
             return None  # an eigenvalue within the Gram's rounding of the cut
+        return self._refine(R, ref, precision, scale, idx, norms, rho, sol, final=final)
+
+    def _refine(
+        self, R: torch.Tensor, ref: torch.Tensor | None, precision: Precision,
+        scale: torch.Tensor | None, idx: torch.Tensor, norms: torch.Tensor,
+        rho: torch.Tensor, sol: TruncatedSolve, *, final: bool,
+    ) -> GroupSolve | None:
+        """Form ``g`` from the solve's ``λ``, refine ``λ`` against the measured residual
+        and report the constraints ``g`` meets; ``None`` when the mixed check fails."""
+        m, dq = R.shape
+        k = len(idx)
 
         def form(lam: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
             # g = ĝ + Uᵀλ = ĝ + Rᵀ(λ/‖g_i‖), then the constraints as actually met by
