@@ -15,7 +15,15 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from fedloom.config import Config
+
+    # what add_subparsers returns: each command's parser is added to it
+    _Commands: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 
 __all__ = ["main"]
 
@@ -107,6 +115,50 @@ def _remove_new_dirs(out: Path, base: Path) -> None:
             break
 
 
+def _summary_rows(s: dict[str, Any], cfg: Config) -> list[tuple[str, str]]:
+    """The table ``run`` prints at the end: (metric, value) rows from the run's summary."""
+    return [
+        ("rounds", f"{s['rounds']}"),
+        ("test accuracy", _num(s.get("test_acc"))),
+        ("test loss", _num(s.get("test_loss"))),
+        ("client acc mean ± std", _pm(s.get("client_acc_mean"), s.get("client_acc_std"))),
+        ("client acc worst 10 %", _num(s.get("client_acc_worst10"))),
+        # a causal LM (fedloom.models.llm): the accuracies above are token accuracies
+        *([("test perplexity", _num(s.get("test_ppl"))),
+           ("client ppl mean ± std", _pm(s["client_ppl_mean"], s.get("client_ppl_std"))),
+           ("client ppl worst 10 %", _num(s.get("client_ppl_worst10")))]
+          if "client_ppl_mean" in s else []),
+        *([("personal acc mean ± std", _pm(s["personal_acc_mean"], s.get("personal_acc_std"))),
+           ("personal acc worst 10 %", _num(s.get("personal_acc_worst10")))]
+          if "personal_acc_mean" in s else []),
+        *([("personal ppl mean ± std", _pm(s["personal_ppl_mean"], s.get("personal_ppl_std"))),
+           ("personal ppl worst 10 %", _num(s.get("personal_ppl_worst10")))]
+          if "personal_ppl_mean" in s else []),
+        ("uplink total", _fmt_bytes(s["uplink_bytes_total"])),
+        ("downlink total", _fmt_bytes(s["downlink_bytes_total"])),
+        ("rejected updates", f"{s['rejected_updates_total']}"),
+        # shown only when something happened: a skipped step or a clipped update
+        *([("rejected rounds (step skipped)", f"{s['rejected_rounds_total']}")]
+          if s.get("rejected_rounds_total") else []),
+        *([("clipped updates", f"{s['clipped_updates_total']}")]
+          if s.get("clipped_updates_total") else []),
+        # privacy.mode: the ε spent at δ, and why the run stopped early (target_epsilon)
+        *([("dp epsilon (delta)", f"{s['dp_epsilon']:.4g} ({s['dp_delta']:g})")]
+          if "dp_epsilon" in s and "dp_delta" in s else []),
+        *([("stopped", s["stop_reason"])] if "stop_reason" in s else []),
+        # the step used, and where it came from when the config left it to the rule
+        *([("server.lr", f"{s['server_lr']:g}" + (f" (auto: {cfg.aggregator.name}'s default)"
+                                                 if cfg.server.lr == "auto" else ""))]
+          if "server_lr" in s else []),
+        ("backend", f"{s.get('backend', '')}"),
+        ("device", _fmt_device(s)),
+        *([("peak device memory", f"{s['peak_device_memory_mb']:.0f} MB")]
+          if str(s.get("device", "")).startswith("cuda") else []),
+        ("wall time", f"{s['wall_s_total']:.1f} s"),
+        ("model sha256", s["model_sha256"][:16] + "…"),
+    ]
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -153,47 +205,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise
     finally:
         bar.close()
-    s = result.summary
-    rows = [
-        ("rounds", f"{s['rounds']}"),
-        ("test accuracy", _num(s.get("test_acc"))),
-        ("test loss", _num(s.get("test_loss"))),
-        ("client acc mean ± std", _pm(s.get("client_acc_mean"), s.get("client_acc_std"))),
-        ("client acc worst 10 %", _num(s.get("client_acc_worst10"))),
-        # a causal LM (fedloom.models.llm): the accuracies above are token accuracies
-        *([("test perplexity", _num(s.get("test_ppl"))),
-           ("client ppl mean ± std", _pm(s["client_ppl_mean"], s.get("client_ppl_std"))),
-           ("client ppl worst 10 %", _num(s.get("client_ppl_worst10")))]
-          if "client_ppl_mean" in s else []),
-        *([("personal acc mean ± std", _pm(s["personal_acc_mean"], s.get("personal_acc_std"))),
-           ("personal acc worst 10 %", _num(s.get("personal_acc_worst10")))]
-          if "personal_acc_mean" in s else []),
-        *([("personal ppl mean ± std", _pm(s["personal_ppl_mean"], s.get("personal_ppl_std"))),
-           ("personal ppl worst 10 %", _num(s.get("personal_ppl_worst10")))]
-          if "personal_ppl_mean" in s else []),
-        ("uplink total", _fmt_bytes(s["uplink_bytes_total"])),
-        ("downlink total", _fmt_bytes(s["downlink_bytes_total"])),
-        ("rejected updates", f"{s['rejected_updates_total']}"),
-        # shown only when something happened: a skipped step or a clipped update
-        *([("rejected rounds (step skipped)", f"{s['rejected_rounds_total']}")]
-          if s.get("rejected_rounds_total") else []),
-        *([("clipped updates", f"{s['clipped_updates_total']}")]
-          if s.get("clipped_updates_total") else []),
-        # privacy.mode: the ε spent at δ, and why the run stopped early (target_epsilon)
-        *([("dp epsilon (delta)", f"{s['dp_epsilon']:.4g} ({s['dp_delta']:g})")]
-          if "dp_epsilon" in s and "dp_delta" in s else []),
-        *([("stopped", s["stop_reason"])] if "stop_reason" in s else []),
-        # the step used, and where it came from when the config left it to the rule
-        *([("server.lr", f"{s['server_lr']:g}" + (f" (auto: {cfg.aggregator.name}'s default)"
-                                                 if cfg.server.lr == "auto" else ""))]
-          if "server_lr" in s else []),
-        ("backend", f"{s.get('backend', '')}"),
-        ("device", _fmt_device(s)),
-        *([("peak device memory", f"{s['peak_device_memory_mb']:.0f} MB")]
-          if str(s.get("device", "")).startswith("cuda") else []),
-        ("wall time", f"{s['wall_s_total']:.1f} s"),
-        ("model sha256", s["model_sha256"][:16] + "…"),
-    ]
+    rows = _summary_rows(result.summary, cfg)
     width = max(len(k) for k, _ in rows)
     print(f"\n{'metric':<{width}}  value\n{'-' * width}  {'-' * 24}")
     for k, v in rows:
@@ -400,10 +412,8 @@ def _version() -> str:
     return f"fedloom {__version__} (torch {torch.__version__}, Python {platform.python_version()})"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedloom")
-    p.add_argument("--version", action="version", version=_version())
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def _add_run(sub: _Commands) -> None:
+    """The ``run`` command and its options."""
     r = sub.add_parser("run", help="run an experiment from a YAML config",
                        epilog=_config_sections(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -418,6 +428,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(refused otherwise); data.json notes the round it changed at")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(func=_cmd_run)
+
+
+def _add_sweep(sub: _Commands) -> None:
+    """The ``sweep`` command and its options."""
     s = sub.add_parser("sweep", help="run a suite of settings x methods x seeds, then report")
     s.add_argument("suite", help="suite YAML (see fedloom.sweep)")
     s.add_argument("--workers", type=int, default=2, help="parallel single-thread runs")
@@ -426,6 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(printed when the suite has no doc:)")
     s.add_argument("--csv", metavar="FILE", help="also write the results tables as CSV")
     s.set_defaults(func=_cmd_sweep)
+
+
+def _add_compare(sub: _Commands) -> None:
+    """The ``compare`` command and its options."""
     c = sub.add_parser("compare", help="tables and plots across run directories "
                                        "(mean ± sd over seeds)",
                        description="Compare runs: runs whose configs differ only by seed "
@@ -459,6 +477,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "metric's final mean; the rest are named in the output "
                         "(default 8; 0: all)")
     c.set_defaults(func=_cmd_compare)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedloom")
+    p.add_argument("--version", action="version", version=_version())
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_run(sub)
+    _add_sweep(sub)
+    _add_compare(sub)
     d = sub.add_parser("datasets", help="list datasets, whether they are here, how to install")
     d.add_argument("--root", help="look for on-disk datasets here (default: $FEDLOOM_DATA, "
                    "else ~/.cache/fedloom/data)")
