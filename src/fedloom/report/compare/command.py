@@ -32,6 +32,7 @@ from fedloom.report.compare.groups import (
     write_csv,
 )
 from fedloom.report.compare.runs import (
+    Run,
     check_metric,
     find_run_dirs,
     load_run,
@@ -56,22 +57,7 @@ def compare(paths: Sequence[str | Path], metrics: Sequence[str] = DEFAULT_METRIC
     at most (0: all). ``baseline``: a group's label; every other group is then compared
     with it seed by seed (:func:`paired_table`)."""
     runs = [load_run(p) for p in find_run_dirs(paths)]
-    for r in runs:  # what the table shows: a number in every file that has it
-        for name in {*metrics, *([target_metric] if target is not None else [])}:
-            check_metric(r, name)
-    known: set[str] = set()
-    for r in runs:
-        known.update(k for k in run_stats(r) if not k.startswith("_"))
-        for m in r.metrics:
-            known.update(m)
-    for opt, name in [*(("--metric", m) for m in metrics),
-                      *([("--target-metric", target_metric)] if target is not None else [])]:
-        if name not in known:
-            import difflib
-
-            near = difflib.get_close_matches(name, sorted(known), n=3)
-            raise ValueError(f"{opt} {name}: no run has it"
-                             + (f" (did you mean {', '.join(near)}?)" if near else ""))
+    _check_metrics(runs, metrics, target_metric if target is not None else None)
     groups = group_runs(runs, group_by)
     fkeys = facet_keys(groups) if facet is None else list(facet)
     facets = facet_groups(groups, fkeys)  # a bad --facet KEY fails before anything is written
@@ -103,35 +89,62 @@ def compare(paths: Sequence[str | Path], metrics: Sequence[str] = DEFAULT_METRIC
             notes.append("plots skipped: matplotlib is not installed "
                          "(pip install 'fedloom[report]')")
         else:
-            d = Path(plots_dir)
             metric = target_metric if target is not None else metrics[0]
-            panels: dict[str, Panel] = {}
-            in_panel: dict[str, str] = {}
-            capped: list[str] = []
-            for name, members in facets.items():
-                labels = panel_labels(members, fkeys)
-                panel: Panel = {lab: [run_stats(r) for r in g.runs]
-                         for lab, g in zip(labels, members, strict=True)}
-                # one choice for both plots, so they show the same groups
-                panels[name], left = cap_lines(panel, metric, max_lines)
-                if left:
-                    in_panel[name] = (f"{len(panels[name])} of {len(panel)} groups "
-                                      f"(best final {metric})")
-                    capped.append(f"plots: {f'facet {name}: ' if name else ''}{len(panel)} "
-                                  f"groups, {len(panels[name])} drawn (best final {metric}); "
-                                  f"not drawn: {' | '.join(left)}")
-            written = []
-            if plot_curves_faceted(d / "curves.png", metric, panels, metric, target,
-                                   percent=metric.endswith("acc") or "_acc_" in metric,
-                                   notes=in_panel):
-                written.append(d / "curves.png")
-            if plot_cdf_faceted(d / "client_acc_cdf.png", "final model", panels,
-                                notes=in_panel):
-                written.append(d / "client_acc_cdf.png")
-            notes.append("plots: " + (", ".join(map(str, written)) if written else
-                                      f"none (no run logged {metric} or per-client accuracy)"))
-            notes += capped
+            notes += _write_plots(Path(plots_dir), facets, fkeys, metric, target, max_lines)
     return lead + "\n\n" + text_table(header, rows) + paired_text, notes
+
+
+def _check_metrics(runs: Sequence[Run], metrics: Sequence[str],
+                   target_metric: str | None) -> None:
+    """Refuse a ``--metric`` or ``--target-metric`` that no run has (naming near ones),
+    and a file where one is not a number."""
+    for r in runs:  # what the table shows: a number in every file that has it
+        for name in {*metrics, *([target_metric] if target_metric is not None else [])}:
+            check_metric(r, name)
+    known: set[str] = set()
+    for r in runs:
+        known.update(k for k in run_stats(r) if not k.startswith("_"))
+        for m in r.metrics:
+            known.update(m)
+    for opt, name in [*(("--metric", m) for m in metrics),
+                      *([("--target-metric", target_metric)] if target_metric is not None
+                        else [])]:
+        if name not in known:
+            import difflib
+
+            near = difflib.get_close_matches(name, sorted(known), n=3)
+            raise ValueError(f"{opt} {name}: no run has it"
+                             + (f" (did you mean {', '.join(near)}?)" if near else ""))
+
+
+def _write_plots(d: Path, facets: dict[str, list[Group]], fkeys: Sequence[str], metric: str,
+                 target: float | None, max_lines: int) -> list[str]:
+    """Write curves.png and client_acc_cdf.png under ``d``, at most ``max_lines`` groups
+    a panel; the notes saying what was written and which groups were left out."""
+    panels: dict[str, Panel] = {}
+    in_panel: dict[str, str] = {}
+    capped: list[str] = []
+    for name, members in facets.items():
+        labels = panel_labels(members, fkeys)
+        panel: Panel = {lab: [run_stats(r) for r in g.runs]
+                        for lab, g in zip(labels, members, strict=True)}
+        # one choice for both plots, so they show the same groups
+        panels[name], left = cap_lines(panel, metric, max_lines)
+        if left:
+            in_panel[name] = (f"{len(panels[name])} of {len(panel)} groups "
+                              f"(best final {metric})")
+            capped.append(f"plots: {f'facet {name}: ' if name else ''}{len(panel)} "
+                          f"groups, {len(panels[name])} drawn (best final {metric}); "
+                          f"not drawn: {' | '.join(left)}")
+    written = []
+    if plot_curves_faceted(d / "curves.png", metric, panels, metric, target,
+                           percent=metric.endswith("acc") or "_acc_" in metric,
+                           notes=in_panel):
+        written.append(d / "curves.png")
+    if plot_cdf_faceted(d / "client_acc_cdf.png", "final model", panels, notes=in_panel):
+        written.append(d / "client_acc_cdf.png")
+    return ["plots: " + (", ".join(map(str, written)) if written else
+                         f"none (no run logged {metric} or per-client accuracy)"), *capped]
 
 
 def better_direction(metric: str) -> str:
