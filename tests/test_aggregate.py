@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from fedloom import Layout, make_aggregator
-from fedloom.aggregate.server_opt import ServerOptimizer
+from fedloom.server_opt import ServerOptimizer
 
 
 def test_fedavg_golden_three_clients():

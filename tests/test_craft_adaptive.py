@@ -31,8 +31,8 @@ from conftest import stop_and_resume
 from fedloom import CohortInfo, Layout, make_aggregator
 from fedloom.aggregate.base import default_server_lr
 from fedloom.aggregate.craft import CRAFT, CraftState
-from fedloom.aggregate.server_opt import ServerOptimizer
 from fedloom.compress.feedback import make_feedback, residual_alpha
+from fedloom.server_opt import ServerOptimizer
 from test_aggregator_properties import KINDS, LAYOUT, make_cohort
 
 MODES = ("norm_matched", "rprop")

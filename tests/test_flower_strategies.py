@@ -43,7 +43,6 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from fedloom.aggregate.base import CohortInfo, make_aggregator  # noqa: E402
-from fedloom.aggregate.server_opt import ServerOptimizer  # noqa: E402
 from fedloom.integrations.flower.records import StateLayout  # noqa: E402
 from fedloom.integrations.flower.stock import CompressionMod, LocalPenalty  # noqa: E402
 from fedloom.integrations.flower.strategies import (  # noqa: E402
@@ -54,6 +53,7 @@ from fedloom.integrations.flower.strategies import (  # noqa: E402
     QFedAvg,
 )
 from fedloom.params import Layout  # noqa: E402
+from fedloom.server_opt import ServerOptimizer  # noqa: E402
 
 IN, CLASSES, NODES = 12, 4, 5
 

@@ -151,7 +151,7 @@ def test_reference_names_a_plugin_in_any_field(tmp_path):
     assert a.summary["model_sha256"] == b.summary["model_sha256"]
     # the server optimizer too: a reference to the factory of `adam` is `adam`
     c = fedloom.run(TINY, ["server.optimizer=adam", "server.lr=0.05", "rounds=1"])
-    d = fedloom.run(TINY, ["server.optimizer=fedloom.aggregate.server_opt:adam",
+    d = fedloom.run(TINY, ["server.optimizer=fedloom.server_opt.optimizers:adam",
                            "server.lr=0.05", "rounds=1"])
     assert c.summary["model_sha256"] == d.summary["model_sha256"] != a.summary["model_sha256"]
     with pytest.raises(ConfigError, match=r"^server\.optimizer\.name: unknown "

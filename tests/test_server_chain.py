@@ -16,7 +16,6 @@ import fedloom
 import fedloom.client.transforms
 import fedloom.transforms
 from conftest import TINY
-from fedloom.aggregate import server_opt as old_path
 from fedloom.engine.checkpoint import legacy_opt_state
 from fedloom.registry import accepted_options, get
 from fedloom.server_opt import (
@@ -153,15 +152,36 @@ def test_a_pre_move_state_resumes(name):
     _same_state(s_new, s_ref)
 
 
-def test_the_old_path_and_the_package_name_the_same_objects():
-    assert old_path.ServerOptimizer is ServerOptimizer
-    assert old_path.adam(lr=0.1) == ServerOptimizer("adam", lr=0.1)
-    assert get("server_optimizer", "adam") is old_path.adam
-    assert old_path.make_server_optimizer("yogi", lr=0.2).chain == chain(scale_by_yogi(lr=0.2))
-    from fedloom.aggregate import ServerOptimizer as from_package
-    assert from_package is ServerOptimizer
+def test_the_registry_names_the_packages_objects():
+    from fedloom.server_opt import optimizers
+
+    assert get("server_optimizer", "adam") is optimizers.adam
+    assert optimizers.adam(lr=0.1) == ServerOptimizer("adam", lr=0.1)
+    assert optimizers.make_server_optimizer("yogi", lr=0.2).chain == chain(scale_by_yogi(lr=0.2))
     with pytest.raises(ValueError, match="unknown 'adamw'"):
         ServerOptimizer("adamw").init(torch.zeros(3))
+
+
+def test_the_old_module_of_the_optimizers_is_translated():
+    """fedloom.aggregate.server_opt is gone: a config (or a run directory's) naming a
+    factory there as ``module:attr`` names it in fedloom.server_opt.optimizers, and a
+    ServerOptimizer recorded as an object under its old module resumes under the new."""
+    from fedloom.config import load_config
+    from fedloom.config.translate import translate
+    from fedloom.engine.components import moved_objects
+
+    got = translate({"server": {"optimizer": "fedloom.aggregate.server_opt:adam"}})
+    assert got["server"] == {"optimizer": "fedloom.server_opt.optimizers:adam"}
+    got = translate({"server": {"optimizer": {"name": "fedloom.aggregate.server_opt:yogi",
+                                              "options": {"beta1": 0.5}}}})
+    assert got["server"]["optimizer"] == {"name": "fedloom.server_opt.optimizers:yogi",
+                                          "options": {"beta1": 0.5}}
+    cfg = load_config(_tiny(), ["server.optimizer=fedloom.aggregate.server_opt:adam"])
+    assert cfg.server.optimizer.name == "fedloom.server_opt.optimizers:adam"
+    old = {"server": {"optimizer": {"name": "object fedloom.aggregate.server_opt."
+                                            "ServerOptimizer", "options": {}}}}
+    assert moved_objects(old)["server"]["optimizer"]["name"] == (
+        "object fedloom.server_opt.optimizers.ServerOptimizer")
 
 
 def test_one_chain_serves_the_local_and_the_server_step():

@@ -129,7 +129,7 @@ _MODULES = (
     "fedloom.client.fedbn",
     "fedloom.client.fedsa_lora",
     "fedloom.client.hetlora",
-    "fedloom.aggregate.server_opt",
+    "fedloom.server_opt.optimizers",
     "fedloom.engine.backends",
     "fedloom.engine.vmap",
     "fedloom.engine.parallel",

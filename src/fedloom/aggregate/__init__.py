@@ -1,10 +1,9 @@
-"""Aggregation rules (one file per rule) and server optimizers."""
+"""Aggregation rules (one file per rule); the server optimizers are :mod:`fedloom.server_opt`."""
 
 from fedloom.aggregate.base import Aggregator, CohortInfo, make_aggregator
 from fedloom.aggregate.krum import Krum
 from fedloom.aggregate.mean import FedAvg
 from fedloom.aggregate.median import CoordinateMedian
-from fedloom.aggregate.server_opt import ServerOptimizer, make_server_optimizer
 from fedloom.aggregate.trimmed_mean import TrimmedMean
 
 __all__ = [
@@ -13,8 +12,6 @@ __all__ = [
     "CoordinateMedian",
     "FedAvg",
     "Krum",
-    "ServerOptimizer",
     "TrimmedMean",
     "make_aggregator",
-    "make_server_optimizer",
 ]

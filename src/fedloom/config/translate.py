@@ -18,6 +18,8 @@ its new place:
 - ``client.method_options`` → ``client.method.options``;
 - the partition section's flat keys (:data:`PARTITION_KEYS`: ``alpha``,
   ``min_samples``, ``k``, …) → ``data.partition.options.KEY``.
+- ``server.optimizer: fedloom.aggregate.server_opt:NAME`` (the server optimizers'
+  old module, :data:`MOVED_MODULES`) → ``fedloom.server_opt.optimizers:NAME``.
 
 A flat key went to a factory only when its signature named it, and was ignored
 otherwise (``compression.alpha`` under ``feedback: cser``); so it is moved only into
@@ -42,8 +44,8 @@ from typing import Any
 from fedloom import registry
 from fedloom.config.sections import ConfigError
 
-__all__ = ["FEEDBACK_KEYS", "OPTION_DICTS", "PARTITION_KEYS", "SERVER_KEYS", "TABLE",
-           "old_spelling", "translate", "twins"]
+__all__ = ["FEEDBACK_KEYS", "MOVED_MODULES", "OPTION_DICTS", "PARTITION_KEYS", "SERVER_KEYS",
+           "TABLE", "old_spelling", "translate", "twins"]
 
 log = logging.getLogger("fedloom")
 
@@ -78,6 +80,10 @@ TABLE: dict[str, str] = {
     **{f"data.partition.{k}": f"data.partition.options.{k}" for k in PARTITION_KEYS},
     **{f"{s}.{old}.OPTION": f"{s}.{new}.options.OPTION" for (s, old), new in OPTION_DICTS.items()},
 }
+# Modules of fedloom's components that moved, for a ``module:attr`` name written with
+# the old one: the server optimizers (fedloom.aggregate.server_opt until the server
+# step became a chain of transforms, then a re-export of fedloom.server_opt.optimizers).
+MOVED_MODULES: dict[str, str] = {"fedloom.aggregate.server_opt": "fedloom.server_opt.optimizers"}
 # The default name of each named section (the dataclasses' defaults).
 _DEFAULT_NAME = {"feedback": "none", "adaptive": "none", "optimizer": "sgd", "method": "sgd",
                  "partition": "dirichlet"}
@@ -193,6 +199,7 @@ def _compression(comp: dict[str, Any], notes: _Notes) -> None:
 
 
 def _server(srv: dict[str, Any], notes: _Notes) -> None:
+    _server_module(srv, notes)
     flat = {k: srv.pop(k) for k in SERVER_KEYS if k in srv}
     if not flat:
         return
@@ -204,6 +211,20 @@ def _server(srv: dict[str, Any], notes: _Notes) -> None:
         else:
             notes.ignored.setdefault(f"server optimizer {opt.name!r}", []).append(old)
     opt.store(srv, "optimizer")
+
+
+def _server_module(srv: dict[str, Any], notes: _Notes) -> None:
+    """``server.optimizer`` named ``module:attr`` in the server optimizers' old
+    module (:data:`MOVED_MODULES`) → the same factory in today's."""
+    opt = srv.get("optimizer")
+    name = opt.get("name") if isinstance(opt, Mapping) else opt
+    if not isinstance(name, str):
+        return
+    module, sep, attr = name.partition(":")
+    if sep and module in MOVED_MODULES:
+        new = f"{MOVED_MODULES[module]}:{attr}"
+        srv["optimizer"] = {**opt, "name": new} if isinstance(opt, Mapping) else new
+        notes.moved.append(f"server.optimizer {name} → {new}")
 
 
 def _client(client: dict[str, Any], notes: _Notes) -> None:

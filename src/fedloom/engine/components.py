@@ -28,9 +28,14 @@ __all__ = ["OBJECT_PREFIX", "Components", "moved_objects", "object_name"]
 OBJECT_PREFIX = "object "
 
 # Classes of fedloom that moved since a run directory may have recorded them: the
-# server optimizer's old name → its new one (the chain of server transforms became
-# the one chain of fedloom.transforms).
-_MOVED = {"object fedloom.server_opt.transforms.Chain": "object fedloom.transforms.Chain"}
+# server optimizer's old name → its new one (ServerOptimizer left fedloom.aggregate
+# for fedloom.server_opt; the chain of server transforms became the one chain of
+# fedloom.transforms).
+_MOVED = {
+    "object fedloom.aggregate.server_opt.ServerOptimizer":
+        "object fedloom.server_opt.optimizers.ServerOptimizer",
+    "object fedloom.server_opt.transforms.Chain": "object fedloom.transforms.Chain",
+}
 
 
 def object_name(obj: object) -> str:
