@@ -173,7 +173,7 @@ def test_process_workers_write_the_server_rows_float32(monkeypatch, inner):
     def spy_train(self, jobs, on_result=None):
         out = train(self, jobs, on_result)
         rows = on_result.rows if on_result is not None else None
-        adopted.append(rows is not None and self._out.data_ptr() == rows.data_ptr())
+        adopted.append(rows is not None and self._shared.rows.data_ptr() == rows.data_ptr())
         return out
 
     monkeypatch.setattr(ProcessBackend, "train_cohort", spy_train)
@@ -299,8 +299,8 @@ def test_process_workers_read_the_rounds_model_from_shared_memory():
             want = ref.backend.train_cohort(cohort)
             for a, b in zip(got, want, strict=True):
                 assert torch.equal(a.update, b.update)
-            assert exp.backend._w is not None and exp.backend._w.is_shared()
-            assert exp.backend._w.data_ptr() != w.data_ptr()  # a copy the workers hold
+            assert exp.backend._shared.w is not None and exp.backend._shared.w.is_shared()
+            assert exp.backend._shared.w.data_ptr() != w.data_ptr()  # a copy the workers hold
         assert not torch.equal(got[0].update, exp.backend.train_cohort(own)[0].update)
     finally:
         exp.close()

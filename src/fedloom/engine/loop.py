@@ -131,16 +131,34 @@ def run(
                        feedback=feedback, method=method, transforms=tuple(transforms),
                        selector=selector)
     cfg = resolve_auto(given.into(load_config(config, overrides)))
-    run_dir = Path(out) if out is not None else None
+    if out is None:
+        return _run_in_memory(cfg, resume, callbacks, data, model, given)
+    return _run_in_dir(cfg, Path(out), resume, callbacks, data, model, given,
+                       allow_data_change)
+
+
+def _run_in_memory(cfg: Config, resume: bool, callbacks: Sequence[Callback],
+                   data: Dataset | None,
+                   model: torch.nn.Module | Callable[[], torch.nn.Module] | None,
+                   given: Components) -> Result:
+    """A run with no directory: no files, no checkpoints."""
     resolved = config_to_dict(cfg)
-    if run_dir is None:
-        if cfg.logging.tensorboard:
-            raise ConfigError("logging.tensorboard: writes into the run directory; give out=DIR")
-        exp = Experiment(cfg, data=data, model=model, components=given)
-        try:
-            return _loop(exp, cfg, resolved, None, resume, callbacks)
-        finally:
-            exp.close()
+    if cfg.logging.tensorboard:
+        raise ConfigError("logging.tensorboard: writes into the run directory; give out=DIR")
+    exp = Experiment(cfg, data=data, model=model, components=given)
+    try:
+        return _loop(exp, cfg, resolved, None, resume, callbacks)
+    finally:
+        exp.close()
+
+
+def _run_in_dir(cfg: Config, run_dir: Path, resume: bool, callbacks: Sequence[Callback],
+                data: Dataset | None,
+                model: torch.nn.Module | Callable[[], torch.nn.Module] | None,
+                given: Components, allow_data_change: bool) -> Result:
+    """A run in ``run_dir``, locked for its life; a directory this call made that
+    holds no checkpoint when the run fails is removed."""
+    resolved = config_to_dict(cfg)
     # The lock comes first: nothing in the directory (its memmap state files
     # included, which Experiment creates) is touched by a run that does not hold it.
     lock, created = lock_run_dir(run_dir, resume)

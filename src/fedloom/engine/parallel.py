@@ -259,6 +259,37 @@ class _Worker:
         self.conn.close()
 
 
+@dataclasses.dataclass
+class _SharedBuffers:
+    """The shared-memory tensors the workers hold a handle to, each with the id a
+    worker compares with its own to know whether its handle is current: the rows the
+    updates are written into and the round's model."""
+
+    rows: torch.Tensor | None = None
+    rows_refs: int = 0  # the rows' storage use count with no row handed out
+    rows_id: int = 0
+    w: torch.Tensor | None = None  # the round's model
+    w_id: int = 0
+
+
+@dataclasses.dataclass
+class _GroupRound:
+    """One call's groups in flight: what is left to send, which worker holds which
+    group, each group's deaths, and the results so far."""
+
+    jobs: Sequence[ClientJob]
+    buf: torch.Tensor
+    seq: int
+    on_result: ResultSink | None
+    shared_w: bool
+    side: Any  # the client side of the uplink for the workers to do, or None
+    todo: deque[list[int]]
+    out: list[ClientResult | None]
+    deaths: list[int]
+    gid: dict[int, int]  # id(group) -> its position in deaths
+    busy: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # worker -> group
+
+
 class ProcessBackend:
     """``workers`` single-thread processes, each training a share of the cohort."""
 
@@ -277,11 +308,7 @@ class ProcessBackend:
         self.d = trainer.layout.size
         # the trained tensors' dtype (a frozen base may hold another: model.base_dtype)
         self.dtype = dict(trainer.module.named_parameters())[trainer.layout.tensors[0].name].dtype
-        self._out: torch.Tensor | None = None
-        self._out_refs = 0  # the buffer's storage use count with no row handed out
-        self._buf_id = 0
-        self._w: torch.Tensor | None = None  # the round's model in shared memory
-        self._w_id = 0
+        self._shared = _SharedBuffers()
         self._seq = 0
         # Tensors sent at start-up go through shared memory (torch's reducers), from
         # the host: a worker moves them to its own GPU.
@@ -354,24 +381,24 @@ class ProcessBackend:
         # (a copy of every update a round, done serially in this process, cost as much
         # as the uplink). A buffer some of whose rows are still referenced (a caller
         # that keeps last round's results) is left to them and a new one is made.
-        stream = on_result
+        stream, sh = on_result, self._shared
         rows = stream.rows if stream is not None else None
         if isinstance(rows, torch.Tensor) and self._writable(rows, len(jobs)):
             # The caller's rows (the server's, in shared memory): each update is written
             # where the server reads it. They are the caller's to keep or overwrite.
             buf = rows
             # a new buffer, or more of it: the workers' handle is their view of it
-            if (self._out is None or self._out.data_ptr() != rows.data_ptr()
-                    or self._out.shape != rows.shape):
-                self._out, self._out_refs = rows, -1
-                self._buf_id += 1
+            if (sh.rows is None or sh.rows.data_ptr() != rows.data_ptr()
+                    or sh.rows.shape != rows.shape):
+                sh.rows, sh.rows_refs = rows, -1
+                sh.rows_id += 1
         else:
-            if (self._out is None or self._out.shape[0] < len(jobs) or self._out_refs < 0
-                    or storage_use_count(self._out) > self._out_refs):
-                self._out = torch.empty((len(jobs), self.d), dtype=self.dtype).share_memory_()
-                self._out_refs = storage_use_count(self._out)
-                self._buf_id += 1
-            buf = self._out
+            if (sh.rows is None or sh.rows.shape[0] < len(jobs) or sh.rows_refs < 0
+                    or storage_use_count(sh.rows) > sh.rows_refs):
+                sh.rows = torch.empty((len(jobs), self.d), dtype=self.dtype).share_memory_()
+                sh.rows_refs = storage_use_count(sh.rows)
+                sh.rows_id += 1
+            buf = sh.rows
         self._seq += 1
         try:
             return self._run_groups(jobs, buf, self._seq, stream)
@@ -389,37 +416,13 @@ class ProcessBackend:
         # the client side of each client's uplink, for the workers to do (on the host)
         side = on_result.client_side if on_result is not None and self.gpus == 0 else None
         pool = self._workers()
-        todo: deque[list[int]] = deque(groups)
-        deaths = [0] * len(groups)
-        gid = {id(g): n for n, g in enumerate(groups)}
-        busy: dict[int, list[int]] = {}  # worker position -> its group
-        while todo or busy:
-            for i in range(len(pool)):
-                if not todo:
-                    break
-                if i in busy:
-                    continue
-                w = pool[i]
-                if not w.proc.is_alive():  # died while idle (between rounds): nothing lost
-                    log.warning("backend process: worker %s found dead (exit code %s) before "
-                                "round work was sent; replaced", w.pid, w.proc.exitcode)
-                    w = self._replace(i)
-                g = todo.popleft()
-                blob = pickle.dumps([to_host(light_job(jobs[j], shared_w)) for j in g],
-                                    protocol=pickle.HIGHEST_PROTOCOL)
-                w_id = self._w_id if shared_w else 0
-                new_w = (None if w.w_id == w_id else self._w if shared_w else False)
-                try:
-                    w.conn.send((seq, blob, buf if w.buf_id != self._buf_id else None, new_w,
-                                 g, side if side is not None else on_result is not None))
-                except OSError:  # it died just now, before taking the group
-                    self._replace(i)
-                    todo.appendleft(g)
-                    continue
-                w.buf_id, w.w_id = self._buf_id, w_id
-                busy[i] = g
-            if not busy:
+        rnd = _GroupRound(jobs, buf, seq, on_result, shared_w, side, deque(groups), out,
+                          [0] * len(groups), {id(g): n for n, g in enumerate(groups)})
+        while rnd.todo or rnd.busy:
+            self._send_groups(rnd)
+            if not rnd.busy:
                 continue
+            busy = rnd.busy
             ready = wait([pool[i].conn for i in busy] + [pool[i].proc.sentinel for i in busy])
             for i in list(busy):
                 w = pool[i]
@@ -427,43 +430,79 @@ class ProcessBackend:
                     continue
                 msg = self._recv(w) if w.conn.poll() else None
                 if msg is not None:
-                    if msg[0] == "part" and msg[1] == seq:
-                        j, blob, sent = msg[2]
-                        out[j] = self._from_shared(pickle.loads(blob), buf, j)
-                        hand_over(on_result, j, out[j], sent)
-                    elif msg[0] == "ok" and msg[1] == seq:
-                        g = busy.pop(i)
-                        if msg[2] is not None:  # not streamed: the group's results at once
-                            results, sents = pickle.loads(msg[2])
-                            for n, (j, res) in enumerate(zip(g, results, strict=True)):
-                                out[j] = self._from_shared(res, buf, j)
-                                hand_over(on_result, j, out[j],
-                                          sents[n] if sents is not None else None)
+                    self._take_reply(rnd, i, msg)
                     continue  # "ready", or a late reply to an abandoned round
                 if w.proc.is_alive() and not w.conn.closed:
                     continue  # the sentinel is not set; nothing to read yet
-                # The worker died holding group g: only g is affected (the results
-                # it streamed before dying included: the group is run again or dropped).
-                g = busy.pop(i)
-                for j in g:
-                    out[j] = None
-                code = w.proc.exitcode
-                self._replace(i)
-                n = gid[id(g)]
-                deaths[n] += 1
-                clients = [jobs[j].client for j in g]
-                if self.on_failure == "drop":
-                    log.warning("backend process: worker died (exit code %s); clients %s "
-                                "dropped for the round", code, clients)
-                elif deaths[n] > self.max_retries:
-                    raise RuntimeError(f"backend: a worker process died (exit code {code}) "
-                                       f"running clients {clients}; {self.max_retries} "
-                                       "retries exhausted")
-                else:
-                    log.warning("backend process: worker died (exit code %s); clients %s "
-                                "run again", code, clients)
-                    todo.append(g)
+                self._lost_group(rnd, i)
         return out
+
+    def _send_groups(self, rnd: _GroupRound) -> None:
+        """Send the groups left to the idle workers (replacing a dead one)."""
+        pool, jobs, sh = self._pool, rnd.jobs, self._shared
+        for i in range(len(pool)):
+            if not rnd.todo:
+                break
+            if i in rnd.busy:
+                continue
+            w = pool[i]
+            if not w.proc.is_alive():  # died while idle (between rounds): nothing lost
+                log.warning("backend process: worker %s found dead (exit code %s) before "
+                            "round work was sent; replaced", w.pid, w.proc.exitcode)
+                w = self._replace(i)
+            g = rnd.todo.popleft()
+            blob = pickle.dumps([to_host(light_job(jobs[j], rnd.shared_w)) for j in g],
+                                protocol=pickle.HIGHEST_PROTOCOL)
+            w_id = sh.w_id if rnd.shared_w else 0
+            new_w = (None if w.w_id == w_id else sh.w if rnd.shared_w else False)
+            try:
+                w.conn.send((rnd.seq, blob, rnd.buf if w.buf_id != sh.rows_id else None,
+                             new_w, g,
+                             rnd.side if rnd.side is not None else rnd.on_result is not None))
+            except OSError:  # it died just now, before taking the group
+                self._replace(i)
+                rnd.todo.appendleft(g)
+                continue
+            w.buf_id, w.w_id = sh.rows_id, w_id
+            rnd.busy[i] = g
+
+    def _take_reply(self, rnd: _GroupRound, i: int, msg: tuple[str, int, Any]) -> None:
+        """Worker ``i``'s message: a streamed result, or its group done."""
+        if msg[0] == "part" and msg[1] == rnd.seq:
+            j, blob, sent = msg[2]
+            rnd.out[j] = self._from_shared(pickle.loads(blob), rnd.buf, j)
+            hand_over(rnd.on_result, j, rnd.out[j], sent)
+        elif msg[0] == "ok" and msg[1] == rnd.seq:
+            g = rnd.busy.pop(i)
+            if msg[2] is not None:  # not streamed: the group's results at once
+                results, sents = pickle.loads(msg[2])
+                for n, (j, res) in enumerate(zip(g, results, strict=True)):
+                    rnd.out[j] = self._from_shared(res, rnd.buf, j)
+                    hand_over(rnd.on_result, j, rnd.out[j],
+                              sents[n] if sents is not None else None)
+
+    def _lost_group(self, rnd: _GroupRound, i: int) -> None:
+        """Worker ``i`` died holding its group: only that group is affected (the
+        results it streamed before dying included): it is run again or dropped."""
+        g = rnd.busy.pop(i)
+        for j in g:
+            rnd.out[j] = None
+        code = self._pool[i].proc.exitcode
+        self._replace(i)
+        n = rnd.gid[id(g)]
+        rnd.deaths[n] += 1
+        clients = [rnd.jobs[j].client for j in g]
+        if self.on_failure == "drop":
+            log.warning("backend process: worker died (exit code %s); clients %s "
+                        "dropped for the round", code, clients)
+        elif rnd.deaths[n] > self.max_retries:
+            raise RuntimeError(f"backend: a worker process died (exit code {code}) "
+                               f"running clients {clients}; {self.max_retries} "
+                               "retries exhausted")
+        else:
+            log.warning("backend process: worker died (exit code %s); clients %s "
+                        "run again", code, clients)
+            rnd.todo.append(g)
 
     def _from_shared(self, res: ClientResult | None, buf: torch.Tensor,
                      j: int) -> ClientResult | None:
@@ -485,11 +524,12 @@ class ProcessBackend:
         if (not isinstance(w, torch.Tensor) or w.device.type != "cpu" or w.ndim != 1
                 or any(j.w is not w for j in jobs)):
             return False
-        if self._w is None or self._w.shape != w.shape or self._w.dtype != w.dtype:
-            self._w = torch.empty_like(w).share_memory_()
-            self._w_id += 1
+        sh = self._shared
+        if sh.w is None or sh.w.shape != w.shape or sh.w.dtype != w.dtype:
+            sh.w = torch.empty_like(w).share_memory_()
+            sh.w_id += 1
         # no worker reads it now: a round's workers are done before the next is sent
-        self._w.copy_(w)
+        sh.w.copy_(w)
         return True
 
     def warm_up(self) -> None:
