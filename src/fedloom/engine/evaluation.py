@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,7 +46,20 @@ from fedloom.metrics import (
 )
 from fedloom.rng import derive_seed
 
-__all__ = ["Evaluator"]
+__all__ = ["Evaluator", "LastPerClient"]
+
+
+@dataclass
+class LastPerClient:
+    """The per-client numbers of the last evaluation (written to ``client_acc.json``);
+    ``None`` until one is taken."""
+
+    client_acc: np.ndarray | None = None
+    # a causal LM's per-client test perplexities (client_acc.json's client_ppl)
+    client_ppl: np.ndarray | None = None
+    personal_acc: np.ndarray | None = None
+    # a causal LM's per-client perplexities of the personal models (personal_ppl)
+    personal_ppl: np.ndarray | None = None
 
 
 def _same_rows(x_test: torch.Tensor, y_test: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
@@ -94,13 +108,8 @@ class Evaluator:
         # set) or data given to run() make the two differ.
         self.pooled_is_clients = _same_rows(x_test, y_test, clients.x, clients.y,
                                             self.client_test_idx)
-        # per-client accuracies of the last evaluation (written to client_acc.json)
-        self.last_client_acc: np.ndarray | None = None
-        # a causal LM's per-client test perplexities (client_acc.json's client_ppl)
-        self.last_client_ppl: np.ndarray | None = None
-        self.last_personal_acc: np.ndarray | None = None
-        # a causal LM's per-client perplexities of the personal models (personal_ppl)
-        self.last_personal_ppl: np.ndarray | None = None
+        # the per-client numbers of the last evaluation (written to client_acc.json)
+        self.last = LastPerClient()
 
     def global_(self, w: torch.Tensor) -> dict[str, float]:
         """Global test accuracy/loss and per-client accuracy statistics of ``w`` (a
@@ -139,10 +148,10 @@ class Evaluator:
                     per_client[k], _ = evaluate(sp.module, sp.layout, w, cl.x[idx],
                                                 cl.y[idx], bs, buffers=bufs)
         out.update(accuracy_stats(per_client))
-        self.last_client_acc = per_client
+        self.last.client_acc = per_client
         if ppl is not None:
             out.update(perplexity_stats(ppl))
-            self.last_client_ppl = ppl
+            self.last.client_ppl = ppl
         return out
 
     def local_buffers(self, ids: Sequence[int], chunk: int = 256
@@ -204,11 +213,11 @@ class Evaluator:
                 if lm:  # exp in float64 as evaluate_clients_lm's client_ppl (inf past e^709)
                     (ppl if mine else unsampled_ppl)[k] = float(
                         torch.exp(torch.tensor(loss, dtype=torch.float64)))
-        self.last_personal_acc = acc
+        self.last.personal_acc = acc
         out = accuracy_stats(acc, prefix="personal_acc")
         out.update(accuracy_stats(unsampled, prefix="unsampled_acc"))
         if lm:
-            self.last_personal_ppl = ppl
+            self.last.personal_ppl = ppl
             out.update(perplexity_stats(ppl, prefix="personal_ppl"))
             out.update(perplexity_stats(unsampled_ppl, prefix="unsampled_ppl"))
         out["personal_clients"] = float(np.count_nonzero(~np.isnan(acc)))

@@ -556,8 +556,8 @@ def write_outputs(exp: Setup, st: RunState, run_dir: Path, history: Sequence[dic
     per_client = {name: [None if not np.isfinite(a) else float(a) for a in arr]
                   for name, arr in (("client_acc", exp.last_client_acc),
                                     ("personal_acc", exp.last_personal_acc),
-                                    ("client_ppl", exp.evaluator.last_client_ppl),
-                                    ("personal_ppl", exp.evaluator.last_personal_ppl))
+                                    ("client_ppl", exp.evaluator.last.client_ppl),
+                                    ("personal_ppl", exp.evaluator.last.personal_ppl))
                   if arr is not None}
     atomic_write_json(run_dir / CLIENT_ACC_FILE, per_client)
     if exp.cfg.logging.plots:

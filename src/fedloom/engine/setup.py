@@ -374,12 +374,12 @@ class Setup:
     @property
     def last_client_acc(self) -> np.ndarray | None:
         """Per-client accuracies of the last evaluation (``client_acc.json``)."""
-        return self.evaluator.last_client_acc
+        return self.evaluator.last.client_acc
 
     @property
     def last_personal_acc(self) -> np.ndarray | None:
         """Per-client accuracies of the personal models at the last evaluation."""
-        return self.evaluator.last_personal_acc
+        return self.evaluator.last.personal_acc
 
     def _apply_process_settings(self) -> None:
         # Process-wide settings, last (nothing before can fail after them); close()
