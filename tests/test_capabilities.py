@@ -223,12 +223,18 @@ def test_capabilities_of_another_type_are_refused():
         aggregator_caps(bad)
 
 
-def test_requires_stays_readable_by_name():
-    """The Flower strategy still reads ``requires`` off the rule."""
+def test_the_rules_declare_requires_in_their_capabilities_only():
+    """What a rule reads is its capabilities' ``requires`` (the Flower strategy reads
+    it through aggregator_caps too); no loose ``requires`` attribute is left."""
     from fedloom import make_aggregator
 
-    assert make_aggregator("craft", targets="loss").requires == {"start_losses"}
-    assert make_aggregator("qfedavg").requires == {"start_losses", "lr"}
+    for name, opts, want in (("craft", {"targets": "loss"}, {"start_losses"}),
+                             ("craft", {}, set()), ("qfedavg", {}, {"start_losses", "lr"}),
+                             ("afl", {}, {"start_losses"}), ("fedfv", {}, {"start_losses"}),
+                             ("fedlf", {}, {"start_losses"}), ("fednova", {}, {"steps"})):
+        agg = make_aggregator(name, **opts)
+        assert aggregator_caps(agg).requires == want
+        assert not hasattr(agg, "requires")
 
 
 # Flags that are capabilities (the dataclasses' fields) or fields of a type the

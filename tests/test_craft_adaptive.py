@@ -74,8 +74,8 @@ def test_auto_server_lr_follows_the_step_mode():
     assert default_server_lr("craft", {"step": "norm_matched"}) == 1.0  # FedAvg's
     assert default_server_lr("craft", {"step": "rprop"}) == 1.0
     assert default_server_lr("fedavg", {"anything": 1}) == 1.0
-    assert CRAFT(targets="loss").requires == {"start_losses"}
-    assert CRAFT().requires == frozenset()
+    assert CRAFT(targets="loss").capabilities.requires == {"start_losses"}
+    assert CRAFT().capabilities.requires == frozenset()
 
 
 # ---------------------------------------------------------------- the scaling property

@@ -33,10 +33,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["AggregatorCaps", "BackendCaps", "CompressorCaps", "FeedbackCaps", "FromCapabilities",
-           "MethodCaps", "SelectorCaps", "aggregator_caps", "backend_caps", "backend_close",
-           "backend_name", "compressor_caps", "feedback_caps", "method_caps", "model_vmap",
-           "selector_caps"]
+__all__ = ["AggregatorCaps", "BackendCaps", "CompressorCaps", "FeedbackCaps", "MethodCaps",
+           "SelectorCaps", "aggregator_caps", "backend_caps", "backend_close", "backend_name",
+           "compressor_caps", "feedback_caps", "method_caps", "model_vmap", "selector_caps"]
 
 log = logging.getLogger("fedloom")
 
@@ -207,20 +206,6 @@ def model_vmap(module: object) -> bool:
 
 def _nothing() -> None:
     return None
-
-
-class FromCapabilities:
-    """A loose flag read from the object's ``capabilities`` (``requires =
-    FromCapabilities()``), on the built-ins whose flag code outside the engine still
-    reads by name (the Flower strategy's ``requires``) until it uses the readers."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj: object, owner: type | None = None) -> Any:
-        if obj is None:
-            return self
-        return getattr(obj.capabilities, self.name)  # type: ignore[attr-defined]
 
 
 def _read(obj: object, caps_type: type[Caps], kind: str) -> Caps:

@@ -36,7 +36,7 @@ import torch
 
 from fedloom.aggregate.base import CohortInfo
 from fedloom.aggregate.gram import project_simplex
-from fedloom.capabilities import AggregatorCaps, FromCapabilities
+from fedloom.capabilities import AggregatorCaps
 from fedloom.params import Layout
 from fedloom.registry import register
 
@@ -65,7 +65,6 @@ class AFL:
     default_server_lr = 1.0
 
     capabilities = AggregatorCaps(requires=frozenset({"start_losses"}), full_participation=True)
-    requires = FromCapabilities()  # the loose flag, for the Flower strategy
 
     def __init__(self, gamma_lambda: float = 0.01) -> None:
         if not gamma_lambda > 0:

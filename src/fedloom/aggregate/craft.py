@@ -49,7 +49,7 @@ from fedloom.aggregate.gram import (
     lincomb64,
     safe_norm,
 )
-from fedloom.capabilities import AggregatorCaps, FromCapabilities
+from fedloom.capabilities import AggregatorCaps
 from fedloom.params import Layout
 from fedloom.plain import state_type
 from fedloom.registry import register
@@ -189,8 +189,6 @@ class CRAFT(CraftSolver):
         """``targets="loss"`` reads the start losses (the engine computes them only then)."""
         return AggregatorCaps(requires=frozenset({"start_losses"}) if self.targets == "loss"
                               else frozenset())
-
-    requires = FromCapabilities()  # the loose flag, for the Flower strategy
 
     def init(self, layout: Layout) -> CraftState:
         lay = layout.regroup(self.groups)

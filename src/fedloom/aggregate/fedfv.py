@@ -44,7 +44,7 @@ import torch
 
 from fedloom.aggregate.base import CohortInfo
 from fedloom.aggregate.gram import gram, lincomb64, matvec, out_of_range, row_scales, safe_norm
-from fedloom.capabilities import AggregatorCaps, FromCapabilities
+from fedloom.capabilities import AggregatorCaps
 from fedloom.params import Layout
 from fedloom.registry import register
 
@@ -156,7 +156,6 @@ class FedFV:
     default_server_lr = 1.0
 
     capabilities = AggregatorCaps(requires=frozenset({"start_losses"}))
-    requires = FromCapabilities()  # the loose flag, for the Flower strategy
 
     def __init__(self, alpha: float = 0.1, tau: int = 1) -> None:
         if not 0 <= alpha <= 1:

@@ -38,7 +38,7 @@ import torch
 
 from fedloom.aggregate.base import CohortInfo
 from fedloom.aggregate.gram import gram, lincomb64, out_of_range, row_scales, safe_norm
-from fedloom.capabilities import AggregatorCaps, FromCapabilities
+from fedloom.capabilities import AggregatorCaps
 from fedloom.params import Layout
 from fedloom.registry import register
 
@@ -147,7 +147,6 @@ class FedLF:
     default_server_lr = 1.0
 
     capabilities = AggregatorCaps(requires=frozenset({"start_losses"}))
-    requires = FromCapabilities()  # the loose flag, for the Flower strategy
 
     def __init__(self, groups: str = "tensor") -> None:
         if groups not in _GROUPS:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from fedloom.aggregate.base import CohortInfo, Stateless, normalise_weights
-from fedloom.capabilities import AggregatorCaps, FromCapabilities
+from fedloom.capabilities import AggregatorCaps
 from fedloom.registry import register
 
 __all__ = ["FedNova", "nova_norm"]
@@ -45,7 +45,6 @@ class FedNova(Stateless):
     # Σ_k (τ_eff p_k/a_k) g_k: computable from sums (Σ n_k g_k/a_k, Σ n_k, Σ n_k a_k), so
     # secure aggregation holds; not dp_mean (fedloom.privacy).
     capabilities = AggregatorCaps(requires=frozenset({"steps"}), linear=True)
-    requires = FromCapabilities()  # the loose flag, for the Flower strategy
     # server.lr=auto: τ_eff Σ p_k d_k has FedAvg's scale (equal to it when every τ_k is equal).
     default_server_lr = 1.0
 

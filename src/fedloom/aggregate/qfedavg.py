@@ -34,7 +34,7 @@ import torch
 
 from fedloom.aggregate.base import CohortInfo, Stateless
 from fedloom.aggregate.gram import row_scales
-from fedloom.capabilities import AggregatorCaps, FromCapabilities
+from fedloom.capabilities import AggregatorCaps
 from fedloom.registry import register
 
 __all__ = ["QFedAvg"]
@@ -57,7 +57,6 @@ class QFedAvg(Stateless):
     # server.lr=auto: Algorithm 2 applies Σ Δ_k / Σ h_k as is.
     default_server_lr = 1.0
     capabilities = AggregatorCaps(requires=frozenset({"start_losses", "lr"}))
-    requires = FromCapabilities()  # the loose flag, for the Flower strategy
 
     def __init__(self, q: float = 1.0, lipschitz: float | None = None) -> None:
         if q < 0:
