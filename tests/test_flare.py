@@ -91,6 +91,7 @@ def test_craft_over_flare_payloads_keeps_constraints(tiny):
 
 
 def test_ffl_schedule_follows_the_test_loss(tiny):
+    from fedloom.compress.adaptive import FFL
     from fedloom.config import load_config
     from fedloom.engine.experiment import Experiment
 
@@ -99,14 +100,16 @@ def test_ffl_schedule_follows_the_test_loss(tiny):
                              "client.epochs=4"])
     exp = Experiment(cfg)
     st = exp.initial_state()
-    _, e0, info0 = exp._ffl(st.w, st)
-    assert info0["ffl_ratio"] == 0.01 and e0 == 4  # L_t = L_0 at the start
+    # the run's planner is the registered plug-in, planning on what hooks see
+    assert isinstance(exp.algorithm.planner, FFL)
+    adj0 = exp.algorithm.planner.plan(st.next_round, st.w, st.feedback_state, exp.hook_view)
+    assert adj0.metrics["ffl_ratio"] == 0.01 and adj0.epochs == 4  # L_t = L_0 at the start
     # pretend the initial loss was 8x the current one: R_t = 2R, E_t = round(4/2) = 2
-    loss = info0["ffl_loss0"]
-    st.feedback_state["ffl_loss0"] = 8 * loss
-    comp, e, info = exp._ffl(st.w, st)
-    assert info["ffl_ratio"] == pytest.approx(0.02) and e == 2
-    assert comp.ratio == pytest.approx(0.02)
+    loss = adj0.state["ffl_loss0"]
+    adj = FFL().plan(st.next_round, st.w, {**st.feedback_state, "ffl_loss0": 8 * loss},
+                     exp.hook_view)
+    assert adj.metrics["ffl_ratio"] == pytest.approx(0.02) and adj.epochs == 2
+    assert adj.compressor.ratio == pytest.approx(0.02)
     res = fedloom.run(tiny, ["compression.name=topk", "compression.options.ratio=0.01",
                              "compression.feedback=ef", "compression.adaptive=ffl", "rounds=3"])
     assert "ffl_ratio" in res.metrics[-1]

@@ -241,10 +241,3 @@ class Experiment(Setup):
         """Global test accuracy/loss and per-client accuracy statistics of ``w``
         (:meth:`~fedloom.engine.evaluation.Evaluator.global_`)."""
         return self.evaluator.global_(w)
-
-    def _ffl(self, w: torch.Tensor, st: RunState) -> tuple[Any, int | None, dict[str, Any]]:
-        """The round planner's answer as ``(compressor, epochs, state and metrics)``:
-        the form the adaptive schedule had when the engine computed it (kept for
-        callers of that private entry point)."""
-        adj = self.planner.plan(st.next_round, w, st.feedback_state, self.hook_view)
-        return adj.compressor, adj.epochs, {**adj.state, **adj.metrics}
