@@ -25,8 +25,6 @@ from torch import nn
 from fedloom.aggregate.base import (
     Aggregator,
     CohortInfo,
-    default_server_lr,
-    make_aggregator,
 )
 from fedloom.buffers import average_buffers
 from fedloom.capabilities import aggregator_caps
@@ -45,6 +43,13 @@ from fedloom.engine.screen import (
 )
 from fedloom.integrations.flower.records import MetricValue, StateLayout, rec_float
 from fedloom.integrations.flower.strategies.logs import bridge_logs_to_flower, log
+from fedloom.integrations.flower.strategies.options import (
+    RecordFormat,
+    Screening,
+    check_number,
+    make_rule_aggregator,
+    make_server_optimizer,
+)
 from fedloom.integrations.flower.strategies.replies import (
     _METRIC_FIX,
     METRIC_OF,
@@ -55,11 +60,29 @@ from fedloom.integrations.flower.strategies.replies import (
     _only_metric_record,
     _partition_of,
 )
-from fedloom.registry import build
 from fedloom.rng import Purpose, derive_seed, seeded_global_rng
 from fedloom.server_opt import ServerOptimizer
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+@dataclasses.dataclass
+class _ServerState:
+    """Built from the first arrays the strategy sees (configure_train): their layout,
+    the reply decoder, the aggregator's and the server optimizer's state."""
+
+    layout: StateLayout | None = None
+    compressor: Any = None
+    agg_state: Any = None
+    opt_state: Any = None
+
+
+@dataclasses.dataclass
+class _Round:
+    """The round in progress: what configure_train sent (the record, its parameters and
+    buffers), the clients' learning rate, and each node's fix of its ReplyFormatError."""
+
+    sent: tuple[ArrayRecord, torch.Tensor, OrderedDict[str, torch.Tensor]] | None = None
+    lr: float | None = None
+    fixes: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 class FedloomRule(FedAvg):
@@ -121,101 +144,79 @@ class FedloomRule(FedAvg):
                          configrecord_key=configrecord_key,
                          train_metrics_aggr_fn=train_metrics_aggr_fn,
                          evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn)
-        if isinstance(aggregator, str):
-            self.aggregator_name = aggregator
-            self.aggregator = make_aggregator(aggregator, **options)
-        else:  # an object holds its own settings (fedloom.engine.components)
-            if options:
-                raise ValueError(f"{', '.join(options)}: options of an aggregator given as "
-                                 "an object belong to the object")
-            if server_lr == "auto" and isinstance(server_optimizer, str):
-                raise ValueError("server_lr: 'auto' picks a registered aggregator's default "
-                                 "step; with an aggregator object, give server_lr")
-            self.aggregator_name = object_name(aggregator)
-            self.aggregator = aggregator
+        self.aggregator_name, self.aggregator = make_rule_aggregator(
+            aggregator, server_lr, server_optimizer, options)
         self.requires = aggregator_caps(self.aggregator).requires
-        if isinstance(server_optimizer, str):
-            lr = (default_server_lr(self.aggregator_name, options) if server_lr == "auto"
-                  else server_lr)
-            _check_number("server_lr", lr, low=0.0)
-            self.server = build("server_optimizer", server_optimizer,
-                                {"lr": float(lr), **(server_options or {})}, "server_options")
-        else:  # its lr and settings are its own
-            if server_options or server_lr != "auto":
-                raise ValueError("server_lr, server_options: a server optimizer given as an "
-                                 "object holds its own")
-            self.server = server_optimizer
-        for name, v in (("max_update_norm", max_update_norm), ("clip_norm", clip_norm),
-                        ("max_num_examples", max_num_examples)):
-            if v is not None:
-                _check_number(name, v, low=0.0)
-        if max_norm_ratio is not None:
-            _check_number("max_norm_ratio", max_norm_ratio, low=1.0)
-        self.max_update_norm, self.max_norm_ratio = max_update_norm, max_norm_ratio
-        self.clip_norm, self.max_num_examples = clip_norm, max_num_examples
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype: must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-        self.dtype = _DTYPES[dtype]
-        if buffers_policy not in ("average", "keep_global"):
-            raise ValueError(f"buffers_policy: must be 'average' or 'keep_global', "
-                             f"got {buffers_policy!r}")
-        self.buffers_policy = buffers_policy
+        self.server = make_server_optimizer(self.aggregator_name, server_optimizer,
+                                            server_lr, server_options, options)
+        self.screening = Screening(max_update_norm, max_norm_ratio, clip_norm,
+                                   max_num_examples)
+        self.records = RecordFormat.checked(dtype, model, buffers, buffers_policy,
+                                            compression, compression_options)
         if "lr" in self.requires and client_lr is not None:
-            _check_number("client_lr", client_lr, low=0.0)
+            check_number("client_lr", client_lr, low=0.0)
         self.client_lr = client_lr
-        self.compression = compression
-        self.compression_options = dict(compression_options or {})
-        self.model, self.buffer_names = model, buffers
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
                                  or seed < 0):
             raise ValueError(f"seed: must be an integer >= 0 or None, got {seed!r}")
         self.seed = seed
-        # Built from the first arrays the strategy sees (configure_train).
-        self.state_layout: StateLayout | None = None
-        self.compressor: Any = None
-        self.agg_state: Any = None
-        self.opt_state: Any = None
+        self._state = _ServerState()
         self.node_index: dict[int, int] = {}
         self.history: list[dict[str, Any]] = []
         self.totals = {"accepted": 0, "rejected": 0, "failed": 0, "skipped_rounds": 0}
         self.partitions: dict[int, int] = {}   # node id → partition-id, where replies say
-        self._fixes: dict[int, str] = {}       # this round: node → fix of its ReplyFormatError
         bridge_logs_to_flower()
-        self._sent: tuple[ArrayRecord, torch.Tensor, OrderedDict[str, torch.Tensor]] | None = None
-        self._round_lr: float | None = None
+        self._round = _Round()
+
+    @property
+    def state_layout(self) -> StateLayout | None:
+        """The layout of the arrays (None before the first configure_train)."""
+        return self._state.layout
+
+    @property
+    def agg_state(self) -> Any:
+        """The aggregator's state, kept across rounds."""
+        return self._state.agg_state
+
+    @property
+    def opt_state(self) -> Any:
+        """The server optimizer's state, kept across rounds."""
+        return self._state.opt_state
 
     # ------------------------------------------------------------------ setup
     def _setup(self, arrays: ArrayRecord) -> StateLayout:
-        if self.state_layout is None:
-            sl = StateLayout.from_arrays(arrays, model=self.model, buffers=self.buffer_names)
-            w, _ = sl.split(arrays, self.dtype)
-            if self.compression is not None:
-                self.compressor = make_compressor(self.compression, layout=sl.layout,
-                                                  **self.compression_options)
-            self.agg_state = self.aggregator.init(sl.layout)
-            self.opt_state = self.server.init(w)
-            self.state_layout = sl
-        return self.state_layout
+        st, fmt = self._state, self.records
+        if st.layout is None:
+            sl = StateLayout.from_arrays(arrays, model=fmt.model, buffers=fmt.buffers)
+            w, _ = sl.split(arrays, fmt.dtype)
+            if fmt.compression is not None:
+                st.compressor = make_compressor(fmt.compression, layout=sl.layout,
+                                                **fmt.compression_options)
+            st.agg_state = self.aggregator.init(sl.layout)
+            st.opt_state = self.server.init(w)
+            st.layout = sl
+        return st.layout
 
     def summary(self) -> None:
         super().summary()
         # a named optimizer by its kind and step; any other (a chain) by its class
         server = (f"{self.server.kind} at lr {self.server.lr:g}"
                   if isinstance(self.server, ServerOptimizer) else object_name(self.server))
+        decoding = self.records.compression
         FLOWER_LOGGER.info("fedloom rule: %s, server %s%s", self.aggregator_name, server,
-                           f", decoding {self.compression}" if self.compression else "")
+                           f", decoding {decoding}" if decoding else "")
 
     # ------------------------------------------------------------------ round
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         sl = self._setup(arrays)
-        w, bufs = sl.split(arrays, self.dtype)
-        self._sent = (arrays, w, bufs)
+        w, bufs = sl.split(arrays, self.records.dtype)
+        self._round.sent = (arrays, w, bufs)
         lr = config.get("lr", self.client_lr) if config is not None else self.client_lr
         if "lr" in self.requires and lr is None:
             raise ValueError(f"client_lr: aggregator {self.aggregator_name!r} needs the "
                              "clients' learning rate (client_lr= or 'lr' in the train config)")
-        self._round_lr = None if lr is None else rec_float(lr)
+        self._round.lr = None if lr is None else rec_float(lr)
         if self.seed is None:
             messages = list(super().configure_train(server_round, arrays, config, grid))
         else:  # Flower samples with Python's global generator: fork and seed it
@@ -230,10 +231,10 @@ class FedloomRule(FedAvg):
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Screen, aggregate and step (module doc). Raises :class:`IncompatibleReplies`
         when every reply that came back was rejected for one reason of the app's making."""
-        if self._sent is None:
+        if self._round.sent is None:
             raise RuntimeError("aggregate_train: configure_train has not run this round")
-        sent_rec, w, bufs = self._sent
-        self._sent = None
+        sent_rec, w, bufs = self._round.sent
+        self._round.sent = None
         replies = sorted(replies, key=lambda m: m.metadata.src_node_id)
         failed = [m for m in replies if m.has_error()]
         # Flower's FedAvg says this line; a strategy in its place says it too.
@@ -243,7 +244,7 @@ class FedloomRule(FedAvg):
             log.warning("flower: round %d: %s failed: %s", server_round,
                         self._who(m.metadata.src_node_id), m.error.reason)
         read = [m for m in replies if not m.has_error()]
-        self._fixes = {}
+        self._round.fixes = {}
         rows, kept, reasons = self._read(server_round, read, w)
         ok, clipped = self._screen(server_round, rows, kept, reasons)
         accepted = [kept[i] for i in range(len(kept)) if ok[i]]
@@ -267,7 +268,7 @@ class FedloomRule(FedAvg):
                 skipped = step
             else:
                 new_w, agg_metrics = step
-                if self.buffers_policy == "average" and bufs:
+                if self.records.buffers_policy == "average" and bufs:
                     new_bufs = OrderedDict(average_buffers(
                         [r["buffers"] for r in accepted], [r["n"] for r in accepted]))
         else:
@@ -279,11 +280,11 @@ class FedloomRule(FedAvg):
         self.totals["rejected"] += len(reasons)
         self.totals["failed"] += len(failed)
         self.totals["skipped_rounds"] += skipped is not None
-        fixes = set(self._fixes.values())
-        if read and not accepted and len(self._fixes) == len(read) and len(fixes) == 1:
+        fixes = set(self._round.fixes.values())
+        if read and not accepted and len(self._round.fixes) == len(read) and len(fixes) == 1:
             # Not a bad client but an app that cannot work with this strategy: every
             # round would end the same way, with the untrained model. Stop and say why.
-            node = next(iter(self._fixes))
+            node = next(iter(self._round.fixes))
             raise IncompatibleReplies(
                 f"flower: round {server_round}: all {len(read)} replies were rejected: "
                 f"{reasons[node]}; fix: {fixes.pop()}")
@@ -340,12 +341,12 @@ class FedloomRule(FedAvg):
                 rows.append(kept[-1].pop("row"))
             except (KeyError, ValueError, TypeError, PayloadError) as e:
                 if isinstance(e, ReplyFormatError):
-                    self._fixes[node] = e.fix
+                    self._round.fixes[node] = e.fix
                 why = reasons[node] = f"reply could not be decoded ({first_line(e)})"
                 log.warning("flower: round %d: rejected the reply of %s: %s",
                             server_round, self._who(node), why)
         d = sl.layout.size
-        stacked = torch.stack(rows) if rows else torch.empty((0, d), dtype=self.dtype)
+        stacked = torch.stack(rows) if rows else torch.empty((0, d), dtype=self.records.dtype)
         return stacked, kept, reasons
 
     def _decode(self, m: Message, w: torch.Tensor) -> dict[str, Any]:
@@ -365,10 +366,11 @@ class FedloomRule(FedAvg):
         if why is not None:
             raise ValueError(why)
         n = float(metrics[key])  # type: ignore[arg-type]
-        if self.max_num_examples is not None and n > self.max_num_examples:
-            raise ValueError(f"{key}: {n:g} above max_num_examples={self.max_num_examples:g}")
+        most = self.screening.max_num_examples
+        if most is not None and n > most:
+            raise ValueError(f"{key}: {n:g} above max_num_examples={most:g}")
         if PAYLOAD_KEY in content.config_records:
-            if self.compressor is None:
+            if self._state.compressor is None:
                 raise ReplyFormatError(
                     "a compressed reply, and the strategy has no compression=",
                     "give the strategy the mod's compressor: compression=, "
@@ -378,7 +380,7 @@ class FedloomRule(FedAvg):
             if not isinstance(payload, bytes):
                 raise ValueError("payload: not bytes")
             try:
-                row = self.compressor.decode(payload, sl.layout.size).to(self.dtype)
+                row = self._state.compressor.decode(payload, sl.layout.size).to(self.records.dtype)
             except PayloadError as e:
                 raise ReplyFormatError(
                     f"payload: {first_line(e)}", "the strategy's compression= and "
@@ -392,7 +394,8 @@ class FedloomRule(FedAvg):
                     f"{self.arrayrecord_key!r} (or wrap the ClientApp in CompressionMod and "
                     "give the strategy compression=)")
             try:
-                w_k, bufs = sl.split(content.array_records[self.arrayrecord_key], self.dtype)
+                w_k, bufs = sl.split(content.array_records[self.arrayrecord_key],
+                                     self.records.dtype)
             except ValueError as e:
                 raise ReplyFormatError(
                     str(e), "reply with the state dict of the model the strategy sends "
@@ -433,13 +436,14 @@ class FedloomRule(FedAvg):
             elif not all_finite(dict(r["buffers"])):
                 finite[i] = False
                 why[i] = "non-finite buffers"
-        big = screen_updates(norms, finite, max_norm=self.max_update_norm,
-                             max_ratio=self.max_norm_ratio)
+        big = screen_updates(norms, finite, max_norm=self.screening.max_update_norm,
+                             max_ratio=self.screening.max_norm_ratio)
         for i, reason in big.items():
             finite[i] = False
             why[i] = reason
-        clipped = clip_rows(rows, norms, finite, self.clip_norm) if (
-            self.clip_norm is not None and bool(finite.any())) else 0
+        clip = self.screening.clip_norm
+        clipped = clip_rows(rows, norms, finite, clip) if (
+            clip is not None and bool(finite.any())) else 0
         for i, reason in sorted(why.items()):
             log.warning("flower: round %d: rejected the update of %s: %s", server_round,
                         self._who(kept[i]["node"]), reason)
@@ -454,9 +458,10 @@ class FedloomRule(FedAvg):
         info = self._info(server_round, accepted)
         if "w" in self.requires:  # the model the rows are relative to (row = w − w_k)
             info = dataclasses.replace(info, w=w)
-        weights = torch.tensor([r["n"] for r in accepted], dtype=self.dtype)
+        weights = torch.tensor([r["n"] for r in accepted], dtype=self.records.dtype)
         try:
-            agg, cand_state, metrics = self.aggregator(rows, weights, self.agg_state, info=info)
+            agg, cand_state, metrics = self.aggregator(rows, weights, self._state.agg_state,
+                                                       info=info)
         except (NotImplementedError, RecursionError):
             raise  # a missing feature or a bug, not a bad cohort
         except (RuntimeError, ValueError, ArithmeticError) as e:
@@ -466,12 +471,12 @@ class FedloomRule(FedAvg):
             return f"the aggregate has shape {getattr(agg, 'shape', type(agg))}, expected ({d},)"
         if not all_finite(agg):
             return "the aggregate is not finite"
-        cand_w, cand_opt = self.server.step(w, agg.to(w.dtype), self.opt_state)
+        cand_w, cand_opt = self.server.step(w, agg.to(w.dtype), self._state.opt_state)
         if not (all_finite(cand_w) and all_finite(cand_opt)):
             return "the server optimizer's step is not finite"
         if not all_finite(cand_state):
             return "the new aggregator state is not finite"
-        self.agg_state, self.opt_state = cand_state, cand_opt
+        self._state.agg_state, self._state.opt_state = cand_state, cand_opt
         scalars = {k: float(v) for k, v in dict(metrics).items()
                    if isinstance(v, int | float) and not isinstance(v, bool)}
         return cand_w, scalars
@@ -488,7 +493,7 @@ class FedloomRule(FedAvg):
         return CohortInfo(clients=torch.tensor(ids, dtype=torch.int64), round=server_round - 1,
                           num_clients=len(self.node_index),
                           losses=torch.tensor([r["loss"] for r in accepted], dtype=torch.float64),
-                          steps=col("steps"), lr=self._round_lr,
+                          steps=col("steps"), lr=self._round.lr,
                           start_losses=col("start_losses"))
 
     def _metrics(self, accepted: list[dict[str, Any]], rejected: int, failed: int,
@@ -507,9 +512,3 @@ class FedloomRule(FedAvg):
                     "fedloom-uplink-bytes": up_bytes, "fedloom-dense-bytes": dense_bytes})
         out.update({k: v for k, v in agg_metrics.items() if math.isfinite(v)})
         return MetricRecord(out)
-
-
-def _check_number(name: str, v: object, *, low: float) -> None:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not (
-            math.isfinite(v) and v > low):
-        raise ValueError(f"{name}: must be a finite number > {low:g}, got {v!r}")
