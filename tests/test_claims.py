@@ -78,9 +78,10 @@ def test_a_claims_direction_comes_from_its_metric_and_a_contradiction_is_refused
         path.write_text(yaml.safe_dump(suite, sort_keys=False))
         return load_suite(path)
 
-    assert load({"metric": "test_loss"}).claims[0]["better"] == "lower"
-    assert load({"metric": "test_acc"}).claims[0]["better"] == "higher"
-    assert load({"metric": "updates_applied", "better": "lower"}).claims[0]["better"] == "lower"
+    assert load({"metric": "test_loss"}).report.claims[0]["better"] == "lower"
+    assert load({"metric": "test_acc"}).report.claims[0]["better"] == "higher"
+    assert load({"metric": "updates_applied",
+                 "better": "lower"}).report.claims[0]["better"] == "lower"
     for claim, msg in [({"metric": "test_loss", "better": "higher"},
                         r"claims\[0\]\.better: higher, but test_loss improves when it is lower"),
                        ({"metric": "test_acc", "better": "lower"}, r"claims\[0\]\.better: lower"),

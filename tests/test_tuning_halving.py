@@ -156,7 +156,7 @@ def test_promotion_follows_the_rung_metric_and_the_choice_the_last_rung(tmp_path
 
 def test_budget_in_client_rounds_is_the_same_for_every_method(tmp_path, monkeypatch):
     suite, _, fake = _tune(_suite(tmp_path), monkeypatch)
-    proto = suite.tuning
+    proto = suite.tuning.protocol
     plan_a, plan_b = proto.plans[("s", "A")], proto.plans[("s", "B")]
     # rounds 9·1 + 3·(3−1) + 1·(9−3) = 21 per tuning seed, × cohort 4 × 2 tuning seeds
     assert plan_a["client_rounds"] == plan_b["client_rounds"] == 21 * 4 * 2
@@ -251,7 +251,7 @@ def test_halving_real_runs_continue_bit_for_bit(tmp_path, monkeypatch):
     ts = suite.trials[("digits", "FedAvg")]
     assert sorted(t.rung for t in ts) == [0, 0, 1, 2]
     top = next(t for t in ts if t.rung == 2)
-    assert suite.tuning.plans[("digits", "FedAvg")]["used"] == (4 + 2 * 1 + 1 * 2) * 4
+    assert suite.tuning.protocol.plans[("digits", "FedAvg")]["used"] == (4 + 2 * 1 + 1 * 2) * 4
     runs = tmp_path / "runs" / "digits"
     continued = runs / f"FedAvg@tune={point_slug(top.params)}" / "seed7"
     fresh = tmp_path / "fresh"

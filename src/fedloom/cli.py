@@ -278,8 +278,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             print(f"fedloom: error: {e}", file=sys.stderr)
             return 1
         suite, failed = e.suite, e
-    if suite.report_text and suite.doc is not None:
-        print(f"report: {suite.doc}")
+    if suite.report_text and suite.report.doc is not None:
+        print(f"report: {suite.report.doc}")
     elif suite.report_text:  # no doc: in the suite: the report goes to stdout
         print(suite.report_text)
     if args.csv and suite.report_text:

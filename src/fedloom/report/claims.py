@@ -40,11 +40,11 @@ from typing import Any
 import numpy as np
 
 from fedloom.files import save_figure
-from fedloom.report.compare import first_reach, log_ticks
+from fedloom.report.compare import first_reach, log_ticks, markdown_table
 from fedloom.report.sequential import sequential_paired
 from fedloom.report.stats import Paired, paired
 
-__all__ = ["claim_direction", "claim_table", "metric_digits", "metric_scale",
+__all__ = ["claim_direction", "claim_table", "claims_lines", "metric_digits", "metric_scale",
            "plot_sensitivity", "seed_values", "sensitivity_table"]
 
 
@@ -183,6 +183,55 @@ def claim_table(claims: Sequence[dict[str, Any]], table: dict[str, dict[str, Any
                                 "n": res.n, "censored": ca + cb})
             rows.append([c["claim"], base, *cells])
     return header, rows, records
+
+
+def claims_lines(suite: Any, table: dict[str, dict[str, Any]],
+                 targets: dict[str, float | None], seq: Any
+                 ) -> tuple[list[str], list[dict[str, Any]]]:
+    """A sweep page's ``## Claims`` section (sequential confidence sequences or fixed-n
+    t-intervals) and its records; nothing without ``claims:``."""
+    claims = suite.report.claims
+    if claims and seq is not None:
+        header, claim_rows, claim_recs = claim_table(claims, table, list(suite.settings),
+                                                     targets, sequential=True,
+                                                     max_seeds=seq.max)
+        return ["## Claims", "",
+                "Each cell pairs the two methods seed by seed (the same partitions, "
+                "cohorts and initial models) and gives the verdict, the seeds it used "
+                "(n), the mean difference (method − baseline) and its 95 % confidence "
+                "sequence: **equivalent** when it lies within the claim's margin, "
+                "else **better** or **worse** when it excludes 0, else **no "
+                f"evidence**. Seeds were given sequentially: every method ran the first "
+                f"{seq.min}; after each batch every cell was computed again, and a pair of "
+                f"methods with a cell still open got {seq.batch} more seeds, up to "
+                f"{seq.max} (\"max\": still open there). The intervals are anytime-valid "
+                "(a scale-invariant Gaussian-mixture confidence sequence, "
+                "`fedloom.report.sequential`): they hold their 95 % however the looks "
+                "stopped, at the price of about twice the width of a fixed-n t-interval. "
+                "Intervals are per cell, not adjusted for the number of cells.", "",
+                markdown_table(header, claim_rows), ""], claim_recs
+    if claims:
+        header, claim_rows, claim_recs = claim_table(claims, table, list(suite.settings), targets)
+        return ["## Claims", "",
+                f"Each cell pairs the two methods seed by seed (seeds {suite.seeds}, the "
+                "same partitions, cohorts and initial models) and gives the verdict, the "
+                "mean difference (method − baseline) and its 95 % t-interval over the "
+                "seeds: **equivalent** when it lies within the claim's margin, else "
+                "**better** or **worse** when the interval excludes 0, else **no "
+                "evidence**. "
+                + (f"With {len(suite.seeds)} seeds the interval is wide (t = "
+                   f"{_t_crit(len(suite.seeds)):.2f}): a real difference smaller than "
+                   "the seed-to-seed spread shows as no evidence. " if len(suite.seeds) < 6
+                   else "")
+                + "Intervals are per cell, not adjusted for the number of cells.", "",
+                markdown_table(header, claim_rows), ""], claim_recs
+    return [], []
+
+
+def _t_crit(n: int) -> float:
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, max(n - 1, 1)))
 
 
 def sensitivity_table(lines: dict[str, list[tuple[Any, list[float]]]], metric: str

@@ -16,7 +16,7 @@ import numpy as np
 
 from fedloom.files import save_figure, write_output
 from fedloom.report.claims import (
-    claim_table,
+    claims_lines,
     metric_scale,
     plot_sensitivity,
     seed_values,
@@ -288,7 +288,7 @@ def _compare(setting: str, rows: dict[str, dict[str, Any]], base: str,
 
 def _targets(suite: Any, table: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     """Per setting, the target test accuracy of ``report.target`` (None without one)."""
-    cfg = suite.report.get("target")
+    cfg = suite.report.options.get("target")
     out: dict[str, float | None] = {}
     for setting, rows in table.items():
         out[setting] = None
@@ -297,12 +297,6 @@ def _targets(suite: Any, table: dict[str, dict[str, Any]]) -> dict[str, float | 
             if base is not None:
                 out[setting] = cfg.get("fraction", 0.9) * base[0]
     return out
-
-
-def _t_crit(n: int) -> float:
-    from scipy.stats import t
-
-    return float(t.ppf(0.975, max(n - 1, 1)))
 
 
 def _across_lines(spec: Mapping[str, Any], table: dict[str, dict[str, Any]], name: str,
@@ -346,14 +340,147 @@ def _across_lines(spec: Mapping[str, Any], table: dict[str, dict[str, Any]], nam
     return out
 
 
+def _grid_tuning_lines(suite: Any, chosen: dict[tuple[str, str], Any]) -> list[str]:
+    """The ``## Tuning`` section of the one-key ``tune:``: each setting's picks."""
+    lines = ["## Tuning", "", f"Tuned on seed {suite.tuning.grid_seed} (not one of the "
+             f"reported seeds {_seeds_text(suite)}) by the best "
+             f"`{suite.tuning.grid_metric}`:", ""]
+
+    def key(m: str) -> str:
+        grids = suite.tuning.grids
+        return grids[m if m in grids else suite.tuning.shared[m]]["key"]
+
+    for setting in suite.settings:
+        picks = [f"{m}: `{key(m)}` = {chosen[(setting, m)]}"
+                 for (s, m) in chosen if s == setting]
+        if picks:
+            lines.append(f"- {setting}: " + ", ".join(picks))
+    lines.append("")
+    return lines
+
+
+def _results_table(suite: Any, setting: str, rows: dict[str, Any],
+                   columns: list[tuple[str, str, str]], target: float | None,
+                   target_cfg: Any, timed: bool, seq: Any,
+                   records: list[dict[str, Any]]) -> list[str]:
+    """A setting's ``### SETTING`` table (a row per method, its personal row beneath;
+    the rounds, bytes and time to the target when there is one); each row's numbers
+    are appended to ``records``."""
+    desc = suite.settings[setting].get("describe", "")
+    lines = [f"### {setting}", ""] + ([desc.strip(), ""] if desc else [])
+    if target is not None:
+        lines += [f"Target: {target * 100:.1f} % test accuracy "
+                  f"({target_cfg.get('fraction', 0.9):g} × {target_cfg['baseline']}'s "
+                  "final accuracy).", ""]
+    extra = (["rounds to target", "uplink MB to target"]
+             + (["sim. min to target"] if timed else []) if target is not None else [])
+    lines.append("| method | " + " | ".join([c[1] for c in columns] + extra) +
+                 " | wall s / run |")
+    lines.append("|---|" + "---|" * (len(columns) + len(extra) + 1))
+    for method in suite.methods:
+        if method not in rows:
+            continue
+        r = rows[method]
+        cells = [_fmt(r.get(k), kind == "pct") for k, _, kind in columns]
+        rec: dict[str, Any] = {"setting": setting, "method": method,
+                               "runs": len(r["runs"])}
+        for k, _, _ in [*columns, ("wall_s_total", "", "")]:
+            mu, sd = r.get(k, (float("nan"), float("nan")))
+            rec.update({f"{k}_mean": mu, f"{k}_sd": sd})
+        if target is not None:
+            cells += _to_target(r["runs"], target, timed)
+            hits = [h for h in (first_reach(x["_metrics"], "test_acc", target)
+                                for x in r["runs"]) if h is not None]
+            rec.update({"target_test_acc": target, "target_reached": len(hits),
+                        "rounds_to_target_mean": mean_sd([h[0] for h in hits])[0],
+                        "uplink_bytes_to_target_mean": mean_sd([h[1] for h in hits])[0]})
+        records.append(rec)
+        wall = r.get("wall_s_total")
+        wall_cell = f"{wall[0]:.1f}" if wall else "–"
+        name = method if seq is None else f"{method} (n={len(r['runs'])})"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {wall_cell} |")
+        personal = _personal_row(method, r, columns, len(extra) + 1)
+        if personal is not None:
+            lines.append(personal)
+    lines.append("")
+    return lines
+
+
+def _setting_plots(name: str, setting: str, rows: dict[str, Any], rep: Mapping[str, Any],
+                   doc: Path | None, target: float | None, timed: bool) -> list[str]:
+    """A setting's figures beside the page (``report.curves``, ``time_curves``, ``cdf``),
+    each drawn and linked only when the suite has ``doc:``."""
+    lines: list[str] = []
+    curves = rep.get("curves")
+    if curves and doc is not None:
+        png = doc.parent / f"{name}-{setting}-curves.png"
+        if plot_curves(png, setting, {m: rows[m]["runs"] for m in curves if m in rows},
+                       "test_acc", target):
+            lines += [f"![accuracy vs round and vs uplink, {setting}]({png.name})", ""]
+    time_curves = rep.get("time_curves")
+    if time_curves and doc is not None and timed:
+        png = doc.parent / f"{name}-{setting}-time.png"
+        if _time_plot(png, setting, {m: rows[m]["runs"] for m in time_curves if m in rows}):
+            lines += [f"![accuracy vs simulated time, {setting}]({png.name})", ""]
+    cdf = rep.get("cdf")
+    if cdf and doc is not None:
+        png = doc.parent / f"{name}-{setting}-cdf.png"
+        if plot_cdf(png, setting, {m: rows[m]["runs"] for m in cdf if m in rows},
+                    "client_acc"):
+            lines += [f"![per-client accuracy CDF, {setting}]({png.name})", ""]
+    return lines
+
+
+def _sweep_plot_lines(sp: Mapping[str, Any], table: dict[str, dict[str, Any]], name: str,
+                      doc: Path | None) -> list[str]:
+    """``report.sweep_plot``: one metric of one setting's methods against a number,
+    as a table and (with ``doc:``) a plot."""
+    if not (sp and sp["setting"] in table):
+        return []
+    rows = table[sp["setting"]]
+    metric = sp.get("metric", "test_acc")
+    pts = [(x, rows[m][metric]) for x, m in zip(sp["x"], sp["methods"], strict=True)
+           if m in rows and metric in rows[m]]
+    if not pts:
+        return []
+    lines = [f"## {sp.get('title', 'Sweep')}", "",
+             f"Setting `{sp['setting']}`; final `{metric}`, mean ± sd over seeds.", "",
+             f"| {sp.get('xlabel', 'x')} | " + " | ".join(f"{x:g}" for x, _ in pts)
+             + " |", "|---|" + "---|" * len(pts),
+             "| " + metric + " | " + " | ".join(_fmt(v) for _, v in pts) + " |", ""]
+    png = doc.parent / f"{name}-sweep.png" if doc is not None else None
+    if png is not None and _sweep_plot(png, sp.get("title", "Sweep"), [x for x, _ in pts],
+                                       [v for _, v in pts], sp.get("xlabel", "x"),
+                                       f"{metric} (%)"):
+        lines += [f"![{sp.get('title', 'sweep')}]({png.name})", ""]
+    return lines
+
+
+def _comparison_lines(comp: Mapping[str, Any], table: dict[str, dict[str, Any]],
+                      seq: Any) -> list[str]:
+    """``report.compare``: each candidate paired with the baseline in every setting."""
+    lines = ["## Comparisons", "",
+             "Paired over the seeds (candidate − baseline): verdict, mean difference and "
+             + ("95 % t-interval" if seq is None else
+                "95 % confidence sequence (the seeds were given sequentially)")
+             + "; better or worse only when the interval excludes 0.", ""]
+    for setting, rows in table.items():
+        for cand in comp.get("candidates", []):
+            s = _compare(setting, rows, comp["baseline"], cand, seq is not None)
+            if s:
+                lines.append(s)
+    lines.append("")
+    return lines
+
+
 def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any],
                  elapsed_s: float, workers: int, csv: str | Path | None = None) -> str:
-    """The page's markdown; written to ``suite.doc`` with its plots beside it when the
-    suite has ``doc:`` (without it, no plots: the caller prints the text). ``csv``:
+    """The page's markdown; written to ``suite.report.doc`` with its plots beside it when
+    the suite has ``doc:`` (without it, no plots: the caller prints the text). ``csv``:
     also the results tables as one CSV (a row per setting and method)."""
-    rep = suite.report
+    rep = suite.report.options
     table = aggregate_runs(specs)
-    doc = suite.doc
+    doc = suite.report.doc
     records: list[dict[str, Any]] = []
     lines = [f"# {rep.get('title', suite.name)}", ""]
     if rep.get("intro"):
@@ -361,63 +488,16 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
     lines += ["Regenerate this page (runs that already finished are reused):", "", "```bash",
               rep.get("command", f"fedloom sweep {suite.path}"), "```", ""]
     head_at = len(lines)  # the decided fraction and the compute go here (report.effort)
-    claim_recs: list[dict[str, Any]] = []
     targets = _targets(suite, table)
-    claims = getattr(suite, "claims", None)
     seq = _sequential(suite)
-    if claims and seq is not None:
-        header, claim_rows, claim_recs = claim_table(claims, table, list(suite.settings),
-                                                     targets, sequential=True,
-                                                     max_seeds=seq.max)
-        lines += ["## Claims", "",
-                  "Each cell pairs the two methods seed by seed (the same partitions, "
-                  "cohorts and initial models) and gives the verdict, the seeds it used "
-                  "(n), the mean difference (method − baseline) and its 95 % confidence "
-                  "sequence: **equivalent** when it lies within the claim's margin, "
-                  "else **better** or **worse** when it excludes 0, else **no "
-                  f"evidence**. Seeds were given sequentially: every method ran the first "
-                  f"{seq.min}; after each batch every cell was computed again, and a pair of "
-                  f"methods with a cell still open got {seq.batch} more seeds, up to "
-                  f"{seq.max} (\"max\": still open there). The intervals are anytime-valid "
-                  "(a scale-invariant Gaussian-mixture confidence sequence, "
-                  "`fedloom.report.sequential`): they hold their 95 % however the looks "
-                  "stopped, at the price of about twice the width of a fixed-n t-interval. "
-                  "Intervals are per cell, not adjusted for the number of cells.", "",
-                  markdown_table(header, claim_rows), ""]
-        if csv is not None:
-            records += [{"kind": "claim", **r} for r in claim_recs]
-    elif claims:
-        header, claim_rows, claim_recs = claim_table(claims, table, list(suite.settings), targets)
-        lines += ["## Claims", "",
-                  f"Each cell pairs the two methods seed by seed (seeds {suite.seeds}, the "
-                  "same partitions, cohorts and initial models) and gives the verdict, the "
-                  "mean difference (method − baseline) and its 95 % t-interval over the "
-                  "seeds: **equivalent** when it lies within the claim's margin, else "
-                  "**better** or **worse** when the interval excludes 0, else **no "
-                  "evidence**. "
-                  + (f"With {len(suite.seeds)} seeds the interval is wide (t = "
-                     f"{_t_crit(len(suite.seeds)):.2f}): a real difference smaller than "
-                     "the seed-to-seed spread shows as no evidence. " if len(suite.seeds) < 6
-                     else "")
-                  + "Intervals are per cell, not adjusted for the number of cells.", "",
-                  markdown_table(header, claim_rows), ""]
-        if csv is not None:
-            records += [{"kind": "claim", **r} for r in claim_recs]
-    if getattr(suite, "tuning", None) is not None:
+    claim_lines, claim_recs = claims_lines(suite, table, targets, seq)
+    lines += claim_lines
+    if csv is not None:
+        records += [{"kind": "claim", **r} for r in claim_recs]
+    if suite.tuning.protocol is not None:
         lines += _protocol_lines(suite, chosen)
     elif chosen:
-        lines += ["## Tuning", "", f"Tuned on seed {suite.tune_seed} (not one of the reported "
-                  f"seeds {_seeds_text(suite)}) by the best `{suite.tune_metric}`:", ""]
-
-        def key(m: str) -> str:
-            return suite.tune[m if m in suite.tune else suite.share_tuning[m]]["key"]
-
-        for setting in suite.settings:
-            picks = [f"{m}: `{key(m)}` = {chosen[(setting, m)]}"
-                     for (s, m) in chosen if s == setting]
-            if picks:
-                lines.append(f"- {setting}: " + ", ".join(picks))
-        lines.append("")
+        lines += _grid_tuning_lines(suite, chosen)
     run_time = sum(r.get("wall_s_total", (0.0, 0.0))[0] * len(r["runs"])
                    for rows in table.values() for r in rows.values())
     lines += ["## Results", "",
@@ -430,82 +510,14 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
               "the cohort whose update has a negative inner product with the aggregate.", ""]
     columns = [(c[0], c[1], c[2] if len(c) > 2 else "pct") for c in rep.get("columns", [])] \
         or [(k, label, "pct") for k, label in COLUMNS]
-    target_cfg = rep.get("target")
     for setting, rows in table.items():
-        desc = suite.settings[setting].get("describe", "")
-        lines += [f"### {setting}", ""] + ([desc.strip(), ""] if desc else [])
-        target = targets.get(setting)
-        if target is not None:
-            lines += [f"Target: {target * 100:.1f} % test accuracy "
-                      f"({target_cfg.get('fraction', 0.9):g} × {target_cfg['baseline']}'s "
-                      "final accuracy).", ""]
-        timed = _timed(rows)
-        extra = (["rounds to target", "uplink MB to target"]
-                 + (["sim. min to target"] if timed else []) if target is not None else [])
-        lines.append("| method | " + " | ".join([c[1] for c in columns] + extra) +
-                     " | wall s / run |")
-        lines.append("|---|" + "---|" * (len(columns) + len(extra) + 1))
-        for method in suite.methods:
-            if method not in rows:
-                continue
-            r = rows[method]
-            cells = [_fmt(r.get(k), kind == "pct") for k, _, kind in columns]
-            rec: dict[str, Any] = {"setting": setting, "method": method,
-                                   "runs": len(r["runs"])}
-            for k, _, _ in [*columns, ("wall_s_total", "", "")]:
-                mu, sd = r.get(k, (float("nan"), float("nan")))
-                rec.update({f"{k}_mean": mu, f"{k}_sd": sd})
-            if target is not None:
-                cells += _to_target(r["runs"], target, timed)
-                hits = [h for h in (first_reach(x["_metrics"], "test_acc", target)
-                                    for x in r["runs"]) if h is not None]
-                rec.update({"target_test_acc": target, "target_reached": len(hits),
-                            "rounds_to_target_mean": mean_sd([h[0] for h in hits])[0],
-                            "uplink_bytes_to_target_mean": mean_sd([h[1] for h in hits])[0]})
-            records.append(rec)
-            wall = r.get("wall_s_total")
-            wall_cell = f"{wall[0]:.1f}" if wall else "–"
-            name = method if seq is None else f"{method} (n={len(r['runs'])})"
-            lines.append(f"| {name} | " + " | ".join(cells) + f" | {wall_cell} |")
-            personal = _personal_row(method, r, columns, len(extra) + 1)
-            if personal is not None:
-                lines.append(personal)
-        lines.append("")
-        curves = rep.get("curves")
-        if curves and doc is not None:
-            png = doc.parent / f"{suite.name}-{setting}-curves.png"
-            if plot_curves(png, setting, {m: rows[m]["runs"] for m in curves if m in rows},
-                           "test_acc", target):
-                lines += [f"![accuracy vs round and vs uplink, {setting}]({png.name})", ""]
-        time_curves = rep.get("time_curves")
-        if time_curves and doc is not None and timed:
-            png = doc.parent / f"{suite.name}-{setting}-time.png"
-            if _time_plot(png, setting, {m: rows[m]["runs"] for m in time_curves if m in rows}):
-                lines += [f"![accuracy vs simulated time, {setting}]({png.name})", ""]
-        cdf = rep.get("cdf")
-        if cdf and doc is not None:
-            png = doc.parent / f"{suite.name}-{setting}-cdf.png"
-            if plot_cdf(png, setting, {m: rows[m]["runs"] for m in cdf if m in rows},
-                        "client_acc"):
-                lines += [f"![per-client accuracy CDF, {setting}]({png.name})", ""]
+        target, timed = targets.get(setting), _timed(rows)
+        lines += _results_table(suite, setting, rows, columns, target, rep.get("target"),
+                                timed, seq, records)
+        lines += _setting_plots(suite.name, setting, rows, rep, doc, target, timed)
         if getattr(suite, "sensitivity_specs", None):
             lines += _sensitivity_lines(suite, setting, doc, chosen)
-    sp = rep.get("sweep_plot")
-    if sp and sp["setting"] in table:
-        rows = table[sp["setting"]]
-        metric = sp.get("metric", "test_acc")
-        pts = [(x, rows[m][metric]) for x, m in zip(sp["x"], sp["methods"], strict=True)
-               if m in rows and metric in rows[m]]
-        if pts:
-            lines += [f"## {sp.get('title', 'Sweep')}", "",
-                      f"Setting `{sp['setting']}`; final `{metric}`, mean ± sd over seeds.", "",
-                      f"| {sp.get('xlabel', 'x')} | " + " | ".join(f"{x:g}" for x, _ in pts)
-                      + " |", "|---|" + "---|" * len(pts),
-                      "| " + metric + " | " + " | ".join(_fmt(v) for _, v in pts) + " |", ""]
-            png = doc.parent / f"{suite.name}-sweep.png" if doc is not None else None
-            if png is not None and _sweep_plot(png, sp.get("title", "Sweep"), [x for x, _ in pts],
-                           [v for _, v in pts], sp.get("xlabel", "x"), f"{metric} (%)"):
-                lines += [f"![{sp.get('title', 'sweep')}]({png.name})", ""]
+    lines += _sweep_plot_lines(rep.get("sweep_plot"), table, suite.name, doc)
     het = rep.get("heterogeneity")
     if het:
         lines += _heterogeneity_lines(het, table, suite.name, doc)
@@ -513,17 +525,7 @@ def write_report(suite: Any, chosen: dict[tuple[str, str], Any], specs: list[Any
         lines += _across_lines(rep["across"], table, suite.name, doc)
     comp = rep.get("compare")
     if comp:
-        lines += ["## Comparisons", "",
-                  "Paired over the seeds (candidate − baseline): verdict, mean difference and "
-                  + ("95 % t-interval" if seq is None else
-                     "95 % confidence sequence (the seeds were given sequentially)")
-                  + "; better or worse only when the interval excludes 0.", ""]
-        for setting, rows in table.items():
-            for cand in comp.get("candidates", []):
-                s = _compare(setting, rows, comp["baseline"], cand, seq is not None)
-                if s:
-                    lines.append(s)
-        lines.append("")
+        lines += _comparison_lines(comp, table, seq)
     if rep.get("notes"):
         lines += ["## Notes", "", rep["notes"].strip(), ""]
     missing = sum(1 for s in specs if not (s.out / "summary.json").exists())

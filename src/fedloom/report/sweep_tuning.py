@@ -66,9 +66,9 @@ def _sensitivity_lines(suite: Any, setting: str, doc: Path | None,
     specs = {m: rows for (s, m), rows in suite.sensitivity_specs.items() if s == setting}
     if not specs:
         return []
-    proto = suite.tuning
+    proto = suite.tuning.protocol
     key = proto.sensitivity["key"]
-    metric = suite.report.get("sensitivity_metric", proto.metric)
+    metric = suite.report.options.get("sensitivity_metric", proto.metric)
     lines_by_m: dict[str, list[tuple[Any, list[float]]]] = {}
     missing = 0
     for m, rows in specs.items():
@@ -103,7 +103,7 @@ def _sensitivity_lines(suite: Any, setting: str, doc: Path | None,
 
 def _tuning_rounds(suite: Any) -> str:
     """How many rounds the tuning runs had, per setting where they differ."""
-    base = suite.tuning.rounds
+    base = suite.tuning.protocol.rounds
     per = {s: st.get("tuning_rounds", base) for s, st in suite.settings.items()}
     if len(set(per.values())) == 1:
         r = next(iter(per.values()))
@@ -113,7 +113,7 @@ def _tuning_rounds(suite: Any) -> str:
 
 def _protocol_lines(suite: Any, chosen: dict[tuple[str, str], Any]) -> list[str]:
     """The tuning protocol, the chosen point of every method, and every trial."""
-    proto = suite.tuning
+    proto = suite.tuning.protocol
     space_keys = sorted({k for s in suite.settings for m in suite.methods
                          if (s, m) in suite.trials for k in suite.space(s, m)})
     lines = ["## Tuning", "",
@@ -129,13 +129,13 @@ def _protocol_lines(suite: Any, chosen: dict[tuple[str, str], Any]) -> list[str]
              + ", ".join(f"`{k}`" for k in space_keys) + ".", ""]
     if proto.sampler == "halving":
         lines += [_halving_lines(suite), ""]
-    shared = {m: src for m, src in suite.share_tuning.items()}
+    shared = {m: src for m, src in suite.tuning.shared.items()}
     for setting in suite.settings:
         picks = []
         for m in suite.methods:
-            if (setting, m) not in chosen and m not in suite.untuned:
+            if (setting, m) not in chosen and m not in suite.tuning.untuned:
                 continue
-            if m in suite.untuned:
+            if m in suite.tuning.untuned:
                 picks.append([m, "not tuned (its config as given)"])
                 continue
             point = ", ".join(f"`{k}` = {v:g}" if isinstance(v, float) else f"`{k}` = {v}"
@@ -146,7 +146,7 @@ def _protocol_lines(suite: Any, chosen: dict[tuple[str, str], Any]) -> list[str]
             lines += [f"**{setting}**", "", markdown_table(["method", "chosen"], picks), ""]
         edges = []  # a choice at the edge of its grid: a wider grid may choose past it
         for m in suite.methods:
-            if (setting, m) not in chosen or m in suite.untuned or m in shared:
+            if (setting, m) not in chosen or m in suite.tuning.untuned or m in shared:
                 continue
             space = suite.space(setting, m)
             for k, v in chosen[(setting, m)].items():
@@ -186,7 +186,7 @@ def _protocol_lines(suite: Any, chosen: dict[tuple[str, str], Any]) -> list[str]
 def _halving_lines(suite: Any) -> str:
     """The halving plan (fedloom.tuning): rungs, and the client rounds (rounds × cohort
     size × tuning seeds) each method had, used, and the grid sampler would have used."""
-    proto = suite.tuning
+    proto = suite.tuning.protocol
     plans = getattr(proto, "plans", {}) or {}
     if not plans:
         return ""
@@ -215,7 +215,7 @@ def _halving_lines(suite: Any) -> str:
 
 def _own_metrics(suite: Any) -> str:
     """``, … (M: its metric)`` for the methods that are chosen on their own metric."""
-    own = getattr(suite, "method_metric", {}) or {}
+    own = suite.tuning.method_metric
     if not own:
         return ""
     return " (" + "; ".join(f"{m}: `{v}`" for m, v in own.items()) + ")"

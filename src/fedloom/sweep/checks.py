@@ -30,9 +30,9 @@ def validate_suite(suite: Suite) -> int:
     method, the setting and the field."""
     from fedloom.config import load_config
 
-    if suite.tuning is not None:
+    if suite.tuning.protocol is not None:
         return _validate_protocol(suite)
-    for method, t in suite.tune.items():  # each tuning run's folder is one folder name
+    for method, t in suite.tuning.grids.items():  # each tuning run's folder is one folder name
         for v in t["grid"]:
             _run_folder(suite, method, _tune_tag(v))
     n = 0
@@ -42,11 +42,11 @@ def validate_suite(suite: Suite) -> int:
                 continue
             values: list[Any] = [None]
             if any(TUNE in o for o in ov):
-                src = suite.share_tuning.get(method, method)
-                if src not in suite.tune:
+                src = suite.tuning.shared.get(method, method)
+                if src not in suite.tuning.grids:
                     raise ConfigError(f"{suite.path}: methods.{method}: uses {TUNE} but has "
                                       "no tune entry")
-                values = list(suite.tune[src]["grid"])
+                values = list(suite.tuning.grids[src]["grid"])
             for v in values:
                 ov2 = [o.replace(TUNE, str(v)) for o in ov] if v is not None else ov
                 try:
@@ -80,7 +80,7 @@ def _check_points(suite: Suite, setting: str, method: str, points: list[dict[str
 def _validate_protocol(suite: Suite) -> int:
     """Every point a tuning or sensitivity run can take, loaded before anything runs; a
     grid smaller than the budget is refused (fedloom.tuning)."""
-    proto = suite.tuning
+    proto = suite.tuning.protocol
     assert proto is not None
     n = 0
     for setting in suite.settings:
@@ -117,7 +117,7 @@ def _validate_protocol(suite: Suite) -> int:
 
 def _sens_values(suite: Suite, setting: str, method: str) -> list[Any]:
     """The sensitivity key's values: as given, else its list in the method's space."""
-    sens = suite.tuning.sensitivity if suite.tuning else None
+    sens = suite.tuning.protocol.sensitivity if suite.tuning.protocol else None
     if not sens:
         return []
     if sens["values"] is not None:
@@ -131,7 +131,7 @@ def _sens_values(suite: Suite, setting: str, method: str) -> list[Any]:
 
 
 def _sensitive(suite: Suite, method: str) -> bool:
-    sens = suite.tuning.sensitivity if suite.tuning else None
+    sens = suite.tuning.protocol.sensitivity if suite.tuning.protocol else None
     return bool(sens) and sens is not None and (sens.get("methods") is None
                                                 or method in sens["methods"])
 

@@ -139,7 +139,8 @@ def _report_only(suite: Suite, workers: int, log: Callable[[str], None],
         chosen = _tune(suite, 0, log)
     except (FileNotFoundError, ValueError):
         chosen = {}
-    specs = main_specs(suite, chosen) if chosen or not (suite.tune or suite.tuning) else []
+    tunes = suite.tuning.grids or suite.tuning.protocol
+    specs = main_specs(suite, chosen) if chosen or not tunes else []
     suite.sensitivity_specs = first_seeds(suite, sensitivity_specs(suite, chosen)) if specs \
         else {}
     if suite.sequential is not None and specs:

@@ -58,7 +58,7 @@ class _Plan:
 
     def __init__(self, suite: Suite, setting: str, method: str, point: dict[str, Any]
                  ) -> None:
-        proto = suite.tuning
+        proto = suite.tuning.protocol
         assert proto is not None and proto.min_rounds is not None
         cfg = _plan_config(suite, setting, method, point)
         self.rounds: int = suite.settings[setting].get("tuning_rounds", proto.rounds) \
@@ -85,7 +85,7 @@ class _Plan:
 def _specs(suite: Suite, setting: str, method: str, point: dict[str, Any], rounds: int,
            plan: _Plan) -> list[RunSpec]:
     """The trial's runs (one per tuning seed) at ``rounds`` rounds."""
-    proto = suite.tuning
+    proto = suite.tuning.protocol
     assert proto is not None
     ov = [*_base_overrides(suite, setting, method, point), f"rounds={rounds}", *plan.ckpt]
     tag = f"@tune={point_slug(point)}"
@@ -137,7 +137,7 @@ def tune_halving(suite: Suite, pairs: list[Pair], lower: Callable[[str], bool],
     every trial with its rung, rounds, scores and cost, and fills ``proto.plans``.
     ``run_trials`` runs a rung's runs; ``continue_runs=False`` (a report only) makes
     no copy of a run to continue."""
-    proto = suite.tuning
+    proto = suite.tuning.protocol
     assert proto is not None
     trials: dict[Pair, list[Trial]] = {}
     plans: dict[Pair, _Plan] = {}

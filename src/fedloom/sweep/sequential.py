@@ -49,7 +49,7 @@ def open_pairs(suite: Suite, specs: list[RunSpec]) -> dict[tuple[str, str, str],
     from fedloom.report.sweep import _targets, aggregate_runs
 
     table = aggregate_runs(specs)
-    _, _, records = claim_table(suite.claims, table, list(suite.settings),
+    _, _, records = claim_table(suite.report.claims, table, list(suite.settings),
                                 _targets(suite, table), sequential=True)
     out: dict[tuple[str, str, str], int] = {}
     for r in records:

@@ -65,30 +65,48 @@ class Sequential:
     batch: int
 
 
-@dataclass
-class Suite:
-    name: str
-    out: Path
-    doc: Path | None
-    seeds: list[int]
-    settings: dict[str, dict[str, Any]]
-    methods: dict[str, list[str]]
-    tune: dict[str, dict[str, Any]] = field(default_factory=dict)
-    share_tuning: dict[str, str] = field(default_factory=dict)
-    tune_seed: int = 0
-    tune_metric: str = "client_acc_mean"
-    report: dict[str, Any] = field(default_factory=dict)
-    path: Path | None = None
-    method_settings: dict[str, list[str]] = field(default_factory=dict)
-    report_text: str = ""  # the last report made (printed by the CLI when doc is None)
+@dataclass(frozen=True)
+class SuiteTuning:
+    """How the suite's methods are tuned: the protocol (``tuning:``) or its one-key
+    predecessor (``tune:`` with ``tune_seed:`` and ``tune_metric:``), the methods that
+    take another's choice (``share_tuning:``), and each method's own ``space:``,
+    ``tune: false`` and ``metric:``."""
+
     # The tuning protocol (fedloom.tuning); None for a suite without ``tuning:``.
-    tuning: Protocol | None = None
+    protocol: Protocol | None = None
+    grids: dict[str, dict[str, Any]] = field(default_factory=dict)  # tune: {method: {key, grid}}
+    grid_seed: int = 0                                  # tune_seed: the seed tune: runs on
+    grid_metric: str = "client_acc_mean"                # tune_metric: what tune: picks by
+    shared: dict[str, str] = field(default_factory=dict)  # share_tuning: {method: source}
     method_space: dict[str, Space] = field(default_factory=dict)
     untuned: set[str] = field(default_factory=set)   # methods with ``tune: false``
     # a method's own selection metric (``methods.M.metric``; personal models are chosen
     # on ``personal_acc_mean``), else the protocol's
     method_metric: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SuiteReport:
+    """What the suite's page is made of and where it goes: ``doc:`` (None: the report
+    is printed), the ``report:`` options and the ``claims:``."""
+
+    doc: Path | None = None
+    options: dict[str, Any] = field(default_factory=dict)
     claims: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Suite:
+    name: str
+    out: Path
+    seeds: list[int]
+    settings: dict[str, dict[str, Any]]
+    methods: dict[str, list[str]]
+    tuning: SuiteTuning = field(default_factory=SuiteTuning)
+    report: SuiteReport = field(default_factory=SuiteReport)
+    path: Path | None = None
+    method_settings: dict[str, list[str]] = field(default_factory=dict)
+    report_text: str = ""  # the last report made (printed by the CLI when doc is None)
     # ``seeds: {min, max, batch}`` (then ``seeds`` is 1 … max); None for a list of seeds
     sequential: Sequential | None = None
     # Filled by run_suite: each (setting, method)'s trials, and its sensitivity runs
@@ -103,14 +121,15 @@ class Suite:
 
     def space(self, setting: str, method: str) -> Space:
         """The method's space in a setting: the suite's, the setting's, the method's."""
-        assert self.tuning is not None
-        return merge_space(self.tuning.space, self.settings[setting].get("_space", {}),
-                           self.method_space.get(method, {}))
+        assert self.tuning.protocol is not None
+        return merge_space(self.tuning.protocol.space,
+                           self.settings[setting].get("_space", {}),
+                           self.tuning.method_space.get(method, {}))
 
     def tuned(self, method: str) -> bool:
         """Whether the protocol tunes ``method`` itself (not shared, not ``tune: false``)."""
-        return (self.tuning is not None and method not in self.untuned
-                and method not in self.share_tuning)
+        return (self.tuning.protocol is not None and method not in self.tuning.untuned
+                and method not in self.tuning.shared)
 
 
 @dataclass(frozen=True)
@@ -133,12 +152,44 @@ class RunSpec:
 
 
 def load_suite(path: str | Path) -> Suite:
+    """The suite file at ``path``, every key and name checked (module docstring)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: suite file not found")
     raw = read_yaml_file(p, "suite") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: a suite file holds a mapping of settings")
+    _check_keys(p, raw)
+    _check_names(p, raw)
+    _check_tune(p, raw)
+    sequential = _load_seeds(p, raw["seeds"])
+    seeds = (list(range(1, sequential.max + 1)) if sequential is not None
+             else [int(s) for s in raw["seeds"]])
+    protocol = (load_protocol(raw["tuning"], f"{p}: tuning", seeds)
+                if raw.get("tuning") is not None else None)
+    _check_share_tuning(p, raw, protocol)
+    settings = _load_settings(p, raw, protocol)
+    methods, only, spaces, untuned, method_metric = _load_methods(p, raw, protocol)
+    claims = _load_claims(p, raw.get("claims"), methods, settings)
+    if sequential is not None and not claims:
+        raise ConfigError(f"{p}: seeds: {{min, max, batch}} needs claims: (their cells decide "
+                          "which methods get more seeds)")
+    report = SuiteReport(doc=Path(raw["doc"]) if raw.get("doc") else None,
+                         options=raw.get("report", {}) or {}, claims=claims)
+    tuning = SuiteTuning(
+        protocol=protocol, grids=raw.get("tune", {}) or {},
+        shared=raw.get("share_tuning", {}) or {}, grid_seed=int(raw.get("tune_seed", 0)),
+        grid_metric=raw.get("tune_metric", "client_acc_mean"), method_space=spaces,
+        untuned=untuned, method_metric=method_metric)
+    return Suite(
+        name=_suite_name(raw), out=Path(raw.get("out", f"runs/{_suite_name(raw)}")),
+        seeds=seeds, sequential=sequential, settings=settings, methods=methods,
+        method_settings=only, tuning=tuning, report=report, path=p,
+    )
+
+
+def _check_keys(p: Path, raw: dict[str, Any]) -> None:
+    """No key the suite file does not know; the four it needs are there."""
     known = {"name", "out", "doc", "seeds", "settings", "methods", "tune", "share_tuning",
              "tune_seed", "tune_metric", "report", "tuning", "claims"}
     for key in raw:
@@ -149,7 +200,11 @@ def load_suite(path: str | Path) -> Suite:
     for key in ("name", "seeds", "settings", "methods"):
         if key not in raw:
             raise ConfigError(f"{p}: {key}: missing")
-    _check_names(p, raw)
+
+
+def _check_tune(p: Path, raw: dict[str, Any]) -> None:
+    """``tune:``: an entry per method of the suite with ``key:`` and a non-empty
+    ``grid:``, and never beside ``tuning:``."""
     for m in raw.get("tune", {}):
         if m not in raw["methods"]:
             raise ConfigError(f"{p}: tune.{m}: not a method of this suite")
@@ -160,11 +215,10 @@ def load_suite(path: str | Path) -> Suite:
     if raw.get("tune") and raw.get("tuning") is not None:
         raise ConfigError(f"{p}: tune: and tuning: both given (tuning: is the protocol; "
                           "tune: its one-key predecessor)")
-    sequential = _load_seeds(p, raw["seeds"])
-    seeds = (list(range(1, sequential.max + 1)) if sequential is not None
-             else [int(s) for s in raw["seeds"]])
-    protocol = (load_protocol(raw["tuning"], f"{p}: tuning", seeds)
-                if raw.get("tuning") is not None else None)
+
+
+def _check_share_tuning(p: Path, raw: dict[str, Any], protocol: Protocol | None) -> None:
+    """``share_tuning:``: each method takes the choice of a method that is tuned."""
     for m, src in (raw.get("share_tuning") or {}).items():
         if m not in raw["methods"]:
             raise ConfigError(f"{p}: share_tuning.{m}: not a method of this suite")
@@ -173,6 +227,11 @@ def load_suite(path: str | Path) -> Suite:
                 raise ConfigError(f"{p}: share_tuning.{m}: {src!r} is not a tuned method")
         elif src not in (raw.get("tune") or {}):
             raise ConfigError(f"{p}: share_tuning.{m}: {src!r} has no tune entry")
+
+
+def _load_settings(p: Path, raw: dict[str, Any],
+                   protocol: Protocol | None) -> dict[str, dict[str, Any]]:
+    """``settings:``, each with its config resolved and its ``space:`` parsed."""
     settings: dict[str, dict[str, Any]] = {}
     for name, st in raw["settings"].items():
         if not isinstance(st, dict):
@@ -186,6 +245,15 @@ def load_suite(path: str | Path) -> Suite:
             if protocol is None:
                 raise ConfigError(f"{p}: settings.{name}.space: needs a tuning: section")
             settings[name]["_space"] = parse_space(st["space"], f"{p}: settings.{name}.space")
+    return settings
+
+
+def _load_methods(
+    p: Path, raw: dict[str, Any], protocol: Protocol | None,
+) -> tuple[dict[str, list[str]], dict[str, list[str]], dict[str, Space], set[str],
+           dict[str, str]]:
+    """``methods:``: each method's overrides, the settings it is limited to, its own
+    ``space:``, whether it is ``tune: false``, and its ``metric:``."""
     methods: dict[str, list[str]] = {}
     only: dict[str, list[str]] = {}
     spaces: dict[str, Space] = {}
@@ -220,20 +288,7 @@ def load_suite(path: str | Path) -> Suite:
     if protocol is not None and any(TUNE in o for ov in methods.values() for o in ov):
         raise ConfigError(f"{p}: methods: {TUNE} belongs to tune:; under tuning: a method's "
                           "tuned keys are its space")
-    claims = _load_claims(p, raw.get("claims"), methods, settings)
-    if sequential is not None and not claims:
-        raise ConfigError(f"{p}: seeds: {{min, max, batch}} needs claims: (their cells decide "
-                          "which methods get more seeds)")
-    return Suite(
-        name=_suite_name(raw), out=Path(raw.get("out", f"runs/{_suite_name(raw)}")),
-        doc=Path(raw["doc"]) if raw.get("doc") else None, seeds=seeds, sequential=sequential,
-        settings=settings, methods=methods, method_settings=only,
-        tune=raw.get("tune", {}) or {}, share_tuning=raw.get("share_tuning", {}) or {},
-        tune_seed=int(raw.get("tune_seed", 0)), tune_metric=raw.get("tune_metric",
-                                                                     "client_acc_mean"),
-        report=raw.get("report", {}) or {}, path=p, tuning=protocol, method_space=spaces,
-        untuned=untuned, claims=claims, method_metric=method_metric,
-    )
+    return methods, only, spaces, untuned, method_metric
 
 
 def _load_seeds(p: Path, raw: Any) -> Sequential | None:

@@ -49,25 +49,26 @@ def tuned_values(
         return method not in suite.method_settings or setting in suite.method_settings[method]
 
     for setting in suite.settings:
-        for method, t in suite.tune.items():
+        for method, t in suite.tuning.grids.items():
             if not applies(method, setting):
                 continue
             for value in t["grid"]:
                 ov = [o.replace(TUNE, str(value)) for o in suite.methods[method]]
-                specs[(setting, method, value)] = _spec(suite, setting, method, suite.tune_seed,
-                                                        ov, tag=_tune_tag(value))
+                specs[(setting, method, value)] = _spec(suite, setting, method,
+                                                        suite.tuning.grid_seed, ov,
+                                                        tag=_tune_tag(value))
     _run_all(list(specs.values()), workers, log, suite.fallbacks)
     chosen: dict[tuple[str, str], Any] = {}
     for setting in suite.settings:
-        for method, t in suite.tune.items():
+        for method, t in suite.tuning.grids.items():
             if not applies(method, setting):
                 continue
-            scores = {v: read_summary(specs[(setting, method, v)].out).get(suite.tune_metric,
+            scores = {v: read_summary(specs[(setting, method, v)].out).get(suite.tuning.grid_metric,
                                                                             float("-inf"))
                       for v in t["grid"]}
             scores = {v: (s if s == s else float("-inf")) for v, s in scores.items()}  # NaN
             chosen[(setting, method)] = max(scores, key=lambda v: scores[v])
-        for method, source in suite.share_tuning.items():
+        for method, source in suite.tuning.shared.items():
             if applies(method, setting) and (setting, source) in chosen:
                 chosen[(setting, method)] = chosen[(setting, source)]
     return chosen
@@ -75,7 +76,7 @@ def tuned_values(
 
 def _trial_specs(suite: Suite, setting: str, method: str, point: dict[str, Any]
                  ) -> list[RunSpec]:
-    proto = suite.tuning
+    proto = suite.tuning.protocol
     assert proto is not None
     ov = [*suite.methods[method], *overrides(point)]
     rounds = suite.settings[setting].get("tuning_rounds", proto.rounds)
@@ -100,11 +101,11 @@ def tune_protocol(suite: Suite, workers: int, log: Callable[[str], None]
     (:class:`FileNotFoundError` when a trial has not finished)."""
     from fedloom.report.compare import lower_is_better
 
-    proto = suite.tuning
+    proto = suite.tuning.protocol
     assert proto is not None
 
     def metric_of(method: str) -> str:
-        return suite.method_metric.get(method, proto.metric)
+        return suite.tuning.method_metric.get(method, proto.metric)
 
     pairs = [(s, m) for s in suite.settings for m in suite.methods
              if _applies(suite, m, s) and suite.tuned(m)]
@@ -151,7 +152,7 @@ def tune_protocol(suite: Suite, workers: int, log: Callable[[str], None]
     choose = halving_choice if proto.sampler == "halving" else best_trial
     chosen = {pair: dict(choose(ts, lower_is_better(metric_of(pair[1]))).params)
               for pair, ts in trials.items()}
-    for method, source in suite.share_tuning.items():
+    for method, source in suite.tuning.shared.items():
         for setting in suite.settings:
             if _applies(suite, method, setting) and (setting, source) in chosen:
                 own = {o.split("=", 1)[0] for o in suite.methods[method]}
@@ -179,11 +180,11 @@ def _run_trials(specs: list[RunSpec], workers: int, log: Callable[[str], None],
 def _write_tuning_record(suite: Suite, chosen: dict[tuple[str, str], dict[str, Any]]) -> None:
     """``OUT/NAME.tuning.json``: the protocol, every trial with its per-seed scores, the
     choice (named by the suite: suites may share ``out:`` and so reuse runs)."""
-    proto = suite.tuning
+    proto = suite.tuning.protocol
     assert proto is not None
     rec: dict[str, Any] = {
         "budget": proto.budget, "sampler": proto.sampler, "seeds": proto.seeds,
-        "metric": proto.metric, "method_metric": dict(suite.method_metric),
+        "metric": proto.metric, "method_metric": dict(suite.tuning.method_metric),
         "rounds": proto.rounds, "settings": {}}
     if proto.sampler == "halving":
         rec.update(eta=proto.eta, min_rounds=proto.min_rounds)
@@ -207,7 +208,7 @@ def sensitivity_specs(suite: Suite, chosen: dict[tuple[str, str], Any]
     """The sensitivity runs (fedloom.tuning): per (setting, method), per value of the
     key, the reported seeds with the other keys at their chosen values. A value equal
     to the chosen one is the main run itself."""
-    proto = suite.tuning
+    proto = suite.tuning.protocol
     if proto is None or not proto.sensitivity:
         return {}
     key = proto.sensitivity["key"]
@@ -233,13 +234,13 @@ def sensitivity_specs(suite: Suite, chosen: dict[tuple[str, str], Any]
 def _point_overrides(suite: Suite, method: str, point: dict[str, Any]) -> list[str]:
     """A method's overrides with its chosen point: after its own (tuned), or before
     them (borrowed by share_tuning: its own values win)."""
-    if method in suite.share_tuning:
+    if method in suite.tuning.shared:
         return [*overrides(point), *suite.methods[method]]
     return [*suite.methods[method], *overrides(point)]
 
 
 def _tune(suite: Suite, workers: int, log: Callable[[str], None]) -> dict[tuple[str, str], Any]:
-    if suite.tuning is not None:
+    if suite.tuning.protocol is not None:
         return tune_protocol(suite, workers, log)
     return tuned_values(suite, workers, log)
 
@@ -251,7 +252,7 @@ def main_specs(suite: Suite, chosen: dict[tuple[str, str], Any]) -> list[RunSpec
             if method in suite.method_settings and setting not in suite.method_settings[method]:
                 continue
             value = chosen.get((setting, method))
-            if suite.tuning is not None:
+            if suite.tuning.protocol is not None:
                 pov = _point_overrides(suite, method, dict(value or {}))
                 specs += [_spec(suite, setting, method, seed, pov) for seed in suite.seeds]
                 continue
