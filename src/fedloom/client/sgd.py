@@ -34,10 +34,11 @@ update ``w − w_k``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -166,6 +167,20 @@ def _amp_backward(module: nn.Module, x: torch.Tensor, y: torch.Tensor, amp: str,
     return loss
 
 
+class _Scratch:
+    """What a trainer holds between calls, never one of its settings: its flat
+    module (built on first use, in each process) and the vector :meth:`LocalSGD.run`
+    writes the update into (:meth:`LocalSGD.updates_into`). A pickled or copied
+    trainer starts with an empty one."""
+
+    def __init__(self) -> None:
+        self.fm: _FlatModule | None = None
+        self.update_out: torch.Tensor | None = None
+
+    def __reduce__(self) -> tuple[type[_Scratch], tuple[()]]:
+        return _Scratch, ()
+
+
 @dataclass(frozen=True)
 class LocalSGD:
     """Settings of local training (no state: momentum restarts every round).
@@ -201,6 +216,14 @@ class LocalSGD:
     # More terms of the direction (client.transforms; fedloom.client.transforms), the
     # same objects on every backend: written once on a leading client dimension.
     transforms: tuple[Any, ...] = ()
+    # Its working state (_Scratch): not a setting, so not an argument, not compared,
+    # not shown; dataclasses.replace gives the new trainer an empty one.
+    _scratch: _Scratch = field(default_factory=_Scratch, init=False, repr=False,
+                               compare=False)
+
+    def __copy__(self) -> LocalSGD:
+        # a copy is a new value with its own working state (its own flat module)
+        return dataclasses.replace(self)
 
     def batch(self, x: torch.Tensor, idx: torch.Tensor, seed: int, step: int) -> torch.Tensor:
         """The inputs of local step ``step``: ``x[idx]``, augmented when configured."""
@@ -421,14 +444,9 @@ class LocalSGD:
 
     def _flat_module(self) -> _FlatModule:
         # Built once per trainer (and per worker process, after unpickling).
-        fm = self.__dict__.get("_fm")
-        if fm is None:
-            fm = _FlatModule(self.module, self.layout)
-            object.__setattr__(self, "_fm", fm)
-        return fm
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_fm", "_update_out")}
+        if self._scratch.fm is None:
+            self._scratch.fm = _FlatModule(self.module, self.layout)
+        return self._scratch.fm
 
     @contextmanager
     def updates_into(self, out: torch.Tensor) -> Iterator[None]:
@@ -437,14 +455,11 @@ class LocalSGD:
         new vector: a ``process`` worker's row of the server's shared rows, where the
         update was a fresh 6.5 MB vector copied there (a CIFAR-10 CNN). The same bits.
         For a local method that calls :meth:`run` once a client."""
-        object.__setattr__(self, "_update_out", out)
+        self._scratch.update_out = out
         try:
             yield
         finally:
-            object.__setattr__(self, "_update_out", None)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+            self._scratch.update_out = None
 
     def grad(self, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
              buffers: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
@@ -481,7 +496,7 @@ class LocalSGD:
         start_loss = (self.full_loss(w_global, job.x, job.y, buffers=job.buffers)
                       if job.start_loss else None)
         w_k, loss, steps, smooth = self._train(job)
-        out = self.__dict__.get("_update_out")
+        out = self._scratch.update_out
         if out is not None and out.shape == w_k.shape and out.dtype == w_k.dtype:
             update = torch.sub(w_global, w_k, out=out)
         else:
