@@ -16,7 +16,7 @@ import fedloom
 import fedloom.client.transforms
 import fedloom.transforms
 from conftest import TINY
-from fedloom.engine.checkpoint import legacy_opt_state
+from fedloom.engine.legacy import legacy_opt_state
 from fedloom.registry import accepted_options, get
 from fedloom.server_opt import (
     Chain,

@@ -32,7 +32,7 @@ import logging
 import os
 import secrets
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,6 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "check_regular",
-    "legacy_opt_state",
     "load_checkpoint",
     "lock_run_dir",
     "remove_leftovers",
@@ -375,51 +374,6 @@ def load_checkpoint(path: Path, required: Iterable[str] = ()) -> dict[str, Any]:
     if version is None:
         log.warning("%s: written without a digest (an older fedloom); loaded unchecked", path)
     return state
-
-
-def legacy_opt_state(stored: Any, fresh: Callable[[], Any]) -> Any:
-    """A checkpoint's server-optimizer state in this version's layout.
-
-    A chain of server transforms (:mod:`fedloom.transforms`) keeps a tuple, one
-    entry a transform: ``None`` or its own mapping of named tensors. Earlier
-    versions kept one flat mapping, each transform's tensors in chain order under
-    the same names (``v``, ``m``, with the ``prefix`` that kept two of a kind
-    apart). Where ``stored`` is a mapping and the optimizer's fresh state
-    (``fresh()``, its ``init(w)``) a tuple, each transform's mapping takes the
-    next entries of the flat one by name, each a tensor of the fresh one's shape
-    and dtype (:class:`ValueError` if not); any other state is returned as stored.
-    """
-    if not isinstance(stored, dict):
-        return stored
-    template = fresh()
-    if not isinstance(template, tuple):
-        return stored
-    flat = list(stored.items())
-    out: list[dict[str, Any] | None] = []
-    for own in template:
-        if own is None:  # a stateless transform (a scale)
-            out.append(None)
-            continue
-        if not isinstance(own, dict):
-            raise ValueError("'opt_state' is one flat mapping (an earlier version's) and the "
-                             f"server optimizer keeps a {type(own).__name__} for a transform")
-        group, flat = dict(flat[:len(own)]), flat[len(own):]
-        out.append({name: _legacy_entry(group, name, like) for name, like in own.items()})
-    if flat:
-        raise ValueError(f"'opt_state' holds {flat[0][0]!r}, which the server optimizer "
-                         "does not keep")
-    return tuple(out)
-
-
-def _legacy_entry(group: dict[str, Any], name: str, like: Any) -> Any:
-    """The entry ``name`` of a transform's group of a flat state (``PREFIX + name``)."""
-    keys = [k for k in group if k == name] or [k for k in group if k.endswith(name)]
-    value = group[keys[0]] if len(keys) == 1 else None
-    if not (isinstance(value, torch.Tensor) and isinstance(like, torch.Tensor)
-            and value.shape == like.shape and value.dtype == like.dtype):
-        raise ValueError(f"'opt_state' has no tensor {name!r} of the server optimizer's "
-                         "shape and dtype where its flat layout should")
-    return value
 
 
 def remove_leftovers(folder: Path) -> list[Path]:

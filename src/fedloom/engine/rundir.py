@@ -48,6 +48,7 @@ from fedloom.engine.checkpoint import (
     save_checkpoint,
 )
 from fedloom.engine.components import moved_objects
+from fedloom.engine.legacy import current_layout
 from fedloom.engine.runstate import RunState
 from fedloom.engine.setup import Setup
 
@@ -325,7 +326,8 @@ def _restore_checked(exp: Setup, cfg: Config, resolved: dict[str, Any],
     if digest is not None and not isinstance(digest, str):
         raise bad(f"{METRICS_DIGEST!r} is a {type(digest).__name__}, not a digest")
     try:
-        st = exp.restore(ck, path.parent)
+        # an earlier version's layout in this one's: the one legacy reader
+        st = exp.restore(current_layout(ck, exp.fresh()), path.parent)
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError,
             OSError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -44,11 +44,11 @@ from fedloom.device import (
 )
 from fedloom.engine import compat
 from fedloom.engine.algorithm import Algorithm
-from fedloom.engine.checkpoint import legacy_opt_state
 from fedloom.engine.components import Components
 from fedloom.engine.evaluation import Evaluator
 from fedloom.engine.events import EventDriver
 from fedloom.engine.fields import BUFFERS, FEEDBACK, METHOD, ClientFields
+from fedloom.engine.legacy import Fresh
 from fedloom.engine.parts import ClientData, HookView, ModelSpace, Schedule, ScreenRules
 from fedloom.engine.runstate import RunState
 from fedloom.engine.screen import first_line
@@ -479,38 +479,34 @@ class Setup:
             "config": config_to_dict(self.cfg),
         }
 
+    def fresh(self) -> Fresh:
+        """What this run starts with, for the entries a checkpoint of an earlier
+        version lacks (:func:`fedloom.engine.legacy.current_layout`)."""
+        return Fresh(has_buffers=bool(self.buffer_template), opt_state=self.server.init,
+                     privacy_state=self.privacy.init,
+                     selection_state=self.schedule.initial_selection)
+
     def restore(self, ckpt: dict[str, Any], snapshot_dir: Path | None = None) -> RunState:
-        # A model with buffers needs them (a checkpoint from before they were kept has none).
-        bufs = ckpt.get("buffers", None if self.buffer_template else {})
+        """The run state of checkpoint ``ckpt``, in this version's layout (one of an
+        earlier version is read through :func:`fedloom.engine.legacy.current_layout`
+        first)."""
+        bufs = ckpt["buffers"]
         why = check_buffers(bufs, self.buffer_template)
         if why is not None:
             raise ValueError(f"'buffers' is {why}")
         self.store.load_state_dict(ckpt["store"], snapshot_dir)
-        # The server optimizer's state of an earlier layout (one flat mapping) in today's.
-        opt_state = legacy_opt_state(ckpt["opt_state"], lambda: self.server.init(ckpt["w"]))
-        # Loaded on the CPU (map_location), continued on the run's device.
-        return to_device(RunState(ckpt["next_round"], ckpt["w"], opt_state,
-                                  ckpt["agg_state"], ckpt["method_state"],
-                                  ckpt["feedback_state"], ckpt["w_avg"], dict(ckpt["totals"]),
-                                  # .get: checkpoints from before the simulated clock
-                                  float(ckpt.get("sim_time_s", 0.0)),
-                                  # .get: checkpoints from before fedloom.privacy
-                                  privacy_state=self.privacy.checked_state(
-                                      ckpt.get("privacy_state") or self.privacy.init()),
-                                  # check_buffers passed: the mapping the template needs
-                                  buffers=cast("dict[str, torch.Tensor]", bufs),
-                                  # .get: checkpoints from before the event modes
-                                  events=dict(ckpt.get("events") or {}),
-                                  # .get: checkpoints from before client selectors
-                                  selection_state=self._selection_state(ckpt)),
-                         self.device)
-
-    def _selection_state(self, ckpt: dict[str, Any]) -> dict[str, Any]:
-        """The selector's state in ``ckpt``; its initial state in a checkpoint from
-        before client selectors (those ran the stateless uniform selection)."""
-        state = ckpt.get("selection_state")
-        if state is None:
-            return self.schedule.initial_selection()
+        state = ckpt["selection_state"]
         if not isinstance(state, dict):
             raise ValueError(f"'selection_state' is a {type(state).__name__}, not a mapping")
-        return dict(state)
+        # Loaded on the CPU (map_location), continued on the run's device.
+        return to_device(RunState(ckpt["next_round"], ckpt["w"], ckpt["opt_state"],
+                                  ckpt["agg_state"], ckpt["method_state"],
+                                  ckpt["feedback_state"], ckpt["w_avg"], dict(ckpt["totals"]),
+                                  float(ckpt["sim_time_s"]),
+                                  privacy_state=self.privacy.checked_state(
+                                      ckpt["privacy_state"]),
+                                  # check_buffers passed: the mapping the template needs
+                                  buffers=cast("dict[str, torch.Tensor]", bufs),
+                                  events=dict(ckpt["events"]),
+                                  selection_state=dict(state)),
+                         self.device)
