@@ -562,6 +562,7 @@ def test_three_stock_rounds_of_craft_end_at_the_engines_model():
     from fedloom.config import load_config
     from fedloom.engine.components import Components
     from fedloom.engine.experiment import Experiment
+    from fedloom.engine.runstate import RoundOutcome
     from fedloom.job import ClientResult
 
     cfg = load_config({
@@ -593,7 +594,7 @@ def test_three_stock_rounds_of_craft_end_at_the_engines_model():
                                         float(c["metrics"]["train_loss"]), 1))
             # the row is g itself: the server decodes it from the float64 wire
             ups.append(UplinkResult(exp.uplink.encode(g), None, {}))
-        st, _ = exp.finish_round(st, plan, results, ups, t0=0.0, t_train=0.0,
+        st, _ = exp.finish_round(st, plan, RoundOutcome(results, ups), t0=0.0, t_train=0.0,
                                  client_state=False)
         sent = ArrayRecord(OrderedDict((k, v.clone()) for k, v in
                                        exp.layout.unflatten(st.w).items()))

@@ -277,8 +277,9 @@ def test_local_mode_adds_noise_before_compression_and_ef_keeps_the_noisy_residua
         raw[0].update[3] = float("nan")  # sent as zero plus noise, not withheld
         dense = [r.update.clone() for r in raw]
         dense[0].zero_()
-        results, ups = exp.uplink_round(st, plan, raw)
-        assert plan.refused == {}
+        plan, outcome = exp.uplink_round(st, plan, raw)
+        results, ups = outcome.results, outcome.ups
+        assert outcome.refused == {}
         d = exp.layout.size
         k = math.ceil(0.1 * d)
         for res, up, g in zip(results, ups, dense, strict=True):

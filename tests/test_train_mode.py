@@ -65,9 +65,10 @@ def _one_round(exp, st):
     raw = exp.backend.train_cohort(plan.jobs)
     for r in raw:
         r.extra["w_k"] = st.w - r.update  # kept: the uplink frees the update
-    results, ups = exp.uplink_round(st, plan, raw)
+    plan, outcome = exp.uplink_round(st, plan, raw)
+    results = outcome.results
     bufs = [copy.deepcopy(r.buffers) for r in results]
-    new, _ = exp.finish_round(st, plan, results, ups, t0=0.0, t_train=0.0)
+    new, _ = exp.finish_round(st, plan, outcome, t0=0.0, t_train=0.0)
     return plan, results, bufs, new
 
 

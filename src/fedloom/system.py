@@ -93,15 +93,18 @@ if TYPE_CHECKING:
 
 
 class RoundPlan(Protocol):
-    """What the system model reads and changes of a round's plan
-    (:class:`fedloom.engine.runstate.RoundPlan`)."""
+    """What the system model reads of a round's plan
+    (:class:`fedloom.engine.runstate.RoundPlan`, a frozen dataclass: the plan with
+    cut step budgets is a copy, ``dataclasses.replace``)."""
 
-    round: int
-    jobs: list[ClientJob]
-    comp: Any
-    withheld: set[int]
+    __dataclass_fields__: ClassVar[dict[str, Any]]
 
-    def withdraw(self, gone: Sequence[int]) -> list[int]: ...
+    @property
+    def round(self) -> int: ...
+    @property
+    def jobs(self) -> list[ClientJob]: ...
+    @property
+    def comp(self) -> Any: ...
 
 
 class Clients(Protocol):
@@ -122,6 +125,8 @@ class RunState(Protocol):
 
 # finish() gives back the state it was given, with the clock advanced
 _State = TypeVar("_State", bound=RunState)
+# begin() gives back the plan it was given, its cut clients' jobs replaced
+_Plan = TypeVar("_Plan", bound=RoundPlan)
 
 __all__ = ["Device", "RoundSim", "System", "check_system_config", "client_time",
            "make_system", "read_devices", "samples_for_steps", "steps_within"]
@@ -347,14 +352,15 @@ class System:
             self._exp_comp = comp
         return self._exp_bytes
 
-    def begin(self, plan: RoundPlan, clients: Clients, local: Any, d: int,
-              downlink_size: int) -> RoundSim:
-        """Decide the round's mid-round dropouts and (``late: partial``) each client's
-        step budget; the jobs of cut clients get ``max_steps``. Reads the clients'
-        training split sizes, the local update's step count (``local.num_steps``),
-        the model's size ``d``, the broadcast's size and the round's compressor."""
+    def begin(self, plan: _Plan, clients: Clients, local: Any, d: int,
+              downlink_size: int) -> tuple[_Plan, RoundSim]:
+        """Decide the round's mid-round dropouts (``withheld``) and (``late:
+        partial``) each client's step budget: the plan returned is ``plan`` whose
+        cut clients' jobs have ``max_steps``. Reads the clients' training split
+        sizes, the local update's step count (``local.num_steps``), the model's size
+        ``d``, the broadcast's size and the round's compressor."""
         cfg, r = self.cfg, plan.round
-        sim = RoundSim(r)
+        sim, jobs = RoundSim(r), list(plan.jobs)
         partial = self.timed and cfg.deadline_s is not None and cfg.late == "partial"
         up = self.expected_uplink(plan.comp, d) if partial else 0
         for i, job in enumerate(plan.jobs):
@@ -375,16 +381,16 @@ class System:
             if allowed == 0:
                 sim.withheld[k] = "no local step fits before system.deadline_s"
             elif allowed < full:
-                plan.jobs[i] = dataclasses.replace(job, max_steps=allowed)
+                jobs[i] = dataclasses.replace(job, max_steps=allowed)
                 sim.cut[k] = allowed
-        plan.withheld = set(sim.withheld)
-        return sim
+        return (dataclasses.replace(plan, jobs=jobs) if sim.cut else plan), sim
 
-    def after_uplink(self, sim: RoundSim, plan: RoundPlan, clients: Clients, downlink_size: int,
-                     results: list[ClientResult], ups: list[UplinkResult]
-                     ) -> tuple[list[ClientResult], list[UplinkResult]]:
-        """Time each reporting client from its real payload; withdraw those past the
-        deadline (not used, state untouched); set the round's duration."""
+    def after_uplink(self, sim: RoundSim, clients: Clients, downlink_size: int,
+                     results: list[ClientResult], ups: list[UplinkResult]) -> list[int]:
+        """Time each reporting client from its real payload; set the round's
+        duration. Returns the positions of those past the deadline, to be withdrawn
+        (not used, state untouched: :func:`fedloom.engine.runstate.withdraw`)."""
+        gone: list[int] = []
         if self.timed:
             for res, up in zip(results, ups, strict=True):
                 k = res.client
@@ -396,8 +402,8 @@ class System:
                 gone = [i for i, res in enumerate(results) if sim.times[res.client] > dl]
                 if gone:
                     sim.late = [results[i].client for i in gone]
-                    kept = plan.withdraw(gone)
-                    results, ups = [results[i] for i in kept], [ups[i] for i in kept]
+                    out = set(gone)
+                    results = [res for i, res in enumerate(results) if i not in out]
             # A late client keeps the server waiting until the deadline.
             timed_out = bool(sim.late) or any("deadline" in w for w in sim.withheld.values())
             if timed_out and dl is not None:
@@ -405,7 +411,7 @@ class System:
             else:
                 sim.round_s = max((sim.times[res.client] for res in results), default=0.0)
         sim.steps = [res.steps for res in results]
-        return results, ups
+        return gone
 
     def finish(self, sim: RoundSim, st: RunState, new: _State, metrics: dict[str, Any]
                ) -> tuple[_State, dict[str, Any]]:

@@ -131,8 +131,8 @@ class EventDriver:
                 self._dispatch(exp, ev, st, nxt[0], {int(a[2]) for a in arrived})
         plan, raw = self._train(exp, st, ev, arrived)
         t_train = time.perf_counter() - t0
-        results, ups = exp.uplink_round(st, plan, raw)
-        new, metrics = exp.finish_round(st, plan, results, ups, t0=t0, t_train=t_train)
+        plan, outcome = exp.uplink_round(st, plan, raw)
+        new, metrics = exp.finish_round(st, plan, outcome, t0=t0, t_train=t_train)
         taus = [st.next_round - int(a[3]) for a in arrived]
         metrics["staleness_mean"] = float(np.mean(taus))
         metrics["staleness_max"] = int(max(taus))
@@ -160,23 +160,26 @@ class EventDriver:
                                        feedback_state=ver["feedback"],
                                        method_state=ver["method"], buffers=ver["buffers"])
             plans.append(exp.plan_round(at_v, cohort=torch.tensor([k], dtype=torch.long)))
-        plan = _merge(plans, st.next_round, exp.lr(st.next_round))
         taus = [st.next_round - int(a[3]) for a in arrived]
-        plan.row_scales = [staleness_weight(self.cfg, tau) for tau in taus]
+        scales = [staleness_weight(self.cfg, tau) for tau in taus]
+        shifts = None
         if self.cfg.mode == "async":  # FedAsync mixes with w_k = w_v − Δ_k: add w_t − w_v
-            plan.row_shifts = [(st.w - ev["versions"][str(int(a[3]))]["w"]) if tau else None
-                               for a, tau in zip(arrived, taus, strict=True)]
+            shifts = [(st.w - ev["versions"][str(int(a[3]))]["w"]) if tau else None
+                      for a, tau in zip(arrived, taus, strict=True)]
+        plan = _merge(plans, st.next_round, exp.lr(st.next_round), scales, shifts)
         raw = exp.backend.train_cohort(plan.jobs)
         return plan, list(raw)
 
 
-def _merge(plans: list[RoundPlan], r: int, lr: float) -> RoundPlan:
+def _merge(plans: list[RoundPlan], r: int, lr: float, row_scales: list[float],
+           row_shifts: list[torch.Tensor | None] | None) -> RoundPlan:
     """One plan of the arrivals' one-client plans, for step ``r`` (``lr``: the
-    schedule's at ``r``, what the uplink and the rules read; each job keeps its own)."""
+    schedule's at ``r``, what the uplink and the rules read; each job keeps its own),
+    with the staleness rows of the server half (``row_scales``, ``row_shifts``)."""
     first = plans[0]
     old_rows = {f: torch.cat([p.old_rows[f] for p in plans]) for f in first.old_rows}
     measured = [[m for p in plans for m in p.measured[h]] for h in range(len(first.measured))]
     return RoundPlan(r, torch.cat([p.cohort for p in plans]), lr,
                      [j for p in plans for j in p.jobs], [a for p in plans for a in p.alphas],
                      [f for p in plans for f in p.fb_rows], old_rows, first.comp,
-                     first.adjust, measured)
+                     first.adjust, measured, row_shifts=row_shifts, row_scales=row_scales)

@@ -62,14 +62,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from fedloom.buffers import load_buffers
 from fedloom.capabilities import backend_caps
-from fedloom.compress.feedback import UplinkResult
 from fedloom.engine.dispatch import plan_round
 from fedloom.engine.fields import FEEDBACK
 from fedloom.engine.receive import RowBuffer, receive
@@ -79,7 +78,7 @@ from fedloom.engine.record import (
     round_metrics,
     selection_feedback,
 )
-from fedloom.engine.runstate import RoundPlan, RunState
+from fedloom.engine.runstate import RoundOutcome, RoundPlan, RunState, withdraw
 from fedloom.engine.scatter import next_buffers, scatter
 from fedloom.engine.screen import all_finite
 from fedloom.engine.server import server_round, server_rule
@@ -114,17 +113,20 @@ class Experiment(Setup):
             raw = self.backend.train_cohort(plan.jobs, on_result=early)
         elif sysm is None:
             raw = self.backend.train_cohort(plan.jobs)
-        else:  # dropouts, partial work (fedloom.system)
-            sim = sysm.begin(plan, self.clients, self.trainer, self.layout.size,
-                             self.downlink_size)
+        else:  # dropouts, partial work (fedloom.system): the plan with its cut budgets
+            plan, sim = sysm.begin(plan, self.clients, self.trainer, self.layout.size,
+                                   self.downlink_size)
             raw = sim.train(self.backend, plan.jobs)
         t_train = time.perf_counter() - t0
-        results, ups = self.uplink_round(st, plan, raw, early)
         if sysm is None:
-            return self.finish_round(st, plan, results, ups, t0=t0, t_train=t_train)
-        results, ups = sysm.after_uplink(sim, plan, self.clients, self.downlink_size,
-                                         results, ups)  # timing, late
-        new, metrics = self.finish_round(st, plan, results, ups, t0=t0, t_train=t_train,
+            plan, outcome = self.uplink_round(st, plan, raw, early)
+            return self.finish_round(st, plan, outcome, t0=t0, t_train=t_train)
+        plan, outcome = self.uplink_round(st, plan, raw, withheld=set(sim.withheld))
+        gone = sysm.after_uplink(sim, self.clients, self.downlink_size,
+                                 outcome.results, outcome.ups)  # timing, late
+        if gone:
+            plan, outcome = withdraw(plan, outcome, gone)
+        new, metrics = self.finish_round(st, plan, outcome, t0=t0, t_train=t_train,
                                          times=sim.times if sysm.timed else None,
                                          late=sim.late, deadline_s=sysm.cfg.deadline_s)
         return sysm.finish(sim, st, new, metrics)
@@ -138,11 +140,13 @@ class Experiment(Setup):
                           cohort=cohort)
 
     def uplink_round(self, st: RunState, plan: RoundPlan,
-                     raw: Sequence[ClientResult | None], early: EarlyUplink | None = None
-                     ) -> tuple[list[ClientResult], list[UplinkResult]]:
-        """What the kept clients send (:func:`~fedloom.engine.uplink.uplink_round`)."""
+                     raw: Sequence[ClientResult | None], early: EarlyUplink | None = None,
+                     withheld: Collection[int] = ()) -> tuple[RoundPlan, RoundOutcome]:
+        """The kept clients' plan and what they send
+        (:func:`~fedloom.engine.uplink.uplink_round`)."""
         return uplink_round(self.algorithm, client_postprocessors(self.attack, self.privacy),
-                            self.rules, self.schedule, self.device, st, plan, raw, early)
+                            self.rules, self.schedule, self.device, st, plan, raw, early,
+                            withheld)
 
     def _early_uplink(self, st: RunState, plan: RoundPlan) -> EarlyUplink | None:
         """Each client's own uplink work, done as its result arrives, where the
@@ -168,12 +172,13 @@ class Experiment(Setup):
             rows = self.__dict__["_row_buffer"] = RowBuffer()
         return rows
 
-    def finish_round(self, st: RunState, plan: RoundPlan, results: Sequence[ClientResult],
-                     ups: Sequence[UplinkResult], *, t0: float, t_train: float,
+    def finish_round(self, st: RunState, plan: RoundPlan, outcome: RoundOutcome, *,
+                     t0: float, t_train: float,
                      client_state: bool = True, client_buffers: bool = False,
                      times: Mapping[int, float] | None = None, late: Sequence[int] = (),
                      deadline_s: float | None = None) -> tuple[RunState, dict[str, Any]]:
-        """The server's half of a round, from what the kept clients sent: receive
+        """The server's half of a round, from what the kept clients sent (``plan``:
+        theirs, ``outcome``: what they sent, :meth:`uplink_round`): receive
         (reject, clip), aggregate and step (a bad step is skipped, the round counted
         in ``rejected_rounds``), scatter client state (unless the clients keep it
         themselves: ``client_state=False``; ``client_buffers=True`` still keeps the
@@ -181,9 +186,9 @@ class Experiment(Setup):
         tell the client selector what the server received (with the system model's
         round times ``times`` of the reporting clients, the ``late`` ones and the
         deadline, where it is on)."""
-        r = plan.round
+        r, results, ups = plan.round, outcome.results, outcome.ups
         algo, space, clients = self.algorithm, self.space, self.clients
-        rx = receive(algo, space, self.rules, self.downlink_size, st, plan, results, ups,
+        rx = receive(algo, space, self.rules, self.downlink_size, st, plan, outcome,
                      self._server_rows())
         t1 = time.perf_counter()
         out = server_round(algo, server_rule(self.privacy, algo.aggregator), space,
@@ -208,8 +213,7 @@ class Experiment(Setup):
             w_avg = w_avg + (out.w - w_avg) / (r + 2)
         totals = add_totals(st.totals, rx, out)
         metrics = round_metrics(algo.feedback, self.client_metrics,
-                                clients.fields.has(FEEDBACK), plan, results, ups, rx, out,
-                                totals)
+                                clients.fields.has(FEEDBACK), plan, outcome, rx, out, totals)
         load_buffers(space.module, buffers)  # evaluations see the new global buffers
         every, rounds = self.cfg.eval.every, self.cfg.rounds
         if (r + 1) % every == 0 or r + 1 == rounds:
@@ -228,10 +232,10 @@ class Experiment(Setup):
                 for res in results)
         metrics["agg_s"] = t_agg
         metrics["wall_s"] = time.perf_counter() - t0
-        privacy_state = account_privacy(self.privacy, plan, results, out.privacy_state,
+        privacy_state = account_privacy(self.privacy, plan, outcome, out.privacy_state,
                                         metrics)
         selection_state = self.schedule.observe(plan.selection_state, selection_feedback(
-            plan, results, rx, self.cfg.client.batch_size, times=times, late=late,
+            plan, outcome, rx, self.cfg.client.batch_size, times=times, late=late,
             deadline_s=deadline_s))
         return RunState(r + 1, out.w, out.opt_state, out.agg_state, method_state,
                         out.feedback_state, w_avg, totals, privacy_state=privacy_state,

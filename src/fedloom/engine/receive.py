@@ -29,7 +29,7 @@ from fedloom.compress import coordinates_sent
 from fedloom.compress.feedback import UplinkResult
 from fedloom.engine.algorithm import Algorithm
 from fedloom.engine.parts import ModelSpace, ScreenRules
-from fedloom.engine.runstate import RoundPlan, RunState
+from fedloom.engine.runstate import RoundOutcome, RoundPlan, RunState
 from fedloom.engine.screen import (
     clip_rows,
     count_reason,
@@ -66,19 +66,20 @@ class Received:
 
 
 def receive(algo: Algorithm, space: ModelSpace, rules: ScreenRules, downlink_size: int,
-            st: RunState, plan: RoundPlan, results: Sequence[ClientResult],
-            ups: Sequence[UplinkResult], buffer: RowBuffer | None = None) -> Received:
-    """Decode, screen and clip the kept clients' payloads (``downlink_size``: the
-    bytes of one broadcast, counted for every planned client; ``buffer``: where the
-    rows are written, reused across rounds, :class:`RowBuffer`)."""
-    refused = plan.refused
+            st: RunState, plan: RoundPlan, outcome: RoundOutcome,
+            buffer: RowBuffer | None = None) -> Received:
+    """Decode, screen and clip the kept clients' payloads (``plan``: the kept
+    clients'; ``downlink_size``: the bytes of one broadcast, counted for every
+    planned client; ``buffer``: where the rows are written, reused across rounds,
+    :class:`RowBuffer`)."""
+    results, ups, refused = outcome.results, outcome.ups, outcome.refused
     sent = [u for i, u in enumerate(ups) if i not in refused]
     density = (float(np.mean([coordinates_sent(u.payload) for u in sent])) / space.layout.size
                if sent else float("nan"))
-    rows, undecodable = _decode(algo.feedback, space, st, plan, ups, buffer)
+    rows, undecodable = _decode(algo.feedback, space, st, plan, outcome, buffer)
     reasons = {**refused, **undecodable}
     # With a size rule on, one norm pass also tells the non-finite rows.
-    norms = ((plan.prenorms.clone() if plan.prenorms is not None else row_norms(rows))
+    norms = ((outcome.prenorms.clone() if outcome.prenorms is not None else row_norms(rows))
              if rules.sized else None)
     finite = torch.isfinite(norms) if norms is not None else finite_rows(rows)
     # Masks and ids stay on the host (m entries): a host index works on a device
@@ -179,7 +180,7 @@ class RowBuffer:
 
 
 def _decode(feedback: Any, space: ModelSpace, st: RunState, plan: RoundPlan,
-            ups: Sequence[UplinkResult], buffer: RowBuffer | None = None
+            outcome: RoundOutcome, buffer: RowBuffer | None = None
             ) -> tuple[torch.Tensor, dict[int, str]]:
     """The server half of the uplink: each payload decoded here, with the round's
     compressor (never the client's own decode), then the feedback policy's
@@ -189,7 +190,7 @@ def _decode(feedback: Any, space: ModelSpace, st: RunState, plan: RoundPlan,
     matrix without one); a compressor with ``decode_into``
     (:attr:`~fedloom.capabilities.CompressorCaps.decode_into`) decodes straight into
     its row, which then is the payload's ``sent`` vector too."""
-    d = space.layout.size
+    d, ups = space.layout.size, outcome.ups
     rows = (buffer.rows(len(ups), d, space.dtype, space.device) if buffer is not None
             else torch.empty((len(ups), d), dtype=space.dtype, device=space.device))
     comp = plan.comp
@@ -197,11 +198,11 @@ def _decode(feedback: Any, space: ModelSpace, st: RunState, plan: RoundPlan,
     failed: dict[int, str] = {}
     for i, u in enumerate(ups):
         out = rows[i]
-        if i in plan.refused:
+        if i in outcome.refused:
             out.zero_()
             continue
         # decoded into this row as it arrived (EarlyUplink): the same bits, not again
-        done = (i in plan.predecoded and u.sent is not None
+        done = (i in outcome.predecoded and u.sent is not None
                 and u.sent.data_ptr() == out.data_ptr() and u.sent.shape == out.shape)
         try:
             if done:

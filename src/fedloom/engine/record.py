@@ -16,11 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedloom.compress.feedback import UplinkResult
 from fedloom.engine.receive import Received
-from fedloom.engine.runstate import RoundPlan
+from fedloom.engine.runstate import RoundOutcome, RoundPlan
 from fedloom.engine.server import ServerOutcome
-from fedloom.job import ClientResult
 from fedloom.selection import Feedback
 
 __all__ = ["account_privacy", "add_totals", "round_metrics", "selection_feedback"]
@@ -47,11 +45,11 @@ def _train_loss(rx: Received) -> float:
 
 
 def round_metrics(feedback: Any, hooks: Sequence[Any], has_residuals: bool, plan: RoundPlan,
-                  results: Sequence[ClientResult], ups: Sequence[UplinkResult], rx: Received,
-                  out: ServerOutcome, totals: dict[str, int]) -> dict[str, Any]:
+                  outcome: RoundOutcome, rx: Received, out: ServerOutcome,
+                  totals: dict[str, int]) -> dict[str, Any]:
     """The round's line of metrics, before evaluation and timings (``hooks``: the
     client-metric plug-ins; ``has_residuals``: the feedback policy keeps client rows)."""
-    bad = out.bad_round
+    bad, results, ups = out.bad_round, outcome.results, outcome.ups
     metrics: dict[str, Any] = {
         "round": plan.round + 1,
         "lr": plan.lr,
@@ -67,7 +65,7 @@ def round_metrics(feedback: Any, hooks: Sequence[Any], has_residuals: bool, plan
         "rejected_rounds_total": totals["rejected_rounds"],
         "clipped_updates": rx.clipped,
         "clipped_updates_total": totals["clipped_updates"],
-        "dropped_clients": len(plan.dropped),
+        "dropped_clients": len(outcome.dropped),
         "conflict_rate": out.conflicts,
         "density": rx.density,
         **plan.adjust.metrics,
@@ -87,37 +85,37 @@ def round_metrics(feedback: Any, hooks: Sequence[Any], has_residuals: bool, plan
         metrics["rejected_reasons"] = [rx.reasons[i] for i in sorted(rx.reasons)]
     if bad is not None:
         metrics["rejected_round_reason"] = bad
-    if plan.dropped:
-        metrics["dropped_client_ids"] = plan.dropped
+    if outcome.dropped:
+        metrics["dropped_client_ids"] = outcome.dropped
     extras = [res.extra for res, ok in zip(results, ok_list, strict=True) if ok]
     for key in sorted({k for e in extras for k in e}):
         metrics[key] = float(np.mean([e[key] for e in extras if key in e]))
     return metrics
 
 
-def account_privacy(privacy: Any, plan: RoundPlan, results: Sequence[ClientResult],
+def account_privacy(privacy: Any, plan: RoundPlan, outcome: RoundOutcome,
                     privacy_state: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
     """Who sent a message (local DP: a rejected round's were sent too) and the ε
     spent so far; returns the new privacy state."""
     p = privacy
     if p.local:
-        sent = [i for i in range(len(results)) if i not in plan.refused]
+        sent = [i for i in range(len(outcome.results)) if i not in outcome.refused]
         privacy_state = p.participated(privacy_state, plan.cohort[sent])
-        if plan.dp_clipped is not None:
-            metrics["dp_clipped"] = plan.dp_clipped
+        if outcome.dp_clipped is not None:
+            metrics["dp_clipped"] = outcome.dp_clipped
     if p.enabled:
         metrics["dp_epsilon"] = p.epsilon(privacy_state, plan.round + 1)
     return privacy_state
 
 
-def selection_feedback(plan: RoundPlan, results: Sequence[ClientResult], rx: Received,
+def selection_feedback(plan: RoundPlan, outcome: RoundOutcome, rx: Received,
                        batch_size: int, *, times: Mapping[int, float] | None = None,
                        late: Sequence[int] = (), deadline_s: float | None = None) -> Feedback:
     """What the server received this round, for the client selector
     (:class:`~fedloom.selection.Feedback`): the accepted clients' reported losses,
     sample and step counts and (``times``: the system model's ``t_k``, when it times
     the clients) durations; who did not report, who was late, who was rejected."""
-    acc = [i for i, ok in enumerate(rx.ok.tolist()) if ok]
+    acc, results = [i for i, ok in enumerate(rx.ok.tolist()) if ok], outcome.results
     clients = np.asarray([int(plan.cohort[i]) for i in acc], dtype=np.int64)
     steps = ([int(rx.steps[i]) for i in acc] if rx.steps is not None
              else [int(results[i].steps) for i in acc])
@@ -128,6 +126,6 @@ def selection_feedback(plan: RoundPlan, results: Sequence[ClientResult], rx: Rec
         steps=np.asarray(steps, dtype=np.int64), batch_size=int(batch_size),
         durations=(np.asarray([float(times[int(k)]) for k in clients], dtype=np.float64)
                    if times is not None else None),
-        dropped=np.asarray(plan.dropped, dtype=np.int64),
+        dropped=np.asarray(outcome.dropped, dtype=np.int64),
         late=np.asarray(list(late), dtype=np.int64),
         rejected=np.asarray(rx.rejected, dtype=np.int64), deadline_s=deadline_s)

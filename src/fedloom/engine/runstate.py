@@ -1,21 +1,24 @@
-"""The run's state, a round's plan and a run's result: what the stages pass along."""
+"""The run's state, a round's plan and outcome and a run's result: what the stages
+pass along."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fedloom.compress.feedback import UplinkResult
 from fedloom.config import Config
 from fedloom.hooks import RoundAdjust
-from fedloom.job import ClientJob
+from fedloom.job import ClientJob, ClientResult
 from fedloom.params import Layout
 
-__all__ = ["Callback", "Result", "RoundPlan", "RunState", "model_sha256"]
+__all__ = ["Callback", "Result", "RoundOutcome", "RoundPlan", "RunState", "model_sha256",
+           "withdraw"]
 
 
 def model_sha256(w: torch.Tensor) -> str:
@@ -50,9 +53,13 @@ class RunState:
     selection_state: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoundPlan:
-    """A round's cohort and jobs, and what the server keeps of them until the end."""
+    """What the plan stage decides of a round: its cohort, lr and client jobs, and
+    what the server keeps of them until the end. Immutable: the stages after it
+    return what came of it (:class:`RoundOutcome`); the system model's cut step
+    budgets and the kept clients' part (:meth:`keep`) are new plans
+    (``dataclasses.replace``)."""
 
     round: int
     cohort: torch.Tensor
@@ -64,65 +71,78 @@ class RoundPlan:
     comp: Any
     adjust: RoundAdjust                  # the round planner's changes (compression.adaptive)
     measured: list[list[Any]]            # per client metric hook: the clients' measurements
-    dropped: list[int] = field(default_factory=list)
-    # Kept cohort positions refused before or during the uplink, with the reason
-    # (set by Experiment.uplink_round, after keep()).
-    refused: dict[int, str] = field(default_factory=dict)
-    # privacy.mode=local: updates the clients clipped (counted by uplink_round; None
-    # where the clients clip elsewhere, as on Flower)
-    dp_clipped: int | None = None
-    # Clients the system model kept out (mid-round dropouts, late): not failed workers.
-    withheld: set[int] = field(default_factory=set)
+    # The client selector's state after it chose this cohort (cohort.selection); the
+    # round's reports update it when the round ends.
+    selection_state: dict[str, Any] = field(default_factory=dict)
     # The event-driven modes (fedloom.engine.events): per cohort position, a row added
     # to the decoded row (FedAsync's w_t − w_τ) and the staleness weight s(τ) it is
     # then scaled by, applied by the server half before screening
     row_shifts: list[torch.Tensor | None] | None = None
     row_scales: list[float] | None = None
-    # The client selector's state after it chose this cohort (cohort.selection); the
-    # round's reports update it when the round ends.
-    selection_state: dict[str, Any] = field(default_factory=dict)
+
+    def keep(self, kept: Sequence[int]) -> tuple[RoundPlan, list[int]]:
+        """The plan of the cohort positions ``kept``, and the clients of the others
+        (dropped: their worker failed)."""
+        if len(kept) == len(self.cohort):
+            return self, []
+        gone = sorted(set(range(len(self.cohort))) - set(kept))
+        return self.select(kept), [int(self.cohort[i]) for i in gone]
+
+    def select(self, kept: Sequence[int]) -> RoundPlan:
+        """The plan of the cohort positions ``kept`` (the jobs and the measurements
+        stay the whole cohort's: what was planned and sent)."""
+        pos = torch.tensor(kept, dtype=torch.long)
+        return replace(
+            self, cohort=self.cohort[pos],
+            old_rows={f: v[pos] for f, v in self.old_rows.items()},
+            alphas=[self.alphas[i] for i in kept], fb_rows=[self.fb_rows[i] for i in kept],
+            row_shifts=(None if self.row_shifts is None
+                        else [self.row_shifts[i] for i in kept]),
+            row_scales=(None if self.row_scales is None
+                        else [self.row_scales[i] for i in kept]))
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What came of a round's plan before the server's half: the kept clients'
+    results and what each sent (cohort position ``i`` of the kept clients' plan),
+    and who is missing or refused. Returned by the uplink stage
+    (:func:`fedloom.engine.uplink.uplink_round`, Flower's strategy); read by
+    receive and the round's record."""
+
+    results: list[ClientResult]
+    ups: list[UplinkResult]
+    # the planned clients not kept: their worker failed, or the system model kept
+    # them out (mid-round dropouts, late)
+    dropped: list[int] = field(default_factory=list)
+    # kept cohort positions refused before or during the uplink, with the reason
+    refused: dict[int, str] = field(default_factory=dict)
+    # privacy.mode=local: updates the clients clipped (None where the clients clip
+    # elsewhere, as on Flower)
+    dp_clipped: int | None = None
     # Kept cohort positions whose payload was already decoded into the server's row
     # as the result arrived (fedloom.engine.uplink.EarlyUplink): receive skips it.
-    predecoded: set[int] = field(default_factory=set)
+    predecoded: frozenset[int] = frozenset()
     # [m] float64: each row's norm as decoded, where every row is the client's dense
     # update read in place (EarlyUplink; the norm taken by the worker): receive's size
     # rules use these instead of another pass over the rows. None: receive takes them.
     prenorms: torch.Tensor | None = None
 
-    def keep(self, kept: Sequence[int]) -> None:
-        """Keep the cohort positions ``kept``; the others are dropped clients
-        (their worker failed)."""
-        if len(kept) == len(self.cohort):
-            return
-        gone = sorted(set(range(len(self.cohort))) - set(kept))
-        self.dropped = [int(self.cohort[i]) for i in gone]
-        self._select(kept)
 
-    def withdraw(self, gone: Sequence[int]) -> list[int]:
-        """Remove the kept cohort positions ``gone`` after the uplink (late clients
-        of the system model): dropped, not rejected; nothing of them is aggregated
-        and their state rows are never scattered. Returns the positions kept."""
-        out = set(gone)
-        kept = [i for i in range(len(self.cohort)) if i not in out]
-        self.dropped = [*self.dropped, *(int(self.cohort[i]) for i in gone)]
-        self.withheld = self.withheld | {int(self.cohort[i]) for i in gone}
-        new_pos = {old: new for new, old in enumerate(kept)}
-        self.refused = {new_pos[i]: why for i, why in self.refused.items() if i in new_pos}
-        self._select(kept)
-        return kept
-
-    def _select(self, kept: Sequence[int]) -> None:
-        pos = torch.tensor(kept, dtype=torch.long)
-        self.predecoded = set()  # decoded into rows by the old positions: decode again
-        self.prenorms = None
-        self.cohort = self.cohort[pos]
-        self.old_rows = {f: v[pos] for f, v in self.old_rows.items()}
-        self.alphas = [self.alphas[i] for i in kept]
-        self.fb_rows = [self.fb_rows[i] for i in kept]
-        if self.row_shifts is not None:
-            self.row_shifts = [self.row_shifts[i] for i in kept]
-        if self.row_scales is not None:
-            self.row_scales = [self.row_scales[i] for i in kept]
+def withdraw(plan: RoundPlan, sent: RoundOutcome, gone: Sequence[int]
+             ) -> tuple[RoundPlan, RoundOutcome]:
+    """Remove the kept cohort positions ``gone`` after the uplink (late clients of
+    the system model): dropped, not rejected; nothing of them is aggregated and
+    their state rows are never scattered. Rows decoded early are decoded again (by
+    their new positions)."""
+    out = set(gone)
+    kept = [i for i in range(len(plan.cohort)) if i not in out]
+    new_pos = {old: new for new, old in enumerate(kept)}
+    return plan.select(kept), RoundOutcome(
+        [sent.results[i] for i in kept], [sent.ups[i] for i in kept],
+        dropped=[*sent.dropped, *(int(plan.cohort[i]) for i in gone)],
+        refused={new_pos[i]: why for i, why in sent.refused.items() if i in new_pos},
+        dp_clipped=sent.dp_clipped)
 
 
 @dataclass

@@ -15,7 +15,7 @@ import logging
 import math
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,7 +27,7 @@ from fedloom.compress.identity import Identity, InPlacePayload
 from fedloom.device import to_device
 from fedloom.engine.algorithm import Algorithm
 from fedloom.engine.parts import Schedule, ScreenRules
-from fedloom.engine.runstate import RoundPlan, RunState
+from fedloom.engine.runstate import RoundOutcome, RoundPlan, RunState
 from fedloom.engine.screen import first_line, non_finite_reason, row_norms, screen_updates
 from fedloom.job import ClientResult
 from fedloom.rng import Purpose, torch_gen
@@ -210,49 +210,54 @@ class EarlyUplink:
 
 def uplink_round(algo: Algorithm, post: Sequence[Postprocessor], rules: ScreenRules,
                  schedule: Schedule, device: torch.device, st: RunState, plan: RoundPlan,
-                 raw: Sequence[ClientResult | None], early: EarlyUplink | None = None
-                 ) -> tuple[list[ClientResult], list[UplinkResult]]:
+                 raw: Sequence[ClientResult | None], early: EarlyUplink | None = None,
+                 withheld: Collection[int] = ()) -> tuple[RoundPlan, RoundOutcome]:
     """Drop the clients whose training failed (``None``), run the client-side
     chain, screen the kept clients' dense updates, then run each accepted
     client's feedback policy and compressor: what it sends and its new state. A
     client refused here, or whose encode or decode fails, gets an empty
-    placeholder result and is named in ``plan.refused`` (rejected and counted
-    by the server's half of the round; the run goes on). ``early``: what was
-    done for each client as its result arrived (:class:`EarlyUplink`), used where
-    it covers the whole round."""
+    placeholder result and is named in the outcome's ``refused`` (rejected and
+    counted by the server's half of the round; the run goes on). ``early``: what
+    was done for each client as its result arrived (:class:`EarlyUplink`), used
+    where it covers the whole round; ``withheld``: the clients the system model
+    kept out (dropped, not failed). Returns the kept clients' plan and what came
+    of them."""
     r = plan.round
     # A client whose worker died (backend.on_failure=drop) is dropped for the
     # round: nothing of it is aggregated and its state rows stay as they were.
-    plan.keep([i for i, res in enumerate(raw) if res is not None])
+    plan, dropped = plan.keep([i for i, res in enumerate(raw) if res is not None])
     # Results of workers elsewhere (process, ray: host tensors) onto the run's device
     # (on a CPU run they are there already: no walk through every result).
     raw = list(raw) if device.type == "cpu" else to_device(list(raw), device)
-    failed = [k for k in plan.dropped if k not in plan.withheld]
+    failed = [k for k in dropped if k not in withheld]
     if failed:
         log.warning("round %d: dropped clients %s (their worker failed)", r + 1, failed)
     results = [res for res in raw if res is not None]
+    dp_clipped = None
     for stage in post:
         for res in results:
             stage(res, r)
         if isinstance(stage, LocalPrivacyStage):
-            plan.dp_clipped = stage.clipped
+            dp_clipped = stage.clipped
     if early is not None and not early.complete(results):
         early = None
     refused = _screen_dense(rules, results, early)
     ups = [_send(algo, schedule, st, plan, res, i, len(results), refused, early)
            for i, res in enumerate(results)]
-    plan.refused = refused
+    predecoded: frozenset[int] = frozenset()
+    prenorms = None
     if early is not None:
         # rows a refused client's decode wrote are zeroed by receive, as any refused row
-        plan.predecoded = {i for i in early.decoded if i not in refused}
+        predecoded = frozenset(i for i in early.decoded if i not in refused)
         if all(i in early.inplace or i in refused for i in range(len(results))):
             # Every accepted row is its client's dense update, bit for bit (the
             # identity, read in place): its norm is the one taken where the update was
             # made, the same function of the same bits, so receive's size rules need
             # no second pass over the [m, d] rows. A refused row's entry is never read
             # (receive marks it not finite by its reason).
-            plan.prenorms = torch.cat([early.norms[i] for i in range(len(results))])
-    return results, ups
+            prenorms = torch.cat([early.norms[i] for i in range(len(results))])
+    return plan, RoundOutcome(results, ups, dropped, refused, dp_clipped, predecoded,
+                              prenorms)
 
 
 def _screen_dense(rules: ScreenRules, results: Sequence[ClientResult],

@@ -33,7 +33,7 @@ from fedloom.compress.base import PayloadError
 from fedloom.compress.feedback import UplinkResult
 from fedloom.config import ConfigError, load_config
 from fedloom.engine.experiment import Experiment
-from fedloom.engine.runstate import RunState, model_sha256
+from fedloom.engine.runstate import RoundOutcome, RunState, model_sha256
 from fedloom.integrations.flower.discovery import discover_clients
 from fedloom.integrations.flower.messages import (
     BUFFERS_KEY,
@@ -173,19 +173,20 @@ class FedloomStrategy(Strategy):
         for k in plan.cohort.tolist():
             if k in got:
                 raw.append(got[k])
-            elif k in bad:  # a placeholder that finish_round rejects (plan.refused)
+            elif k in bad:  # a placeholder that finish_round rejects (refused)
                 raw.append((ClientResult(k, torch.empty(0), 0, float("nan"), 1),
                             UplinkResult(b"", torch.empty(0, dtype=exp.dtype), {},
                                          float("nan"))))
             else:
                 raw.append(None)
         kept = [i for i, x in enumerate(raw) if x is not None]
-        plan.keep(kept)
+        plan, dropped = plan.keep(kept)
         results = [raw[i][0] for i in kept]  # type: ignore[index]
         ups = [raw[i][1] for i in kept]      # type: ignore[index]
-        plan.refused = {j: bad[res.client] for j, res in enumerate(results)
-                        if res.client in bad and res.client not in got}
-        self.state, metrics = exp.finish_round(self.state, plan, results, ups, t0=self._t0,
+        refused = {j: bad[res.client] for j, res in enumerate(results)
+                   if res.client in bad and res.client not in got}
+        outcome = RoundOutcome(results, ups, dropped, refused)
+        self.state, metrics = exp.finish_round(self.state, plan, outcome, t0=self._t0,
                                                t_train=t_train, client_state=False,
                                                client_buffers=True)
         metrics["flower_bytes"] = moved
