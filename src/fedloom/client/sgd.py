@@ -399,29 +399,9 @@ class LocalSGD:
             reseed(derive_seed(dseed, step, -1, Purpose.DROPOUT), w.device)
             xb = self.augmented(xs, dseed, step)
             if direct:
-                loss = F.cross_entropy(fm.module(xb), ys)
-                grads = torch.autograd.grad(loss, fm.params, allow_unused=True)
-                loss_sum += float(loss.detach())
-                with torch.no_grad():
-                    for pv, gr in zip(fm.params, grads, strict=True):
-                        if gr is not None:
-                            pv.sub_(gr, alpha=lr)
+                loss_sum += _direct_step(fm, xb, ys, lr)
                 continue
-            if plain:
-                loss = F.cross_entropy(fm.module(xb), ys)
-                grads = torch.autograd.grad(loss, fm.params, allow_unused=True)
-                for gv, gr in zip(fm.grads, grads, strict=True):
-                    if gr is None:  # a parameter the loss does not reach: ∇ = 0
-                        gv.zero_()
-                    else:
-                        gv.copy_(gr)
-            elif objective is not None:
-                fm.g.zero_()
-                loss = objective(fm.module, xb, ys, step)
-                loss.backward()
-            else:
-                fm.g.zero_()
-                loss = _amp_backward(fm.module, xb, ys, self.amp, scaler, fm.g)
+            loss = self._gradient(fm, xb, ys, step, plain, objective, scaler)
             grad = fm.g
             loss_sum += float(loss.detach())
             if scaler is not None and not scaler.finite:
@@ -441,6 +421,27 @@ class LocalSGD:
         # the flat module's own vector, written over by the next training: the public
         # entry points (descend, train) hand out a copy, run() reads it once
         return w.detach(), loss_sum / max(1, len(batches)), len(batches), smooth
+
+    def _gradient(self, fm: _FlatModule, xb: torch.Tensor, ys: torch.Tensor, step: int,
+                  plain: bool, objective: Any, scaler: _LossScale | None) -> torch.Tensor:
+        """One batch's loss, its gradient written into ``fm.g``: autograd.grad's
+        tensors copied in (the plain step), or backward into ``.grad`` views of the
+        zeroed ``fm.g`` (a method's objective, mixed precision)."""
+        if plain:
+            loss = F.cross_entropy(fm.module(xb), ys)
+            grads = torch.autograd.grad(loss, fm.params, allow_unused=True)
+            for gv, gr in zip(fm.grads, grads, strict=True):
+                if gr is None:  # a parameter the loss does not reach: ∇ = 0
+                    gv.zero_()
+                else:
+                    gv.copy_(gr)
+            return loss
+        fm.g.zero_()
+        if objective is not None:
+            obj_loss: torch.Tensor = objective(fm.module, xb, ys, step)
+            obj_loss.backward()
+            return obj_loss
+        return _amp_backward(fm.module, xb, ys, self.amp, scaler, fm.g)
 
     def _flat_module(self) -> _FlatModule:
         # Built once per trainer (and per worker process, after unpickling).
@@ -521,3 +522,15 @@ class LocalSGD:
                 total += float(F.cross_entropy(logits, y[s : s + batch], reduction="sum"))
         # per label: one a sample, or one a token of a causal LM's next tokens [N, T]
         return total / max(1, y.numel())
+
+
+def _direct_step(fm: _FlatModule, xb: torch.Tensor, ys: torch.Tensor, lr: float) -> float:
+    """One plain SGD step by autograd's own tensors (no copy into ``fm.g``; see
+    ``_local_steps``); returns the batch's loss."""
+    loss = F.cross_entropy(fm.module(xb), ys)
+    grads = torch.autograd.grad(loss, fm.params, allow_unused=True)
+    with torch.no_grad():
+        for pv, gr in zip(fm.params, grads, strict=True):
+            if gr is not None:
+                pv.sub_(gr, alpha=lr)
+    return float(loss.detach())
