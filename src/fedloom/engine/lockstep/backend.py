@@ -32,7 +32,17 @@ from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.client.transforms import StepContext, jobs_chain
 from fedloom.config import BackendConfig
 from fedloom.engine.backends import InProcess
-from fedloom.engine.lockstep.plan import _Op, lockstep_plan
+from fedloom.engine.lockstep.plan import (
+    _AvgPool,
+    _BatchNorm,
+    _Conv,
+    _Flatten,
+    _GroupNorm,
+    _Linear,
+    _MaxPool,
+    _Op,
+    lockstep_plan,
+)
 from fedloom.engine.lockstep.step import _forward, _step
 from fedloom.registry import register
 from fedloom.rng import Purpose, derive_seed
@@ -48,30 +58,30 @@ def shape_reason(plan: list[_Op], sample: tuple[int, ...]) -> str | None:
     vector per sample. The shapes are carried through the chain on the meta device."""
     shape = tuple(sample)
     for op in plan:
-        if op.kind == "flatten":
+        if isinstance(op, _Flatten):
             end = op.end if op.end >= 0 else len(shape) + 1 + op.end  # nn.Flatten counts the batch
             end = max(end, 1)
             shape = (math.prod(shape[:end]), *shape[end:])
-        elif op.kind == "linear":
+        elif isinstance(op, _Linear):
             if len(shape) != 1:
                 return f"a Linear layer on {len(shape)}-dimensional samples"
             if shape[0] != op.shape[1]:
                 return f"a Linear layer of {op.shape[1]} inputs on {shape[0]} features"
             shape = (op.shape[0],)
-        elif op.kind == "groupnorm":
-            if len(shape) < 1 or shape[0] != op.shape[0]:
-                return f"a GroupNorm of {op.shape[0]} channels on samples of shape {list(shape)}"
-        elif op.kind == "batchnorm":
-            if len(shape) not in op.dims or shape[0] != op.shape[0]:
-                return (f"a BatchNorm of {op.shape[0]} features on samples of shape "
+        elif isinstance(op, _GroupNorm):
+            if len(shape) < 1 or shape[0] != op.channels:
+                return f"a GroupNorm of {op.channels} channels on samples of shape {list(shape)}"
+        elif isinstance(op, _BatchNorm):
+            if len(shape) not in op.dims or shape[0] != op.features:
+                return (f"a BatchNorm of {op.features} features on samples of shape "
                         f"{list(shape)}")
-        elif op.kind in ("conv", "maxpool", "avgpool"):
+        elif isinstance(op, _Conv | _MaxPool | _AvgPool):
             if len(shape) != 3:
                 return f"a {op.kind} layer on {len(shape)}-dimensional samples"
+            weight = torch.empty(op.shape, device="meta") if isinstance(op, _Conv) else None
             try:
-                shape = tuple(_forward(op, torch.empty((1, *shape), device="meta"),
-                                       torch.empty(op.shape, device="meta"), None)[0]
-                              .shape[1:])
+                shape = tuple(_forward(op, torch.empty((1, *shape), device="meta"), weight,
+                                       None)[0].shape[1:])
             except RuntimeError as e:  # the layer cannot take these images
                 return f"a {op.kind} layer on samples of shape {list(shape)} ({e})"
     return None if len(shape) == 1 else f"logits of {len(shape)} dimensions per sample"

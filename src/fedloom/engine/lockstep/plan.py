@@ -1,4 +1,6 @@
-"""Lock-step's plan: the model traced by ``torch.fx`` into a chain of ``_Op`` layers.
+"""Lock-step's plan: the model traced by ``torch.fx`` into a chain of ops, one frozen
+dataclass per kind of layer (``_Linear``, ``_Conv``, ``_MaxPool``, … ``_BatchNorm``;
+``_Op`` is their union), each with the fields of its kind only.
 
 :func:`lockstep_plan` turns a module into the list of ops one step runs
 (:mod:`fedloom.engine.lockstep.step`), or says in one line why it cannot.
@@ -15,7 +17,7 @@ full list of conditions: docs/explanation/backends.md (Which models).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from typing import ClassVar, TypeAlias, cast
 
 import torch
 from torch import nn
@@ -26,35 +28,123 @@ from fedloom.params import Layout
 
 
 @dataclass(frozen=True)
-class _Op:
-    """One layer of the chain: ``linear`` / ``conv`` (weight/bias slices of ``w``),
-    ``relu``, ``flatten`` (per-sample dims ``start..end`` → one), ``maxpool`` or
-    ``avgpool``; the 2-d layers' geometry as pairs."""
+class _Linear:
+    """``nn.Linear``: its weight/bias slices of ``w`` and ``shape = (out, in)``."""
 
-    kind: str
-    weight: slice | None = None
-    bias: slice | None = None
-    shape: tuple[int, ...] = (0, 0)   # linear: (out, in); conv: (out, in, kh, kw)
-    start: int = 1                    # flatten: per-sample dims, as nn.Flatten's
-    end: int = -1
-    kernel: tuple[int, int] = (1, 1)  # pooling
-    stride: tuple[int, int] = (1, 1)
-    padding: tuple[int, int] = (0, 0)
-    dilation: tuple[int, int] = (1, 1)
-    ceil_mode: bool = False
-    count_include_pad: bool = True    # avgpool
-    divisor: int | None = None        # avgpool's divisor_override
-    p: float = 0.0                    # dropout
-    groups: int = 1                   # groupnorm: groups and ε
-    eps: float = 1e-5
-    momentum: float | None = 0.1      # batchnorm: None is the cumulative average
-    stats: tuple[str, str, str] | None = None  # batchnorm: its buffers' names
-    dims: tuple[int, ...] = ()        # batchnorm: the per-sample ranks it takes
+    kind: ClassVar[str] = "linear"
+    params: ClassVar[bool] = True
+    weight: slice
+    bias: slice | None
+    shape: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class _Conv:
+    """``nn.Conv2d`` (``groups = 1``): weight/bias slices, ``shape = (out, in, kh, kw)``
+    and its geometry as pairs."""
+
+    kind: ClassVar[str] = "conv"
+    params: ClassVar[bool] = True
+    weight: slice
+    bias: slice | None
+    shape: tuple[int, int, int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class _MaxPool:
+    """``nn.MaxPool2d`` (without ``return_indices``), its geometry as pairs."""
+
+    kind: ClassVar[str] = "maxpool"
+    params: ClassVar[bool] = False
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    ceil_mode: bool
+
+
+@dataclass(frozen=True)
+class _AvgPool:
+    """``nn.AvgPool2d``, its geometry as pairs; ``divisor``: its ``divisor_override``."""
+
+    kind: ClassVar[str] = "avgpool"
+    params: ClassVar[bool] = False
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    ceil_mode: bool
+    count_include_pad: bool
+    divisor: int | None
+
+
+@dataclass(frozen=True)
+class _Flatten:
+    """Flatten the per-sample dims ``start..end`` into one, as ``nn.Flatten`` counts them
+    (the batch is dim 0; ``start`` is always 1)."""
+
+    kind: ClassVar[str] = "flatten"
+    params: ClassVar[bool] = False
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class _Relu:
+    """ReLU (``nn.ReLU``, ``torch.relu``, ``F.relu``), not in place."""
+
+    kind: ClassVar[str] = "relu"
+    params: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class _Dropout:
+    """``nn.Dropout`` with ``0 < p < 1``, not in place."""
+
+    kind: ClassVar[str] = "dropout"
+    params: ClassVar[bool] = False
+    p: float
+
+
+@dataclass(frozen=True)
+class _GroupNorm:
+    """Affine ``nn.GroupNorm``: weight/bias slices, ``channels``, ``groups`` and ε."""
+
+    kind: ClassVar[str] = "groupnorm"
+    params: ClassVar[bool] = True
+    weight: slice
+    bias: slice
+    channels: int
+    groups: int
+    eps: float
+
+
+@dataclass(frozen=True)
+class _BatchNorm:
+    """``nn.BatchNorm1d/2d``: weight/bias slices (``None`` without affine parameters),
+    ``features``, ε, ``momentum`` (``None``: the cumulative average), ``stats`` (its
+    buffers' names, ``None`` without running statistics) and ``dims`` (the per-sample
+    ranks it takes)."""
+
+    kind: ClassVar[str] = "batchnorm"
+    weight: slice | None
+    bias: slice | None
+    features: int
+    eps: float
+    momentum: float | None
+    stats: tuple[str, str, str] | None
+    dims: tuple[int, ...]
 
     @property
     def params(self) -> bool:
-        return self.kind in ("linear", "conv", "groupnorm") or (
-            self.kind == "batchnorm" and self.weight is not None)
+        return self.weight is not None
+
+
+# One layer of the chain; each kind's forward and backward: step.py
+_Op: TypeAlias = (_Linear | _Conv | _MaxPool | _AvgPool | _Flatten | _Relu | _Dropout | _GroupNorm
+       | _BatchNorm)
 
 
 def lockstep_plan(module: nn.Module, layout: Layout) -> tuple[list[_Op] | None, str | None]:
@@ -95,7 +185,8 @@ def lockstep_plan(module: nn.Module, layout: Layout) -> tuple[list[_Op] | None, 
     if not any(o.params for o in ops):
         return None, "the model has no Linear or Conv2d layer"
     # every buffer must be a BatchNorm's running statistics (per client, see _train)
-    owned = {n for o in ops if o.stats is not None for n in o.stats}
+    owned = {n for o in ops if isinstance(o, _BatchNorm) and o.stats is not None
+             for n in o.stats}
     other = [n for n in buffer_names(module) if n not in owned]
     if other:
         return None, f"the model has buffers other than BatchNorm's ({other[0]})"
@@ -113,15 +204,15 @@ def _as_op(node, mods: dict[str, nn.Module], layout: Layout,
         if isinstance(mod, nn.Identity):
             return None
         if isinstance(mod, nn.ReLU):
-            return _Op("relu")
+            return _Relu()
         if isinstance(mod, nn.Flatten):
             return _flatten(mod.start_dim, mod.end_dim)
         if type(mod) is nn.Linear:
             p = node.target + "."
             w = layout._by_name[p + "weight"]
             b = layout._by_name.get(p + "bias")
-            return _Op("linear", w.slice, b.slice if b is not None else None,
-                       (mod.out_features, mod.in_features))
+            return _Linear(w.slice, b.slice if b is not None else None,
+                           (mod.out_features, mod.in_features))
         if type(mod) is nn.Conv2d:
             return _conv(node.target, mod, layout)
         if type(mod) in (nn.MaxPool2d, nn.AvgPool2d):
@@ -131,8 +222,8 @@ def _as_op(node, mods: dict[str, nn.Module], layout: Layout,
                 return f"GroupNorm without affine parameters ({node.target}) is not supported"
             w = layout._by_name[node.target + ".weight"]
             b = layout._by_name[node.target + ".bias"]
-            return _Op("groupnorm", w.slice, b.slice, (mod.num_channels,),
-                       groups=mod.num_groups, eps=float(mod.eps))
+            return _GroupNorm(w.slice, b.slice, mod.num_channels, mod.num_groups,
+                              float(mod.eps))
         if type(mod) in (nn.BatchNorm1d, nn.BatchNorm2d):
             return _batchnorm(node.target, cast("nn.BatchNorm1d | nn.BatchNorm2d", mod), layout)
         if type(mod) is nn.Dropout:
@@ -142,12 +233,12 @@ def _as_op(node, mods: dict[str, nn.Module], layout: Layout,
                 return None
             if mod.p >= 1:
                 return f"Dropout(p={mod.p}) ({node.target}) is not supported"
-            return _Op("dropout", p=float(mod.p))
+            return _Dropout(float(mod.p))
         return f"layer {type(mod).__name__} ({node.target}) is not supported"
     if node.op == "call_function" and node.target in (torch.relu, F.relu):
         if node.kwargs.get("inplace") or len(node.args) > 1:
             return "in-place relu is not supported"
-        return _Op("relu")
+        return _Relu()
     if node.op == "call_function" and node.target is torch.flatten:
         a, kw = node.args, node.kwargs
         start = a[1] if len(a) > 1 else kw.get("start_dim", 0)
@@ -169,21 +260,22 @@ def _conv(name: str, mod: nn.Conv2d, layout: Layout) -> _Op | str:
     w = layout._by_name[name + ".weight"]
     b = layout._by_name.get(name + ".bias")
     kh, kw = mod.kernel_size
-    return _Op("conv", w.slice, b.slice if b is not None else None,
-               (mod.out_channels, mod.in_channels, kh, kw), stride=_pair(mod.stride),
-               padding=_pair(pad), dilation=_pair(mod.dilation))
+    return _Conv(w.slice, b.slice if b is not None else None,
+                 (mod.out_channels, mod.in_channels, kh, kw), _pair(mod.stride), _pair(pad),
+                 _pair(mod.dilation))
 
 
-def _batchnorm(name: str, mod: nn.BatchNorm1d | nn.BatchNorm2d, layout: Layout) -> _Op:
+def _batchnorm(name: str, mod: nn.BatchNorm1d | nn.BatchNorm2d,
+               layout: Layout) -> _BatchNorm:
     w = layout._by_name.get(name + ".weight") if mod.affine else None
     b = layout._by_name.get(name + ".bias") if mod.affine else None
     stats = None
     if mod.track_running_stats:
         stats = (f"{name}.running_mean", f"{name}.running_var", f"{name}.num_batches_tracked")
-    return _Op("batchnorm", w.slice if w is not None else None,
-               b.slice if b is not None else None, (mod.num_features,), eps=float(mod.eps),
-               momentum=None if mod.momentum is None else float(mod.momentum), stats=stats,
-               dims=(1, 2) if isinstance(mod, nn.BatchNorm1d) else (3,))
+    return _BatchNorm(w.slice if w is not None else None, b.slice if b is not None else None,
+                      mod.num_features, float(mod.eps),
+                      None if mod.momentum is None else float(mod.momentum), stats,
+                      (1, 2) if isinstance(mod, nn.BatchNorm1d) else (3,))
 
 
 def _pool(name: str, mod: nn.MaxPool2d | nn.AvgPool2d) -> _Op | str:
@@ -193,11 +285,10 @@ def _pool(name: str, mod: nn.MaxPool2d | nn.AvgPool2d) -> _Op | str:
     if isinstance(mod, nn.MaxPool2d):
         if mod.return_indices:
             return f"MaxPool2d with return_indices ({name}) is not supported"
-        return _Op("maxpool", kernel=k, stride=stride, padding=_pair(mod.padding),
-                   dilation=_pair(mod.dilation), ceil_mode=bool(mod.ceil_mode))
-    return _Op("avgpool", kernel=k, stride=stride, padding=_pair(mod.padding),
-               ceil_mode=bool(mod.ceil_mode), count_include_pad=bool(mod.count_include_pad),
-               divisor=mod.divisor_override)
+        return _MaxPool(k, stride, _pair(mod.padding), _pair(mod.dilation),
+                        bool(mod.ceil_mode))
+    return _AvgPool(k, stride, _pair(mod.padding), bool(mod.ceil_mode),
+                    bool(mod.count_include_pad), mod.divisor_override)
 
 
 def _pair(v) -> tuple[int, int]:
@@ -210,4 +301,4 @@ def _pair(v) -> tuple[int, int]:
 def _flatten(start: int = 1, end: int = -1) -> _Op | str:
     if start != 1:
         return "a flatten that merges the batch dimension is not supported"
-    return _Op("flatten", start=start, end=end)
+    return _Flatten(start, end)
