@@ -83,10 +83,10 @@ def tiny() -> dict[str, Any]:
 
 @pytest.fixture
 def early_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, Any]]:
-    """Every call of the early uplink (:class:`fedloom.engine.uplink.EarlyUplink`)
+    """Every call of the early uplink (:class:`fedloom.engine.stages.uplink.EarlyUplink`)
     while the test runs, as ``(cohort position, what the worker sent or None)``;
     each call is then made as usual."""
-    from fedloom.engine.uplink import EarlyUplink
+    from fedloom.engine.stages.uplink import EarlyUplink
 
     calls: list[tuple[int, Any]] = []
     call = EarlyUplink.__call__

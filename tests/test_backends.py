@@ -15,7 +15,7 @@ import torch
 import fedloom
 from conftest import TINY
 from fedloom.client.sgd import ClientJob
-from fedloom.engine.backends import balanced_groups
+from fedloom.engine.trainers.backends import balanced_groups
 
 EF = ["compression.name=topk", "compression.options.ratio=0.1", "compression.feedback=ef"]
 
@@ -24,7 +24,7 @@ def _at_once(monkeypatch: pytest.MonkeyPatch, extra: list[str]):
     """TINY on the sequential backend with the cohort's results handed over at once
     after training (no early uplink, every update a fresh vector): the reference the
     streamed paths (process workers, the sequential backend's own) must equal."""
-    from fedloom.engine.backends import SequentialBackend
+    from fedloom.engine.trainers.backends import SequentialBackend
 
     with monkeypatch.context() as mp:
         mp.setattr(SequentialBackend, "capabilities", dataclasses.replace(
@@ -75,8 +75,8 @@ def test_process_backend_runs_lockstep_in_its_workers():
     MLP is lock-step's), and the run has the sequential backend's bits in float64."""
     from fedloom.config import load_config
     from fedloom.engine.experiment import Experiment
-    from fedloom.engine.lockstep import LockstepBackend
-    from fedloom.engine.parallel import make_inner
+    from fedloom.engine.trainers.lockstep import LockstepBackend
+    from fedloom.engine.trainers.parallel import make_inner
 
     exp = Experiment(load_config(TINY, ["dtype=float64"]))
     inner = make_inner(exp.trainer, exp.method, "lockstep", 0, exp.x, exp.y)
@@ -155,9 +155,9 @@ def test_process_workers_write_the_server_rows_float32(monkeypatch, inner):
     pass over the rows in the parent), and clip by them to the same bits.
     Lock-step workers hand their group's results over together, each one passed on
     as a sequential worker's is."""
-    import fedloom.engine.receive as receive_mod
+    import fedloom.engine.stages.receive as receive_mod
     from fedloom.compress.identity import InPlacePayload
-    from fedloom.engine.parallel import ProcessBackend
+    from fedloom.engine.trainers.parallel import ProcessBackend
 
     made: list[int] = []
     init = InPlacePayload.__init__

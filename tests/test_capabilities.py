@@ -353,9 +353,9 @@ def test_the_probed_attributes_of_an_old_plug_in_are_translated():
 def test_auto_reads_the_chosen_caps():
     """``backend: auto`` has the chosen backend's streaming, rows and worker threads,
     never ``ships_indices`` (its jobs carry their samples); none before the choice."""
-    from fedloom.engine.auto import AutoBackend
-    from fedloom.engine.backends import SequentialBackend
-    from fedloom.engine.parallel import ProcessBackend
+    from fedloom.engine.trainers.auto import AutoBackend
+    from fedloom.engine.trainers.backends import SequentialBackend
+    from fedloom.engine.trainers.parallel import ProcessBackend
 
     auto = AutoBackend.__new__(AutoBackend)
     auto.chosen = None
@@ -385,7 +385,7 @@ def test_the_engine_honours_a_plug_in_backends_declared_fields(tiny):
     model, bit for bit."""
     from fedloom.config import load_config
     from fedloom.engine.experiment import Experiment
-    from fedloom.engine.summary import summarize
+    from fedloom.engine.runs.summary import summarize
 
     cfg = load_config(tiny, ["dtype=float64"])
     ref = _rounds(Experiment(cfg))

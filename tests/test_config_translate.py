@@ -431,7 +431,7 @@ def test_the_sweep_recognises_a_run_folder_saved_the_old_way(tmp_path):
 
 def test_resume_of_a_run_saved_the_old_way(tmp_path, tiny):
     import fedloom
-    from fedloom.engine.checkpoint import load_checkpoint, save_checkpoint
+    from fedloom.engine.runs.checkpoint import load_checkpoint, save_checkpoint
 
     ov = ["compression.name=topk", "compression.options={ratio: 0.1}", "compression.feedback=cser",
           "compression.period=2"]

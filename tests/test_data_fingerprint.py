@@ -1,7 +1,7 @@
 """A resume, or a sweep's reuse of a run, on other data than the run was trained on.
 
 The run directory records the fingerprint of its data (``data.json``,
-:mod:`fedloom.engine.datarecord`); a resume on other data is refused in one line
+:mod:`fedloom.engine.runs.datarecord`); a resume on other data is refused in one line
 naming the data and what changed, exit 2, nothing written, unless the change is
 allowed (``--allow-data-change``, ``allow_data_change=True``), which the record then
 notes. Fingerprints are compared with ones computed here, never with recorded values.
@@ -25,8 +25,8 @@ from fedloom import cli
 from fedloom.config import load_config
 from fedloom.data import from_arrays, load_dataset
 from fedloom.data.fingerprint import fingerprint
-from fedloom.engine.checkpoint import RunDirError
-from fedloom.engine.datarecord import DATA_FILE, DataChangedError
+from fedloom.engine.runs.checkpoint import RunDirError
+from fedloom.engine.runs.datarecord import DATA_FILE, DataChangedError
 
 CFG = {"name": "user", "seed": 1, "rounds": 2,
        "data": {"name": "csv", "path": "d.csv", "num_clients": 6,

@@ -25,8 +25,8 @@ from fedloom.cli import main
 from fedloom.client.sgd import ClientJob, LocalSGD, _LossScale
 from fedloom.config import ConfigError, load_config
 from fedloom.device import apply_threads, resolve, to_device, to_host
-from fedloom.engine.checkpoint import load_checkpoint
-from fedloom.engine.parallel import ProcessBackend
+from fedloom.engine.runs.checkpoint import load_checkpoint
+from fedloom.engine.trainers.parallel import ProcessBackend
 from fedloom.params import Layout
 
 NO_CUDA = not torch.cuda.is_available()

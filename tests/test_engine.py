@@ -255,7 +255,7 @@ def test_cli_resume_and_missing_dataset(tiny, tmp_path, monkeypatch, capsys):
 
 
 def test_finite_rows_exact_with_overflowing_sums():
-    from fedloom.engine.screen import finite_rows as _finite_rows
+    from fedloom.engine.stages.screen import finite_rows as _finite_rows
 
     rows = torch.zeros(5, 4)
     rows[1, 2] = float("nan")

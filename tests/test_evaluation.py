@@ -1,5 +1,5 @@
 """The global model's pooled (``test_*``) and per-client (``client_*``) metrics from
-one forward pass (fedloom.engine.evaluation): where the pooled test set is the union
+one forward pass (fedloom.engine.stages.evaluation): where the pooled test set is the union
 of the clients' test splits, a run gives the numbers of a pass over each, bit for
 bit; where it is not (a source's own test set, a feature skew of the clients' rows)
 the two passes stay. Language models: tests/test_lora_runs.py. And the sweep page's
@@ -15,8 +15,8 @@ import fedloom
 from conftest import TINY
 from fedloom.config import load_config
 from fedloom.data.sources import load_dataset
-from fedloom.engine import evaluation
 from fedloom.engine.experiment import Experiment
+from fedloom.engine.stages import evaluation
 
 # what a run measures of itself (seconds) differs between two runs of the same config
 TIMED = ("_s", "_per_s")

@@ -27,7 +27,7 @@ import yaml
 import fedloom
 from conftest import TINY
 from fedloom import cli
-from fedloom.engine.checkpoint import load_checkpoint, save_checkpoint
+from fedloom.engine.runs.checkpoint import load_checkpoint, save_checkpoint
 
 DENSE = ["rounds=3", "checkpoint.every=1"]
 MEMMAP = [*DENSE, "compression.name=topk", "compression.options.ratio=0.1",
@@ -179,7 +179,7 @@ def test_damaged_last_falls_back_to_prev_with_the_uninterrupted_result(
 
 
 def test_flipped_byte_inside_a_tensor_record_is_caught(dense, tmp_path):
-    from fedloom.engine.checkpoint import CheckpointError
+    from fedloom.engine.runs.checkpoint import CheckpointError
 
     p = tmp_path / "last.pt"
     shutil.copy(dense[0] / "checkpoints" / "last.pt", p)
@@ -229,7 +229,7 @@ def test_a_checkpoint_larger_than_the_memory_left_is_refused_unread(
     """A last.pt of 1 GiB (sparse, its header matching its size) whose load needs
     twice that, with 512 MiB said to be available: refused before its content is
     read, and the resume goes on from prev.pt with one warning naming it."""
-    from fedloom.engine import checkpoint
+    from fedloom.engine.runs import checkpoint
 
     base, ref_sha, _ = dense
     out = _copy(base, tmp_path)
@@ -256,7 +256,7 @@ def test_running_out_of_memory_while_loading_is_damage(dense, tmp_path, capsys, 
                                                        monkeypatch):
     """A MemoryError while last.pt is read or decoded (the memory left was less than
     the check was told): the resume goes on from prev.pt, one warning."""
-    from fedloom.engine import checkpoint
+    from fedloom.engine.runs import checkpoint
 
     base, ref_sha, _ = dense
     out = _copy(base, tmp_path)
@@ -444,7 +444,7 @@ sys.path.insert(0, {tests!r})
 from pathlib import Path
 from conftest import TINY
 import fedloom
-import fedloom.engine.checkpoint as ck
+import fedloom.engine.runs.checkpoint as ck
 
 real, seen = os.replace, []
 
@@ -555,7 +555,7 @@ def _evil_files(marker: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("kind", ["bare", "format2", "format3"])
 def test_a_checkpoint_that_would_run_code_is_refused_unread(tmp_path, kind):
-    from fedloom.engine.checkpoint import CheckpointError
+    from fedloom.engine.runs.checkpoint import CheckpointError
 
     marker = tmp_path / "pwned"
     p = tmp_path / "last.pt"
@@ -674,7 +674,7 @@ def _leaves(obj):
 
 
 def test_a_state_that_cannot_be_checkpointed_writes_nothing(tmp_path):
-    from fedloom.engine.checkpoint import CheckpointError
+    from fedloom.engine.runs.checkpoint import CheckpointError
 
     p = tmp_path / "last.pt"
     p.write_bytes(b"old")

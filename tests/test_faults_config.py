@@ -12,12 +12,12 @@ import warnings
 import pytest
 import yaml
 
-import fedloom.engine.loop  # noqa: F401  (imported before the deadlines start: its import is slow)
+import fedloom.engine.runs.loop  # noqa: F401  (imported before the deadlines start: its import is slow)
 from conftest import cli_in_process, deadline
 from fedloom import config as fconfig
 from fedloom.config import ConfigError, load_config, yaml_load
-from fedloom.engine.checkpoint import MARKER_FILE
-from fedloom.engine.rundir import check_run_dir
+from fedloom.engine.runs.checkpoint import MARKER_FILE
+from fedloom.engine.runs.directory import check_run_dir
 
 CFG = {"name": "faults", "seed": 1, "rounds": 1, "data": {"num_clients": 6, "partition":
        {"name": "dirichlet", "options": {"alpha": 1.0, "min_samples": 5}}},

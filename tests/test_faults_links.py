@@ -25,7 +25,7 @@ import yaml
 import fedloom
 from conftest import TINY
 from fedloom import cli
-from fedloom.engine.checkpoint import LOCK_FILE, MARKER_FILE
+from fedloom.engine.runs.checkpoint import LOCK_FILE, MARKER_FILE
 
 PRECIOUS = "precious, not fedloom's\n"
 # the figures have their own test below; matplotlib is most of a short run's time
@@ -212,7 +212,7 @@ def test_kill_once_marker_is_never_created_through_a_link(tmp_path):
     marker, target = tmp_path / "marker", tmp_path / "made-through-the-link"
     marker.symlink_to(target)
     code = ("from types import SimpleNamespace as S\n"
-            "from fedloom.engine.backends import maybe_die\n"
+            "from fedloom.engine.trainers.backends import maybe_die\n"
             f"maybe_die({f'3:{marker}'!r}, [S(client=3)])\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=120)

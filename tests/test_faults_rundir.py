@@ -26,7 +26,7 @@ import yaml
 import fedloom
 from conftest import TINY
 from fedloom import cli
-from fedloom.engine.checkpoint import MARKER_FILE
+from fedloom.engine.runs.checkpoint import MARKER_FILE
 
 DENSE = ["rounds=3", "checkpoint.every=1"]
 
@@ -274,7 +274,7 @@ def test_a_metrics_line_over_the_bound_is_damage_never_held(tmp_path, caplog):
     import tracemalloc
 
     from fedloom.bounded import MAX_JSONL_LINE
-    from fedloom.engine.rundir import read_metrics
+    from fedloom.engine.runs.directory import read_metrics
 
     p = tmp_path / "metrics.jsonl"
     with open(p, "wb") as f:
@@ -385,7 +385,7 @@ def test_full_disk_one_line_exit_2_and_resume_continues(stopped, disk, tmp_path,
     written and saying that --resume continues, exit 2, no temporary file left.
     A resume while the disk is still full is refused the same way and changes
     nothing; once there is space it ends with the uninterrupted run's model."""
-    import fedloom.engine.loop as loop
+    import fedloom.engine.runs.loop as loop
 
     cfg, out = stopped[0] / "tiny.yaml", disk.path / "run"
     saves = []

@@ -23,8 +23,8 @@ from fedloom.compress import PayloadError
 from fedloom.config import ConfigError, load_config
 from fedloom.engine.experiment import Experiment
 from fedloom.engine.runstate import model_sha256
-from fedloom.engine.screen import clip_rows, screen_updates
-from fedloom.engine.screen import row_norms as _row_norms
+from fedloom.engine.stages.screen import clip_rows, screen_updates
+from fedloom.engine.stages.screen import row_norms as _row_norms
 
 HUGE = 1e30
 

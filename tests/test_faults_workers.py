@@ -17,8 +17,8 @@ import yaml
 import fedloom
 from conftest import TINY
 from fedloom.config import load_config
-from fedloom.engine.backends import balanced_groups
 from fedloom.engine.experiment import Experiment
+from fedloom.engine.trainers.backends import balanced_groups
 
 PROC = ["dtype=float64", "backend=process", "backend.workers=2"]
 

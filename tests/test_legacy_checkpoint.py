@@ -1,4 +1,4 @@
-"""The one reader of checkpoints of an earlier layout (fedloom.engine.legacy): the
+"""The one reader of checkpoints of an earlier layout (fedloom.engine.runs.legacy): the
 entries later versions added are filled with the behaviour from before them, a
 flat server-optimizer state becomes the chain's tuple, and such a checkpoint
 resumes on the uninterrupted model."""
@@ -12,9 +12,9 @@ import torch
 
 import fedloom
 from conftest import TINY
-from fedloom.engine.checkpoint import load_checkpoint, save_checkpoint
-from fedloom.engine.legacy import Fresh, current_layout
-from fedloom.engine.rundir import CHECKPOINT_FILE
+from fedloom.engine.runs.checkpoint import load_checkpoint, save_checkpoint
+from fedloom.engine.runs.directory import CHECKPOINT_FILE
+from fedloom.engine.runs.legacy import Fresh, current_layout
 
 # the entries of a checkpoint that earlier versions did not write
 ADDED = ("buffers", "sim_time_s", "privacy_state", "events", "selection_state")

@@ -173,7 +173,7 @@ def test_a_local_model_directory_and_its_tokenizer(corpus, tmp_path):
     res = fedloom.run(cfg, out=tmp_path / "run")
     assert res.layout.size == ADAPTERS
     # model.pt holds the adapters; load_model reads the directory again for the base
-    from fedloom.engine.rundir import load_model
+    from fedloom.engine.runs.directory import load_model
 
     x = torch.randint(0, len(vocab), (2, 16))
     with torch.no_grad():
@@ -440,7 +440,7 @@ def test_a_cohort_of_ten_holds_one_base(corpus, monkeypatch):
 
 
 def test_model_pt_holds_the_adapters_and_loads_back(corpus, tmp_path):
-    from fedloom.engine.rundir import load_model
+    from fedloom.engine.runs.directory import load_model
 
     res = fedloom.run(config(corpus), out=tmp_path / "run")
     blob = torch.load(tmp_path / "run" / "model.pt", weights_only=True)

@@ -15,10 +15,10 @@ from fedloom.capabilities import backend_caps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, LocalSGD
 from fedloom.config import load_config
-from fedloom.engine.auto import CANDIDATES, choose, lockstep_reason
-from fedloom.engine.backends import SequentialBackend
 from fedloom.engine.experiment import Experiment
-from fedloom.engine.lockstep import LockstepBackend, lockstep_plan, shape_reason
+from fedloom.engine.trainers.auto import CANDIDATES, choose, lockstep_reason
+from fedloom.engine.trainers.backends import SequentialBackend
+from fedloom.engine.trainers.lockstep import LockstepBackend, lockstep_plan, shape_reason
 from fedloom.job import Penalty
 from fedloom.models import CNN
 from fedloom.models.zoo import CraftCNN, FlareCNN, LeafCNN
@@ -518,7 +518,7 @@ def test_auto_streams_through_the_chosen_process_backend(monkeypatch, early_call
     results come, the rows in place), as ``backend: process`` does; before the choice
     it does not stream. The model is the sequential run's, bit for bit (float64),
     with the cohort handed over at once there."""
-    from fedloom.engine.backends import SequentialBackend
+    from fedloom.engine.trainers.backends import SequentialBackend
 
     seen = early_calls
     monkeypatch.setattr(SequentialBackend, "capabilities", replace(

@@ -150,7 +150,7 @@ def test_fedsa_lora_personal_metrics_resume_bit_identically(corpus, tmp_path):
 
 
 def test_one_pass_gives_the_two_passes_numbers_for_a_language_model(corpus, monkeypatch):
-    # the text source's pooled test windows are the clients' (fedloom.engine.evaluation)
+    # the text source's pooled test windows are the clients' (fedloom.engine.stages.evaluation)
     cfg = config(corpus, rounds=2, method="fedsa_lora")
     calls = count_one_pass(monkeypatch)
     one = fedloom.run(cfg)

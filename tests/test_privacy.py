@@ -251,7 +251,7 @@ def test_resume_is_bit_identical_with_adaptive_clipping(tmp_path):
 
 
 def test_a_checkpoint_with_a_forged_privacy_state_is_refused_naming_it(tmp_path):
-    from fedloom.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from fedloom.engine.runs.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
     over = ["privacy.mode=central", "privacy.noise_multiplier=0", "rounds=2"]
     out = tmp_path / "r"

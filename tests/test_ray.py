@@ -120,7 +120,7 @@ def test_ray_tasks_do_their_clients_uplink(monkeypatch, early_calls, extra):
     sequential one with the cohort handed over at once, model and metrics."""
     import json
 
-    from fedloom.engine.backends import SequentialBackend
+    from fedloom.engine.trainers.backends import SequentialBackend
 
     with monkeypatch.context() as mp:
         mp.setattr(SequentialBackend, "capabilities", dataclasses.replace(

@@ -16,7 +16,7 @@ import fedloom
 import fedloom.client.transforms
 import fedloom.transforms
 from conftest import TINY
-from fedloom.engine.legacy import legacy_opt_state
+from fedloom.engine.runs.legacy import legacy_opt_state
 from fedloom.registry import accepted_options, get
 from fedloom.server_opt import (
     Chain,
@@ -349,8 +349,8 @@ def test_a_users_chain_resumes_on_the_uninterrupted_model(tmp_path):
 def _as_before_the_move(out):
     """``out``'s newest checkpoint as a version before the chain's tuple state wrote
     it: one flat opt_state, and a chain given as an object under its old class name."""
-    from fedloom.engine.checkpoint import load_checkpoint, save_checkpoint
-    from fedloom.engine.rundir import CHECKPOINT_FILE
+    from fedloom.engine.runs.checkpoint import load_checkpoint, save_checkpoint
+    from fedloom.engine.runs.directory import CHECKPOINT_FILE
 
     old, new = "object fedloom.server_opt.transforms.Chain", "object fedloom.transforms.Chain"
     ck = load_checkpoint(out / CHECKPOINT_FILE)

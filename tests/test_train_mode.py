@@ -19,8 +19,8 @@ from torch.nn import functional as F
 import fedloom
 from fedloom.buffers import average_buffers, flatten_buffers, load_buffers, module_buffers
 from fedloom.config import ConfigError, load_config
-from fedloom.engine.checkpoint import load_checkpoint
 from fedloom.engine.experiment import Experiment
+from fedloom.engine.runs.checkpoint import load_checkpoint
 from fedloom.params import Layout
 
 
@@ -142,7 +142,7 @@ def test_vmap_refuses_a_dropout_model_and_auto_trains_it_sequentially(tiny):
 @pytest.mark.slow
 def test_process_backend_matches_sequential_with_dropout_and_batchnorm(tiny):
     # Masks and statistics derive from (seed, round, client, step): a worker
-    # process draws the same ones (float64: same bits, see engine.parallel).
+    # process draws the same ones (float64: same bits, see engine.trainers.parallel).
     ov = ["dtype=float64", "rounds=2"]
     seq = _run(tiny, ov, lambda: Net(p=0.5))
     proc = _run(tiny, [*ov, "backend.name=process", "backend.workers=2"], lambda: Net(p=0.5))

@@ -41,7 +41,7 @@ _LAZY = {
     "Experiment": "fedloom.engine.experiment",
     "Result": "fedloom.engine.runstate",
     "model_sha256": "fedloom.engine.runstate",
-    "run": "fedloom.engine.loop",
+    "run": "fedloom.engine.runs.loop",
     "Layout": "fedloom.params",
     "functional_forward": "fedloom.params",
     "ClientStateStore": "fedloom.state",
@@ -78,7 +78,7 @@ if TYPE_CHECKING:  # what static checkers and IDEs see
     from fedloom.engine.algorithm import Algorithm
     from fedloom.engine.components import Components
     from fedloom.engine.experiment import Experiment
-    from fedloom.engine.loop import run
+    from fedloom.engine.runs.loop import run
     from fedloom.engine.runstate import Result, model_sha256
     from fedloom.params import Layout, functional_forward
     from fedloom.state import ClientStateStore, FieldSpec

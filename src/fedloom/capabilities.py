@@ -1,7 +1,7 @@
 """What a component declares about itself, one frozen dataclass per kind.
 
 The engine and the composition checks (:mod:`fedloom.privacy`,
-:mod:`fedloom.engine.compat`) decide from these alone, without knowing any
+:mod:`fedloom.engine.refusals`) decide from these alone, without knowing any
 algorithm: whether a rule needs each client's loss at the received model, whether
 a sum-only server can compute it, whether a backend gathers the samples itself.
 A component declares ``capabilities = AggregatorCaps(...)`` (a class attribute;
@@ -106,7 +106,7 @@ class MethodCaps:
 
 @dataclass(frozen=True)
 class BackendCaps:
-    """A backend's capabilities (:mod:`fedloom.engine.backends`)."""
+    """A backend's capabilities (:mod:`fedloom.engine.trainers.backends`)."""
 
     # Jobs carry data_index and the backend gathers the samples where it trains (its
     # workers hold the data): the engine ships no copy of a client's samples.

@@ -163,7 +163,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from fedloom.config import load_config
-    from fedloom.engine.loop import run
+    from fedloom.engine.runs.loop import run
 
     cfg = load_config(args.config, args.overrides)
     from fedloom.device import resolve
@@ -190,7 +190,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         bar.set_postfix(post, refresh=False)
         bar.update(1)
 
-    from fedloom.engine.checkpoint import RunDirWriteError
+    from fedloom.engine.runs.checkpoint import RunDirWriteError
 
     try:
         result = run(cfg, out=out, resume=args.resume, callbacks=[progress],
@@ -535,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("fedloom").setLevel(logging.INFO)
         args = build_parser().parse_args(argv)
         if own and args.func is _cmd_run:
-            import fedloom.engine.loop  # noqa: F401  (imported here, while collection is off)
+            import fedloom.engine.runs.loop  # noqa: F401  (imported here, while collection is off)
     finally:
         if own:
             gc.freeze()

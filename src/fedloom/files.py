@@ -187,7 +187,7 @@ def _umask() -> int:
 
 def new_tmp(path: Path) -> tuple[int, Path]:
     """A new, empty temporary file beside ``path`` (``.NAME.*.tmp``, which
-    :func:`fedloom.engine.checkpoint.remove_leftovers` knows): its descriptor and path.
+    :func:`fedloom.engine.runs.checkpoint.remove_leftovers` knows): its descriptor and path.
     ``mkstemp`` opens it with ``O_EXCL``, so never a file a link there points to.
 
     ``mkstemp`` makes the file 0600; it gets the mode ``open()`` would give a new

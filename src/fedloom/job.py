@@ -5,9 +5,9 @@ it starts, the model it measures its update from, its data, its generator
 seed, the hooks of the feedback policy on local training: a gradient shift, a
 penalty on the first steps, a smoothness probe; its module buffers and its
 step budget), and :class:`ClientResult` what comes back. The engine builds
-jobs in one place (:func:`fedloom.engine.dispatch.client_job`), whatever the
+jobs in one place (:func:`fedloom.engine.stages.plan.client_job`), whatever the
 backend; the sequential trainer (:class:`fedloom.client.sgd.LocalSGD`), the
-lock-step trainer (:mod:`fedloom.engine.vmap`) and Flower's ClientApp
+lock-step trainer (:mod:`fedloom.engine.trainers.vmap`) and Flower's ClientApp
 consume them. This module sits below the algorithm packages, so a local
 method (``fedloom.client``) and a feedback policy (``fedloom.compress``) share
 these types without importing each other.

@@ -7,7 +7,7 @@ stays at its random initialisation — its coordinates take no step, no
 momentum and no weight decay, so its update is exactly zero. Evaluation is by
 fine-tuning: set ``eval.finetune_steps`` (the paper fine-tunes the whole
 model for a few epochs on each client's data;
-:func:`fedloom.engine.evaluation.evaluate_finetuned`), reported as
+:func:`fedloom.engine.stages.evaluation.evaluate_finetuned`), reported as
 ``finetune_acc_*`` beside the global model's ``client_acc_*``.
 
 Checked against FL-bench's FedBABU (KarhouTam/FL-bench, src/client/fedbabu.py:

@@ -16,7 +16,7 @@ layer group (a projection's ``A`` and ``B`` are one group): a sampled client
 
 Personal model for evaluation: client ``k``'s ``(A, B_k)``, the global ``A`` with
 its own ``B``, on its own test split
-(:meth:`fedloom.engine.evaluation.Evaluator.personal`): ``personal_acc_*`` (token
+(:meth:`fedloom.engine.stages.evaluation.Evaluator.personal`): ``personal_acc_*`` (token
 accuracy) and, the model being a causal LM, ``personal_ppl_*``, the statistics over
 those clients of
 

@@ -5,7 +5,7 @@ gives a term's state, ``update(D, state, ctx)`` the new direction and state,
 :func:`~fedloom.transforms.chain` composes them, its state the tuple of theirs)
 whose context is a :class:`StepContext`. The sequential trainer
 (:class:`fedloom.client.sgd.LocalSGD`, one client: ``D`` of shape ``[d]``) and
-the batched ones (:mod:`fedloom.engine.vmap`, :mod:`fedloom.engine.lockstep`:
+the batched ones (:mod:`fedloom.engine.trainers.vmap`, :mod:`fedloom.engine.trainers.lockstep`:
 ``[m, d]``, one row a client) build the same chain with :func:`local_chain` and
 apply it between the gradient and the step ``W ← W − η·D``, so every term is
 defined once. For a step with gradient ``g`` at parameters ``w``:

@@ -288,7 +288,8 @@ class ServerConfig:
     # CRAFT, 1.0 for the FedAvg family); the number used is what the run directory's
     # config.yaml and summary.json record.
     lr: float | Literal["auto"] = _f("auto", gt=0)
-    # Screening of client updates before any aggregator (fedloom.engine.screen.screen_updates):
+    # Screening of client updates before any aggregator
+    # (fedloom.engine.stages.screen.screen_updates):
     # reject an update whose L2 norm exceeds `max_update_norm` (null = no bound) or
     # `max_norm_ratio` × the cohort's lower median norm (null = off), then clip each
     # accepted one to `clip_norm` (norm bounding, Sun et al. 2019; null = off).
@@ -360,7 +361,7 @@ class EvalConfig:
     average_iterates: bool = False
     # Personalised evaluation by fine-tuning (FedBABU, Per-FedAvg): this many local
     # steps from the global model on each client's training data, then its test split
-    # (finetune_acc_*; fedloom.engine.evaluation.evaluate_finetuned). 0: off.
+    # (finetune_acc_*; fedloom.engine.stages.evaluation.evaluate_finetuned). 0: off.
     finetune_steps: int = _f(0, ge=0)
 
 
@@ -372,7 +373,7 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     """Where each round's metrics go besides ``metrics.jsonl`` (always written: the
-    record a resume checks); see :mod:`fedloom.engine.runlog`. Not part of what a
+    record a resume checks); see :mod:`fedloom.engine.runs.sinks`. Not part of what a
     resume compares: a run may be continued with other logging."""
 
     csv: bool = True           # RUN/metrics.csv, the same rows as metrics.jsonl
@@ -401,10 +402,10 @@ class BackendConfig:
       backward, one fused SGD step; chunks of ``chunk`` clients) for chains of
       Linear/Conv2d/pooling/GroupNorm/BatchNorm/ReLU/Dropout/Flatten, bit for bit the
       sequential results in float64; anything else trains on the sequential path (one log line;
-      :mod:`fedloom.engine.lockstep`);
+      :mod:`fedloom.engine.trainers.lockstep`);
     - ``auto``: times the first cohort on sequential, lockstep, vmap (on a GPU), process
       and process+lockstep, where each applies, keeps the fastest and logs the table
-      (:mod:`fedloom.engine.auto`);
+      (:mod:`fedloom.engine.trainers.auto`);
     - ``process``: ``workers`` single-thread processes on this machine, each running
       ``inner`` (sequential, vmap or lockstep) on its share of the cohort;
     - ``ray``: Ray tasks (``address`` joins a cluster; empty starts a local one).

@@ -5,7 +5,7 @@ the step's chain of transforms, :mod:`fedloom.client.transforms`), the local
 method (its job and state rows), the uplink (compressor, error-feedback policy,
 round planner), the aggregator and the server optimizer. :meth:`Algorithm.init`
 gives the server states of a new run; the round's stages
-(:mod:`fedloom.engine.dispatch` … :mod:`fedloom.engine.scatter`) read its parts
+(:mod:`fedloom.engine.stages.plan` … :mod:`fedloom.engine.stages.scatter`) read its parts
 and name none of them. It is the optax / fedjax shape (settings in the object,
 state in and out) over the engine's stages: ``init`` here, a round in
 :meth:`fedloom.engine.experiment.Experiment.round`.

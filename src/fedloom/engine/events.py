@@ -11,8 +11,8 @@ order (ties by dispatch order); each one's slot is refilled at once by a client
 drawn uniformly from those neither in flight nor waiting in the buffer, from the
 model current then. A server step takes ``K`` arrivals (1 for async,
 ``system.buffer`` for buffered) through the same objects as a synchronous
-cohort — the client half of the uplink, :func:`~fedloom.engine.receive.receive`,
-any registered aggregator, the server optimizer, :func:`~fedloom.engine.scatter.scatter`
+cohort — the client half of the uplink, :func:`~fedloom.engine.stages.receive.receive`,
+any registered aggregator, the server optimizer, :func:`~fedloom.engine.stages.scatter.scatter`
 — with each row weighted by ``s(τ)`` of its staleness ``τ = t − v`` (server
 steps since its dispatch): ``constant`` 1, ``polynomial`` ``(1+τ)^-a``,
 ``hinge`` 1 for ``τ ≤ b`` else ``1/(a(τ−b)+1)`` (FedAsync's three).
@@ -40,7 +40,7 @@ fixed-size codecs (identity, top-k, rand-k, sign, QSGD at a fixed width) and an
 estimate otherwise; the local step size of a client is the schedule's at its
 dispatch step. Not combined with: deadlines, availability, dropout, a feedback
 policy with server state, differential privacy, a round planner
-(:func:`fedloom.engine.compat.check_event_mode`).
+(:func:`fedloom.engine.refusals.check_event_mode`).
 """
 
 from __future__ import annotations

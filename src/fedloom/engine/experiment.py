@@ -4,15 +4,15 @@
 of the run, and the values the stages read: :class:`~fedloom.engine.algorithm.Algorithm`,
 :class:`~fedloom.engine.parts.ModelSpace`, :class:`~fedloom.engine.parts.ClientData`,
 :class:`~fedloom.engine.parts.Schedule`, :class:`~fedloom.engine.parts.ScreenRules`,
-:class:`~fedloom.engine.evaluation.Evaluator`) with a round as methods, for the
-callers that drive a round whole (:func:`fedloom.engine.loop.run`) or in parts
+:class:`~fedloom.engine.stages.evaluation.Evaluator`) with a round as methods, for the
+callers that drive a round whole (:func:`fedloom.engine.runs.loop.run`) or in parts
 (Flower's strategy: plan, then what the clients sent, then the server's half).
 
 A round is plan → train → uplink → receive → server → scatter → record, one
-call into its module each (:mod:`~fedloom.engine.dispatch`, the backend,
-:mod:`~fedloom.engine.uplink`, :mod:`~fedloom.engine.receive`,
-:mod:`~fedloom.engine.server`, :mod:`~fedloom.engine.scatter`,
-:mod:`~fedloom.engine.record`, :mod:`~fedloom.engine.evaluation`); each stage is
+call into its module each (:mod:`~fedloom.engine.stages.plan`, the backend,
+:mod:`~fedloom.engine.stages.uplink`, :mod:`~fedloom.engine.stages.receive`,
+:mod:`~fedloom.engine.stages.server`, :mod:`~fedloom.engine.stages.scatter`,
+:mod:`~fedloom.engine.stages.tally`, :mod:`~fedloom.engine.stages.evaluation`); each stage is
 handed the values it reads, never the experiment. The system model
 (``system.*``), when on, wraps training and the uplink. The round names no
 algorithm.
@@ -25,7 +25,7 @@ totals and the summary, and logged):
   when its update is non-finite, cannot be encoded or decoded (a
   :class:`~fedloom.compress.base.PayloadError`, ``ValueError`` or overflow
   from its compressor: the run goes on), holds a non-finite state row, or
-  fails :func:`~fedloom.engine.screen.screen_updates` (``server.max_update_norm``,
+  fails :func:`~fedloom.engine.stages.screen.screen_updates` (``server.max_update_norm``,
   ``server.max_norm_ratio``). The rules run twice: on the dense update before
   encoding (a client never sends what the server would refuse, and a huge
   value in a coordinate a sparsifier leaves out is still seen), and on the
@@ -35,7 +35,7 @@ totals and the summary, and logged):
   they were.
 - **Clipped updates** (``clipped_updates``): with ``server.clip_norm`` every
   accepted row is scaled to at most that norm before any aggregator
-  (:func:`~fedloom.engine.screen.clip_rows`), so it composes with every rule and compressor.
+  (:func:`~fedloom.engine.stages.screen.clip_rows`), so it composes with every rule and compressor.
 - **Rejected rounds** (``rejected_rounds``, reason in
   ``rejected_round_reason``): the aggregator raised (a ``LinAlgError`` or any
   ``RuntimeError``/``ValueError``/``ArithmeticError``), or returned a
@@ -69,21 +69,21 @@ import torch
 
 from fedloom.buffers import load_buffers
 from fedloom.capabilities import backend_caps
-from fedloom.engine.dispatch import plan_round
-from fedloom.engine.fields import FEEDBACK
-from fedloom.engine.receive import RowBuffer, receive
-from fedloom.engine.record import (
+from fedloom.engine.clientfields import FEEDBACK
+from fedloom.engine.runstate import RoundOutcome, RoundPlan, RunState, withdraw
+from fedloom.engine.setup import Setup
+from fedloom.engine.stages.plan import plan_round
+from fedloom.engine.stages.receive import RowBuffer, receive
+from fedloom.engine.stages.scatter import next_buffers, scatter
+from fedloom.engine.stages.screen import all_finite
+from fedloom.engine.stages.server import server_round, server_rule
+from fedloom.engine.stages.tally import (
     account_privacy,
     add_totals,
     round_metrics,
     selection_feedback,
 )
-from fedloom.engine.runstate import RoundOutcome, RoundPlan, RunState, withdraw
-from fedloom.engine.scatter import next_buffers, scatter
-from fedloom.engine.screen import all_finite
-from fedloom.engine.server import server_round, server_rule
-from fedloom.engine.setup import Setup
-from fedloom.engine.uplink import EarlyUplink, client_postprocessors, uplink_round
+from fedloom.engine.stages.uplink import EarlyUplink, client_postprocessors, uplink_round
 from fedloom.job import ClientResult
 from fedloom.system import samples_for_steps
 
@@ -133,7 +133,7 @@ class Experiment(Setup):
 
     def plan_round(self, st: RunState, cohort: torch.Tensor | None = None) -> RoundPlan:
         """The round's cohort (``cohort``: these clients) and fully specified client
-        jobs (:func:`~fedloom.engine.dispatch.plan_round`)."""
+        jobs (:func:`~fedloom.engine.stages.plan.plan_round`)."""
         return plan_round(self.algorithm, self.clients, self.space, self.schedule, st,
                           hooks=self.client_metrics, view=self.hook_view,
                           ships_indices=backend_caps(self.backend).ships_indices,
@@ -143,7 +143,7 @@ class Experiment(Setup):
                      raw: Sequence[ClientResult | None], early: EarlyUplink | None = None,
                      withheld: Collection[int] = ()) -> tuple[RoundPlan, RoundOutcome]:
         """The kept clients' plan and what they send
-        (:func:`~fedloom.engine.uplink.uplink_round`)."""
+        (:func:`~fedloom.engine.stages.uplink.uplink_round`)."""
         return uplink_round(self.algorithm, client_postprocessors(self.attack, self.privacy),
                             self.rules, self.schedule, self.device, st, plan, raw, early,
                             withheld)
@@ -243,5 +243,5 @@ class Experiment(Setup):
 
     def evaluate(self, w: torch.Tensor) -> dict[str, float]:
         """Global test accuracy/loss and per-client accuracy statistics of ``w``
-        (:meth:`~fedloom.engine.evaluation.Evaluator.global_`)."""
+        (:meth:`~fedloom.engine.stages.evaluation.Evaluator.global_`)."""
         return self.evaluator.global_(w)

@@ -27,7 +27,7 @@ import torch
 from fedloom.client.sgd import lr_at_round
 from fedloom.config import ClientConfig, Config
 from fedloom.data.federated import FederatedData
-from fedloom.engine.fields import ClientFields
+from fedloom.engine.clientfields import ClientFields
 from fedloom.params import Layout
 from fedloom.rng import Purpose, numpy_gen
 from fedloom.selection import Feedback, Uniform
@@ -116,7 +116,7 @@ class Schedule:
 
 @dataclass(frozen=True)
 class ScreenRules:
-    """The ``server`` section's update screening (:mod:`fedloom.engine.screen`): a
+    """The ``server`` section's update screening (:mod:`fedloom.engine.stages.screen`): a
     norm bound, a ratio to the cohort's median (off under differential privacy,
     whose clipping bounds every update), and clipping before any aggregator."""
 

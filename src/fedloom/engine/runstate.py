@@ -107,7 +107,7 @@ class RoundOutcome:
     """What came of a round's plan before the server's half: the kept clients'
     results and what each sent (cohort position ``i`` of the kept clients' plan),
     and who is missing or refused. Returned by the uplink stage
-    (:func:`fedloom.engine.uplink.uplink_round`, Flower's strategy); read by
+    (:func:`fedloom.engine.stages.uplink.uplink_round`, Flower's strategy); read by
     receive and the round's record."""
 
     results: list[ClientResult]
@@ -121,7 +121,7 @@ class RoundOutcome:
     # elsewhere, as on Flower)
     dp_clipped: int | None = None
     # Kept cohort positions whose payload was already decoded into the server's row
-    # as the result arrived (fedloom.engine.uplink.EarlyUplink): receive skips it.
+    # as the result arrived (fedloom.engine.stages.uplink.EarlyUplink): receive skips it.
     predecoded: frozenset[int] = frozenset()
     # [m] float64: each row's norm as decoded, where every row is the client's dense
     # update read in place (EarlyUplink; the norm taken by the worker): receive's size

@@ -2,7 +2,7 @@
 
 :class:`Setup` builds every component of a run from its config section
 (options passed by name, through the registry), refuses the combinations
-that cannot work (:mod:`fedloom.engine.compat`) and holds them for the
+that cannot work (:mod:`fedloom.engine.refusals`) and holds them for the
 round's stages; it names no algorithm. The stages take it as their first
 argument; :class:`fedloom.engine.experiment.Experiment` adds them as methods.
 """
@@ -42,16 +42,16 @@ from fedloom.device import (
     to_device,
     to_host,
 )
-from fedloom.engine import compat
+from fedloom.engine import refusals
 from fedloom.engine.algorithm import Algorithm
+from fedloom.engine.clientfields import BUFFERS, FEEDBACK, METHOD, ClientFields
 from fedloom.engine.components import Components
-from fedloom.engine.evaluation import Evaluator
 from fedloom.engine.events import EventDriver
-from fedloom.engine.fields import BUFFERS, FEEDBACK, METHOD, ClientFields
-from fedloom.engine.legacy import Fresh
 from fedloom.engine.parts import ClientData, HookView, ModelSpace, Schedule, ScreenRules
+from fedloom.engine.runs.legacy import Fresh
 from fedloom.engine.runstate import RunState
-from fedloom.engine.screen import first_line
+from fedloom.engine.stages.evaluation import Evaluator
+from fedloom.engine.stages.screen import first_line
 from fedloom.hooks import metric_hooks, planner_from_config
 from fedloom.metrics import evaluate
 from fedloom.models import build_model
@@ -151,7 +151,7 @@ class Setup:
         self.dtype = _DTYPES[cfg.dtype]
         # The device first: device=cuda without CUDA fails before any data is loaded.
         self.device = resolve(cfg.device)
-        compat.check_amp_dtype(cfg)
+        refusals.check_amp_dtype(cfg)
         self._build_data(data, data_check)
         self._build_model(model)
         self._build_training()
@@ -172,7 +172,7 @@ class Setup:
             # refused), before anything is built that writes into the directory
             data_check(ds)
         self.fed: FederatedData = build_federated(ds, cfg.data, cfg.seed)
-        compat.check_cohort_size(cfg, self.fed.num_clients)
+        refusals.check_cohort_size(cfg, self.fed.num_clients)
         ds = self.fed.dataset
         self.x = _to_run(ds.x, self.dtype, self.device)
         self.y = ds.y.to(self.device)
@@ -220,8 +220,8 @@ class Setup:
         except Exception as e:  # the user's forward, in train mode
             raise ConfigError(f"model: forward in train mode on {len(self.x[:8])} samples "
                               f"failed: {first_line(e)}") from None
-        compat.check_vmap_random(cfg.backend, self.random_forward)
-        compat.check_one_sample_batches(self.module, self.x, self.fed.num_train(),
+        refusals.check_vmap_random(cfg.backend, self.random_forward)
+        refusals.check_one_sample_batches(self.module, self.x, self.fed.num_train(),
                                         cfg.client.batch_size)
 
     def _build_training(self) -> None:
@@ -253,7 +253,7 @@ class Setup:
             self.method.check_trainer(self.trainer)
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e).splitlines()[0]) from None
-        compat.check_full_participation(cfg, self.aggregator, self.fed.num_clients)
+        refusals.check_full_participation(cfg, self.aggregator, self.fed.num_clients)
         # Simulated devices, deadlines and availability (system.*); None when off.
         self.system = make_system(cfg.system, cfg.seed, self.fed.num_clients, c.batch_size,
                                   cfg.cohort.size, full_participation=aggregator_caps(
@@ -321,12 +321,12 @@ class Setup:
         # cannot cover (fedloom.privacy: the components' declared properties).
         cfg = self.cfg
         self.privacy = make_privacy(cfg, self.fed.num_clients)
-        compat.check_privacy_sampling(self.privacy, self.system)
-        compat.check_privacy_scope(cfg, self.privacy, aggregator=self.aggregator,
+        refusals.check_privacy_sampling(self.privacy, self.system)
+        refusals.check_privacy_scope(cfg, self.privacy, aggregator=self.aggregator,
                                    feedback=self.feedback, method=self.method,
                                    compressor=self.uplink, w=self.layout.flatten(self.module))
-        compat.check_buffers_privacy(cfg, self.privacy, bool(self.buffer_template))
-        compat.check_event_mode(cfg, aggregator=self.aggregator, feedback=self.feedback,
+        refusals.check_buffers_privacy(cfg, self.privacy, bool(self.buffer_template))
+        refusals.check_event_mode(cfg, aggregator=self.aggregator, feedback=self.feedback,
                                 privacy=self.privacy, num_clients=self.fed.num_clients)
         # The event-driven round modes (system.mode async, buffered); None: synchronous.
         self.events = (EventDriver(cfg.system, cfg.seed) if cfg.system.mode != "sync"
@@ -347,7 +347,7 @@ class Setup:
                                    "cohort.selection.options"))
         except ValueError as e:
             raise ConfigError(str(e).splitlines()[0]) from None
-        compat.check_selection_scope(cfg, selector, self.privacy)
+        refusals.check_selection_scope(cfg, selector, self.privacy)
         self.schedule = Schedule(cfg.seed, cfg.rounds, cfg.cohort.size, self.fed.num_clients,
                                  cfg.client, self.system, selector)
         self.rules = ScreenRules(s.max_update_norm, s.max_norm_ratio, s.clip_norm,
@@ -481,14 +481,14 @@ class Setup:
 
     def fresh(self) -> Fresh:
         """What this run starts with, for the entries a checkpoint of an earlier
-        version lacks (:func:`fedloom.engine.legacy.current_layout`)."""
+        version lacks (:func:`fedloom.engine.runs.legacy.current_layout`)."""
         return Fresh(has_buffers=bool(self.buffer_template), opt_state=self.server.init,
                      privacy_state=self.privacy.init,
                      selection_state=self.schedule.initial_selection)
 
     def restore(self, ckpt: dict[str, Any], snapshot_dir: Path | None = None) -> RunState:
         """The run state of checkpoint ``ckpt``, in this version's layout (one of an
-        earlier version is read through :func:`fedloom.engine.legacy.current_layout`
+        earlier version is read through :func:`fedloom.engine.runs.legacy.current_layout`
         first)."""
         bufs = ckpt["buffers"]
         why = check_buffers(bufs, self.buffer_template)

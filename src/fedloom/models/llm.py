@@ -29,7 +29,7 @@ activations in the backward (transformers' checkpointing, non-reentrant, in trai
 mode); ``model.base_dtype: bfloat16`` holds the frozen base in bfloat16 while the
 adapters keep the run's dtype (the logits are cast back for the loss). The run's
 ``model.pt`` holds the adapters, not the base, which the config rebuilds
-(:func:`fedloom.engine.rundir.load_model`); local AdamW is ``client.transforms:
+(:func:`fedloom.engine.runs.directory.load_model`); local AdamW is ``client.transforms:
 [{name: adamw}]`` (:mod:`fedloom.client.adamw`).
 
 The forward takes token ids ``[B, T]`` and returns logits as ``[B, V, T]`` — the
@@ -77,7 +77,7 @@ class CausalLM(nn.Module):
         # model.base_dtype: the frozen tensors' dtype whatever ``.to(dtype)`` asks
         # (None: they follow the module, as any parameter)
         self.base_dtype = base_dtype
-        # fedloom.engine.vmap.vmap_supported: False sends backend vmap's training to
+        # fedloom.engine.trainers.vmap.vmap_supported: False sends backend vmap's training to
         # the sequential path (model.gradient_checkpointing)
         self.fedloom_vmap = True
 
@@ -250,7 +250,7 @@ def build_causal_lm(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: in
     module = CausalLM(lm, base_dtype)
     module.cast_base()
     # backend vmap trains a checkpointed model on the sequential path
-    # (fedloom.engine.vmap.vmap_supported)
+    # (fedloom.engine.trainers.vmap.vmap_supported)
     module.fedloom_vmap = not cfg.gradient_checkpointing
     module.eval()
     return module

@@ -11,7 +11,7 @@ table of kinds (kind → the chain at a :class:`ServerOptimizer`'s settings):
 Each gives the model of the optimizers these chains replaced, bit for bit; their
 state is the chain's tuple (:mod:`fedloom.transforms`), and a checkpoint written
 when it was one flat mapping (keys ``v``, ``m``) resumes through
-:func:`fedloom.engine.legacy.legacy_opt_state`.
+:func:`fedloom.engine.runs.legacy.legacy_opt_state`.
 """
 
 from __future__ import annotations

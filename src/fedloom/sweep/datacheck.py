@@ -3,7 +3,7 @@ names now.
 
 A finished run (its ``summary.json`` stands in for the run asked) or a stopped one
 with a checkpoint (the sweep resumes it) whose ``data.json``
-(:mod:`fedloom.engine.datarecord`) records other data than the setting's data now
+(:mod:`fedloom.engine.runs.datarecord`) records other data than the setting's data now
 — a CSV cut, an ``.npz`` replaced — stops the sweep before the runs it is one of
 start, as a run of another config does (:class:`~fedloom.sweep.suite.StaleRunsError`,
 one line naming the first run, the data and what changed). The data is loaded
@@ -28,7 +28,7 @@ def _now(spec: RunSpec, seen: dict[str, dict[str, Any] | None]) -> dict[str, Any
     from fedloom.config import config_to_dict, load_config
     from fedloom.data.fingerprint import fingerprint
     from fedloom.data.sources import DatasetUnavailable, load_dataset
-    from fedloom.engine.datarecord import data_source
+    from fedloom.engine.runs.datarecord import data_source
 
     try:
         cfg = load_config(spec.config, [*spec.overrides, f"seed={spec.seed}"])
@@ -48,8 +48,8 @@ def check_data(specs: list[RunSpec]) -> None:
     """:class:`StaleRunsError` when a run of ``specs`` that the sweep would reuse or
     resume was trained on other data than its setting names now."""
     from fedloom.data.fingerprint import fingerprint_diff
-    from fedloom.engine.checkpoint import RunDirError
-    from fedloom.engine.datarecord import has_checkpoint, read_record
+    from fedloom.engine.runs.checkpoint import RunDirError
+    from fedloom.engine.runs.datarecord import has_checkpoint, read_record
 
     seen: dict[str, dict[str, Any] | None] = {}
     changed: list[tuple[RunSpec, str]] = []

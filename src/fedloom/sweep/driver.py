@@ -43,7 +43,7 @@ def _state_file(suite: Suite) -> Path:
 
 def _lock_out(out: Path) -> int:
     """Create ``out`` if needed and take an exclusive ``flock`` on
-    ``OUT/.fedloom-sweep.lock`` (as :func:`fedloom.engine.checkpoint.lock_run_dir`
+    ``OUT/.fedloom-sweep.lock`` (as :func:`fedloom.engine.runs.checkpoint.lock_run_dir`
     locks a run directory); return its descriptor, to close when the sweep ends. The
     kernel drops the lock when the process ends in any way (``SIGKILL`` included), so
     a killed sweep leaves no stale lock. Another sweep holding it:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fedloom.config import ConfigError, load_config
-from fedloom.engine.rundir import CHECKPOINT_FILE, PREVIOUS_CHECKPOINT_FILE
+from fedloom.engine.runs.directory import CHECKPOINT_FILE, PREVIOUS_CHECKPOINT_FILE
 from fedloom.sweep.suite import RunSpec, Suite, _spec
 from fedloom.tuning import (
     Trial,

@@ -197,7 +197,7 @@ def _check_not_stale(specs: list[RunSpec], imports: bool) -> None:
 
 
 # What a run logs when it resumed from prev.pt because its last.pt was refused
-# (fedloom.engine.rundir._set_aside: "…; resumed from RUN/checkpoints/prev.pt (round R)…")
+# (fedloom.engine.runs.directory._set_aside: "…; resumed from RUN/checkpoints/prev.pt (round R)…")
 _FALLBACK = re.compile(r"; resumed from .*prev\.pt \(round \d+\)")
 
 

@@ -28,9 +28,9 @@ from fedloom.buffers import flatten_buffers, unflatten_buffers
 from fedloom.compress import make_compressor
 from fedloom.compress.feedback import UplinkContext, feedback_from_config
 from fedloom.config import Config, load_config
-from fedloom.engine.dispatch import client_job
+from fedloom.engine.clientfields import FEEDBACK
 from fedloom.engine.experiment import Experiment
-from fedloom.engine.fields import FEEDBACK
+from fedloom.engine.stages.plan import client_job
 from fedloom.integrations.flower.cache import _client_data, _experiment
 from fedloom.integrations.flower.messages import (
     BUFFER_STATE_KEY,

@@ -161,7 +161,7 @@ def _as_float(v: Any) -> float | None:
         return None
 
 
-# What every metrics record holds (fedloom.engine.record.round_metrics): counts that
+# What every metrics record holds (fedloom.engine.stages.tally.round_metrics): counts that
 # run_stats and the plots compute with. And the metrics run_stats reads when present.
 _COUNTS = ("uplink_bytes", "uplink_bytes_total")
 _READ = ("test_acc", "conflict_rate", "grad_mismatch", "density", "residual_norm")

@@ -31,7 +31,7 @@ from fedloom.capabilities import aggregator_caps
 from fedloom.compress import make_compressor
 from fedloom.compress.base import PayloadError
 from fedloom.engine.components import object_name
-from fedloom.engine.screen import (
+from fedloom.engine.stages.screen import (
     all_finite,
     clip_rows,
     count_reason,
@@ -423,7 +423,7 @@ class FedloomRule(FedAvg):
 
     def _screen(self, server_round: int, rows: torch.Tensor, kept: list[dict[str, Any]],
                 reasons: dict[int, str]) -> tuple[list[bool], int]:
-        """The engine's screening (fedloom.engine.receive): non-finite rows or buffers,
+        """The engine's screening (fedloom.engine.stages.receive): non-finite rows or buffers,
         then the norm rules, then clipping."""
         if not kept:
             return [], 0

@@ -3,9 +3,9 @@
 Each worker is started once per run (``spawn``, so no thread pool or lock of
 the parent is inherited) with the trainer, the local method and the whole
 training data; a round then ships only the jobs without their samples
-(:func:`~fedloom.engine.backends.light_job`) and gets the results back. The
+(:func:`~fedloom.engine.trainers.backends.light_job`) and gets the results back. The
 cohort is split into ``workers`` groups of similar work
-(:func:`~fedloom.engine.backends.balanced_groups`); each worker runs its
+(:func:`~fedloom.engine.trainers.backends.balanced_groups`); each worker runs its
 group with the ``inner`` backend (``sequential``, ``vmap`` or ``lockstep``), so
 lock-step training and process parallelism compose.
 
@@ -53,7 +53,7 @@ from fedloom.device import (
     to_host,
     worker_threads,
 )
-from fedloom.engine.backends import (
+from fedloom.engine.trainers.backends import (
     ResultSink,
     SequentialBackend,
     balanced_groups,
@@ -77,11 +77,11 @@ def make_inner(trainer: LocalSGD, method: LocalMethod, inner: str, chunk: int = 
     """The in-process backend a worker runs its share of the cohort with (``x``, ``y``:
     the worker's copy of the training data, which lockstep indexes directly)."""
     if inner == "vmap":
-        from fedloom.engine.vmap import VmapBackend
+        from fedloom.engine.trainers.vmap import VmapBackend
 
         return VmapBackend(trainer, method, chunk=chunk or None)
     if inner == "lockstep":
-        from fedloom.engine.lockstep import LockstepBackend
+        from fedloom.engine.trainers.lockstep import LockstepBackend
 
         return LockstepBackend(trainer, method, chunk=chunk or None, x=x, y=y)
     return SequentialBackend(trainer, method)
@@ -184,7 +184,7 @@ def _worker_main(conn: Any, initargs: _InitArgs, device: str = "cpu") -> None:
     requests with ``("ok", seq, results)`` until ``None`` or the parent is gone
     (``stream``: one ``("part", seq, (row, result, sent))`` a client as it is
     trained, then ``("ok", seq, None)``; ``sent``: what ``stream``, when it is a
-    :class:`~fedloom.engine.uplink.ClientSide`, did of the client's uplink)."""
+    :class:`~fedloom.engine.stages.uplink.ClientSide`, did of the client's uplink)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle

@@ -24,8 +24,8 @@ from typing import Any
 from fedloom.config import DataConfig
 from fedloom.data.fingerprint import fingerprint, fingerprint_diff
 from fedloom.data.sources import Dataset
-from fedloom.engine.checkpoint import RunDirError, atomic_write_json, check_regular
-from fedloom.engine.rundir import CHECKPOINT_FILE, PREVIOUS_CHECKPOINT_FILE
+from fedloom.engine.runs.checkpoint import RunDirError, atomic_write_json, check_regular
+from fedloom.engine.runs.directory import CHECKPOINT_FILE, PREVIOUS_CHECKPOINT_FILE
 
 __all__ = ["DATA_FILE", "DataChangedError", "DataRecord", "data_source", "has_checkpoint",
            "read_record"]

@@ -34,7 +34,7 @@ from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.client.transforms import StepContext, jobs_chain
 from fedloom.config import BackendConfig
-from fedloom.engine.backends import InProcess
+from fedloom.engine.trainers.backends import InProcess
 from fedloom.params import Layout
 from fedloom.registry import register
 

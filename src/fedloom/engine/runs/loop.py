@@ -3,12 +3,12 @@
 :func:`run` is the entry point of both the CLI and notebooks. It knows no
 algorithm and no stage of a round: a round is
 :meth:`~fedloom.engine.experiment.Experiment.round` (:mod:`fedloom.engine.round`),
-the run directory is :mod:`fedloom.engine.rundir`, the summary
-:mod:`fedloom.engine.summary`. After each round: log it (``metrics.jsonl``,
+the run directory is :mod:`fedloom.engine.runs.directory`, the summary
+:mod:`fedloom.engine.runs.summary`. After each round: log it (``metrics.jsonl``,
 CSV, TensorBoard), checkpoint on schedule (the metrics of the rounds a
 checkpoint covers are on disk before it, and their digest is in it), call the
 callbacks. A file of the run directory that cannot be written (a full disk)
-ends the run with :class:`~fedloom.engine.checkpoint.RunDirWriteError` naming
+ends the run with :class:`~fedloom.engine.runs.checkpoint.RunDirWriteError` naming
 it; the checkpoints written so far stay, and ``resume`` continues from them.
 """
 
@@ -29,11 +29,11 @@ import torch
 from fedloom.buffers import load_buffers
 from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.data.sources import Dataset
-from fedloom.engine.checkpoint import RunDirWriteError, lock_run_dir
+from fedloom.engine.runs.checkpoint import RunDirWriteError, lock_run_dir
 from fedloom.engine.components import Components
-from fedloom.engine.datarecord import DataRecord, data_source
+from fedloom.engine.runs.datarecord import DataRecord, data_source
 from fedloom.engine.experiment import Experiment
-from fedloom.engine.rundir import (
+from fedloom.engine.runs.directory import (
     CHECKPOINT_FILE,
     METRICS_DIGEST,
     METRICS_FILE,
@@ -44,7 +44,7 @@ from fedloom.engine.rundir import (
     save,
     write_outputs,
 )
-from fedloom.engine.runlog import (
+from fedloom.engine.runs.sinks import (
     METRICS_CSV_FILE,
     TENSORBOARD_DIR,
     MetricsCSV,
@@ -53,7 +53,7 @@ from fedloom.engine.runlog import (
 )
 from fedloom.engine.runstate import Callback, Result, RunState, model_sha256
 from fedloom.engine.setup import resolve_auto
-from fedloom.engine.summary import DivergenceWatch, summarize
+from fedloom.engine.runs.summary import DivergenceWatch, summarize
 
 __all__ = ["Experiment", "Result", "RunState", "model_sha256", "run"]
 
@@ -86,11 +86,11 @@ def run(
         out: the run directory. ``None`` runs in memory (no files, no checkpoints).
             A directory that holds a run is never overwritten unless ``resume``.
             It is locked for the run's life: a second run on it gets
-            :class:`~fedloom.engine.checkpoint.RunDirError` naming the holder's pid.
+            :class:`~fedloom.engine.runs.checkpoint.RunDirError` naming the holder's pid.
             An existing directory that is not a run directory (not empty, no
             ``.fedloom-run`` marker; a link to ``/``, say) is refused before
             anything in it is touched. A file in it that cannot be written (a full
-            disk) raises :class:`~fedloom.engine.checkpoint.RunDirWriteError`
+            disk) raises :class:`~fedloom.engine.runs.checkpoint.RunDirWriteError`
             naming it; ``resume`` then continues the run.
         resume: continue from ``out``'s newest intact checkpoint (``last.pt``, or
             ``prev.pt`` when ``last.pt`` is missing or damaged: a warning names
@@ -99,8 +99,8 @@ def run(
             snapshot, config or metrics file with no intact one to fall back on
             raises one line naming it. The data must be the data the run was
             trained on (its fingerprint in ``out``'s ``data.json``,
-            :mod:`fedloom.engine.datarecord`): other data raises
-            :class:`~fedloom.engine.datarecord.DataChangedError`, one line naming it
+            :mod:`fedloom.engine.runs.datarecord`): other data raises
+            :class:`~fedloom.engine.runs.datarecord.DataChangedError`, one line naming it
             and what changed, before anything is written. A run from before
             ``data.json`` resumes unchecked.
         allow_data_change: resume on other data all the same (``--allow-data-change``):

@@ -1,8 +1,8 @@
 """Screening and clipping of client updates: pure functions on rows and norms.
 
-Used twice a round (:mod:`fedloom.engine.uplink` on the dense update before
-it is encoded, :mod:`fedloom.engine.receive` on the decoded rows the
-aggregator would get) and by the guards of :mod:`fedloom.engine.server`.
+Used twice a round (:mod:`fedloom.engine.stages.uplink` on the dense update before
+it is encoded, :mod:`fedloom.engine.stages.receive` on the decoded rows the
+aggregator would get) and by the guards of :mod:`fedloom.engine.stages.server`.
 """
 
 from __future__ import annotations

@@ -35,9 +35,9 @@ from fedloom.capabilities import BackendCaps, backend_caps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig
-from fedloom.engine.backends import Backend, ResultSink, SequentialBackend
-from fedloom.engine.lockstep import LockstepBackend, job_reason, shape_reason
-from fedloom.engine.vmap import VmapBackend
+from fedloom.engine.trainers.backends import Backend, ResultSink, SequentialBackend
+from fedloom.engine.trainers.lockstep import LockstepBackend, job_reason, shape_reason
+from fedloom.engine.trainers.vmap import VmapBackend
 from fedloom.registry import register
 
 __all__ = ["CANDIDATES", "AutoBackend", "choose", "lockstep_reason"]
@@ -124,7 +124,7 @@ class AutoBackend:
             out["vmap"] = lambda: self.vmap
         if (self.workers > 1 and len(jobs) >= 2 * self.workers and self.x is not None
                 and self.y is not None):  # x and y are set together
-            from fedloom.engine.parallel import ProcessBackend
+            from fedloom.engine.trainers.parallel import ProcessBackend
 
             x, y = self.x, self.y
             out["process"] = lambda: ProcessBackend(self.trainer, self.method, x, y,

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedloom.engine.receive import Received
 from fedloom.engine.runstate import RoundOutcome, RoundPlan
-from fedloom.engine.server import ServerOutcome
+from fedloom.engine.stages.receive import Received
+from fedloom.engine.stages.server import ServerOutcome
 from fedloom.selection import Feedback
 
 __all__ = ["account_privacy", "add_totals", "round_metrics", "selection_feedback"]

@@ -11,23 +11,23 @@ autograd calls), then :class:`~fedloom.client.sgd.LocalSGD`'s rule as one update
 of all rows. The Python and autograd overhead of a step is paid once per chunk
 instead of once per client: that is where it is faster than ``sequential`` on a
 CPU (and ``vmap``). Results are ``sequential``'s bit for bit in float64
-(:mod:`fedloom.engine.lockstep.step`).
+(:mod:`fedloom.engine.trainers.lockstep.step`).
 
-The package: :mod:`~fedloom.engine.lockstep.plan` (which models it runs),
-:mod:`~fedloom.engine.lockstep.step` (one step's forward and backward) and
-:mod:`~fedloom.engine.lockstep.backend` (chunks, fallbacks). Importing it
+The package: :mod:`~fedloom.engine.trainers.lockstep.plan` (which models it runs),
+:mod:`~fedloom.engine.trainers.lockstep.step` (one step's forward and backward) and
+:mod:`~fedloom.engine.trainers.lockstep.backend` (chunks, fallbacks). Importing it
 registers the backend ``lockstep``. Each operation written out:
 docs/explanation/backends.md (Lock-step).
 """
 
 from __future__ import annotations
 
-from fedloom.engine.lockstep.backend import (  # noqa: F401  (re-exported)
+from fedloom.engine.trainers.lockstep.backend import (  # noqa: F401  (re-exported)
     LockstepBackend,
     job_reason,
     shape_reason,
     trainer_reason,
 )
-from fedloom.engine.lockstep.plan import lockstep_plan
+from fedloom.engine.trainers.lockstep.plan import lockstep_plan
 
 __all__ = ["LockstepBackend", "job_reason", "lockstep_plan", "shape_reason"]

@@ -1,9 +1,9 @@
 """The ``lockstep`` backend: :class:`LockstepBackend`, its chunks and its fallbacks.
 
 A cohort is trained in chunks of clients, each chunk's steps by
-:func:`~fedloom.engine.lockstep.step._step`; a model, a trainer or jobs that are
+:func:`~fedloom.engine.trainers.lockstep.step._step`; a model, a trainer or jobs that are
 not lock-step's (:func:`trainer_reason`, :func:`job_reason`, :func:`shape_reason`,
-:func:`~fedloom.engine.lockstep.plan.lockstep_plan`'s reason) train on the
+:func:`~fedloom.engine.trainers.lockstep.plan.lockstep_plan`'s reason) train on the
 sequential path with one line in the log naming why.
 
 The cohort runs in chunks of ``chunk`` clients (``backend.chunk``; default: as
@@ -31,8 +31,8 @@ from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.client.transforms import StepContext, jobs_chain
 from fedloom.config import BackendConfig
-from fedloom.engine.backends import InProcess
-from fedloom.engine.lockstep.plan import (
+from fedloom.engine.trainers.backends import InProcess
+from fedloom.engine.trainers.lockstep.plan import (
     _AvgPool,
     _BatchNorm,
     _Conv,
@@ -43,7 +43,7 @@ from fedloom.engine.lockstep.plan import (
     _Op,
     lockstep_plan,
 )
-from fedloom.engine.lockstep.step import _forward, _step
+from fedloom.engine.trainers.lockstep.step import _forward, _step
 from fedloom.registry import register
 from fedloom.rng import Purpose, derive_seed
 

@@ -28,7 +28,7 @@ from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig, ConfigError
 from fedloom.device import configure, keep_freed_heap, to_device, to_host, worker_threads
-from fedloom.engine.backends import (
+from fedloom.engine.trainers.backends import (
     ResultSink,
     balanced_groups,
     hand_over,
@@ -43,12 +43,12 @@ __all__ = ["RayBackend"]
 def _train_group(setup: dict[str, Any], x_np: np.ndarray, y_np: np.ndarray,
                  jobs: list[ClientJob], side: Any = None
                  ) -> tuple[list[ClientResult | None], list[Any] | None]:
-    """Train ``jobs``; with ``side`` (a :class:`~fedloom.engine.uplink.ClientSide`),
+    """Train ``jobs``; with ``side`` (a :class:`~fedloom.engine.stages.uplink.ClientSide`),
     also each client's own part of the uplink, where its update is: its norm and,
     with a pure compressor, its payload."""
     import warnings
 
-    from fedloom.engine.parallel import make_inner, run_group
+    from fedloom.engine.trainers.parallel import make_inner, run_group
 
     worker_threads(setup.get("threads", 0))
     if setup.get("keep_heap", True):  # the task's steps reuse the heap (once a process)
@@ -157,7 +157,7 @@ class RayBackend:
         """Jobs carry ``data_index`` (the tasks read the data from the object store);
         :meth:`train_cohort` hands each group's results to ``on_result`` as its task
         returns (``streams``: in the order the tasks finish), with what the task did
-        of each client's uplink (:class:`~fedloom.engine.uplink.ClientSide`)."""
+        of each client's uplink (:class:`~fedloom.engine.stages.uplink.ClientSide`)."""
         return BackendCaps(ships_indices=True, streams=True,
                            worker_threads=self.worker_threads)
 

@@ -19,10 +19,10 @@ import torch
 from fedloom.buffers import load_buffers, unflatten_buffers
 from fedloom.device import to_device
 from fedloom.engine.algorithm import Algorithm
-from fedloom.engine.backends import take_rows
-from fedloom.engine.fields import BUFFERS, FEEDBACK, METHOD, ClientFields
+from fedloom.engine.clientfields import BUFFERS, FEEDBACK, METHOD, ClientFields
 from fedloom.engine.parts import ClientData, HookView, ModelSpace, Schedule
 from fedloom.engine.runstate import RoundPlan, RunState
+from fedloom.engine.trainers.backends import take_rows
 from fedloom.job import ClientJob
 from fedloom.rng import Purpose, derive_seed
 

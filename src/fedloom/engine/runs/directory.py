@@ -9,10 +9,10 @@ metrics rows it was written after (:func:`metrics_digest`), so rows of another
 run, or a file cut before the checkpoint's round, are never continued silently —
 the resume falls back to ``prev.pt`` when its rows are intact, as for a damaged
 ``last.pt``, and says so. Only directories fedloom made run directories are
-written into (:func:`~fedloom.engine.checkpoint.lock_run_dir`). Everything
+written into (:func:`~fedloom.engine.runs.checkpoint.lock_run_dir`). Everything
 damaged is named in one line
-(:class:`~fedloom.engine.checkpoint.RunDirError`,
-:class:`~fedloom.engine.checkpoint.CheckpointError`, or
+(:class:`~fedloom.engine.runs.checkpoint.RunDirError`,
+:class:`~fedloom.engine.runs.checkpoint.CheckpointError`, or
 :class:`~fedloom.config.ConfigError` for a config that differs).
 """
 
@@ -35,7 +35,7 @@ import yaml
 from fedloom import bounded
 from fedloom.config import Config, ConfigError, config_to_dict, load_config, safe_load_bounded
 from fedloom.device import to_host
-from fedloom.engine.checkpoint import (
+from fedloom.engine.runs.checkpoint import (
     LOCK_FILE,
     MARKER_FILE,
     CheckpointError,
@@ -48,7 +48,7 @@ from fedloom.engine.checkpoint import (
     save_checkpoint,
 )
 from fedloom.engine.components import moved_objects
-from fedloom.engine.legacy import current_layout
+from fedloom.engine.runs.legacy import current_layout
 from fedloom.engine.runstate import RunState
 from fedloom.engine.setup import Setup
 

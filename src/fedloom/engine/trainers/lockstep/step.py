@@ -1,8 +1,8 @@
 """One lock-step local step: every client's forward and backward, written out by hand.
 
-:func:`_step` runs a plan (:mod:`fedloom.engine.lockstep.plan`) on activations
+:func:`_step` runs a plan (:mod:`fedloom.engine.trainers.lockstep.plan`) on activations
 ``[m, n, …]`` and writes each client's gradient into its row of ``G``; the package
-docstring (:mod:`fedloom.engine.lockstep`) gives the operations it runs. Each kind
+docstring (:mod:`fedloom.engine.trainers.lockstep`) gives the operations it runs. Each kind
 of op has its forward and its backward, looked up by the op's dataclass in
 ``_FORWARD`` and ``_BACKWARD``; :func:`_step` is the loop over them.
 
@@ -33,7 +33,7 @@ from typing import Any, cast
 import torch
 from torch.nn import functional as F
 
-from fedloom.engine.lockstep.plan import (
+from fedloom.engine.trainers.lockstep.plan import (
     _AvgPool,
     _BatchNorm,
     _Conv,

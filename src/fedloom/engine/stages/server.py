@@ -26,9 +26,9 @@ from fedloom.aggregate.base import CohortInfo
 from fedloom.compress.feedback import UplinkResult
 from fedloom.engine.algorithm import Algorithm
 from fedloom.engine.parts import ModelSpace
-from fedloom.engine.receive import Received
 from fedloom.engine.runstate import RoundPlan, RunState
-from fedloom.engine.screen import all_finite, first_line
+from fedloom.engine.stages.receive import Received
+from fedloom.engine.stages.screen import all_finite, first_line
 from fedloom.job import ClientResult
 from fedloom.metrics import conflict_rate
 

@@ -3,7 +3,7 @@ dataclass per kind of layer (``_Linear``, ``_Conv``, ``_MaxPool``, … ``_BatchN
 ``_Op`` is their union), each with the fields of its kind only.
 
 :func:`lockstep_plan` turns a module into the list of ops one step runs
-(:mod:`fedloom.engine.lockstep.step`), or says in one line why it cannot.
+(:mod:`fedloom.engine.trainers.lockstep.step`), or says in one line why it cannot.
 
 Supported: models ``torch.fx`` traces to a chain of ``nn.Linear``, ``nn.Conv2d``
 (``groups = 1``, no ``"same"`` padding), ``nn.MaxPool2d``, ``nn.AvgPool2d``,

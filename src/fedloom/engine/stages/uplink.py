@@ -4,7 +4,7 @@ In order, for the clients whose training came back: the client-side
 postprocessors (:func:`client_postprocessors`: an attacker's transform, then
 local DP's clip and noise; a chain in the way pfl-research chains
 postprocessors), the screening of the dense update (non-finite, out of bound:
-:func:`fedloom.engine.screen.screen_updates`, so a client never sends what
+:func:`fedloom.engine.stages.screen.screen_updates`, so a client never sends what
 the server would refuse), then the feedback policy and the compressor. The
 server sees ``decode(payload)``, as bytes.
 """
@@ -28,7 +28,7 @@ from fedloom.device import to_device
 from fedloom.engine.algorithm import Algorithm
 from fedloom.engine.parts import Schedule, ScreenRules
 from fedloom.engine.runstate import RoundOutcome, RoundPlan, RunState
-from fedloom.engine.screen import first_line, non_finite_reason, row_norms, screen_updates
+from fedloom.engine.stages.screen import first_line, non_finite_reason, row_norms, screen_updates
 from fedloom.job import ClientResult
 from fedloom.rng import Purpose, torch_gen
 
@@ -86,7 +86,7 @@ def client_postprocessors(attack: Any, privacy: Any) -> list[Postprocessor]:
 @dataclass
 class Sent:
     """What a worker did of its client's uplink (:class:`ClientSide`): the update's
-    norm (a float, as :func:`~fedloom.engine.screen.row_norms` gives it) and its
+    norm (a float, as :func:`~fedloom.engine.stages.screen.row_norms` gives it) and its
     payload (``None``: not encoded there — a non-finite update, an encode that
     failed, or a float32 identity vector, which the server reads in place where the
     worker wrote it into the server's row and encodes itself otherwise)."""
@@ -130,7 +130,7 @@ class EarlyUplink:
     """Each client's own part of the uplink, done as its result arrives from a
     worker while the others still train (the ``process`` backend streams them):
     the dense update's norm, the encode and the server's decode into its row of
-    ``rows``. :func:`uplink_round` and :func:`~fedloom.engine.receive.receive`
+    ``rows``. :func:`uplink_round` and :func:`~fedloom.engine.stages.receive.receive`
     then use what was done instead of doing it again; everything that reads the
     cohort (the screening by the norms' median, which clients are refused) still
     happens there, in the same order. Only where none of this depends on the

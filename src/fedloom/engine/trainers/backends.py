@@ -99,7 +99,7 @@ class Backend(Protocol):
 class ResultSink(Protocol):
     """What a backend that streams (``BackendCaps.streams``) hands each result to, its
     ``train_cohort(jobs, on_result=sink)``: the engine's early uplink
-    (:class:`~fedloom.engine.uplink.EarlyUplink`). Called as ``sink(position,
+    (:class:`~fedloom.engine.stages.uplink.EarlyUplink`). Called as ``sink(position,
     result)``, or ``sink(position, result, sent)`` with what the client's worker did
     of its uplink."""
 
@@ -112,7 +112,7 @@ class ResultSink(Protocol):
     @property
     def client_side(self) -> Callable[[torch.Tensor, int], Any] | None:
         """What a worker may do of each client's uplink, ``client_side(update,
-        client)`` (:class:`~fedloom.engine.uplink.ClientSide`); None: nothing."""
+        client)`` (:class:`~fedloom.engine.stages.uplink.ClientSide`); None: nothing."""
         ...
 
     def __call__(self, i: int, res: ClientResult, sent: Any = None) -> None: ...
@@ -172,7 +172,7 @@ def hand_over(on_result: Callable[..., None] | None, i: int, res: ClientResult |
     """Pass cohort position ``i``'s result to a backend caller's ``on_result`` as it
     comes (nothing for a failed client or without ``on_result``), with what its
     worker did of its uplink where it did any (``sent``, a
-    :class:`~fedloom.engine.uplink.Sent`)."""
+    :class:`~fedloom.engine.stages.uplink.Sent`)."""
     if res is None or on_result is None:
         return
     if sent is None:

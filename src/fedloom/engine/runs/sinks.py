@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from fedloom.engine.checkpoint import atomic_write_bytes
+from fedloom.engine.runs.checkpoint import atomic_write_bytes
 from fedloom.files import open_in_place
 
 __all__ = ["METRICS_CSV_FILE", "TENSORBOARD_DIR", "MetricsCSV", "TensorBoardSink",

@@ -6,7 +6,7 @@ client has (a sample or step count that is not a finite whole number in
 ``[0, 2**53]`` — samples ``> 0`` —, a start loss that is not finite where the rule
 needs it: one such number would fail the round's step for everyone); then screen
 the rows as the clients screened their dense updates (non-finite,
-:func:`~fedloom.engine.screen.screen_updates`: the server's own check, the one
+:func:`~fedloom.engine.stages.screen.screen_updates`: the server's own check, the one
 that holds for deployed clients too), reject a client whose new state rows are
 not finite, and clip (``server.clip_norm``). Nothing is aggregated here;
 :class:`Received` says what may be, and holds the accepted clients' numbers as
@@ -30,7 +30,7 @@ from fedloom.compress.feedback import UplinkResult
 from fedloom.engine.algorithm import Algorithm
 from fedloom.engine.parts import ModelSpace, ScreenRules
 from fedloom.engine.runstate import RoundOutcome, RoundPlan, RunState
-from fedloom.engine.screen import (
+from fedloom.engine.stages.screen import (
     clip_rows,
     count_reason,
     finite_rows,

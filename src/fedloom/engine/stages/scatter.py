@@ -2,7 +2,7 @@
 
 Only after a step that is applied, and only for accepted clients: a rejected
 client's rows, and every row of a rejected round, stay as they were. Each
-owner (:mod:`fedloom.engine.fields`) gets its own rows back: the local
+owner (:mod:`fedloom.engine.clientfields`) gets its own rows back: the local
 method's from the clients' results (and its server state from
 ``server_update``), the feedback policy's from the uplink, the buffer
 policy's (``model.buffers=local``) from the buffers local training ended with.
@@ -17,7 +17,7 @@ import torch
 
 from fedloom.buffers import average_buffers, flatten_buffers
 from fedloom.compress.feedback import UplinkResult
-from fedloom.engine.fields import BUFFERS, FEEDBACK, METHOD
+from fedloom.engine.clientfields import BUFFERS, FEEDBACK, METHOD
 from fedloom.engine.parts import ClientData
 from fedloom.engine.runstate import RoundPlan, RunState
 from fedloom.job import ClientResult

@@ -34,7 +34,7 @@ import torch
 from fedloom.buffers import unflatten_buffers
 from fedloom.config import EvalConfig
 from fedloom.device import to_device
-from fedloom.engine.fields import BUFFERS, METHOD
+from fedloom.engine.clientfields import BUFFERS, METHOD
 from fedloom.engine.parts import ClientData, ModelSpace
 from fedloom.metrics import (
     accuracy_stats,
