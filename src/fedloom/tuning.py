@@ -1,82 +1,28 @@
 """The tuning protocol of a sweep: one search space per method, one budget for all.
 
 A comparison is only fair when every method was tuned as much as every other,
-on data it is not judged on. A suite's ``tuning:`` section states the protocol
-once (:mod:`fedloom.sweep` reads it)::
+on data it is not judged on. A suite's ``tuning:`` section (:mod:`fedloom.sweep`
+reads it) states ``budget`` (trials per method and setting), ``seeds`` (none of them
+a reported seed), ``metric``, ``rounds``, ``sampler`` (``grid | tpe | halving``) and
+a ``space`` that a method or a setting extends with its own ``space:``.
 
-    tuning:
-      budget: 4                  # trials per method and setting: the same for every method
-      seeds: [101]               # tuning seeds; none of them is a reported seed
-      metric: client_acc_mean    # selection metric: a run's final value (lower is better
-                                 # for loss/bytes/seconds metrics, else higher)
-      rounds: 50                 # rounds of a tuning run (default: the setting's own;
-                                 # a setting's tuning_rounds: wins)
-      sampler: grid              # grid | tpe | halving
-      seed: 0                    # the sampler's seed
-      eta: 3                     # halving only: keep the best 1/eta at each rung
-      min_rounds: 10             # halving only: the rounds of the first rung
-      space:                     # the keys every method tunes (client and server step)
-        client.lr: [0.01, 0.03, 0.1]
-        server.lr: [0.5, 1.0]
-      sensitivity: {key: client.lr}   # optional; values: [...] (default: the key's
-                                      # list in each method's space), methods: [...]
-
-and a method (or a setting) adds or replaces keys with its own ``space:``
-(FedProx's ``client.prox_mu``, SA-PEF's ``compression.feedback.options.alpha``,
-FLARE's ``compression.feedback.options.tau``…). A key's values are a list, or (``tpe``
-only) a range ``{low: 1e-3, high: 1.0, log: true}``.
-
-Samplers.
-
-* ``grid``: the product of the lists, visited in an order drawn once per
-  (sampler seed, setting, method) — a permutation from a generator derived from
-  those names (:func:`fedloom.rng.derive_seed`), the same on every machine. The
-  first ``budget`` points are the trials: the whole grid when it has exactly
-  ``budget`` points, a random subset of it when it is larger (random search on
-  the grid), and a grid *smaller* than the budget is refused — that method would
-  be tuned less than the others. The order does not depend on the budget, so a
-  doubled budget keeps the first trials (and reuses their runs).
-* ``tpe``: Optuna's TPE sampler (``pip install optuna``). Trial ``i`` is asked
-  of a fresh study that holds trials ``0 … i−1`` with their scores and a sampler
-  seeded by (sampler seed, setting, method, ``i``), so trial ``i``'s point
-  depends only on that history: a stopped sweep proposes the same points when it
-  continues, and a doubled budget keeps the first trials. The first
-  ``startup`` trials (default 4) are drawn at random, as TPE does.
-* ``halving``: successive halving (Jamieson & Talwalkar, AISTATS 2016; one
-  bracket of Hyperband, Li et al., JMLR 2018) over the grid sampler's
-  ``budget`` trials, with the budget counted in rounds. Rung ``k`` runs for
-  ``r_k = min_rounds · eta^k`` rounds, the last one for the tuning rounds ``R``
-  (:func:`halving_rungs`); all ``n_0 = budget`` trials run the first rung, and
-  the best ``n_{k+1} = max(1, ⌊n_k / eta⌋)`` of rung ``k`` on the selection
-  metric (its value at the rung's last round, which is always evaluated) go on
-  to rung ``k + 1``, the earlier trial on a tie (:func:`promote`). A trial whose
-  score is not finite, or whose run diverged (its summary holds the training-loss
-  warning), is never promoted: it stops at the end of the rung where that shows.
-  A promoted trial continues its run from the checkpoint at the end of its
-  rung (``--resume`` with more rounds, which the engine makes bit-identical to
-  a run of that many rounds from the start; the cosine schedule, which depends
-  on the total, starts afresh), so a trial that reaches rung ``k`` costs
-  ``r_k`` rounds. The chosen point is the best at the highest rung a finite
-  score reached (:func:`halving_choice`). Every method gets the same plan,
-  ``Σ_k n_k (r_k − r_{k−1})`` rounds per tuning seed (× the cohort size: client
-  rounds), against ``budget · R`` for the grid sampler; a method whose trials
-  diverge uses less. Each rung's run of a point is its own folder
-  (``METHOD@tune=POINT@rR``; the last rung's is the grid sampler's folder of the
-  point), so a run is the point's result at that many rounds whatever promoted
-  it, and the trials are the grid sampler's, whose order does not depend on the
-  budget: a bigger budget keeps the first trials and their results at every
-  rung they ran (it may promote others: with more trials the competition at each
-  rung is another). Departures from the papers: one bracket, not Hyperband's
-  several (``min_rounds`` states the earliest stop instead); ties go to the
-  earlier trial; non-finite scores are dropped, not ranked.
+Samplers: ``grid`` visits the product of the lists in an order drawn once per
+(sampler seed, setting, method) (:func:`fedloom.rng.derive_seed`), its first
+``budget`` points the trials; ``tpe`` is Optuna's TPE sampler, trial ``i`` asked of
+a fresh study holding trials ``0 … i−1``; ``halving`` is successive halving
+(Jamieson & Talwalkar, AISTATS 2016; one bracket of Hyperband, Li et al., JMLR
+2018) over the grid sampler's trials, rung ``k`` running ``r_k = min_rounds · eta^k``
+rounds (:func:`halving_rungs`, :func:`promote`, :func:`halving_choice`). Departures
+from the papers: one bracket, not Hyperband's several (``min_rounds`` states the
+earliest stop instead); ties go to the earlier trial; non-finite scores are
+dropped, not ranked.
 
 A trial runs on every tuning seed; its score is the mean of the selection metric
 over them. A run that diverged (a NaN or missing metric) scores worst. The
 chosen point is the best score, the earliest trial on a tie.
 
-Sensitivity: every method is also run on the reported seeds at each value of
-``sensitivity.key`` with its other keys at their chosen values; the report draws
-the metric across those values (a conclusion that hinges on the step size shows).
+The format, each sampler in full, the cost of halving and the sensitivity runs:
+docs/howto/sweeps.md (The tuning protocol).
 """
 
 from __future__ import annotations

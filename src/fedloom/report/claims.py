@@ -7,8 +7,7 @@ A suite's ``claims:`` list states what a paper claims, one entry each::
         method: CRAFT
         against: [FedAvg, FedAvgM, FedProx]
         metric: client_acc_worst10      # a final metric, or rounds_to_target
-        better: higher                  # higher | lower: from the metric's name when it
-                                        # says (claim_direction); a contradiction is refused
+        better: higher                  # higher | lower (claim_direction)
         margin: 0.01                    # optional: "equivalent" inside ± margin
         settings: [mnist]               # optional: where the claim applies
 
@@ -16,18 +15,10 @@ The table has a row per (claim, baseline) and a column per setting; a cell is
 the paired comparison of the method against the baseline over the seeds both
 ran (:func:`fedloom.report.stats.paired`): its verdict, the mean difference and
 its 95 % interval. Accuracy metrics are differences in percentage points.
+Under the sequential protocol the interval is :mod:`fedloom.report.sequential`'s.
 
-Under the sequential protocol (``seeds: {min, max, batch}``, :mod:`fedloom.sweep`)
-the interval is the anytime-valid confidence sequence of
-:mod:`fedloom.report.sequential` (the cells were looked at after every batch), and
-every cell says how many seeds it used: ``**better** (n=6) +2.1 pp [+0.4, +3.8]``,
-``(n=12, max)`` when the pair reached ``max`` undecided.
-
-``rounds_to_target``: the first evaluated round whose test accuracy reaches the
-page's target (``report.target``); a run that never reaches it counts as its
-last round + 1 (censored at the horizon: the method that does not get there is
-charged the least it could need, which can only favour it), and the cell says
-how many runs were censored.
+The claim format in full, cells under the sequential protocol and
+``rounds_to_target``'s censoring: docs/howto/sweeps.md (Paired comparisons and claims).
 """
 
 from __future__ import annotations

@@ -1,65 +1,28 @@
 """Anytime-valid paired comparisons: a confidence sequence for the mean paired difference.
 
 A sweep with ``seeds: {min, max, batch}`` (:mod:`fedloom.sweep`) looks at each
-comparison after every batch of seeds and gives more seeds only to those still
-undecided. A fixed-n interval re-tested after each batch no longer holds its level
-(every look is another chance to exclude the true mean by luck); what holds under
-such optional stopping is a **confidence sequence** (CS): intervals ``C_n`` with
+comparison after every batch of seeds; what holds under such optional stopping is a
+**confidence sequence** (CS): intervals with ``P(∃ n ≥ 1: μ ∉ C_n) ≤ α``.
 
-    P(∃ n ≥ 1: μ ∉ C_n) ≤ α,
+The method: a scale-invariant Gaussian-mixture t-test on the paired differences
+``d_i ~ N(μ, σ²)`` i.i.d., σ unknown. For a candidate mean ``m``, with ``r_n =
+T² / (n − 1 + T²)`` (``T`` the t-statistic of ``m``), the Bayes factor
 
-so the interval at any stopping time, however it was chosen, covers ``μ`` with
-probability ≥ 1 − α.
+    B_n(m) = (1 + nτ²)^(−1/2) · (1 − nτ²/(1 + nτ²) · r_n)^(−n/2),     B_1 = 1
 
-The method: a scale-invariant Gaussian-mixture t-test. The paired differences
-``d_1, d_2, …`` (in seed order) are taken as i.i.d. N(μ, σ²), σ unknown — the
-assumption of the fixed-n t-interval (:mod:`fedloom.report.stats`). For a
-candidate mean ``m`` let ``y_i = d_i − m``, ``S_n = Σ y_i``, ``V_n = Σ y_i²``,
-``r_n = S_n² / (n V_n) = T² / (n − 1 + T²)`` with ``T`` the t-statistic of ``m``.
-The Bayes factor of "``y_i ~ N(δσ, σ²)``, ``δ ~ N(0, τ²)``" against
-"``y_i ~ N(0, σ²)``", both with the right-Haar prior ``dσ/σ`` on the scale, is
-
-    B_n(m) = (1 + nτ²)^(−1/2) · (1 − nτ²/(1 + nτ²) · r_n)^(−n/2),     B_1 = 1.
-
-It is the likelihood ratio of the scale-invariant statistic ``(y_1, …, y_n)/|y_1|``,
-hence a nonnegative martingale with mean 1 under ``μ = m`` in that statistic's
-filtration (Pérez-Ortiz, Lardy, de Heide & Grünwald 2024, "E-statistics, group
-invariance and anytime-valid testing", Ann. Statist.; Wang & Ramdas 2023,
-"Anytime-valid t-tests and confidence sequences for Gaussian means with unknown
-variance", whose first e-process this is; Lai 1976 built the first such t-CS with a
-flat mixture over μ). Ville's inequality gives ``P(∃n: B_n(μ) ≥ 1/α) ≤ α``, a
-statement about all ``n`` at once, so it holds at any data-dependent stopping time.
-``B_n`` increases with ``T²``, so ``C_n = {m: B_n(m) < 1/α}`` is a t-interval with
-a larger critical value:
+is a nonnegative martingale under ``μ = m`` (Pérez-Ortiz, Lardy, de Heide &
+Grünwald 2024, "E-statistics, group invariance and anytime-valid testing", Ann.
+Statist.; Wang & Ramdas 2023, "Anytime-valid t-tests and confidence sequences for
+Gaussian means with unknown variance"), so by Ville's inequality
+``C_n = {m: B_n(m) < 1/α}`` is a CS, a t-interval with a larger critical value:
 
     C_n = d̄_n ± c_n · s_n / √n,    c_n² = (n − 1) ρ / (1 − ρ),
     ρ = (1 − ((1 + nτ²)^(1/2) / α)^(−2/n)) · (1 + nτ²) / (nτ²),
 
-``s_n`` the sample sd (``ddof=1``); ``C_n = ℝ`` when ``ρ ≥ 1`` (too few pairs: for
-``τ² = 20``, ``n ≤ 2``). The page reports the running intersection ``C_1 ∩ … ∩ C_n``
-(still a CS, and a decided verdict then stays decided as seeds are added); should the
-intersection be empty (the CS has missed, probability ≤ α) the last non-empty one
-is kept.
-
-Why this CS and not one for bounded differences. Accuracy differences lie in
-[−1, 1], and a betting CS (Waudby-Smith & Ramdas 2023, JRSS-B) or Howard,
-Ramdas, McAuliffe & Sekhon's (2021, Ann. Statist.) normal-mixture boundary with
-the range bound (σ ≤ 1) would need no distributional assumption. But their width
-is set by the range, not by the seed-to-seed spread: at n = 12 the sub-Gaussian
-boundary with σ = 1 is ±116 pp (``--widths``) and a betting CS can multiply its
-capital by at most ``(1 + λ|d − m|)`` per seed, with ``λ ≤ 1/(1 + |m|)``, so
-differences of a few pp never reach ``1/α = 20``: with 3 to 12 seeds neither could
-ever decide a difference between two methods. The Gaussian assumption is the one
-the fixed-n t-interval already makes (and tests/test_sequential.py checks coverage
-under uniform and skewed bounded differences too).
-
-Its cost: ``c_n`` against ``t_{0.975, n−1}`` is about 2.4× at n = 3 and 2.0× at
-n = 6 and 12 (``python -m fedloom.report.sequential --widths``). The prior scale
-``τ² = 20`` (standardised effect ``μ/σ`` of sd ≈ 4.5: seeds pair the partition and
-the initial model, so paired differences are often several sds from 0) minimises
-the sum of those three ratios over a grid (10, 15, 20, 25, 30, 40, 50); it is fixed
-before any data. Departures: none from the papers' e-process; the two-sided CS
-inverts the symmetric (``δ ~ N(0, τ²)``) mixture.
+reported as the running intersection ``C_1 ∩ … ∩ C_n``; ``τ² = 20``. Departures:
+none from the papers' e-process; the two-sided CS inverts the symmetric mixture.
+The derivation, why not a CS for bounded differences, its cost and the choice of
+``τ²``: docs/howto/sweeps.md (Seeds where they decide).
 """
 
 from __future__ import annotations

@@ -7,33 +7,20 @@ therefore made seed by seed, on the differences
 
     d_s = A_s − B_s,        s ∈ seeds run by both, value finite for both,
 
-and reports their mean ``d̄`` with a two-sided confidence interval:
+and reports their mean ``d̄`` with a two-sided confidence interval: ``t`` (default,
+``d̄ ± t_{1−(1−level)/2, n−1} · sd(d) / √n``, ``ddof=1``, Student's t from scipy)
+or ``bootstrap`` (scipy's BCa bootstrap of the mean difference; below 10 pairs the
+t-interval instead, and the result says so).
 
-* ``t`` (default): ``d̄ ± t_{1−(1−level)/2, n−1} · sd(d) / √n`` with the sample sd
-  (``ddof=1``), Student's t from scipy. Exact when the differences are normal;
-  with few seeds it is wide (``t_{0.975, 2} = 4.30`` for 3 seeds), which is the
-  honest answer.
-* ``bootstrap``: scipy's BCa bootstrap of the mean difference (9,999 resamples,
-  a generator derived from ``seed`` and the purpose ``"bootstrap"``). Below 10
-  pairs the bootstrap interval is too narrow (it cannot see beyond the few values
-  it resamples), so there the t-interval is used and the result says so.
+The **verdict** is read from the interval, never from the size of the mean:
+``equivalent`` when a ``margin`` is given and the interval lies inside
+``(−margin, margin)`` (two one-sided tests), else ``better`` or ``worse`` when the
+whole interval lies on one side of 0, else ``no evidence`` (always with fewer than 2
+pairs). Each interval is per comparison (not adjusted for the number of comparisons
+on a page).
 
-The **verdict** is read from the interval, never from the size of the mean: with
-``better`` the direction in which the metric improves (higher accuracy, lower
-spread or rounds),
-
-* ``equivalent`` when a ``margin`` is given and the interval lies inside
-  ``(−margin, margin)`` (two one-sided tests at the same level: "at equal mean"). A
-  claim with a margin asks whether the methods are level, so this comes first: an
-  interval such as ``[+0.017, +0.022]`` nats against a margin of 0.05 answers "level",
-  and its sign stays on the cell;
-* ``better`` when the whole interval lies on the improving side of 0,
-* ``worse`` when it lies wholly on the other side,
-* ``no evidence`` otherwise, and always with fewer than 2 pairs (no interval).
-
-Each interval is per comparison (not adjusted for the number of comparisons on a
-page); a page states that. Differences of identical values (``sd = 0``) give a
-zero-width interval: a deterministic difference is reported as it is.
+Each interval and verdict in full, and zero-width intervals:
+docs/howto/sweeps.md (Paired comparisons and claims).
 """
 
 from __future__ import annotations

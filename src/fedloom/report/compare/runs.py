@@ -3,21 +3,12 @@
 Runs. A run directory is one that holds ``summary.json`` (a finished run) or
 ``metrics.jsonl`` (one still running or stopped); a directory that is neither is
 searched below for run directories, except folders whose name holds ``@tune=`` or
-``@sens=``
-(a sweep's tuning runs: pass one explicitly to include it). From a run this
-module reads ``config.yaml`` (the resolved config), ``summary.json``,
+``@sens=`` (a sweep's tuning runs: pass one explicitly to include it). From a run
+this module reads ``config.yaml`` (the resolved config), ``summary.json``,
 ``metrics.jsonl`` (a torn last line, what a killed run leaves, is skipped) and
 ``client_acc.json`` (the final model's accuracy on each client's test split).
 What this module computes with is checked as it is read, and anything else is one
-line naming the file (and line) and the field, never a traceback: each metrics
-record has ``round`` (an integer >= 1) and the uplink counts (finite numbers >= 0),
-the metrics a table shows are numbers wherever they appear (NaN is one: fedloom
-logs it for a metric without a value; so is an infinite, diverged loss), and
-``client_acc.json`` holds lists of numbers or nulls. JSON nested deeper than
-Python's recursion limit or holding an integer longer than its int-parsing limit
-(4300 digits) is refused naming the file (and line), and so is a line of
-``metrics.jsonl`` longer than :data:`fedloom.bounded.MAX_JSONL_LINE` (16 MiB; the
-file is read line by line, and such a line is never held whole).
+line naming the file (and line) and the field, never a traceback.
 
 Numbers. For each metric, each run gives one value: its ``final`` value (the
 run's ``summary.json``, which holds the last logged value of every metric, plus
@@ -28,6 +19,8 @@ value at round ``R`` (the last logged at or before ``R``: evaluation metrics
 exist only on evaluation rounds). A group shows the mean and the sample standard
 deviation (``ddof=1``; 0 for one run) over its runs that have a value (not NaN), and
 ``(k/n)`` when only ``k`` of its ``n`` runs have one.
+
+What is checked as it is read: docs/howto/cli.md (Comparing runs).
 """
 
 from __future__ import annotations
