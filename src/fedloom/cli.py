@@ -1,5 +1,5 @@
-"""The command line: ``fedloom run | sweep | compare | datasets | models | schema |
-algorithms`` (``fedloom COMMAND --help`` for each).
+"""The command line: ``fedloom run | sweep | compare | export | datasets | models |
+schema | algorithms`` (``fedloom COMMAND --help`` for each).
 
 Errors in what the user gave (config, overrides, data, run directory) print one
 line ``fedloom: error: …`` and exit with status 2; nothing is left behind.
@@ -480,12 +480,15 @@ def _add_compare(sub: _Commands) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fedloom.export import add_export_command
+
     p = argparse.ArgumentParser(prog="fedloom")
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run(sub)
     _add_sweep(sub)
     _add_compare(sub)
+    add_export_command(sub)
     d = sub.add_parser("datasets", help="list datasets, whether they are here, how to install")
     d.add_argument("--root", help="look for on-disk datasets here (default: $FEDLOOM_DATA, "
                    "else ~/.cache/fedloom/data)")

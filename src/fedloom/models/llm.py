@@ -1,51 +1,26 @@
 """``model.name: hf_causal_lm``: a causal language model, optionally with LoRA adapters.
 
-The settings it mirrors are the LLM benchmarks of FlowerTune (Flower's federated
-fine-tuning leaderboard) and pfl-research: a frozen pretrained base, low-rank
-adapters (Hu et al. 2021, LoRA: ``W x + (α/r) B A x``, ``A`` Kaiming-uniform and
-``B`` zero at the start, so the adapted model starts as the base) on the attention
-projections, and only the adapters trained, sent and averaged.
+As in FlowerTune's and pfl-research's LLM benchmarks: a frozen pretrained base and
+low-rank adapters (Hu et al. 2021, LoRA: ``W x + (α/r) B A x``, ``B`` zero at the
+start, so the adapted model starts as the base) on the attention projections; only
+the adapters are trained, sent and averaged (``model.lora.train: b``: FFA-LoRA, Sun et
+al. 2024, every ``A`` frozen at its initialisation).
 
-Sources of the base, one of:
+The base is ``model.config`` (a tiny random-init Llama drawn from the run's seed),
+``model.path`` (a local model directory, never downloaded) or ``model.gguf_file`` (a
+GGUF file, de-quantised to the run's dtype; ``package:DIST/PATH`` finds it inside an
+installed Python package, :mod:`fedloom.models.packaged`).
 
-- ``model.config``: the keys of a ``transformers.LlamaConfig`` (a tiny random-init
-  Llama, no file; ``vocab_size`` defaults to the data's number of tokens), drawn
-  from ``(seed, "init")`` through the global generators;
-- ``model.path``: a local model directory (``from_pretrained`` with
-  ``local_files_only``: nothing is downloaded, whatever ``HF_HUB_OFFLINE`` says);
-- ``model.gguf_file``: a GGUF file, alone or inside ``model.path`` (transformers
-  de-quantises it to the run's dtype, with the ``gguf`` package of the extra).
+fedloom sees the trainable parameters only, so the ``Layout``, every update and
+payload hold adapter tensors; each adapted projection (its ``A`` and ``B``) is one
+layer group. :meth:`CausalLM.__deepcopy__` shares the frozen base, held once per
+process. The forward takes ids ``[B, T]`` and returns logits ``[B, V, T]``, so local
+training's loss is the mean next-token cross-entropy unchanged. A run's ``model.pt``
+holds the adapters, not the base; :mod:`fedloom.models.adapters` writes them as
+peft's adapter files.
 
-What fedloom sees: the module's trainable parameters are the adapters only
-(peft freezes the base), so the flat ``Layout``, every update, payload and
-``uplink_bytes`` hold adapter tensors only; each adapted projection (its ``A`` and
-``B``) is one layer group, the unit of CRAFT's per-layer mode. The base is held
-once per process: :meth:`CausalLM.__deepcopy__` shares frozen tensors, so the
-copies that trainers make (one per trainer, not per client) hold their own
-adapters over the same base storage.
-
-Speed and memory: ``model.gradient_checkpointing`` recomputes each decoder layer's
-activations in the backward (transformers' checkpointing, non-reentrant, in train
-mode); ``model.base_dtype: bfloat16`` holds the frozen base in bfloat16 while the
-adapters keep the run's dtype (the logits are cast back for the loss). The run's
-``model.pt`` holds the adapters, not the base, which the config rebuilds
-(:func:`fedloom.engine.runs.directory.load_model`); local AdamW is ``client.transforms:
-[{name: adamw}]`` (:mod:`fedloom.client.adamw`).
-
-The forward takes token ids ``[B, T]`` and returns logits as ``[B, V, T]`` — the
-class dimension second, as ``F.cross_entropy`` reads it with labels ``[B, T]`` —
-so local training's loss is the mean next-token cross-entropy unchanged.
-Departures from the benchmarks: plain SGD on the adapters (the benchmarks use
-AdamW locally), no padding or attention mask (every window is full), and no
-quantised base (the base is held in the run's dtype).
-
-``model.lora.train: b`` is FFA-LoRA (Sun et al., "Improving LoRA in
-Privacy-preserving Federated Learning", ICLR 2024): every ``A`` frozen at its
-initialisation, only the ``B`` matrices trained, sent and averaged, so that the
-average of the clients' ``B_k A`` is the average's product. No code by the authors
-was found; third-party code (david-stan/ffa-lora-flower) freezes the tensors named
-``lora_A`` as here. Departures: ``A`` is peft's Kaiming-uniform draw (the paper's
-is a Gaussian one) and ``alpha`` is left to the config (the paper raises it).
+docs/howto/llm.md has the keys, the memory and speed options, the departures from
+the benchmarks and FFA-LoRA's.
 """
 
 from __future__ import annotations
@@ -58,6 +33,7 @@ import torch
 from torch import nn
 
 from fedloom.config import ModelConfig
+from fedloom.models.packaged import model_file
 from fedloom.registry import register
 
 __all__ = ["CausalLM", "build_causal_lm"]
@@ -167,7 +143,8 @@ def _base(cfg: ModelConfig, num_classes: int) -> nn.Module:
         return transformers.LlamaForCausalLM(lcfg)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if cfg.gguf_file:
-        g = Path(cfg.path) / cfg.gguf_file if cfg.path else Path(cfg.gguf_file)
+        g = model_file(cfg.gguf_file, "model.gguf_file")  # a package: spec, else as given
+        g = Path(cfg.path) / g if cfg.path else g
         if not g.is_file():
             raise ValueError(f"model.gguf_file: no such file: {g}")
         where, kwargs["gguf_file"] = str(g.parent), g.name
