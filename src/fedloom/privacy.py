@@ -19,9 +19,7 @@ Public code checked: TF Privacy's ``QuantileEstimatorQuery`` (the same count,
 denominator, clamp and update); Flower 1.42's noise std ``z·C/m`` and adaptive
 ``σ_Δ`` equal ours to 1e-15 (tests/test_privacy.py). Departures from Flower's
 adaptive strategy: the count is of unclipped updates (as the paper), and the
-noise is scaled to ``C_t``, not ``C_{t+1}``. The state (``C_t``, participation
-counts) goes in and comes back (:class:`Privacy`), every draw is from
-:mod:`fedloom.rng`, so a resumed run is bit-identical.
+noise is scaled to ``C_t``, not ``C_{t+1}``.
 
 Assumptions, what is and is not private, composition with compression and
 secure aggregation, and measurements: docs/explanation/methods.md (Privacy in detail).

@@ -1,42 +1,27 @@
 """Name → factory for every pluggable component.
 
-Three ways to name a component, accepted by every name field of a config
-(``aggregator.name``, ``compression.name``, ``compression.feedback.name``,
-``compression.adaptive.name``, ``client.method.name``, ``data.name``, ``model.name``,
-``data.partition.name``, ``attack.name``, ``backend.name``, ``server.optimizer.name``,
-``metrics.hooks``, ``cohort.selection.name``), by the CLI and by sweeps alike:
+Four ways to name a component, accepted by every name field of a config
+(``aggregator.name``, ``compression.name``, ``data.partition.name``, ``backend.name``,
+``cohort.selection.name``, …), by the CLI and by sweeps alike:
 
 - a **built-in**: each component module registers itself with
   :func:`register`; adding an algorithm touches its implementation file and
   one line of ``_MODULES`` here;
 - an **entry point** of an installed distribution, in the group of its kind
-  (:data:`ENTRY_POINT_GROUPS`, e.g. ``fedloom.aggregators``)::
-
-      [project.entry-points."fedloom.aggregators"]
-      geomed = "my_fl.geomed:GeometricMedian"
-
-  Entry points are listed without importing them; a plug-in's module is
-  imported the first time its name is built. A built-in name wins over an
-  entry point of the same name (a warning names the distribution);
+  (:data:`ENTRY_POINT_GROUPS`, e.g. ``fedloom.aggregators``), imported the first
+  time its name is built; a built-in name wins over it;
 - a **family** ``PREFIX:NAME`` whose prefix a module registered with
-  :func:`register_family` (``data.partition.name=flwr:DirichletPartitioner``): the
-  family's resolver turns ``NAME`` into the factory; it wins over a reference;
-- a **reference** ``module:attr`` (``aggregator.name=my_fl.geomed:GeometricMedian``):
-  the module is imported and ``attr`` is the factory. A module that is not
-  importable from ``sys.path`` is looked for in the current directory too.
+  :func:`register_family`; it wins over a reference;
+- a **reference** ``module:attr``: the module is imported and ``attr`` is the factory.
 
-Reading results never imports: under :func:`no_imports` (``fedloom compare``, a
-sweep's report and its stale-run checks read a run folder's ``config.yaml``, which
-may be anyone's) :func:`get` finds only what is already registered, and a name it
-would have to import (an entry point not loaded yet, a family's ``PREFIX:NAME``, a
-``module:attr``) raises :class:`NotImported`: the config's checks then keep that
-name and its options as text.
+Reading results never imports: under :func:`no_imports` :func:`get` finds only what
+is already registered, and a name it would have to import raises
+:class:`NotImported`. The factory is called exactly as a built-in's (options by name
+from its config section), so a plug-in is checked by the config schema.
 
-The factory is called exactly as a built-in's (options by name from its config
-section), so a plug-in is checked by the config schema and runs in the CLI,
-the API and ``fedloom sweep`` (whose runs are subprocesses: a name
-registered with :func:`register` from a script is seen in that process only;
-use an entry point or ``module:attr`` there).
+Every name field, each way with its example, reading results and sweeps:
+docs/reference/api.md (Plug-ins: the registry, round planners, client metrics, plain
+state).
 """
 
 from __future__ import annotations

@@ -15,17 +15,13 @@ the client learning rate ``η_l`` of the round. fedloom returns the direction
 direction`` is ``γ_w = server.lr · η_l``: the default ``server.lr = 1`` is the
 public step (and follows a client-lr schedule, as the public code's does).
 
-Every client takes part in every round (``cohort.size = data.num_clients``).
-The paper and the public code report the running average of the iterates: set
-``eval.average_iterates=true``.
-
 Checked against the public rule: tests/test_baselines_public.py replays two
 rounds of the public update (direction and λ, NumPy) and compares to 1e-12.
 Departure: a client whose update is rejected this round drops out of this
 round's model step (the others' λ renormalised; no model step where the others
 hold no λ) and gets no loss term in this round's λ step; the public code has no
 rejected updates. The λ step is exact for any finite losses (``__call__``).
-The former defaults: docs/explanation/methods.md (AFL in detail).
+Participation, iterates, the former defaults: docs/explanation/methods.md (AFL in detail).
 """
 
 from __future__ import annotations

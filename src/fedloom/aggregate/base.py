@@ -17,15 +17,10 @@ depends on the rule's options: the same ``η_g`` means very different steps for 
 whose directions differ in scale (CRAFT's is about unit length per layer).
 
 A rule declares what the engine and privacy may assume in ``capabilities``, an
-:class:`~fedloom.capabilities.AggregatorCaps` (a class attribute, or a property
-where it depends on the options; the defaults when a rule does not say, so a
-plug-in is refused by privacy and secure aggregation until it declares them):
-``requires`` — the optional :class:`CohortInfo` fields it reads; ``linear`` — the
-direction is ``Σ_k a_k g_k`` with coefficients that do not depend on the
-updates' values (a sum-only, secure-aggregation server can compute it);
-``dp_mean`` — under unit weights the rule is the plain mean (DP-FedAvg's
-estimator); ``full_participation``; ``weighted``. The engine reads them through
-:func:`~fedloom.capabilities.aggregator_caps` only.
+:class:`~fedloom.capabilities.AggregatorCaps` (``requires``, ``linear``, ``dp_mean``,
+``full_participation``, ``weighted``), read by the engine through
+:func:`~fedloom.capabilities.aggregator_caps` only. Each field and the defaults:
+docs/reference/api.md (Aggregators, compressors, error feedback, local methods).
 """
 
 from __future__ import annotations

@@ -3,21 +3,16 @@
 Paper: "CRAFT: Conflict-Resolved Aggregation for Federated Training"
 (arXiv 2605.21317); public code: github.com/tum-pbs/CRAFT, ``fed/craft.py``.
 
-Per layer group ``q`` (trainable parameters only; buffers follow
-``model.buffers``) and round ``t``::
-
-    min_g ½‖g − ĝ‖²   s.t.   U g = ρ
-
-with ``U`` the unit rows ``u_i = g_i/‖g_i‖`` of the usable clients (zero rows
-dropped), ``ρ_i = n_i / Σ n_j`` and ``ĝ`` the previous aggregate of the group
-divided by its norm (0 in the first round). Closed form ``g = ĝ + Uᵀλ``,
-``λ = G⁺(ρ − Uĝ)`` with the m × m Gram ``G = UUᵀ``; every usable client then has
+Per layer group ``q`` (trainable parameters only; buffers follow ``model.buffers``) and
+round ``t``: ``min_g ½‖g − ĝ‖²  s.t.  U g = ρ``, with ``U`` the unit rows ``u_i = g_i/‖g_i‖``
+of the usable clients (zero rows dropped), ``ρ_i = n_i / Σ n_j`` and ``ĝ`` the previous
+aggregate of the group divided by its norm (0 in the first round). Closed form
+``g = ĝ + Uᵀλ``, ``λ = G⁺(ρ − Uĝ)`` with the m × m Gram ``G = UUᵀ``; every usable client then has
 ``⟨u_i, g⟩ = ρ_i > 0``. One usable client → its raw update; none → zeros.
 
-Checked against the public code: ``match_reference=True`` reproduces it bit for
-bit; the default meets the constraints to 7.9e-9 where the public code reaches
-1.5e-6 (float32 rows, cos 0.9999, 10 × 1e4, worst of 5 draws), and never worse
-on tests/test_craft_edges.py's cohorts.
+Checked against the public code: ``match_reference=True`` reproduces it bit for bit; the
+default meets the constraints to 7.9e-9 where the public code reaches 1.5e-6 (float32 rows,
+cos 0.9999, 10 × 1e4, worst of 5 draws), and never worse on tests/test_craft_edges.py's cohorts.
 
 Departures: singular values below ``σ_cut = max(sv_floor, rtol·σ_max)`` are cut
 (the public float32 ``pinv`` cuts at ``max(m, d)·eps``); the Gram in column chunks
@@ -25,11 +20,9 @@ accumulated in float64, with a float64 fallback and iterative refinement; layer
 groups from the model's :class:`~fedloom.params.Layout`; the ``step`` modes
 (``norm_matched``, ``rprop``) and ``targets: loss`` are fedloom's (the paper's
 future work). ``server.lr: auto`` is the public 0.1 for ``step: fixed``.
-Metrics: ``craft_max_violation``, ``craft_min_alignment``,
-``craft_infeasible_groups`` (and ``craft_step_scale``, ``craft_trust``).
 
 The cut and its bound, numerics, measurements, step modes, the server
-optimizer and targets: docs/explanation/methods.md (CRAFT in detail).
+optimizer, targets and metrics: docs/explanation/methods.md (CRAFT in detail).
 """
 
 from __future__ import annotations

@@ -5,32 +5,23 @@ as in the authors' public code (github.com/WwZzz/easyFL, ``fedfv.py``). Round
 ``t = 1, 2, …`` (``info.round + 1``), cohort of ``m`` updates ``g_k = w − w_k``
 with losses ``F_k`` at the received model:
 
-1. **Internal conflicts.** Sort the cohort by loss, ascending (ties in cohort
-   order). The clients at sorted positions ``⌈(m − 1)(1 − α)⌉ … m − 1`` (the
-   highest losses; ``m − ⌈(m − 1)(1 − α)⌉`` of them, none when ``α = 0``) keep
-   their update. Every other ``g_i'`` (starting from ``g_i``) is projected, for
-   each ``j ≠ i`` in ascending-loss order (so the highest-loss clients act last),
-   whenever ``⟨g_j, g_i'⟩ < 0``: ``g_i' ← g_i' − ⟨g_j, g_i'⟩/‖g_j‖² g_j``.
+1. **Internal conflicts.** Sorted by loss, the ``m − ⌈(m − 1)(1 − α)⌉`` highest-loss
+   clients keep their update; every other ``g_i'`` is projected against each ``g_j``
+   in ascending-loss order whenever ``⟨g_j, g_i'⟩ < 0``.
 2. ``g = (1/m) Σ_i g_i'`` (uniform, as the paper and the public code).
-3. **External conflicts** (only when ``t ≥ τ``, as the public code). For
-   ``s = t − τ + 1, …, t`` (oldest first; ``s = t`` is the current round): of the
-   clients whose latest update was sent in round ``s``, sum those with
-   ``⟨g, g_k⟩ < 0`` into ``g_con``; if ``⟨g, g_con⟩ < 0``,
-   ``g ← g − ⟨g, g_con⟩/‖g_con‖² g_con``. A client seen again later counts only
-   in its latest round.
+3. **External conflicts** (only when ``t ≥ τ``): for ``s = t − τ + 1, …, t``, the
+   clients last seen in round ``s`` with ``⟨g, g_k⟩ < 0`` sum to ``g_con``; if
+   ``⟨g, g_con⟩ < 0``, ``g ← g − ⟨g, g_con⟩/‖g_con‖² g_con``.
 4. Rescale: ``g ← g · ‖(1/m) Σ_k g_k‖ / ‖g‖``.
-
 
 Checked against the public rule (tests/test_baselines_public.py, re-derived in
 NumPy; float64 Gaussian cohorts, m = 2 … 14, d = 16, α ∈ {0, 0.1, 0.3, 0.5, 1},
-τ ∈ {0, 1, 2, 3}, five rounds with recurring clients): max difference 6.7e-16
-(steps of norm 1–3).
-Departures (robustness only): a zero ``g`` is returned as zero instead of the
-public code's 0/0; rows with ``‖g_j‖ = 0`` never project (their dot is 0, so
-the public code skips them too); a projection that leaves only rounding is set
-to exactly 0; rows whose squares over- or underflow are scaled by a power of two.
+τ ∈ {0, 1, 2, 3}, five rounds with recurring clients): max difference 6.7e-16.
+Departures (robustness only): a zero ``g`` is returned as zero (not 0/0); rows with
+``‖g_j‖ = 0`` never project; a projection that leaves only rounding is set to
+exactly 0; rows whose squares over- or underflow are scaled by a power of two.
 
-The implementation on the Gram matrix, the state, the rule before, degenerate
+The steps in full, the Gram implementation, the state, the rule before, degenerate
 cohorts and range: docs/explanation/methods.md (FedFV in detail).
 """
 

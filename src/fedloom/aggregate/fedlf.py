@@ -5,25 +5,20 @@ code github.com/zibinpan/FedLF (``gfedplat/algorithm/FedLF/FedLF.py``). For the
 cohort's updates ``g_i`` (rows), losses ``l`` at the received model and the
 preference ``p = 1/√m``, per group ``q``:
 
-1. Rescale each client's update to the cohort's mean norm ``μ_q``:
-   ``Q_i = μ_q g_i^q / ‖g_i^q‖``.
-2. A fairness direction ``h = ((l·p) l/‖l‖ − p ‖l‖)/‖l‖²``,
-   ``f = μ_q (hQ)/‖hQ‖``, appended as one more row.
-3. Solve ``min_{λ∈Δ} ‖λᵀ Q'‖²`` (the min-norm point of the rows' hull) and take
-   ``d_q = λᵀ Q'``.
+1. Rescale each client's update to the cohort's mean norm ``μ_q``: ``Q_i = μ_q g_i^q / ‖g_i^q‖``.
+2. A fairness direction ``h = ((l·p) l/‖l‖ − p ‖l‖)/‖l‖²``, ``f = μ_q (hQ)/‖hQ‖``, appended.
+3. Solve ``min_{λ∈Δ} ‖λᵀ Q'‖²`` (the min-norm point of the rows' hull); ``d_q = λᵀ Q'``.
 
-The groups' directions are concatenated and rescaled to ``‖(1/m) Σ_k g_k‖``.
-``groups``: ``"tensor"`` (default, the public code: one group per parameter
-tensor) or ``"layer"`` (fedloom's layer groups).
+The groups' directions are concatenated and rescaled to ``‖(1/m) Σ_k g_k‖``. ``groups``:
+``"tensor"`` (default, the public code: one group per parameter tensor) or ``"layer"``.
 
-Checked against the public rule (tests/test_baselines_public.py, re-derived in
-NumPy with an exact min-norm solver; float64 cohorts, m = 2 … 5, distinct and
-equal losses): max difference 1.4e-14 (directions of norm ≈ 1).
-Departures: fedloom runs on whatever rows it receives (the public code on
-full-batch gradients); no history rows of absent clients; a zero update, or a
-min-norm point shorter than ``1e-6·μ_q``, gives its group a zero direction
-(``fedlf_zero_groups``); equal losses leave the fairness row out (the public code
-gets rounding noise or NaN); the public final guard is not needed.
+Checked against the public rule (tests/test_baselines_public.py, re-derived in NumPy with
+an exact min-norm solver; float64 cohorts, m = 2 … 5, distinct and equal losses): max
+difference 1.4e-14 (directions of norm ≈ 1). Departures: fedloom runs on whatever rows it
+receives (the public code on full-batch gradients); no history rows of absent clients; a
+zero update, or a min-norm point shorter than ``1e-6·μ_q``, gives its group a zero
+direction (``fedlf_zero_groups``); equal losses leave the fairness row out (the public
+code gets rounding noise or NaN); the public final guard is not needed.
 
 The groups, equal losses, each departure and the numerics with measurements:
 docs/explanation/methods.md (FedLF in detail).

@@ -2,31 +2,26 @@
 
 Blanchard, El Mhamdi, Guerraoui, Stainer, "Machine Learning with Adversaries:
 Byzantine Tolerant Gradient Descent" (NeurIPS 2017). With ``n`` updates of
-which up to ``f`` may be Byzantine, each update gets the score::
-
-    s(i) = Σ_{j ∈ N_k(i)} ‖g_i − g_j‖²,   k = n − f − 2
-
-where ``N_k(i)`` are the ``k`` updates closest to ``g_i`` (``j ≠ i``). Krum
-returns the update with the lowest score; Multi-Krum (``multi = m'``) returns
-the plain mean of the ``m'`` updates with the lowest scores (scores computed
-once, as in the paper's Section 5). The paper's guarantee needs ``2f + 2 < n``.
+which up to ``f`` may be Byzantine, each update gets the score
+``s(i) = Σ_{j ∈ N_k(i)} ‖g_i − g_j‖²``, ``k = n − f − 2``, where ``N_k(i)`` are the ``k``
+updates closest to ``g_i`` (``j ≠ i``). Krum returns the update with the lowest score;
+Multi-Krum (``multi = m'``) returns the plain mean of the ``m'`` updates with the lowest
+scores (scores computed once, as in the paper's Section 5). The paper's guarantee needs
+``2f + 2 < n``.
 
 Public code: none by the authors. Flower's ``Krum`` strategy
 (flwr.server.strategy.aggregate, ``aggregate_krum``) uses the same score with
-``k = max(1, n − f − 2)``. Measured against flwr 1.42's ``aggregate_krum``
-on 300 random float64 cohorts (n = 3…12, d = 40, rows of norm 0.6–70,
-f ∈ {0, 1, 2}, m' ∈ {2, 3} with equal sample counts): Krum identical (max abs
-difference 0) in the 674 cases without a tie; Multi-Krum max abs difference
-1.8e-15 (1348 cases). The 157 Krum cases with a tie were all at ``k = 1``.
+``k = max(1, n − f − 2)``. Measured against flwr 1.42's ``aggregate_krum`` on 300 random
+float64 cohorts (n = 3…12, d = 40, rows of norm 0.6–70, f ∈ {0, 1, 2}, m' ∈ {2, 3} with
+equal sample counts): Krum identical (max abs difference 0) in the 674 cases without a tie;
+Multi-Krum max abs difference 1.8e-15 (1348 cases); the 157 Krum ties were all at ``k = 1``.
 
 Departures: ``k = max(1, n − f − 2)`` (Flower's rule) also where ``2f + 2 < n``
 fails; tied scores share the last places equally (order-independent; Flower
 picks by position); unweighted, as in the paper (Flower's Multi-Krum weights by
 sample count); rows whose squares over- or underflow scaled by a power of two.
-Metrics: ``krum_neighbours``, ``krum_selected``, ``krum_best_client``,
-``krum_best_score``.
 
-Distances, ties, range and the metrics in detail: docs/explanation/methods.md
+Distances, ties, range and the metrics (``krum_*``): docs/explanation/methods.md
 (Krum in detail).
 """
 

@@ -19,12 +19,9 @@ Both read the A/B pairing of the :class:`~fedloom.params.Layout` (the tensors na
 ``….lora_A.…`` and ``….lora_B.…`` of one layer group, as
 :meth:`fedloom.models.llm.CausalLM.fedloom_layer_groups` makes them) and the global
 model the cohort's rows are relative to (``CohortInfo.w``, asked for with
-``requires={"w"}``): ``B_k = B − g_{B,k}``, ``A_k = A − g_{A,k}``. Every product and
-factorisation is computed in float64 (a projection's ``[out, in]`` product at most;
-the SVD only of an ``[m r, m r]`` core). Coordinates outside any pair (a trainable
-tensor that is not an adapter) get the weighted mean; a model without any pair
-(FFA-LoRA's ``model.lora.train: b``, whose shared ``A`` makes the mean of ``B``
-exact already, or a model without adapters) gets FedAvg from both rules.
+``requires={"w"}``): ``B_k = B − g_{B,k}``, ``A_k = A − g_{A,k}``. Each rule's paper,
+public code and departures are in its class's docstring; the numerics and the
+coordinates outside any pair: docs/explanation/methods.md (LoRA aggregation in detail).
 """
 
 from __future__ import annotations

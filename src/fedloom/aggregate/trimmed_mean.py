@@ -9,8 +9,6 @@ drop the ``b`` largest and the ``b`` smallest, and average the rest::
 
 with ``b = ⌊β m⌋`` for a trimming fraction ``β`` per side (the paper's
 ``β ≥ α``, the fraction of Byzantine clients), or ``b`` given directly.
-Each output coordinate lies between the smallest and the largest value sent
-for it; ``b = 0`` is the plain mean.
 
 Public code: none by the authors. Flower's ``FedTrimmedAvg``
 (flwr.server.strategy.aggregate, ``_trim_mean``, after

@@ -3,24 +3,13 @@
 Paper: "Sparse Training for Federated Learning with Regularized Error
 Correction" (FLARE); public TensorFlow-Federated code:
 github.com/RanGreidi/FLARE-Federated-Learning-with-Accumulated-Regularized-Embeddings.
-Written in the pseudo-gradient sign. Client k in round r with
-accumulator ``A_k`` (zero at start):
-
-1. Local training from ``w``; for the first ``p`` steps the loss is
-   ``f + τ_r Σ_j m_j |w_k,j − (w_j − A_k,j)|`` (L1 summed over every weight and
-   bias; ``penalty="l2"`` squares it). ``w − A_k`` is where the client would
-   be had it sent everything.
-2. ``m_j = 1[|A_k,j| > t_l]``, ``t_l`` the median of ``|A_k|`` within tensor ``l`` as
-   the public code takes it (:func:`public_median`).
-3. ``τ_r = TAU / c^(r+1)``, the same for every client.
-4. ``u_k = g_k + A_k``; the compressor (per-tensor Top-k with the public count
-   ``k_l = round(n_l R) + 1``, ``compression.options.scope=tensor``, see
-   :mod:`fedloom.compress.sparse`) sends ``TopK(u_k)``; ``A_k ← u_k − TopK(u_k)``.
-5. Server: ``w ← w − mean_k TopK(u_k)`` (``aggregator.options.weighted=false``).
-
-``A_k`` is stored as the EF residual field (it is the same quantity: FLARE's
-error correction without the penalty — "EC" — is exactly EF). ``ec_prox``
-is EF with ``τ_r ‖w_k − w‖²`` on all local steps (the paper's EC+prox).
+Client k in round r with accumulator ``A_k`` (zero at start; the pseudo-gradient sign)
+trains from ``w`` with ``f + τ_r Σ_j m_j |w_k,j − (w_j − A_k,j)|`` for the first ``p``
+steps, ``m_j = 1[|A_k,j| > t_l]`` (``t_l`` the public median of ``|A_k|`` in tensor
+``l``, :func:`public_median`), ``τ_r = TAU / c^(r+1)``; it sends ``TopK(g_k + A_k)``
+(per-tensor Top-k, :mod:`fedloom.compress.sparse`) and keeps the rest in ``A_k``, the
+EF residual field; the server takes the unweighted mean. ``ec_prox`` is EF with
+``τ_r ‖w_k − w‖²`` on all local steps (the paper's EC+prox).
 
 Checked against the public code (RanGreidi/FLARE: src/FLARE_regulerizer.py for the
 mask, src/FLARE_utils.py ``sparsify_layer`` for the count), its two rules written out
@@ -29,13 +18,11 @@ independently in tests/test_flare.py: on random float64 accumulators with tensor
 identical (max difference 0); the per-tensor counts on tensors of 3 to 700 entries at
 R = 1e-5 to 0.25 are equal.
 
-Departures: the mask and the penalty target are computed once per round from
-the accumulator the client starts with (as the public code, which freezes them
-when building the local loss). The count's departures (float64 ``n·R``, exact ``k`` on
-ties, ``k ≤ n``) are listed in :mod:`fedloom.compress.sparse`.
-
-The public median, the rule before the check and its measured drift:
-docs/explanation/methods.md (FLARE in detail).
+Departures: the mask and the penalty target are computed once per round from the
+accumulator the client starts with (as the public code). The count's departures are
+listed in :mod:`fedloom.compress.sparse`. The round step by step, the public median,
+the rule before the check and its measured drift: docs/explanation/methods.md (FLARE
+in detail).
 """
 
 from __future__ import annotations

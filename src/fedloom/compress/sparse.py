@@ -19,9 +19,7 @@ agree unless ``n·ratio`` lies within float32 rounding, ~1e-7 relative, of a hal
 exactly ``k`` entries are kept when magnitudes tie at the k-th (the public ``>`` keeps fewer,
 and none of an all-zero tensor); ``k`` is capped at ``n`` (the public ``top_k`` fails when
 ``round(n·R) + 2 > n``). Rand-k keeps ``k`` uniformly random entries, scaled by ``d/k``
-(unbiased) or not (SA-PEF's code).
-Values the wire dtype cannot hold are refused (``ValueError``), never sent as
-±inf. :func:`topk_indices` gives ``torch.topk``'s index set, fast at large ``d``.
+(unbiased) or not (SA-PEF's code). :func:`topk_indices` gives ``torch.topk``'s index set.
 
 The payload layout, the decoder's checks, refused values and the Top-k search:
 docs/explanation/methods.md (Sparsifiers in detail).

@@ -9,26 +9,20 @@ engine calls: ``init(w)`` and ``step(w, agg, state) → (w, state)``)::
     chain(heavy_ball(0.9), scale(0.5))               # FedAvgM at η = 0.5
     chain(scale_by_adam(0.9, 0.99, 1e-3, lr=0.01))   # FedAdam at η = 0.01
 
-A chain's state (what a checkpoint stores as ``opt_state``) is the tuple of its
-transforms' states: ``None`` for :func:`scale`, else a mapping of the
-transform's named tensors (``v``, ``m``: the names the server optimizers always
-kept). Two transforms of a kind in one chain keep theirs apart by position.
-
 Transforms never modify ``d`` or the state in place: the engine keeps the old
 state when a step is not finite, and reads the aggregate after the step.
 
 A preconditioner (:func:`scale_by_adam`, :func:`scale_by_yogi`,
-:func:`scale_by_adagrad`) gives the direction ``(lr·num)/den``: its ``lr``
-multiplies the numerator before the division, the order the named optimizers
-(:mod:`fedloom.server_opt.optimizers`) have always rounded the step in. A
-``scale(η)`` after it is the same step in exact arithmetic, ``η·(num/den)``, and
-may differ in the last bit.
+:func:`scale_by_adagrad`) gives the direction ``(lr·num)/den``, the order the named
+optimizers (:mod:`fedloom.server_opt.optimizers`) have always rounded the step in.
 
 The names differ from the local step's where the meaning does:
 :func:`heavy_ball` is the server's momentum (its buffer ``v`` starts at zero and
 lives across rounds), :class:`fedloom.client.transforms.Momentum` the local
 step's (torch.optim.SGD's, restarted every round). ``momentum``, ``adam``,
 ``yogi`` and ``adagrad``, these transforms' earlier names, still work and warn.
+A chain's state, rounding against ``scale(η)``: docs/explanation/methods.md (Server
+transforms in detail).
 """
 
 from __future__ import annotations
