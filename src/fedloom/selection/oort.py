@@ -1,76 +1,28 @@
 """``oort``: guided participant selection (Lai et al., "Oort: Efficient Federated
 Learning via Guided Participant Selection", OSDI 2021).
 
-A client that has trained (an explored arm) has the utility
-
-    U_k = |B_k| · sqrt(mean_{i∈B_k} loss_i²) · (T / t_k)^α  if t_k > T, else without
-    the last factor,
-
-``|B_k|`` the samples it trained on this round (``min(n_k, steps·batch_size)``), ``t_k``
-its round duration and ``T`` the preferred round duration: the ``round_threshold``-th
-percentile of the known durations (``∞`` at 100). The selection score, as the public
-code computes it (``_training_selector.getTopK`` of ``thirdparty/oort/oort.py`` in
-github.com/SymbioticLab/FedScale, commit 3e5ba36; ``oort/oort.py`` in
-github.com/SymbioticLab/Oort), normalises the statistical part and adds a staleness
-bonus before the time penalty:
+An explored client's utility is ``U_k = |B_k| · sqrt(mean_{i∈B_k} loss_i²) · (T/t_k)^α``
+(the last factor only when ``t_k > T``), ``|B_k|`` the samples it trained on, ``t_k`` its
+round duration, ``T`` the ``round_threshold``-th percentile of the known durations. The
+selection score, as the public code computes it (``_training_selector.getTopK`` of
+``thirdparty/oort/oort.py`` in github.com/SymbioticLab/FedScale, commit 3e5ba36):
 
     s_k = |(min(U_k, c) − u_min)/u_range + sqrt(0.1 · ln R / τ_k)| · (T/t_k)^α [t_k > T]
 
-with ``c`` the ``clip_bound`` quantile of the candidates' positive utilities,
-``u_min`` 0.999 × their least, ``u_range = max(u_max − u_min, 1e-4)``, ``R`` the
-current round and ``τ_k`` the round of ``k``'s last report (rounds counted from 1).
-Each round the exploration fraction ``ε ← max(ε·decay, ε_min)``; ``⌊m ε⌋`` of the ``m``
-places go to exploration and the others (at most the number of explored candidates)
-to exploitation: the explored candidates are ranked by ``s_k``, the pool is every one
-down to ``cut_off_util`` × the score just past the exploited count (and at least
-``10×`` that count), and the exploited clients are drawn from the pool without
-replacement with probability ``∝ s_k``. Explored places are filled from the
-candidates that never trained. The pacer: every ``pacer_step`` rounds it compares the
-exploited clients' mean utility summed over the last ``pacer_step`` rounds with the
-``pacer_step`` before; nearly flat (change ≤ 10 %) widens ``T`` (``round_threshold +=
-pacer_delta``, at most 100), a change ≥ 5× narrows it.
-
-What it is told (:class:`~fedloom.selection.base.Feedback`): the accepted clients'
-reported losses, sample and step counts and, with ``system.profile`` on, their
-``t_k`` of the time model; clients past ``system.deadline_s`` get the round's
-sample-weighted mean utility and the deadline as their duration (Oort's treatment
-of the stragglers it sampled but did not wait for). Without a time model every
-``t_k`` is unknown and no penalty applies. If no more clients are available than
-``cohort.size``, all of them train and the selector's state is left as it is (the
-public sampler does not call Oort then either).
-
-Defaults are FedScale's (``fedscale/cloud/config_parser.py``): ``exploration_factor``
-0.9, ``exploration_decay`` 0.98, ``exploration_min`` 0.3, ``round_threshold`` 30,
-``round_penalty`` (α) 2, ``clip_bound`` 0.9, ``cut_off_util`` 0.05, ``pacer_step`` 20,
-``pacer_delta`` 5, ``blacklist_rounds`` −1 (off), ``blacklist_max_len`` 0.3.
+An exploration share ``ε ← max(ε·decay, ε_min)`` of the places goes to clients that
+never trained; the rest are drawn from the best-scored pool ``∝ s_k``; a pacer widens
+or narrows ``T``. Defaults are FedScale's (``fedscale/cloud/config_parser.py``).
 
 Checked against the public code (``tests/test_selection.py``): a re-implementation
 of FedScale's ``getTopK`` scoring, pool and pacer as it computes them, on fixed arms
 (rewards, durations, time stamps, counts), gives the same scores (max difference
 0.0), the same ranking and exploitation pool, and the same pacer thresholds.
 
-Departures, each because a fedloom server does not have what the public code reads,
-or the public code fails there:
-
-- the loss: fedloom's clients report their mean training loss over the local steps,
-  not the mean of the squared per-sample losses of the first epoch (an exponential
-  average with ``loss_decay``), so ``sqrt(mean loss²)`` is ``|loss|`` of that one number;
-- exploration: the public code registers every client up front with its data size
-  (capped at a round's samples) as reward and its profiled duration, and draws the
-  unexplored clients in proportion to those among the first ``sample_window ×`` ones;
-  here the server knows neither before a client reports, so the unexplored are drawn
-  uniformly (``sample_window`` is not an option), and they take no part in ``T`` and
-  the normalisation;
-- randomness: the round's generator ``(seed, r, -1, "cohort")`` for every draw, not a
-  process-wide ``numpy.random`` and ``random.Random`` seeded once;
-- guards: the pool's cut-off index past the end (FedScale indexes
-  ``sortedClientUtil[exploitLen]`` when every explored client is exploited: an
-  ``IndexError``) takes the whole pool; too few places filled (FedScale returns fewer
-  clients when nobody is left to explore) are topped up uniformly from the available,
-  non-blacklisted clients as the Oort repository's code does; no positive utility
-  (the public code's ``get_norm`` of an empty list) leaves the statistical term at 0;
-- no noise on the utilities (FedScale's ``noise_factor``): the privacy modes refuse
-  this selector instead.
+Departures: the loss is the client's one reported mean loss; unexplored clients are drawn
+uniformly (no ``sample_window``); the round's generator for every draw; guards where the
+public code indexes past the end or returns too few; no noise on the utilities.
+The score's terms, what it is told, each default and departure in full:
+docs/howto/systems.md (Oort in detail).
 """
 
 from __future__ import annotations

@@ -7,15 +7,9 @@ candidate set ``A`` of ``d ≥ m`` clients without replacement, then take the ``
 of ``A`` with the highest local loss ``F_k``.
 
 This is their **rpow-d** variant: ``F_k`` is the mean training loss client ``k``
-reported the last time it trained (the ``loss`` of its :class:`~fedloom.job.ClientResult`,
-the "accumulated average loss" of the paper's rpow-d), which the server already
-holds. It costs nothing beyond the round itself: no extra broadcast, no extra
-forward pass, no extra message. (pow-d proper would send the current model to the
-``d`` candidates and have each evaluate ``F_k(w)`` on its data before the round:
-``d`` more broadcasts and ``d`` passes over their data, not done here.) A client
-that never reported has loss ``+∞``, so every candidate is tried once before the
-losses rank it; ties keep the order of the candidate draw (random). Candidates are
-drawn uniformly from the available clients with the round's generator.
+reported the last time it trained (the ``loss`` of its :class:`~fedloom.job.ClientResult`),
+which the server already holds: no extra broadcast, forward pass or message. A client
+that never reported has loss ``+∞``; ties keep the order of the candidate draw.
 
 Departures: the paper (and FLGo) draw the candidates with probability ``p_k ∝
 n_k``; a fedloom server learns ``n_k`` only from a client's report, so the draw
@@ -24,13 +18,11 @@ is uniform. ``d`` below ``cohort.size`` is raised to it (the paper needs
 client as a candidate.
 
 Checked against FLGo's ``flgo/algorithm/powerofchoice.py`` (github.com/WwZzz/easyFL,
-commit 19de9fb): on fixed candidate sets and losses its rule (sort the candidates'
-losses, take the ``m`` highest) gives the same ids as this one for ``d = N``, its
-default (``tests/test_selection.py``). With ``d < N`` FLGo indexes the list of
-*available* clients with the positions of the sorted *candidates*
-(``np.array(self.available_clients)[sort_id]``), which picks other clients than
-the candidates it ranked; the test shows that its rule with the candidates
-indexed instead equals this one for ``d < N`` too.
+commit 19de9fb): on fixed candidate sets and losses its rule gives the same ids as
+this one for ``d = N``, its default (``tests/test_selection.py``); for ``d < N`` FLGo
+indexes the available clients with the candidates' positions (the test shows it).
+rpow-d against pow-d and FLGo's indexing in full: docs/howto/systems.md
+(Power-of-choice in detail).
 """
 
 from __future__ import annotations
