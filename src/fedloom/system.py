@@ -6,67 +6,23 @@ message). A round costs client ``k``, in simulated seconds,
 
     t_k = ℓ_k + 8·B↓/b↓_k + n_k/v_k + ℓ_k + 8·B↑_k/b↑_k,
 
-with ``B↓`` the broadcast's bytes and ``B↑_k`` the client's real payload (both as the
-engine counts them: ``downlink_bytes``/``uplink_bytes``, integrity trailer and extra
-payloads included) and ``n_k`` the samples its local steps processed: ``s`` steps of
-batch ``B`` over ``N_k`` samples, epoch after epoch (the last batch of an epoch is
-short), process ``e·N_k + j·B`` samples with ``e, j = divmod(s, ⌈N_k/B⌉)``. A rate of
-0 means that term takes no time (it is not modelled). The model is the one of FL
-system simulators (FedScale, Lai et al., ICML 2022; FLASH, Yang et al., WWW 2021):
-compute time from a per-device speed and the local work, communication time from
-the payload and the bandwidth, a round lasting as long as its slowest reporting
-client. Checked against FedScale's public ``ClientMetadata.get_completion_time``
-(github.com/SymbioticLab/FedScale, ``fedscale/cloud/internal/client_metadata.py``):
-``3·B·s·c/1000`` seconds of compute (``c`` ms per sample of inference, ×3 for the
-backward pass) plus ``(up + down)/bandwidth``. With ``v = 1000/(3c)``, equal
-up/down bandwidths and no latency the two agree exactly when ``N_k`` is a multiple
-of ``B`` (``tests/test_system.py``); departures: fedloom counts an epoch's short
-last batch as the samples it holds, times each direction at its own bandwidth, and
-adds a latency per message. FedScale's lognormal variant draws a new speed for
-every task; here a device keeps its speed for the whole run.
+with ``B↓``, ``B↑_k`` the bytes the engine counts and ``n_k`` the samples its local
+steps processed. The model is the one of FL system simulators (FedScale, Lai et al.,
+ICML 2022; FLASH, Yang et al., WWW 2021). Checked against FedScale's public
+``ClientMetadata.get_completion_time`` (github.com/SymbioticLab/FedScale,
+``fedscale/cloud/internal/client_metadata.py``): with ``v = 1000/(3c)``, equal up/down
+bandwidths and no latency the two agree exactly when ``N_k`` is a multiple of ``B``
+(``tests/test_system.py``); departures: an epoch's short last batch counts the samples
+it holds, each direction has its own bandwidth, a latency per message, a device keeps
+its speed for the whole run.
 
-Devices (``system.profile``) are drawn once per client from the generator
-``(seed, -1, k, "system")``: four draws in the order speed, up, down, latency, so
-each client's device does not depend on the population size or on which
-quantities are set. ``uniform``: ``low + (high − low)·u``; ``lognormal``:
-``median·exp(σ·z)`` (each quantity independently); ``classes``: one uniform picks a
-row with probability ``p``; ``csv``: the user's file, one row per client.
-
-A round (``sim_round_s``) lasts until its slowest client whose update is used
-reports; with ``system.deadline_s`` it lasts until the deadline when a client was
-late (the server cannot know sooner that it will not report). ``sim_time_s`` is the
-running sum, kept in the checkpoint. Late clients (``late: drop``) are trained, then
-judged on their real payload: a client whose ``t_k`` exceeds the deadline is not
-used and its state rows stay as they were (as a failed worker's,
-``backend.on_failure=drop``); its payload is not counted in ``uplink_bytes`` (the
-server closed the round before it arrived). With ``late: partial`` a client does the local steps
-that fit: the compute time left after two latencies, the downlink and the expected
-uplink (the compressor's payload for a fixed Gaussian vector: exact for dense and
-quantised payloads, near the largest for Top-k's gap coding) buys
-``⌊left·v_k⌋`` samples, hence ``s_k ≤ S`` steps (the first ``s_k`` of the batches
-it would have run). Its step count reaches the aggregator as ``ClientResult.steps``
-(FedNova's ``τ_k``, SCAFFOLD's and SCAFCOM's step sums). A client with no step
-that fits is dropped; one whose real payload still makes it late is dropped too:
-nothing that arrives after the deadline is used.
-
-Availability: client ``k`` is available in round ``r`` when ``u < p_k(r)``, ``u``
-the uniform of the stream ``(seed, r, k, "availability")`` (its derived seed /
-2⁶³), with ``p_k(r) = availability`` (``pattern: none``),
-``clip(availability + amplitude·sin(2π(r/period + φ_k)), 0, 1)``
-(``sine``) or ``availability`` while ``frac(r/period + φ_k) < on_fraction`` and 0
-otherwise (``onoff``), the phase ``φ_k`` uniform from ``(seed, -1, k,
-"availability")`` likewise. The cohort is ``cohort.size`` distinct clients drawn uniformly
-from the available ones with the round's cohort generator, or all of them when
-fewer are available (``cohort_short`` = 1 in that round's metrics). A sampled
-client drops out mid-round (after the broadcast: its downlink is counted) with
-probability ``dropout``, from ``(seed, r, k, "client-dropout")``; it is not
-trained, nothing of it is used, its state stays, and it does not extend the round
-(the server sees the connection close).
-
-Departures: the extra local work of Ditto's personal model and of a smoothness
-probe is not timed; an SA-PEF step-ahead coefficient (``alpha_schedule: theory``)
-is planned with the full step count; the Flower integration runs real clients and
-takes availability only (its cohort sampling), never the simulated clock.
+Devices (``system.profile``) are drawn once per client from ``(seed, -1, k, "system")``;
+a round lasts until its slowest used client reports, or until ``system.deadline_s``;
+late clients are dropped or (``late: partial``) run the steps that fit; availability
+and dropout are drawn per round and client. Departures: Ditto's personal model and a
+smoothness probe are not timed; SA-PEF's ``alpha_schedule: theory`` is planned with the
+full step count; the Flower integration takes availability only.
+Each part in full: docs/howto/systems.md (The time model in detail).
 """
 
 from __future__ import annotations
