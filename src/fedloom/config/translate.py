@@ -11,27 +11,18 @@ its new place:
 - the compression section's flat keys (:data:`FEEDBACK_KEYS`: ``alpha``,
   ``alpha_schedule``, ``period``, …) → ``compression.feedback.options.KEY`` (and
   ``compression.adaptive.options.KEY`` where the round planner's factory takes it);
-- ``compression.feedback_options`` → ``compression.feedback.options``;
-  ``compression.adaptive_options`` → ``compression.adaptive.options``;
-- the server section's ``momentum``, ``beta1``, ``beta2``, ``eps`` →
-  ``server.optimizer.options.KEY``;
-- ``client.method_options`` → ``client.method.options``;
+- ``compression.feedback_options``, ``compression.adaptive_options``,
+  ``client.method_options`` → ``….feedback.options``, ``….adaptive.options``, ``….method.options``;
+- the server section's ``momentum``, ``beta1``, ``beta2``, ``eps`` → ``server.optimizer.options``;
 - the partition section's flat keys (:data:`PARTITION_KEYS`: ``alpha``,
   ``min_samples``, ``k``, …) → ``data.partition.options.KEY``.
 - ``server.optimizer: fedloom.aggregate.server_opt:NAME`` (the server optimizers'
   old module, :data:`MOVED_MODULES`) → ``fedloom.server_opt.optimizers:NAME``.
 
-A flat key went to a factory only when its signature named it, and was ignored
-otherwise (``compression.alpha`` under ``feedback: cser``); so it is moved only into
-the options of a factory that takes it, else dropped (the warning says so). Which
-factory is known only once every override is in: overrides are applied to the mapping
-as written (old keys and all), then the whole is translated, so ``compression.alpha=0.5``
-next to ``compression.feedback=sapef`` works in either order. An override wins over
-the file in either shape: it clears the other spellings of its option first
-(:func:`twins`). An option given both ways in one place (``compression.alpha`` and
-``compression.feedback.options.alpha`` in one file, or in one list of overrides) is
-refused, one line naming both keys, unless the old one holds its old default (a run
-directory saved by an older version holds every flat key at least at its default).
+A flat key is moved only into the options of a factory that takes it, else dropped;
+overrides are applied to the mapping as written, then the whole is translated; an
+option given both ways in one place is refused. Why, and the exceptions:
+docs/reference/config.md (Components and their options).
 """
 
 from __future__ import annotations

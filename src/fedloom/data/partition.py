@@ -7,11 +7,10 @@ constraints cannot be met, instead of looping forever.
 
 - ``iid``: a random permutation cut into near-equal parts.
 - ``contiguous``: consecutive blocks in the source's order.
-- ``dirichlet``: per class, proportions over clients ``~ Dir(α·1)``
-  (Hsu et al. 2019; Yurochkin et al. 2019 — the sampler of CRAFT's and
-  FedLab's code, with the balancing rule that a client already holding
-  ``n/N`` samples receives no more); redrawn until every client has at least
-  ``min_samples``, at most ``max_tries`` times.
+- ``dirichlet``: per class, proportions over clients ``~ Dir(α·1)`` (Hsu et al. 2019;
+  Yurochkin et al. 2019 — the sampler of CRAFT's and FedLab's code, with the balancing rule
+  that a client already holding ``n/N`` samples receives no more); redrawn until every client
+  has at least ``min_samples``, at most ``max_tries`` times.
 - ``shards``: McMahan et al. 2017: sort by label, cut into ``N·s`` shards,
   give each client ``s`` random shards.
 - ``natural``: one client per group id (writer, user, role).

@@ -14,13 +14,9 @@ tokenizer directory or a ``.gguf`` file — the model's own — read with
 ``local_files_only`` (nothing is downloaded).
 
 Clients (``data.text.clients``): ``role`` (the default) is one client per qualifying
-(play, role), as above; ``play`` is one client per play holding every role's lines
-(a play qualifies with ``min_chars`` characters over all its roles), so clients differ
-by play — its story, its names, verse or prose — rather than by speaker within a
-play. A play's roles are windowed apart (no window spans two speakers) and its
-windows concatenated, roles sorted; ``max_windows`` then keeps that many evenly
-spaced windows, so every part of the play is in the sample, not only the first
-roles. Plays without speeches (the poems) give no client.
+(play, role), as above; ``play`` is one client per play holding every role's lines,
+its roles windowed apart and ``max_windows`` evenly spaced over the play: docs/howto/llm.md
+(Clients by role or by play).
 
 Splits: ``data.partition.name: natural`` keeps the roles (or plays) as the clients; the other
 partitioners see each window's last next token as its label (``iid``, ``sizes`` and

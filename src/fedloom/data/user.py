@@ -16,19 +16,13 @@ data.path=FILE.csv data.label=COLUMN [data.client=COLUMN]
 [data.features=[COLUMN, ...]]``. Every problem raises :class:`DataError`, one
 line naming the file or field (and, for a bad cell, its line and column).
 
-CSV tables are read with pandas (the ``data`` extra), every cell as text and each
-column converted here: features as ``float()`` (so a CSV, an ``.npz`` and
-:func:`from_arrays` give the same model bits), integer labels as they are and text
-labels mapped to ``0 … C−1`` in sorted order (:attr:`Dataset.classes`,
-``labels.json``). Refused, one line each: labels not below the sample count,
-object arrays in ``.npz`` files, CSV files not in UTF-8, over :data:`MAX_CSV_BYTES`,
-:data:`MAX_CSV_COLUMNS` or :data:`MAX_CSV_CELLS` (bounds fixed, so that a file is
-accepted alike on every machine), CSV files whose parse would take more memory
-than is left (checked before parsing: it would end in a ``MemoryError``, or abort
-the process inside pyarrow), and features that are not finite or beyond float32's
-range.
-Each conversion and refusal with its reasons and measurements:
-docs/howto/datasets.md (Your own data in detail).
+CSV tables are read with pandas (the ``data`` extra), every cell as text: features as
+``float()`` (so a CSV, an ``.npz`` and :func:`from_arrays` give the same model bits),
+text labels mapped to ``0 … C−1`` in sorted order. Refused, one line each: labels not
+below the sample count, object arrays, non-UTF-8 or oversized CSV files (bounds fixed:
+:data:`MAX_CSV_BYTES`, :data:`MAX_CSV_COLUMNS`, :data:`MAX_CSV_CELLS`, and the memory
+left), and features not finite or beyond float32's range.
+Each conversion and refusal, with reasons: docs/howto/datasets.md (Your own data in detail).
 """
 
 from __future__ import annotations
