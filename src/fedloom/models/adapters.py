@@ -59,9 +59,12 @@ def adapter_files(module: nn.Module) -> dict[str, bytes]:
                          "model.lora.r > 0)")
     with tempfile.TemporaryDirectory(prefix="fedloom-adapter-") as tmp:
         with warnings.catch_warnings():
-            # peft asks transformers deprecated questions while saving: their two
-            # versions' matter, not the run's
+            # peft asks transformers deprecated questions while saving (their two
+            # versions' matter, not the run's), and looks for the base's config.json
+            # to see whether the vocabulary changed (fedloom never trains it; a GGUF
+            # base has no such file)
             warnings.simplefilter("ignore", FutureWarning)
+            warnings.filterwarnings("ignore", "Could not find a config file")
             lm.save_pretrained(tmp)  # type: ignore[operator]
         return {name: (Path(tmp) / name).read_bytes() for name in ADAPTER_FILES}
 
