@@ -5,8 +5,9 @@ import torch
 from torch import nn
 
 from fedloom import Layout
-from fedloom.client import ClientJob, LocalSGD, lr_at_round
+from fedloom.client import LocalSGD, lr_at_round
 from fedloom.config import ScheduleConfig
+from fedloom.job import local_job
 from fedloom.models import MLP
 
 
@@ -19,7 +20,7 @@ def test_local_sgd_matches_torch_optim_sgd(momentum, wd):
     y = torch.randint(0, 3, (40,))
     w0 = layout.flatten(model)
     trainer = LocalSGD(model, layout, batch_size=16, epochs=2, momentum=momentum, weight_decay=wd)
-    res = trainer.run(ClientJob(0, 0, w0, 0.1, x, y, gen_seed=7))
+    res = trainer.run(local_job(0, 0, w0, 0.1, x, y, gen_seed=7))
     # Reference: torch.optim.SGD over the same batches.
     ref = MLP(8, [6], 3).double()
     layout.load_into(ref, w0)
@@ -39,9 +40,9 @@ def test_fixed_steps_and_prox_pulls_towards_global():
     layout = Layout.from_module(model)
     x, y = torch.randn(10, 4), torch.randint(0, 2, (10,))
     w0 = layout.flatten(model)
-    plain = LocalSGD(model, layout, batch_size=4, steps=7).run(ClientJob(0, 0, w0, 0.5, x, y, 1))
+    plain = LocalSGD(model, layout, batch_size=4, steps=7).run(local_job(0, 0, w0, 0.5, x, y, 1))
     prox = LocalSGD(model, layout, batch_size=4, steps=7, prox_mu=1.0).run(
-        ClientJob(0, 0, w0, 0.5, x, y, 1))
+        local_job(0, 0, w0, 0.5, x, y, 1))
     assert plain.steps == prox.steps == 7
     assert prox.update.norm() < plain.update.norm()
 
@@ -87,7 +88,7 @@ def test_job_batches_are_the_batches_train_draws(epochs, max_steps, monkeypatch)
     layout = Layout.from_module(model)
     x, y = torch.randn(11, 4), torch.randint(0, 2, (11,))
     trainer = LocalSGD(model, layout, batch_size=3, epochs=1)
-    job = ClientJob(0, 0, layout.flatten(model), 0.1, x, y, gen_seed=13, epochs=epochs,
+    job = local_job(0, 0, layout.flatten(model), 0.1, x, y, gen_seed=13, epochs=epochs,
                     max_steps=max_steps)
     seen: list[list[torch.Tensor]] = []
     real = LocalSGD.epoch_batches
@@ -103,7 +104,7 @@ def test_job_batches_are_the_batches_train_draws(epochs, max_steps, monkeypatch)
     got = trainer.job_batches(job)
     assert len(seen) == 1 and steps == len(got) == len(seen[0])
     assert all(torch.equal(a, b) for a, b in zip(got, seen[0], strict=True))
-    other = trainer.job_batches(ClientJob(0, 0, job.w, 0.1, x, y, gen_seed=14, epochs=epochs,
+    other = trainer.job_batches(local_job(0, 0, job.w, 0.1, x, y, gen_seed=14, epochs=epochs,
                                           max_steps=max_steps))
     assert not all(torch.equal(a, b) for a, b in zip(got, other, strict=True))
 
@@ -145,17 +146,17 @@ def test_direct_step_is_the_chain_step_bit_for_bit(dtype):
     x, y = torch.randn(23, 2, 8, 8, dtype=dtype), torch.randint(0, 3, (23,))
     w0 = layout.flatten(model)
     trainer = LocalSGD(model, layout, batch_size=5, epochs=2, random_forward=True)
-    direct = trainer.run(ClientJob(3, 1, w0, 0.3, x, y, gen_seed=11))
+    direct = trainer.run(local_job(3, 1, w0, 0.3, x, y, gen_seed=11))
     # the step took autograd's tensors as they were: nothing went through the flat gradient
     assert not trainer._flat_module().g.any()
-    chained = trainer.run(ClientJob(3, 1, w0, 0.3, x, y, gen_seed=11, transforms=(_Same(),)))
-    probed = trainer.run(ClientJob(3, 1, w0, 0.3, x, y, gen_seed=11, probe_smoothness=True))
+    chained = trainer.run(local_job(3, 1, w0, 0.3, x, y, gen_seed=11, transforms=(_Same(),)))
+    probed = trainer.run(local_job(3, 1, w0, 0.3, x, y, gen_seed=11, probe=True))
     assert direct.steps == chained.steps == probed.steps == 10
     assert direct.update.abs().sum() > 0
     assert torch.equal(direct.update, chained.update)
     assert torch.equal(direct.update, probed.update)
     assert direct.loss == chained.loss == probed.loss
     unused = layout.tensors[[t.name for t in layout.tensors].index("unused")].slice
-    w_k, _, _, _ = trainer.train(ClientJob(3, 1, w0, 0.3, x, y, gen_seed=11))
+    w_k, _, _, _ = trainer.train(local_job(3, 1, w0, 0.3, x, y, gen_seed=11))
     assert torch.equal(w_k[unused], w0[unused])
     assert torch.equal(torch.signbit(w_k[unused]), torch.tensor([True, False, False]))

@@ -225,10 +225,10 @@ class _Scale:
 
 
 def _job(k: int, w: torch.Tensor, terms: tuple) -> object:
-    from fedloom.job import ClientJob
+    from fedloom.job import local_job
 
-    return ClientJob(client=k, round=0, w=w, lr=0.1, x=torch.zeros(1, 1),
-                     y=torch.zeros(1, dtype=torch.long), gen_seed=k, transforms=terms)
+    return local_job(k, 0, w, 0.1, torch.zeros(1, 1), torch.zeros(1, dtype=torch.long), k,
+                     transforms=terms)
 
 
 @pytest.mark.parametrize("terms", [

@@ -1,26 +1,27 @@
 """A client's local work in one round: the contract between the round and the trainers.
 
-:class:`ClientJob` is everything a client needs to train in one round (where
-it starts, the model it measures its update from, its data, its generator
-seed, the hooks of the feedback policy on local training: a gradient shift, a
-penalty on the first steps, a smoothness probe; its module buffers and its
-step budget), and :class:`ClientResult` what comes back. The engine builds
-jobs in one place (:func:`fedloom.engine.stages.plan.client_job`), whatever the
-backend; the sequential trainer (:class:`fedloom.client.sgd.LocalSGD`), the
-lock-step trainer (:mod:`fedloom.engine.trainers.vmap`) and Flower's ClientApp
-consume them. This module sits below the algorithm packages, so a local
-method (``fedloom.client``) and a feedback policy (``fedloom.compress``) share
-these types without importing each other.
+:class:`ClientJob` is what the step loop reads (where it starts and the model
+it measures its update from, its data, its generator seed, its state rows and
+module buffers, its step plan, and the terms of its local step: a feedback
+policy's gradient shift and penalty, a local method's prox weight, mask and
+objective, all as transforms of :mod:`fedloom.client.transforms`), and
+:class:`ClientResult` what comes back. The engine builds jobs in one place
+(:func:`fedloom.engine.stages.plan.client_job`), whatever the backend; the
+sequential, vmap and lock-step trainers and Flower's ClientApp consume them.
+This module sits below the algorithm packages, so a local method
+(``fedloom.client``) and a feedback policy (``fedloom.compress``) share these
+types without importing each other.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-__all__ = ["ClientJob", "ClientResult", "Penalty", "local_step_sum"]
+__all__ = ["ClientJob", "ClientResult", "JobData", "Penalty", "StepPlan", "local_job",
+           "local_step_sum"]
 
 
 @dataclass(frozen=True)
@@ -47,43 +48,84 @@ class Penalty:
 
 
 @dataclass(frozen=True)
+class JobData:
+    """A client's training samples ``x, y`` and their positions ``index`` in the
+    run's training data (backends that run elsewhere ship ``index`` instead of the
+    samples: the data is sent to each worker once)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    index: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How a job's local steps run: where they ``start`` (``None``: the model
+    received; SA-PEF's ``w − α e``), at most how many (``epochs`` overrides the
+    trainer's, FFL; ``max_steps``: the first of those, a client cut by a round
+    deadline), and what else they report (``start_loss``: ``F_k(w)``;
+    ``probe``: a secant estimate of L after the first step)."""
+
+    start: torch.Tensor | None = None
+    epochs: int | None = None
+    max_steps: int | None = None
+    start_loss: bool = False
+    probe: bool = False
+
+
+@dataclass(frozen=True)
 class ClientJob:
-    """One client's work in one round."""
+    """One client's work in one round: only what the step loop reads.
+
+    ``transforms`` are the terms of this client's local step
+    (:mod:`fedloom.client.transforms`: a feedback policy's shift and penalty, a
+    local method's prox weight, mask, objective and own terms), placed by the
+    loop's chain between the gradient and the step.
+    """
 
     client: int
     round: int
-    w: torch.Tensor          # the global model the client received
+    w: torch.Tensor          # the global model the client received (the prox anchor)
     lr: float
-    x: torch.Tensor          # the client's training samples
-    y: torch.Tensor
+    data: JobData
     gen_seed: int            # seed of the batch-order generator
-    start_loss: bool = False  # also report F_k(w), the loss of w on the client's data
-    start: torch.Tensor | None = None       # where local SGD starts (default: w)
-    grad_shift: torch.Tensor | None = None  # added to every gradient (SCAFFOLD's c − c_k)
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # per-client state rows
-    probe_smoothness: bool = False  # report a secant estimate of L after the first step
-    penalty: Penalty | None = None  # a regulariser on the first local steps (FLARE)
-    epochs: int | None = None       # overrides the trainer's local epochs (FFL)
-    # Positions of x, y in the run's training data: backends that run elsewhere
-    # ship these instead of the samples (the data is sent to each worker once).
-    data_index: torch.Tensor | None = None
     # The module buffers (BatchNorm statistics) local training starts from
     # (fedloom.buffers); empty: the trainer's module's own.
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    # At most this many local steps (the first of those it would run): partial work
-    # of a client cut by a round deadline (fedloom.system, late: partial).
-    max_steps: int | None = None
-    # Set by a local method's run (fedloom.client): the prox weight μ towards w in
-    # place of client.prox_mu (FedDyn's α), a 0/1 mask of the coordinates the local
-    # steps may move (FedRep's and FedBABU's frozen layers), and an objective that
-    # replaces the forward + cross-entropy of a step (MOON's contrastive term).
-    prox_mu: float | None = None
-    grad_mask: torch.Tensor | None = None
-    objective: Any = None
-    # Terms of this client's local step a local method adds in its prepare()
-    # (fedloom.client.transforms: init/update on [d] and [m, d]), after the step's own
-    # and before client.transforms and momentum, on every client backend.
     transforms: tuple[Any, ...] = ()
+    steps: StepPlan = StepPlan()
+
+    @property
+    def x(self) -> torch.Tensor:
+        return self.data.x
+
+    @property
+    def y(self) -> torch.Tensor:
+        return self.data.y
+
+    @property
+    def start(self) -> torch.Tensor:
+        """Where local SGD starts: ``steps.start``, else ``w``."""
+        return self.steps.start if self.steps.start is not None else self.w
+
+    def with_start(self, start: torch.Tensor | None) -> ClientJob:
+        """This job with its local steps starting at ``start``."""
+        return replace(self, steps=replace(self.steps, start=start))
+
+    def cut(self, max_steps: int) -> ClientJob:
+        """This job with at most ``max_steps`` local steps."""
+        return replace(self, steps=replace(self.steps, max_steps=max_steps))
+
+
+def local_job(client: int, round: int, w: torch.Tensor, lr: float, x: torch.Tensor,
+              y: torch.Tensor, gen_seed: int, *, index: torch.Tensor | None = None,
+              state: dict[str, torch.Tensor] | None = None,
+              buffers: dict[str, torch.Tensor] | None = None,
+              transforms: tuple[Any, ...] = (), **steps: Any) -> ClientJob:
+    """A :class:`ClientJob` from flat arguments (``steps``: :class:`StepPlan`'s)."""
+    return ClientJob(client, round, w, lr, JobData(x, y, index), gen_seed, dict(state or {}),
+                     dict(buffers or {}), tuple(transforms), StepPlan(**steps))
 
 
 @dataclass

@@ -329,7 +329,7 @@ class System:
             assert cfg.deadline_s is not None
             dev = self.device(k)
             n = len(clients.fed.train[k])
-            full = local.num_steps(n, job.epochs)
+            full = local.num_steps(n, job.steps.epochs)
             left = (cfg.deadline_s - 2 * dev.latency_s - transfer_s(downlink_size, dev.down_bps)
                     - transfer_s(up, dev.up_bps))
             allowed = 0 if left < 0 else steps_within(
@@ -337,7 +337,7 @@ class System:
             if allowed == 0:
                 sim.withheld[k] = "no local step fits before system.deadline_s"
             elif allowed < full:
-                jobs[i] = dataclasses.replace(job, max_steps=allowed)
+                jobs[i] = job.cut(allowed)
                 sim.cut[k] = allowed
         return (dataclasses.replace(plan, jobs=jobs) if sim.cut else plan), sim
 

@@ -47,6 +47,7 @@ import torch
 
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
+from fedloom.client.transforms import Prox, Shift, with_term
 from fedloom.registry import register
 from fedloom.state import FieldSpec
 
@@ -68,7 +69,8 @@ class FedDyn(LocalMethod):
         return {"h": torch.zeros_like(w)}
 
     def prepare(self, job: ClientJob, server: Mapping[str, torch.Tensor]) -> ClientJob:
-        return dataclasses.replace(job, grad_shift=-job.state["grad"], prox_mu=self.alpha)
+        terms = with_term(with_term(job.transforms, Shift(-job.state["grad"])), Prox(self.alpha))
+        return dataclasses.replace(job, transforms=terms)
 
     def run(self, trainer: LocalSGD, job: ClientJob) -> ClientResult:
         res = trainer.run(job)

@@ -28,7 +28,6 @@ difference 6.9e-18 (the rounding of reading ``w_k`` back as ``w − (w − w_k)`
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -88,7 +87,7 @@ class FedPer(PersonalHead):
     name = "fedper"
 
     def run(self, trainer: LocalSGD, job: ClientJob) -> ClientResult:
-        res = trainer.run(dataclasses.replace(job, start=self.start(job)))
+        res = trainer.run(job.with_start(self.start(job)))
         return self.finish(job, res, job.w - res.update)
 
 

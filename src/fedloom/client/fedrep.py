@@ -66,7 +66,7 @@ class FedRep(PersonalHead):
             gen.manual_seed(derive_seed(job.gen_seed, job.round, job.client, f"fedrep-{part}"))
             w, loss, n = trainer.descend(w, job.w, job.x, job.y, job.lr, gen,
                                          buffers=job.buffers, grad_mask=mask, epochs=epochs,
-                                         max_steps=job.max_steps)
+                                         max_steps=job.steps.max_steps)
             loss_sum, steps = loss_sum + loss * n, steps + n
             # the body pass starts from the buffers the head pass ended with
             job = _with_buffers(job, trainer)

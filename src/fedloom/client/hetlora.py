@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
+from fedloom.client.transforms import Mask, with_term
 from fedloom.params import Layout, lora_default_ranks
 from fedloom.registry import register
 
@@ -85,9 +86,11 @@ class HetLoRA(LocalMethod):
         start = job.w.clone()
         start[cut] = 0
         keep = (~cut).to(job.w.dtype)
-        if job.grad_mask is not None:
-            keep = keep * job.grad_mask
-        res = trainer.run(dataclasses.replace(job, start=start, grad_mask=keep))
+        for t in job.transforms:
+            if isinstance(t, Mask):  # coordinates another term already holds
+                keep = keep * t.mask
+        job = dataclasses.replace(job, transforms=with_term(job.transforms, Mask(keep)))
+        res = trainer.run(job.with_start(start))
         # w − w_k on the truncated terms is w itself (w_k holds zeros there): what the
         # client sends for them is nothing, i.e. zeros
         res.update.masked_fill_(cut, 0)  # the trainer's update is a fresh vector

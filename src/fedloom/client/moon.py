@@ -45,6 +45,7 @@ from torch.nn import functional as F
 from fedloom.client.layers import head_groups
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
+from fedloom.client.transforms import Objective
 from fedloom.params import Layout, functional_forward
 from fedloom.registry import register
 from fedloom.state import FieldSpec
@@ -120,7 +121,7 @@ class MOON(LocalMethod):
         bufs = job.buffers or trainer._flat_module().init_buffers
         obj = _Objective(self.head, self.layout, job.w.detach(), prev.detach(),
                          {n: v.detach() for n, v in bufs.items()}, self.mu, self.tau)
-        res = trainer.run(dataclasses.replace(job, objective=obj))
+        res = trainer.run(dataclasses.replace(job, transforms=(*job.transforms, Objective(obj))))
         w_k = job.w - res.update
         res.state = {"previous": w_k.clone(), "previous_set": torch.ones(1, dtype=w_k.dtype)}
         return res

@@ -30,6 +30,7 @@ import torch
 
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
+from fedloom.client.transforms import Shift, split_terms, with_term
 from fedloom.job import local_step_sum
 from fedloom.registry import register
 from fedloom.state import FieldSpec
@@ -47,14 +48,16 @@ class Scaffold(LocalMethod):
         return {"c": torch.zeros_like(w)}
 
     def prepare(self, job: ClientJob, server: Mapping[str, torch.Tensor]) -> ClientJob:
-        return dataclasses.replace(job, grad_shift=server["c"] - job.state["control"])
+        shift = Shift(server["c"] - job.state["control"])
+        return dataclasses.replace(job, transforms=with_term(job.transforms, shift))
 
     def run(self, trainer: LocalSGD, job: ClientJob) -> ClientResult:
         res = trainer.run(job)
-        assert job.grad_shift is not None
-        # c_k⁺ = c_k − c + g/(Sη) and grad_shift = c − c_k
+        shift = split_terms(job.transforms).shift
+        assert shift is not None
+        # c_k⁺ = c_k − c + g/(Sη) and the shift is c − c_k
         scale = local_step_sum(res.steps, trainer.momentum) * job.lr
-        res.state = {"control": res.update / scale - job.grad_shift}
+        res.state = {"control": res.update / scale - shift}
         return res
 
     def server_update(

@@ -46,7 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedloom.buffers import buffer_names, load_buffers, module_buffers
-from fedloom.client.transforms import StepContext, local_chain
+from fedloom.client.transforms import Objective, StepContext, job_chain, job_terms, split_terms
 from fedloom.config import ScheduleConfig
 from fedloom.job import ClientJob, ClientResult, Penalty
 from fedloom.params import Layout, functional_forward, training_mode
@@ -281,7 +281,8 @@ class LocalSGD:
         samples in the same order on every path."""
         gen = torch.Generator()
         gen.manual_seed(job.gen_seed)
-        return self.batch_indices(int(job.y.shape[0]), gen, job.epochs, job.max_steps)
+        return self.batch_indices(int(job.y.shape[0]), gen, job.steps.epochs,
+                                  job.steps.max_steps)
 
     def descend(
         self,
@@ -311,11 +312,10 @@ class LocalSGD:
 
         Returns the final parameters, the mean batch loss and the number of steps.
         """
-        w, loss, steps, _ = self._descend(x0, anchor, x, y, lr, gen, prox_mu=prox_mu,
-                                          grad_shift=grad_shift, probe=False, penalty=penalty,
-                                          buffers=buffers, grad_mask=grad_mask,
-                                          objective=objective, epochs=epochs,
-                                          max_steps=max_steps, transforms=transforms)
+        terms = (*job_terms(grad_shift, penalty, prox_mu, grad_mask),
+                 *((Objective(objective),) if objective is not None else ()), *transforms)
+        w, loss, steps, _ = self._descend(x0, anchor, x, y, lr, gen, terms=terms, probe=False,
+                                          buffers=buffers, epochs=epochs, max_steps=max_steps)
         return w.clone(), loss, steps
 
     def _descend(self, x0: torch.Tensor, anchor: torch.Tensor, x: torch.Tensor,
@@ -357,22 +357,18 @@ class LocalSGD:
 
     def _local_steps(
         self, x0: torch.Tensor, anchor: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-        lr: float, gen: torch.Generator, *, prox_mu: float | None,
-        grad_shift: torch.Tensor | None, probe: bool, penalty: Penalty | None = None,
+        lr: float, gen: torch.Generator, *, terms: tuple[Any, ...], probe: bool,
         epochs: int | None = None, max_steps: int | None = None,
-        grad_mask: torch.Tensor | None = None, objective: Any = None,
-        transforms: tuple[Any, ...] = (),
     ) -> tuple[torch.Tensor, float, int, float | None]:
-        mu = self.prox_mu if prox_mu is None else prox_mu
         fm = self._flat_module()
         w = fm.w
         with torch.no_grad():
             w.copy_(x0)
         # The direction's terms, defined once for every trainer (fedloom.client.transforms).
-        direction = local_chain([grad_shift], [penalty], [grad_mask],
-                                weight_decay=self.weight_decay, prox_mu=mu,
-                                momentum=self.momentum, extra=self.transforms,
-                                per_client=[transforms])
+        direction = job_chain(terms, weight_decay=self.weight_decay, prox_mu=self.prox_mu,
+                              momentum=self.momentum, extra=self.transforms)
+        own = split_terms(terms).objective
+        objective = own.loss if own is not None else None
         dstate = direction.init(w)
         loss_sum = 0.0
         smooth: float | None = None
@@ -484,18 +480,15 @@ class LocalSGD:
         """:meth:`train` with ``w_k`` the trainer's own vector (valid until it trains again)."""
         gen = torch.Generator()
         gen.manual_seed(job.gen_seed)
-        x0 = job.start if job.start is not None else job.w
-        return self._descend(x0, job.w, job.x, job.y, job.lr, gen, prox_mu=job.prox_mu,
-                             grad_shift=job.grad_shift, probe=job.probe_smoothness,
-                             penalty=job.penalty, epochs=job.epochs, max_steps=job.max_steps,
-                             buffers=job.buffers, grad_mask=job.grad_mask,
-                             objective=job.objective, transforms=job.transforms)
+        return self._descend(job.start, job.w, job.x, job.y, job.lr, gen, terms=job.transforms,
+                             probe=job.steps.probe, epochs=job.steps.epochs,
+                             max_steps=job.steps.max_steps, buffers=job.buffers)
 
     def run(self, job: ClientJob) -> ClientResult:
         """Train from ``job.start`` (default ``w``); the update is measured from ``w``."""
         w_global = job.w
         start_loss = (self.full_loss(w_global, job.x, job.y, buffers=job.buffers)
-                      if job.start_loss else None)
+                      if job.steps.start_loss else None)
         w_k, loss, steps, smooth = self._train(job)
         out = self._scratch.update_out
         if out is not None and out.shape == w_k.shape and out.dtype == w_k.dtype:

@@ -29,7 +29,7 @@ Transforms run under ``torch.no_grad()`` (the trainers' step) and may update
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -38,8 +38,9 @@ import torch
 from fedloom.job import ClientJob, Penalty
 from fedloom.transforms import Chain, Transform, chain
 
-__all__ = ["Chain", "LocalTransform", "Mask", "Momentum", "PenaltyTerm", "PerClient", "Prox",
-           "Shift", "StepContext", "WeightDecay", "chain", "jobs_chain", "local_chain"]
+__all__ = ["Chain", "LocalTransform", "Mask", "Momentum", "Objective", "PenaltyTerm", "PerClient",
+           "Prox", "Shift", "StepContext", "Terms", "WeightDecay", "chain", "job_chain",
+           "job_terms", "jobs_chain", "local_chain", "split_terms", "with_term"]
 
 
 @dataclass(frozen=True)
@@ -205,11 +206,89 @@ def local_chain(shifts: Sequence[torch.Tensor | None] = (),
 def jobs_chain(jobs: Sequence[ClientJob], W: torch.Tensor, *, weight_decay: float = 0.0,
                prox_mu: float = 0.0, momentum: float = 0.0,
                extra: Sequence[LocalTransform] = ()) -> Chain[StepContext]:
-    """:func:`local_chain` of a cohort's jobs on the stacked parameters ``W``."""
-    return local_chain([j.grad_shift for j in jobs], [j.penalty for j in jobs],
-                       [j.grad_mask for j in jobs], weight_decay=weight_decay,
-                       prox_mu=prox_mu, momentum=momentum, like=W, extra=extra,
-                       per_client=[j.transforms for j in jobs])
+    """:func:`local_chain` of a cohort's jobs on the stacked parameters ``W``
+    (every job's prox weight the same: a backend refuses others by capability)."""
+    parts = [split_terms(j.transforms) for j in jobs]
+    mus = {prox_mu if p.prox is None else p.prox for p in parts}
+    if len(mus) != 1:
+        raise ValueError("local training: the clients of one batch differ in their prox weight")
+    return local_chain([p.shift for p in parts], [p.penalty for p in parts], (),
+                       weight_decay=weight_decay, prox_mu=mus.pop(), momentum=momentum,
+                       like=W, extra=extra, per_client=[p.rest for p in parts])
+
+
+def job_chain(terms: Sequence[Any], *, weight_decay: float = 0.0, prox_mu: float = 0.0,
+              momentum: float = 0.0, extra: Sequence[LocalTransform] = ()
+              ) -> Chain[StepContext]:
+    """:func:`local_chain` of one client's ``job.transforms`` on ``[d]``."""
+    p = split_terms(terms)
+    return local_chain([p.shift], [p.penalty], (), weight_decay=weight_decay,
+                       prox_mu=prox_mu if p.prox is None else p.prox, momentum=momentum,
+                       extra=extra, per_client=[p.rest])
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A step's loss in place of the cross-entropy of ``module(xb)``:
+    ``loss(module, xb, yb, step)`` (MOON's contrastive term). Carried in
+    ``job.transforms``; the loop's gradient function reads it, the direction's
+    chain does not."""
+
+    loss: Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Terms:
+    """A job's terms by their place in the chain (:func:`split_terms`)."""
+
+    shift: torch.Tensor | None
+    penalty: Penalty | None
+    prox: float | None
+    objective: Objective | None
+    rest: tuple[LocalTransform, ...]
+
+
+def split_terms(terms: Sequence[Any]) -> Terms:
+    """``job.transforms`` by place: the shift and the penalty go before weight
+    decay, a :class:`Prox` replaces ``client.prox_mu`` (FedDyn's α), the
+    :class:`Objective` goes to the gradient; the rest (masks, a method's own
+    terms) keep their order after the prox term, as the module docstring's chain."""
+    shift = penalty = prox = objective = None
+    rest: list[LocalTransform] = []
+    for t in terms:
+        if isinstance(t, Shift):
+            shift = t.s
+        elif isinstance(t, PenaltyTerm):
+            penalty = t.penalties[0]
+        elif isinstance(t, Prox):
+            prox = t.mu
+        elif isinstance(t, Objective):
+            objective = t
+        else:
+            rest.append(t)
+    return Terms(shift, penalty, prox, objective, tuple(rest))
+
+
+def with_term(terms: Sequence[Any], term: Any) -> tuple[Any, ...]:
+    """``terms`` with ``term`` in place of the one of its class (appended if none)."""
+    out = [term if type(t) is type(term) else t for t in terms]
+    return tuple(out) if any(type(t) is type(term) for t in terms) else (*terms, term)
+
+
+def job_terms(grad_shift: torch.Tensor | None = None, penalty: Penalty | None = None,
+              prox_mu: float | None = None, grad_mask: torch.Tensor | None = None
+              ) -> tuple[LocalTransform, ...]:
+    """The terms of the given hooks, in the chain's order."""
+    out: list[LocalTransform] = []
+    if grad_shift is not None:
+        out.append(Shift(grad_shift))
+    if penalty is not None:
+        out.append(PenaltyTerm((penalty,)))
+    if prox_mu is not None:
+        out.append(Prox(prox_mu))
+    if grad_mask is not None:
+        out.append(Mask(grad_mask))
+    return tuple(out)
 
 
 def _batched(per_client: Sequence[Sequence[LocalTransform]]) -> list[LocalTransform]:

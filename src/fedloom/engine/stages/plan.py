@@ -17,13 +17,14 @@ from typing import Any
 import torch
 
 from fedloom.buffers import load_buffers, unflatten_buffers
+from fedloom.client.transforms import job_terms
 from fedloom.device import to_device
 from fedloom.engine.algorithm import Algorithm
 from fedloom.engine.clientfields import BUFFERS, FEEDBACK, METHOD, ClientFields
 from fedloom.engine.parts import ClientData, HookView, ModelSpace, Schedule
 from fedloom.engine.runstate import RoundPlan, RunState
 from fedloom.engine.trainers.backends import take_rows
-from fedloom.job import ClientJob
+from fedloom.job import ClientJob, JobData, StepPlan
 from fedloom.rng import Purpose, derive_seed
 
 __all__ = ["client_job", "plan_round"]
@@ -51,13 +52,13 @@ def client_job(feedback: Any, *, seed: int, client: int, round: int, w: torch.Te
         shifted_here: ``False`` where the model handed over already is the start
             point (Flower's mod shifts it before the train handler runs).
     """
-    return ClientJob(client, round, w, lr, x, y, derive_seed(seed, round, client, Purpose.BATCH),
-                     start_loss=start_loss, state=dict(state or {}),
-                     start=feedback.start_point(w, fb_state, alpha) if shifted_here else None,
-                     grad_shift=feedback.grad_shift(fb_state, fb_server),
-                     penalty=feedback.penalty(w, fb_state, round), epochs=epochs,
-                     probe_smoothness=feedback.probes_smoothness, data_index=data_index,
-                     buffers=dict(buffers or {}))
+    terms = job_terms(feedback.grad_shift(fb_state, fb_server),
+                      feedback.penalty(w, fb_state, round))
+    steps = StepPlan(feedback.start_point(w, fb_state, alpha) if shifted_here else None,
+                     epochs, None, start_loss, feedback.probes_smoothness)
+    return ClientJob(client, round, w, lr, JobData(x, y, data_index),
+                     derive_seed(seed, round, client, Purpose.BATCH), dict(state or {}),
+                     dict(buffers or {}), terms, steps)
 
 
 def plan_round(algo: Algorithm, clients: ClientData, space: ModelSpace, schedule: Schedule,

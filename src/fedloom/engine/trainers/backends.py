@@ -28,6 +28,7 @@ from fedloom.capabilities import BackendCaps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig, ConfigError
+from fedloom.job import JobData
 from fedloom.registry import register
 
 __all__ = ["KILL_ENV", "Backend", "InProcess", "ResultSink", "SequentialBackend",
@@ -199,9 +200,9 @@ def light_job(job: ClientJob, shared_model: bool = False) -> ClientJob:
     memory)."""
     if shared_model:
         job = dataclasses.replace(job, w=None)  # type: ignore[arg-type]
-    if job.data_index is None:
+    if job.data.index is None:
         return job
-    return dataclasses.replace(job, x=_EMPTY, y=_EMPTY)
+    return dataclasses.replace(job, data=JobData(_EMPTY, _EMPTY, job.data.index))
 
 
 def take_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -218,10 +219,10 @@ def take_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def with_data(job: ClientJob, x: torch.Tensor, y: torch.Tensor) -> ClientJob:
     """The shipped job with its samples gathered again from the whole data."""
-    if job.data_index is None:
+    idx = job.data.index
+    if idx is None:
         return job
-    return dataclasses.replace(job, x=take_rows(x, job.data_index),
-                               y=take_rows(y, job.data_index))
+    return dataclasses.replace(job, data=JobData(take_rows(x, idx), take_rows(y, idx), idx))
 
 
 def balanced_groups(jobs: Sequence[ClientJob], n: int) -> list[list[int]]:
@@ -231,8 +232,8 @@ def balanced_groups(jobs: Sequence[ClientJob], n: int) -> list[list[int]]:
     n = max(1, min(n, len(jobs)))
     load = [0] * n
     groups: list[list[int]] = [[] for _ in range(n)]
-    sizes = [(int(j.y.shape[0]) if j.data_index is None else int(j.data_index.numel()))
-             * (j.epochs or 1) for j in jobs]
+    sizes = [(int(j.y.shape[0]) if j.data.index is None else int(j.data.index.numel()))
+             * (j.steps.epochs or 1) for j in jobs]
     for i in sorted(range(len(jobs)), key=lambda i: -sizes[i]):
         g = min(range(n), key=load.__getitem__)
         groups[g].append(i)

@@ -76,7 +76,7 @@ class VmapBackend(InProcess):
         out: list[ClientResult | None] = []
         for s in range(0, len(jobs), self.chunk):
             part = list(jobs[s : s + self.chunk])
-            if any(j.probe_smoothness for j in part):
+            if any(j.steps.probe for j in part):
                 out += [self.trainer.run(j) for j in part]
             else:
                 out += self._train(part)
@@ -89,8 +89,8 @@ class VmapBackend(InProcess):
         fm = tr._flat_module()
         m = len(jobs)
         w_global = torch.stack([j.w for j in jobs])
-        W = torch.stack([j.start if j.start is not None else j.w for j in jobs]).clone()
-        start_loss = [tr.full_loss(j.w, j.x, j.y, buffers=j.buffers) if j.start_loss else None
+        W = torch.stack([j.start for j in jobs]).clone()
+        start_loss = [tr.full_loss(j.w, j.x, j.y, buffers=j.buffers) if j.steps.start_loss else None
                       for j in jobs]
         sched = self._schedule(jobs, W.device)
         # The direction's terms, as the sequential trainer's (fedloom.client.transforms).
@@ -132,10 +132,10 @@ class VmapBackend(InProcess):
         B = max(len(i) for b in batches for i in b)
         # Every step's batch of every client as rows of one source tensor: the
         # whole data (positions via data_index) or the chunk's samples stacked.
-        if self.x is not None and all(j.data_index is not None for j in jobs):
+        if self.x is not None and all(j.data.index is not None for j in jobs):
             # x and y are set together; all() above: every job has its data_index
             src_x, src_y = self.x, cast(torch.Tensor, self.y)
-            owners = cast("list[torch.Tensor]", [j.data_index for j in jobs])
+            owners = cast("list[torch.Tensor]", [j.data.index for j in jobs])
         else:
             src_x = torch.cat([j.x for j in jobs])
             src_y = torch.cat([j.y for j in jobs])

@@ -29,7 +29,7 @@ from torch.nn import functional as F
 from fedloom.capabilities import BackendCaps, method_caps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
-from fedloom.client.transforms import StepContext, jobs_chain
+from fedloom.client.transforms import StepContext, jobs_chain, split_terms
 from fedloom.config import BackendConfig
 from fedloom.engine.trainers.backends import InProcess
 from fedloom.engine.trainers.lockstep.plan import (
@@ -107,9 +107,10 @@ def trainer_reason(trainer: LocalSGD, method: LocalMethod,
 def job_reason(jobs: Sequence[ClientJob]) -> str | None:
     """Why these jobs are not lock-step's (None: they are)."""
     for j in jobs:
-        if j.probe_smoothness:
+        if j.steps.probe:
             return "a job asks for the smoothness probe"
-        if j.objective is not None or j.grad_mask is not None or j.prox_mu is not None:
+        t = split_terms(j.transforms)
+        if t.objective is not None or t.prox is not None:
             return "a job carries a local method's objective, mask or prox weight"
     return None
 
@@ -165,8 +166,8 @@ class LockstepBackend(InProcess):
         tr, m = self.trainer, len(jobs)
         assert self.plan is not None
         W0 = torch.stack([j.w for j in jobs])
-        W = torch.stack([j.start if j.start is not None else j.w for j in jobs])
-        start_loss = [tr.full_loss(j.w, j.x, j.y, buffers=j.buffers) if j.start_loss else None
+        W = torch.stack([j.start for j in jobs])
+        start_loss = [tr.full_loss(j.w, j.x, j.y, buffers=j.buffers) if j.steps.start_loss else None
                       for j in jobs]
         batches = [tr.job_batches(j) for j in jobs]
         steps = [len(b) for b in batches]
@@ -249,10 +250,10 @@ class LockstepBackend(InProcess):
         """The source rows and an ``[m, T, B]`` table of every client's batch
         positions into them (unused cells: −1, never read)."""
         m = len(jobs)
-        if self.x is not None and all(j.data_index is not None for j in jobs):
+        if self.x is not None and all(j.data.index is not None for j in jobs):
             src_x, src_y = self.x, self.y
             # all() above: every job has its data_index
-            owners = cast("list[torch.Tensor]", [j.data_index for j in jobs])
+            owners = cast("list[torch.Tensor]", [j.data.index for j in jobs])
         else:
             src_x = torch.cat([j.x for j in jobs])
             src_y = torch.cat([j.y for j in jobs])
