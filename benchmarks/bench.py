@@ -135,8 +135,8 @@ def round_time(quick: bool, repeats: int) -> dict[str, Any]:
         base = workload.fedloom_config(m, clients)
         for name, over in backends:
             t0 = time.perf_counter()
-            exp = Experiment(load_config(base, over), data=data)
-            st = exp.initial_state()
+            exp = Experiment.from_config(load_config(base, over), data=data)
+            st = exp.init()
             st, _ = exp.round(st)  # warm-up (worker start, first-touch allocations)
             startup = time.perf_counter() - t0
             holder = {"st": st}
@@ -199,8 +199,9 @@ def lockstep(quick: bool, repeats: int) -> dict[str, Any]:
     data = workload.fedloom_data(clients, n)
     base = workload.fedloom_config(m, clients)
     # one intra-op thread: on a shared machine two threads measure OpenMP's spin-waits
-    exps = {name: Experiment(load_config(base, [f"backend.name={name}", "backend.threads=1"]),
-                             data=data) for name in ("lockstep", "sequential", "vmap")}
+    exps = {name: Experiment.from_config(
+        load_config(base, [f"backend.name={name}", "backend.threads=1"]), data=data)
+        for name in ("lockstep", "sequential", "vmap")}
     medians, states = workload.interleaved_rounds(exps, repeats)
     for e in exps.values():
         e.close()

@@ -449,7 +449,7 @@ def device_overrides(dev: torch.device) -> list[str]:
 
 def _rounds(exp: Any, warmup: int, timed: int, dev: torch.device) -> dict[str, Any]:
     """Seconds of ``timed`` rounds after ``warmup`` rounds of one Experiment."""
-    st = exp.initial_state()
+    st = exp.init()
     first = []
     for _ in range(warmup):
         _sync(dev)
@@ -604,7 +604,7 @@ def step_round_time(ck: Check, rec: dict[str, Any]) -> None:
     def fedloom_round(m: int, backend: str) -> dict[str, Any]:
         big = m >= 1000 and backend == "sequential"
         t = time.perf_counter()
-        exp = Experiment(load_config(workload.fedloom_config(m, clients),
+        exp = Experiment.from_config(load_config(workload.fedloom_config(m, clients),
                                      [*BACKENDS[backend](m), *on_dev]), data=hold["data"])
         build = time.perf_counter() - t
         try:
@@ -705,7 +705,7 @@ def step_resnet(ck: Check, rec: dict[str, Any]) -> None:
             c = load_config(cfg, [*BACKENDS[backend](k), *on_dev])
         except ConfigError as e:
             raise NotAvailable(_one_line(e)) from e
-        exp = Experiment(c, data=data)
+        exp = Experiment.from_config(c, data=data)
         try:
             got = _rounds(exp, 1, 1, ck.dev)
             got["num_parameters"] = exp.layout.size if hasattr(exp, "layout") else None
@@ -754,7 +754,7 @@ def step_pfl_cifar10(ck: Check, rec: dict[str, Any]) -> None:
         cfg = load_config(fedloom_config(wl), [*PFL_BACKENDS[backend](m), *on_dev])
         t = time.perf_counter()
         try:
-            exp = Experiment(cfg, data=hold["data"])
+            exp = Experiment.from_config(cfg, data=hold["data"])
         except ConfigError as e:  # e.g. vmap refuses dropout: per-client masks
             raise NotAvailable(_one_line(e)) from e
         build = time.perf_counter() - t

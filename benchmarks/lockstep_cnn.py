@@ -60,7 +60,7 @@ def run(quick: bool, repeats: int) -> dict[str, Any]:
             # one intra-op thread: on a shared machine two threads measure OpenMP's
             # spin-waits (see fedloom.config.BackendConfig), not the backends
             "backend": {"threads": 1}}
-    exps = {name: Experiment(load_config(base, [f"backend.name={name}"]), data=data)
+    exps = {name: Experiment.from_config(load_config(base, [f"backend.name={name}"]), data=data)
             for name in ("lockstep", "sequential", "vmap")}
     medians, states = workload.interleaved_rounds(exps, repeats)
     assert exps["lockstep"].backend.reason is None, exps["lockstep"].backend.reason

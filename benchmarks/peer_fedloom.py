@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         for mod in model.modules():
             if isinstance(mod, torch.nn.Dropout):
                 mod.p = 0.0
-    exp = Experiment(cfg, data=dataset(spec, x, y), model=model)
-    st = exp.initial_state()
+    exp = Experiment.from_config(cfg, data=dataset(spec, x, y), model=model)
+    st = exp.init()
     init = torch.cat([t.reshape(-1) for t in spec["init"]])
     if not torch.equal(st.w, init):
         raise SystemExit("fedloom: the spec's initial parameters are not this run's")

@@ -182,7 +182,7 @@ def export_spec(wl: dict[str, Any], folder: Path, rounds: int,
     if wl["model"] == "mlp":
         spec["hidden"] = wl["hidden"]
     cfg = load_config(fedloom_config(spec), ["backend=sequential"])
-    exp = Experiment(cfg, data=dataset(spec, x, y))
+    exp = Experiment.from_config(cfg, data=dataset(spec, x, y))
     spec["init"] = [p.detach().clone() for p in exp.module.parameters()]
     cohorts = [exp.sample_cohort(r) for r in range(rounds)]
     spec["cohorts"] = torch.stack(cohorts)

@@ -88,7 +88,7 @@ def interleaved_rounds(exps: dict[str, Any], repeats: int
     """Median seconds per round of each fedloom ``Experiment`` and its final state:
     one warm-up round of each, then ``repeats`` rounds of each in turn, so that a
     change in the machine's load falls on all of them."""
-    states = {k: e.round(e.initial_state())[0] for k, e in exps.items()}
+    states = {k: e.round(e.init())[0] for k, e in exps.items()}
     times: dict[str, list[float]] = {k: [] for k in exps}
     for _ in range(repeats):
         for k, e in exps.items():

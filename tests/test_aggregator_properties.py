@@ -49,7 +49,7 @@ Each property prints the cohort that breaks it (hypothesis' falsifying example).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -440,7 +440,7 @@ def experiments():
                 "client": {"lr": LR, "batch_size": 32, "epochs": 1},
                 "aggregator": {"name": name}, "eval": {"every": 1},
             })
-            built[name] = Experiment(cfg)
+            built[name] = Experiment.from_config(cfg)
         return built[name]
 
     return get
@@ -450,12 +450,12 @@ def experiments():
 @pytest.mark.parametrize("name", NAMES)
 def test_engine_never_applies_a_bad_aggregate(experiments, name, mode):
     exp = experiments(name)
-    inner = exp.aggregator
-    exp.aggregator = _Hostile(inner, mode)
+    bound = exp.algorithm
+    exp.algorithm = replace(bound, aggregator=_Hostile(bound.aggregator, mode))
     try:
-        st0 = exp.initial_state()
+        st0 = exp.init()
         st1, metrics = exp.round(st0)
     finally:
-        exp.aggregator = inner
+        exp.algorithm = bound
     assert torch.equal(st1.w, st0.w), f"{name}/{mode}: the model moved"
     assert metrics.get("rejected_rounds") == 1

@@ -23,7 +23,7 @@ def test_sign_flip_reaches_the_aggregator_as_minus_scale_times_the_update(tiny):
     updates are the same bits; the identity uplink carries float32, so the two
     steps agree to float32 rounding)."""
     base = ["rounds=1", "dtype=float64", "cohort.size=4"]
-    w0 = Experiment(load_config(tiny, base)).initial_state().w
+    w0 = Experiment.from_config(load_config(tiny, base)).init().w
     honest = fedloom.run(tiny, base).w
     hostile = fedloom.run(tiny, [*base, "attack.fraction=1.0", "attack.options.scale=3"]).w
     step = honest - w0

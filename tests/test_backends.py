@@ -14,8 +14,8 @@ import torch
 
 import fedloom
 from conftest import TINY
+from fedloom.client.sgd import ClientJob
 from fedloom.engine.trainers.backends import balanced_groups
-from fedloom.job import local_job
 
 EF = ["compression.name=topk", "compression.options.ratio=0.1", "compression.feedback=ef"]
 
@@ -78,8 +78,8 @@ def test_process_backend_runs_lockstep_in_its_workers():
     from fedloom.engine.trainers.lockstep import LockstepBackend
     from fedloom.engine.trainers.parallel import make_inner
 
-    exp = Experiment(load_config(TINY, ["dtype=float64"]))
-    inner = make_inner(exp.trainer, exp.method, "lockstep", 0, exp.x, exp.y)
+    exp = Experiment.from_config(load_config(TINY, ["dtype=float64"]))
+    inner = make_inner(exp.trainer, exp.algorithm.method, "lockstep", 0, exp.x, exp.y)
     exp.close()
     assert isinstance(inner, LockstepBackend) and inner.enabled and inner.x is exp.x
     ref = fedloom.run(TINY, ["dtype=float64", "backend=sequential"])
@@ -105,7 +105,7 @@ def test_process_backend_float32_is_single_thread_sequential():
 
 
 def test_balanced_groups_cover_every_job_once():
-    jobs = [local_job(k, 0, torch.zeros(1), 0.1, torch.zeros(n, 1), torch.zeros(n), 0)
+    jobs = [ClientJob(k, 0, torch.zeros(1), 0.1, torch.zeros(n, 1), torch.zeros(n), 0)
             for k, n in enumerate([50, 10, 10, 30, 5, 5])]
     groups = balanced_groups(jobs, 3)
     assert sorted(i for g in groups for i in g) == list(range(6))
@@ -254,9 +254,9 @@ def test_process_workers_follow_the_server_rows_as_the_cohort_grows():
     from fedloom.config import load_config
     from fedloom.engine.experiment import Experiment
 
-    exp = Experiment(load_config(TINY, ["backend=process", "backend.workers=2"]))
+    exp = Experiment.from_config(load_config(TINY, ["backend=process", "backend.workers=2"]))
     try:
-        jobs = exp.plan_round(exp.initial_state()).jobs
+        jobs = exp.plan_round(exp.init()).jobs
         assert len(jobs) >= 4
         big = torch.zeros((len(jobs), exp.layout.size)).share_memory_()
 
@@ -287,11 +287,11 @@ def test_process_workers_read_the_rounds_model_from_shared_memory():
     from fedloom.config import load_config
     from fedloom.engine.experiment import Experiment
 
-    ref = Experiment(load_config(TINY, ["dtype=float64"]))
-    exp = Experiment(load_config(TINY, ["dtype=float64", "backend=process",
+    ref = Experiment.from_config(load_config(TINY, ["dtype=float64"]))
+    exp = Experiment.from_config(load_config(TINY, ["dtype=float64", "backend=process",
                                         "backend.workers=2"]))
     try:
-        jobs = ref.plan_round(ref.initial_state()).jobs  # with their samples, for both
+        jobs = ref.plan_round(ref.init()).jobs  # with their samples, for both
         w = jobs[0].w
         own = [dataclasses.replace(j, w=w + 0.01 * (k + 1)) for k, j in enumerate(jobs)]
         for cohort in (jobs, own, jobs):

@@ -86,7 +86,7 @@ def test_afl_lambda_moves_to_high_loss_client_and_needs_full_cohort(tiny):
     assert torch.allclose(out, torch.full((3,), 1 / 3, dtype=torch.float64))
     assert abs(float(lam.sum()) - 1) < 1e-12 and int(lam.argmax()) == 2
     with pytest.raises(ConfigError, match=r"cohort\.size"):
-        Experiment(load_config(tiny, ["aggregator.name=afl"]))
+        Experiment.from_config(load_config(tiny, ["aggregator.name=afl"]))
     res = fedloom.run(tiny, ["aggregator.name=afl", "cohort.size=10", "rounds=2",
                              "eval.average_iterates=true"])
     assert res.metrics[-1]["afl_lambda_max"] > 0.1
@@ -95,8 +95,8 @@ def test_afl_lambda_moves_to_high_loss_client_and_needs_full_cohort(tiny):
 def test_scaffold_first_round_matches_sgd_and_controls_follow_option_ii(tiny):
     cfg_s = load_config(tiny, ["client.method=scaffold", "rounds=2", "dtype=float64"])
     cfg_p = load_config(tiny, ["rounds=2", "dtype=float64"])
-    es, ep = Experiment(cfg_s), Experiment(cfg_p)
-    s0, p0 = es.initial_state(), ep.initial_state()
+    es, ep = Experiment.from_config(cfg_s), Experiment.from_config(cfg_p)
+    s0, p0 = es.init(), ep.init()
     s1, _ = es.round(s0)
     p1, _ = ep.round(p0)
     # c = c_k = 0 in round 1: SCAFFOLD is plain local SGD
@@ -129,15 +129,15 @@ def test_ditto_personal_models_and_metrics(tiny):
 def test_ditto_with_huge_lambda_keeps_personal_near_global(tiny):
     cfg = load_config(tiny, ["client.method=ditto", "client.method.options.lam=5.0",
                              "client.lr=0.1", "rounds=1", "dtype=float64"])
-    exp = Experiment(cfg)
-    exp.round(exp.initial_state())
+    exp = Experiment.from_config(cfg)
+    exp.round(exp.init())
     cohort = exp.sample_cohort(0)
     v = exp.store.gather("personal", cohort)
-    w0 = exp.initial_state().w
+    w0 = exp.init().w
     cfg0 = load_config(tiny, ["client.method=ditto", "client.method.options.lam=0.0",
                               "client.lr=0.1", "rounds=1", "dtype=float64"])
-    exp0 = Experiment(cfg0)
-    exp0.round(exp0.initial_state())
+    exp0 = Experiment.from_config(cfg0)
+    exp0.round(exp0.init())
     v0 = exp0.store.gather("personal", cohort)
     assert (v - w0).norm() < (v0 - w0).norm()  # the prox term pulls towards w
 

@@ -50,7 +50,7 @@ def _experiment(folder: Path, spec: dict) -> Experiment:
     from peer_fedloom import dataset, fedloom_config
 
     x, y = np.load(folder / "x.npy"), np.load(folder / "y.npy")
-    return Experiment(load_config(fedloom_config(spec), ["backend=sequential",
+    return Experiment.from_config(load_config(fedloom_config(spec), ["backend=sequential",
                                                          "backend.threads=1"]),
                       data=dataset(spec, x, y))
 
@@ -60,7 +60,7 @@ def test_export_is_fedloom_own_run(toy_spec, one_thread):
     saved = torch.load(folder / "spec.pt", weights_only=True)
     assert saved["cohorts"].shape == (2, 3) and saved["perms"].shape == (2, 3, 40)
     exp = _experiment(folder, saved)
-    st = exp.initial_state()
+    st = exp.init()
     assert torch.equal(torch.cat([t.reshape(-1) for t in saved["init"]]), st.w)
     for r in range(2):
         assert torch.equal(saved["cohorts"][r], exp.sample_cohort(r))
@@ -99,7 +99,7 @@ def test_plain_replay_of_the_spec_matches_fedloom_round(toy_spec, one_thread):
                     p.add_(p.grad, alpha=-spec["lr"])
         acc += peer_common.flat(model) / spec["per_round"]
     exp = _experiment(folder, spec)
-    st, _ = exp.round(exp.initial_state())
+    st, _ = exp.round(exp.init())
     assert not torch.equal(st.w, peer_common.flat(start))  # the round moved the model
     torch.testing.assert_close(st.w, acc, rtol=1e-5, atol=1e-6)
     exp.close()

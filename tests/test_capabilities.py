@@ -368,7 +368,7 @@ def test_auto_reads_the_chosen_caps():
 
 
 def _rounds(exp: Any, n: int = 2) -> Any:
-    st = exp.initial_state()
+    st = exp.init()
     try:
         for _ in range(n):
             st, _ = exp.round(st)
@@ -388,8 +388,8 @@ def test_the_engine_honours_a_plug_in_backends_declared_fields(tiny):
     from fedloom.engine.runs.summary import summarize
 
     cfg = load_config(tiny, ["dtype=float64"])
-    ref = _rounds(Experiment(cfg))
-    plain = Experiment(cfg)
+    ref = _rounds(Experiment.from_config(cfg))
+    plain = Experiment.from_config(cfg)
     plain.backend = _PlainBackend(plain.backend)
     st = _rounds(plain)
     assert torch.equal(st.w, ref.w)
@@ -405,7 +405,7 @@ def test_the_engine_honours_a_plug_in_backends_declared_fields(tiny):
             sinks.append(on_result)
             return self.inner.train_cohort(jobs, on_result=on_result)
 
-    streaming = Experiment(cfg)
+    streaming = Experiment.from_config(cfg)
     streaming.backend = Streaming(streaming.backend)
     assert torch.equal(_rounds(streaming).w, ref.w)
     assert len(sinks) == 2 and all(s is not None and not s.rows.is_shared() for s in sinks)
@@ -442,7 +442,7 @@ def test_the_engine_decodes_into_the_row_where_a_compressor_declares_it(tiny, ba
     ws = []
     for into in (True, False):
         comp = _Counting(into)
-        ws.append(_rounds(Experiment(cfg, components=Components(compressor=comp))).w)
+        ws.append(_rounds(Experiment.from_config(cfg, components=Components(compressor=comp))).w)
         used = "decode_into" if into else "decode"
         assert comp.calls[used] == 2 * tiny["cohort"]["size"], comp.calls
         assert comp.calls["decode" if into else "decode_into"] == 0, comp.calls

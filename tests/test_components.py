@@ -132,9 +132,9 @@ def test_a_users_own_selector_runs_and_is_recorded(tmp_path):
     from fedloom.engine.experiment import Experiment
 
     m = TINY["cohort"]["size"]
-    exp = Experiment(load_config(_cfg(), LR), components=fedloom.Components(
+    exp = Experiment.from_config(load_config(_cfg(), LR), components=fedloom.Components(
         selector=LowestLoss()))
-    st = exp.initial_state()
+    st = exp.init()
     # nobody has reported: the lowest ids; then the clients not seen yet come first
     assert exp.plan_round(st).cohort.tolist() == list(range(m))
     st, _ = exp.round(st)

@@ -405,7 +405,7 @@ def test_a_suites_overrides_written_the_old_way_are_the_same_configs(path):
 
 # ------------------------------------------------------- run folders of an older version
 def test_the_sweep_recognises_a_run_folder_saved_the_old_way(tmp_path):
-    from fedloom.engine.setup import resolve_auto
+    from fedloom.engine.build import resolve_auto
     from fedloom.sweep.running import _stale
     from fedloom.sweep.suite import RunSpec
 

@@ -27,7 +27,6 @@ from fedloom.config import ConfigError, load_config
 from fedloom.device import apply_threads, resolve, to_device, to_host
 from fedloom.engine.runs.checkpoint import load_checkpoint
 from fedloom.engine.trainers.parallel import ProcessBackend
-from fedloom.job import local_job
 from fedloom.params import Layout
 
 NO_CUDA = not torch.cuda.is_available()
@@ -157,7 +156,7 @@ def test_cuda_resume_is_bit_identical(tmp_path):
 
 
 def test_to_device_on_its_own_device_copies_nothing():
-    job = local_job(0, 0, torch.zeros(3), 0.1, torch.zeros(2, 3), torch.zeros(2), 1,
+    job = ClientJob(0, 0, torch.zeros(3), 0.1, torch.zeros(2, 3), torch.zeros(2), 1,
                     state={"c": torch.ones(3)})
     assert to_device(job, torch.device("cpu")) is job
     rows = [{"a": torch.ones(2)}, (torch.zeros(1), 3)]
@@ -247,7 +246,7 @@ def _case(amp: str = "none", steps: int = 12, dtype=torch.float32) -> _Case:
     module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).to(dtype)
     layout = Layout.from_module(module)
     tr = LocalSGD(module, layout, batch_size=16, steps=steps, amp=amp)
-    return _Case(tr, local_job(0, 0, layout.flatten(module), 0.2, x, y, 7))
+    return _Case(tr, ClientJob(0, 0, layout.flatten(module), 0.2, x, y, 7))
 
 
 def test_amp_none_is_plain_torch_sgd_bit_for_bit():
@@ -379,7 +378,7 @@ def test_keep_freed_heap_is_a_no_op_off_glibc(monkeypatch):
 def test_backend_keep_heap_decides_whether_the_run_keeps_it(monkeypatch, keep):
     """``backend.keep_heap`` (default true) is what the run's process does with its
     allocator on an in-process backend; false leaves it alone."""
-    import fedloom.engine.setup as setup_mod
+    import fedloom.engine.experiment as setup_mod
 
     calls: list[int] = []
     monkeypatch.setattr(setup_mod, "keep_freed_heap", lambda: calls.append(1) or True)

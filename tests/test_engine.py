@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import subprocess
 import sys
@@ -61,17 +62,17 @@ def test_training_improves_accuracy(tiny):
 def test_fedavg_with_sgd_server_equals_weighted_model_average(tiny):
     """One round: w_new = Σ p_k w_k (FedAvg of McMahan et al.), computed independently."""
     cfg = load_config(tiny, ["rounds=1", "dtype=float64"])
-    exp = Experiment(cfg)
-    st = exp.initial_state()
+    exp = Experiment.from_config(cfg)
+    st = exp.init()
     new, _ = exp.round(st)
     cohort = exp.sample_cohort(0)
     models, ns = [], []
-    from fedloom.job import local_job
+    from fedloom.client.sgd import ClientJob
     from fedloom.rng import Purpose, derive_seed
 
     for k in cohort.tolist():
         idx = torch.from_numpy(exp.fed.train[k])
-        res = exp.trainer.run(local_job(k, 0, st.w, exp.lr(0), exp.x[idx], exp.y[idx],
+        res = exp.trainer.run(ClientJob(k, 0, st.w, exp.lr(0), exp.x[idx], exp.y[idx],
                                         derive_seed(cfg.seed, 0, k, Purpose.BATCH)))
         models.append(st.w - res.update)
         ns.append(len(idx))
@@ -149,8 +150,8 @@ def test_run_dir_guards(tiny, tmp_path):
 def test_nan_update_rejected_never_averaged(tiny):
     # Unit: one NaN row in a cohort of three.
     cfg = load_config(tiny, ["rounds=1", "cohort.size=3"])
-    exp = Experiment(cfg)
-    st = exp.initial_state()
+    exp = Experiment.from_config(cfg)
+    st = exp.init()
 
     class NaNBackend:
         def __init__(self, inner):
@@ -170,8 +171,8 @@ def test_nan_update_rejected_never_averaged(tiny):
         captured["rows"], captured["clients"] = updates.clone(), info.clients.clone()
         return inner_agg(updates, weights, state, info=info)
 
-    exp.aggregator = type("Spy", (), {"__call__": staticmethod(spy),
-                                      "init": inner_agg.init})()
+    spy_agg = type("Spy", (), {"__call__": staticmethod(spy), "init": inner_agg.init})()
+    exp.algorithm = dataclasses.replace(exp.algorithm, aggregator=spy_agg)
     new, m = exp.round(st)
     cohort = exp.sample_cohort(0)
     assert m["rejected_updates"] == 2 and m["rejected_clients"] == cohort[1:].tolist()
@@ -182,8 +183,8 @@ def test_nan_update_rejected_never_averaged(tiny):
 def test_all_updates_diverge_model_unchanged(tiny):
     # A learning rate that overflows float32 makes every update non-finite.
     res = fedloom.run(tiny, ["rounds=2", "client.lr=1e38"])
-    exp = Experiment(load_config(tiny, ["rounds=2"]))
-    assert torch.equal(res.w, exp.initial_state().w)
+    exp = Experiment.from_config(load_config(tiny, ["rounds=2"]))
+    assert torch.equal(res.w, exp.init().w)
     assert res.summary["rejected_updates_total"] == 2 * tiny["cohort"]["size"]
 
 
@@ -191,16 +192,16 @@ def test_float64_runs_and_partial_participation(tiny):
     res = fedloom.run(tiny, ["dtype=float64", "rounds=2"])
     assert res.w.dtype == torch.float64
     cfg = load_config(tiny)
-    exp = Experiment(cfg)
+    exp = Experiment.from_config(cfg)
     cohorts = [exp.sample_cohort(r).tolist() for r in range(5)]
     assert all(len(set(c)) == cfg.cohort.size for c in cohorts)
     assert len({tuple(c) for c in cohorts}) > 1
 
 
 def test_initial_state_is_seed_dependent_only(tiny):
-    a = Experiment(load_config(tiny)).initial_state().w
+    a = Experiment.from_config(load_config(tiny)).init().w
     torch.rand(10)  # global RNG use elsewhere must not matter
-    b = Experiment(load_config(tiny)).initial_state().w
+    b = Experiment.from_config(load_config(tiny)).init().w
     assert torch.equal(a, b)
 
 

@@ -66,18 +66,18 @@ def test_one_pass_gives_the_two_passes_numbers_bit_for_bit(over, monkeypatch):
 def test_the_pooled_set_is_checked_not_assumed():
     cfg = load_config(TINY, ["checkpoint.every=0"])
     # digits has no test set of its own: the pooled one is the clients' splits
-    exp = Experiment(cfg)
+    exp = Experiment.from_config(cfg)
     ev = exp.evaluator
     assert ev.pooled_is_clients
     assert torch.equal(ev.x_test, exp.x[ev.client_test_idx])
     # a feature skew transforms the clients' rows only: two passes
-    skew = Experiment(load_config(TINY, ["checkpoint.every=0", "data.feature.name=noise",
-                                         "data.feature.scale=0.5"]))
+    skew = Experiment.from_config(load_config(TINY, [
+        "checkpoint.every=0", "data.feature.name=noise", "data.feature.scale=0.5"]))
     assert not skew.evaluator.pooled_is_clients
     # a source's own test set (here the first 100 samples again): two passes
     ds = load_dataset(cfg.data, cfg.seed)
     own = dataclasses.replace(ds, x_test=ds.x[:100].clone(), y_test=ds.y[:100].clone())
-    exp = Experiment(cfg, data=own)
+    exp = Experiment.from_config(cfg, data=own)
     assert not exp.evaluator.pooled_is_clients
     w = exp.layout.flatten(exp.module).to(exp.dtype)
     out = exp.evaluator.global_(w)

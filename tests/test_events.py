@@ -50,8 +50,8 @@ def test_deterministic_and_resumed_bit_identically(mode, tmp_path):
 
 @pytest.mark.parametrize("mode, k", [("async", 1), ("buffered", 2)])
 def test_steps_take_k_arrivals_in_time_order_and_no_client_twice(mode, k):
-    exp = Experiment(load_config(_cfg(mode)))
-    st = exp.initial_state()
+    exp = Experiment.from_config(load_config(_cfg(mode)))
+    st = exp.init()
     clock = 0.0
     for _ in range(6):
         st, m = exp.round(st)
@@ -87,8 +87,8 @@ def test_fedasync_row_is_the_mixing_rule():
     Δ_k the client's update from w_v, retrained here from its dispatch version."""
     cfg = load_config(_cfg("async", staleness="polynomial", staleness_a=0.5), ["dtype=float64"])
     spy = Spy()
-    exp = Experiment(cfg, components=fedloom.Components(aggregator=spy))
-    st = exp.initial_state()
+    exp = Experiment.from_config(cfg, components=fedloom.Components(aggregator=spy))
+    st = exp.init()
     seen_stale = False
     for _ in range(6):
         before = st
@@ -135,7 +135,7 @@ def test_batched_backends_run_the_same_steps(backend):
 ])
 def test_refused_combinations_name_the_field(overrides, field):
     with pytest.raises(ConfigError, match=rf"^{field.replace('.', '[.]')}: "):
-        Experiment(load_config(_cfg("buffered"), overrides))
+        Experiment.from_config(load_config(_cfg("buffered"), overrides))
 
 
 def _rows(exp):
@@ -146,10 +146,10 @@ def _rows(exp):
 def test_state_rows_change_only_for_accepted_arrivals():
     """Error-feedback residuals under staleness: a step writes the rows of the clients
     it took (accepted) and of no one else — not of those still in flight."""
-    exp = Experiment(load_config(_cfg("buffered"), [
+    exp = Experiment.from_config(load_config(_cfg("buffered"), [
         "compression.name=topk", "compression.options={ratio: 0.1}",
         "compression.feedback=ef"]))
-    st = exp.initial_state()
+    st = exp.init()
     assert exp.store.fields  # the policy keeps a residual row a client
     for _ in range(5):
         before = _rows(exp)
@@ -168,10 +168,10 @@ def test_state_rows_change_only_for_accepted_arrivals():
 
 
 def test_a_rejected_arrival_changes_nothing_but_the_clock():
-    exp = Experiment(load_config(_cfg("buffered"), [
+    exp = Experiment.from_config(load_config(_cfg("buffered"), [
         "compression.name=topk", "compression.options={ratio: 0.1}",
         "compression.feedback=ef", "server.max_update_norm=1e-12"]))
-    st = exp.initial_state()
+    st = exp.init()
     w0, rows0 = st.w.clone(), _rows(exp)
     for _ in range(3):
         st, m = exp.round(st)
@@ -195,8 +195,8 @@ def test_per_client_state_under_staleness_resumes_bit_identically(overrides, tmp
     ref, resumed = stop_and_resume(cfg, [*overrides, "checkpoint.every=1"], tmp_path / "run")
     assert resumed.summary["model_sha256"] == ref.summary["model_sha256"]
     assert all(m["rejected_updates"] == 0 for m in ref.metrics)
-    exp = Experiment(load_config(cfg, overrides))
-    st = exp.initial_state()
+    exp = Experiment.from_config(load_config(cfg, overrides))
+    st = exp.init()
     for _ in range(3):
         st, _ = exp.round(st)
     # only the clients that arrived have rows: at most 3 steps × K = 2 of them

@@ -56,7 +56,7 @@ def evil(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Evil]:
 def _saved(aggregator: str, seed: int = 1) -> dict[str, Any]:
     """The config.yaml a run of CONFIG (seed ``seed``) saves, naming ``aggregator``:
     the config as a run resolves it (server.lr: auto is FedAvg's 1.0)."""
-    from fedloom.engine.setup import resolve_auto
+    from fedloom.engine.build import resolve_auto
 
     saved = config_to_dict(resolve_auto(load_config(CONFIG, [f"seed={seed}"])))
     saved["aggregator"]["name"] = aggregator

@@ -9,6 +9,7 @@ registry, so the aggregator property suite never sees them).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import ClassVar
 
@@ -119,8 +120,8 @@ def test_bad_aggregate_skips_the_step_and_keeps_all_state(tiny, fault_aggregator
     cfg = load_config(tiny, [f"aggregator.name=fault_{kind}", *server,
                              "compression.name=topk", "compression.options.ratio=0.1",
                              "compression.feedback=ef", "client.method=scaffold"])
-    exp = Experiment(cfg)
-    st1, m1 = exp.round(exp.initial_state())
+    exp = Experiment.from_config(cfg)
+    st1, m1 = exp.round(exp.init())
     assert m1["rejected_rounds"] == 0
     before, rows_before = exp.checkpoint_state(st1), _store_arrays(exp)
     st2, m2 = exp.round(st1)
@@ -183,9 +184,9 @@ def test_huge_update_rejected_model_equals_the_run_without_that_client(tiny, set
             u.mul_(HUGE)
 
     cfg = load_config(tiny, ["rounds=1", *SETTINGS[setting]])
-    exp = Experiment(cfg)
+    exp = Experiment.from_config(cfg)
     _injecting(exp, 1, blow)
-    new, m = exp.round(exp.initial_state())
+    new, m = exp.round(exp.init())
     cohort = exp.sample_cohort(0)
     assert m["rejected_updates"] == 1 and m["rejected_clients"] == [int(cohort[1])]
     assert "max_norm_ratio" in m["rejected_reasons"][0]
@@ -193,9 +194,9 @@ def test_huge_update_rejected_model_equals_the_run_without_that_client(tiny, set
     # Reference: the same round with that client absent (its worker died). The
     # aggregator sees the same rows in both, and each client's compressor draws
     # from its own (seed, round, client) generator: bit-identical.
-    ref = Experiment(cfg)
+    ref = Experiment.from_config(cfg)
     _dropping(ref, 1)
-    want, _ = ref.round(ref.initial_state())
+    want, _ = ref.round(ref.init())
     assert torch.equal(new.w, want.w)
 
 
@@ -205,9 +206,9 @@ def test_nan_update_with_sign_or_qsgd_is_rejected_not_fatal(tiny, setting):
         u[5] = float("nan")
 
     cfg = load_config(tiny, ["rounds=1", *SETTINGS[setting]])
-    exp = Experiment(cfg)
+    exp = Experiment.from_config(cfg)
     _injecting(exp, 2, poison)
-    new, m = exp.round(exp.initial_state())
+    new, m = exp.round(exp.init())
     assert m["rejected_updates"] == 1
     assert m["rejected_clients"] == [int(exp.sample_cohort(0)[2])]
     assert torch.isfinite(new.w).all()
@@ -235,9 +236,10 @@ class _FailingDecode:
 
 def test_undecodable_payload_rejects_that_client_only(tiny):
     cfg = load_config(tiny, ["rounds=1", "compression.name=qsgd"])
-    exp = Experiment(cfg)
-    exp.uplink = _FailingDecode(exp.uplink, bad=1)
-    new, m = exp.round(exp.initial_state())
+    exp = Experiment.from_config(cfg)
+    exp.algorithm = dataclasses.replace(
+        exp.algorithm, compressor=_FailingDecode(exp.algorithm.compressor, bad=1))
+    new, m = exp.round(exp.init())
     assert m["rejected_updates"] == 1 and m["rejected_clients"] == [int(exp.sample_cohort(0)[1])]
     assert "PayloadError" in m["rejected_reasons"][0]
     assert torch.isfinite(new.w).all() and m["cohort_size"] == tiny["cohort"]["size"]
@@ -247,13 +249,14 @@ def test_server_checks_the_decoded_rows_too(tiny):
     # The dense update is fine (the client-side check passes); what the server
     # decodes is 1e30 times it (a damaged or hostile payload).
     cfg = load_config(tiny, ["rounds=1", "compression.name=sign"])
-    exp = Experiment(cfg)
-    exp.uplink = _FailingDecode(exp.uplink, bad=3, scale=HUGE)
-    new, m = exp.round(exp.initial_state())
+    exp = Experiment.from_config(cfg)
+    exp.algorithm = dataclasses.replace(
+        exp.algorithm, compressor=_FailingDecode(exp.algorithm.compressor, bad=3, scale=HUGE))
+    new, m = exp.round(exp.init())
     assert m["rejected_clients"] == [int(exp.sample_cohort(0)[3])]
-    ref = Experiment(cfg)
+    ref = Experiment.from_config(cfg)
     _dropping(ref, 3)
-    want, _ = ref.round(ref.initial_state())
+    want, _ = ref.round(ref.init())
     assert torch.equal(new.w, want.w)
 
 
@@ -263,7 +266,7 @@ def test_absolute_bound_and_default_never_trigger_on_a_normal_run(tiny):
     # an absolute bound below every update's norm rejects every client, every round
     res = fedloom.run(tiny, ["server.max_update_norm=1e-12"])
     assert res.summary["rejected_updates_total"] == 3 * tiny["cohort"]["size"]
-    assert torch.equal(res.w, Experiment(load_config(tiny)).initial_state().w)
+    assert torch.equal(res.w, Experiment.from_config(load_config(tiny)).init().w)
     assert "max_update_norm" in res.metrics[0]["rejected_reasons"][0]
 
 
@@ -400,7 +403,7 @@ def test_absurd_client_numbers_are_rejected_and_the_round_goes_on(tiny, aggregat
 
     every = ["cohort.size=10"] if aggregator == "afl" else []  # AFL: the whole federation
     cfg = load_config(tiny, ["rounds=1", f"aggregator.name={aggregator}", *every])
-    exp = Experiment(cfg)
+    exp = Experiment.from_config(cfg)
     inner = exp.backend
 
     class Wrapped:
@@ -410,13 +413,13 @@ def test_absurd_client_numbers_are_rejected_and_the_round_goes_on(tiny, aggregat
             return res
 
     exp.backend = Wrapped()
-    start = exp.initial_state()
+    start = exp.init()
     new, m = exp.round(start)
     assert m["rejected_updates"] == 1
     assert m["rejected_clients"] == [int(exp.sample_cohort(0)[1])]
     assert field in m["rejected_reasons"][0]
     assert torch.isfinite(new.w).all() and not torch.equal(new.w, start.w)
-    ref = Experiment(cfg)
+    ref = Experiment.from_config(cfg)
     _dropping(ref, 1)
-    want, _ = ref.round(ref.initial_state())
+    want, _ = ref.round(ref.init())
     assert torch.equal(new.w, want.w)

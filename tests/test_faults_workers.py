@@ -54,8 +54,8 @@ def test_drop_drops_only_the_dead_workers_clients(tmp_path, monkeypatch):
     when the death is seen (300 local steps per client) — is kept. Before the
     fix every unfinished group was dropped with it."""
     over = ["dtype=float64", "client.steps=300"]
-    exp = Experiment(load_config(TINY, over))
-    jobs = exp.plan_round(exp.initial_state()).jobs
+    exp = Experiment.from_config(load_config(TINY, over))
+    jobs = exp.plan_round(exp.init()).jobs
     groups = [[jobs[i].client for i in g] for g in balanced_groups(jobs, 2)]
     dead = next(g for g in groups if 4 in g)
     assert len(groups) == 2 and len(dead) < len(jobs)  # the other group is not empty
@@ -77,8 +77,8 @@ def test_worker_dying_mid_stream(tmp_path, monkeypatch, policy):
     last client, after sending the others: retried, the clients sent twice are
     redone and the run is the sequential one; dropped, the whole group is dropped,
     the clients it had sent included."""
-    exp = Experiment(load_config(TINY, ["dtype=float64"]))
-    jobs = exp.plan_round(exp.initial_state()).jobs
+    exp = Experiment.from_config(load_config(TINY, ["dtype=float64"]))
+    jobs = exp.plan_round(exp.init()).jobs
     groups = [[jobs[i].client for i in g] for g in balanced_groups(jobs, 2)]
     exp.close()
     dead = next(g for g in groups if len(g) > 1)  # a client before the victim is sent

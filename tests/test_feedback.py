@@ -93,8 +93,8 @@ def test_step_ahead_update_is_measured_from_received_model(tiny):
     update is ≈ α e, not 0 (measuring from x_0 would drop it)."""
     cfg = load_config(tiny, [*BASE, "compression.feedback={name: sapef, options: {alpha: 1.0}}",
                              "client.lr=1e-12", "rounds=1"])
-    exp = Experiment(cfg)
-    st = exp.initial_state()
+    exp = Experiment.from_config(cfg)
+    st = exp.init()
     cohort = exp.sample_cohort(0)
     e = torch.randn(len(cohort), exp.layout.size, dtype=torch.float64,
                     generator=torch.Generator().manual_seed(0))
@@ -114,8 +114,8 @@ def test_step_ahead_update_is_measured_from_received_model(tiny):
 
 def test_non_sampled_clients_keep_their_residual(tiny):
     cfg = load_config(tiny, [*BASE, "compression.feedback=ef"])
-    exp = Experiment(cfg)
-    st = exp.initial_state()
+    exp = Experiment.from_config(cfg)
+    st = exp.init()
     marker = torch.full((10, exp.layout.size), 0.5, dtype=torch.float64)
     exp.store.scatter("fb.residual", range(10), marker)
     cohort = exp.sample_cohort(0).tolist()
@@ -207,7 +207,7 @@ def test_scafcom_and_ef21_run_end_to_end(tiny):
 def test_reported_uplink_bytes_are_the_payload_lengths(tiny):
     cfg = load_config(tiny, ["compression.name=qsgd", "compression.options.levels=3",
                              "compression.feedback=ef"])
-    exp = Experiment(cfg)
+    exp = Experiment.from_config(cfg)
     sizes = []
     encode = exp.uplink.encode
 
@@ -217,5 +217,5 @@ def test_reported_uplink_bytes_are_the_payload_lengths(tiny):
         return p
 
     exp.uplink.encode = spy
-    _, m = exp.round(exp.initial_state())
+    _, m = exp.round(exp.init())
     assert len(sizes) == m["cohort_size"] and m["uplink_bytes"] == sum(sizes)

@@ -9,12 +9,11 @@ import torch
 
 import fedloom
 from conftest import stop_and_resume
-from fedloom.client.sgd import LocalSGD
+from fedloom.client.sgd import ClientJob, LocalSGD
 from fedloom.compress import make_compressor
 from fedloom.compress.feedback import EF21, SCAFCOM, UplinkContext, local_step_sum
 from fedloom.config import load_config
 from fedloom.engine.experiment import Experiment
-from fedloom.job import local_job
 from fedloom.params import Layout
 
 
@@ -53,7 +52,7 @@ def _trainer_case(momentum):
     """Trained at a tiny lr, so the local gradient is (nearly) constant: the true
     displacement is η S ∇f(w)."""
     trainer, w, x, y = _tiny_case(momentum)
-    res = trainer.run(local_job(0, 0, w, 1e-5, x, y, gen_seed=1))
+    res = trainer.run(ClientJob(0, 0, w, 1e-5, x, y, gen_seed=1))
     return res.update, trainer.grad(w, x, y)
 
 
@@ -215,8 +214,8 @@ def test_ef21_server_mean_tracks_all_stored_h_in_a_run(tiny):
     ('all') gives another model than 'sampled'."""
     ov = ["compression.name=topk", "compression.options.ratio=0.05",
           "compression.feedback=ef21", "dtype=float64", "rounds=6"]
-    exp = Experiment(load_config(tiny, ov))
-    st = exp.initial_state()
+    exp = Experiment.from_config(load_config(tiny, ov))
+    st = exp.init()
     for _ in range(6):
         st, m = exp.round(st)
         assert m["rejected_updates"] == 0
@@ -255,7 +254,7 @@ def test_scaffold_control_is_in_the_local_steps_units(momentum):
     trainer, w, x, y = _tiny_case(momentum)
     zeros = torch.zeros_like(w)
     method = Scaffold()
-    job = method.prepare(local_job(0, 0, w, 1e-5, x, y, gen_seed=1, state={"control": zeros}),
+    job = method.prepare(ClientJob(0, 0, w, 1e-5, x, y, gen_seed=1, state={"control": zeros}),
                          {"c": zeros})
     res = method.run(trainer, job)
     assert _rel(res.state["control"], trainer.grad(w, x, y)) < 1e-3

@@ -98,8 +98,8 @@ def test_ffl_schedule_follows_the_test_loss(tiny):
     cfg = load_config(tiny, ["compression.name=topk", "compression.options.ratio=0.01",
                              "compression.feedback=ef", "compression.adaptive=ffl",
                              "client.epochs=4"])
-    exp = Experiment(cfg)
-    st = exp.initial_state()
+    exp = Experiment.from_config(cfg)
+    st = exp.init()
     # the run's planner is the registered plug-in, planning on what hooks see
     assert isinstance(exp.algorithm.planner, FFL)
     adj0 = exp.algorithm.planner.plan(st.next_round, st.w, st.feedback_state, exp.hook_view)

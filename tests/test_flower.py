@@ -123,7 +123,7 @@ def test_secagg_plus_on_flower_ends_at_the_unmasked_model():
     flower_simulation(secagg_server_app(strategy), secagg_client_app(cfg), 6)
     assert [m["cohort_size"] for m in strategy.history] == [3]
     assert strategy.history[0]["dp_epsilon"] == ref.metrics[0]["dp_epsilon"]
-    w0 = strategy.exp.initial_state().w
+    w0 = strategy.exp.init().w
     diff = float((strategy.state.w - ref.w).abs().max())
     print(f"secagg+ vs in-process, one round: max abs {diff:.3g} (step "
           f"{float((ref.w - w0).abs().max()):.3g}, bound {16 / 2**22:.3g})")
@@ -139,10 +139,10 @@ def test_arrays_round_trip_and_errors():
     from fedloom.config import load_config
     from fedloom.engine.experiment import Experiment
 
-    exp = Experiment(load_config(CFG))
+    exp = Experiment.from_config(load_config(CFG))
     w = torch.randn(exp.layout.size, dtype=torch.float64)
     assert torch.equal(from_arrays(exp.layout, to_arrays(exp.layout, w)), w)
-    other = Experiment(load_config(CFG, ["model.hidden=[11]"]))
+    other = Experiment.from_config(load_config(CFG, ["model.hidden=[11]"]))
     with pytest.raises(ValueError, match=r"arrays: tensor .* has shape"):
         from_arrays(exp.layout, to_arrays(other.layout, torch.zeros(other.layout.size)))
 

@@ -572,8 +572,8 @@ def test_three_stock_rounds_of_craft_end_at_the_engines_model():
         "model": {"name": "mlp", "hidden": [8]}, "cohort": {"size": NODES},
         "aggregator": {"name": "craft", "options": {"precision": "float64"}},
         "server": {"lr": 0.5}, "checkpoint": {"every": 0}, "eval": {"every": 100}})
-    exp = Experiment(cfg, components=Components(compressor=_Float64Wire()))
-    st = exp.initial_state()
+    exp = Experiment.from_config(cfg, components=Components(compressor=_Float64Wire()))
+    st = exp.init()
     arrays = ArrayRecord(OrderedDict((k, v.clone()) for k, v in
                                      exp.layout.unflatten(st.w).items()))
     strat = CRAFT(server_lr=0.5, precision="float64", dtype="float64",

@@ -14,13 +14,12 @@ import fedloom
 from fedloom.capabilities import backend_caps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, LocalSGD
-from fedloom.client.transforms import job_terms
 from fedloom.config import load_config
 from fedloom.engine.experiment import Experiment
 from fedloom.engine.trainers.auto import CANDIDATES, choose, lockstep_reason
 from fedloom.engine.trainers.backends import SequentialBackend
 from fedloom.engine.trainers.lockstep import LockstepBackend, lockstep_plan, shape_reason
-from fedloom.job import Penalty, local_job
+from fedloom.job import Penalty
 from fedloom.models import CNN
 from fedloom.models.zoo import CraftCNN, FlareCNN, LeafCNN
 from fedloom.params import Layout
@@ -45,8 +44,8 @@ CNNCFG = {**SYN, "data": {"name": "digits", "num_clients": 6, "max_samples": 300
 
 def _rounds(over: list[str], rounds: int = 2, base: dict = SYN):
     """The global model after ``rounds`` rounds, and the experiment's backend."""
-    exp = Experiment(load_config(base, over))
-    st = exp.initial_state()
+    exp = Experiment.from_config(load_config(base, over))
+    st = exp.init()
     losses = []
     for _ in range(rounds):
         st, rec = exp.round(st)
@@ -90,8 +89,8 @@ def test_lockstep_cnn_equals_sequential_bit_for_bit_in_float64(extra):
 
 @pytest.mark.parametrize("base", [SYN, CNNCFG])
 def test_the_clients_are_ragged(base):
-    exp = Experiment(load_config(base, ["dtype=float64"]))
-    assert len(set(exp.n_train.tolist())) > 1
+    exp = Experiment.from_config(load_config(base, ["dtype=float64"]))
+    assert len(set(exp.clients.fed.num_train().tolist())) > 1
 
 
 @pytest.mark.parametrize("base,over", [(SYN, ["model.hidden=[64]"]),
@@ -139,9 +138,9 @@ def _jobs(model: nn.Module, sizes: list[int], shape: tuple[int, ...], dtype, *,
         y = torch.randint(0, 3, (n,), generator=g)
         pen = (Penalty(torch.zeros_like(w), 0.01, 2, "l1") if penalty and k % 2 == 0 else None)
         sh = torch.randn(layout.size, generator=g, dtype=dtype) * 0.01 if shift else None
-        jobs.append(local_job(k, 0, w, 0.1 if k != 1 else 0.05, x, y, 100 + k,
-                              start_loss=k == 0, transforms=job_terms(sh, pen),
-                              max_steps=3 if k == 2 else None))
+        jobs.append(ClientJob(client=k, round=0, w=w, lr=0.1 if k != 1 else 0.05, x=x, y=y,
+                              gen_seed=100 + k, start_loss=k == 0, penalty=pen,
+                              grad_shift=sh, max_steps=3 if k == 2 else None))
     return layout, jobs
 
 
@@ -272,9 +271,9 @@ def test_batchnorm_runs_equal_sequential_with_their_buffers(policy):
     over = ["dtype=float64", "client.momentum=0.9", f"model.buffers={policy}"]
     out = []
     for backend in ("sequential", "lockstep"):
-        exp = Experiment(load_config(CNNCFG, [*over, f"backend.name={backend}"]),
+        exp = Experiment.from_config(load_config(CNNCFG, [*over, f"backend.name={backend}"]),
                          model=_bn_chain)
-        st = exp.initial_state()
+        st = exp.init()
         for _ in range(2):
             st, _ = exp.round(st)
         out.append((st, exp.backend))
@@ -446,18 +445,18 @@ def test_auto_keeps_the_fastest_candidate_given_the_timings(times, want, caplog)
     no vmap) and keeps the fastest, ties to the earlier in CANDIDATES; the first
     cohort's results are sequential's whichever wins, and the table is logged."""
     over = ["backend.name=auto", "backend.workers=2", "dtype=float64"]
-    exp = Experiment(load_config(SYN, over))
+    exp = Experiment.from_config(load_config(SYN, over))
     ran: list[str] = []
     exp.backend.measure = _fake_measure(times, ran)
     with caplog.at_level(logging.INFO, logger="fedloom"):
-        st, _ = exp.round(exp.initial_state())
+        st, _ = exp.round(exp.init())
     assert ran == ["sequential", "lockstep", "process", "process+lockstep"]
     assert exp.backend.times == times and exp.backend.name == want == choose(times)
     assert _auto_name(exp.backend.chosen) == want
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert f"using {want}" in text and all(k in text for k in times)
-    ref = Experiment(load_config(SYN, ["dtype=float64"]))
-    assert torch.equal(st.w, ref.round(ref.initial_state())[0].w)
+    ref = Experiment.from_config(load_config(SYN, ["dtype=float64"]))
+    assert torch.equal(st.w, ref.round(ref.init())[0].w)
     exp.close()
 
 
@@ -473,16 +472,16 @@ def test_auto_choose_is_deterministic():
 def test_auto_candidates_where_they_apply():
     """One worker: no process candidates; a model or method lock-step does not run:
     no lockstep candidate (nor process+lockstep); vmap only on a GPU."""
-    exp = Experiment(load_config(SYN, ["backend.name=auto", "backend.workers=1"]))
-    jobs = exp.plan_round(exp.initial_state()).jobs
+    exp = Experiment.from_config(load_config(SYN, ["backend.name=auto", "backend.workers=1"]))
+    jobs = exp.plan_round(exp.init()).jobs
     assert list(exp.backend.candidates(jobs)) == ["sequential", "lockstep"]
     exp.close()
-    exp = Experiment(load_config(SYN, ["backend.name=auto", "backend.workers=2"]))
+    exp = Experiment.from_config(load_config(SYN, ["backend.name=auto", "backend.workers=2"]))
     assert list(exp.backend.candidates(jobs)) == ["sequential", "lockstep", "process",
                                                    "process+lockstep"]
     assert list(exp.backend.candidates(jobs[:3])) == ["sequential", "lockstep"]  # < 2 a worker
     exp.close()
-    exp = Experiment(load_config(SYN, ["backend.name=auto", "backend.workers=2",
+    exp = Experiment.from_config(load_config(SYN, ["backend.name=auto", "backend.workers=2",
                                        "client.method=ditto"]))
     assert list(exp.backend.candidates(jobs)) == ["sequential", "process"]
     exp.close()
@@ -493,10 +492,8 @@ def test_auto_rule_reasons():
     layout, jobs = _jobs(net, [5, 9, 6], (1, 8, 8), torch.float64)
     ls = LockstepBackend(LocalSGD(net, layout, batch_size=4), LocalMethod())
     assert lockstep_reason(ls, jobs) is None
-    probed = [replace(j, steps=replace(j.steps, probe=True)) for j in jobs]
-    assert "probe" in lockstep_reason(ls, probed)
-    # 6×6: 4 × 1 × 1 features, not 16
-    bad = [replace(j, data=replace(j.data, x=j.x[:, :, :6, :6])) for j in jobs]
+    assert "probe" in lockstep_reason(ls, [replace(j, probe_smoothness=True) for j in jobs])
+    bad = [replace(j, x=j.x[:, :, :6, :6]) for j in jobs]  # 6×6: 4 × 1 × 1 features, not 16
     assert "features" in lockstep_reason(ls, bad)
     tanh = nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
     ls = LockstepBackend(LocalSGD(tanh, Layout.from_module(tanh)), LocalMethod())
@@ -527,12 +524,12 @@ def test_auto_streams_through_the_chosen_process_backend(monkeypatch, early_call
     monkeypatch.setattr(SequentialBackend, "capabilities", replace(
         SequentialBackend.capabilities, streams=False))  # the reference's rounds
     over = ["backend.name=auto", "backend.workers=2", "dtype=float64"]
-    exp = Experiment(load_config(SYN, over))
+    exp = Experiment.from_config(load_config(SYN, over))
     assert not backend_caps(exp.backend).streams
     exp.backend.measure = _fake_measure(
         {"sequential": 3.0, "lockstep": 2.0, "process": 1.0, "process+lockstep": 1.5}, [])
-    ref = Experiment(load_config(SYN, ["dtype=float64"]))
-    st, st_ref = exp.initial_state(), ref.initial_state()
+    ref = Experiment.from_config(load_config(SYN, ["dtype=float64"]))
+    st, st_ref = exp.init(), ref.init()
     try:
         for r in range(3):
             st, _ = exp.round(st)

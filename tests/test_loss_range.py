@@ -360,7 +360,7 @@ def test_a_huge_or_tiny_start_loss_does_not_skip_the_round(tiny, aggregator, los
     opts = {"afl": ["cohort.size=10"], "qfedavg": ["aggregator.options.q=2"]}
     cfg = load_config(tiny, ["rounds=1", f"aggregator.name={aggregator}",
                              *opts.get(aggregator, [])])
-    exp = Experiment(cfg)
+    exp = Experiment.from_config(cfg)
     inner = exp.backend
 
     class Reports:
@@ -370,7 +370,7 @@ def test_a_huge_or_tiny_start_loss_does_not_skip_the_round(tiny, aggregator, los
             return res
 
     exp.backend = Reports()
-    start = exp.initial_state()
+    start = exp.init()
     new, m = exp.round(start)
     assert m["rejected_rounds"] == 0 and m["rejected_updates"] == 0
     assert bool(torch.isfinite(new.w).all())

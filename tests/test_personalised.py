@@ -107,8 +107,8 @@ def test_fedper_and_fedbabu_never_move_the_servers_head_and_fedper_keeps_persona
     have heads of their own, the others are reported apart."""
     for method in ("fedper", "fedbabu"):
         cfg = _cfg(method, "rounds=2", "eval.every=2", "eval.finetune_steps=2")
-        exp = Experiment(cfg)
-        w0 = exp.initial_state().w
+        exp = Experiment.from_config(cfg)
+        w0 = exp.init().w
         res = fedloom.run(cfg)
         h = _head(exp)
         assert torch.equal(res.w[h], w0[h]), method
@@ -148,10 +148,10 @@ def test_apfl_alpha_stays_in_bounds_and_its_update_is_local_sgds():
     """APFL's global copy is plain local SGD (its update equals FedAvg's client
     update to rounding, float64), and α stays in [0, 1] under a huge α step."""
     cfg = _cfg("apfl", "client.method.options.alpha_lr=1000", *F64)
-    exp = Experiment(cfg)
-    st = exp.initial_state()
+    exp = Experiment.from_config(cfg)
+    st = exp.init()
     job = exp.plan_round(st).jobs[0]
-    res = exp.method.run(exp.trainer, job)
+    res = exp.algorithm.method.run(exp.trainer, job)
     plain = exp.trainer.run(job)
     assert torch.allclose(res.update, plain.update, rtol=0, atol=1e-12)
     assert 0.0 <= float(res.state["mix"][0]) <= 1.0
@@ -161,8 +161,8 @@ def test_apfl_alpha_stays_in_bounds_and_its_update_is_local_sgds():
 # ------------------------------------------- against the rules written out here
 def _job(method, *over):
     cfg = _cfg(method, *F64, *over)
-    exp = Experiment(cfg)
-    st = exp.initial_state()
+    exp = Experiment.from_config(cfg)
+    st = exp.init()
     return exp, st, exp.plan_round(st)
 
 
@@ -203,7 +203,7 @@ def test_fedper_and_fedbabu_local_rounds_equal_fl_benchs_rule():
     for method in ("fedper", "fedbabu"):
         exp, _, plan = _job(method)
         job = plan.jobs[0]
-        res = exp.method.run(exp.trainer, job)
+        res = exp.algorithm.method.run(exp.trainer, job)
         m = _module_at(exp, job.w)
         head = set(exp.layout.groups[-1].tensors)
         _sgd_pass(m, job, _batches(exp, job), job.lr, frozen=head if method == "fedbabu" else ())
@@ -223,7 +223,7 @@ def test_fedrep_local_round_equals_fl_benchs_rule():
     exp, _, plan = _job("fedrep", "client.method.options.head_epochs=2",
                          "client.method.options.body_epochs=1")
     job = plan.jobs[0]
-    res = exp.method.run(exp.trainer, job)
+    res = exp.algorithm.method.run(exp.trainer, job)
     m = _module_at(exp, job.w)
     head = set(exp.layout.groups[-1].tensors)
     body = {n for n, _ in m.named_parameters()} - head
@@ -244,7 +244,7 @@ def test_moon_local_round_equals_the_public_loss():
     plan = exp.plan_round(st)
     job = plan.jobs[0]
     assert bool(job.state["previous_set"][0] > 0)
-    res = exp.method.run(exp.trainer, job)
+    res = exp.algorithm.method.run(exp.trainer, job)
     head_name = exp.layout.groups[-1].name
     glob = _module_at(exp, job.w)
     prev = _module_at(exp, job.state["previous"])
@@ -285,8 +285,8 @@ def test_feddyn_two_rounds_equal_the_papers_algorithm():
             "aggregator.options.weighted=false", "server.lr=1.0", "rounds=2"]
     cfg = _cfg("feddyn", *F64, *over)
     res = fedloom.run(cfg)
-    exp = Experiment(cfg)
-    st = exp.initial_state()
+    exp = Experiment.from_config(cfg)
+    st = exp.init()
     n = cfg.data.num_clients
     g = torch.zeros(n, exp.layout.size, dtype=torch.float64)
     h = torch.zeros(exp.layout.size, dtype=torch.float64)
@@ -333,7 +333,7 @@ def test_apfl_local_round_equals_the_papers_algorithm():
     st, _ = exp.round(st)
     plan = exp.plan_round(st)
     job = plan.jobs[0]
-    res = exp.method.run(exp.trainer, job)
+    res = exp.algorithm.method.run(exp.trainer, job)
     w = job.w.clone()
     v = job.state["personal"].clone()
     a = float(job.state["mix"][0])

@@ -97,7 +97,7 @@ def test_cli_runs_the_plugins(tmp_path, capsys):
     assert [m["geomed_iters"] for m in rows] == [2.0, 2.0]
     # the round-robin split: client k holds samples k, k + 10, … of the 1797 digits
     # (before its own train/test split), so sizes are 180 (k < 7) and 179
-    exp = Experiment(load_config(TINY, [f"data.partition={ROUND_ROBIN}"]))
+    exp = Experiment.from_config(load_config(TINY, [f"data.partition={ROUND_ROBIN}"]))
     sizes = [len(a) + len(b) for a, b in zip(exp.fed.train, exp.fed.test, strict=True)]
     assert sizes == [180] * 7 + [179] * 3
     rc = main(["run", _config(tmp_path), "aggregator.name=geomd", "--out", str(tmp_path / "x")])

@@ -269,9 +269,9 @@ def test_local_mode_adds_noise_before_compression_and_ef_keeps_the_noisy_residua
     cfg = load_config(copy.deepcopy(TINY), [
         "privacy.mode=local", "privacy.clip=0.5", "privacy.noise_multiplier=0.3",
         "compression.name=topk", "compression.options={ratio: 0.1}", "compression.feedback=ef"])
-    exp = Experiment(cfg)
+    exp = Experiment.from_config(cfg)
     try:
-        st = exp.initial_state()
+        st = exp.init()
         plan = exp.plan_round(st)
         raw = exp.backend.train_cohort(plan.jobs)
         raw[0].update[3] = float("nan")  # sent as zero plus noise, not withheld

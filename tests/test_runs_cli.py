@@ -22,8 +22,8 @@ import fedloom
 from fedloom.aggregate.base import default_server_lr
 from fedloom.cli import build_parser, main
 from fedloom.config import Config, ConfigError, load_config, yaml_load
+from fedloom.engine.build import resolve_auto
 from fedloom.engine.runs.summary import DivergenceWatch
-from fedloom.engine.setup import resolve_auto
 from fedloom.registry import available, get
 
 ROUNDS = ["rounds=1"]

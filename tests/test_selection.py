@@ -376,9 +376,9 @@ def test_a_selector_sees_only_what_the_server_knows(tiny):
 
 # ------------------------------------------------------------- runs and resume
 def _cohorts(cfg: dict[str, Any]) -> list[list[int]]:
-    exp = Experiment(load_config(cfg))
+    exp = Experiment.from_config(load_config(cfg))
     try:
-        st, out = exp.initial_state(), []
+        st, out = exp.init(), []
         for r in range(cfg["rounds"]):
             out.append(exp.schedule.select(r, st.selection_state)[0].tolist())
             st, _ = exp.round(st)
@@ -425,6 +425,6 @@ def test_privacy_and_secure_aggregation_keep_the_uniform_cohort(tiny):
     for ov in (["privacy.mode=central", "privacy.clip=1.0", "server.lr=1.0"],
                ["privacy.mode=local", "privacy.clip=1.0", "server.lr=1.0"]):
         with pytest.raises(ConfigError, match=r"cohort\.selection"):
-            Experiment(load_config(tiny, [*ov, "cohort.selection=oort"]))
-    Experiment(load_config(tiny, ["privacy.mode=central", "privacy.clip=1.0",
+            Experiment.from_config(load_config(tiny, [*ov, "cohort.selection=oort"]))
+    Experiment.from_config(load_config(tiny, ["privacy.mode=central", "privacy.clip=1.0",
                                   "server.lr=1.0"])).close()

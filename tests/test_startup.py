@@ -16,12 +16,12 @@ import gc, json, sys
 from fedloom.cli import main
 sys.argv = ["fedloom", *sys.argv[1:]]
 seen = {}
-import fedloom.engine.setup as setup
-build = setup.Setup.__init__
+import fedloom.engine.experiment as experiment
+build = experiment.Experiment.__init__
 def spy(self, *a, **k):  # the collector's state once the run is under way
     seen.update(enabled=gc.isenabled(), frozen=gc.get_freeze_count())
     build(self, *a, **k)
-setup.Setup.__init__ = spy
+experiment.Experiment.__init__ = spy
 try:
     rc = main()
 except SystemExit as e:

@@ -11,10 +11,9 @@ import torch
 
 import fedloom
 from conftest import stop_and_resume
-from fedloom.client.sgd import LocalSGD
+from fedloom.client.sgd import ClientJob, LocalSGD
 from fedloom.config import ConfigError, SystemConfig, load_config
 from fedloom.engine.experiment import Experiment
-from fedloom.job import local_job
 from fedloom.system import (
     Device,
     System,
@@ -95,8 +94,8 @@ def test_client_time_agrees_with_fedscales_formula():
 
 def test_three_clients_simulated_time_is_hand_computed(tmp_path):
     res = fedloom.run(three(tmp_path), [])
-    exp = Experiment(load_config(three(tmp_path)))
-    assert exp.downlink_size == P
+    exp = Experiment.from_config(load_config(three(tmp_path)))
+    assert exp.around.downlink_size == P
     sysm = exp.system
     assert sysm is not None
     for k, t in enumerate(T):
@@ -124,8 +123,8 @@ def test_deadline_drop(tmp_path):
     assert m["late_clients"] == 1 and m["dropped_client_ids"] == [0]
     assert m["sim_round_s"] == 4.0            # the server waited until the deadline
     assert m["uplink_bytes"] == 2 * P         # client 0's late payload is not counted
-    exp = Experiment(load_config(cfg, ["rounds=1"]))
-    exp.round(exp.initial_state())
+    exp = Experiment.from_config(load_config(cfg, ["rounds=1"]))
+    exp.round(exp.init())
     control = exp.store.gather("control", torch.arange(3))
     assert bool((control[0] == 0).all())      # the late client's state is untouched
     assert bool((control[1] != 0).any()) and bool((control[2] != 0).any())
@@ -163,10 +162,10 @@ def test_max_steps_runs_the_first_steps_exactly():
     layout = Layout.from_module(module)
     x, y = torch.randn(40, 5), torch.randint(0, 3, (40,))
     w = layout.flatten(module)
-    job = local_job(0, 0, w, 0.1, x, y, gen_seed=7)
+    job = ClientJob(0, 0, w, 0.1, x, y, gen_seed=7)
     full = LocalSGD(module, layout, batch_size=8, steps=5, momentum=0.9)
     one = LocalSGD(module, layout, batch_size=8, steps=3, momentum=0.9)
-    cut = full.run(local_job(0, 0, w, 0.1, x, y, gen_seed=7, max_steps=3))
+    cut = full.run(ClientJob(0, 0, w, 0.1, x, y, gen_seed=7, max_steps=3))
     ref = one.run(job)
     assert cut.steps == 3
     assert torch.equal(cut.update, ref.update)
@@ -198,7 +197,7 @@ def test_unavailable_clients_are_never_sampled():
 
 def test_short_cohort_takes_all_available_and_counts_it(tiny):
     res = fedloom.run(tiny, ["system.availability=0.2", "rounds=4"])
-    exp = Experiment(load_config(tiny, ["system.availability=0.2", "rounds=4"]))
+    exp = Experiment.from_config(load_config(tiny, ["system.availability=0.2", "rounds=4"]))
     for r, m in enumerate(res.metrics):
         avail = exp.system.available(r)
         cohort = exp.sample_cohort(r).numpy()
@@ -216,9 +215,9 @@ def test_short_cohort_takes_all_available_and_counts_it(tiny):
 def test_mid_round_dropout_leaves_state_and_is_counted(tiny):
     ov = ["system.dropout=0.3", "rounds=1", "compression.name=topk",
           "compression.options.ratio=0.1", "compression.feedback=ef"]
-    exp = Experiment(load_config(tiny, ov))
+    exp = Experiment.from_config(load_config(tiny, ov))
     cohort = exp.sample_cohort(0)
-    _, m = exp.round(exp.initial_state())
+    _, m = exp.round(exp.init())
     gone = m.get("dropped_client_ids", [])
     assert m["dropout_clients"] == len(gone) and 0 < len(gone) < len(cohort)
     res_rows = exp.store.gather("fb.residual", cohort)

@@ -56,7 +56,7 @@ def _run(tiny, over, factory, **kw):
 
 
 def _exp(tiny, over, factory):
-    return Experiment(_cfg(tiny, *over), model=factory)
+    return Experiment.from_config(_cfg(tiny, *over), model=factory)
 
 
 def _one_round(exp, st):
@@ -88,7 +88,7 @@ def test_factory_is_seeded_and_leaves_the_global_rng_alone(tiny):
     x = _exp(tiny, [], lambda: Net(bn=False))
     assert torch.equal(torch.get_rng_state(), torch_state)  # building left it alone
     np.testing.assert_array_equal(np.random.get_state()[1], np_state[1])  # noqa: NPY002
-    st = x.initial_state()
+    st = x.init()
     x.round(st)
     assert torch.equal(torch.get_rng_state(), torch_state)  # training too
 
@@ -96,7 +96,7 @@ def test_factory_is_seeded_and_leaves_the_global_rng_alone(tiny):
 # ------------------------------------------------------------------ the modes
 def test_train_mode_in_local_steps_eval_mode_in_evaluation(tiny):
     exp = _exp(tiny, ["eval.every=3"], lambda: Recorder(p=0.5))
-    st = exp.initial_state()
+    st = exp.init()
     SEEN.clear()
     st, m = exp.round(st)  # round 1 of 3: no evaluation
     assert "test_acc" not in m and SEEN
@@ -155,7 +155,7 @@ def test_local_training_updates_buffers_as_plain_pytorch_does(tiny):
     # Independent reference: the client's batches through an ordinary module in
     # train mode with torch.optim.SGD, no fedloom code in the loop.
     exp = _exp(tiny, ["dtype=float64"], lambda: Net())
-    st = exp.initial_state()
+    st = exp.init()
     plan, results, bufs, _ = _one_round(exp, st)
     job, res = plan.jobs[0], results[0]
     ref = copy.deepcopy(exp.module).train()
@@ -178,7 +178,7 @@ def test_local_training_updates_buffers_as_plain_pytorch_does(tiny):
 
 def test_average_is_the_data_weighted_mean_of_the_clients_buffers(tiny):
     exp = _exp(tiny, ["dtype=float64"], lambda: Net())
-    st = exp.initial_state()
+    st = exp.init()
     _, results, bufs, new = _one_round(exp, st)
     n = [r.num_samples for r in results]
     assert len(set(n)) > 1  # the weights matter
@@ -194,7 +194,7 @@ def test_average_is_the_data_weighted_mean_of_the_clients_buffers(tiny):
 
     # ...and a second run on the same Experiment starts from the initial buffers,
     # not from the ones the module holds now
-    again = exp.initial_state()
+    again = exp.init()
     assert all(torch.equal(again.buffers[k], v) for k, v in st.buffers.items())
     assert not torch.equal(again.buffers["bn.running_var"], new.buffers["bn.running_var"])
 
@@ -212,7 +212,7 @@ def test_average_buffers_rules():
 def test_rejected_clients_buffers_are_never_averaged(tiny):
     # Every update above the bound: nobody is accepted, the buffers stay.
     exp = _exp(tiny, ["server.max_update_norm=1e-12", "model.buffers=local"], lambda: Net())
-    st = exp.initial_state()
+    st = exp.init()
     plan, _, bufs, new = _one_round(exp, st)
     assert not torch.equal(bufs[0]["bn.running_mean"], st.buffers["bn.running_mean"])
     for name, v in st.buffers.items():
@@ -222,7 +222,7 @@ def test_rejected_clients_buffers_are_never_averaged(tiny):
 
 def test_keep_global_never_updates_the_buffers(tiny):
     exp = _exp(tiny, ["model.buffers=keep_global"], lambda: Net())
-    st = exp.initial_state()
+    st = exp.init()
     _, _, bufs, new = _one_round(exp, st)
     assert not torch.equal(bufs[0]["bn.running_mean"], st.buffers["bn.running_mean"])
     for name, v in st.buffers.items():
@@ -234,7 +234,7 @@ def test_keep_global_never_updates_the_buffers(tiny):
 
 def test_local_keeps_each_clients_buffers_and_starts_from_them(tiny):
     exp = _exp(tiny, ["model.buffers=local", "cohort.size=10"], lambda: Net())
-    st = exp.initial_state()
+    st = exp.init()
     plan, results, bufs, st1 = _one_round(exp, st)
     ids = plan.cohort.tolist()
     rows = exp.store.gather("bn.buffers", ids)
@@ -284,7 +284,7 @@ def test_vmap_matches_sequential_with_batchnorm(tiny):
     seq = _exp(tiny, ov, lambda: Net())
     vm = _exp(tiny, [*ov, "backend.name=vmap"], lambda: Net())
     assert vm.backend.enabled
-    a, b = seq.initial_state(), vm.initial_state()
+    a, b = seq.init(), vm.init()
     for _ in range(2):
         a, _ = seq.round(a)
         b, _ = vm.round(b)
@@ -322,15 +322,15 @@ def test_resnet_norm_choice_keeps_weights_and_layer_groups(tiny):
     assert not module_buffers(group.module)
     # same names, same groups, same initial weights: only the layer kind differs
     assert batch.layout == group.layout
-    assert torch.equal(batch.initial_state().w, group.initial_state().w)
+    assert torch.equal(batch.init().w, group.init().w)
     # BN's affine parameters join their conv's group
     assert batch.layout.groups[0].tensors == ("conv1.weight", "gn1.weight", "gn1.bias")
-    bufs = batch.initial_state().buffers
+    bufs = batch.init().buffers
     assert torch.equal(bufs["gn1.running_var"], torch.ones(4))  # reset, not to_empty garbage
     assert int(bufs["gn1.num_batches_tracked"]) == 0
     assert isinstance(batch.module.gn1, nn.BatchNorm2d)
     assert none.layout.size < group.layout.size
-    st, _ = batch.round(batch.initial_state())
+    st, _ = batch.round(batch.init())
     assert not torch.equal(st.buffers["gn1.running_var"], torch.ones(4))
 
 

@@ -5,6 +5,7 @@ client half does not decode at all."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 
@@ -51,9 +52,10 @@ class CountingDecode:
 
 
 def test_plain_uplink_decodes_once_on_the_server_side():
-    exp = Experiment(load_config(copy.deepcopy(TINY), TOPK))
-    exp.uplink = CountingDecode(exp.uplink)
-    _, m = exp.round(exp.initial_state())
+    exp = Experiment.from_config(load_config(copy.deepcopy(TINY), TOPK))
+    exp.algorithm = dataclasses.replace(exp.algorithm,
+                                        compressor=CountingDecode(exp.algorithm.compressor))
+    _, m = exp.round(exp.init())
     assert isinstance(exp.feedback, NoFeedback) and type(exp.feedback) is NoFeedback
     # one decode a client, the server's: the client half sent bytes only
     assert exp.uplink.decodes == m["cohort_size"] == TINY["cohort"]["size"]
@@ -61,9 +63,11 @@ def test_plain_uplink_decodes_once_on_the_server_side():
 
 def test_error_feedback_decodes_on_both_sides():
     # EF's rows need the client's own decode (e = u − C(u)); the server decodes again
-    exp = Experiment(load_config(copy.deepcopy(TINY), [*TOPK, "compression.feedback=ef"]))
-    exp.uplink = CountingDecode(exp.uplink)
-    exp.round(exp.initial_state())
+    exp = Experiment.from_config(load_config(copy.deepcopy(TINY),
+                                             [*TOPK, "compression.feedback=ef"]))
+    exp.algorithm = dataclasses.replace(exp.algorithm,
+                                        compressor=CountingDecode(exp.algorithm.compressor))
+    exp.round(exp.init())
     assert exp.uplink.decodes == 2 * TINY["cohort"]["size"]
 
 

@@ -56,8 +56,9 @@ def test_arrays_npz_csv_give_the_same_partition_and_model(tmp_path, natural):
     via_csv = fedloom.run(CFG, ov)
     assert ref.summary["model_sha256"] == via_npz.summary["model_sha256"] == \
         via_csv.summary["model_sha256"]
-    e1 = Experiment(load_config(CFG), data=from_arrays(X, y, client=c))
-    e2 = Experiment(load_config(CFG, ["data.name=npz", f"data.path={tmp_path / 'd.npz'}"]))
+    e1 = Experiment.from_config(load_config(CFG), data=from_arrays(X, y, client=c))
+    e2 = Experiment.from_config(
+        load_config(CFG, ["data.name=npz", f"data.path={tmp_path / 'd.npz'}"]))
     assert all(np.array_equal(a, b) for a, b in zip(e1.fed.train, e2.fed.train, strict=True))
     if natural:
         assert e1.fed.num_clients == 4  # one client per id, whatever data.num_clients says
@@ -70,18 +71,18 @@ def test_global_test_set_and_standardize():
     X, y, _ = _arrays()
     X = X * 10 + 3
     Xt, yt, _ = _arrays(n=50, seed=1)
-    exp = Experiment(load_config(CFG, ["data.standardize=true"]),
+    exp = Experiment.from_config(load_config(CFG, ["data.standardize=true"]),
                      data=from_arrays(X, y, X_test=Xt, y_test=yt))
     train = np.concatenate(exp.fed.train)
     xs = exp.x[torch.from_numpy(train)].double()
     assert torch.allclose(xs.mean(0), torch.zeros(5, dtype=torch.float64), atol=1e-5)
     assert torch.allclose(xs.std(0, unbiased=False), torch.ones(5, dtype=torch.float64),
                           atol=1e-4)
-    assert exp.x_test.shape[0] == 50  # the given global test set, standardised alike
+    assert exp.evaluator.x_test.shape[0] == 50  # the given global test set, standardised alike
     mu = torch.from_numpy(X[train]).double().mean(0)
     sd = torch.from_numpy(X[train]).double().std(0, unbiased=False)
     expected = ((torch.from_numpy(Xt).double() - mu) / sd).float()
-    assert torch.allclose(exp.x_test, expected, atol=1e-5)
+    assert torch.allclose(exp.evaluator.x_test, expected, atol=1e-5)
 
 
 class NormNet(nn.Module):

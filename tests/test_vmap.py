@@ -35,30 +35,31 @@ def test_vmap_float32_tolerance_and_chunks():
     b = fedloom.run(SYN, ["rounds=2", "backend=vmap"])
     # float32: agreement to float32 rounding of the training arithmetic
     assert torch.allclose(a.w, b.w, rtol=1e-5, atol=1e-6)
-    exp = Experiment(load_config(SYN, ["backend=vmap", "dtype=float64"]))
+    exp = Experiment.from_config(load_config(SYN, ["backend=vmap", "dtype=float64"]))
     exp.backend.chunk = 3  # a cohort of 4 in chunks of 3 and 1
-    st, _ = exp.round(exp.initial_state())
-    ref = Experiment(load_config(SYN, ["dtype=float64"]))
-    st2, _ = ref.round(ref.initial_state())
+    st, _ = exp.round(exp.init())
+    ref = Experiment.from_config(load_config(SYN, ["dtype=float64"]))
+    st2, _ = ref.round(ref.init())
     assert torch.allclose(st.w, st2.w, rtol=0, atol=1e-12)
 
 
 def test_auto_backend_measures_then_keeps_the_faster(tiny):
     # a cohort of 4 on 2 workers, on a CPU: sequential, lockstep, process and
     # process+lockstep are timed (vmap only on a GPU); real timings, real pools
-    exp = Experiment(load_config(SYN, ["backend=auto", "backend.workers=2", "dtype=float64"]))
+    exp = Experiment.from_config(
+        load_config(SYN, ["backend=auto", "backend.workers=2", "dtype=float64"]))
     assert exp.backend.name == "auto"
-    st, _ = exp.round(exp.initial_state())
+    st, _ = exp.round(exp.init())
     assert set(exp.backend.times) == {"sequential", "lockstep", "process", "process+lockstep"}
     assert exp.backend.name == min(exp.backend.times, key=exp.backend.times.get)
-    ref = Experiment(load_config(SYN, ["dtype=float64"]))
-    st2, _ = ref.round(ref.initial_state())
+    ref = Experiment.from_config(load_config(SYN, ["dtype=float64"]))
+    st2, _ = ref.round(ref.init())
     assert torch.equal(st.w, st2.w)  # the first cohort's results are the sequential ones
     st, _ = exp.round(st)  # the chosen backend runs on
     st2, _ = ref.round(st2)
     assert torch.allclose(st.w, st2.w, rtol=0, atol=1e-12)
     exp.close()
-    ditto = Experiment(load_config(tiny, ["backend=auto", "backend.workers=1",
+    ditto = Experiment.from_config(load_config(tiny, ["backend=auto", "backend.workers=1",
                                           "client.method=ditto"]))
-    ditto.round(ditto.initial_state())
+    ditto.round(ditto.init())
     assert ditto.backend.name == "sequential"  # no lockstep for Ditto, one worker: no process

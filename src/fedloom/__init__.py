@@ -4,11 +4,17 @@ The public API::
 
     import fedloom
     from fedloom.aggregate.craft import CRAFT
+    from fedloom.data import from_arrays
     result = fedloom.run("configs/quickstart.yaml", ["rounds=5"])
     result = fedloom.run("configs/quickstart.yaml", aggregator=CRAFT(step="rprop"))
-    exp = fedloom.Experiment(fedloom.load_config("configs/quickstart.yaml"))
-    state = exp.initial_state()
-    state, metrics = exp.round(state)       # exp.algorithm: the parts a round applies
+    algorithm = fedloom.Algorithm(local=fedloom.LocalUpdate(lr=0.05), aggregator=CRAFT())
+    federation = fedloom.Federation(data=from_arrays(X, y), cohort=5)
+    runtime = fedloom.Runtime(backend="sequential", device="cpu", seed=0)
+    exp = fedloom.Experiment(algorithm, federation, runtime, model)
+    state = exp.init()
+    for _ in range(5):
+        state, metrics = exp.round(state)   # state in, state out
+    exp = fedloom.Experiment.from_config(fedloom.load_config("configs/quickstart.yaml"))
     agg = fedloom.make_aggregator("fedavg")
     comp = fedloom.make_compressor("topk", ratio=0.01)
     layout = fedloom.Layout.flat(10)
@@ -32,7 +38,10 @@ _LAZY = {
     "CohortInfo": "fedloom.aggregate.base",
     "make_aggregator": "fedloom.aggregate.base",
     "make_compressor": "fedloom.compress",
-    "Algorithm": "fedloom.engine.algorithm",
+    "Algorithm": "fedloom.engine.values",
+    "Federation": "fedloom.engine.values",
+    "LocalUpdate": "fedloom.engine.values",
+    "Runtime": "fedloom.engine.values",
     "Components": "fedloom.engine.components",
     "Config": "fedloom.config",
     "ConfigError": "fedloom.config",
@@ -58,9 +67,12 @@ __all__ = [
     "ConfigError",
     "DatasetUnavailable",
     "Experiment",
+    "Federation",
     "FieldSpec",
     "Layout",
+    "LocalUpdate",
     "Result",
+    "Runtime",
     "__version__",
     "functional_forward",
     "load_config",
@@ -75,11 +87,11 @@ if TYPE_CHECKING:  # what static checkers and IDEs see
     from fedloom.compress import make_compressor
     from fedloom.config import Config, ConfigError, load_config
     from fedloom.data.sources import DatasetUnavailable
-    from fedloom.engine.algorithm import Algorithm
     from fedloom.engine.components import Components
     from fedloom.engine.experiment import Experiment
     from fedloom.engine.runs.loop import run
     from fedloom.engine.runstate import Result, model_sha256
+    from fedloom.engine.values import Algorithm, Federation, LocalUpdate, Runtime
     from fedloom.params import Layout, functional_forward
     from fedloom.state import ClientStateStore, FieldSpec
 

@@ -40,6 +40,6 @@ def _fedbn() -> FedBN:
     return FedBN()
 
 
-# The buffer policy this method is, on the factory too: fedloom.engine.setup resolves
+# The buffer policy this method is, on the factory too: fedloom.engine.build resolves
 # model.buffers from it before the method is built.
 _fedbn.capabilities = FedBN.capabilities  # type: ignore[attr-defined]

@@ -10,21 +10,29 @@ and name none of them. It is the optax / fedjax shape (settings in the object,
 state in and out) over the engine's stages: ``init`` here, a round in
 :meth:`fedloom.engine.experiment.Experiment.round`.
 
-Build it from a config (:class:`~fedloom.engine.setup.Setup` does, for the CLI,
-the sweep and Flower) or from objects (:func:`fedloom.run`'s ``aggregator=``,
-``server=``, ``compressor=``, ``feedback=``, ``method=``, ``transforms=``).
+The experiment binds it of the user-facing :class:`fedloom.engine.values.Algorithm`
+(:mod:`fedloom.engine.binding`: LocalSGD built on the model, each component left
+``None`` the schema's default).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fedloom.aggregate.base import Aggregator
 from fedloom.capabilities import aggregator_caps
+from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import LocalSGD
+from fedloom.compress.base import Compressor
+from fedloom.compress.feedback.base import NoFeedback
+from fedloom.hooks import RoundPlanner
 from fedloom.params import Layout
+
+if TYPE_CHECKING:  # a protocol only
+    from fedloom.engine.values import ServerStep
 
 __all__ = ["Algorithm", "ServerStates"]
 
@@ -43,13 +51,13 @@ class ServerStates:
 class Algorithm:
     """The parts of an FL algorithm, bound to one model's layout."""
 
-    local: LocalSGD   # local training: SGD over the chain of step transforms
-    method: Any       # the local method: the client's job and state rows
-    compressor: Any   # the uplink codec
-    feedback: Any     # the error-feedback policy around it
-    planner: Any      # the round planner (a per-round compressor and epochs)
-    aggregator: Any
-    server: Any       # the server optimizer
+    local: LocalSGD           # local training: SGD over the chain of step transforms
+    method: LocalMethod       # the local method: the client's job and state rows
+    compressor: Compressor    # the uplink codec
+    feedback: NoFeedback      # the error-feedback policy around it
+    planner: RoundPlanner     # the round planner (a per-round compressor and epochs)
+    aggregator: Aggregator
+    server: ServerStep        # the server optimizer
 
     @property
     def requires(self) -> frozenset[str]:

@@ -3,7 +3,7 @@
 A user who holds an aggregator, server optimizer, compressor, feedback policy,
 local method, local-step transforms or client selector as objects (``CRAFT(step="rprop")``, a
 class of their own) passes them to :func:`fedloom.run` or
-:class:`~fedloom.engine.setup.Setup`; the engine uses each where it would have
+:meth:`~fedloom.engine.experiment.Experiment.from_config`; the engine uses each where it would have
 built one from the config's name. :meth:`Components.into` records each given
 object in the config as ``object MODULE.CLASS`` (its options are the object's
 own), so ``config.yaml``, the summary and every message name what ran, and a

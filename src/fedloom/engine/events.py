@@ -95,18 +95,19 @@ class EventDriver:
         if str(v) not in versions:  # the model and server state a client starts from
             versions[str(v)] = {"w": st.w.clone(), "feedback": st.feedback_state,
                                 "method": st.method_state, "buffers": st.buffers}
-        candidates = np.array([k for k in range(exp.fed.num_clients) if k not in busy])
+        candidates = np.array([k for k in range(exp.clients.num_clients) if k not in busy])
         n = int(ev["dispatched"])
         gen = np.random.default_rng(derive_seed(self.seed, n, -1, "dispatch"))
         chosen = gen.choice(candidates, free, replace=False)
-        sysm, d = exp.system, exp.layout.size
+        sysm, d = exp.around.system, exp.space.layout.size
         assert sysm is not None
-        up = sysm.expected_uplink(exp.uplink, d)
+        up = sysm.expected_uplink(exp.algorithm.compressor, d)
         for i, k in enumerate(chosen.tolist()):
-            nk = len(exp.fed.train[k])
-            steps = exp.trainer.num_steps(nk)
-            dt = client_time(sysm.device(k), exp.downlink_size,
-                             samples_for_steps(steps, nk, exp.cfg.client.batch_size), up)
+            nk = len(exp.clients.fed.train[k])
+            local = exp.algorithm.local
+            steps = local.num_steps(nk)
+            dt = client_time(sysm.device(k), exp.around.downlink_size,
+                             samples_for_steps(steps, nk, local.batch_size), up)
             # [arrival time, dispatch order, client, version, dispatch time]
             flight.append([t + dt, float(n + i), float(k), float(v), t])
         ev["dispatched"] = n + len(chosen)
@@ -166,7 +167,7 @@ class EventDriver:
         if self.cfg.mode == "async":  # FedAsync mixes with w_k = w_v − Δ_k: add w_t − w_v
             shifts = [(st.w - ev["versions"][str(int(a[3]))]["w"]) if tau else None
                       for a, tau in zip(arrived, taus, strict=True)]
-        plan = _merge(plans, st.next_round, exp.lr(st.next_round), scales, shifts)
+        plan = _merge(plans, st.next_round, exp.schedule.lr(st.next_round), scales, shifts)
         raw = exp.backend.train_cohort(plan.jobs)
         return plan, list(raw)
 

@@ -1,77 +1,61 @@
-"""The running experiment: the built components, and a round composed of its stages.
+"""The running experiment: three values bound to a model, and a round of its stages.
 
-:class:`Experiment` is :class:`~fedloom.engine.setup.Setup` (every component
-of the run, and the values the stages read: :class:`~fedloom.engine.algorithm.Algorithm`,
-:class:`~fedloom.engine.parts.ModelSpace`, :class:`~fedloom.engine.parts.ClientData`,
-:class:`~fedloom.engine.parts.Schedule`, :class:`~fedloom.engine.parts.ScreenRules`,
-:class:`~fedloom.engine.stages.evaluation.Evaluator`) with a round as methods, for the
-callers that drive a round whole (:func:`fedloom.engine.runs.loop.run`) or in parts
-(Flower's strategy: plan, then what the clients sent, then the server's half).
+``Experiment(algorithm, federation, runtime, model)`` binds an
+:class:`~fedloom.engine.values.Algorithm`, a :class:`~fedloom.engine.values.Federation`
+and a :class:`~fedloom.engine.values.Runtime` to the model (:mod:`fedloom.engine.binding`);
+:meth:`Experiment.from_config` builds the values of a config first
+(:mod:`fedloom.engine.build`). ``state = exp.init()``, then ``state, metrics =
+exp.round(state)``: what changes is the state, the clients' rows excepted
+(:mod:`fedloom.engine.snapshot`). Callers drive a round whole
+(:func:`fedloom.engine.runs.loop.run`) or in parts (Flower's strategy: plan, what
+the clients sent, the server's half).
 
-A round is plan → train → uplink → receive → server → scatter → record, one
-call into its module each (:mod:`~fedloom.engine.stages.plan`, the backend,
-:mod:`~fedloom.engine.stages.uplink`, :mod:`~fedloom.engine.stages.receive`,
-:mod:`~fedloom.engine.stages.server`, :mod:`~fedloom.engine.stages.scatter`,
-:mod:`~fedloom.engine.stages.tally`, :mod:`~fedloom.engine.stages.evaluation`); each stage is
-handed the values it reads, never the experiment. The system model
-(``system.*``), when on, wraps training and the uplink. The round names no
-algorithm.
-
-What never reaches the model (each counted in the round's metrics, the run's
-totals and the summary, and logged):
-
-- **Rejected updates** (``rejected_updates``, ids in ``rejected_clients``,
-  reasons in ``rejected_reasons``). A client is rejected, for the round only,
-  when its update is non-finite, cannot be encoded or decoded (a
-  :class:`~fedloom.compress.base.PayloadError`, ``ValueError`` or overflow
-  from its compressor: the run goes on), holds a non-finite state row, or
-  fails :func:`~fedloom.engine.stages.screen.screen_updates` (``server.max_update_norm``,
-  ``server.max_norm_ratio``). The rules run twice: on the dense update before
-  encoding (a client never sends what the server would refuse, and a huge
-  value in a coordinate a sparsifier leaves out is still seen), and on the
-  decoded row the aggregator would receive (the server's own check, the one
-  that holds for deployed clients too). A rejected client is treated as one
-  whose worker failed: nothing of it is aggregated and its state rows stay as
-  they were.
-- **Clipped updates** (``clipped_updates``): with ``server.clip_norm`` every
-  accepted row is scaled to at most that norm before any aggregator
-  (:func:`~fedloom.engine.stages.screen.clip_rows`), so it composes with every rule and compressor.
-- **Rejected rounds** (``rejected_rounds``, reason in
-  ``rejected_round_reason``): the aggregator raised (a ``LinAlgError`` or any
-  ``RuntimeError``/``ValueError``/``ArithmeticError``), or returned a
-  direction that is not a finite vector of the model's size, or the server
-  optimizer's step, the feedback policy's shift or the new server states are
-  not finite. The round's step is skipped: the model, the server optimizer's
-  state, the aggregator's state, the feedback policy's server state (SA-PEF's
-  ``L̂``, SCAFCOM's ``c``), the local method's server state and every client's
-  state rows (EF residuals, EF21's ``h_k``, SCAFFOLD/SCAFCOM control variates,
-  Ditto's personal models, FedBN's buffers) and the global module buffers
-  (BatchNorm statistics) are exactly those before the round — a resumed run
-  is bit-identical to an uninterrupted one through it. What the round did
-  happen is kept: its bytes (``uplink_bytes``/``downlink_bytes``), its counts,
-  and the running iterate average (``eval.average_iterates``), which averages
-  the unchanged model as that round's iterate so it stays the mean of
-  ``w_0 … w_{r+1}``. Departure for the Flower integration
-  (``client_state=False``): the clients hold their own state and have already
-  updated it when they sent; the server cannot undo that, so there a rejected
-  round leaves the clients' residuals (and, under ``model.buffers=local``,
-  their own buffers) as the clients wrote them.
+A round is plan → train → uplink → receive → server → scatter → record, one call
+into its stage each (:mod:`fedloom.engine.stages`), each handed the values it
+reads, never the experiment; the system model, when on, wraps training and the
+uplink. What never reaches the model (rejected updates, clipped updates, rejected
+rounds: counted in the metrics, the totals and the summary, and logged) is on
+docs/explanation/reliability.md; a rejected round leaves model, server states,
+client rows and buffers exactly as before it, so a resume stays bit-identical.
+Departure for Flower (``client_state=False``): the clients keep their own rows and
+have updated them when they sent, so a rejected round cannot undo them there.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedloom.buffers import load_buffers
-from fedloom.capabilities import backend_caps
+from fedloom.capabilities import backend_caps, backend_close
+from fedloom.compress.base import Compressor
+from fedloom.config import Config, ConfigError, EvalConfig
+from fedloom.data.federated import FederatedData
+from fedloom.data.sources import Dataset
+from fedloom.device import (
+    apply_threads,
+    configure,
+    describe,
+    keep_freed_heap,
+    reset_peak,
+    to_device,
+)
+from fedloom.engine.binding import bind
+from fedloom.engine.build import Model, build
+from fedloom.engine.build import describe as describe_values
 from fedloom.engine.clientfields import FEEDBACK
+from fedloom.engine.components import OBJECT_PREFIX, Components
+from fedloom.engine.parts import HookView
+from fedloom.engine.runs.legacy import Fresh
 from fedloom.engine.runstate import RoundOutcome, RoundPlan, RunState, withdraw
-from fedloom.engine.setup import Setup
+from fedloom.engine.snapshot import checkpoint_state, restore_state
 from fedloom.engine.stages.plan import plan_round
 from fedloom.engine.stages.receive import RowBuffer, receive
 from fedloom.engine.stages.scatter import next_buffers, scatter
@@ -84,7 +68,10 @@ from fedloom.engine.stages.tally import (
     selection_feedback,
 )
 from fedloom.engine.stages.uplink import EarlyUplink, client_postprocessors, uplink_round
+from fedloom.engine.values import Algorithm, Federation, Runtime
+from fedloom.hooks import ClientMetric
 from fedloom.job import ClientResult
+from fedloom.metrics import evaluate
 from fedloom.system import samples_for_steps
 
 __all__ = ["Experiment"]
@@ -92,37 +79,282 @@ __all__ = ["Experiment"]
 log = logging.getLogger("fedloom")
 
 
-class Experiment(Setup):
-    """A config turned into typed objects, and its rounds.
+@dataclass(frozen=True)
+class Origin:
+    """Where a run's split and model came from (``summary.json``, ``model.pt``)."""
 
-    Building it validates everything that needs the data or the model (e.g. an
-    aggregator option), so a bad run fails before any file is written.
+    partition_counts: np.ndarray  # [N, C] class counts of each client's part
+    model_from_config: bool       # the model was built of the config (load_model rebuilds it)
+
+
+class Experiment:
+    """Three values bound to a model, and its rounds (see the module docstring).
+
+    Binding validates everything that needs the data or the model (e.g. an
+    aggregator option), so a bad run fails before any file is written. The module
+    is the experiment's: a round's model is loaded into it (pass a copy to keep
+    yours). Process-wide settings (torch threads, CUDA determinism) are applied
+    here and put back by :meth:`close`.
     """
 
+    def __init__(self, algorithm: Algorithm, federation: Federation, runtime: Runtime,
+                 model: torch.nn.Module, *, evaluation: EvalConfig | None = None,
+                 rounds: int = 30, hooks: Sequence[ClientMetric] = (),
+                 state_dir: Path | None = None, record: Config | None = None,
+                 model_from_config: bool = False) -> None:
+        """``evaluation``: the eval section (every, batch size, iterate averaging,
+        fine-tuning); ``rounds``: the run's length (the step-size schedule and the
+        last evaluation read it); ``hooks``: client metrics (:mod:`fedloom.hooks`);
+        ``state_dir``: where a memmap client state store keeps its files;
+        ``record``: the config this experiment was built of (:meth:`from_config`;
+        ``None``: described from the values, :func:`fedloom.engine.build.describe`);
+        ``model_from_config``: ``model`` was built from ``record`` (already in the
+        run's dtype, rebuilt by ``load_model``)."""
+        evaluation = evaluation if evaluation is not None else EvalConfig()
+        self.cfg = record if record is not None else describe_values(
+            algorithm, federation, runtime, model, evaluation, rounds)
+        self.runtime = runtime
+        b = bind(algorithm, federation, runtime, model, record=self.cfg,
+                 evaluation=evaluation, rounds=rounds, hooks=tuple(hooks),
+                 state_dir=state_dir, user_model=not model_from_config)
+        self.space, self.clients, self.algorithm = b.space, b.clients, b.algorithm
+        self.backend, self.privacy, self.schedule = b.backend, b.privacy, b.schedule
+        self.rules, self.evaluator, self.around = b.rules, b.evaluator, b.around
+        self.origin = Origin(b.partition_counts, model_from_config)
+        # what close() puts back of the process-wide settings (_apply_process_settings)
+        self._restore: list[Callable[[], None]] = []
+        self._rows = RowBuffer()  # scratch: the server's [m, d] rows, written every round
+        self.threads = self._apply_process_settings()
+
+    @classmethod
+    def from_config(cls, cfg: Config, *, state_dir: Path | None = None,
+                    data: Dataset | None = None, model: Model | None = None,
+                    components: Components | None = None,
+                    data_check: Callable[[Dataset], None] | None = None) -> Experiment:
+        """The experiment of a config (:func:`fedloom.engine.build.build`: ``data``,
+        ``model`` and ``components`` replace the configured ones; ``data_check``
+        sees the data as loaded, before anything writes into ``state_dir``)."""
+        b = build(cfg, data=data, model=model, components=components, data_check=data_check)
+        return cls(b.algorithm, b.federation, b.runtime, b.model, evaluation=b.evaluation,
+                   rounds=b.rounds, hooks=b.hooks, state_dir=state_dir, record=b.record,
+                   model_from_config=b.model_from_config)
+
+    def _apply_process_settings(self) -> int:
+        """Process-wide settings, last (nothing before can fail after them); close()
+        puts the previous ones back. Determinism and TF32 off on CUDA
+        (fedloom.device.configure); the runtime's threads for the process that trains
+        (process and ray workers set their own). Returns the threads in force."""
+        device = self.space.device
+        self._restore.append(configure(device))
+        in_process = self.runtime.backend not in ("process", "ray")
+        threads, undo = apply_threads(self.runtime.threads if in_process else 0)
+        if in_process and self.runtime.backend_settings.keep_heap:
+            # not put back by close(): glibc cannot return to its moving thresholds
+            keep_freed_heap()
+        self._restore.append(undo)
+        reset_peak(device)
+        info = describe(device)
+        log.info("device %s (%s, %.1f GB), %d threads", info["device"], info["device_name"],
+                 info["device_memory_gb"], threads)
+        return threads
+
+    def close(self) -> None:
+        """Stop the backend's workers, if it has any; put back the process-wide
+        settings the run changed (threads, CUDA determinism flags)."""
+        backend_close(self.backend)()
+        while self._restore:
+            self._restore.pop()()
+
+    # ------------------------------------------------------------------ state
+    def init(self) -> RunState:
+        """The state of a new run: the model's weights, every server state, the
+        initial buffers and the selector's state, on the run's device."""
+        sp = self.space
+        w = sp.layout.flatten(sp.module).to(sp.dtype)
+        s = self.algorithm.init(w, sp.layout)
+        # Every server state on the run's device (an aggregator's init knows no device).
+        return to_device(RunState(0, w, s.opt, s.agg, method_state=s.method,
+                                  feedback_state=s.feedback,
+                                  w_avg=w.clone() if self.evaluator.settings.average_iterates
+                                  else None,
+                                  privacy_state=self.privacy.init(),
+                                  # the initial buffers, not the module's: evaluation
+                                  # loads each round's buffers into the module
+                                  buffers={n: v.clone()
+                                           for n, v in sp.buffer_template.items()},
+                                  selection_state=self.schedule.initial_selection()),
+                         sp.device)
+
+    initial_state = init  # the name the run directory, SecAgg and Flower still call
+
+    def checkpoint_state(self, st: RunState, snapshot_dir: Path | None = None
+                         ) -> dict[str, Any]:
+        """The checkpoint of ``st`` and the clients' rows
+        (:func:`fedloom.engine.snapshot.checkpoint_state`)."""
+        return checkpoint_state(st, self.clients.store, self.cfg, snapshot_dir)
+
+    def restore(self, ckpt: dict[str, Any], snapshot_dir: Path | None = None) -> RunState:
+        """The run state of checkpoint ``ckpt``, its client rows written into the store
+        (:func:`fedloom.engine.snapshot.restore_state`)."""
+        sp = self.space
+        return restore_state(ckpt, self.clients.store, sp.buffer_template, self.privacy,
+                             sp.device, snapshot_dir)
+
+    def fresh(self) -> Fresh:
+        """What this run starts with, for the entries a checkpoint of an earlier
+        version lacks (:func:`fedloom.engine.runs.legacy.current_layout`)."""
+        return Fresh(has_buffers=bool(self.space.buffer_template),
+                     opt_state=self.algorithm.server.init, privacy_state=self.privacy.init,
+                     selection_state=self.schedule.initial_selection)
+
+    # ------------------------------------------------------------- for hooks
+    @property
+    def hook_view(self) -> HookView:
+        """What a round planner or client-metric plug-in reads (:mod:`fedloom.hooks`)."""
+        cl = self.clients
+        return HookView(self.cfg, self.space.layout, cl.fed, cl.x, cl.y, self.algorithm.local,
+                        self.global_eval, self.make_uplink)
+
+    def global_eval(self, w: torch.Tensor) -> tuple[float, float]:
+        """``(accuracy, loss)`` of ``w`` on the global test set only (for hooks)."""
+        ev = self.evaluator
+        return evaluate(self.space.module, self.space.layout, w, ev.x_test, ev.y_test,
+                        ev.settings.batch_size)
+
+    def make_uplink(self, **options: Any) -> Compressor:
+        """The configured compressor with ``options`` replacing the section's (for hooks)."""
+        comp = self.cfg.compression
+        if comp.name.startswith(OBJECT_PREFIX):
+            raise ConfigError("compression: a round planner rebuilds the compressor with other "
+                              "options; give it by name (compression.name), not as an object")
+        from fedloom.compress import make_compressor
+
+        return make_compressor(comp.name, layout=self.space.layout,
+                               **{**comp.options, **options})
+
+    # ---------------------------------------- names read while callers move to the parts
+    @property
+    def fed(self) -> FederatedData:
+        return self.clients.fed
+
+    @property
+    def layout(self) -> Any:
+        return self.space.layout
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.space.module
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.space.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.space.device
+
+    @property
+    def buffer_template(self) -> dict[str, torch.Tensor]:
+        return self.space.buffer_template
+
+    @property
+    def store(self) -> Any:
+        return self.clients.store
+
+    @property
+    def fields(self) -> Any:
+        return self.clients.fields
+
+    @property
+    def x(self) -> torch.Tensor:
+        return self.clients.x
+
+    @property
+    def y(self) -> torch.Tensor:
+        return self.clients.y
+
+    @property
+    def trainer(self) -> Any:
+        return self.algorithm.local
+
+    @property
+    def uplink(self) -> Any:
+        return self.algorithm.compressor
+
+    @property
+    def aggregator(self) -> Any:
+        return self.algorithm.aggregator
+
+    @property
+    def server(self) -> Any:
+        return self.algorithm.server
+
+    @property
+    def feedback(self) -> Any:
+        return self.algorithm.feedback
+
+    @property
+    def requires(self) -> frozenset[str]:
+        return self.algorithm.requires
+
+    @property
+    def system(self) -> Any:
+        return self.around.system
+
+    @property
+    def partition_counts(self) -> np.ndarray:
+        return self.origin.partition_counts
+
+    @property
+    def model_from_config(self) -> bool:
+        return self.origin.model_from_config
+
+    @property
+    def last_client_acc(self) -> np.ndarray | None:
+        """Per-client accuracies of the last evaluation (``client_acc.json``)."""
+        return self.evaluator.last.client_acc
+
+    @property
+    def last_personal_acc(self) -> np.ndarray | None:
+        """Per-client accuracies of the personal models at the last evaluation."""
+        return self.evaluator.last.personal_acc
+
+    def sample_cohort(self, r: int) -> torch.Tensor:
+        """Round ``r``'s cohort from the selector's initial state
+        (:meth:`~fedloom.engine.parts.Schedule.sample_cohort`)."""
+        return self.schedule.sample_cohort(r)
+
+    def lr(self, r: int) -> float:
+        """Round ``r``'s local step size (``client.lr`` under ``client.schedule``)."""
+        return self.schedule.lr(r)
+
+    # ------------------------------------------------------------------ rounds
     def round(self, st: RunState) -> tuple[RunState, dict[str, Any]]:
         """Run round ``st.next_round``; return the new state and its metrics. In the
         event-driven modes (``system.mode`` async, buffered) a round is one server
         step (:mod:`fedloom.engine.events`)."""
-        if self.events is not None:
-            return self.events.step(self, st)
+        if self.around.events is not None:
+            return self.around.events.step(self, st)
         t0 = time.perf_counter()
         plan = self.plan_round(st)
-        sysm = self.system
+        sysm = self.around.system
         early = self._early_uplink(st, plan) if sysm is None else None
         if early is not None:
-            raw = self.backend.train_cohort(plan.jobs, on_result=early)
+            # a streaming backend's train_cohort takes on_result (BackendCaps.streams)
+            streaming: Any = self.backend
+            raw = streaming.train_cohort(plan.jobs, on_result=early)
         elif sysm is None:
             raw = self.backend.train_cohort(plan.jobs)
         else:  # dropouts, partial work (fedloom.system): the plan with its cut budgets
-            plan, sim = sysm.begin(plan, self.clients, self.trainer, self.layout.size,
-                                   self.downlink_size)
+            plan, sim = sysm.begin(plan, self.clients, self.algorithm.local,
+                                   self.space.layout.size, self.around.downlink_size)
             raw = sim.train(self.backend, plan.jobs)
         t_train = time.perf_counter() - t0
         if sysm is None:
             plan, outcome = self.uplink_round(st, plan, raw, early)
             return self.finish_round(st, plan, outcome, t0=t0, t_train=t_train)
         plan, outcome = self.uplink_round(st, plan, raw, withheld=set(sim.withheld))
-        gone = sysm.after_uplink(sim, self.clients, self.downlink_size,
+        gone = sysm.after_uplink(sim, self.clients, self.around.downlink_size,
                                  outcome.results, outcome.ups)  # timing, late
         if gone:
             plan, outcome = withdraw(plan, outcome, gone)
@@ -135,7 +367,7 @@ class Experiment(Setup):
         """The round's cohort (``cohort``: these clients) and fully specified client
         jobs (:func:`~fedloom.engine.stages.plan.plan_round`)."""
         return plan_round(self.algorithm, self.clients, self.space, self.schedule, st,
-                          hooks=self.client_metrics, view=self.hook_view,
+                          hooks=self.around.hooks, view=self.hook_view,
                           ships_indices=backend_caps(self.backend).ships_indices,
                           cohort=cohort)
 
@@ -144,8 +376,8 @@ class Experiment(Setup):
                      withheld: Collection[int] = ()) -> tuple[RoundPlan, RoundOutcome]:
         """The kept clients' plan and what they send
         (:func:`~fedloom.engine.stages.uplink.uplink_round`)."""
-        return uplink_round(self.algorithm, client_postprocessors(self.attack, self.privacy),
-                            self.rules, self.schedule, self.device, st, plan, raw, early,
+        return uplink_round(self.algorithm, client_postprocessors(self.around.attack, self.privacy),
+                            self.rules, self.schedule, self.space.device, st, plan, raw, early,
                             withheld)
 
     def _early_uplink(self, st: RunState, plan: RoundPlan) -> EarlyUplink | None:
@@ -154,8 +386,8 @@ class Experiment(Setup):
         it was a serial tail after the workers returned, the cores idle but one."""
         caps = backend_caps(self.backend)
         if not caps.streams or not EarlyUplink.applies(
-                self.algorithm, client_postprocessors(self.attack, self.privacy),
-                self.device, plan):
+                self.algorithm, client_postprocessors(self.around.attack, self.privacy),
+                self.space.device, plan):
             return None
         space = self.space
         buffer = self._server_rows()
@@ -167,10 +399,7 @@ class Experiment(Setup):
 
     def _server_rows(self) -> RowBuffer:
         """The server's ``[m, d]`` rows: one buffer for the run, written over every round."""
-        rows = self.__dict__.get("_row_buffer")
-        if rows is None:
-            rows = self.__dict__["_row_buffer"] = RowBuffer()
-        return rows
+        return self._rows
 
     def finish_round(self, st: RunState, plan: RoundPlan, outcome: RoundOutcome, *,
                      t0: float, t_train: float,
@@ -188,7 +417,7 @@ class Experiment(Setup):
         deadline, where it is on)."""
         r, results, ups = plan.round, outcome.results, outcome.ups
         algo, space, clients = self.algorithm, self.space, self.clients
-        rx = receive(algo, space, self.rules, self.downlink_size, st, plan, outcome,
+        rx = receive(algo, space, self.rules, self.around.downlink_size, st, plan, outcome,
                      self._server_rows())
         t1 = time.perf_counter()
         out = server_round(algo, server_rule(self.privacy, algo.aggregator), space,
@@ -212,10 +441,10 @@ class Experiment(Setup):
         if w_avg is not None:  # mean of w_0 … w_{r+1}
             w_avg = w_avg + (out.w - w_avg) / (r + 2)
         totals = add_totals(st.totals, rx, out)
-        metrics = round_metrics(algo.feedback, self.client_metrics,
+        metrics = round_metrics(algo.feedback, self.around.hooks,
                                 clients.fields.has(FEEDBACK), plan, outcome, rx, out, totals)
         load_buffers(space.module, buffers)  # evaluations see the new global buffers
-        every, rounds = self.cfg.eval.every, self.cfg.rounds
+        every, rounds = self.evaluator.settings.every, self.schedule.rounds
         if (r + 1) % every == 0 or r + 1 == rounds:
             ev = self.evaluator
             metrics.update(ev.global_(w_avg if w_avg is not None else out.w))
@@ -224,9 +453,9 @@ class Experiment(Setup):
             if ev.settings.finetune_steps:
                 metrics.update(ev.finetuned(out.w, r))
         metrics["train_s"] = t_train
-        per_sample = self.fed.dataset.tokens_per_sample
+        per_sample = clients.fed.dataset.tokens_per_sample
         if per_sample:  # token data: what local training put through (train_tokens_per_s)
-            batch = self.cfg.client.batch_size
+            batch = algo.local.batch_size
             metrics["train_tokens"] = per_sample * sum(
                 samples_for_steps(res.steps, len(clients.fed.train[res.client]), batch)
                 for res in results)
@@ -235,7 +464,7 @@ class Experiment(Setup):
         privacy_state = account_privacy(self.privacy, plan, outcome, out.privacy_state,
                                         metrics)
         selection_state = self.schedule.observe(plan.selection_state, selection_feedback(
-            plan, outcome, rx, self.cfg.client.batch_size, times=times, late=late,
+            plan, outcome, rx, algo.local.batch_size, times=times, late=late,
             deadline_s=deadline_s))
         return RunState(r + 1, out.w, out.opt_state, out.agg_state, method_state,
                         out.feedback_state, w_avg, totals, privacy_state=privacy_state,

@@ -11,21 +11,22 @@ whole experiment.
 - :class:`HookView`: what a round planner or client-metric plug-in may read
   (:mod:`fedloom.hooks`).
 
-:class:`~fedloom.engine.setup.Setup` builds them from a config;
-:class:`~fedloom.engine.algorithm.Algorithm` holds the algorithm's own parts.
+:class:`~fedloom.engine.experiment.Experiment` binds them of its values
+(:mod:`fedloom.engine.binding`); :class:`~fedloom.engine.algorithm.Algorithm`
+holds the algorithm's own parts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from fedloom.client.sgd import lr_at_round
-from fedloom.config import ClientConfig, Config
+from fedloom.config import Config, ScheduleConfig
 from fedloom.data.federated import FederatedData
 from fedloom.engine.clientfields import ClientFields
 from fedloom.params import Layout
@@ -33,7 +34,18 @@ from fedloom.rng import Purpose, numpy_gen
 from fedloom.selection import Feedback, Uniform
 from fedloom.state import ClientStateStore
 
-__all__ = ["ClientData", "HookView", "ModelSpace", "Schedule", "ScreenRules"]
+__all__ = ["ClientData", "HookView", "ModelSpace", "Schedule", "ScreenRules", "StepSizes"]
+
+
+class StepSizes(Protocol):
+    """The local step size and its schedule over rounds (the ``client`` section, or
+    :class:`~fedloom.engine.values.LocalUpdate`)."""
+
+    @property
+    def lr(self) -> float: ...
+
+    @property
+    def schedule(self) -> ScheduleConfig: ...
 
 
 @dataclass(frozen=True)
@@ -72,7 +84,7 @@ class Schedule:
     rounds: int
     cohort_size: int
     num_clients: int
-    client: ClientConfig
+    client: StepSizes
     system: Any = None  # fedloom.system.SystemModel, or None when off
     selector: Any = None  # a fedloom.selection.Selector; None: uniform
 

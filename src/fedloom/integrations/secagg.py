@@ -173,7 +173,7 @@ class SecAggStrategy(LegacyStrategy):
                  node_timeout: float = 120.0) -> None:
         cfg = load_config(config, overrides)
         check_secagg_scope(cfg)
-        self.exp = Experiment(cfg)
+        self.exp = Experiment.from_config(cfg)
         check_secagg_scope(cfg, self.exp)
         self.state: RunState = self.exp.initial_state()
         self.nodes: dict[int, int] = {}

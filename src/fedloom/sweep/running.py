@@ -151,7 +151,7 @@ def _stale(spec: RunSpec, imports: bool = False) -> str | None:
 
     from fedloom import registry
     from fedloom.config import config_from_dict, config_to_dict, load_config, safe_load_bounded
-    from fedloom.engine.setup import resolve_auto
+    from fedloom.engine.build import resolve_auto
     from fedloom.report.compare.groups import _flatten
 
     try:

@@ -35,6 +35,8 @@ import yaml
 from fedloom import bounded
 from fedloom.config import Config, ConfigError, config_to_dict, load_config, safe_load_bounded
 from fedloom.device import to_host
+from fedloom.engine.components import moved_objects
+from fedloom.engine.experiment import Experiment as Setup
 from fedloom.engine.runs.checkpoint import (
     LOCK_FILE,
     MARKER_FILE,
@@ -47,10 +49,8 @@ from fedloom.engine.runs.checkpoint import (
     remove_leftovers,
     save_checkpoint,
 )
-from fedloom.engine.components import moved_objects
 from fedloom.engine.runs.legacy import current_layout
 from fedloom.engine.runstate import RunState
-from fedloom.engine.setup import Setup
 
 __all__ = ["CHECKPOINT_FILE", "CLIENT_ACC_FILE", "CONFIG_FILE", "LABELS_FILE", "METRICS_DIGEST",
            "METRICS_FILE", "MODEL_FILE", "PREVIOUS_CHECKPOINT_FILE", "SUMMARY_FILE",

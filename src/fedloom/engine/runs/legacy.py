@@ -4,7 +4,7 @@ A checkpoint of an earlier version lacks entries that later ones added, or keeps
 one in an older shape. :func:`current_layout` turns its state dict into this
 version's layout, once, where a checkpoint is read
 (:func:`fedloom.engine.runs.directory`'s restore of ``last.pt`` or ``prev.pt``), so that
-:meth:`fedloom.engine.setup.Setup.restore` reads the current layout only. Each
+:func:`fedloom.engine.snapshot.restore_state` reads the current layout only. Each
 entry a version lacked takes the value that means the behaviour from before it:
 
 - ``buffers`` (before module buffers were kept): none, for a model without

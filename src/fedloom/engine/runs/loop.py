@@ -29,10 +29,11 @@ import torch
 from fedloom.buffers import load_buffers
 from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.data.sources import Dataset
-from fedloom.engine.runs.checkpoint import RunDirWriteError, lock_run_dir
+from fedloom.engine.build import resolve_auto
 from fedloom.engine.components import Components
-from fedloom.engine.runs.datarecord import DataRecord, data_source
 from fedloom.engine.experiment import Experiment
+from fedloom.engine.runs.checkpoint import RunDirWriteError, lock_run_dir
+from fedloom.engine.runs.datarecord import DataRecord, data_source
 from fedloom.engine.runs.directory import (
     CHECKPOINT_FILE,
     METRICS_DIGEST,
@@ -51,9 +52,8 @@ from fedloom.engine.runs.sinks import (
     TensorBoardSink,
     append_text,
 )
-from fedloom.engine.runstate import Callback, Result, RunState, model_sha256
-from fedloom.engine.setup import resolve_auto
 from fedloom.engine.runs.summary import DivergenceWatch, summarize
+from fedloom.engine.runstate import Callback, Result, RunState, model_sha256
 
 __all__ = ["Experiment", "Result", "RunState", "model_sha256", "run"]
 
@@ -145,7 +145,7 @@ def _run_in_memory(cfg: Config, resume: bool, callbacks: Sequence[Callback],
     resolved = config_to_dict(cfg)
     if cfg.logging.tensorboard:
         raise ConfigError("logging.tensorboard: writes into the run directory; give out=DIR")
-    exp = Experiment(cfg, data=data, model=model, components=given)
+    exp = Experiment.from_config(cfg, data=data, model=model, components=given)
     try:
         return _loop(exp, cfg, resolved, None, resume, callbacks)
     finally:
@@ -168,8 +168,9 @@ def _run_in_dir(cfg: Config, run_dir: Path, resume: bool, callbacks: Sequence[Ca
                             data_source(cfg.data, data is not None),
                             cfg.data.path if data is None else "")
         with _write_errors(run_dir):  # the memmap state files are made here
-            exp = Experiment(cfg, state_dir=run_dir / "state", data=data, model=model,
-                             components=given, data_check=record.check)
+            exp = Experiment.from_config(cfg, state_dir=run_dir / "state", data=data,
+                                         model=model, components=given,
+                                         data_check=record.check)
             try:
                 return _loop(exp, cfg, resolved, run_dir, resume, callbacks, record)
             finally:

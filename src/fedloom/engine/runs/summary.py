@@ -20,8 +20,9 @@ from fedloom.capabilities import backend_caps, backend_name
 from fedloom.config import Config
 from fedloom.data.heterogeneity import heterogeneity
 from fedloom.device import describe, peak_memory_mb, peak_rss_mb
+from fedloom.engine.build import resolve_auto
+from fedloom.engine.experiment import Experiment
 from fedloom.engine.runstate import RunState, model_sha256
-from fedloom.engine.setup import Setup, resolve_auto
 
 __all__ = ["DivergenceWatch", "summarize"]
 
@@ -100,7 +101,7 @@ def _versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
-def summarize(exp: Setup, st: RunState, history: list[dict[str, Any]],
+def summarize(exp: Experiment, st: RunState, history: list[dict[str, Any]],
               warnings: Sequence[str] = (), stop_reason: str | None = None) -> dict[str, Any]:
     """``summary.json`` of a run that ended in ``st`` (``stop_reason``: why it
     stopped before its last round)."""

@@ -36,7 +36,7 @@ def _experiment(cfg: Config) -> Experiment:
     """One Experiment per config and process (a SuperNode loads the data once)."""
     key = _config_key(cfg)
     if key not in _EXPERIMENTS:
-        _EXPERIMENTS[key] = Experiment(cfg)
+        _EXPERIMENTS[key] = Experiment.from_config(cfg)
         LOADS["experiment"] += 1
     return _EXPERIMENTS[key]
 

@@ -67,7 +67,7 @@ class FedloomStrategy(Strategy):
         from fedloom.integrations.flower.strategies import bridge_logs_to_flower
 
         bridge_logs_to_flower()
-        self.exp = experiment or Experiment(load_config(config, overrides))
+        self.exp = experiment or Experiment.from_config(load_config(config, overrides))
         cfg = self.exp.cfg
         _check_scope(cfg)
         if "start_losses" in self.exp.requires:

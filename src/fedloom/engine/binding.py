@@ -1,0 +1,261 @@
+"""The three values bound to a model: the parts a round's stages read.
+
+:func:`bind` takes an :class:`~fedloom.engine.values.Algorithm`, a
+:class:`~fedloom.engine.values.Federation` and a :class:`~fedloom.engine.values.Runtime`
+with the model and returns :class:`Bound`: the split on the run's device
+(:class:`~fedloom.engine.parts.ClientData`), the model's space, the bound
+algorithm (:class:`~fedloom.engine.algorithm.Algorithm`, LocalSGD built on the
+model, each ``None`` component the schema's default), the backend, privacy, the
+schedule, the screening rules, the evaluator and the round's surroundings
+(:class:`Surroundings`). It refuses the combinations that cannot work
+(:mod:`fedloom.engine.refusals`, whose messages name the config fields of
+``record``), so a bad run fails before any file is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedloom.aggregate.base import make_aggregator
+from fedloom.attack import Attack, make_attack
+from fedloom.buffers import module_buffers, random_in_train
+from fedloom.capabilities import aggregator_caps
+from fedloom.client.sgd import LocalSGD
+from fedloom.compress import make_compressor
+from fedloom.compress.feedback import feedback_from_config
+from fedloom.compress.identity import Identity
+from fedloom.config import Config, ConfigError, EvalConfig
+from fedloom.config.sections import FeedbackConfig, PlannerConfig
+from fedloom.data.augment import make_augment
+from fedloom.data.feature import apply_feature_skew
+from fedloom.data.federated import FederatedData, build_federated
+from fedloom.data.heterogeneity import class_counts
+from fedloom.engine import refusals
+from fedloom.engine.algorithm import Algorithm as BoundAlgorithm
+from fedloom.engine.clientfields import BUFFERS, FEEDBACK, METHOD, ClientFields
+from fedloom.engine.events import EventDriver
+from fedloom.engine.parts import ClientData, ModelSpace, Schedule, ScreenRules
+from fedloom.engine.stages.evaluation import Evaluator
+from fedloom.engine.stages.screen import first_line
+from fedloom.engine.trainers.backends import Backend
+from fedloom.engine.values import Algorithm, Federation, Runtime
+from fedloom.hooks import ClientMetric, planner_from_config
+from fedloom.params import Layout, training_mode
+from fedloom.privacy import Privacy, make_privacy
+from fedloom.registry import accepted_options, build, get
+from fedloom.state import ClientStateStore, FieldSpec
+from fedloom.system import System, make_system
+
+__all__ = ["Bound", "Surroundings", "bind"]
+
+
+@dataclass(frozen=True)
+class Surroundings:
+    """What surrounds a round: the simulated system and the event driver (``None``:
+    off), Byzantine clients (``None``: none), the client metrics and the broadcast's
+    size (it depends on ``d`` only: measured once)."""
+
+    system: System | None
+    events: EventDriver | None
+    attack: Attack | None
+    hooks: tuple[ClientMetric, ...]
+    downlink_size: int
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The values bound to one model."""
+
+    space: ModelSpace
+    clients: ClientData
+    algorithm: BoundAlgorithm
+    backend: Backend
+    privacy: Privacy
+    schedule: Schedule
+    rules: ScreenRules
+    evaluator: Evaluator
+    around: Surroundings
+    partition_counts: np.ndarray  # [N, C] class counts of each client's part
+
+
+def bind(algorithm: Algorithm, federation: Federation, runtime: Runtime,
+         module: torch.nn.Module, *, record: Config, evaluation: EvalConfig, rounds: int,
+         hooks: tuple[ClientMetric, ...] = (), state_dir: Path | None = None,
+         user_model: bool = True) -> Bound:
+    """The values bound to ``module`` (``user_model``: a module of the caller's, taken
+    to the run's dtype and checked on one sample; one built from the config is
+    already). ``state_dir``: where a memmap client state store keeps its files."""
+    from fedloom.device import resolve
+
+    device, dtype = resolve(runtime.device), runtime.torch_dtype
+    fed, x, y, counts = _split(federation, runtime, device, record)
+    space, random_forward = _space(module, x, fed, algorithm, runtime, device, user_model)
+    loc = algorithm.local
+    try:
+        augment = make_augment(fed.dataset.augment, federation.split.augment)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    trainer = LocalSGD(
+        space.module, space.layout, batch_size=loc.batch_size, epochs=loc.epochs,
+        steps=loc.steps, momentum=loc.momentum, weight_decay=loc.weight_decay,
+        prox_mu=loc.prox_mu, amp=loc.amp, random_forward=random_forward, augment=augment,
+        transforms=tuple(loc.transforms))
+    algo = _components(algorithm, trainer, space.layout)
+    n = fed.num_clients
+    refusals.check_full_participation(record, algo.aggregator, n)
+    system = make_system(federation.system_settings, runtime.seed, n, loc.batch_size,
+                         federation.cohort,
+                         full_participation=aggregator_caps(algo.aggregator).full_participation)
+    backend = get("backend", runtime.backend)(trainer, algo.method, runtime.backend_settings,
+                                              x, y)
+    try:  # Byzantine clients (attack.*), for robustness experiments; None when off
+        attack = make_attack(federation.attack, runtime.seed, n)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    downlink = Identity(checksum=algorithm.checksum)
+    around = Surroundings(system, None, attack, tuple(hooks),
+                          len(downlink.encode(torch.zeros(space.layout.size))))
+    fields, store = _state(algo, space, n, runtime, state_dir)
+    privacy = make_privacy(record, n)
+    around = _refuse(record, algo, space, privacy, around, federation, runtime, n)
+    clients = ClientData(fed, x, y, store, fields)
+    selector = federation.selector
+    refusals.check_selection_scope(record, selector, privacy)
+    schedule = Schedule(runtime.seed, rounds, federation.cohort, n, loc, system, selector)
+    rules = dataclasses.replace(algorithm.screening, private=privacy.enabled)
+    x_test = _to_run(fed.x_test, dtype, device)
+    evaluator = Evaluator(space, clients, x_test, fed.y_test.to(device), evaluation,
+                          seed=runtime.seed, local=trainer, method=algo.method,
+                          client_lr=loc.lr)
+    return Bound(space, clients, algo, backend, privacy, schedule, rules, evaluator, around,
+                 counts)
+
+
+def _to_run(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Index inputs (characters) stay integers; features take the run's dtype.
+    return (t.to(dtype) if t.is_floating_point() else t).to(device)
+
+
+def _split(federation: Federation, runtime: Runtime, device: torch.device, record: Config
+           ) -> tuple[FederatedData, torch.Tensor, torch.Tensor, np.ndarray]:
+    """The clients' parts, their samples on the run's device (each client's feature
+    skew applied, once) and the class counts of each part (summary.json)."""
+    fed = build_federated(federation.data, federation.split, runtime.seed)
+    refusals.check_cohort_size(record, fed.num_clients)
+    ds = fed.dataset
+    x, y = _to_run(ds.x, runtime.torch_dtype, device), ds.y.to(device)
+    # Each client's whole part (train and its own test split): the heterogeneity
+    # measures and the rows its feature skew (data.feature) transforms.
+    parts = [np.concatenate([tr, te]) for tr, te in zip(fed.train, fed.test, strict=True)]
+    counts = class_counts(ds.y.numpy(), parts, ds.num_classes)
+    f = federation.split.feature
+    try:
+        x = apply_feature_skew(x, parts, f.name, f.scale, runtime.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return fed, x, y, counts
+
+
+def _space(module: torch.nn.Module, x: torch.Tensor, fed: FederatedData, algorithm: Algorithm,
+           runtime: Runtime, device: torch.device, user_model: bool
+           ) -> tuple[ModelSpace, bool]:
+    """The model's space, and whether its train-mode forward draws random numbers."""
+    if user_model:
+        module = module.to(runtime.torch_dtype).to(device)
+        _check_output(module, x[:1], fed.dataset.num_classes)
+    # Eval mode for evaluation; local training runs a train-mode copy (dropout,
+    # batch statistics), its buffers under model.buffers (fedloom.buffers).
+    module.eval()
+    layout = Layout.from_module(module)
+    try:
+        random_forward = random_in_train(module, x[:8])
+    except Exception as e:  # the user's forward, in train mode
+        raise ConfigError(f"model: forward in train mode on {len(x[:8])} samples "
+                          f"failed: {first_line(e)}") from None
+    refusals.check_vmap_random(runtime.backend_settings, random_forward)
+    refusals.check_one_sample_batches(module, x, fed.num_train(), algorithm.local.batch_size)
+    return ModelSpace(module, layout, module_buffers(module), algorithm.buffers,
+                      runtime.torch_dtype, device), random_forward
+
+
+def _check_output(module: torch.nn.Module, x: torch.Tensor, num_classes: int) -> None:
+    try:
+        # eval mode: no dropout draw, no BatchNorm statistic moved by the check
+        with torch.no_grad(), training_mode(module, False):
+            out = module(x)
+    except Exception as e:  # the user's forward failed on one sample of the data
+        raise ConfigError(f"model: forward on one sample of shape {tuple(x.shape[1:])} "
+                          f"failed: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    if out.ndim != 2 or out.shape[1] != num_classes:
+        raise ConfigError(f"model: outputs shape {tuple(out.shape[1:])} per sample, the data "
+                          f"has {num_classes} classes")
+
+
+def _components(algorithm: Algorithm, trainer: LocalSGD, layout: Layout) -> BoundAlgorithm:
+    """The algorithm's components, each ``None`` one the schema's default; the
+    method checks the trainer's settings it cannot run with."""
+    a = algorithm
+    try:
+        aggregator = a.aggregator if a.aggregator is not None else make_aggregator("fedavg")
+        if a.method is not None:
+            method = a.method
+        else:
+            method = build("method", "sgd",
+                           accepted_options(get("method", "sgd"), {"layout": layout}),
+                           "client.method.options")
+        method.check_trainer(trainer)
+        server = (a.server if a.server is not None
+                  else build("server_optimizer", "sgd", {"lr": 1.0}, "server.optimizer"))
+        compressor = (a.compressor if a.compressor is not None
+                      else make_compressor("identity", layout=layout))
+        feedback = (a.feedback if a.feedback is not None
+                    else feedback_from_config(FeedbackConfig(), layout))
+        planner = a.planner if a.planner is not None else planner_from_config(PlannerConfig())
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    return BoundAlgorithm(trainer, method, compressor, feedback, planner, aggregator, server)
+
+
+def _state(algo: BoundAlgorithm, space: ModelSpace, num_clients: int, runtime: Runtime,
+           state_dir: Path | None) -> tuple[ClientFields, ClientStateStore]:
+    """The clients' state rows: the method's, the feedback policy's and, under
+    ``model.buffers=local`` (FedBN), each client's buffers and whether it has any yet."""
+    d, template = space.layout.size, space.buffer_template
+    own_buffers = space.buffer_policy == "local" and bool(template)
+    buffer_fields = ({"buffers": FieldSpec(sum(v.numel() for v in template.values())),
+                      "buffers_set": FieldSpec(1)} if own_buffers else {})
+    try:
+        fields = ClientFields({METHOD: algo.method.fields(d), FEEDBACK: algo.feedback.fields(d),
+                               BUFFERS: buffer_fields})
+    except ValueError as e:
+        raise ConfigError(f"client.method: {e}") from None
+    st = runtime.state
+    store = ClientStateStore(num_clients, fields.specs, storage=st.storage, dtype=st.dtype,
+                             directory=state_dir, memmap_above_mb=st.memmap_above_mb,
+                             compute_dtype=space.dtype)
+    return fields, store
+
+
+def _refuse(record: Config, algo: BoundAlgorithm, space: ModelSpace, privacy: Privacy,
+            around: Surroundings, federation: Federation, runtime: Runtime,
+            num_clients: int) -> Surroundings:
+    """Differential privacy, secure aggregation and the event modes refuse, with one
+    line, what they cannot cover; the surroundings with the event driver (system.mode
+    async, buffered; ``None``: synchronous)."""
+    refusals.check_privacy_sampling(privacy, around.system)
+    refusals.check_privacy_scope(record, privacy, aggregator=algo.aggregator,
+                                 feedback=algo.feedback, method=algo.method,
+                                 compressor=algo.compressor, w=space.layout.flatten(space.module))
+    refusals.check_buffers_privacy(record, privacy, bool(space.buffer_template))
+    refusals.check_event_mode(record, aggregator=algo.aggregator, feedback=algo.feedback,
+                              privacy=privacy, num_clients=num_clients)
+    system = federation.system_settings
+    if system.mode == "sync":
+        return around
+    return dataclasses.replace(around, events=EventDriver(system, runtime.seed))
