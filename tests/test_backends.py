@@ -14,8 +14,8 @@ import torch
 
 import fedloom
 from conftest import TINY
-from fedloom.client.sgd import ClientJob
 from fedloom.engine.trainers.backends import balanced_groups
+from fedloom.job import local_job
 
 EF = ["compression.name=topk", "compression.options.ratio=0.1", "compression.feedback=ef"]
 
@@ -105,7 +105,7 @@ def test_process_backend_float32_is_single_thread_sequential():
 
 
 def test_balanced_groups_cover_every_job_once():
-    jobs = [ClientJob(k, 0, torch.zeros(1), 0.1, torch.zeros(n, 1), torch.zeros(n), 0)
+    jobs = [local_job(k, 0, torch.zeros(1), 0.1, torch.zeros(n, 1), torch.zeros(n), 0)
             for k, n in enumerate([50, 10, 10, 30, 5, 5])]
     groups = balanced_groups(jobs, 3)
     assert sorted(i for g in groups for i in g) == list(range(6))

@@ -27,6 +27,7 @@ from fedloom.config import ConfigError, load_config
 from fedloom.device import apply_threads, resolve, to_device, to_host
 from fedloom.engine.runs.checkpoint import load_checkpoint
 from fedloom.engine.trainers.parallel import ProcessBackend
+from fedloom.job import local_job
 from fedloom.params import Layout
 
 NO_CUDA = not torch.cuda.is_available()
@@ -156,7 +157,7 @@ def test_cuda_resume_is_bit_identical(tmp_path):
 
 
 def test_to_device_on_its_own_device_copies_nothing():
-    job = ClientJob(0, 0, torch.zeros(3), 0.1, torch.zeros(2, 3), torch.zeros(2), 1,
+    job = local_job(0, 0, torch.zeros(3), 0.1, torch.zeros(2, 3), torch.zeros(2), 1,
                     state={"c": torch.ones(3)})
     assert to_device(job, torch.device("cpu")) is job
     rows = [{"a": torch.ones(2)}, (torch.zeros(1), 3)]
@@ -246,7 +247,7 @@ def _case(amp: str = "none", steps: int = 12, dtype=torch.float32) -> _Case:
     module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).to(dtype)
     layout = Layout.from_module(module)
     tr = LocalSGD(module, layout, batch_size=16, steps=steps, amp=amp)
-    return _Case(tr, ClientJob(0, 0, layout.flatten(module), 0.2, x, y, 7))
+    return _Case(tr, local_job(0, 0, layout.flatten(module), 0.2, x, y, 7))
 
 
 def test_amp_none_is_plain_torch_sgd_bit_for_bit():

@@ -67,12 +67,12 @@ def test_fedavg_with_sgd_server_equals_weighted_model_average(tiny):
     new, _ = exp.round(st)
     cohort = exp.sample_cohort(0)
     models, ns = [], []
-    from fedloom.client.sgd import ClientJob
+    from fedloom.job import local_job
     from fedloom.rng import Purpose, derive_seed
 
     for k in cohort.tolist():
         idx = torch.from_numpy(exp.fed.train[k])
-        res = exp.trainer.run(ClientJob(k, 0, st.w, exp.lr(0), exp.x[idx], exp.y[idx],
+        res = exp.trainer.run(local_job(k, 0, st.w, exp.lr(0), exp.x[idx], exp.y[idx],
                                         derive_seed(cfg.seed, 0, k, Purpose.BATCH)))
         models.append(st.w - res.update)
         ns.append(len(idx))

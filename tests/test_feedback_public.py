@@ -9,11 +9,12 @@ import torch
 
 import fedloom
 from conftest import stop_and_resume
-from fedloom.client.sgd import ClientJob, LocalSGD
+from fedloom.client.sgd import LocalSGD
 from fedloom.compress import make_compressor
 from fedloom.compress.feedback import EF21, SCAFCOM, UplinkContext, local_step_sum
 from fedloom.config import load_config
 from fedloom.engine.experiment import Experiment
+from fedloom.job import local_job
 from fedloom.params import Layout
 
 
@@ -52,7 +53,7 @@ def _trainer_case(momentum):
     """Trained at a tiny lr, so the local gradient is (nearly) constant: the true
     displacement is η S ∇f(w)."""
     trainer, w, x, y = _tiny_case(momentum)
-    res = trainer.run(ClientJob(0, 0, w, 1e-5, x, y, gen_seed=1))
+    res = trainer.run(local_job(0, 0, w, 1e-5, x, y, gen_seed=1))
     return res.update, trainer.grad(w, x, y)
 
 
@@ -254,7 +255,7 @@ def test_scaffold_control_is_in_the_local_steps_units(momentum):
     trainer, w, x, y = _tiny_case(momentum)
     zeros = torch.zeros_like(w)
     method = Scaffold()
-    job = method.prepare(ClientJob(0, 0, w, 1e-5, x, y, gen_seed=1, state={"control": zeros}),
+    job = method.prepare(local_job(0, 0, w, 1e-5, x, y, gen_seed=1, state={"control": zeros}),
                          {"c": zeros})
     res = method.run(trainer, job)
     assert _rel(res.state["control"], trainer.grad(w, x, y)) < 1e-3

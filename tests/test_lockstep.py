@@ -14,12 +14,13 @@ import fedloom
 from fedloom.capabilities import backend_caps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, LocalSGD
+from fedloom.client.transforms import job_terms
 from fedloom.config import load_config
 from fedloom.engine.experiment import Experiment
 from fedloom.engine.trainers.auto import CANDIDATES, choose, lockstep_reason
 from fedloom.engine.trainers.backends import SequentialBackend
 from fedloom.engine.trainers.lockstep import LockstepBackend, lockstep_plan, shape_reason
-from fedloom.job import Penalty
+from fedloom.job import Penalty, local_job
 from fedloom.models import CNN
 from fedloom.models.zoo import CraftCNN, FlareCNN, LeafCNN
 from fedloom.params import Layout
@@ -138,9 +139,9 @@ def _jobs(model: nn.Module, sizes: list[int], shape: tuple[int, ...], dtype, *,
         y = torch.randint(0, 3, (n,), generator=g)
         pen = (Penalty(torch.zeros_like(w), 0.01, 2, "l1") if penalty and k % 2 == 0 else None)
         sh = torch.randn(layout.size, generator=g, dtype=dtype) * 0.01 if shift else None
-        jobs.append(ClientJob(client=k, round=0, w=w, lr=0.1 if k != 1 else 0.05, x=x, y=y,
-                              gen_seed=100 + k, start_loss=k == 0, penalty=pen,
-                              grad_shift=sh, max_steps=3 if k == 2 else None))
+        jobs.append(local_job(k, 0, w, 0.1 if k != 1 else 0.05, x, y, 100 + k,
+                              start_loss=k == 0, transforms=job_terms(sh, pen),
+                              max_steps=3 if k == 2 else None))
     return layout, jobs
 
 
@@ -492,8 +493,10 @@ def test_auto_rule_reasons():
     layout, jobs = _jobs(net, [5, 9, 6], (1, 8, 8), torch.float64)
     ls = LockstepBackend(LocalSGD(net, layout, batch_size=4), LocalMethod())
     assert lockstep_reason(ls, jobs) is None
-    assert "probe" in lockstep_reason(ls, [replace(j, probe_smoothness=True) for j in jobs])
-    bad = [replace(j, x=j.x[:, :, :6, :6]) for j in jobs]  # 6×6: 4 × 1 × 1 features, not 16
+    probed = [replace(j, steps=replace(j.steps, probe=True)) for j in jobs]
+    assert "probe" in lockstep_reason(ls, probed)
+    # 6×6: 4 × 1 × 1 features, not 16
+    bad = [replace(j, data=replace(j.data, x=j.x[:, :, :6, :6])) for j in jobs]
     assert "features" in lockstep_reason(ls, bad)
     tanh = nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
     ls = LockstepBackend(LocalSGD(tanh, Layout.from_module(tanh)), LocalMethod())

@@ -11,9 +11,10 @@ import torch
 
 import fedloom
 from conftest import stop_and_resume
-from fedloom.client.sgd import ClientJob, LocalSGD
+from fedloom.client.sgd import LocalSGD
 from fedloom.config import ConfigError, SystemConfig, load_config
 from fedloom.engine.experiment import Experiment
+from fedloom.job import local_job
 from fedloom.system import (
     Device,
     System,
@@ -162,10 +163,10 @@ def test_max_steps_runs_the_first_steps_exactly():
     layout = Layout.from_module(module)
     x, y = torch.randn(40, 5), torch.randint(0, 3, (40,))
     w = layout.flatten(module)
-    job = ClientJob(0, 0, w, 0.1, x, y, gen_seed=7)
+    job = local_job(0, 0, w, 0.1, x, y, gen_seed=7)
     full = LocalSGD(module, layout, batch_size=8, steps=5, momentum=0.9)
     one = LocalSGD(module, layout, batch_size=8, steps=3, momentum=0.9)
-    cut = full.run(ClientJob(0, 0, w, 0.1, x, y, gen_seed=7, max_steps=3))
+    cut = full.run(local_job(0, 0, w, 0.1, x, y, gen_seed=7, max_steps=3))
     ref = one.run(job)
     assert cut.steps == 3
     assert torch.equal(cut.update, ref.update)
