@@ -18,7 +18,6 @@ contracts are in ``pyproject.toml``).
 it has today: the test fails when a listed piece grows, when a new piece crosses
 a threshold, and when a listed piece is brought under it (then its line goes).
 The list only shrinks; when it is empty it goes, and with it this paragraph.
-The one step loop (item 3) is not measured here until it exists.
 """
 
 from __future__ import annotations
@@ -99,6 +98,76 @@ def test_a_client_job_holds_only_what_the_loop_reads() -> None:
     job = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ClientJob")
     k = len(_class_attributes(job))
     assert k <= MAX_JOB_FIELDS, f"ClientJob has {k} fields (at most {MAX_JOB_FIELDS}, #53)"
+
+
+# The one local-training step loop (#53, item 3): a `for` statement whose body
+# both takes a gradient (calls a function whose name has "grad" in it, or
+# `backward`, or builds a `StepContext`, a chain's step) and steps parameters (an
+# in-place `sub_`/`addcmul_` with `alpha=`/`value=`, or `w - lr * g` with a name
+# holding "lr"). Only the loop's module may hold one.
+STEP_LOOP_MODULE = "client/loop.py"
+# APFL's own loop (two models and an adaptive mixing weight a step): not yet the one loop.
+STEP_LOOP_PENDING = {"client/apfl.py"}
+
+
+def _takes_gradient(node: ast.AST) -> bool:
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            f = n.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(
+                f, ast.Attribute) else ""
+            if "grad" in name or name in ("backward", "StepContext"):
+                return True
+    return False
+
+
+def _has_lr(node: ast.AST) -> bool:
+    return any((isinstance(n, ast.Name) and "lr" in n.id)
+               or (isinstance(n, ast.Attribute) and "lr" in n.attr) for n in ast.walk(node))
+
+
+def _steps_parameters(node: ast.AST) -> bool:
+    for n in ast.walk(node):
+        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and n.func.attr in ("sub_", "addcmul_")
+                and any(k.arg in ("alpha", "value") for k in n.keywords)):
+            return True
+        if (isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub)
+                and isinstance(n.right, ast.BinOp) and isinstance(n.right.op, ast.Mult)
+                and _has_lr(n.right)):
+            return True
+    return False
+
+
+def _step_loops(src: str) -> int:
+    """How many `for` loops of ``src`` are local-training step loops."""
+    return sum(1 for n in ast.walk(ast.parse(src))
+               if isinstance(n, ast.For | ast.AsyncFor)
+               and _takes_gradient(ast.Module(body=n.body, type_ignores=[]))
+               and _steps_parameters(ast.Module(body=n.body, type_ignores=[])))
+
+
+def test_one_step_loop() -> None:
+    found = {_rel(p) for p in _modules() if _step_loops(p.read_text())}
+    assert STEP_LOOP_MODULE in found, f"the step loop is not in {STEP_LOOP_MODULE}"
+    others = found - {STEP_LOOP_MODULE} - STEP_LOOP_PENDING
+    assert not others, ("a local-training step loop outside " + STEP_LOOP_MODULE
+                        + " (give the loop a gradient function instead): " + ", ".join(others))
+    done = STEP_LOOP_PENDING - found
+    assert not done, "no step loop any more: take out of STEP_LOOP_PENDING: " + ", ".join(done)
+
+
+def test_the_step_loop_measure() -> None:
+    """A loop that takes a gradient and steps is one; either alone is not (a
+    per-parameter step after the gradient, a loop over clients' evaluations)."""
+    assert _step_loops("for t in r:\n    g = grad(w)\n    w.sub_(g, alpha=lr)\n") == 1
+    assert _step_loops("for t in r:\n    g = f.grads(t)\n    W.addcmul_(a, g, value=-1)\n") == 1
+    assert _step_loops("for b in bs:\n    l, g = _grad(m, w, b)\n    w = w - lr * g\n") == 1
+    assert _step_loops("for t in r:\n    ctx = StepContext(t, W, W0)\n"
+                       "    W.sub_(D, alpha=eta)\n") == 1
+    assert _step_loops("g = grad(w)\nfor p, q in zip(ps, g):\n    p.sub_(q, alpha=lr)\n") == 0
+    assert _step_loops("for k in ks:\n    g = grad(w)\n    out.append(g)\n") == 0
+    assert _step_loops("for k in ks:\n    w = w - 2 * g\n") == 0
 
 
 PROBE = re.compile(r"\b(getattr|hasattr)\(")

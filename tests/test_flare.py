@@ -40,8 +40,7 @@ def test_penalty_only_on_first_p_steps_and_only_where_masked():
     pen = Penalty(target, 0.3, 1, "l1", mask)
     trainer = LocalSGD(model, layout, batch_size=4, steps=3)
     gen = torch.Generator().manual_seed(5)
-    got, _, _, _ = trainer._descend(w0, w0, x, y, 0.1, gen, prox_mu=None, grad_shift=None,
-                                    probe=False, penalty=pen)
+    got, _, _ = trainer.descend(w0, w0, x, y, 0.1, gen, penalty=pen)
     # by hand: step 0 adds τ m sign(w − t); steps 1 and 2 are plain SGD
     batches = trainer.batch_indices(12, torch.Generator().manual_seed(5))
     w = w0.clone()

@@ -46,7 +46,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedloom.buffers import buffer_names, load_buffers, module_buffers
-from fedloom.client.transforms import Objective, StepContext, job_chain, job_terms, split_terms
+from fedloom.client.loop import step_loop
+from fedloom.client.transforms import Objective, job_chain, job_terms, split_terms
 from fedloom.config import ScheduleConfig
 from fedloom.job import ClientJob, ClientResult, Penalty
 from fedloom.params import Layout, functional_forward, training_mode
@@ -368,21 +369,9 @@ class LocalSGD:
         direction = job_chain(terms, weight_decay=self.weight_decay, prox_mu=self.prox_mu,
                               momentum=self.momentum, extra=self.transforms)
         own = split_terms(terms).objective
-        objective = own.loss if own is not None else None
-        dstate = direction.init(w)
-        loss_sum = 0.0
-        smooth: float | None = None
-        first_grad: torch.Tensor | None = None
         plan = self.epoch_batches(int(y.shape[0]), gen, epochs, max_steps)
-        batches = [perm[a:b] for perm, spans in plan for a, b in spans]
-        dseed = gen.initial_seed()  # the batch-order seed; step t's dropout stream from it
-        scaler = _LossScale() if self.amp == "fp16" else None
-        # The plain step (cross-entropy, full precision) takes the gradient as
-        # autograd.grad's tensors and copies them into g: backward into .grad views
-        # of g adds into them, so g had to be zeroed first and then read back (two
-        # more passes over d a step). The bits are the same (0 + x is x; a -0.0 entry
-        # stays -0.0, which moves no parameter that is not -0.0 itself).
-        plain = objective is None and self.amp == "none"
+        grads = _Gradients(self, fm, x, y, plan, gen.initial_seed(),
+                           own.loss if own is not None else None, _Probe(x0) if probe else None)
         # Where the direction is the gradient itself (an empty chain: FedAvg's local
         # SGD) and no probe reads it, each parameter steps by autograd's own tensor,
         # as torch.optim.SGD does: the copy into g was one more pass over d a step,
@@ -390,33 +379,13 @@ class LocalSGD:
         # w − η·g is rounded entry by entry, the same wherever the entry sits, so
         # stepping the parameters (views of w) is stepping w; a parameter the loss
         # does not reach (∇ = 0) stays as w − η·0 leaves it, -0.0 included.
-        direct = plain and not direction.transforms and not probe
-        for step, (xs, ys) in enumerate(_epoch_views(x, y, plan)):
-            reseed(derive_seed(dseed, step, -1, Purpose.DROPOUT), w.device)
-            xb = self.augmented(xs, dseed, step)
-            if direct:
-                loss_sum += _direct_step(fm, xb, ys, lr)
-                continue
-            loss = self._gradient(fm, xb, ys, step, plain, objective, scaler)
-            grad = fm.g
-            loss_sum += float(loss.detach())
-            if scaler is not None and not scaler.finite:
-                continue  # fp16 overflow: the step is skipped, the scale halved
-            if probe and step == 1 and first_grad is not None:
-                # Secant estimate of L on batch 0 between the start and the first step.
-                g1 = self._train_grad(w.detach(), self.batch(x, batches[0], dseed, 0),
-                                      y[batches[0]], derive_seed(dseed, 0, -1, Purpose.DROPOUT))
-                dx = float(torch.linalg.vector_norm(w.detach() - x0))
-                if dx > 0:
-                    smooth = float(torch.linalg.vector_norm(g1 - first_grad)) / dx
-            if probe and step == 0:
-                first_grad = grad.detach().clone()
-            with torch.no_grad():
-                grad, dstate = direction.update(grad, dstate, StepContext(step, w, anchor))
-                w.sub_(grad, alpha=lr)
+        grads.direct, grads.lr = grads.plain and not direction.transforms and not probe, lr
+        n = len(grads.batches)
+        step_loop(w, anchor, direction, grads, [n], [lr])
         # the flat module's own vector, written over by the next training: the public
         # entry points (descend, train) hand out a copy, run() reads it once
-        return w.detach(), loss_sum / max(1, len(batches)), len(batches), smooth
+        smooth = grads.probe.smooth if grads.probe is not None else None
+        return w.detach(), grads.loss_sum / max(1, n), n, smooth
 
     def _gradient(self, fm: _FlatModule, xb: torch.Tensor, ys: torch.Tensor, step: int,
                   plain: bool, objective: Any, scaler: _LossScale | None) -> torch.Tensor:
@@ -515,6 +484,68 @@ class LocalSGD:
                 total += float(F.cross_entropy(logits, y[s : s + batch], reduction="sum"))
         # per label: one a sample, or one a token of a causal LM's next tokens [N, T]
         return total / max(1, y.numel())
+
+
+class _Gradients:
+    """The sequential trainer's gradient function of :func:`~fedloom.client.loop.step_loop`:
+    step ``t``'s batch (its dropout stream reseeded, augmented when configured),
+    its loss summed in step order, its gradient in ``fm.g``. ``None`` for a step
+    that moves nothing through the chain: a direct step (``direct``: the
+    parameters stepped by η·autograd's tensors here) or an fp16 overflow (skipped,
+    the scale halved). ``probe``: the smoothness probe's, where asked for."""
+
+    def __init__(self, tr: LocalSGD, fm: _FlatModule, x: torch.Tensor, y: torch.Tensor,
+                 plan: list[tuple[torch.Tensor, list[tuple[int, int]]]], seed: int,
+                 objective: Any, probe: _Probe | None) -> None:
+        self.tr, self.fm, self.x, self.y = tr, fm, x, y
+        self.views = _epoch_views(x, y, plan)
+        self.batches = [perm[a:b] for perm, spans in plan for a, b in spans]
+        self.seed = seed  # the batch-order seed; step t's dropout stream from it
+        self.objective, self.probe = objective, probe
+        self.scaler = _LossScale() if tr.amp == "fp16" else None
+        # The plain step (cross-entropy, full precision) takes the gradient as
+        # autograd.grad's tensors and copies them into g (LocalSGD._gradient).
+        self.plain = objective is None and tr.amp == "none"
+        self.direct, self.lr = False, 0.0
+        self.loss_sum = 0.0
+
+    def __call__(self, step: int) -> torch.Tensor | None:
+        xs, ys = next(self.views)
+        fm, w = self.fm, self.fm.w
+        reseed(derive_seed(self.seed, step, -1, Purpose.DROPOUT), w.device)
+        xb = self.tr.augmented(xs, self.seed, step)
+        if self.direct:
+            self.loss_sum += _direct_step(fm, xb, ys, self.lr)
+            return None
+        loss = self.tr._gradient(fm, xb, ys, step, self.plain, self.objective, self.scaler)
+        self.loss_sum += float(loss.detach())
+        if self.scaler is not None and not self.scaler.finite:
+            return None  # fp16 overflow: the step is skipped, the scale halved
+        if self.probe is not None:
+            self._measure(self.probe, step)
+        return fm.g
+
+    def _measure(self, probe: _Probe, step: int) -> None:
+        """Secant estimate of L on batch 0 between the start and the first step."""
+        w = self.fm.w
+        if step == 1 and probe.first is not None:
+            b0 = self.batches[0]
+            g1 = self.tr._train_grad(w.detach(), self.tr.batch(self.x, b0, self.seed, 0),
+                                     self.y[b0], derive_seed(self.seed, 0, -1, Purpose.DROPOUT))
+            dx = float(torch.linalg.vector_norm(w.detach() - probe.x0))
+            if dx > 0:
+                probe.smooth = float(torch.linalg.vector_norm(g1 - probe.first)) / dx
+        if step == 0:
+            probe.first = self.fm.g.detach().clone()
+
+
+@dataclass
+class _Probe:
+    """The smoothness probe's: the start ``x0``, the first step's gradient, the estimate."""
+
+    x0: torch.Tensor
+    first: torch.Tensor | None = None
+    smooth: float | None = None
 
 
 def _direct_step(fm: _FlatModule, xb: torch.Tensor, ys: torch.Tensor, lr: float) -> float:

@@ -20,8 +20,7 @@ mode and their measurements: docs/explanation/backends.md (vmap).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,9 +29,18 @@ from torch.nn import functional as F
 
 from fedloom.buffers import has_batch_statistics
 from fedloom.capabilities import BackendCaps, model_vmap
+from fedloom.client.loop import (
+    BatchTable,
+    batch_table,
+    pack_results,
+    stack_models,
+    start_buffers,
+    start_losses,
+    step_loop,
+)
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
-from fedloom.client.transforms import StepContext, jobs_chain
+from fedloom.client.transforms import jobs_chain
 from fedloom.config import BackendConfig
 from fedloom.engine.trainers.backends import InProcess
 from fedloom.params import Layout
@@ -85,106 +93,65 @@ class VmapBackend(InProcess):
     def _train(self, jobs: list[ClientJob]) -> list[ClientResult]:
         tr = self.trainer
         # The trainer's train-mode copy: functional_call swaps in each client's
-        # parameters and buffers.
+        # parameters and buffers (_VmapGradients).
         fm = tr._flat_module()
         m = len(jobs)
-        w_global = torch.stack([j.w for j in jobs])
-        W = torch.stack([j.start for j in jobs]).clone()
-        start_loss = [tr.full_loss(j.w, j.x, j.y, buffers=j.buffers) if j.steps.start_loss else None
-                      for j in jobs]
-        sched = self._schedule(jobs, W.device)
+        w_global, W = stack_models(jobs)
+        start_loss = start_losses(tr, jobs)
+        table = batch_table(tr, jobs, self.x, self.y, W.device)
         # The direction's terms, as the sequential trainer's (fedloom.client.transforms).
         direction = jobs_chain(jobs, W, weight_decay=tr.weight_decay, prox_mu=tr.prox_mu,
                                momentum=tr.momentum, extra=tr.transforms)
-        dstate = direction.init(W)
         # Each client's buffers (BatchNorm statistics) stacked [m, ...]: a train-mode
         # forward under vmap updates its own row in place.
-        bufs = {n: torch.stack([(j.buffers or fm.init_buffers)[n] for j in jobs]).to(W.device)
-                for n in fm.buffers}
-        one_fn = grad_and_value(_masked_loss(fm.module, tr.layout))
-        step_fn, batch_stats = vmap(one_fn), has_batch_statistics(fm.module)
-        loss_sum = torch.zeros(m, dtype=torch.float64, device=W.device)
-        lr = torch.tensor([j.lr for j in jobs], dtype=W.dtype, device=W.device)
-        for t in range(sched.T):
-            X, Y, M, active = self._step_batch(sched, jobs, t, W.dtype)
-            G, L = _grads(one_fn, step_fn, W, bufs, X, Y, M, active, batch_stats)
-            loss_sum += L.detach().to(torch.float64) * active.to(torch.float64)
-            with torch.no_grad():
-                live = [t < s for s in sched.steps]
-                G, dstate = direction.update(G, dstate, StepContext(t, W, w_global, live=live))
-                # A finished client is masked out of the update (its buffer is never used
-                # again, so it need not be frozen).
-                # In place: a fresh [m, d] tensor every step costs page faults.
-                W.addcmul_((lr * active)[:, None], G, value=-1.0)
-        steps = sched.steps
-        return [ClientResult(j.client, (j.w - W[k]).contiguous(), int(j.y.shape[0]),
-                             float(loss_sum[k]) / max(1, steps[k]), steps[k], start_loss[k],
-                             buffers={b: v[k].clone() for b, v in bufs.items()})
-                for k, j in enumerate(jobs)]
+        own = start_buffers(tr, jobs)
+        bufs = {n: torch.stack([b[n] for b in own]) for n in fm.buffers}
+        grads = _VmapGradients(tr, jobs, table, W, bufs)
+        step_loop(W, w_global, direction, grads, table.steps, [j.lr for j in jobs],
+                  exact=False)
+        steps = table.steps
+        return pack_results(jobs, W, [float(grads.loss_sum[k]) / max(1, steps[k])
+                                      for k in range(m)], steps, start_loss,
+                            [{b: v[k].clone() for b, v in bufs.items()} for k in range(m)])
 
-    def _schedule(self, jobs: list[ClientJob], dev: torch.device) -> _Schedule:
-        """Every client's batches, as the sequential trainer draws them, padded into
-        one ``[m, T, B]`` table of sample positions with its masks."""
-        tr, m = self.trainer, len(jobs)
-        batches = [tr.job_batches(j) for j in jobs]
-        steps = [len(b) for b in batches]
+
+class _VmapGradients:
+    """vmap's gradient function of :func:`~fedloom.client.loop.step_loop`: step
+    ``t``'s stacked batches (a padded cell gathers the client's first sample and
+    is masked out; a finished client is masked out, not dropped), every client's
+    gradient at once; each client's losses summed in ``loss_sum``."""
+
+    def __init__(self, tr: LocalSGD, jobs: list[ClientJob], table: BatchTable,
+                 W: torch.Tensor, bufs: dict[str, torch.Tensor]) -> None:
+        self.tr, self.jobs, self.table, self.W, self.bufs = tr, jobs, table, W, bufs
+        fm = tr._flat_module()
+        self.one_fn = grad_and_value(_masked_loss(fm.module, tr.layout))
+        self.step_fn, self.batch_stats = vmap(self.one_fn), has_batch_statistics(fm.module)
+        dev, m, steps = W.device, len(jobs), table.steps
         T = max(steps)
-        B = max(len(i) for b in batches for i in b)
-        # Every step's batch of every client as rows of one source tensor: the
-        # whole data (positions via data_index) or the chunk's samples stacked.
-        if self.x is not None and all(j.data.index is not None for j in jobs):
-            # x and y are set together; all() above: every job has its data_index
-            src_x, src_y = self.x, cast(torch.Tensor, self.y)
-            owners = cast("list[torch.Tensor]", [j.data.index for j in jobs])
-        else:
-            src_x = torch.cat([j.x for j in jobs])
-            src_y = torch.cat([j.y for j in jobs])
-            offs = torch.tensor([0, *[int(j.y.shape[0]) for j in jobs]]).cumsum(0)
-            owners = [torch.arange(int(offs[k]), int(offs[k + 1])) for k in range(m)]
-        local = torch.full((m, T, B), -1, dtype=torch.long)
-        for k, b in enumerate(batches):
-            for t, idx in enumerate(b):
-                local[k, t, : len(idx)] = idx
-        # Batch positions and masks on the run's device (one copy, not one a step).
-        gidx = torch.stack([owners[k].to(dev)[local[k].clamp_min(0).to(dev)]
-                            for k in range(m)])  # [m, T, B]
-        active = torch.tensor([[1.0 if t < steps[k] else 0.0 for t in range(T)]
-                               for k in range(m)], device=dev)
-        return _Schedule(batches, steps, T, src_x, src_y, gidx, (local >= 0).to(dev), active)
+        self.mask = table.table >= 0
+        self.gidx = torch.where(self.mask, table.table, table.first[:, None, None])
+        self.active = torch.tensor([[1.0 if t < steps[k] else 0.0 for t in range(T)]
+                                    for k in range(m)], device=dev)
+        self.loss_sum = torch.zeros(m, dtype=torch.float64, device=dev)
 
-    def _step_batch(self, sched: _Schedule, jobs: list[ClientJob], t: int, dtype: torch.dtype
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Step ``t``'s stacked batches ``X, Y``, their sample mask and which clients
-        still step (padding rows gather a real sample, masked out)."""
-        It = sched.gidx[:, t]
-        X, Y = sched.src_x[It], sched.src_y[It]
-        M = sched.mask[:, t].to(dtype)
-        active = sched.active[:, t].to(dtype)
-        tr = self.trainer
-        if tr.augment is not None:  # each client's real rows, as LocalSGD.batch draws them
+    def __call__(self, t: int) -> torch.Tensor:
+        dtype, table = self.W.dtype, self.table
+        It = self.gidx[:, t]
+        X, Y = table.src_x[It], table.src_y[It]
+        M = self.mask[:, t].to(dtype)
+        active = self.active[:, t].to(dtype)
+        if self.tr.augment is not None:  # each client's real rows, as LocalSGD.batch draws them
             X = X.clone()
-            for k in range(len(jobs)):
-                if t < sched.steps[k]:
-                    n = len(sched.batches[k][t])
-                    X[k, :n] = tr.batch(X[k, :n], torch.arange(n, device=X.device),
-                                        jobs[k].gen_seed, t)
-        return X, Y, M, active
-
-
-@dataclass
-class _Schedule:
-    """A chunk's batches: per client, its batches and step count; the padded table
-    of sample positions into ``src_x``/``src_y`` ``[m, T, B]``, its sample mask
-    and ``active`` ``[m, T]`` (1 while a client still steps)."""
-
-    batches: list[list[torch.Tensor]]
-    steps: list[int]
-    T: int
-    src_x: torch.Tensor
-    src_y: torch.Tensor
-    gidx: torch.Tensor
-    mask: torch.Tensor
-    active: torch.Tensor
+            for k in range(len(self.jobs)):
+                if t < table.steps[k]:
+                    n = len(table.batches[k][t])
+                    X[k, :n] = self.tr.batch(X[k, :n], torch.arange(n, device=X.device),
+                                             self.jobs[k].gen_seed, t)
+        G, L = _grads(self.one_fn, self.step_fn, self.W, self.bufs, X, Y, M, active,
+                      self.batch_stats)
+        self.loss_sum += L.detach().to(torch.float64) * active.to(torch.float64)
+        return G
 
 
 def _masked_loss(module: nn.Module, layout: Layout) -> Callable[..., torch.Tensor]:

@@ -21,15 +21,23 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import cast
 
 import torch
 from torch.nn import functional as F
 
 from fedloom.capabilities import BackendCaps, method_caps
+from fedloom.client.loop import (
+    BatchTable,
+    batch_table,
+    pack_results,
+    stack_models,
+    start_buffers,
+    start_losses,
+    step_loop,
+)
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
-from fedloom.client.transforms import StepContext, jobs_chain, split_terms
+from fedloom.client.transforms import jobs_chain, split_terms
 from fedloom.config import BackendConfig
 from fedloom.engine.trainers.backends import InProcess
 from fedloom.engine.trainers.lockstep.plan import (
@@ -163,113 +171,68 @@ class LockstepBackend(InProcess):
 
     # ------------------------------------------------------------------ training
     def _train(self, jobs: list[ClientJob]) -> list[ClientResult]:
-        tr, m = self.trainer, len(jobs)
+        tr = self.trainer
         assert self.plan is not None
-        W0 = torch.stack([j.w for j in jobs])
-        W = torch.stack([j.start for j in jobs])
-        start_loss = [tr.full_loss(j.w, j.x, j.y, buffers=j.buffers) if j.steps.start_loss else None
-                      for j in jobs]
-        batches = [tr.job_batches(j) for j in jobs]
-        steps = [len(b) for b in batches]
-        src_x, src_y, table = self._table(jobs, batches, W.device)
+        W0, W = stack_models(jobs)
+        start_loss = start_losses(tr, jobs)
+        table = batch_table(tr, jobs, self.x, self.y, W.device)
         # The direction's terms, as the sequential trainer's (fedloom.client.transforms).
         direction = jobs_chain(jobs, W, weight_decay=tr.weight_decay, prox_mu=tr.prox_mu,
                                momentum=tr.momentum, extra=tr.transforms)
-        dstate = direction.init(W)
-        lrs = [float(j.lr) for j in jobs]
-        lr_col = torch.tensor(lrs, dtype=W.dtype, device=W.device)[:, None]
-        G = torch.zeros_like(W)
-        losses: list[list[torch.Tensor]] = [[] for _ in range(m)]
-        every = torch.arange(m, device=W.device)
-        dropout = any(o.kind == "dropout" for o in self.plan)
-        bufs = self._start_buffers(jobs)
-        for t in range(max(steps)):
-            # Clients with a batch at step t, grouped by its size (one group: all).
-            groups: dict[int, list[int]] = {}
-            for k in range(m):
-                if t < steps[k]:
-                    groups.setdefault(len(batches[k][t]), []).append(k)
-            active = sum(len(g) for g in groups.values())
-            # _step writes every parameter's slice of its rows once a step (no
-            # accumulation), so G needs zeroing only where some rows are not written
-            # this step: a finished client's, or clients split by batch size
-            if len(groups) != 1 or active != m:
-                G.zero_()
-            for n, ks in groups.items():
-                rows = every if len(ks) == m else torch.tensor(ks, device=W.device)
-                idx = table[rows, t, :n]
-                whole = len(ks) == m
-                Gr = G if whole else torch.zeros(len(ks), W.shape[1], dtype=W.dtype,
-                                                 device=W.device)
-                # the seed of step t's dropout masks, as the sequential trainer reseeds
-                seeds = ([derive_seed(jobs[k].gen_seed, t, -1, Purpose.DROPOUT) for k in ks]
-                         if dropout else None)
-                lsm, Y = _step(self.plan, W if whole else W[rows], src_x[idx], src_y[idx], Gr,
-                               seeds, [bufs[k] for k in ks])
-                if not whole:
-                    G[rows] = Gr
-                for r, k in enumerate(ks):
-                    # the client's own loss: nll_loss of its rows, the sequential bits
-                    losses[k].append(F.nll_loss(lsm[r], Y[r]).detach())
-            with torch.no_grad():
-                # (a finished client's momentum buffer is never used again)
-                D, dstate = direction.update(G, dstate, StepContext(
-                    t, W, W0, live=[t < s for s in steps]))
-                if active == m and len(set(lrs)) == 1:
-                    W.sub_(D, alpha=lrs[0])
-                else:  # per-client η, finished clients η = 0 (w − 0 is w, bit for bit)
-                    live = torch.tensor([1.0 if t < s else 0.0 for s in steps],
-                                        dtype=W.dtype, device=W.device)[:, None]
-                    W.addcmul_(lr_col * live, D, value=-1.0)
-        out = []
-        for k, j in enumerate(jobs):
+        grads = _LockstepGradients(self.plan, jobs, table, W, start_buffers(tr, jobs))
+        step_loop(W, W0, direction, grads, table.steps, [float(j.lr) for j in jobs])
+        means = []
+        for k in range(len(jobs)):
             loss_sum = 0.0
-            for v in losses[k]:  # Python floats in step order, as LocalSGD sums them
+            for v in grads.losses[k]:  # Python floats in step order, as LocalSGD sums them
                 loss_sum += float(v)
-            out.append(ClientResult(j.client, (j.w - W[k]).contiguous(), int(j.y.shape[0]),
-                                    loss_sum / max(1, steps[k]), steps[k], start_loss[k],
-                                    buffers=bufs[k]))
-        return out
+            means.append(loss_sum / max(1, table.steps[k]))
+        return pack_results(jobs, W, means, table.steps, start_loss, grads.bufs)
 
-    def _start_buffers(self, jobs: list[ClientJob]) -> list[dict[str, torch.Tensor]]:
-        """Each client's own copy of the buffers it starts from — the job's, else the
-        module's initial ones, as the sequential trainer loads them — which its
-        train-mode forwards update in place and its result carries."""
-        fm = self.trainer._flat_module()
-        if not fm.buffers:
-            return [{} for _ in jobs]
-        out = []
-        for j in jobs:
-            start = j.buffers if j.buffers else fm.init_buffers
-            out.append({n: torch.empty_like(v).copy_(start.get(n, fm.init_buffers[n]))
-                        for n, v in fm.buffers.items()})
-        return out
 
-    def _table(self, jobs: list[ClientJob], batches: list[list[torch.Tensor]],
-               dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The source rows and an ``[m, T, B]`` table of every client's batch
-        positions into them (unused cells: −1, never read)."""
-        m = len(jobs)
-        if self.x is not None and all(j.data.index is not None for j in jobs):
-            src_x, src_y = self.x, self.y
-            # all() above: every job has its data_index
-            owners = cast("list[torch.Tensor]", [j.data.index for j in jobs])
-        else:
-            src_x = torch.cat([j.x for j in jobs])
-            src_y = torch.cat([j.y for j in jobs])
-            offs = [0]
-            for j in jobs:
-                offs.append(offs[-1] + int(j.y.shape[0]))
-            owners = [torch.arange(offs[k], offs[k + 1]) for k in range(m)]
-        T = max(len(b) for b in batches)
-        B = max(len(i) for b in batches for i in b)
-        table = torch.full((m, T, B), -1, dtype=torch.long)
-        for k, b in enumerate(batches):
-            own = owners[k].cpu()
-            for t, i in enumerate(b):
-                table[k, t, : len(i)] = own[i]
-        assert src_y is not None
-        return src_x, src_y, table.to(dev)
+class _LockstepGradients:
+    """Lock-step's gradient function of :func:`~fedloom.client.loop.step_loop`:
+    the clients with a batch at step ``t``, grouped by its size (one group: all),
+    each group's gradients by the plan's batched layers into ``G``; each client's
+    own loss kept a step (``losses``) and its buffers updated in place (``bufs``)."""
+
+    def __init__(self, plan: list[_Op], jobs: list[ClientJob], table: BatchTable,
+                 W: torch.Tensor, bufs: list[dict[str, torch.Tensor]]) -> None:
+        self.plan, self.jobs, self.table, self.W, self.bufs = plan, jobs, table, W, bufs
+        self.G = torch.zeros_like(W)
+        self.losses: list[list[torch.Tensor]] = [[] for _ in jobs]
+        self.every = torch.arange(len(jobs), device=W.device)
+        self.dropout = any(o.kind == "dropout" for o in plan)
+
+    def __call__(self, t: int) -> torch.Tensor:
+        W, G, m, table = self.W, self.G, len(self.jobs), self.table
+        groups: dict[int, list[int]] = {}
+        for k in range(m):
+            if t < table.steps[k]:
+                groups.setdefault(len(table.batches[k][t]), []).append(k)
+        active = sum(len(g) for g in groups.values())
+        # _step writes every parameter's slice of its rows once a step (no
+        # accumulation), so G needs zeroing only where some rows are not written
+        # this step: a finished client's, or clients split by batch size
+        if len(groups) != 1 or active != m:
+            G.zero_()
+        for n, ks in groups.items():
+            whole = len(ks) == m
+            rows = self.every if whole else torch.tensor(ks, device=W.device)
+            idx = table.table[rows, t, :n]
+            Gr = G if whole else torch.zeros(len(ks), W.shape[1], dtype=W.dtype,
+                                             device=W.device)
+            # the seed of step t's dropout masks, as the sequential trainer reseeds
+            seeds = ([derive_seed(self.jobs[k].gen_seed, t, -1, Purpose.DROPOUT) for k in ks]
+                     if self.dropout else None)
+            lsm, Y = _step(self.plan, W if whole else W[rows], table.src_x[idx],
+                           table.src_y[idx], Gr, seeds, [self.bufs[k] for k in ks])
+            if not whole:
+                G[rows] = Gr
+            for r, k in enumerate(ks):
+                # the client's own loss: nll_loss of its rows, the sequential bits
+                self.losses[k].append(F.nll_loss(lsm[r], Y[r]).detach())
+        return G
 
 
 @register("backend", "lockstep")
