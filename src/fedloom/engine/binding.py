@@ -35,6 +35,7 @@ from fedloom.data.augment import make_augment
 from fedloom.data.feature import apply_feature_skew
 from fedloom.data.federated import FederatedData, build_federated
 from fedloom.data.heterogeneity import class_counts
+from fedloom.device import resolve
 from fedloom.engine import refusals
 from fedloom.engine.algorithm import Algorithm as BoundAlgorithm
 from fedloom.engine.clientfields import BUFFERS, FEEDBACK, METHOD, ClientFields
@@ -90,8 +91,6 @@ def bind(algorithm: Algorithm, federation: Federation, runtime: Runtime,
     """The values bound to ``module`` (``user_model``: a module of the caller's, taken
     to the run's dtype and checked on one sample; one built from the config is
     already). ``state_dir``: where a memmap client state store keeps its files."""
-    from fedloom.device import resolve
-
     device, dtype = resolve(runtime.device), runtime.torch_dtype
     fed, x, y, counts = _split(federation, runtime, device, record)
     space, random_forward = _space(module, x, fed, algorithm, runtime, device, user_model)
