@@ -19,6 +19,7 @@ from fedloom.capabilities import (
     BackendCaps,
     CompressorCaps,
     FeedbackCaps,
+    LoopCaps,
     MethodCaps,
     aggregator_caps,
     backend_caps,
@@ -76,8 +77,10 @@ BEFORE: dict[tuple[str, str, tuple[tuple[str, Any], ...]], dict[str, Any]] = {
     ("feedback", "sapef", (("alpha_schedule", "residual"),)): {"schedule": "residual",
                                                                 "row_only": True},
     ("feedback", "scafcom", ()): {"row_only": False},
-    **{("method", m, ()): {} for m in ("apfl", "ditto", "feddyn", "fedper",
-                                       "fedrep", "lg_fedavg", "moon", "scaffold", "sgd")},
+    **{("method", m, ()): {} for m in ("apfl", "ditto", "fedper", "fedrep", "lg_fedavg",
+                                       "moon", "sgd")},
+    # local SGD with their terms in the job, then complete(): the lock-step trainer runs them
+    **{("method", m, ()): {"batched": True} for m in ("feddyn", "scaffold")},
     ("method", "fedbn", ()): {"model_buffers": "local"},
     # a flag added since: its local work is plain SGD with a term in the job (the
     # lock-step trainer runs it)
@@ -85,7 +88,10 @@ BEFORE: dict[tuple[str, str, tuple[tuple[str, Any], ...]], dict[str, Any]] = {
     ("method", "fedsa_lora", ()): {},
     ("method", "hetlora", ()): {},
     # auto: before its choice (then the chosen backend's, test_auto_reads_the_chosen_caps)
-    **{("backend", b, ()): {} for b in ("auto", "lockstep", "vmap")},
+    ("backend", "auto", ()): {},
+    # the batched trainers: what of the one step loop they run (the rest: sequential)
+    ("backend", "lockstep", ()): {"loop": LoopCaps(methods=True)},
+    ("backend", "vmap", ()): {"loop": LoopCaps()},
     ("backend", "sequential", ()): {"streams": True, "writes_rows": True, "shared_rows": False},
     ("backend", "process", ()): {"ships_indices": True, "streams": True, "writes_rows": True,
                                  "worker_threads": 1},

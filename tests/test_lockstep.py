@@ -63,6 +63,9 @@ def _rounds(over: list[str], rounds: int = 2, base: dict = SYN):
     ["compression.name=topk", "compression.options.ratio=0.2", "compression.feedback=scafcom"],
     ["compression.name=topk", "compression.options.ratio=0.2", "compression.options.scope=tensor",
      "compression.feedback=flare", "compression.feedback.options.tau=0.5"],
+    # local methods whose work is the loop with their terms, then complete() (#53)
+    ["client.method.name=scaffold", "client.momentum=0.5"],
+    ["client.method.name=feddyn", "client.method.options.alpha=0.1"],
 ])
 def test_lockstep_equals_sequential_bit_for_bit_in_float64(extra):
     wa, la, _ = _rounds(["dtype=float64", *extra])

@@ -63,3 +63,35 @@ def test_auto_backend_measures_then_keeps_the_faster(tiny):
                                           "client.method=ditto"]))
     ditto.round(ditto.init())
     assert ditto.backend.name == "sequential"  # no lockstep for Ditto, one worker: no process
+
+
+def test_vmap_refuses_by_its_declared_capabilities_in_one_line(caplog):
+    """A local method and a job that vmap's loop capabilities leave out train on the
+    sequential path (the same model, bit for bit), the reason logged once."""
+    import logging
+
+    from fedloom.capabilities import LoopCaps, backend_caps
+    from fedloom.client.loop import jobs_reason
+    from fedloom.client.transforms import Objective, Prox
+    from fedloom.job import local_job
+
+    assert backend_caps(Experiment.from_config(load_config(
+        SYN, ["backend=vmap"])).backend).loop == LoopCaps()
+    with caplog.at_level(logging.INFO, logger="fedloom"):
+        a = fedloom.run(SYN, ["dtype=float64", "client.method.name=scaffold"])
+        b = fedloom.run(SYN, ["dtype=float64", "backend=vmap", "client.method.name=scaffold"])
+    assert torch.equal(a.w, b.w)
+    lines = [r.message for r in caplog.records if r.message.startswith("backend vmap")]
+    assert lines == ["backend vmap: local method scaffold (the backend's loop.methods "
+                     "capability); training on the sequential path"]
+    w, x, y = torch.zeros(3), torch.zeros(2, 1), torch.zeros(2, dtype=torch.long)
+    plain = local_job(0, 0, w, 0.1, x, y, 1)
+    assert jobs_reason(LoopCaps(), [plain, plain]) is None
+    assert "probe" in jobs_reason(LoopCaps(), [local_job(0, 0, w, 0.1, x, y, 1, probe=True)])
+    own = local_job(0, 0, w, 0.1, x, y, 1, transforms=(Objective(lambda *a: a[0]),))
+    assert "objective" in jobs_reason(LoopCaps(), [own])
+    assert jobs_reason(LoopCaps(objective=True), [own]) is None
+    dyn = local_job(0, 0, w, 0.1, x, y, 1, transforms=(Prox(0.1),))
+    assert jobs_reason(LoopCaps(), [dyn, dyn]) is None
+    assert "prox" in jobs_reason(LoopCaps(), [dyn, plain])
+    assert jobs_reason(LoopCaps(mixed_prox=True), [dyn, plain]) is None

@@ -33,9 +33,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["AggregatorCaps", "BackendCaps", "CompressorCaps", "FeedbackCaps", "MethodCaps",
-           "SelectorCaps", "aggregator_caps", "backend_caps", "backend_close", "backend_name",
-           "compressor_caps", "feedback_caps", "method_caps", "model_vmap", "selector_caps"]
+__all__ = ["AggregatorCaps", "BackendCaps", "CompressorCaps", "FeedbackCaps", "LoopCaps",
+           "MethodCaps", "SelectorCaps", "aggregator_caps", "backend_caps", "backend_close",
+           "backend_name", "compressor_caps", "feedback_caps", "method_caps", "model_vmap",
+           "selector_caps"]
 
 log = logging.getLogger("fedloom")
 
@@ -105,6 +106,23 @@ class MethodCaps:
 
 
 @dataclass(frozen=True)
+class LoopCaps:
+    """What a batched trainer's gradient function runs of the one step loop
+    (:mod:`fedloom.client.loop`); the rest trains on the sequential path, with one
+    line in the log naming why (:func:`fedloom.client.loop.loop_reason`)."""
+
+    # Local methods whose work is the loop with their terms, then complete()
+    # (MethodCaps.batched: FedBABU, SCAFFOLD, FedDyn); plain local SGD always.
+    methods: bool = False
+    # The smoothness probe (SA-PEF's theory α): a second gradient at the first step.
+    probe: bool = False
+    # A method's own loss in place of the cross-entropy (MOON's objective).
+    objective: bool = False
+    # Clients of one batch with different prox weights (the stacked chain has one μ).
+    mixed_prox: bool = False
+
+
+@dataclass(frozen=True)
 class BackendCaps:
     """A backend's capabilities (:mod:`fedloom.engine.trainers.backends`)."""
 
@@ -121,6 +139,8 @@ class BackendCaps:
     # The torch threads each of its worker processes runs with (summary.json's
     # worker_threads); None: it trains in this process, with the run's threads.
     worker_threads: int | None = None
+    # A batched trainer (vmap, lock-step): what of the step loop it runs itself.
+    loop: LoopCaps | None = None
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from collections.abc import Mapping
 
 import torch
 
+from fedloom.capabilities import MethodCaps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.client.transforms import Prox, Shift, with_term
@@ -55,6 +56,9 @@ __all__ = ["FedDyn"]
 
 
 class FedDyn(LocalMethod):
+    # local SGD with its shift and prox weight in job.transforms, then complete(): the
+    # batched trainers run it
+    capabilities = MethodCaps(batched=True)
     name = "feddyn"
 
     def __init__(self, alpha: float = 0.01) -> None:
@@ -72,8 +76,7 @@ class FedDyn(LocalMethod):
         terms = with_term(with_term(job.transforms, Shift(-job.state["grad"])), Prox(self.alpha))
         return dataclasses.replace(job, transforms=terms)
 
-    def run(self, trainer: LocalSGD, job: ClientJob) -> ClientResult:
-        res = trainer.run(job)
+    def complete(self, trainer: LocalSGD, job: ClientJob, res: ClientResult) -> ClientResult:
         res.state = {"grad": job.state["grad"] + self.alpha * res.update}
         return res
 
@@ -103,3 +106,7 @@ def _feddyn(alpha: float = 0.01) -> FedDyn:
             quadratic term is kept (FL-bench drops it); no gradient clipping.
     """
     return FedDyn(alpha)
+
+
+# Read from the factory too, before the run is built (fedloom.capabilities.method_caps).
+_feddyn.capabilities = FedDyn.capabilities  # type: ignore[attr-defined]

@@ -25,15 +25,16 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from fedloom.client.transforms import StepContext
+from fedloom.capabilities import LoopCaps
+from fedloom.client.transforms import StepContext, split_terms
 from fedloom.job import ClientJob, ClientResult
 from fedloom.transforms import Chain
 
 if TYPE_CHECKING:
     from fedloom.client.sgd import LocalSGD
 
-__all__ = ["BatchTable", "batch_table", "pack_results", "stack_models", "start_buffers",
-           "start_losses", "step_loop"]
+__all__ = ["BatchTable", "batch_table", "jobs_reason", "pack_results", "stack_models",
+           "start_buffers", "start_losses", "step_loop"]
 
 # Step t's gradient (None: the step moves nothing through the chain).
 Grads = Callable[[int], "torch.Tensor | None"]
@@ -66,6 +67,22 @@ def step_loop(W: torch.Tensor, W0: torch.Tensor, direction: Chain[StepContext], 
                                 device=W.device)[:, None]
             # In place: a fresh [m, d] tensor every step costs page faults.
             W.addcmul_(lr_col * keep, D, value=-1.0)
+
+
+def jobs_reason(caps: LoopCaps, jobs: Sequence[ClientJob]) -> str | None:
+    """Why a batched trainer of capabilities ``caps`` does not run these jobs
+    (None: it does)."""
+    mus = set()
+    for j in jobs:
+        if j.steps.probe and not caps.probe:
+            return "a job asks for the smoothness probe"
+        terms = split_terms(j.transforms)
+        if terms.objective is not None and not caps.objective:
+            return "a job carries a local method's objective"
+        mus.add(terms.prox)
+    if len(mus) > 1 and not caps.mixed_prox:
+        return "the jobs of one batch differ in their prox weight"
+    return None
 
 
 def stack_models(jobs: Sequence[ClientJob]) -> tuple[torch.Tensor, torch.Tensor]:

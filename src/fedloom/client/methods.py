@@ -69,7 +69,13 @@ class LocalMethod:
         return job
 
     def run(self, trainer: LocalSGD, job: ClientJob) -> ClientResult:
-        return trainer.run(job)
+        return self.complete(trainer, job, trainer.run(job))
+
+    def complete(self, trainer: LocalSGD, job: ClientJob, res: ClientResult) -> ClientResult:
+        """The method's work after its local steps (the new state rows from the
+        update): a batched trainer that ran the job's steps (``capabilities.batched``)
+        calls it on the result; by default the result as it is."""
+        return res
 
     def server_update(
         self,

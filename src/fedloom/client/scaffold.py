@@ -28,6 +28,7 @@ from collections.abc import Mapping
 
 import torch
 
+from fedloom.capabilities import MethodCaps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.client.transforms import Shift, split_terms, with_term
@@ -40,6 +41,8 @@ __all__ = ["Scaffold"]
 
 class Scaffold(LocalMethod):
     name = "scaffold"
+    # local SGD with the shift in job.transforms, then complete(): the batched trainers run it
+    capabilities = MethodCaps(batched=True)
 
     def fields(self, d: int) -> dict[str, FieldSpec]:
         return {"control": FieldSpec(d)}
@@ -51,8 +54,7 @@ class Scaffold(LocalMethod):
         shift = Shift(server["c"] - job.state["control"])
         return dataclasses.replace(job, transforms=with_term(job.transforms, shift))
 
-    def run(self, trainer: LocalSGD, job: ClientJob) -> ClientResult:
-        res = trainer.run(job)
+    def complete(self, trainer: LocalSGD, job: ClientJob, res: ClientResult) -> ClientResult:
         shift = split_terms(job.transforms).shift
         assert shift is not None
         # c_k⁺ = c_k − c + g/(Sη) and the shift is c − c_k
@@ -83,3 +85,7 @@ def _scaffold() -> Scaffold:
             (identical at β = 0); the model step is the configured aggregator.
     """
     return Scaffold()
+
+
+# Read from the factory too, before the run is built (fedloom.capabilities.method_caps).
+_scaffold.capabilities = Scaffold.capabilities  # type: ignore[attr-defined]

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from fedloom.capabilities import BackendCaps
+from fedloom.capabilities import BackendCaps, LoopCaps, method_caps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.config import BackendConfig, ConfigError
@@ -187,6 +187,19 @@ def _sequential(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig | Non
                 x: torch.Tensor | None = None,
                 y: torch.Tensor | None = None) -> SequentialBackend:
     return SequentialBackend(trainer, method)
+
+
+def method_reason(caps: LoopCaps, method: LocalMethod) -> str | None:
+    """Why a batched trainer of capabilities ``caps`` does not run ``method``'s
+    local work itself (None: it does): plain local SGD always, a method whose
+    work is the loop with its terms (``MethodCaps.batched``) where ``caps.methods``."""
+    if type(method) is LocalMethod:
+        return None
+    if not method_caps(method).batched:
+        return f"local method {method.name} has a local loop of its own"
+    if not caps.methods:
+        return f"local method {method.name} (the backend's loop.methods capability)"
+    return None
 
 
 # ------------------------------------------------------------ shipping helpers

@@ -19,6 +19,7 @@ mode and their measurements: docs/explanation/backends.md (vmap).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,10 +29,11 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.nn import functional as F
 
 from fedloom.buffers import has_batch_statistics
-from fedloom.capabilities import BackendCaps, model_vmap
+from fedloom.capabilities import BackendCaps, LoopCaps, model_vmap
 from fedloom.client.loop import (
     BatchTable,
     batch_table,
+    jobs_reason,
     pack_results,
     stack_models,
     start_buffers,
@@ -42,11 +44,15 @@ from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.client.transforms import jobs_chain
 from fedloom.config import BackendConfig
-from fedloom.engine.trainers.backends import InProcess
+from fedloom.engine.trainers.backends import InProcess, method_reason
 from fedloom.params import Layout
 from fedloom.registry import register
 
 __all__ = ["VmapBackend", "vmap_supported"]
+
+log = logging.getLogger("fedloom")
+
+_LOOP = LoopCaps()  # plain local SGD, no probe, no objective, one prox weight
 
 
 def vmap_supported(module: nn.Module) -> bool:
@@ -60,7 +66,10 @@ def vmap_supported(module: nn.Module) -> bool:
 
 class VmapBackend(InProcess):
     name = "vmap"
-    capabilities = BackendCaps()  # trains on the samples each job carries
+    # Trains on the samples each job carries. Plain local SGD only: vmap's float32
+    # sums differ from the sequential path's (module docstring), and a local method's
+    # results on vmap are the sequential path's, which the method's runs reproduce.
+    capabilities = BackendCaps(loop=_LOOP)
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, chunk: int | None = None,
                  x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> None:
@@ -71,23 +80,32 @@ class VmapBackend(InProcess):
         self.x, self.y = x, y
         d = trainer.layout.size
         self.chunk = chunk or max(1, (8 << 20) // (4 * d))
-        # Mixed precision (client.amp) trains on the sequential path.
-        self.enabled = (type(method) is LocalMethod and vmap_supported(trainer.module)
-                        and trainer.amp == "none"
-                        # a random train-mode forward (dropout) cannot draw each
-                        # client's masks from its own stream under vmap
-                        and not trainer.random_forward)
+        self.reason = (method_reason(_LOOP, method)
+                       or (None if vmap_supported(trainer.module)
+                           else "the model (recurrent layers, or fedloom_vmap = False)")
+                       # Mixed precision (client.amp) trains on the sequential path.
+                       or (f"client.amp {trainer.amp}" if trainer.amp != "none" else None)
+                       # a random train-mode forward (dropout) cannot draw each
+                       # client's masks from its own stream under vmap
+                       or ("the train-mode forward draws random numbers"
+                           if trainer.random_forward else None))
+        self.enabled = self.reason is None
+        self._noted: set[str] = set()
+
+    def _sequential(self, jobs: Sequence[ClientJob], why: str) -> list[ClientResult | None]:
+        if why not in self._noted:  # one line per reason, not one per round
+            self._noted.add(why)
+            log.info("backend vmap: %s; training on the sequential path", why)
+        return [self.method.run(self.trainer, j) for j in jobs]
 
     def train_cohort(self, jobs: Sequence[ClientJob]) -> list[ClientResult | None]:
-        if not self.enabled:
-            return [self.method.run(self.trainer, j) for j in jobs]
+        if self.reason is not None:
+            return self._sequential(jobs, self.reason)
         out: list[ClientResult | None] = []
         for s in range(0, len(jobs), self.chunk):
             part = list(jobs[s : s + self.chunk])
-            if any(j.steps.probe for j in part):
-                out += [self.trainer.run(j) for j in part]
-            else:
-                out += self._train(part)
+            why = jobs_reason(_LOOP, part)
+            out += self._sequential(part, why) if why is not None else self._train(part)
         return out
 
     def _train(self, jobs: list[ClientJob]) -> list[ClientResult]:

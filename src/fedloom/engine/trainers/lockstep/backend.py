@@ -25,10 +25,11 @@ from collections.abc import Sequence
 import torch
 from torch.nn import functional as F
 
-from fedloom.capabilities import BackendCaps, method_caps
+from fedloom.capabilities import BackendCaps, LoopCaps
 from fedloom.client.loop import (
     BatchTable,
     batch_table,
+    jobs_reason,
     pack_results,
     stack_models,
     start_buffers,
@@ -37,9 +38,9 @@ from fedloom.client.loop import (
 )
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
-from fedloom.client.transforms import jobs_chain, split_terms
+from fedloom.client.transforms import jobs_chain
 from fedloom.config import BackendConfig
-from fedloom.engine.trainers.backends import InProcess
+from fedloom.engine.trainers.backends import InProcess, method_reason
 from fedloom.engine.trainers.lockstep.plan import (
     _AvgPool,
     _BatchNorm,
@@ -56,6 +57,8 @@ from fedloom.registry import register
 from fedloom.rng import Purpose, derive_seed
 
 log = logging.getLogger("fedloom")
+
+_LOOP = LoopCaps(methods=True)  # no probe, no objective, one prox weight a chunk
 
 
 def shape_reason(plan: list[_Op], sample: tuple[int, ...]) -> str | None:
@@ -100,8 +103,9 @@ def trainer_reason(trainer: LocalSGD, method: LocalMethod,
     """Why local training with these settings is not lock-step's (None: it is). A
     random train-mode forward is lock-step's where it is the plan's dropout (the only
     random layer a plan admits)."""
-    if type(method) is not LocalMethod and not method_caps(method).batched:
-        return f"local method {method.name} is not plain SGD/FedProx or a batched method"
+    why = method_reason(_LOOP, method)
+    if why is not None:
+        return why
     if trainer.amp != "none":
         return f"client.amp {trainer.amp}"
     if trainer.augment is not None:
@@ -114,20 +118,16 @@ def trainer_reason(trainer: LocalSGD, method: LocalMethod,
 
 def job_reason(jobs: Sequence[ClientJob]) -> str | None:
     """Why these jobs are not lock-step's (None: they are)."""
-    for j in jobs:
-        if j.steps.probe:
-            return "a job asks for the smoothness probe"
-        t = split_terms(j.transforms)
-        if t.objective is not None or t.prox is not None:
-            return "a job carries a local method's objective, mask or prox weight"
-    return None
+    return jobs_reason(_LOOP, jobs)
 
 
 class LockstepBackend(InProcess):
     """See the module docstring."""
 
     name = "lockstep"
-    capabilities = BackendCaps()  # trains on the samples each job carries
+    # Trains on the samples each job carries; runs batched local methods (their terms
+    # in the stacked chain, then their complete()).
+    capabilities = BackendCaps(loop=_LOOP)
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, chunk: int | None = None,
                  x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> None:
@@ -166,7 +166,9 @@ class LockstepBackend(InProcess):
                 self._note(why)
                 out += self._sequential(part)
             else:
-                out += self._train(part)
+                done = self._train(part)
+                out += [self.method.complete(self.trainer, j, r)
+                        for j, r in zip(part, done, strict=True)]
         return out
 
     # ------------------------------------------------------------------ training
