@@ -1,9 +1,9 @@
 """Sphinx configuration of fedloom's site (``make docs``: docs/_build/html).
 
 The Markdown pages are read by MyST. The reference pages that a command prints
-(``fedloom algorithms --markdown``, ``fedloom schema``, the CLI's ``--help``) are
-generated while the site builds (``_ext/fedloom_docs.py``), so no copy of them is
-committed and none can go stale.
+(``fedloom algorithms --markdown``, ``fedloom schema``, the CLI's ``--help``) and
+the config's keys on ``reference/config.md`` are generated while the site builds
+(``_ext/fedloom_docs.py``), so no copy of them is committed and none can go stale.
 """
 
 from __future__ import annotations

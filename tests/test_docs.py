@@ -3,7 +3,9 @@
 - The site (``docs/``, ``make docs``) is built with warnings as errors into a
   temporary folder: a broken link or cross-reference, a page outside every table
   of contents, a docstring autodoc cannot read or a generated page that fails
-  stops ``make test``.
+  stops ``make test``. On the built pages: the API page says each paragraph once,
+  no page shows a reST role as text, the config page lists every key of the
+  config's dataclasses and the command-line pages every command of the parser.
 - Every ``python`` block of the README and of the site's pages is executed, in a
   temporary working directory that sees the repository's ``configs/``.
 - Every ``fedloom`` command line of a ``bash`` block is parsed by the CLI's own
@@ -22,10 +24,14 @@ example has a test of its own, ``tests/test_architecture_doc.py``) and
 
 from __future__ import annotations
 
+import html as html_lib
+import importlib.util
 import re
 import shlex
 import sys
 import warnings
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -63,30 +69,119 @@ def _params(lang: str) -> list:
 
 
 # --------------------------------------------------------------------- the site
-def test_site_builds_with_warnings_as_errors(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> tuple[int, str, Path]:
     """``make docs``'s build (``sphinx-build -W --keep-going``), here in this process:
     autodoc then imports the package that this process has already imported, instead
-    of a fresh interpreter importing torch and the package again."""
+    of a fresh interpreter importing torch and the package again. Built once for the
+    checks below: (exit status, warnings, the html folder)."""
     for mod in ("sphinx", "myst_parser", "furo"):
         pytest.importorskip(mod)
     from sphinx.cmd.build import build_main
 
-    html = tmp_path / "html"
-    warnings_file = tmp_path / "warnings.txt"
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # docs/conf.py prepends its folders
-    with warnings.catch_warnings():
+    tmp = tmp_path_factory.mktemp("site")
+    html = tmp / "html"
+    warnings_file = tmp / "warnings.txt"
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        mp.chdir(ROOT)
+        mp.setattr(sys, "path", list(sys.path))  # docs/conf.py prepends its folders
         warnings.simplefilter("ignore")  # Python's own warnings, not the site's
         rc = build_main(["-W", "--keep-going", "-q", "-b", "html", "-w", str(warnings_file),
-                         "-d", str(tmp_path / "doctrees"), str(DOCS), str(html)])
+                         "-d", str(tmp / "doctrees"), str(DOCS), str(html)])
     warned = warnings_file.read_text() if warnings_file.exists() else ""
+    return rc, warned, html
+
+
+def _text(page: Path) -> str:
+    """A built page's text: tags out, entities read, whitespace collapsed."""
+    return " ".join(html_lib.unescape(re.sub(r"<[^>]+>", "", page.read_text())).split())
+
+
+def test_site_builds_with_warnings_as_errors(site):
+    rc, warned, html = site
     assert rc == 0, warned[-4000:]
     for page in ("index", "tutorials/quickstart", "reference/api", "results/craft"):
         assert (html / f"{page}.html").is_file(), page
     # the generated pages were filled in, not left as their stubs
     assert "craft" in (html / "reference/algorithms.html").read_text()
-    assert "client.lr" in (html / "reference/schema.html").read_text()
+    assert '"additionalProperties": false' in _text(html / "reference/schema.html")
     assert "--resume" in (html / "reference/cli.html").read_text()
+
+
+def test_the_api_page_says_each_paragraph_once(site):
+    # napoleon writes `a, b: text` of a docstring's Args as one field a name, the
+    # text under each: the extension keeps it under the first (_shared_params)
+    page = (site[2] / "reference/api.html").read_text()
+    paragraphs = Counter(" ".join(html_lib.unescape(re.sub(r"<[^>]+>", "", p)).split())
+                         for p in re.findall(r"<p>(.*?)</p>", page, flags=re.S))
+    repeated = {p: n for p, n in paragraphs.items() if n > 1 and len(p.split()) >= 8}
+    assert not repeated, repeated
+
+
+def test_no_page_shows_a_raw_role(site):
+    # a reST role in Markdown (a page, a docstring or comment rendered into one) is text
+    role = re.compile(r":(?:py:)?(?:mod|class|func|meth|attr|data|exc|obj):`")
+    shown = {str(p.relative_to(site[2])): sorted(set(role.findall(p.read_text())))
+             for p in site[2].rglob("*.html")}
+    assert not {p: r for p, r in shown.items() if r}
+
+
+def _config_keys(cls: type, prefix: str = "") -> Iterator[str]:
+    """Every dotted key of the config's dataclasses (a list of rows: ``key[].field``)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        yield key
+        tp = hints[f.name]
+        args = typing.get_args(tp)
+        inner = [(a, "[]" if typing.get_origin(tp) is list else "")
+                 for a in (args or (tp,)) if dataclasses.is_dataclass(a)]
+        for sub, rows in inner:
+            yield from _config_keys(sub, f"{key}{rows}.")
+
+
+def test_the_config_page_lists_every_key(site):
+    from fedloom.config import Config
+
+    page = (site[2] / "reference/config.html").read_text()
+    shown = set(re.findall(r'<span class="pre">([^<]+)</span>', page))
+    keys = list(_config_keys(Config))
+    assert {"cohort.selection", "system.mode", "system.concurrency", "system.buffer",
+            "system.staleness", "logging.plots", "model.activation", "model.channels",
+            "data.root", "data.image_size", "data.augment",
+            "system.classes[].speed"} <= set(keys)
+    assert [k for k in keys if k not in shown] == []
+    # with the comment written at it in the source
+    text = _text(site[2] / "reference/config.html")
+    assert "each arrival weighted by s(τ) of its staleness τ" in text  # system.mode
+    assert "recompute each decoder layer" in text  # model.gradient_checkpointing
+
+
+def test_the_cli_pages_list_every_command(site):
+    import argparse
+
+    from fedloom.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions
+               if isinstance(a, argparse._SubParsersAction))
+    for page in ("reference/cli", "howto/cli"):
+        text = _text(site[2] / f"{page}.html")
+        assert [c for c in sub.choices if f"fedloom {c}" not in text] == [], page
+
+
+def test_names_documented_together_keep_one_paragraph():
+    spec = importlib.util.spec_from_file_location("fedloom_docs", DOCS / "_ext"
+                                                  / "fedloom_docs.py")
+    ext = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ext)
+    lines = [":param x: the input", ":param a: objects used", "   instead of names",
+             ":param b: objects used", "   instead of names", ":param c:", ""]
+    ext._shared_params(None, "function", "f", None, None, lines)
+    assert lines == [":param x: the input", ":param a: ``a``, ``b``: objects used",
+                     "   instead of names", ":param b: see ``a``.", ":param c:", ""]
 
 
 # ------------------------------------------------------------ python snippets
@@ -161,5 +256,9 @@ def test_config_snippet_is_valid(section):
 def test_every_page_has_its_snippets_found():
     # a fence the patterns above miss would silently leave a snippet untested
     found = {where.split(":")[0] for where, _ in _blocks("python")}
-    assert {"README.md", "docs/tutorials/quickstart.md", "docs/tutorials/own-data.md"} <= found
+    assert {"README.md", "docs/tutorials/quickstart.md", "docs/tutorials/own-data.md",
+            "docs/tutorials/own-algorithm.md"} <= found
+    # a tutorial runs a local-step term that reads its StepContext and a server chain
+    assert any("ctx.step" in body and "ctx.W0" in body and "chain(heavy_ball(" in body
+               for where, body in _blocks("python") if where.startswith("docs/tutorials/"))
     assert _commands() and _config_sections()

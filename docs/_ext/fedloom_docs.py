@@ -2,16 +2,31 @@
 
 A page listed in ``GENERATED`` is a stub in the repository; its text is replaced
 (``source-read``) by what the command it documents prints now: the algorithm
-reference (``fedloom algorithms --markdown``), the config schema (``fedloom
-schema``) as a table of keys, and each command's ``--help`` from the CLI's own
-parser. Nothing is written to the source tree, so a build cannot leave a stale copy.
+reference (``fedloom algorithms --markdown``), the JSON Schema (``fedloom schema``)
+and each command's ``--help`` from the CLI's own parser. The config reference
+(``reference/config``) is hand-written prose around one marker line, replaced by
+every key of the config's dataclasses with its type, default, bounds and the
+comment written at it in the source. Nothing is written to the source tree, so a
+build cannot leave a stale copy.
+
+Docstrings and comments are reST; where they land in a Markdown page their roles
+(``:mod:`x```) become MyST's (``{mod}`x```). Names that one docstring documents
+together (``a, b: text``) keep one paragraph: napoleon would repeat it under each.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import functools
+import inspect
+import io
 import json
 import os
 import re
+import tokenize
+import types
+import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -45,61 +60,177 @@ def _bounds(node: dict[str, Any]) -> str:
     # the schema's "no bound" (10⁹ on integers) is not worth stating
     if node.get("maximum") is not None and node["maximum"] < 1_000_000_000:
         parts.append(f"≤ {node['maximum']}")
+    if node.get("exclusiveMaximum") is not None:
+        parts.append(f"< {node['exclusiveMaximum']}")
     return ", ".join(parts)
 
 
+def _section(node: dict[str, Any]) -> dict[str, Any] | None:
+    """The object a key's node holds (a section, or one written ``{name, options}``
+    whose shorthand is a string), else None."""
+    if node.get("type") == "object" and node.get("properties"):
+        return node
+    return next((n for n in node.get("anyOf", [])
+                 if n.get("type") == "object" and n.get("properties")), None)
+
+
 def _walk(props: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every key of the schema, dotted, in the dataclasses' order; a list of rows
+    (``system.classes``) is followed by its row, ``system.classes[]``, and its keys."""
     for key, node in props.items():
         name = f"{prefix}{key}"
-        obj = node if node.get("type") == "object" else next(
-            (n for n in node.get("anyOf", []) if n.get("type") == "object"), None)
         yield name, node
-        if obj is not None and obj.get("properties"):
+        obj = _section(node)
+        if obj is not None:
             yield from _walk(obj["properties"], f"{name}.")
+        items = node.get("items")
+        if node.get("type") == "array" and isinstance(items, dict) and _section(items):
+            yield f"{name}[]", items
+            yield from _walk(items["properties"], f"{name}[].")
+
+
+# A reST role (``:mod:`x```, ``:py:class:`~x```) in MyST's spelling ({mod}`x`).
+_ROLE = re.compile(r":(?:py:)?(mod|class|func|meth|attr|data|exc|obj):`")
+
+
+def _myst(text: str) -> str:
+    """reST text (a docstring, a comment) as Markdown: roles in MyST's spelling; ``$``
+    and ``*`` outside code are characters, not math or emphasis."""
+    parts = _ROLE.sub(r"{\1}`", text.replace("``", "`")).split("`")
+    return "`".join(p.replace("$", "\\$").replace("*", "\\*") if k % 2 == 0 else p
+                    for k, p in enumerate(parts))
 
 
 def _cell(text: str) -> str:
-    # one table row per key: the schema's descriptions hold reST literals and newlines
-    return " ".join(str(text).replace("``", "`").replace("|", "\\|").split())
+    # one line: the schema's descriptions and the comments hold newlines
+    return " ".join(_myst(str(text)).replace("|", "\\|").split())
 
 
-def _config_schema() -> str:
+# --------------------------------------------------------- the config reference
+@functools.cache
+def _parsed(path: str) -> tuple[ast.Module, dict[int, tuple[int, str]], list[str]]:
+    """A source file's tree, its comments by line (column, text) and its lines."""
+    text = Path(path).read_text(encoding="utf-8")
+    comments = {t.start[0]: (t.start[1], t.string)
+                for t in tokenize.generate_tokens(io.StringIO(text).readline)
+                if t.type == tokenize.COMMENT}
+    return ast.parse(text), comments, text.splitlines()
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """Each field's comment in ``cls``'s source: the comment lines right above the
+    field and the one beside it (a comment above a group of fields is the first's)."""
+    path = inspect.getsourcefile(cls)
+    assert path is not None, cls
+    tree, comments, lines = _parsed(path)
+    node = next(n for n in ast.walk(tree)
+                if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    out = {}
+    for stmt in node.body:
+        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+            continue
+        above, row = [], stmt.lineno - 1
+        while row in comments and not lines[row - 1][:comments[row][0]].strip():
+            above.insert(0, comments[row][1])
+            row -= 1
+        end = stmt.end_lineno or stmt.lineno
+        beside = [comments[r][1] for r in range(stmt.lineno, end + 1)
+                  if r in comments and lines[r - 1][:comments[r][0]].strip()]
+        text = " ".join(c.lstrip("#").strip() for c in above + beside)
+        if text:
+            out[stmt.target.id] = text
+    return out
+
+
+def _rows(tp: Any) -> tuple[type | None, str]:
+    """The section class a field holds (itself, in a union, or a list of rows: ``[]``)."""
+    if dataclasses.is_dataclass(tp):
+        return typing.cast(type, tp), ""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is list and args and dataclasses.is_dataclass(args[0]):
+        return typing.cast(type, args[0]), "[]"
+    if origin in (typing.Union, types.UnionType):
+        return next(((typing.cast(type, a), "") for a in args if dataclasses.is_dataclass(a)),
+                    (None, ""))
+    return None, ""
+
+
+def _comments(cls: type, prefix: str = "") -> dict[str, str]:
+    """The comment of every key under ``cls``, by dotted name."""
+    own, hints, out = _field_comments(cls), typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        key = f"{prefix}{f.name}"
+        if f.name in own:
+            out[key] = own[f.name]
+        inner, rows = _rows(hints[f.name])
+        if inner is not None:
+            out.update(_comments(inner, f"{key}{rows}."))
+    return out
+
+
+def _config_keys() -> str:
+    """Every key of a config, a section to a heading: type, default, bounds, comment."""
+    from fedloom.config import Config
     from fedloom.schema import config_schema
 
-    schema = config_schema()
-    lines = [
-        "# Config schema",
-        "",
-        "Every key of a config, generated from `fedloom schema` (the JSON Schema that "
-        "editors use to complete and check configs) when this site was built. "
-        "A dotted key is also a command-line override: "
-        "`fedloom run CONFIG client.lr=0.05`. What the sections are for is on "
-        "[The config](config.md).",
-        "",
-    ]
-    # a definition list per top-level section (a table this wide would not fit the
-    # page); the top level's plain keys first, then each section in the schema's order
-    groups: dict[str, list[str]] = {"Top level": []}
-    for name, node in _walk(schema["properties"]):
-        top = name.split(".")[0]
-        nested = "." in name or node.get("type") == "object" or any(
-            n.get("type") == "object" for n in node.get("anyOf", []))
+    notes = _comments(Config)
+    sections: dict[str, list[str]] = {"": []}
+    for name, node in _walk(config_schema()["properties"]):
+        obj = _section(node)
+        if obj is not None or name.endswith("[]"):
+            about = [(obj or node).get("description", ""), notes.get(name, "")]
+            sections[name] = [f"{_cell(t)}\n" for t in about if t]
+            if obj is None:  # a list's row: its keys below
+                continue
+            if obj is not node and "short for" not in obj.get("description", ""):
+                # written {name, options}: a string is its name
+                sections[name].append(f"`{name.split('.')[-1]}: NAME` is short for "
+                                      "`{name: NAME}`.\n")
+            continue
         facts = [_type(node)]
         if "default" in node:
             facts.append(f"default `{json.dumps(node['default'], ensure_ascii=False)}`")
         facts.append(_bounds(node))
         entry = [f"`{name}`", f": {_cell(' · '.join(f for f in facts if f))}"]
-        if node.get("description"):
-            entry += ["", f"  {_cell(node['description'])}"]
-        groups.setdefault(f"`{top}`" if nested else "Top level", []).extend([*entry, ""])
-    for title, entries in groups.items():
-        lines += [f"## {title}", "", *entries]
-    lines += ["", "## The JSON Schema", "",
-              "`fedloom schema > fedloom.schema.json` prints it; a config that starts with "
-              "`# yaml-language-server: $schema=fedloom.schema.json` gets its keys completed "
-              "and checked as you type.", "",
-              "```json", json.dumps(schema, indent=2, ensure_ascii=False), "```", ""]
+        if name in notes:
+            entry += ["", f"  {_cell(notes[name])}"]
+        sections[name.rpartition(".")[0]] += [*entry, ""]
+    lines = []
+    for name, body in sections.items():
+        level = "##" if "." not in name else "###"
+        lines += [f"{level} {f'`{name}`' if name else 'Top level'}", "", *body, ""]
     return "\n".join(lines)
+
+
+# The line of docs/reference/config.md that the keys replace.
+CONFIG_KEYS = "<!-- the config's keys: generated when the site is built -->"
+
+
+def _config_page(source: str) -> str:
+    if CONFIG_KEYS not in source:
+        raise ValueError(f"docs/reference/config.md: no {CONFIG_KEYS!r} line for the keys")
+    return source.replace(CONFIG_KEYS, _config_keys())
+
+
+def _config_schema() -> str:
+    from fedloom.schema import config_schema
+
+    # the descriptions are the sections' docstrings: a role shows as its target
+    text = _ROLE.sub("`", json.dumps(config_schema(), indent=2, ensure_ascii=False))
+    return "\n".join([
+        "# Config schema",
+        "",
+        "`fedloom schema` prints the config's JSON Schema, generated from the dataclasses "
+        "of `fedloom.config` (the same ones a config is checked against when it loads); "
+        "below, as this site was built (the reST roles of its descriptions left out). "
+        "Every key with its type, default, bounds and comment: [The config](config.md).",
+        "",
+        "`fedloom schema > fedloom.schema.json` writes it; a config that starts with "
+        "`# yaml-language-server: $schema=fedloom.schema.json` gets its keys completed "
+        "and checked as you type (VS Code's YAML extension, and other editors with a "
+        "YAML language server).",
+        "",
+        "```json", text, "```", ""])
 
 
 def _cli() -> str:
@@ -165,6 +296,40 @@ def _docstring(app: Any, what: str, name: str, obj: Any, options: Any,
                              for k, s in enumerate(parts))
 
 
+_PARAM = re.compile(r"^:param (\S+):(.*)$")
+
+
+def _shared_params(app: Any, what: str, name: str, obj: Any, options: Any,
+                   lines: list[str]) -> None:
+    """Names documented together (``a, b, c: text`` in a docstring's Args), which
+    napoleon has just written as ``:param a: text``, ``:param b: text``, …: the text
+    stays under the first, led by every name, and each other points to it."""
+    fields = []  # (first line, end, name, text)
+    i = 0
+    while i < len(lines):
+        m = _PARAM.match(lines[i])
+        j = i + 1
+        if m is not None:
+            while j < len(lines) and lines[j].startswith(" "):
+                j += 1
+            text = " ".join(" ".join([m.group(2), *lines[i + 1:j]]).split())
+            fields.append((i, j, m.group(1), text))
+        i = j
+    groups: dict[str, list[str]] = {}
+    for _, _, pname, text in fields:
+        if text:
+            groups.setdefault(text, []).append(pname)
+    for start, end, pname, text in reversed(fields):  # from the end: indices stay valid
+        names = groups.get(text, [])
+        if len(names) < 2:
+            continue
+        if pname == names[0]:
+            head = ", ".join(f"``{n}``" for n in names)
+            lines[start] = f":param {pname}: {head}: {lines[start].split(':', 2)[2].strip()}"
+        else:
+            lines[start:end] = [f":param {pname}: see ``{names[0]}``."]
+
+
 # The last entry of the results page's table of contents. The pages of the published
 # suites (configs/published/*.yaml: results/*-published.md, GPU workloads) exist only
 # where someone ran them: they join the contents after it, and none is not an error.
@@ -185,9 +350,13 @@ def _source_read(app: Any, docname: str, source: list[str]) -> None:
         source[0] = make()
     elif docname == "results/index":
         source[0] = _published_results(source[0])
+    elif docname == "reference/config":
+        source[0] = _config_page(source[0])
 
 
 def setup(app: Any) -> dict[str, Any]:
     app.connect("source-read", _source_read)
     app.connect("autodoc-process-docstring", _docstring)
+    # after napoleon's (priority 500), which turns the Args section into :param: fields
+    app.connect("autodoc-process-docstring", _shared_params, priority=600)
     return {"parallel_read_safe": True, "parallel_write_safe": True, "version": "1"}
