@@ -46,6 +46,8 @@ def _type(node: dict[str, Any]) -> str:
         return " or ".join(p for p in parts if p)
     t = node.get("type", "")
     if t == "array" and isinstance(node.get("items"), dict):
+        if node["items"].get("properties"):  # rows of a section of their own
+            return "list of rows (their keys below)"
         inner = _type(node["items"])
         return f"list of {inner}" if inner else "list"
     return t if isinstance(t, str) else " or ".join(t)
@@ -95,10 +97,11 @@ _ROLE = re.compile(r":(?:py:)?(mod|class|func|meth|attr|data|exc|obj):`")
 
 def _myst(text: str) -> str:
     """reST text (a docstring, a comment) as Markdown: roles in MyST's spelling; ``$``
-    and ``*`` outside code are characters, not math or emphasis."""
+    and ``*`` outside code are characters, not math or emphasis, and ``""`` (the empty
+    string) is code, not a pair of typographic quotes."""
     parts = _ROLE.sub(r"{\1}`", text.replace("``", "`")).split("`")
-    return "`".join(p.replace("$", "\\$").replace("*", "\\*") if k % 2 == 0 else p
-                    for k, p in enumerate(parts))
+    return "`".join(p.replace("$", "\\$").replace("*", "\\*").replace('""', '`""`')
+                    if k % 2 == 0 else p for k, p in enumerate(parts))
 
 
 def _cell(text: str) -> str:
