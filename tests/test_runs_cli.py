@@ -175,6 +175,29 @@ def test_version(capsys):
     assert capsys.readouterr().out.startswith(f"fedloom {fedloom.__version__} (torch ")
 
 
+@pytest.mark.parametrize("argv", [
+    ["run", "CFG", "--out", "OUT", "rounds=3", "client.lr=0.2"],
+    ["run", "CFG", "rounds=3", "--out", "OUT", "client.lr=0.2"],
+    ["run", "--quiet", "CFG", "rounds=3", "--out", "OUT", "client.lr=0.2"],
+])
+def test_options_and_overrides_come_in_any_order(argv):
+    args = build_parser().parse_args(argv)
+    assert (args.config, args.out, args.overrides) == ("CFG", "OUT", ["rounds=3", "client.lr=0.2"])
+
+
+def test_partition_takes_its_overrides_after_its_options():
+    args = build_parser().parse_args(["partition", "CFG", "--plot", "p.png", "data.seed=1"])
+    assert (args.config, args.plot, args.overrides) == ("CFG", "p.png", ["data.seed=1"])
+
+
+def test_an_override_after_out_reaches_the_run(tiny, tmp_path):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump(tiny))
+    out = tmp_path / "r"
+    assert main(["run", str(cfg), "--out", str(out), "rounds=1", "--quiet"]) == 0
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 1
+
+
 def test_help_lists_every_command_and_run_help_every_section(capsys):
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -418,7 +419,8 @@ def _add_run(sub: _Commands) -> None:
                        epilog=_config_sections(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("config", help="YAML config file, or the name of a shipped one (quickstart)")
-    r.add_argument("overrides", nargs="*", help="dotted overrides, e.g. client.lr=0.05")
+    r.add_argument("overrides", nargs="*", default=[],
+                   help="dotted overrides, e.g. client.lr=0.05 (before or after the options)")
     r.add_argument("--out", help="run directory (default: runs/NAME-TIMESTAMP)")
     r.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest intact checkpoint "
@@ -479,12 +481,37 @@ def _add_compare(sub: _Commands) -> None:
     c.set_defaults(func=_cmd_compare)
 
 
+class _IntermixedParser(argparse.ArgumentParser):
+    """A command's parser that takes its options and positionals in any order.
+
+    Plain argparse fills every positional in the first run of them it sees, so in
+    ``run CONFIG --out X k=v`` the overrides (``nargs="*"``) are already taken,
+    empty, by ``CONFIG`` and ``k=v`` is "unrecognized". ``parse_known_intermixed_args``
+    reads the options first, then the positionals from what is left; it calls
+    ``parse_known_args`` itself (twice), hence the flag that lets those calls through.
+    """
+
+    _inside = False
+
+    def parse_known_args(self, args: Iterable[str] | None = None, namespace: Any = None
+                         ) -> tuple[Any, list[str]]:
+        if self._inside:
+            return super().parse_known_args(args, namespace)
+        self._inside = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inside = False
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fedloom.export import add_export_command
 
     p = argparse.ArgumentParser(prog="fedloom")
     p.add_argument("--version", action="version", version=_version())
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Every command's options and positionals (a run's overrides) in any order.
+    sub: _Commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                      parser_class=_IntermixedParser)
     _add_run(sub)
     _add_sweep(sub)
     _add_compare(sub)
@@ -499,7 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
     pa = sub.add_parser("partition", help="the split a config makes: heterogeneity "
                                           "measures (and --plot FILE), no training")
     pa.add_argument("config", help="YAML config file")
-    pa.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.partition.k=2")
+    pa.add_argument("overrides", nargs="*", default=[],
+                    help="dotted overrides, e.g. data.partition.k=2")
     pa.add_argument("--plot", metavar="FILE", help="also write the picture (PNG)")
     pa.set_defaults(func=_cmd_partition)
     sc = sub.add_parser("schema", help="print the config's JSON Schema (editors complete keys "
