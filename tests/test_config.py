@@ -57,6 +57,37 @@ def test_bad_values_name_the_field(override, message):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("override,line", [
+    ("agregator.name=craft", "agregator: unknown key (did you mean aggregator? expected one of: "),
+    ("aggregator.optons.step=rprop",
+     "aggregator.optons: unknown key (did you mean options? expected one of: name, options)"),
+    ("client.lrr=0.1", "client.lrr: unknown key (did you mean lr? "),
+    ("aggregator.name=crafty", "unknown aggregator 'crafty' (did you mean craft? available: "),
+    ("server.optimizer={name: adam, options: {beta: 0.9}}",
+     "server.optimizer.options.beta: unknown option for server_optimizer 'adam' (did you mean "
+     "beta2 or beta1? expected one of: beta1, beta2, eps)"),
+])
+def test_a_misspelled_key_names_the_closest(override, line):
+    with pytest.raises(ConfigError) as e:
+        load_config({}, [override])
+    assert line in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_misspelled_section_in_yaml_names_the_closest(tmp_path):
+    p = tmp_path / "exp.yaml"
+    p.write_text("agregator:\n  name: craft\nclient:\n  lerning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match=r"^agregator: unknown key \(did you mean aggregator\? "):
+        load_config(p)
+    p.write_text("aggregator:\n  optons: {}\n")
+    with pytest.raises(ConfigError, match=r"^aggregator.optons: unknown key \(did you mean opt"):
+        load_config(p)
+    # Nothing close: the list alone, as before.
+    with pytest.raises(ConfigError, match=r"^zzz: unknown key \(expected one of: aggregator, "):
+        load_config({"zzz": 1})
+    with pytest.raises(ConfigError, match=r"did you mean quickstart\? shipped: "):
+        load_config("quickstrt")
+
+
 def test_config_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "missing.yaml")

@@ -12,11 +12,12 @@ clients, the schedule's warm-up against the rounds.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from fedloom import registry
@@ -29,6 +30,14 @@ from fedloom.config.sections import (
     SystemConfig,
 )
 from fedloom.config.translate import translate
+
+
+def did_you_mean(given: str, choices: Iterable[str]) -> str:
+    """``"did you mean X? "`` (or ``X or Y``) naming the choices closest to ``given``
+    by :func:`difflib.get_close_matches` (ratio ≥ 0.6: one or two letters off in a
+    name of six), else ``""``; it leads the parenthesis that lists every choice."""
+    close = difflib.get_close_matches(str(given), list(choices), n=2, cutoff=0.6)
+    return f"did you mean {' or '.join(close)}? " if close else ""
 
 
 def _type_name(tp: Any) -> str:
@@ -167,9 +176,8 @@ def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
     for key in data:
         if key not in fields:
             where = f"{path}.{key}" if path else str(key)
-            raise ConfigError(
-                f"{where}: unknown key (expected one of: {', '.join(sorted(fields))})"
-            )
+            raise ConfigError(f"{where}: unknown key ({did_you_mean(key, fields)}"
+                              f"expected one of: {', '.join(sorted(fields))})")
     kwargs = {}
     for name, f in fields.items():
         where = f"{path}.{name}" if path else name
@@ -213,7 +221,9 @@ def check_name(field: str, kind: str, name: str) -> None:
     except KeyError as e:
         msg = e.args[0] if e.args else str(e)
         if msg.startswith("unknown "):
-            msg = f"unknown {kind} {name!r} (available: {', '.join(registry.available(kind))})"
+            known = registry.available(kind)
+            msg = (f"unknown {kind} {name!r} ({did_you_mean(name, known)}available: "
+                   f"{', '.join(known)})")
         raise ConfigError(f"{field}: {msg}") from None
 
 
@@ -268,8 +278,9 @@ def check_options(path: str, kind: str, section: Any, context: frozenset[str] = 
             if anything:
                 out[key] = value
                 continue
-            raise ConfigError(f"{where}: unknown option for {kind} {section.name!r} (expected "
-                              f"one of: {', '.join(sorted(names)) or 'none'})")
+            raise ConfigError(f"{where}: unknown option for {kind} {section.name!r} "
+                              f"({did_you_mean(key, names)}expected one of: "
+                              f"{', '.join(sorted(names)) or 'none'})")
         if key in types:
             tp, bounds = types[key]
             if _holds_int(tp) and not {"le", "lt"} & set(bounds):

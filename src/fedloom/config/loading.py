@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from fedloom.config.checks import config_from_dict, config_to_dict
+from fedloom.config.checks import config_from_dict, config_to_dict, did_you_mean
 from fedloom.config.sections import SHORTHAND_SECTIONS, Config, ConfigError
 from fedloom.config.translate import twins
 
@@ -250,8 +250,10 @@ def _resolve_config_path(source: str | Path) -> Path:
         shipped = Path(__file__).resolve().parent.parent / "configs" / f"{path.name}.yaml"
         if shipped.is_file():
             return shipped
+        names = shipped_configs()
         raise ConfigError(f"{path}: config file not found, nor a shipped config "
-                          f"(shipped: {', '.join(shipped_configs()) or 'none'})")
+                          f"({did_you_mean(path.name, names)}shipped: "
+                          f"{', '.join(names) or 'none'})")
     raise ConfigError(f"{path}: config file not found")
 
 
