@@ -173,6 +173,31 @@ def test_bad_inputs_from_python_raise_value_error(tmp_path):
         fedloom.run(CFG, ["data.name=csv", f"data.path={bad}", "data.label=target"])
 
 
+def test_one_based_labels_are_named_before_the_model_is_checked(tmp_path):
+    X, y, _ = _arrays()
+    # Labels 1..3 with a model of 3 outputs: the labels are named, not the model.
+    with pytest.raises(ValueError) as e:
+        fedloom.run(CFG, data=from_arrays(X, y + 1), model=lambda: nn.Linear(5, 3))
+    line = str(e.value)
+    assert line.startswith("X: y: labels run from 1 to 3 and none is 0") and "\n" not in line
+    assert "pass y - 1" in line and "numpy.unique(y, return_inverse=True)" in line
+    with pytest.raises(ValueError, match=r"from 1 to 3 .* pass y - 1 \(and y_test\)"):
+        from_arrays(X, y + 1, X_test=X[:5], y_test=y[:5] + 1)
+    with pytest.raises(ValueError, match=r"labels run from 5 to 7 .*pass y - 5"):
+        from_arrays(X, y + 5)
+    # A 0 among the test labels is a class index 0; a CSV's integer labels are kept as
+    # written (a class per value, the module's rule for tables).
+    assert from_arrays(X, y + 1, X_test=X[:5], y_test=y[:5]).num_classes == 4
+    p = tmp_path / "one.npz"
+    np.savez(p, X=X, y=y + 1)
+    with pytest.raises(ValueError, match=f"{p}: y: labels run from 1 to 3"):
+        fedloom.run(CFG, ["data.name=npz", f"data.path={p}"])
+    table = tmp_path / "one.csv"
+    _write_csv(table, X, y + 1)
+    res = fedloom.run(CFG, ["rounds=1", "data.name=csv", f"data.path={table}"])
+    assert res.summary["rounds"] == 1
+
+
 def _write_table(path, header, rows):
     with path.open("w", newline="") as f:
         w = csv.writer(f)

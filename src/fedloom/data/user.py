@@ -4,7 +4,7 @@
 wraps arrays as a :class:`~fedloom.data.sources.Dataset`:
 
 - ``X``: features, any shape per sample (``[n, ...]``), finite;
-- ``y``: integer labels ``>= 0``, one per sample;
+- ``y``: integer class indices from 0, one per sample (``1 … K`` is refused);
 - ``client`` (optional): an integer client id per sample — the split is then
   natural (one client per id) and the partitioner is not used;
 - ``X_test``, ``y_test`` (optional): a global test set; without one, the union
@@ -110,6 +110,21 @@ def _check_classes(ys: np.ndarray, yt: np.ndarray | None, source: str) -> int:
     return int(max(ys.max(), yt.max() if yt is not None and yt.size else 0)) + 1
 
 
+def _check_zero_based(ys: np.ndarray, yt: np.ndarray | None, source: str) -> None:
+    """Refuse labels of which none is 0: class ``k`` is the model's output ``k``, so
+    labels ``1 … K`` (R's and many tables' numbering) would make a class ``0`` no sample
+    has and ask for ``K + 1`` outputs, a mismatch a model of ``K`` outputs would
+    otherwise be blamed for. The fix is named: shift by the smallest label, or map."""
+    lo = int(min(ys.min(), yt.min() if yt is not None and yt.size else ys.min()))
+    if lo > 0:
+        test = " (and y_test)" if yt is not None else ""
+        raise DataError(
+            f"{source}: y: labels run from {lo} to {int(ys.max())} and none is 0, but class "
+            f"indices start at 0; pass y - {lo}{test}, or map labels to 0..C-1 with "
+            "numpy.unique(y, return_inverse=True)"
+        )
+
+
 # Features are float32: a larger magnitude would become inf in the cast (numpy warns).
 _F32_MAX = float(np.finfo(np.float32).max)
 
@@ -140,6 +155,15 @@ def from_arrays(
     y_test: Any | None = None, *, name: str = "arrays", source: str = "X",
 ) -> Dataset:
     """Validate arrays and wrap them as a dataset (see the module docstring)."""
+    return _dataset(X, y, client, X_test, y_test, name=name, source=source, zero_based=True)
+
+
+def _dataset(
+    X: Any, y: Any, client: Any | None = None, X_test: Any | None = None,
+    y_test: Any | None = None, *, name: str, source: str, zero_based: bool,
+) -> Dataset:
+    """:func:`from_arrays`; ``zero_based``: refuse labels of which none is 0 (arrays
+    and ``.npz`` files; a CSV's integer labels are kept as written, a class per value)."""
     xs = _features(X, f"{source}: X")
     ys = _labels(y, f"{source}: y")
     if xs.shape[0] != ys.shape[0]:
@@ -166,6 +190,8 @@ def from_arrays(
             raise DataError(f"{source}: X_test samples have shape {xt.shape[1:]}, X samples "
                             f"{xs.shape[1:]}")
     num_classes = _check_classes(ys, yt, source)
+    if zero_based:
+        _check_zero_based(ys, yt, source)
     if num_classes < 2:
         raise DataError(f"{source}: y holds a single class; classification needs two or more")
     return Dataset(
@@ -416,7 +442,7 @@ def _table(p: Path, df: Any, cfg: DataConfig) -> Dataset:
     client = _client_codes(cols[cfg.client]) if cfg.client else None
     if not cfg.standardize:
         _hint_unscaled(p, features, X)
-    ds = from_arrays(X, y, client, name="csv", source=str(p))
+    ds = _dataset(X, y, client, name="csv", source=str(p), zero_based=False)
     ds.classes = classes
     return ds
 
