@@ -391,6 +391,7 @@ def test_the_engine_honours_a_plug_in_backends_declared_fields(tiny):
     model, bit for bit."""
     from fedloom.config import load_config
     from fedloom.engine.experiment import Experiment
+    from fedloom.engine.runs.loop import run_facts
     from fedloom.engine.runs.summary import summarize
 
     cfg = load_config(tiny, ["dtype=float64"])
@@ -399,8 +400,8 @@ def test_the_engine_honours_a_plug_in_backends_declared_fields(tiny):
     plain.backend = _PlainBackend(plain.backend)
     st = _rounds(plain)
     assert torch.equal(st.w, ref.w)
-    assert summarize(plain, st, [])["backend"] == "sequential"  # the config's name
-    assert "worker_threads" not in summarize(plain, st, [])
+    assert summarize(run_facts(plain), st, [])["backend"] == "sequential"  # the config's name
+    assert "worker_threads" not in summarize(run_facts(plain), st, [])
 
     sinks: list[Any] = []
 

@@ -33,9 +33,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedloom.aggregate.base import Aggregator
 from fedloom.buffers import load_buffers
 from fedloom.capabilities import backend_caps, backend_close
+from fedloom.client.sgd import LocalSGD
 from fedloom.compress.base import Compressor
+from fedloom.compress.feedback.base import NoFeedback
 from fedloom.config import Config, ConfigError, EvalConfig
 from fedloom.data.federated import FederatedData
 from fedloom.data.sources import Dataset
@@ -50,7 +53,7 @@ from fedloom.device import (
 from fedloom.engine.binding import bind
 from fedloom.engine.build import Model, build
 from fedloom.engine.build import describe as describe_values
-from fedloom.engine.clientfields import FEEDBACK
+from fedloom.engine.clientfields import FEEDBACK, ClientFields
 from fedloom.engine.components import OBJECT_PREFIX, Components
 from fedloom.engine.parts import HookView
 from fedloom.engine.runs.legacy import Fresh
@@ -68,11 +71,13 @@ from fedloom.engine.stages.tally import (
     selection_feedback,
 )
 from fedloom.engine.stages.uplink import EarlyUplink, client_postprocessors, uplink_round
-from fedloom.engine.values import Algorithm, Federation, Runtime
+from fedloom.engine.values import Algorithm, Federation, Runtime, ServerStep
 from fedloom.hooks import ClientMetric
 from fedloom.job import ClientResult
 from fedloom.metrics import evaluate
-from fedloom.system import samples_for_steps
+from fedloom.params import Layout
+from fedloom.state import ClientStateStore
+from fedloom.system import System, samples_for_steps
 
 __all__ = ["Experiment"]
 
@@ -238,7 +243,7 @@ class Experiment:
         return self.clients.fed
 
     @property
-    def layout(self) -> Any:
+    def layout(self) -> Layout:
         return self.space.layout
 
     @property
@@ -258,11 +263,11 @@ class Experiment:
         return self.space.buffer_template
 
     @property
-    def store(self) -> Any:
+    def store(self) -> ClientStateStore:
         return self.clients.store
 
     @property
-    def fields(self) -> Any:
+    def fields(self) -> ClientFields:
         return self.clients.fields
 
     @property
@@ -274,23 +279,23 @@ class Experiment:
         return self.clients.y
 
     @property
-    def trainer(self) -> Any:
+    def trainer(self) -> LocalSGD:
         return self.algorithm.local
 
     @property
-    def uplink(self) -> Any:
+    def uplink(self) -> Compressor:
         return self.algorithm.compressor
 
     @property
-    def aggregator(self) -> Any:
+    def aggregator(self) -> Aggregator:
         return self.algorithm.aggregator
 
     @property
-    def server(self) -> Any:
+    def server(self) -> ServerStep:
         return self.algorithm.server
 
     @property
-    def feedback(self) -> Any:
+    def feedback(self) -> NoFeedback:
         return self.algorithm.feedback
 
     @property
@@ -298,7 +303,7 @@ class Experiment:
         return self.algorithm.requires
 
     @property
-    def system(self) -> Any:
+    def system(self) -> System | None:
         return self.around.system
 
     @property

@@ -45,6 +45,7 @@ from fedloom.engine.runstate import RunState, model_sha256
 from fedloom.integrations.flower.cache import _experiment
 from fedloom.integrations.flower.discovery import discover_clients
 from fedloom.integrations.flower.messages import HELLO_KEY, ConfigSource, _client_id
+from fedloom.params import Layout
 from fedloom.privacy import check_secure_aggregation, clip_update, make_privacy
 from fedloom.rng import Purpose, derive_seed, torch_gen
 
@@ -73,8 +74,10 @@ except ImportError as e:  # pragma: no cover (the extra is missing)
 __all__ = ["SecAggStrategy", "secagg_client_app", "secagg_server_app"]
 
 
-def check_secagg_scope(cfg: Config, exp: Experiment | None = None) -> None:
-    """One line naming the field of what this path does not run (module docstring)."""
+def check_secagg_scope(cfg: Config, aggregator: Any = None, compressor: Any = None) -> None:
+    """One line naming the field of what this path does not run (module docstring);
+    with the run's ``aggregator`` and ``compressor`` built, their declared
+    capabilities too (:func:`~fedloom.privacy.check_secure_aggregation`)."""
     if not cfg.server.secure_aggregation:
         raise ConfigError("server.secure_aggregation: must be true for the SecAgg+ apps")
     if cfg.aggregator.name != "fedavg":
@@ -88,22 +91,24 @@ def check_secagg_scope(cfg: Config, exp: Experiment | None = None) -> None:
     if cfg.privacy.mode == "central" and cfg.privacy.adaptive_clip.enabled:
         raise ConfigError("privacy.adaptive_clip.enabled: not wired to SecAgg+ (the clipped "
                           "count would need its own masked sum)")
-    if exp is not None:
-        check_secure_aggregation(aggregator=exp.aggregator, aggregator_name=cfg.aggregator.name,
-                                 compressor=exp.uplink, compressor_name=cfg.compression.name)
+    if aggregator is not None:
+        check_secure_aggregation(aggregator=aggregator, aggregator_name=cfg.aggregator.name,
+                                 compressor=compressor, compressor_name=cfg.compression.name)
 
 
-def _arrays(exp: Experiment, w: torch.Tensor) -> list[np.ndarray]:
-    return [t.detach().cpu().numpy().copy() for t in exp.layout.unflatten(w).values()]
+def _arrays(layout: Layout, w: torch.Tensor) -> list[np.ndarray]:
+    """``w`` as the model's tensors, in ``layout``'s order (Flower's parameters)."""
+    return [t.detach().cpu().numpy().copy() for t in layout.unflatten(w).values()]
 
 
-def _vector(exp: Experiment, arrays: Sequence[np.ndarray]) -> torch.Tensor:
-    names = [t.name for t in exp.layout.tensors]
+def _vector(layout: Layout, dtype: torch.dtype, arrays: Sequence[np.ndarray]) -> torch.Tensor:
+    """Flower's parameters ``arrays`` as the run's flat vector (in ``dtype``)."""
+    names = [t.name for t in layout.tensors]
     if len(arrays) != len(names):
         raise ValueError(f"parameters: {len(arrays)} arrays, the model has {len(names)}")
     sd = OrderedDict((n, torch.from_numpy(np.asarray(a))) for n, a in zip(names, arrays,
                                                                          strict=True))
-    return exp.layout.flatten(sd).to(exp.dtype)
+    return layout.flatten(sd).to(dtype)
 
 
 # ------------------------------------------------------------------ client
@@ -117,23 +122,25 @@ class _SecAggClient(NumPyClient):
         k = int(config.get("client-id", self.k))
         r = int(config["fedloom-round"])
         lr = float(config["lr"])
-        w = _vector(exp, parameters)
-        idx = torch.from_numpy(exp.fed.train[k])
+        layout = exp.space.layout
+        w = _vector(layout, exp.space.dtype, parameters)
+        clients, local = exp.clients, exp.algorithm.local
+        idx = torch.from_numpy(clients.fed.train[k])
         gen = torch.Generator()
         gen.manual_seed(derive_seed(self.cfg.seed, r, k, Purpose.BATCH))
-        w_k, loss, steps = exp.trainer.descend(w, w, exp.x[idx], exp.y[idx], lr, gen)
+        w_k, loss, steps = local.descend(w, w, clients.x[idx], clients.y[idx], lr, gen)
         u = (w - w_k).contiguous()
-        privacy = make_privacy(self.cfg, exp.fed.num_clients)
+        privacy = make_privacy(self.cfg, clients.num_clients)
         if privacy.local:  # clip and noise before anything is sent (fedloom.privacy)
             u, _ = privacy.privatize(u if bool(torch.isfinite(u).all())
                                      else torch.zeros_like(u), r, k)
-        comp = exp.uplink
+        comp = exp.algorithm.compressor
         sent = comp.decode(comp.encode(u, gen=torch_gen(self.cfg.seed, r, k, Purpose.COMPRESS)),
                            u.numel()).to(u.dtype)
         if privacy.central:  # the clip the in-process server applies to the decoded row
             sent, _, _ = clip_update(sent, privacy.clip)
         weight = len(idx) if _weighted(self.cfg) else 1
-        return _arrays(exp, sent), int(weight), {"train-loss": float(loss), "num-steps": steps}
+        return _arrays(layout, sent), int(weight), {"train-loss": float(loss), "num-steps": steps}
 
 
 def _weighted(cfg: Config) -> bool:
@@ -174,8 +181,9 @@ class SecAggStrategy(LegacyStrategy):
         cfg = load_config(config, overrides)
         check_secagg_scope(cfg)
         self.exp = Experiment.from_config(cfg)
-        check_secagg_scope(cfg, self.exp)
-        self.state: RunState = self.exp.initial_state()
+        check_secagg_scope(cfg, self.exp.algorithm.aggregator, self.exp.algorithm.compressor)
+        self.layout, self.dtype = self.exp.space.layout, self.exp.space.dtype
+        self.state: RunState = self.exp.init()
         self.nodes: dict[int, int] = {}
         self.history: list[dict[str, Any]] = []
         self.node_timeout = node_timeout
@@ -185,12 +193,12 @@ class SecAggStrategy(LegacyStrategy):
 
     def discover(self, grid: Grid) -> None:
         """Which node is which client (each node's ``client-id``/``partition-id``)."""
-        self.nodes = discover_clients(grid, self.exp.fed.num_clients, self.node_timeout,
+        self.nodes = discover_clients(grid, self.exp.clients.num_clients, self.node_timeout,
                                       who="secagg", needs="SecAggStrategy needs fedloom's "
                                       "secagg_client_app on every node")
 
     def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
-        return ndarrays_to_parameters(_arrays(self.exp, self.state.w))
+        return ndarrays_to_parameters(_arrays(self.layout, self.state.w))
 
     def configure_fit(self, server_round: int, parameters: Parameters,
                       client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
@@ -199,9 +207,9 @@ class SecAggStrategy(LegacyStrategy):
             raise RuntimeError(f"secagg: server round {server_round} does not follow fedloom "
                                f"round {r}")
         by_node = {p.node_id: p for p in client_manager.all().values()}
-        cohort = self.exp.sample_cohort(r).tolist()
-        params = ndarrays_to_parameters(_arrays(self.exp, self.state.w))
-        conf = {"fedloom-round": r, "lr": float(self.exp.lr(r))}
+        cohort = self.exp.schedule.sample_cohort(r).tolist()
+        params = ndarrays_to_parameters(_arrays(self.layout, self.state.w))
+        conf = {"fedloom-round": r, "lr": float(self.exp.schedule.lr(r))}
         return [(by_node[self.nodes[k]], FitIns(params, {**conf, "client-id": int(k)}))
                 for k in cohort]
 
@@ -212,16 +220,16 @@ class SecAggStrategy(LegacyStrategy):
             self.state = RunState(st.next_round + 1, st.w, st.opt_state, st.agg_state,
                                   st.method_state, st.feedback_state, st.w_avg, st.totals,
                                   privacy_state=st.privacy_state, buffers=st.buffers)
-            return ndarrays_to_parameters(_arrays(self.exp, st.w)), {}
+            return ndarrays_to_parameters(_arrays(self.layout, st.w)), {}
         # Every result carries the same unmasked average Σ ω_k u_k / Σ ω_k.
-        agg = _vector(self.exp, parameters_to_ndarrays(results[0][1].parameters))
+        agg = _vector(self.layout, self.dtype, parameters_to_ndarrays(results[0][1].parameters))
         if self.exp.privacy.central:
             # ω_k = 1: the sum of the clipped updates is m × the average; DP-FedAvg's
             # noise and fixed denominator as in-process (fedloom.privacy.release).
             total = agg.double() * len(results)
             agg = self.exp.privacy.release(total, st.privacy_state, st.next_round
-                                           ).to(self.exp.dtype)
-        w, opt = self.exp.server.step(st.w, agg, st.opt_state)
+                                           ).to(self.dtype)
+        w, opt = self.exp.algorithm.server.step(st.w, agg, st.opt_state)
         privacy_state = st.privacy_state
         if self.exp.privacy.local:
             ids = torch.tensor(sorted(k for k, nid in self.nodes.items()
@@ -235,7 +243,7 @@ class SecAggStrategy(LegacyStrategy):
         if self.exp.privacy.enabled:
             m["dp_epsilon"] = self.exp.privacy.epsilon(privacy_state, st.next_round + 1)
         self.history.append(m)
-        return ndarrays_to_parameters(_arrays(self.exp, w)), {}
+        return ndarrays_to_parameters(_arrays(self.layout, w)), {}
 
     def configure_evaluate(self, server_round: int, parameters: Parameters,
                            client_manager: ClientManager) -> list[tuple[ClientProxy,
@@ -265,7 +273,7 @@ def secagg_server_app(strategy: SecAggStrategy, num_rounds: int | None = None, *
     go to it). ``max_weight`` defaults to the largest client sample count."""
     app = ServerApp()
     rounds = num_rounds or strategy.exp.cfg.rounds
-    secagg.setdefault("max_weight", float(max(len(t) for t in strategy.exp.fed.train))
+    secagg.setdefault("max_weight", float(max(len(t) for t in strategy.exp.clients.fed.train))
                       if _weighted(strategy.exp.cfg) else 1.0)
 
     @app.main()

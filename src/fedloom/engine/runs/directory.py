@@ -24,7 +24,8 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,10 @@ import yaml
 
 from fedloom import bounded
 from fedloom.config import Config, ConfigError, config_to_dict, load_config, safe_load_bounded
+from fedloom.data.sources import Dataset
 from fedloom.device import to_host
 from fedloom.engine.components import moved_objects
-from fedloom.engine.experiment import Experiment as Setup
+from fedloom.engine.parts import ModelSpace
 from fedloom.engine.runs.checkpoint import (
     LOCK_FILE,
     MARKER_FILE,
@@ -49,11 +51,13 @@ from fedloom.engine.runs.checkpoint import (
     remove_leftovers,
     save_checkpoint,
 )
-from fedloom.engine.runs.legacy import current_layout
+from fedloom.engine.runs.legacy import Fresh, current_layout
+from fedloom.engine.runs.summary import RunFacts
 from fedloom.engine.runstate import RunState
+from fedloom.engine.stages.evaluation import LastPerClient
 
 __all__ = ["CHECKPOINT_FILE", "CLIENT_ACC_FILE", "CONFIG_FILE", "LABELS_FILE", "METRICS_DIGEST",
-           "METRICS_FILE", "MODEL_FILE", "PREVIOUS_CHECKPOINT_FILE", "SUMMARY_FILE",
+           "METRICS_FILE", "MODEL_FILE", "PREVIOUS_CHECKPOINT_FILE", "SUMMARY_FILE", "Restorer",
            "check_run_dir", "load_model", "metrics_digest", "model_blob", "open_run_dir",
            "read_metrics", "save", "write_outputs"]
 
@@ -276,12 +280,24 @@ def check_run_dir(run_dir: Path, resolved: dict[str, Any], resume: bool) -> None
                           "(use --resume to continue it, or another --out)")
 
 
-# Keys every checkpoint dict holds (Setup.checkpoint_state).
+# Keys every checkpoint dict holds (the experiment's checkpoint_state).
 _CKPT_KEYS = ("format", "next_round", "w", "opt_state", "agg_state", "method_state",
               "feedback_state", "w_avg", "totals", "store", "config")
 
 
-def _restore_checked(exp: Setup, cfg: Config, resolved: dict[str, Any],
+@dataclass(frozen=True)
+class Restorer:
+    """What a resume reads of the run: the model's size and dtype (of ``w``), what
+    the run starts with (for an earlier version's checkpoint, ``current_layout``) and
+    ``restore(checkpoint, folder)``: its state, snapshot files read from ``folder``."""
+
+    size: int
+    dtype: torch.dtype
+    fresh: Fresh
+    restore: Callable[[dict[str, Any], Path], RunState]
+
+
+def _restore_checked(restorer: Restorer, cfg: Config, resolved: dict[str, Any],
                      path: Path) -> tuple[RunState, set[str], str | None]:
     """Load, check and restore one checkpoint; return its state, the snapshot
     files it names and its metrics digest (``None`` in a checkpoint from before
@@ -305,12 +321,12 @@ def _restore_checked(exp: Setup, cfg: Config, resolved: dict[str, Any],
     nr = ck["next_round"]
     if not isinstance(nr, int) or isinstance(nr, bool) or not 0 <= nr <= cfg.rounds:
         raise bad(f"next_round={nr!r} is not a round of this run (0 … {cfg.rounds})")
-    d = exp.layout.size
+    d, dtype = restorer.size, restorer.dtype
     for key in ("w", "w_avg"):
         v = ck[key]
         if key == "w_avg" and v is None and not cfg.eval.average_iterates:
             continue
-        if not (isinstance(v, torch.Tensor) and v.dtype == exp.dtype and tuple(v.shape) == (d,)):
+        if not (isinstance(v, torch.Tensor) and v.dtype == dtype and tuple(v.shape) == (d,)):
             raise bad(f"{key!r} is not a {cfg.dtype} vector of the model's {d} parameters")
     totals = ck["totals"]
     if not (isinstance(totals, dict) and all(k in totals for k in _TOTAL_KEYS)
@@ -327,7 +343,7 @@ def _restore_checked(exp: Setup, cfg: Config, resolved: dict[str, Any],
         raise bad(f"{METRICS_DIGEST!r} is a {type(digest).__name__}, not a digest")
     try:
         # an earlier version's layout in this one's: the one legacy reader
-        st = exp.restore(current_layout(ck, exp.fresh()), path.parent)
+        st = restorer.restore(current_layout(ck, restorer.fresh), path.parent)
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError,
             OSError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -341,8 +357,8 @@ def _restore_checked(exp: Setup, cfg: Config, resolved: dict[str, Any],
 _Found = tuple[RunState, set[str], list[dict[str, Any]], str | None]
 
 
-def _open_checkpoint(exp: Setup, cfg: Config, resolved: dict[str, Any], run_dir: Path
-                     ) -> _Found | None:
+def _open_checkpoint(restorer: Restorer, cfg: Config, resolved: dict[str, Any],
+                     run_dir: Path) -> _Found | None:
     """The newest intact checkpoint of ``run_dir`` whose rounds' metrics are all
     in ``metrics.jsonl``: ``(state, its snapshot files, those metrics, why
     last.pt was passed over or None)``, or ``None`` when there is no checkpoint.
@@ -367,7 +383,7 @@ def _open_checkpoint(exp: Setup, cfg: Config, resolved: dict[str, Any], run_dir:
             problems.append(f"{p}: missing")
             continue
         try:
-            st, files, digest = _restore_checked(exp, cfg, resolved, p)
+            st, files, digest = _restore_checked(restorer, cfg, resolved, p)
         except CheckpointError as e:
             problems.append(str(e))
             continue
@@ -409,17 +425,19 @@ def _drop_snapshots(ckpt_dir: Path, keep: set[str]) -> None:
                 f.unlink(missing_ok=True)
 
 
-def open_run_dir(exp: Setup, cfg: Config, resolved: dict[str, Any], run_dir: Path,
-                 resume: bool) -> tuple[RunState, list[dict[str, Any]], set[str]]:
+def open_run_dir(start: RunState, restorer: Restorer, classes: Sequence[str] | None,
+                 cfg: Config, resolved: dict[str, Any], run_dir: Path, resume: bool
+                 ) -> tuple[RunState, list[dict[str, Any]], set[str]]:
     """Prepare ``run_dir`` for the rounds to run: ``(state to start from, the
     metrics of the rounds it covers, the snapshot files of its checkpoint)``.
 
     Drops temporary files a killed write left; on ``resume``, opens the newest
     intact checkpoint (a damaged ``last.pt`` is kept aside as
-    ``last.pt.damaged``) and the metrics it covers; writes the resolved config,
-    the class names and the metrics file cut to those rounds.
+    ``last.pt.damaged``) and the metrics it covers, else starts from ``start``
+    (the run's initial state); writes the resolved config, the data's class
+    names ``classes`` and the metrics file cut to those rounds.
     """
-    st = exp.initial_state()
+    st = start
     history: list[dict[str, Any]] = []
     snap_files: set[str] = set()
     ckpt_dir = (run_dir / CHECKPOINT_FILE).parent
@@ -431,7 +449,7 @@ def open_run_dir(exp: Setup, cfg: Config, resolved: dict[str, Any], run_dir: Pat
         log.info("%s: removed %d temporary files left by a killed write (%s)", run_dir,
                  len(gone), ", ".join(sorted(gone)))
     if resume:
-        found = _open_checkpoint(exp, cfg, resolved, run_dir)
+        found = _open_checkpoint(restorer, cfg, resolved, run_dir)
         if found is None:
             log.info("%s: no checkpoint; starting at round 1", ckpt_dir)
         else:
@@ -439,7 +457,6 @@ def open_run_dir(exp: Setup, cfg: Config, resolved: dict[str, Any], run_dir: Pat
             if passed_over is not None:
                 _set_aside(ckpt_dir, passed_over, st.next_round, snap_files)
     atomic_write_bytes(run_dir / CONFIG_FILE, yaml.safe_dump(resolved, sort_keys=False).encode())
-    classes = exp.fed.dataset.classes
     if classes:  # the user's class names (CSV text labels): class k is classes[k]
         atomic_write_json(run_dir / LABELS_FILE, {name: k for k, name in enumerate(classes)})
     # Rewrite the metrics file to the rounds the state reflects (drops rounds
@@ -487,20 +504,21 @@ def _tensors_sha256(tensors: Sequence[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def model_blob(exp: Setup, st: RunState) -> dict[str, Any]:
-    """``model.pt``'s content: the ``state_dict``, the flat vector ``w``, its tensor
-    names, and what :func:`load_model` rebuilds the module from (the config, the
-    input shape, the number of classes). A model built from the config with frozen
+def model_blob(space: ModelSpace, st: RunState, cfg: Config, ds: Dataset,
+               from_config: bool) -> dict[str, Any]:
+    """``model.pt``'s content: the ``state_dict`` of ``space``'s module, the flat
+    vector ``w``, its tensor names, and what :func:`load_model` rebuilds the module
+    from (the config, the input shape and number of classes of ``ds``, and whether
+    the config built it: ``from_config``). A model built from the config with frozen
     parameters (``hf_causal_lm``'s base) is saved without them: ``base_omitted``
     names them and ``base_sha256`` is their hash, since the config rebuilds them (a
     1B-parameter base is not written again for a run that trained a few MB of adapters)."""
-    ds = exp.fed.dataset
-    state = dict(exp.module.state_dict())
-    blob: dict[str, Any] = {"w": to_host(st.w), "names": exp.layout.names,
-                            "config": config_to_dict(exp.cfg),
+    module, names = space.module, space.layout.names
+    state = dict(module.state_dict())
+    blob: dict[str, Any] = {"w": to_host(st.w), "names": names, "config": config_to_dict(cfg),
                             "in_shape": list(ds.input_shape), "num_classes": ds.num_classes,
-                            "model_from_config": exp.model_from_config}
-    frozen = _frozen_entries(exp.module, exp.layout.names) if exp.model_from_config else []
+                            "model_from_config": from_config}
+    frozen = _frozen_entries(module, names) if from_config else []
     if frozen:
         blob["base_omitted"] = frozen
         blob["base_sha256"] = _tensors_sha256([state[k] for k in frozen])
@@ -547,22 +565,23 @@ def load_model(path: str | Path, model: torch.nn.Module | None = None) -> torch.
     return model
 
 
-def write_outputs(exp: Setup, st: RunState, run_dir: Path, history: Sequence[dict[str, Any]],
-                  summary: dict[str, Any]) -> None:
+def write_outputs(run: RunFacts, last: LastPerClient, st: RunState, run_dir: Path,
+                  history: Sequence[dict[str, Any]], summary: dict[str, Any]) -> None:
     """A finished run's files: the model (with its buffers), the summary, the
-    per-client accuracies of the last evaluation and the plots."""
+    per-client numbers of the last evaluation (``last``) and the plots."""
     buf = io.BytesIO()
-    torch.save(model_blob(exp, st), buf)
+    torch.save(model_blob(run.space, st, run.cfg, run.dataset, run.model_from_config), buf)
     atomic_write_bytes(run_dir / MODEL_FILE, buf.getvalue())
     atomic_write_json(run_dir / SUMMARY_FILE, summary)
     per_client = {name: [None if not np.isfinite(a) else float(a) for a in arr]
-                  for name, arr in (("client_acc", exp.last_client_acc),
-                                    ("personal_acc", exp.last_personal_acc),
-                                    ("client_ppl", exp.evaluator.last.client_ppl),
-                                    ("personal_ppl", exp.evaluator.last.personal_ppl))
+                  for name, arr in (("client_acc", last.client_acc),
+                                    ("personal_acc", last.personal_acc),
+                                    ("client_ppl", last.client_ppl),
+                                    ("personal_ppl", last.personal_ppl))
                   if arr is not None}
     atomic_write_json(run_dir / CLIENT_ACC_FILE, per_client)
-    if exp.cfg.logging.plots:
+    cfg = run.cfg
+    if cfg.logging.plots:
         from fedloom.report.plots import have_matplotlib, write_run_plots
 
         if not have_matplotlib():
@@ -575,6 +594,6 @@ def write_outputs(exp: Setup, st: RunState, run_dir: Path, history: Sequence[dic
         from fedloom.data.heterogeneity import heterogeneity
         from fedloom.report.partition_plot import write_partition_plot
 
-        write_partition_plot(run_dir / "partition.png", exp.partition_counts,
-                             heterogeneity(exp.partition_counts),
-                             f"{exp.cfg.data.name}, {exp.cfg.data.partition.name}")
+        write_partition_plot(run_dir / "partition.png", run.partition_counts,
+                             heterogeneity(run.partition_counts),
+                             f"{cfg.data.name}, {cfg.data.partition.name}")

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from fedloom.buffers import load_buffers
+from fedloom.capabilities import backend_caps, backend_name
 from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.data.sources import Dataset
 from fedloom.engine.build import resolve_auto
@@ -39,6 +40,7 @@ from fedloom.engine.runs.directory import (
     METRICS_DIGEST,
     METRICS_FILE,
     PREVIOUS_CHECKPOINT_FILE,
+    Restorer,
     check_run_dir,
     metrics_digest,
     open_run_dir,
@@ -52,10 +54,10 @@ from fedloom.engine.runs.sinks import (
     TensorBoardSink,
     append_text,
 )
-from fedloom.engine.runs.summary import DivergenceWatch, summarize
+from fedloom.engine.runs.summary import DivergenceWatch, RunFacts, summarize
 from fedloom.engine.runstate import Callback, Result, RunState, model_sha256
 
-__all__ = ["Experiment", "Result", "RunState", "model_sha256", "run"]
+__all__ = ["Experiment", "Result", "RunState", "model_sha256", "run", "run_facts"]
 
 log = logging.getLogger("fedloom")
 
@@ -266,19 +268,31 @@ class _Sinks:
                     raise
 
 
+def run_facts(exp: Experiment) -> RunFacts:
+    """What the summary and the run's files say of ``exp`` beside its state and
+    metrics, as it is now (a backend ``auto`` chose is named by its choice)."""
+    origin = exp.origin
+    return RunFacts(exp.cfg, exp.space, exp.clients.fed.dataset, origin.partition_counts,
+                    origin.model_from_config, backend_name(exp.backend, exp.cfg.backend.name),
+                    backend_caps(exp.backend).worker_threads, exp.threads, exp.privacy)
+
+
 def _loop(exp: Experiment, cfg: Config, resolved: dict[str, Any], run_dir: Path | None,
           resume: bool, callbacks: Sequence[Callback], record: DataRecord | None = None
           ) -> Result:
+    st = exp.init()
+    history: list[dict[str, Any]] = []
+    snap_files: set[str] = set()
     if run_dir is not None:
-        st, history, snap_files = open_run_dir(exp, cfg, resolved, run_dir, resume)
+        restorer = Restorer(exp.space.layout.size, exp.space.dtype, exp.fresh(), exp.restore)
+        st, history, snap_files = open_run_dir(st, restorer, exp.clients.fed.dataset.classes, cfg,
+                                               resolved, run_dir, resume)
         if record is not None:  # data.json: the data the rounds from st on train on
             record.write(st.next_round)
-    else:
-        st, history, snap_files = exp.initial_state(), [], set()
     ckpt_dir = (run_dir / CHECKPOINT_FILE).parent if run_dir is not None else None
     # Rounds restored from the run directory are checked silently (the summary
     # still carries the warning); a new round that trips the rule is logged once.
-    watch = DivergenceWatch(exp.cfg, exp.fed.num_classes)
+    watch = DivergenceWatch(exp.cfg, exp.clients.fed.num_classes)
     for m in history:
         watch.see(m)
     sinks = _Sinks(cfg, run_dir, history, st.next_round, resume)
@@ -314,10 +328,12 @@ def _loop(exp: Experiment, cfg: Config, resolved: dict[str, Any], run_dir: Path 
         sinks.close(failing=True)
         raise
     sinks.close()
-    exp.layout.load_into(exp.module, st.w)
-    load_buffers(exp.module, st.buffers)  # model.pt's state_dict and Result.model hold them
-    summary = summarize(exp, st, history, [watch.message] if watch.message else [],
+    space = exp.space
+    space.layout.load_into(space.module, st.w)
+    load_buffers(space.module, st.buffers)  # model.pt's state_dict and Result.model hold them
+    facts = run_facts(exp)
+    summary = summarize(facts, st, history, [watch.message] if watch.message else [],
                         stop_reason)
     if run_dir is not None:
-        write_outputs(exp, st, run_dir, history, summary)
-    return Result(cfg, st.w, exp.layout, exp.module, history, summary, run_dir)
+        write_outputs(facts, exp.evaluator.last, st, run_dir, history, summary)
+    return Result(cfg, st.w, space.layout, space.module, history, summary, run_dir)

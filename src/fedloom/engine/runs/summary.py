@@ -3,12 +3,14 @@
 :class:`DivergenceWatch` names, once, the setting most likely at fault when
 the training loss blows up; :func:`summarize` is ``summary.json``: the final
 value of each metric, the run's totals, the model's hash, where it ran and
-with what.
+with what. What it reads of the run beside its state and metrics is one
+:class:`RunFacts`, which the loop takes from the experiment when the run ends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,15 +18,33 @@ import torch
 
 from fedloom.aggregate.base import default_server_lr
 from fedloom.buffers import buffers_sha256
-from fedloom.capabilities import backend_caps, backend_name
 from fedloom.config import Config
 from fedloom.data.heterogeneity import heterogeneity
+from fedloom.data.sources import Dataset
 from fedloom.device import describe, peak_memory_mb, peak_rss_mb
 from fedloom.engine.build import resolve_auto
-from fedloom.engine.experiment import Experiment
+from fedloom.engine.parts import ModelSpace
 from fedloom.engine.runstate import RunState, model_sha256
+from fedloom.privacy import Privacy
 
-__all__ = ["DivergenceWatch", "summarize"]
+__all__ = ["DivergenceWatch", "RunFacts", "summarize"]
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a run's summary and files say of it beside its state and metrics,
+    taken from the experiment when the run ends (so ``backend`` is the backend
+    ``auto`` chose, and ``worker_threads`` its workers')."""
+
+    cfg: Config                    # the resolved config (config.yaml, model.pt, the plots)
+    space: ModelSpace              # the module and its layout (model.pt), the run's device
+    dataset: Dataset               # model.pt's input shape and number of classes
+    partition_counts: np.ndarray   # the split's class counts (partition_*, partition.png)
+    model_from_config: bool        # model.pt: load_model rebuilds the module from cfg
+    backend: str                   # the backend's name
+    worker_threads: int | None     # threads per worker of a backend with workers
+    threads: int                   # torch threads of the process that trains
+    privacy: Privacy               # ε spent and δ, when on
 
 
 # Per-round details that make no sense as a run's final value.
@@ -101,26 +121,27 @@ def _versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
-def summarize(exp: Experiment, st: RunState, history: list[dict[str, Any]],
+def summarize(run: RunFacts, st: RunState, history: list[dict[str, Any]],
               warnings: Sequence[str] = (), stop_reason: str | None = None) -> dict[str, Any]:
     """``summary.json`` of a run that ended in ``st`` (``stop_reason``: why it
     stopped before its last round)."""
+    cfg, device, privacy = run.cfg, run.space.device, run.privacy
     summary: dict[str, Any] = {"rounds": st.next_round, "model_sha256": model_sha256(st.w),
-                               "num_parameters": exp.layout.size,
-                               "backend": backend_name(exp.backend, exp.cfg.backend.name),
+                               "num_parameters": run.space.layout.size,
+                               "backend": run.backend,
                                # the step used (server.lr: auto resolved to the rule's default)
-                               "server_lr": exp.cfg.server.lr,
+                               "server_lr": cfg.server.lr,
                                "versions": _versions()}
     if st.buffers:  # module buffers (BatchNorm statistics) are not in w
         summary["buffers_sha256"] = buffers_sha256(st.buffers)
-        summary["buffers"] = exp.cfg.model.buffers
+        summary["buffers"] = cfg.model.buffers
     if warnings:
         summary["warnings"] = list(warnings)
     for m in history:  # final value of each metric (eval metrics from the last eval round)
         summary.update({k: v for k, v in m.items() if k not in _PER_ROUND_ONLY})
     # How heterogeneous the split is (fedloom.data.heterogeneity), as partition_* keys
     summary.update({f"partition_{k}": v
-                    for k, v in heterogeneity(exp.partition_counts).items()})
+                    for k, v in heterogeneity(run.partition_counts).items()})
     summary["rejected_updates_total"] = st.totals["rejected_updates"]
     summary["rejected_rounds_total"] = st.totals.get("rejected_rounds", 0)
     summary["clipped_updates_total"] = st.totals.get("clipped_updates", 0)
@@ -128,8 +149,8 @@ def summarize(exp: Experiment, st: RunState, history: list[dict[str, Any]],
     # Where it ran (fedloom.device): the device, its name and total memory, the
     # run's peak memory on it (CUDA: allocated tensors; CPU: the process's peak RSS,
     # named in peak_device_memory_kind), and the torch threads used.
-    summary.update(describe(exp.device))
-    peak, kind = peak_memory_mb(exp.device)
+    summary.update(describe(device))
+    peak, kind = peak_memory_mb(device)
     summary["peak_device_memory_mb"] = round(peak, 1)
     summary["peak_device_memory_kind"] = kind
     # The process's peak RSS on any device (getrusage: since the process started,
@@ -141,13 +162,12 @@ def summarize(exp: Experiment, st: RunState, history: list[dict[str, Any]],
         summary["train_tokens_total"] = int(sum(tokens))
         summary["train_tokens_per_s"] = (round(sum(tokens) / train_s, 1) if train_s > 0
                                          else float("nan"))
-    summary["threads"] = exp.threads
-    worker = backend_caps(exp.backend).worker_threads  # auto: the chosen backend's
-    if worker is not None:
-        summary["worker_threads"] = worker
-    if exp.privacy.enabled:  # ε spent (also when no round ran) and why the run stopped
-        summary["dp_epsilon"] = exp.privacy.epsilon(st.privacy_state, st.next_round)
-        summary["dp_delta"] = exp.privacy.delta
+    summary["threads"] = run.threads
+    if run.worker_threads is not None:
+        summary["worker_threads"] = run.worker_threads
+    if privacy.enabled:  # ε spent (also when no round ran) and why the run stopped
+        summary["dp_epsilon"] = privacy.epsilon(st.privacy_state, st.next_round)
+        summary["dp_delta"] = privacy.delta
     if stop_reason is not None:
         summary["stop_reason"] = stop_reason
     return summary

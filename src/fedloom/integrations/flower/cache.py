@@ -13,6 +13,7 @@ import torch
 
 from fedloom.config import Config, config_to_dict
 from fedloom.engine.experiment import Experiment
+from fedloom.engine.parts import ClientData
 
 _EXPERIMENTS: dict[str, Experiment] = {}
 # Client k's training slice, keyed by (config, k): a ClientApp process that gets a
@@ -41,11 +42,12 @@ def _experiment(cfg: Config) -> Experiment:
     return _EXPERIMENTS[key]
 
 
-def _client_data(cfg: Config, exp: Experiment, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Client k's training inputs and labels, gathered once per config and process."""
+def _client_data(cfg: Config, clients: ClientData, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Client k's training inputs and labels (of ``clients``, the clients of ``cfg``'s
+    experiment), gathered once per config and process."""
     key = (_config_key(cfg), k)
     if key not in _CLIENT_DATA:
-        idx = torch.from_numpy(exp.fed.train[k])
-        _CLIENT_DATA[key] = (exp.x[idx], exp.y[idx])
+        idx = torch.from_numpy(clients.fed.train[k])
+        _CLIENT_DATA[key] = (clients.x[idx], clients.y[idx])
         LOADS["client_data"] += 1
     return _CLIENT_DATA[key]

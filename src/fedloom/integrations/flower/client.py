@@ -29,7 +29,7 @@ from fedloom.compress import make_compressor
 from fedloom.compress.feedback import UplinkContext, feedback_from_config
 from fedloom.config import Config, load_config
 from fedloom.engine.clientfields import FEEDBACK
-from fedloom.engine.experiment import Experiment
+from fedloom.engine.parts import ModelSpace
 from fedloom.engine.stages.plan import client_job
 from fedloom.integrations.flower.cache import _client_data, _experiment
 from fedloom.integrations.flower.messages import (
@@ -77,7 +77,7 @@ class FedloomMod:
 
     def parts(self) -> tuple[Layout, Any, Any]:
         if self._parts is None:
-            layout = self._layout or _experiment(self.cfg).layout
+            layout = self._layout or _experiment(self.cfg).space.layout
             c = self.cfg.compression
             comp = make_compressor(c.name, layout=layout, **c.options)
             fb = feedback_from_config(c.feedback, layout)
@@ -160,31 +160,32 @@ class FedloomTrainer:
 
     def __call__(self, msg: Message, context: Context) -> Message:
         exp = _experiment(self.cfg)
+        space, clients, algo = exp.space, exp.clients, exp.algorithm
         k, r, lr = _round_settings(msg, context, self.cfg)
-        if not 0 <= k < exp.fed.num_clients:
+        if not 0 <= k < clients.num_clients:
             raise ValueError(f"client-id: {k} is not a client of this config "
-                             f"(0..{exp.fed.num_clients - 1})")
-        w = from_arrays(exp.layout, msg.content.array_records["arrays"]).to(exp.dtype)
-        x_k, y_k = _client_data(self.cfg, exp, k)
+                             f"(0..{clients.num_clients - 1})")
+        w = from_arrays(space.layout, msg.content.array_records["arrays"]).to(space.dtype)
+        x_k, y_k = _client_data(self.cfg, clients, k)
         # The feedback policy's rows live in Context.state (kept by FedloomMod);
         # its hooks on local training (FLARE / EC+prox's penalty) come with the
         # job, built as the engine builds it. The mod already shifted the model
         # handed over to its start point (SA-PEF), so the job starts from it.
-        state = (FedloomMod._load_state(context, exp.feedback, exp.layout.size, w.dtype)
-                 if exp.fields.has(FEEDBACK) else {})
-        bufs = self._start_buffers(exp, msg, context)
-        job = client_job(exp.feedback, seed=self.cfg.seed, client=k, round=r, w=w, lr=lr,
+        state = (FedloomMod._load_state(context, algo.feedback, space.layout.size, w.dtype)
+                 if clients.fields.has(FEEDBACK) else {})
+        bufs = self._start_buffers(space, msg, context)
+        job = client_job(algo.feedback, seed=self.cfg.seed, client=k, round=r, w=w, lr=lr,
                          x=x_k, y=y_k, fb_state=state, fb_server={}, alpha=0.0,
                          buffers=bufs, shifted_here=False)
         # The prox anchor is the model received (SA-PEF's start point when shifted).
-        w_k, loss, steps, _ = exp.trainer.train(job)
+        w_k, loss, steps, _ = algo.local.train(job)
         content = RecordDict({
-            "arrays": to_arrays(exp.layout, w_k),
+            "arrays": to_arrays(space.layout, w_k),
             "metrics": MetricRecord({"num-examples": len(y_k), "num-steps": steps,
                                      "train-loss": float(loss)}),
         })
         if bufs:
-            trained = exp.trainer._trained_buffers()
+            trained = algo.local._trained_buffers()
             content[BUFFERS_KEY] = buffers_to_arrays(trained)
             # FedBN: the client keeps what it trained to, unless its reply is not
             # finite (the server rejects it, and the engine keeps the old row).
@@ -194,20 +195,21 @@ class FedloomTrainer:
                     own=flatten_buffers(trained, self.state_dtype).cpu()))
         return Message(content, reply_to=msg)
 
-    def _start_buffers(self, exp: Experiment, msg: Message, context: Context
+    def _start_buffers(self, space: ModelSpace, msg: Message, context: Context
                        ) -> dict[str, torch.Tensor] | None:
         """The buffers local training starts from: ``None`` for a model without
-        any; the client's own under ``model.buffers: local`` once it has them;
-        else the message's."""
-        if not exp.buffer_template:
+        any (``space``'s template is empty); the client's own under ``model.buffers:
+        local`` once it has them; else the message's."""
+        template = space.buffer_template
+        if not template:
             return None
         if self.cfg.model.buffers == "local" and BUFFER_STATE_KEY in context.state:
             row = context.state.array_records[BUFFER_STATE_KEY].to_torch_state_dict()["own"]
-            return unflatten_buffers(row.to(exp.device, exp.dtype), exp.buffer_template)
+            return unflatten_buffers(row.to(space.device, space.dtype), template)
         if BUFFERS_KEY not in msg.content:
             raise ValueError("buffers: the model has buffers and the message carries none "
                              f"(a {BUFFERS_KEY!r} ArrayRecord beside 'arrays')")
-        return buffers_from_arrays(exp.buffer_template, msg.content[BUFFERS_KEY])
+        return buffers_from_arrays(template, msg.content[BUFFERS_KEY])
 
 
 def client_app(config: ConfigSource, overrides: Sequence[str] = ()) -> ClientApp:

@@ -70,10 +70,10 @@ class FedloomStrategy(Strategy):
         self.exp = experiment or Experiment.from_config(load_config(config, overrides))
         cfg = self.exp.cfg
         _check_scope(cfg)
-        if "start_losses" in self.exp.requires:
+        if "start_losses" in self.exp.algorithm.requires:
             raise ConfigError(f"aggregator.name: {cfg.aggregator.name} needs the clients' "
                               "start losses, which the Flower path does not send")
-        self.state: RunState = self.exp.initial_state()
+        self.state: RunState = self.exp.init()
         self.nodes: dict[int, int] = {}
         self.history: list[dict[str, Any]] = []
         self.node_timeout = node_timeout
@@ -81,7 +81,7 @@ class FedloomStrategy(Strategy):
         self._t0 = 0.0
 
     def initial_arrays(self) -> ArrayRecord:
-        return to_arrays(self.exp.layout, self.state.w)
+        return to_arrays(self.exp.space.layout, self.state.w)
 
     def model_sha256(self) -> str:
         """SHA-256 of the model's parameters ``w`` (the engine's ``model_sha256``)."""
@@ -96,11 +96,11 @@ class FedloomStrategy(Strategy):
         c = self.exp.cfg
         log.info("fedloom strategy: aggregator %s, compression %s + %s, %d clients, %d/round",
                  c.aggregator.name, c.compression.name, c.compression.feedback.name,
-                 self.exp.fed.num_clients, c.cohort.size)
+                 self.exp.clients.num_clients, c.cohort.size)
 
     def _discover(self, grid: Grid) -> None:
         self.nodes = discover_clients(
-            grid, self.exp.fed.num_clients, self.node_timeout, who="flower",
+            grid, self.exp.clients.num_clients, self.node_timeout, who="flower",
             needs="this strategy needs fedloom's client_app or FedloomMod on every node; for "
                   "a stock Flower ClientApp use fedloom.integrations.flower.strategies")
 
@@ -113,10 +113,11 @@ class FedloomStrategy(Strategy):
                                f"round {self.state.next_round}")
         self._t0 = time.perf_counter()
         plan = self._plan = self.exp.plan_round(self.state)
-        rec = to_arrays(self.exp.layout, self.state.w)
+        rec = to_arrays(self.exp.space.layout, self.state.w)
         # The global buffers ride beside the model when it has any (every policy: a
         # client trains from them, under `local` until it has its own).
-        bufs = buffers_to_arrays(self.state.buffers) if self.exp.buffer_template else None
+        bufs = (buffers_to_arrays(self.state.buffers) if self.exp.space.buffer_template
+                else None)
         out = []
         for k in plan.cohort.tolist():
             conf = ConfigRecord({"server-round": server_round, "fedloom-round": plan.round,
@@ -131,7 +132,8 @@ class FedloomStrategy(Strategy):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         exp, plan = self.exp, self._plan
-        d = exp.layout.size
+        space = exp.space
+        d = space.layout.size
         t_train = time.perf_counter() - self._t0
         got: dict[int, tuple[ClientResult, UplinkResult]] = {}
         # Cohort clients whose reply arrived but could not be read: rejected and
@@ -150,14 +152,15 @@ class FedloomStrategy(Strategy):
                 c = rep.content[REPLY_KEY]
                 k = rec_int(c["client-id"])
                 payload = rec_bytes(c["payload"])
-                sent = exp.uplink.decode(payload, d).to(exp.device, exp.dtype)
+                sent = exp.algorithm.compressor.decode(payload, d).to(space.device, space.dtype)
                 met = rep.content["metrics"]
                 bufs: dict[str, torch.Tensor] = {}
-                if exp.buffer_template:  # checked here; finish_round rejects non-finite ones
+                if space.buffer_template:  # checked here; finish_round rejects non-finite
                     if BUFFERS_KEY not in rep.content:
                         raise ValueError("buffers: the model has buffers and the reply "
                                          "carries none")
-                    bufs = buffers_from_arrays(exp.buffer_template, rep.content[BUFFERS_KEY])
+                    bufs = buffers_from_arrays(space.buffer_template,
+                                               rep.content[BUFFERS_KEY])
                 res = ClientResult(k, torch.empty(0), rec_int(met["num-examples"]),
                                    rec_float(met.get("train-loss", float("nan"))),
                                    rec_int(met.get("num-steps", 1)), buffers=bufs)
@@ -175,7 +178,7 @@ class FedloomStrategy(Strategy):
                 raw.append(got[k])
             elif k in bad:  # a placeholder that finish_round rejects (refused)
                 raw.append((ClientResult(k, torch.empty(0), 0, float("nan"), 1),
-                            UplinkResult(b"", torch.empty(0, dtype=exp.dtype), {},
+                            UplinkResult(b"", torch.empty(0, dtype=space.dtype), {},
                                          float("nan"))))
             else:
                 raw.append(None)
@@ -193,7 +196,7 @@ class FedloomStrategy(Strategy):
         self.history.append(metrics)
         scalars: dict[str, MetricValue] = {k: v for k, v in metrics.items()
                    if isinstance(v, int | float) and not isinstance(v, bool) and v == v}
-        return to_arrays(exp.layout, self.state.w), MetricRecord(scalars)
+        return to_arrays(space.layout, self.state.w), MetricRecord(scalars)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
