@@ -74,7 +74,7 @@ def test_config_schema_checks_plugin_names_and_references():
     assert cfg.aggregator.name == "geomed"
     # an unknown name still lists the known ones, plug-ins included
     with pytest.raises(ConfigError, match=r"^aggregator\.name: unknown aggregator 'geomd' "
-                                          r"\(available: .*geomed"):
+                                          r"\(did you mean geomed\? available: .*geomed"):
         load_config(TINY, ["aggregator.name=geomd"])
     # a reference that cannot be imported, or is not a factory: one line naming the field
     with pytest.raises(ConfigError, match=r"^compression\.feedback\.name: feedback "
@@ -155,8 +155,8 @@ def test_reference_names_a_plugin_in_any_field(tmp_path):
                            "server.lr=0.05", "rounds=1"])
     assert c.summary["model_sha256"] == d.summary["model_sha256"] != a.summary["model_sha256"]
     with pytest.raises(ConfigError, match=r"^server\.optimizer\.name: unknown "
-                                          r"server_optimizer 'adamw' \(available: adagrad, adam, "
-                                          r"momentum, sgd, yogi\)"):
+                                          r"server_optimizer 'adamw' \(did you mean adam\? "
+                                          r"available: adagrad, adam, momentum, sgd, yogi\)"):
         load_config(TINY, ["server.optimizer=adamw"])
 
 
