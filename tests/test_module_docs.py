@@ -28,11 +28,9 @@ PENDING: dict[str, int] = {
     "client/moon.py": 33,
     "client/fedsa_lora.py": 33,
     "client/apfl.py": 33,
-    "client/sgd.py": 31,
     "integrations/secagg.py": 30,
     "compress/feedback/__init__.py": 28,
     "integrations/flower/strategies/__init__.py": 27,
-    "client/transforms.py": 27,
     "client/hetlora.py": 26,
     "client/fedper.py": 26,
 }

@@ -7,28 +7,21 @@ The client minimises ``F_k(w') + (μ/2)‖w' − w‖²`` (FedProx, Li et al. 20
     d = ∇f(w') + wd·w' (+ μ(w' − w)),   b ← m·b + d (b = d on the first step),
     w' ← w' − η·b.
 
-The direction's terms (shift, penalty, weight decay, prox, mask, momentum) are
-the chain of :mod:`fedloom.client.transforms`, which the vmap and lock-step
-trainers apply to all their clients at once.
-
-The module's parameters are views of one flat vector ``w'`` (:class:`_FlatModule`).
-Where the direction is the gradient itself (plain local SGD, no probe) each
-parameter steps by autograd's gradient in place, as ``torch.optim.SGD`` does;
-otherwise the gradients are copied into one flat vector ``g``, the chain runs
-on it and the update is one vector operation. Both give the same bits.
+The steps are :func:`fedloom.client.loop.step_loop`, the one loop of every
+trainer, with this trainer's gradient function (:class:`_Gradients`: autograd on
+:class:`_FlatModule`, whose parameters are views of one flat vector ``w'``); the
+direction's terms are the chain of :mod:`fedloom.client.transforms`. Where the
+direction is the gradient itself each parameter steps by autograd's tensor, as
+``torch.optim.SGD`` does (the same bits).
 
 Batch order comes from a generator derived from ``(seed, round, client,
-"batch")``: each epoch is a fresh permutation, the last batch may be short.
-With ``steps`` set, epochs are chained until that many steps are done.
-
-Modes: local steps run the module in **train mode** (dropout fires, BatchNorm
-normalises with batch statistics and updates its running statistics in
-place); the start loss and the gradient probes are evaluations, in eval mode.
-Dropout masks come from the step's derived seed (:meth:`LocalSGD._descend`).
-A job carries the module buffers to start from and the result the buffers
-local training ended with; what the server does with them is
-``model.buffers`` (:mod:`fedloom.buffers`). Buffers are never part of the
-update ``w − w_k``.
+"batch")``: each epoch a fresh permutation, the last batch may be short; with
+``steps`` set, epochs are chained until that many steps are done. Local steps
+run in **train mode** (dropout masks from the step's derived seed,
+:meth:`LocalSGD._descend`; BatchNorm's running statistics updated in place);
+the start loss and the probes are evaluations, in eval mode. A job carries the
+buffers to start from, the result those training ended with
+(:mod:`fedloom.buffers`); buffers are never part of the update ``w − w_k``.
 """
 
 from __future__ import annotations

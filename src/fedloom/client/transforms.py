@@ -3,27 +3,22 @@
 The terms are transforms of :mod:`fedloom.transforms` (optax's shape: ``init(W)``
 gives a term's state, ``update(D, state, ctx)`` the new direction and state,
 :func:`~fedloom.transforms.chain` composes them, its state the tuple of theirs)
-whose context is a :class:`StepContext`. The sequential trainer
-(:class:`fedloom.client.sgd.LocalSGD`, one client: ``D`` of shape ``[d]``) and
-the batched ones (:mod:`fedloom.engine.trainers.vmap`, :mod:`fedloom.engine.trainers.lockstep`:
-``[m, d]``, one row a client) build the same chain with :func:`local_chain` and
-apply it between the gradient and the step ``W ← W − η·D``, so every term is
-defined once. For a step with gradient ``g`` at parameters ``w``:
+whose context is a :class:`StepContext`. Every trainer builds the same chain
+(:func:`job_chain` for one client's ``[d]``, :func:`jobs_chain` for ``[m, d]``,
+one row a client) and :func:`fedloom.client.loop.step_loop` applies it between
+the gradient and the step ``W ← W − η·D``. A job's own terms
+(``job.transforms``) take their places by :func:`split_terms`. For a step with
+gradient ``g`` at parameters ``w``:
 
     D = g + s (SCAFFOLD / FedDyn / SCAFCOM shift)
           + ∇P(w) while t < P.steps (FLARE, EC+prox penalty)
-          + wd·w (weight decay) + μ(w − w₀) (FedProx)
-    D ← D ⊙ M (frozen coordinates: FedBABU's head, FedRep's phases)
-    b ← D on the first step, else β·b + D; D ← b (momentum, as torch.optim.SGD;
-                                                the server's is heavy_ball)
+          + wd·w (weight decay) + μ(w − w₀) (FedProx; FedDyn's α in place of μ)
+    D ← D ⊙ M (frozen coordinates: FedBABU's head, FedRep's phases), a method's terms
+    b ← D on the first step, else β·b + D; D ← b (momentum, as torch.optim.SGD)
 
 Each term is the arithmetic the trainers computed before this module, op for op
 (``add(…, alpha=·)`` is one fused multiply-add): sequential and lock-step stay bit
-for bit what they were. The batched vmap trainer took ``G + wd·W`` and
-``G + μ(W − W₀)`` unfused; through this chain it now computes them as the
-others do.
-
-Transforms run under ``torch.no_grad()`` (the trainers' step) and may update
+for bit what they were. Transforms run under ``torch.no_grad()`` and may update
 ``D`` in place: it is the step's own buffer or a fresh tensor, never read again.
 """
 
