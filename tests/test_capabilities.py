@@ -442,8 +442,8 @@ def test_the_engine_decodes_into_the_row_where_a_compressor_declares_it(tiny, ba
     ``decode`` then a copy where it does not, though the method is there; the same
     model either way."""
     from fedloom.config import load_config
-    from fedloom.engine.components import Components
     from fedloom.engine.experiment import Experiment
+    from fedloom.engine.objects import Components
 
     cfg = load_config(tiny, ["dtype=float64", f"backend={backend}"])
     ws = []

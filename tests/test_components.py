@@ -1,4 +1,4 @@
-"""Components given as Python objects (fedloom.engine.components): the same run
+"""Components given as Python objects (fedloom.engine.objects): the same run
 as by name, a user's own class in a few lines on every backend, recorded in the
 run directory and resumed."""
 

@@ -560,8 +560,8 @@ def test_three_stock_rounds_of_craft_end_at_the_engines_model():
     cohort in the same order; asserted below 1e-12, which any order would meet)."""
     from fedloom.compress.feedback import UplinkResult
     from fedloom.config import load_config
-    from fedloom.engine.components import Components
     from fedloom.engine.experiment import Experiment
+    from fedloom.engine.objects import Components
     from fedloom.engine.runstate import RoundOutcome
     from fedloom.job import ClientResult
 

@@ -18,7 +18,7 @@ import fedloom
 from conftest import stop_and_resume
 from fedloom.config import ClientConfig, ConfigError, SystemConfig, load_config
 from fedloom.engine import Experiment
-from fedloom.engine.parts import Schedule
+from fedloom.engine.inputs import Schedule
 from fedloom.registry import available, build
 from fedloom.rng import Purpose, numpy_gen
 from fedloom.selection import Feedback, Oort, PowerOfChoice

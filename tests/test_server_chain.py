@@ -168,7 +168,7 @@ def test_the_old_module_of_the_optimizers_is_translated():
     ServerOptimizer recorded as an object under its old module resumes under the new."""
     from fedloom.config import load_config
     from fedloom.config.translate import translate
-    from fedloom.engine.components import moved_objects
+    from fedloom.engine.objects import moved_objects
 
     got = translate({"server": {"optimizer": "fedloom.aggregate.server_opt:adam"}})
     assert got["server"] == {"optimizer": "fedloom.server_opt.optimizers:adam"}

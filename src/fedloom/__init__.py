@@ -42,7 +42,7 @@ _LAZY = {
     "Federation": "fedloom.engine.values",
     "LocalUpdate": "fedloom.engine.values",
     "Runtime": "fedloom.engine.values",
-    "Components": "fedloom.engine.components",
+    "Components": "fedloom.engine.objects",
     "Config": "fedloom.config",
     "ConfigError": "fedloom.config",
     "load_config": "fedloom.config",
@@ -87,8 +87,8 @@ if TYPE_CHECKING:  # what static checkers and IDEs see
     from fedloom.compress import make_compressor
     from fedloom.config import Config, ConfigError, load_config
     from fedloom.data.sources import DatasetUnavailable
-    from fedloom.engine.components import Components
     from fedloom.engine.experiment import Experiment
+    from fedloom.engine.objects import Components
     from fedloom.engine.runs.loop import run
     from fedloom.engine.runstate import Result, model_sha256
     from fedloom.engine.values import Algorithm, Federation, LocalUpdate, Runtime

@@ -17,7 +17,7 @@ Two kinds, registered like every other component (:mod:`fedloom.registry`):
   ``metrics.NAME_OPTION`` (e.g. ``mismatch_alpha`` → ``alpha``) and
   ``metrics.options.NAME``.
 
-``exp`` is a :class:`~fedloom.engine.parts.HookView` of the running experiment;
+``exp`` is a :class:`~fedloom.engine.inputs.HookView` of the running experiment;
 a hook reads it (``cfg``, ``layout``, ``fed``, ``x``, ``y``, ``trainer``,
 ``global_eval(w)``, ``make_uplink(**options)``) and changes nothing in it: what
 it keeps goes in the state it returns, which is checkpointed with the run.

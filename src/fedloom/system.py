@@ -65,7 +65,7 @@ class RoundPlan(Protocol):
 
 class Clients(Protocol):
     """What the system model reads of the clients: their training splits
-    (:class:`fedloom.engine.parts.ClientData`: ``fed.train[k]``)."""
+    (:class:`fedloom.engine.inputs.ClientData`: ``fed.train[k]``)."""
 
     @property
     def fed(self) -> Any: ...

@@ -3,7 +3,7 @@
 :func:`bind` takes an :class:`~fedloom.engine.values.Algorithm`, a
 :class:`~fedloom.engine.values.Federation` and a :class:`~fedloom.engine.values.Runtime`
 with the model and returns :class:`Bound`: the split on the run's device
-(:class:`~fedloom.engine.parts.ClientData`), the model's space, the bound
+(:class:`~fedloom.engine.inputs.ClientData`), the model's space, the bound
 algorithm (:class:`~fedloom.engine.algorithm.Algorithm`, LocalSGD built on the
 model, each ``None`` component the schema's default), the backend, privacy, the
 schedule, the screening rules, the evaluator and the round's surroundings
@@ -40,7 +40,7 @@ from fedloom.engine import refusals
 from fedloom.engine.algorithm import Algorithm as BoundAlgorithm
 from fedloom.engine.clientfields import BUFFERS, FEEDBACK, METHOD, ClientFields
 from fedloom.engine.events import EventDriver
-from fedloom.engine.parts import ClientData, ModelSpace, Schedule, ScreenRules
+from fedloom.engine.inputs import ClientData, ModelSpace, Schedule, ScreenRules
 from fedloom.engine.stages.evaluation import Evaluator
 from fedloom.engine.stages.screen import first_line
 from fedloom.engine.trainers.backends import Backend

@@ -3,7 +3,7 @@ turns into ``(Algorithm, Federation, Runtime, model)``, and back.
 
 :func:`build` loads the data, builds the model and every component of the config
 (by registry name with its options, or the objects given in Python,
-:class:`~fedloom.engine.components.Components`), with ``server.lr: auto``
+:class:`~fedloom.engine.objects.Components`), with ``server.lr: auto``
 resolved (:func:`resolve_auto`); :meth:`fedloom.engine.experiment.Experiment.from_config`,
 :func:`fedloom.run`, the sweep, the CLI and Flower reach the values through it.
 :func:`describe` is the other way: the config that records an experiment built
@@ -36,8 +36,8 @@ from fedloom.config import (
 from fedloom.data.sources import Dataset, load_dataset
 from fedloom.device import resolve
 from fedloom.engine import refusals
-from fedloom.engine.components import Components, object_name
-from fedloom.engine.parts import ScreenRules
+from fedloom.engine.inputs import ScreenRules
+from fedloom.engine.objects import Components, object_name
 from fedloom.engine.values import Algorithm, Federation, LocalUpdate, Runtime
 from fedloom.hooks import ClientMetric, metric_hooks, planner_from_config
 from fedloom.models import build_model
@@ -209,7 +209,7 @@ def _hooks(cfg: Config) -> list[ClientMetric]:
 def describe(algorithm: Algorithm, federation: Federation, runtime: Runtime,
              model: torch.nn.Module, evaluation: EvalConfig, rounds: int) -> Config:
     """The config that records an experiment of values: their settings, and each
-    component as ``object MODULE.CLASS`` (:mod:`fedloom.engine.components`);
+    component as ``object MODULE.CLASS`` (:mod:`fedloom.engine.objects`);
     a component left ``None`` keeps the schema's default name."""
     a, loc = algorithm, algorithm.local
     client = ClientConfig(lr=loc.lr, momentum=loc.momentum, weight_decay=loc.weight_decay,

@@ -54,8 +54,8 @@ from fedloom.engine.binding import bind
 from fedloom.engine.build import Model, build
 from fedloom.engine.build import describe as describe_values
 from fedloom.engine.clientfields import FEEDBACK, ClientFields
-from fedloom.engine.components import OBJECT_PREFIX, Components
-from fedloom.engine.parts import HookView
+from fedloom.engine.inputs import HookView
+from fedloom.engine.objects import OBJECT_PREFIX, Components
 from fedloom.engine.runs.legacy import Fresh
 from fedloom.engine.runstate import RoundOutcome, RoundPlan, RunState, withdraw
 from fedloom.engine.snapshot import checkpoint_state, restore_state
@@ -326,7 +326,7 @@ class Experiment:
 
     def sample_cohort(self, r: int) -> torch.Tensor:
         """Round ``r``'s cohort from the selector's initial state
-        (:meth:`~fedloom.engine.parts.Schedule.sample_cohort`)."""
+        (:meth:`~fedloom.engine.inputs.Schedule.sample_cohort`)."""
         return self.schedule.sample_cohort(r)
 
     def lr(self, r: int) -> float:

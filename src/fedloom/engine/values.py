@@ -34,7 +34,7 @@ from fedloom.config import (
     SystemConfig,
 )
 from fedloom.data.sources import Dataset
-from fedloom.engine.parts import ScreenRules
+from fedloom.engine.inputs import ScreenRules
 from fedloom.hooks import RoundPlanner
 from fedloom.selection import Selector
 

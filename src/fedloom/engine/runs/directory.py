@@ -37,8 +37,8 @@ from fedloom import bounded
 from fedloom.config import Config, ConfigError, config_to_dict, load_config, safe_load_bounded
 from fedloom.data.sources import Dataset
 from fedloom.device import to_host
-from fedloom.engine.components import moved_objects
-from fedloom.engine.parts import ModelSpace
+from fedloom.engine.inputs import ModelSpace
+from fedloom.engine.objects import moved_objects
 from fedloom.engine.runs.checkpoint import (
     LOCK_FILE,
     MARKER_FILE,

@@ -31,8 +31,8 @@ from fedloom.capabilities import backend_caps, backend_name
 from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.data.sources import Dataset
 from fedloom.engine.build import resolve_auto
-from fedloom.engine.components import Components
 from fedloom.engine.experiment import Experiment
+from fedloom.engine.objects import Components
 from fedloom.engine.runs.checkpoint import RunDirWriteError, lock_run_dir
 from fedloom.engine.runs.datarecord import DataRecord, data_source
 from fedloom.engine.runs.directory import (
@@ -127,7 +127,7 @@ def run(
             :mod:`fedloom.client.transforms`; ``selector``: who trains in a round,
             :mod:`fedloom.selection`) used instead of building the config
             section's named ones; the config records each as ``object
-            MODULE.CLASS`` (:mod:`fedloom.engine.components`).
+            MODULE.CLASS`` (:mod:`fedloom.engine.objects`).
     """
     given = Components(aggregator=aggregator, server=server, compressor=compressor,
                        feedback=feedback, method=method, transforms=tuple(transforms),

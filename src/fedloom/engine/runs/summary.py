@@ -23,7 +23,7 @@ from fedloom.data.heterogeneity import heterogeneity
 from fedloom.data.sources import Dataset
 from fedloom.device import describe, peak_memory_mb, peak_rss_mb
 from fedloom.engine.build import resolve_auto
-from fedloom.engine.parts import ModelSpace
+from fedloom.engine.inputs import ModelSpace
 from fedloom.engine.runstate import RunState, model_sha256
 from fedloom.privacy import Privacy
 

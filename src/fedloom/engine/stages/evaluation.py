@@ -35,7 +35,7 @@ from fedloom.buffers import unflatten_buffers
 from fedloom.config import EvalConfig
 from fedloom.device import to_device
 from fedloom.engine.clientfields import BUFFERS, METHOD
-from fedloom.engine.parts import ClientData, ModelSpace
+from fedloom.engine.inputs import ClientData, ModelSpace
 from fedloom.metrics import (
     accuracy_stats,
     evaluate,

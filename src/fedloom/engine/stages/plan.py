@@ -21,7 +21,7 @@ from fedloom.client.transforms import job_terms
 from fedloom.device import to_device
 from fedloom.engine.algorithm import Algorithm
 from fedloom.engine.clientfields import BUFFERS, FEEDBACK, METHOD, ClientFields
-from fedloom.engine.parts import ClientData, HookView, ModelSpace, Schedule
+from fedloom.engine.inputs import ClientData, HookView, ModelSpace, Schedule
 from fedloom.engine.runstate import RoundPlan, RunState
 from fedloom.engine.trainers.backends import take_rows
 from fedloom.job import ClientJob, JobData, StepPlan

@@ -28,7 +28,7 @@ from fedloom.capabilities import compressor_caps
 from fedloom.compress import coordinates_sent
 from fedloom.compress.feedback import UplinkResult
 from fedloom.engine.algorithm import Algorithm
-from fedloom.engine.parts import ModelSpace, ScreenRules
+from fedloom.engine.inputs import ModelSpace, ScreenRules
 from fedloom.engine.runstate import RoundOutcome, RoundPlan, RunState
 from fedloom.engine.stages.screen import (
     clip_rows,

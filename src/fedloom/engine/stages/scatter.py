@@ -18,7 +18,7 @@ import torch
 from fedloom.buffers import average_buffers, flatten_buffers
 from fedloom.compress.feedback import UplinkResult
 from fedloom.engine.clientfields import BUFFERS, FEEDBACK, METHOD
-from fedloom.engine.parts import ClientData
+from fedloom.engine.inputs import ClientData
 from fedloom.engine.runstate import RoundPlan, RunState
 from fedloom.job import ClientResult
 

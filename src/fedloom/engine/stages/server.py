@@ -25,7 +25,7 @@ import torch
 from fedloom.aggregate.base import CohortInfo
 from fedloom.compress.feedback import UplinkResult
 from fedloom.engine.algorithm import Algorithm
-from fedloom.engine.parts import ModelSpace
+from fedloom.engine.inputs import ModelSpace
 from fedloom.engine.runstate import RoundPlan, RunState
 from fedloom.engine.stages.receive import Received
 from fedloom.engine.stages.screen import all_finite, first_line

@@ -26,7 +26,7 @@ from fedloom.compress.feedback import UplinkContext, UplinkResult
 from fedloom.compress.identity import Identity, InPlacePayload
 from fedloom.device import to_device
 from fedloom.engine.algorithm import Algorithm
-from fedloom.engine.parts import Schedule, ScreenRules
+from fedloom.engine.inputs import Schedule, ScreenRules
 from fedloom.engine.runstate import RoundOutcome, RoundPlan, RunState
 from fedloom.engine.stages.screen import first_line, non_finite_reason, row_norms, screen_updates
 from fedloom.job import ClientResult

@@ -13,7 +13,7 @@ import torch
 
 from fedloom.config import Config, config_to_dict
 from fedloom.engine.experiment import Experiment
-from fedloom.engine.parts import ClientData
+from fedloom.engine.inputs import ClientData
 
 _EXPERIMENTS: dict[str, Experiment] = {}
 # Client k's training slice, keyed by (config, k): a ClientApp process that gets a

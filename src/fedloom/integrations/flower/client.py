@@ -29,7 +29,7 @@ from fedloom.compress import make_compressor
 from fedloom.compress.feedback import UplinkContext, feedback_from_config
 from fedloom.config import Config, load_config
 from fedloom.engine.clientfields import FEEDBACK
-from fedloom.engine.parts import ModelSpace
+from fedloom.engine.inputs import ModelSpace
 from fedloom.engine.stages.plan import client_job
 from fedloom.integrations.flower.cache import _client_data, _experiment
 from fedloom.integrations.flower.messages import (

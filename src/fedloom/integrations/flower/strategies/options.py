@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fedloom.aggregate.base import Aggregator, default_server_lr, make_aggregator
-from fedloom.engine.components import object_name
+from fedloom.engine.objects import object_name
 from fedloom.registry import build
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -79,7 +79,7 @@ def make_rule_aggregator(aggregator: str | Aggregator, server_lr: float | str,
                          server_optimizer: str | Any, options: dict[str, Any]
                          ) -> tuple[str, Aggregator]:
     """The rule's name and object: a registered one built with ``options``, or an
-    object that holds its own (fedloom.engine.components)."""
+    object that holds its own (fedloom.engine.objects)."""
     if isinstance(aggregator, str):
         return aggregator, make_aggregator(aggregator, **options)
     if options:

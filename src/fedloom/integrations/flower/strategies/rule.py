@@ -30,7 +30,7 @@ from fedloom.buffers import average_buffers
 from fedloom.capabilities import aggregator_caps
 from fedloom.compress import make_compressor
 from fedloom.compress.base import PayloadError
-from fedloom.engine.components import object_name
+from fedloom.engine.objects import object_name
 from fedloom.engine.stages.screen import (
     all_finite,
     clip_rows,
