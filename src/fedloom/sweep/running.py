@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from fedloom.config import ConfigError
+from fedloom.spawning import check_main_guard
 from fedloom.sweep.datacheck import check_data
 from fedloom.sweep.suite import RunSpec, StaleRunsError, SweepError
 
@@ -107,6 +108,7 @@ class _Launcher:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
+        check_main_guard("sweep")
         self.pool: Any = ProcessPoolExecutor(
             max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
             initializer=_worker_init, max_tasks_per_child=20)

@@ -64,6 +64,7 @@ from fedloom.engine.trainers.backends import (
     with_data,
 )
 from fedloom.registry import register
+from fedloom.spawning import check_main_guard
 
 __all__ = ["ProcessBackend", "make_inner", "run_group"]
 
@@ -299,6 +300,9 @@ class ProcessBackend:
                  workers: int = 0, inner: str = "sequential", chunk: int = 0,
                  on_failure: str = "retry", max_retries: int = 2, threads: int = 0,
                  keep_heap: bool = True) -> None:
+        # Before anything: a script without the __main__ guard would start the run again
+        # in every worker (fedloom.spawning), seen here only as dead workers.
+        check_main_guard("backend process")
         # The run's device is where its data is; on CUDA, one worker per visible GPU.
         self.gpus = torch.cuda.device_count() if x.device.type == "cuda" else 0
         self.workers = workers or self.gpus or os.cpu_count() or 1
