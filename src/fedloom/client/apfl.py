@@ -9,28 +9,19 @@ on one batch ξ and at the current iterates,
     v_k ← v_k − η α_k ∇f(v̄; ξ),   v̄ = α_k v_k + (1 − α_k) w_k
     α_k ← clip_[0,1]( α_k − η_α ⟨v_k − w_k, ∇f(v̄; ξ)⟩ )   (``adaptive``)
 
-(η_α = ``alpha_lr``, default η)
-
-with every right-hand side at the step's start. The update sent is
-``w − w_k`` of the global copy — the same local SGD as FedAvg's, so APFL
-composes with any aggregator, compressor and feedback policy — and ``v_k``,
-``α_k`` stay in the per-client store (``v_k`` starts as the first global model
-the client receives, ``α_k`` as ``alpha``). Evaluation: each client's
-``v̄_k = α_k v_k + (1 − α_k) w`` with the current global ``w``
-(``personal_acc_*``).
-
-Scope: plain local SGD (``client.momentum``, ``weight_decay``, ``prox_mu`` and
-``amp`` are refused, one line; the paper has none), a model whose train-mode
-forward draws no random number (no dropout). Models with BatchNorm train each
-pass on its own copy of the round's buffers; the global copy's are the ones
-returned.
+(η_α = ``alpha_lr``, default η) with every right-hand side at the step's start.
+The update sent is ``w − w_k`` of the global copy — the same local SGD as FedAvg's, so
+APFL composes with any aggregator, compressor and feedback policy — and ``v_k``,
+``α_k`` stay in the per-client store. Evaluation: each client's
+``v̄_k = α_k v_k + (1 − α_k) w`` with the current global ``w`` (``personal_acc_*``).
 
 Checked against the rule written out from the paper with a plain module
-(tests/test_personalised.py: digits, a 16-unit MLP, a client's second round,
-float64): the global copy max difference 1.4e-17, ``v_k`` and ``α_k`` 0. Departures: FL-bench's
-APFL (KarhouTam/FL-bench, src/client/apfl.py) mixes the two models' *logits*
-and updates α only in the first epoch, with a 0.02 α regulariser; fedloom
-follows the paper's parameter mixing and updates α every step.
+(tests/test_personalised.py): the global copy max difference 1.4e-17, ``v_k`` and
+``α_k`` 0. Departures: FL-bench's APFL (KarhouTam/FL-bench, src/client/apfl.py) mixes
+the two models' *logits* and updates α only in the first epoch, with a 0.02 α
+regulariser; fedloom follows the paper's parameter mixing and updates α every step.
+Scope: plain local SGD, no dropout. The scope, BatchNorm, the starting values and the
+check: docs/explanation/methods.md (APFL in detail).
 """
 
 from __future__ import annotations

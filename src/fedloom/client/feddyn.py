@@ -1,41 +1,28 @@
 """FedDyn: federated learning with dynamic regularisation.
 
 Acar, Zhao, Matas, Mattina, Whatmough, Saligrama, "Federated Learning Based on
-Dynamic Regularization" (ICLR 2021), Algorithm 1. Client ``k`` keeps
-``∇L_k``, the gradient state ``g_k`` (field ``grad``, zero at first), and
-minimises
-
-    L_k(θ) − ⟨g_k, θ⟩ + (α/2)‖θ − w‖²,
-
-i.e. each local step's gradient is ``∇f(θ) − g_k + α(θ − w)`` (fedloom's
-``grad_shift = −g_k`` and a prox weight ``α`` in place of ``client.prox_mu``).
-After training, ``g_k ← g_k − α(θ_k − w) = g_k + α u_k`` with ``u_k = w − θ_k``
-the update it sends. The server keeps ``h`` (zero at first):
+Dynamic Regularization" (ICLR 2021), Algorithm 1. Client ``k`` keeps ``∇L_k``, the
+gradient state ``g_k`` (field ``grad``, zero at first), and minimises
+``L_k(θ) − ⟨g_k, θ⟩ + (α/2)‖θ − w‖²``, i.e. each local step's gradient is
+``∇f(θ) − g_k + α(θ − w)`` (fedloom's ``grad_shift = −g_k`` and a prox weight ``α`` in
+place of ``client.prox_mu``). After training, ``g_k ← g_k − α(θ_k − w) = g_k + α u_k``
+with ``u_k = w − θ_k`` the update it sends. The server keeps ``h`` (zero at first):
 
     h ← h − (α/N) Σ_{k∈P} (θ_k − w) = h + (1/N) Σ_{k∈P} (g_k⁺ − g_k),
     θ ← (1/|P|) Σ_{k∈P} θ_k − h/α,
 
-N the number of clients. The first term is the configured aggregator's
-server step (FedDyn's: ``aggregator.name: fedavg`` with
-``aggregator.options.weighted: false``, ``server.lr: 1``); the ``− h/α`` correction is this
-method's :meth:`adjust_model`, applied after the step, so FedDyn composes with
-any aggregator and compressor (the clients' ``g_k`` then follows the updates
-they send; with a compressor, ``u_k`` is the dense update before compression,
-the authors' rule, not the decoded one). Secure aggregation: ``h`` needs the
-sum of the accepted updates only, which a sum-only server has.
+N the number of clients. The first term is the configured aggregator's server step;
+the ``− h/α`` correction is this method's :meth:`adjust_model`, applied after the step,
+so FedDyn composes with any aggregator and compressor.
 
-Checked against the authors' rule as FL-bench writes it
-(KarhouTam/FL-bench, src/client/feddyn.py, src/server/feddyn.py: the loss
-``α Σ θ·(nabla − w)``, the server ``avg + mean_k nabla_k``) and the paper's
-Algorithm 1: the paper's rule written out with ``torch.optim.SGD`` in
-tests/test_personalised.py (digits, 10 clients all sampled, α = 0.1, float64,
-fedloom's float32 uplink and float32 state store written into it) gives the
-same model after two rounds, max difference 5.6e-17. Departures from FL-bench's code: its
-client loss lacks the quadratic ``(α/2)‖θ‖²`` (the authors' code adds it as
-weight decay ``α``), which fedloom keeps; FL-bench indexes ``nabla`` by the
-cohort position, fedloom by client; the authors scale α per client by its
-data share (``α / (n_k N / Σ n)``), fedloom uses one α (identical on balanced
-clients); the gradient-norm clipping of FL-bench (``max_grad_norm``) is not applied.
+Checked against the authors' rule as FL-bench writes it (KarhouTam/FL-bench,
+src/client/feddyn.py, src/server/feddyn.py) and the paper's Algorithm 1
+(tests/test_personalised.py): the same model after two rounds, max difference 5.6e-17.
+Departures from FL-bench's code: its client loss lacks ``(α/2)‖θ‖²``, which fedloom keeps;
+FL-bench indexes ``nabla`` by the cohort position, fedloom by client;
+the authors scale α per client by its data share, fedloom uses one α;
+FL-bench's gradient-norm clipping (``max_grad_norm``) is not applied.
+The check, the composition and secure aggregation: docs/explanation/methods.md (FedDyn in detail).
 """
 
 from __future__ import annotations

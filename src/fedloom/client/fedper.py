@@ -18,12 +18,10 @@ Personal model for evaluation: the global body with the client's head
 the global model (``unsampled_acc_*``). LG-FedAvg's split (a personal body, a
 shared head) is the same method with ``personal`` naming the body's groups.
 
-Checked against FL-bench's FedPer (KarhouTam/FL-bench, src/client/fedper.py:
-the personal parameters are loaded before local training, every parameter
-trained, only the others aggregated): the rule written out with
-``torch.optim.SGD`` in tests/test_personalised.py (digits, a 16-unit MLP, one
-client's round, float64, the same batches) gives the same body and head, max
-difference 6.9e-18 (the rounding of reading ``w_k`` back as ``w − (w − w_k)``).
+Checked against FL-bench's FedPer (KarhouTam/FL-bench, src/client/fedper.py) with
+the rule written out with ``torch.optim.SGD`` in tests/test_personalised.py: the same
+body and head, max difference 6.9e-18. The check in full: docs/explanation/methods.md
+(FedPer in detail).
 """
 
 from __future__ import annotations

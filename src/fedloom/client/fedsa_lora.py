@@ -17,20 +17,10 @@ layer group (a projection's ``A`` and ``B`` are one group): a sampled client
 Personal model for evaluation: client ``k``'s ``(A, B_k)``, the global ``A`` with
 its own ``B``, on its own test split
 (:meth:`fedloom.engine.stages.evaluation.Evaluator.personal`): ``personal_acc_*`` (token
-accuracy) and, the model being a causal LM, ``personal_ppl_*``, the statistics over
-those clients of
-
-    ppl_k = exp( −(1 / (N_k T)) Σ_i Σ_t log p_{A, B_k}(y_{i,t} | x_{i,1..t}) ),
-
-``i`` over the client's ``N_k`` test windows of ``T`` tokens: lower is better
-(``worst10``: the mean of the highest ``⌈0.1 N⌉``), and ``log ppl_k`` is its mean
-token loss; ``client_acc.json`` holds each client's as ``personal_acc`` and
-``personal_ppl``. A client never sampled has no ``B`` of its own yet and uses the
-initial one, the server's, which never moves (LoRA's zero: the global ``A`` with
-``B = 0``, i.e. the base model; ``keep: A``: the initial ``A``); it is reported
-apart, as ``unsampled_acc_*`` and ``unsampled_ppl_*``, and ``personal_clients``
-counts the others. The global model's ``client_ppl_*`` are of ``(A, 0)`` on every
-client, so the difference is what the personal ``B`` bring.
+accuracy) and, the model being a causal LM, ``personal_ppl_*``; a client never sampled
+is reported apart (``unsampled_acc_*``, ``unsampled_ppl_*``). The perplexity, the
+clients never sampled and the global model's figures: docs/explanation/methods.md
+(FedSA-LoRA in detail).
 """
 
 from __future__ import annotations

@@ -11,9 +11,8 @@ aggregator, :mod:`fedloom.aggregate.lora`).
 Here the adapters are the model's rank-``r`` tensors and a client's rank is a
 truncation of them: local training starts from the received model with the rows
 ``r_k:`` of every ``A`` and the columns ``r_k:`` of every ``B`` set to zero, and
-those coordinates never move (their gradients are exactly zero, since a zero row of
-``A`` meets a zero column of ``B``; a ``grad_mask`` holds them against FedProx's pull
-as well). The client sends the update of the coordinates it holds and zeros for the
+those coordinates never move (why: docs/explanation/methods.md, HetLoRA in detail).
+The client sends the update of the coordinates it holds and zeros for the
 others, so any aggregator, compressor and feedback policy applies:
 
 - with ``aggregator.name: hetlora`` (``pad: zero``, the default) the server forms

@@ -11,26 +11,17 @@ model being trained, ``z_glob`` under the global model the client received and
 ``z_prev`` under the client's own model at the end of its previous round (the
 received model while it has none), ``sim`` the cosine similarity. The
 representation is the input of the head — the layer group ``representation``
-names (default: the last group, the classifier), flattened — read with a
-forward pre-hook, so any model in fedloom's zoo or a user's works without a
-projection head (the paper adds a 2-layer projection head to its ResNets; put
-one in the model to have it). ``ℓ_con`` is computed as
-``logsumexp(s_g, s_p) − s_g``, the same quantity without overflow.
-
-The global and previous models run in the same mode as the trained one (train
-mode), on copies of the module buffers, so their passes move no BatchNorm
-statistic of the client's training; they are not differentiated.
-``mu = 0`` is plain local SGD bit for bit (tested). The previous model lives in
-the per-client store (field ``previous``).
+names (default: the last group, the classifier), flattened — read with a forward
+pre-hook. ``mu = 0`` is plain local SGD bit for bit (tested). The previous model
+lives in the per-client store (field ``previous``).
 
 Checked against FL-bench's MOON (KarhouTam/FL-bench, src/client/moon.py, and
-QinbinLi/MOON's loss: ``−log(exp(sim_g/τ) / (exp(sim_p/τ) + exp(sim_g/τ)))``,
-``μ·mean`` added to the cross-entropy): that loss written out with
-``torch.optim.SGD`` in tests/test_personalised.py (digits, a 16-unit MLP,
-μ = 2, τ = 0.5, a client's second round so ``z_prev`` is its own, float64)
-gives the same local round, max difference 5.6e-17. Departure from FL-bench: its classifier input is
-``relu(z)`` of a model-specific feature method; fedloom's ``z`` is whatever
-enters the head.
+QinbinLi/MOON's loss) written out with ``torch.optim.SGD`` in tests/test_personalised.py:
+the same local round, max difference 5.6e-17. Departures: no projection head (the paper
+adds a 2-layer one to its ResNets; put one in the model to have it);
+FL-bench's classifier input is ``relu(z)`` of a model-specific feature method, fedloom's
+``z`` is whatever enters the head. Overflow, the reference models' mode and buffers, the
+check: docs/explanation/methods.md (MOON in detail).
 """
 
 from __future__ import annotations
