@@ -177,6 +177,26 @@ def test_threads_are_applied_for_the_run_and_restored_after():
     assert torch.get_num_threads() == before
 
 
+def test_one_thread_by_default_whatever_the_process_has():
+    """The default is one thread (a busy machine does not collapse, and the default
+    gives the same bits on every machine): the summary says 1 with the process at 2,
+    the model is the one of an explicit ``backend.threads=1``, and the process's count
+    is put back."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        seen: list[int] = []
+        res = fedloom.run(TINY, ["rounds=1"],
+                          callbacks=[lambda st, m: seen.append(torch.get_num_threads())])
+        assert seen == [1] and res.summary["threads"] == 1
+        assert torch.get_num_threads() == 2
+        one = fedloom.run(TINY, ["rounds=1", "backend.threads=1"])
+        assert one.summary["model_sha256"] == res.summary["model_sha256"]
+    finally:
+        torch.set_num_threads(before)
+    assert fedloom.Runtime().threads == 1
+
+
 def test_threads_zero_keeps_the_process_count():
     before = torch.get_num_threads()
     n, undo = apply_threads(0)

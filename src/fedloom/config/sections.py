@@ -416,10 +416,13 @@ class BackendConfig:
     worker affects its own group only: the other workers go on, and the dead one
     is replaced (also when it is found dead between rounds, where nothing is lost).
 
-    ``threads``: torch's intra-op threads for the run (0 = the process's own count,
-    every core in a fresh process; process and Ray workers: 1 each unless set);
-    the summary records them (``threads``). On a busy machine fewer threads are
-    much faster: OpenMP threads spin-wait for cores other processes hold.
+    ``threads``: torch's intra-op threads for the run, 1 unless set (0 = the
+    process's own count, every core in a fresh process; process and Ray workers: 1
+    each unless set); the summary records them (``threads``). One by default because
+    on a busy machine more are much slower (OpenMP threads spin-wait for cores
+    other processes hold) and because float32 sums round by thread count: a run is
+    bit for bit the same at equal thread counts, so the default is the same on every
+    machine. Measurements: docs/howto/gpu.md (Threads).
 
     Why ``sequential`` stays the default when the machine has more cores: ``auto``
     was not measurably faster on the reference workload of benchmarks/bench.py
@@ -446,7 +449,7 @@ class BackendConfig:
     max_retries: int = _f(2, ge=0)    # process / ray: reruns of work whose worker died
     # torch intra-op threads (fedloom.device.apply_threads): 0 = the process's own count
     # (every core in a fresh process); process and ray workers: 0 = 1 each.
-    threads: int = _f(0, ge=0)
+    threads: int = _f(1, ge=0)
     gpus_per_worker: float = _f(0.0, ge=0)  # ray: GPUs a task reserves (Ray's num_gpus)
     # glibc: the processes that train keep the heap memory a step frees for the next
     # (fedloom.device.keep_freed_heap; in this process it stays so after the run)

@@ -118,12 +118,13 @@ class Federation:
 @dataclass(frozen=True)
 class Runtime:
     """Where and how the rounds run: ``backend`` (a registered name; its other
-    settings in ``options``), ``device``, torch ``threads`` (0: torch's default),
-    ``dtype``, ``seed`` (every draw derives from it) and the client state storage."""
+    settings in ``options``), ``device``, torch ``threads`` (1 as in a config; 0: the
+    process's count), ``dtype``, ``seed`` (every draw derives from it) and the client
+    state storage."""
 
     backend: str = "sequential"
     device: str = "cpu"
-    threads: int = 0
+    threads: int = 1
     dtype: Literal["float32", "float64"] = "float32"
     seed: int = 0
     options: BackendConfig | None = None
