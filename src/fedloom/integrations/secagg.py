@@ -2,32 +2,26 @@
 
 Flower's SecAgg+ (Bell et al., "Secure Single-Server Aggregation with
 (Poly)Logarithmic Overhead", CCS 2020) is a ``SecAggPlusWorkflow`` in the
-ServerApp and the ``secaggplus_mod`` in the ClientApp. Flower ships it for its
-strategy-based ("legacy") apps only: the workflow needs a ``LegacyContext``
-and calls ``Strategy.configure_fit`` / ``aggregate_fit`` of a
-``flwr.server.strategy.Strategy``, passing every result the **unmasked
-weighted average** ``Σ_k ω_k x_k / Σ_k ω_k`` instead of the clients' own
-parameters. This module is that path for fedloom:
+ServerApp and the ``secaggplus_mod`` in the ClientApp, for Flower's strategy-based
+("legacy") apps only: the workflow calls ``Strategy.configure_fit`` / ``aggregate_fit``,
+passing every result the **unmasked weighted average** ``Σ_k ω_k x_k / Σ_k ω_k``
+instead of the clients' own parameters. This module is that path for fedloom:
 
 - :class:`SecAggStrategy` samples fedloom's cohort (the engine's generator),
   sends each sampled client the model and its round settings, and applies the
   unmasked average as the aggregate of fedloom's server optimizer step.
 - :func:`secagg_client_app`: a ClientApp that trains with fedloom's local SGD
-  on client ``k``'s data, applies ``privacy.mode=local`` (clip and noise)
-  and the compressor's round trip (``decode(encode(u))``: what a fedloom
-  server would have received), and returns the dense update as the FitRes
-  parameters with ``ω_k = n_k`` (``fedavg``) or 1 (``weighted: false``), which
-  ``secaggplus_mod`` masks.
+  on client ``k``'s data, applies ``privacy.mode=local`` and the compressor's round
+  trip, and returns the dense update with ``ω_k = n_k`` (``fedavg``) or 1
+  (``weighted: false``), which ``secaggplus_mod`` masks.
 
 Scope: ``server.secure_aggregation: true`` with ``fedavg``, a linear compressor,
 no error feedback, method ``sgd``, ``privacy.mode`` none, local or central without
-adaptive clipping (the server adds the noise to the unmasked sum), and
-``model.buffers: keep_global``; anything else is one line. The protocol clips
-each value to ``±clipping_range`` and rounds it stochastically, so a run is not
-bit-for-bit reproducible: measured (tests/test_flower.py, 6 clients, float64),
-one round differs from ``fedloom run``'s by 6.2e-6 and 7.1e-6 max abs, under the
-bound 2.1e-5. The scope, the quantisation and the measurements in detail:
-docs/deploy.md (SecAgg+ in detail).
+adaptive clipping, and ``model.buffers: keep_global``; anything else is one line.
+Departure: the protocol clips each value to ``±clipping_range`` and rounds it
+stochastically, so a run is not bit-for-bit reproducible: one round differs from
+``fedloom run``'s by 6.2e-6 and 7.1e-6 max abs, under the bound 2.1e-5 (tests/test_flower.py).
+The scope, the quantisation and the measurements in detail: docs/deploy.md (SecAgg+ in detail).
 """
 
 from __future__ import annotations

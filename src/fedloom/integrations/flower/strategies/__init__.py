@@ -1,30 +1,28 @@
 """fedloom's aggregation rules as drop-in Flower strategies for stock apps.
 
-A Flower app whose ClientApp trains the model it receives under ``"arrays"``
-and replies with ``ArrayRecord(model.state_dict())`` and a ``MetricRecord``
-holding ``num-examples`` (the way Flower's PyTorch examples are written) adopts
-CRAFT, Krum or any other fedloom rule by changing the strategy it constructs::
+A Flower app whose ClientApp trains the model it receives under ``"arrays"`` and replies
+with ``ArrayRecord(model.state_dict())`` and a ``MetricRecord`` holding ``num-examples``
+(the way Flower's PyTorch examples are written) adopts CRAFT, Krum or any other fedloom rule
+by changing the strategy it constructs::
 
     strategy = FedAvg(fraction_train=0.5)          # before
     strategy = CRAFT(fraction_train=0.5)           # after
 
-Everything else is Flower's (node sampling, the train config, client-side
-evaluation: :class:`flwr.serverapp.strategy.FedAvg`'s). What fedloom adds, in
-:meth:`FedloomRule.aggregate_train`: pseudo-gradients ``g_k = w − w_k`` against
-the arrays sent (or decoded from a
-:class:`~fedloom.integrations.flower.stock.CompressionMod` payload), the engine's
-screening (rejected replies counted, never averaged), the registered aggregator,
-the server step ``w ← w − η_g·opt(direction)`` (skipped, never applied, when it is
-not finite), and the ``num-examples``-weighted mean of the buffers.
+Everything else is Flower's (node sampling, the train config, client-side evaluation:
+:class:`flwr.serverapp.strategy.FedAvg`'s). What fedloom adds, in
+:meth:`FedloomRule.aggregate_train`: pseudo-gradients ``g_k = w − w_k`` against the arrays
+sent (or decoded from a :class:`~fedloom.integrations.flower.stock.CompressionMod` payload),
+the engine's screening (rejected replies counted, never averaged), the registered
+aggregator, the server step ``w ← w − η_g·opt(direction)`` (skipped, never applied, when it
+is not finite), and the ``num-examples``-weighted mean of the buffers.
 
-Checked (tests/test_flower_strategies.py): the same replies give the arrays of
-fedloom's aggregator and server optimizer, max difference 0 in float64 (CRAFT
-with SGD and Adam, Krum, FedAvg with momentum; near-collinear rows of a
-BatchNorm MLP, d = 292); a 3-round stock ClientApp run with :class:`CRAFT` ends
-at the engine's model, max difference 0. Departures from the engine: the cohort
-is Flower's sample, and a client's data size is its ``num-examples``.
-Each step in detail, the metrics a rule needs from the replies and the package's
-modules: docs/reference/api.md (What a strategy does in a round).
+Checked (tests/test_flower_strategies.py): the same replies give the arrays of fedloom's
+aggregator and server optimizer, max difference 0 in float64 (CRAFT with SGD and Adam, Krum,
+FedAvg with momentum; near-collinear rows of a BatchNorm MLP, d = 292); a 3-round stock
+ClientApp run with :class:`CRAFT` ends at the engine's model, max difference 0. Departures
+from the engine: the cohort is Flower's sample, and a client's data size is its
+``num-examples``. Each step in detail, the metrics a rule needs from the replies and the
+package's modules: docs/reference/api.md (What a strategy does in a round).
 """
 
 from __future__ import annotations
