@@ -5,11 +5,6 @@ brief, the paper, the public code it was checked against with the result, the
 departures one line each, and a pointer to the docs page (``docs/...md``, section)
 that holds the rest. Measured as :func:`ast.get_docstring` with ``clean=False``
 gives it, its number of lines: at most 25.
-
-``PENDING`` lists the modules still over, each with its length when listed: the
-test fails when a listed one grows, when a new one crosses the threshold, and when
-a listed one is brought under it (then its line goes). The list only shrinks; when
-it is empty it goes, and with it this paragraph.
 """
 
 from __future__ import annotations
@@ -20,13 +15,6 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "fedloom"
 
 MAX_DOCSTRING_LINES = 25
-
-# "path relative to src/fedloom" -> its docstring's lines when listed.
-PENDING: dict[str, int] = {
-    "engine/events.py": 43,
-    "compress/feedback/__init__.py": 28,
-}
-
 
 def docstring_lines(source: str) -> int:
     """Lines of the module docstring of ``source`` (0 without one)."""
@@ -43,19 +31,10 @@ def _measure() -> dict[str, int]:
     return over
 
 
-def test_no_new_module_docstring_over_the_threshold() -> None:
-    new = {k: v for k, v in _measure().items() if k not in PENDING}
-    assert not new, ("module docstrings over 25 lines (move the rest to the page they "
-                     "name): " + ", ".join(f"{k} ({v})" for k, v in new.items()))
-
-
-def test_the_pending_docstrings_only_shrink() -> None:
+def test_no_module_docstring_over_the_threshold() -> None:
     over = _measure()
-    grown = {k: (over[k], v) for k, v in PENDING.items() if k in over and over[k] > v}
-    assert not grown, "grown past their length when listed: " + ", ".join(
-        f"{k} ({now} > {then})" for k, (now, then) in grown.items())
-    done = [k for k in PENDING if k not in over]
-    assert not done, "within 25 lines now: take them out of PENDING: " + ", ".join(done)
+    assert not over, ("module docstrings over 25 lines (move the rest to the page they "
+                      "name): " + ", ".join(f"{k} ({v})" for k, v in over.items()))
 
 
 def test_the_measure_sees_what_it_measures() -> None:

@@ -3,19 +3,12 @@
 ``system.mode: async`` (FedAsync; Xie, Koyejo & Gupta, "Asynchronous Federated
 Optimization", 2019) and ``buffered`` (FedBuff; Nguyen et al., "Federated
 Learning with Buffered Asynchronous Aggregation", AISTATS 2022) keep
-``system.concurrency`` clients in flight. A client dispatched at server step
-``v`` starts from ``w_v``; its arrival time is its dispatch time plus
-:func:`fedloom.system.client_time` (download, its local steps at its device's
-speed, the upload of the round's payload size). Arrivals are taken in time
-order (ties by dispatch order); each one's slot is refilled at once by a client
-drawn uniformly from those neither in flight nor waiting in the buffer, from the
-model current then. A server step takes ``K`` arrivals (1 for async,
-``system.buffer`` for buffered) through the same objects as a synchronous
-cohort — the client half of the uplink, :func:`~fedloom.engine.stages.receive.receive`,
-any registered aggregator, the server optimizer, :func:`~fedloom.engine.stages.scatter.scatter`
-— with each row weighted by ``s(τ)`` of its staleness ``τ = t − v`` (server
-steps since its dispatch): ``constant`` 1, ``polynomial`` ``(1+τ)^-a``,
-``hinge`` 1 for ``τ ≤ b`` else ``1/(a(τ−b)+1)`` (FedAsync's three).
+``system.concurrency`` clients in flight. A client dispatched at server step ``v``
+starts from ``w_v`` and arrives after :func:`fedloom.system.client_time`; arrivals are
+taken in time order, each slot refilled at once. A server step takes ``K`` arrivals
+(1 for async, ``system.buffer`` for buffered) through the same objects as a synchronous
+cohort, each row weighted by ``s(τ)`` of its staleness ``τ = t − v``: ``constant`` 1,
+``polynomial`` ``(1+τ)^-a``, ``hinge`` 1 for ``τ ≤ b`` else ``1/(a(τ−b)+1)``.
 
 - **buffered** (FedBuff): the row is ``s(τ)·Δ_k``, ``Δ_k = w_v − w_k`` the
   client's update from the model it started from; the aggregate of the ``K``
@@ -24,23 +17,12 @@ steps since its dispatch): ``constant`` 1, ``polynomial`` ``(1+τ)^-a``,
   i.e. the row ``s(τ)·(w_t − w_v + Δ_k)`` stepped with ``server.lr = α``
   (FedAsync's mixing weight) under ``server.optimizer: sgd``.
 
-Per-client state is read when the client's job is built and written when its
-update arrives (scatter, accepted clients only; a rejected client's rows stay
-as they were); a client is never in flight twice, nor dispatched while its
-arrival waits in the buffer, so no other write comes between. The job is built
-and trained when the client arrives, from the model and server state of its
-dispatch (kept, per version in flight, in ``RunState.events``): the simulated
-order and the results are those of training at dispatch, and a checkpoint holds
-only that (plain data and tensors), so a run resumed at any step is bit-identical.
-``rounds`` counts server steps; ``sim_time_s`` is the clock at each step.
-
-Departures: the arrival time uses the payload size of the compressor on a fixed
-vector (:meth:`fedloom.system.System.expected_uplink`), exact for the
-fixed-size codecs (identity, top-k, rand-k, sign, QSGD at a fixed width) and an
-estimate otherwise; the local step size of a client is the schedule's at its
-dispatch step. Not combined with: deadlines, availability, dropout, a feedback
-policy with server state, differential privacy, a round planner
-(:func:`fedloom.engine.refusals.check_event_mode`).
+The job is built and trained when the client arrives, from the model and server state
+of its dispatch (``RunState.events``), so a run resumed at any step is bit-identical.
+Departures: the arrival time uses the compressor's payload size on a fixed vector;
+a client's local step size is the schedule's at its dispatch step.
+The arrivals, the clients' state, resume and what it does not combine with:
+docs/howto/async.md (The event driver in detail).
 """
 
 from __future__ import annotations

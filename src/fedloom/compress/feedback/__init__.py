@@ -1,17 +1,15 @@
 """Error-feedback policies for compressed uplinks.
 
-Per-client state (residual ``e_k``, EF21's ``h_k``, SCAFCOM's ``c_k``, ``v_k``)
-is rows of the per-client store, written back for the accepted clients only;
-server state goes in and comes back. Formulas use ``g_k = w − w_k`` (trainable
-parameters only).
+Per-client state (residual ``e_k``, EF21's ``h_k``, SCAFCOM's ``c_k``, ``v_k``) is rows of
+the per-client store, written back for the accepted clients only; server state goes in
+and comes back. Formulas use ``g_k = w − w_k`` (trainable parameters only).
 
 - ``none``: send ``C(g_k)``.
 - ``ef`` (Seide et al. 2014; Stich & Karimireddy 2019): ``u = e + g``, send
   ``C(u)``, ``e ← u − C(u)``.
-- ``sapef`` — SA-PEF (arXiv 2601.20738): start from ``w − α e``, then
-  ``u = (1 − α) e + g``, send ``C(u)``, ``e ← u − C(u)``; α = 0 is EF, α = 1 is
-  ``saef``; ``alpha_schedule`` ``constant`` (public 0.85), ``theory``
-  (``α* = 1/(1 + 12 s_r²)``) or ``residual`` (fedloom's, :func:`residual_alpha`).
+- ``sapef`` — SA-PEF (arXiv 2601.20738): start from ``w − α e``, then ``u = (1 − α) e + g``,
+  send ``C(u)``, ``e ← u − C(u)``; α = 0 is EF, α = 1 is ``saef``; ``alpha_schedule``
+  ``constant``, ``theory`` (``α* = 1/(1 + 12 s_r²)``) or ``residual`` (:func:`residual_alpha`).
 - ``ef21`` (Richtárik, Sokolov & Fatkhullin, NeurIPS 2021): ``c_k = C(g_k − h_k)``,
   ``h_k ← h_k + c_k``; under partial participation EF21-PP (arXiv 2110.03294,
   ``ef21_mean: all``) or the sampled clients' mean. See :class:`EF21`.
@@ -21,11 +19,10 @@ parameters only).
 - ``scafcom`` (Huang, Li, Yin & Ye, ICLR 2024): SCAFFOLD local steps, a momentum
   ``v_k`` of the corrected gradient, send ``C(v_k − c_k)``. See :class:`SCAFCOM`.
 
-Every policy keeps ``u == decode(payload) + e_new`` (the residual is computed
-from the decoded payload), exactly for sparsifiers and casts.
-
-Each policy's rule in full, the state and the online smoothness ``L̂`` of
-``theory``: docs/explanation/methods.md (Error feedback in detail).
+Every policy keeps ``u == decode(payload) + e_new`` (the residual is computed from the
+decoded payload), exactly for sparsifiers and casts. Each policy's rule in full, the state
+and the online smoothness ``L̂`` of ``theory``: docs/explanation/methods.md (Error feedback
+in detail).
 """
 
 from __future__ import annotations
