@@ -116,6 +116,26 @@ def _remove_new_dirs(out: Path, base: Path) -> None:
             break
 
 
+def _mode_rows(s: dict[str, Any], cfg: Config) -> list[tuple[str, str]]:
+    """What the run's mode measured: a selector other than uniform sampling, the
+    simulated time and staleness of a system model or an event mode, and a language
+    model's tokens per second and peak memory (the process's peak RSS on the CPU)."""
+    rows: list[tuple[str, str]] = []
+    if cfg.cohort.selection.name != "uniform":
+        rows.append(("selector", cfg.cohort.selection.name))
+    if "sim_time_s" in s:
+        rows.append(("simulated time", f"{s['sim_time_s']:.4g} s"))
+    if "staleness_mean" in s:
+        rows.append(("staleness mean / max (last round)",
+                     f"{s['staleness_mean']:.2f} / {s.get('staleness_max', float('nan')):g}"))
+    if "train_tokens_per_s" in s:
+        rows.append(("training tokens/s", f"{s['train_tokens_per_s']:,.1f} "
+                     f"({s.get('train_tokens_total', 0):,} tokens)"))
+        if not str(s.get("device", "")).startswith("cuda") and "peak_rss_mb" in s:
+            rows.append(("peak memory (RSS)", f"{s['peak_rss_mb']:.0f} MB"))
+    return rows
+
+
 def _summary_rows(s: dict[str, Any], cfg: Config) -> list[tuple[str, str]]:
     """The table ``run`` prints at the end: (metric, value) rows from the run's summary."""
     return [
@@ -147,10 +167,12 @@ def _summary_rows(s: dict[str, Any], cfg: Config) -> list[tuple[str, str]]:
         *([("dp epsilon (delta)", f"{s['dp_epsilon']:.4g} ({s['dp_delta']:g})")]
           if "dp_epsilon" in s and "dp_delta" in s else []),
         *([("stopped", s["stop_reason"])] if "stop_reason" in s else []),
-        # the step used, and where it came from when the config left it to the rule
+        *_mode_rows(s, cfg),
+        # the step used and where it came from (auto: the rule's), or a server step object
         *([("server.lr", f"{s['server_lr']:g}" + (f" (auto: {cfg.aggregator.name}'s default)"
                                                  if cfg.server.lr == "auto" else ""))]
-          if "server_lr" in s else []),
+          if "server_lr" in s else [("server step", f"{s['server_step'][:80]} (server.lr not "
+                                     "applied)")] if "server_step" in s else []),
         ("backend", f"{s.get('backend', '')}"),
         ("device", _fmt_device(s)),
         *([("peak device memory", f"{s['peak_device_memory_mb']:.0f} MB")]
