@@ -49,6 +49,7 @@ class Purpose(StrEnum):
     DROPOUT = "dropout"      # randomness inside a train-mode forward (dropout masks)
     AUGMENT = "augment"      # training augmentation (random crops and flips)
     FEATURE = "feature"      # a client's feature skew (fedloom.data.feature)
+    PROBE = "probe"          # the synthetic inputs plug-ins are checked on before round 1
 
 
 def derive_seed(seed: int, round: int = -1, client: int = -1, purpose: str = "") -> int:

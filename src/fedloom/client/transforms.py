@@ -31,10 +31,11 @@ from typing import Any, cast
 import torch
 
 from fedloom.job import ClientJob, Penalty
-from fedloom.transforms import Chain, Transform, chain
+from fedloom.transforms import Chain, Transform, chain, is_transform, probe_transform
 
 __all__ = ["Chain", "LocalTransform", "Mask", "Momentum", "Objective", "PenaltyTerm", "PerClient",
-           "Prox", "Shift", "StepContext", "Terms", "WeightDecay", "chain", "job_chain",
+           "Prox", "Shift", "StepContext", "Terms", "WeightDecay", "chain",
+           "check_local_transforms", "job_chain",
            "job_terms", "jobs_chain", "local_chain", "split_terms", "with_term"]
 
 
@@ -325,3 +326,20 @@ class PerClient:
             D[k], ss = chain(*ts).update(D[k], ss, StepContext(ctx.step, ctx.W[k], ctx.W0[k]))
             new.append(ss)
         return D, tuple(new)
+
+
+def check_local_transforms(transforms: Sequence[object], w: torch.Tensor, d: torch.Tensor
+                           ) -> None:
+    """Each of ``client.transforms`` at the door (:func:`fedloom.transforms.probe_transform`):
+    a transform of one's own runs on the synthetic direction ``d`` at the parameters
+    ``w`` (both ``[d]``, one client's shape), steps 0 and 1, the second on the state
+    the first returned; a server step given here is refused, one ``ValueError`` line."""
+    for i, t in enumerate(transforms):
+        where = f"client.transforms[{i}]"
+        if not is_transform(t) and callable(getattr(t, "step", None)):
+            raise ValueError(f"{where}: {type(t).__name__} is a server step (init, step), not "
+                             "a local-step transform (init, update); give it as server=..., "
+                             "and local momentum as client.momentum")
+        w1 = w - 0.01 * d
+        probe_transform(t, where, d, (StepContext(0, w.clone(), w.clone()),
+                                      StepContext(1, w1, w.clone())), "local-step")

@@ -9,23 +9,29 @@ model, each ``None`` component the schema's default), the backend, privacy, the
 schedule, the screening rules, the evaluator and the round's surroundings
 (:class:`Surroundings`). It refuses the combinations that cannot work
 (:mod:`fedloom.engine.refusals`, whose messages name the config fields of
-``record``), so a bad run fails before any file is written.
+``record``) and runs the plug-ins' checks at the door (the aggregator, the server
+step and ``client.transforms`` once on a synthetic input), so a bad run fails
+before any file is written.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
 
-from fedloom.aggregate.base import make_aggregator
+from fedloom.aggregate.base import CohortInfo, make_aggregator
+from fedloom.aggregate.checks import check_aggregator
 from fedloom.attack import Attack, make_attack
 from fedloom.buffers import module_buffers, random_in_train
 from fedloom.capabilities import aggregator_caps
 from fedloom.client.sgd import LocalSGD
+from fedloom.client.transforms import check_local_transforms
 from fedloom.compress import make_compressor
 from fedloom.compress.feedback import feedback_from_config
 from fedloom.compress.identity import Identity
@@ -44,15 +50,20 @@ from fedloom.engine.inputs import ClientData, ModelSpace, Schedule, ScreenRules
 from fedloom.engine.stages.evaluation import Evaluator
 from fedloom.engine.stages.screen import first_line
 from fedloom.engine.trainers.backends import Backend
-from fedloom.engine.values import Algorithm, Federation, Runtime
+from fedloom.engine.values import Algorithm, Federation, LocalUpdate, Runtime
 from fedloom.hooks import ClientMetric, planner_from_config
 from fedloom.params import Layout, training_mode
 from fedloom.privacy import Privacy, make_privacy
 from fedloom.registry import accepted_options, build, get
+from fedloom.rng import Purpose, torch_gen
+from fedloom.server_opt.checks import check_server_step
 from fedloom.state import ClientStateStore, FieldSpec
 from fedloom.system import System, make_system
+from fedloom.transforms import Chain, from_fedloom
 
 __all__ = ["Bound", "Surroundings", "bind"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -106,6 +117,7 @@ def bind(algorithm: Algorithm, federation: Federation, runtime: Runtime,
         transforms=tuple(loc.transforms))
     algo = _components(algorithm, trainer, space.layout)
     n = fed.num_clients
+    _check_plugins(algo, loc, space, federation.cohort, n, runtime)
     refusals.check_full_participation(record, algo.aggregator, n)
     system = make_system(federation.system_settings, runtime.seed, n, loc.batch_size,
                          federation.cohort,
@@ -219,6 +231,50 @@ def _components(algorithm: Algorithm, trainer: LocalSGD, layout: Layout) -> Boun
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
     return BoundAlgorithm(trainer, method, compressor, feedback, planner, aggregator, server)
+
+
+# The synthetic rows the plug-ins are checked on: at most this many numbers
+# (64 MiB in float32), at least two rows, else the cohort's size.
+_PROBE_NUMBERS = 2**24
+
+
+def _check_plugins(algo: BoundAlgorithm, loc: LocalUpdate, space: ModelSpace, cohort: int,
+                   num_clients: int, runtime: Runtime) -> None:
+    """The aggregator, the server step and ``client.transforms`` run once on a synthetic
+    input of the run's shapes (the checks at the door: :mod:`fedloom.aggregate.checks`,
+    :mod:`fedloom.server_opt.checks`, :func:`~fedloom.client.transforms.check_local_transforms`),
+    on copies: the rows come from their own stream ``(seed, "probe")``, no global RNG is
+    drawn and no run state is touched. A violation is a one-line ConfigError."""
+    d, dtype, device = space.layout.size, space.dtype, space.device
+    m = max(2, min(cohort, _PROBE_NUMBERS // max(d, 1)))
+    gen = torch_gen(runtime.seed, purpose=Purpose.PROBE)
+    rows = (1e-2 * torch.randn(m, d, generator=gen, dtype=dtype)).to(device)
+    w = space.layout.flatten(space.module).detach().clone()
+    info = CohortInfo(clients=torch.arange(m), round=0, num_clients=num_clients,
+                      losses=torch.ones(m, dtype=torch.float64, device=device),
+                      steps=torch.ones(m, dtype=torch.int64, device=device),
+                      lr=loc.lr, momentum=loc.momentum,
+                      start_losses=torch.ones(m, dtype=torch.float64, device=device), w=w)
+    weights = 10.0 * torch.arange(1, m + 1, dtype=dtype, device=device)
+    try:
+        check_aggregator(_copy(algo.aggregator), space.layout, rows, weights, info)
+        check_server_step(_copy(algo.server), w.clone(), rows.mean(0))
+        check_local_transforms([_copy(t) for t in loc.transforms], w.clone(), rows[0].clone())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _copy(obj: T) -> T:
+    """A copy of ``obj`` for its check, so that what a plug-in keeps in itself (a
+    round counter) is as it was given when round 1 starts; ``obj`` itself when it
+    cannot be copied (an open handle), the check then seen by the object. fedloom's
+    own classes are not run by the checks (but for a chain's terms): not copied."""
+    if from_fedloom(obj) and not isinstance(obj, Chain):
+        return obj
+    try:
+        return copy.deepcopy(obj)
+    except Exception:  # any __deepcopy__/__reduce__ of the user's class may fail
+        return obj
 
 
 def _state(algo: BoundAlgorithm, space: ModelSpace, num_clients: int, runtime: Runtime,
