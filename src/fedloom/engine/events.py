@@ -30,20 +30,59 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from fedloom.client.sgd import LocalSGD
 from fedloom.config import SystemConfig
-from fedloom.engine.runstate import RoundPlan, RunState
+from fedloom.engine.runstate import RoundOutcome, RoundPlan, RunState
+from fedloom.job import ClientJob, ClientResult
 from fedloom.rng import derive_seed
-from fedloom.system import client_time, samples_for_steps
+from fedloom.system import System, client_time, samples_for_steps
 
-if TYPE_CHECKING:  # the driver steps the experiment's own stages
-    from fedloom.engine.experiment import Experiment
+__all__ = ["ClientClock", "EventDriver", "RoundHalves", "staleness_weight"]
 
-__all__ = ["EventDriver", "staleness_weight"]
+
+class RoundHalves(Protocol):
+    """The stages a server step calls, in order (the experiment's): a one-client plan
+    at a dispatch version, training the arrivals, the uplink and the server half."""
+
+    def plan_round(self, st: RunState, cohort: torch.Tensor | None = None) -> RoundPlan: ...
+
+    def train_cohort(self, jobs: Sequence[ClientJob]) -> Sequence[ClientResult | None]: ...
+
+    def uplink_round(self, st: RunState, plan: RoundPlan,
+                     raw: Sequence[ClientResult | None]) -> tuple[RoundPlan, RoundOutcome]: ...
+
+    def finish_round(self, st: RunState, plan: RoundPlan, outcome: RoundOutcome, *,
+                     t0: float, t_train: float) -> tuple[RunState, dict[str, Any]]: ...
+
+    def lr(self, r: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class ClientClock:
+    """What a dispatch reads to time a client: the system model, the broadcast's and
+    the expected upload's bytes, each client's training positions and the local
+    trainer's step budget and batch size."""
+
+    system: System
+    downlink_size: int
+    uplink_size: int
+    train: Sequence[np.ndarray]
+    local: LocalSGD
+
+    def duration(self, k: int) -> float:
+        """Client ``k``'s simulated time from dispatch to arrival."""
+        nk = len(self.train[k])
+        steps = self.local.num_steps(nk)
+        return client_time(self.system.device(k), self.downlink_size,
+                           samples_for_steps(steps, nk, self.local.batch_size),
+                           self.uplink_size)
 
 
 def staleness_weight(cfg: SystemConfig, tau: int) -> float:
@@ -64,7 +103,7 @@ class EventDriver:
         self.k = 1 if cfg.mode == "async" else cfg.buffer
 
     # ------------------------------------------------------------- dispatch
-    def _dispatch(self, exp: Experiment, ev: dict[str, Any], st: RunState, t: float,
+    def _dispatch(self, times: ClientClock, ev: dict[str, Any], st: RunState, t: float,
                   exclude: set[int]) -> None:
         """Fill the free slots at time ``t`` from the model of ``st``."""
         flight: list[list[float]] = ev["flight"]
@@ -77,33 +116,28 @@ class EventDriver:
         if str(v) not in versions:  # the model and server state a client starts from
             versions[str(v)] = {"w": st.w.clone(), "feedback": st.feedback_state,
                                 "method": st.method_state, "buffers": st.buffers}
-        candidates = np.array([k for k in range(exp.clients.num_clients) if k not in busy])
+        candidates = np.array([k for k in range(len(times.train)) if k not in busy])
         n = int(ev["dispatched"])
         gen = np.random.default_rng(derive_seed(self.seed, n, -1, "dispatch"))
         chosen = gen.choice(candidates, free, replace=False)
-        sysm, d = exp.around.system, exp.space.layout.size
-        assert sysm is not None
-        up = sysm.expected_uplink(exp.algorithm.compressor, d)
         for i, k in enumerate(chosen.tolist()):
-            nk = len(exp.clients.fed.train[k])
-            local = exp.algorithm.local
-            steps = local.num_steps(nk)
-            dt = client_time(sysm.device(k), exp.around.downlink_size,
-                             samples_for_steps(steps, nk, local.batch_size), up)
+            dt = times.duration(k)
             # [arrival time, dispatch order, client, version, dispatch time]
             flight.append([t + dt, float(n + i), float(k), float(v), t])
         ev["dispatched"] = n + len(chosen)
 
     # ------------------------------------------------------------ one step
-    def step(self, exp: Experiment, st: RunState) -> tuple[RunState, dict[str, Any]]:
-        """Take the next ``K`` arrivals, train and aggregate them, step the model."""
+    def step(self, halves: RoundHalves, times: ClientClock, st: RunState
+             ) -> tuple[RunState, dict[str, Any]]:
+        """Take the next ``K`` arrivals (timed by ``times``), train and aggregate them
+        through ``halves``, step the model."""
         t0 = time.perf_counter()
         ev = st.events or {"flight": [], "versions": {}, "dispatched": 0}
         ev = {"flight": [list(f) for f in ev["flight"]], "versions": dict(ev["versions"]),
               "dispatched": int(ev["dispatched"])}
         clock = st.sim_time_s
         if not ev["flight"]:  # the first step: every slot from w_0 at time 0
-            self._dispatch(exp, ev, st, clock, set())
+            self._dispatch(times, ev, st, clock, set())
         arrived: list[list[float]] = []
         while len(arrived) < self.k:
             heapq.heapify(ev["flight"])
@@ -111,11 +145,11 @@ class EventDriver:
             arrived.append(nxt)
             clock = max(clock, nxt[0])
             if len(arrived) < self.k:  # its slot refilled now, from the current model
-                self._dispatch(exp, ev, st, nxt[0], {int(a[2]) for a in arrived})
-        plan, raw = self._train(exp, st, ev, arrived)
+                self._dispatch(times, ev, st, nxt[0], {int(a[2]) for a in arrived})
+        plan, raw = self._train(halves, st, ev, arrived)
         t_train = time.perf_counter() - t0
-        plan, outcome = exp.uplink_round(st, plan, raw)
-        new, metrics = exp.finish_round(st, plan, outcome, t0=t0, t_train=t_train)
+        plan, outcome = halves.uplink_round(st, plan, raw)
+        new, metrics = halves.finish_round(st, plan, outcome, t0=t0, t_train=t_train)
         taus = [st.next_round - int(a[3]) for a in arrived]
         metrics["staleness_mean"] = float(np.mean(taus))
         metrics["staleness_max"] = int(max(taus))
@@ -123,13 +157,13 @@ class EventDriver:
         metrics["sim_time_s"] = clock
         new = dataclasses.replace(new, sim_time_s=clock)
         # the last arrival's slot, from the model after the step
-        self._dispatch(exp, ev, new, clock, set())
+        self._dispatch(times, ev, new, clock, set())
         live = {str(int(f[3])) for f in ev["flight"]}
         ev["versions"] = {v: s for v, s in ev["versions"].items() if v in live}
         new.events = ev
         return new, metrics
 
-    def _train(self, exp: Experiment, st: RunState, ev: dict[str, Any],
+    def _train(self, halves: RoundHalves, st: RunState, ev: dict[str, Any],
                arrived: list[list[float]]) -> tuple[RoundPlan, list[Any]]:
         """The arrivals' jobs, each from its dispatch version, trained as one cohort;
         their plan with the staleness rows of the server half."""
@@ -142,15 +176,15 @@ class EventDriver:
             at_v = dataclasses.replace(st, next_round=v, w=ver["w"],
                                        feedback_state=ver["feedback"],
                                        method_state=ver["method"], buffers=ver["buffers"])
-            plans.append(exp.plan_round(at_v, cohort=torch.tensor([k], dtype=torch.long)))
+            plans.append(halves.plan_round(at_v, cohort=torch.tensor([k], dtype=torch.long)))
         taus = [st.next_round - int(a[3]) for a in arrived]
         scales = [staleness_weight(self.cfg, tau) for tau in taus]
         shifts = None
         if self.cfg.mode == "async":  # FedAsync mixes with w_k = w_v − Δ_k: add w_t − w_v
             shifts = [(st.w - ev["versions"][str(int(a[3]))]["w"]) if tau else None
                       for a, tau in zip(arrived, taus, strict=True)]
-        plan = _merge(plans, st.next_round, exp.schedule.lr(st.next_round), scales, shifts)
-        raw = exp.backend.train_cohort(plan.jobs)
+        plan = _merge(plans, st.next_round, halves.lr(st.next_round), scales, shifts)
+        raw = halves.train_cohort(plan.jobs)
         return plan, list(raw)
 
 

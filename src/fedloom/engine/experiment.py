@@ -54,6 +54,7 @@ from fedloom.engine.binding import bind
 from fedloom.engine.build import Model, build
 from fedloom.engine.build import describe as describe_values
 from fedloom.engine.clientfields import FEEDBACK, ClientFields
+from fedloom.engine.events import ClientClock
 from fedloom.engine.inputs import HookView
 from fedloom.engine.objects import OBJECT_PREFIX, Components
 from fedloom.engine.runs.legacy import Fresh
@@ -73,7 +74,7 @@ from fedloom.engine.stages.tally import (
 from fedloom.engine.stages.uplink import EarlyUplink, client_postprocessors, uplink_round
 from fedloom.engine.values import Algorithm, Federation, Runtime, ServerStep
 from fedloom.hooks import ClientMetric
-from fedloom.job import ClientResult
+from fedloom.job import ClientJob, ClientResult
 from fedloom.metrics import evaluate
 from fedloom.params import Layout
 from fedloom.state import ClientStateStore
@@ -339,7 +340,7 @@ class Experiment:
         event-driven modes (``system.mode`` async, buffered) a round is one server
         step (:mod:`fedloom.engine.events`)."""
         if self.around.events is not None:
-            return self.around.events.step(self, st)
+            return self.around.events.step(self, self._client_clock(), st)
         t0 = time.perf_counter()
         plan = self.plan_round(st)
         sysm = self.around.system
@@ -367,6 +368,18 @@ class Experiment:
                                          times=sim.times if sysm.timed else None,
                                          late=sim.late, deadline_s=sysm.cfg.deadline_s)
         return sysm.finish(sim, st, new, metrics)
+
+    def _client_clock(self) -> ClientClock:
+        """What the event driver's dispatch reads to time a client."""
+        sysm = self.around.system
+        assert sysm is not None  # the event modes run on the system model
+        return ClientClock(sysm, self.around.downlink_size,
+                           sysm.expected_uplink(self.algorithm.compressor, self.space.layout.size),
+                           self.clients.fed.train, self.algorithm.local)
+
+    def train_cohort(self, jobs: Sequence[ClientJob]) -> Sequence[ClientResult | None]:
+        """The backend's training of ``jobs``."""
+        return self.backend.train_cohort(jobs)
 
     def plan_round(self, st: RunState, cohort: torch.Tensor | None = None) -> RoundPlan:
         """The round's cohort (``cohort``: these clients) and fully specified client
