@@ -17,6 +17,7 @@ import torch
 import fedloom
 from conftest import TINY
 from fedloom.cli import main
+from fedloom.compress.base import pack, unpack_header
 from fedloom.config import ConfigError
 from fedloom.engine.runs.loop import NEVER_STEPPED_ROUNDS
 from fedloom.server_opt import chain, heavy_ball, optimizers, scale
@@ -257,3 +258,58 @@ def test_a_run_that_steps_in_one_of_its_first_rounds_goes_on(monkeypatch):
     assert [m["rejected_rounds"] for m in res.metrics] == [
         int(r + 1 in skipped) for r in range(NEVER_STEPPED_ROUNDS + 1)]
     assert res.summary["rejected_rounds_total"] == len(skipped)
+
+
+# ------------------------------------------------------------------ compressors
+class Raw:
+    """A well-formed compressor: the float32 values as they are, after fedloom's header."""
+
+    name, checksum, codec = "raw", False, 200
+
+    def encode(self, x, *, gen=None):
+        body = x.detach().to(torch.float32).cpu().numpy().tobytes()
+        return pack(self.codec, x.numel(), body, self.checksum)
+
+    def decode(self, payload, d=None):
+        _, body = unpack_header(payload, self.codec, d, self.checksum)
+        return torch.frombuffer(bytearray(body), dtype=torch.float32)
+
+
+class NoHeader(Raw):
+    def encode(self, x, *, gen=None):
+        return x.detach().to(torch.float32).cpu().numpy().tobytes()
+
+
+class SendsTheTensor(Raw):
+    def encode(self, x, *, gen=None):
+        return x
+
+
+class DecodesShort(Raw):
+    def decode(self, payload, d=None):
+        return super().decode(payload, d)[1:]
+
+
+def test_a_compressor_sending_a_tensor_is_one_line():
+    _one_line(r"^compression: SendsTheTensor\.encode returned a tensor of shape \(\d+,\), the "
+              r"Compressor protocol is encode\(x, \*, gen\) -> bytes and decode\(payload, d\) "
+              r"-> vector$", compressor=SendsTheTensor())
+
+
+def test_a_compressor_without_the_payload_header_is_one_line():
+    _one_line(r"^compression: NoHeader\.encode returned \d+ bytes without fedloom's payload "
+              r"header \(coordinates_sent: bad magic .*\); write it with "
+              r"fedloom\.compress\.base\.pack\(codec, d, body, checksum\)$",
+              compressor=NoHeader())
+
+
+def test_a_compressor_decoding_short_is_one_line():
+    _one_line(r"^compression: DecodesShort\.decode returned a vector of shape \(\d+,\), "
+              r"expected \(\d+,\)$", compressor=DecodesShort())
+
+
+def test_a_well_formed_compressor_runs():
+    res = fedloom.run(_cfg(), compressor=Raw())
+    ref = fedloom.run(_cfg())
+    assert res.summary["rejected_updates_total"] == 0
+    assert res.summary["model_sha256"] == ref.summary["model_sha256"]  # lossless

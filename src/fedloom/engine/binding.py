@@ -33,6 +33,7 @@ from fedloom.capabilities import aggregator_caps
 from fedloom.client.sgd import LocalSGD
 from fedloom.client.transforms import check_local_transforms
 from fedloom.compress import make_compressor
+from fedloom.compress.checks import check_compressor
 from fedloom.compress.feedback import feedback_from_config
 from fedloom.compress.identity import Identity
 from fedloom.config import Config, ConfigError, EvalConfig
@@ -240,9 +241,10 @@ _PROBE_NUMBERS = 2**24
 
 def _check_plugins(algo: BoundAlgorithm, loc: LocalUpdate, space: ModelSpace, cohort: int,
                    num_clients: int, runtime: Runtime) -> None:
-    """The aggregator, the server step and ``client.transforms`` run once on a synthetic
-    input of the run's shapes (the checks at the door: :mod:`fedloom.aggregate.checks`,
-    :mod:`fedloom.server_opt.checks`, :func:`~fedloom.client.transforms.check_local_transforms`),
+    """The aggregator, the server step, ``client.transforms`` and the compressor run on
+    a synthetic input of the run's shapes (the checks at the door: :mod:`fedloom.aggregate.checks`,
+    :mod:`fedloom.server_opt.checks`, :func:`~fedloom.client.transforms.check_local_transforms`,
+    :mod:`fedloom.compress.checks`),
     on copies: the rows come from their own stream ``(seed, "probe")``, no global RNG is
     drawn and no run state is touched. A violation is a one-line ConfigError."""
     d, dtype, device = space.layout.size, space.dtype, space.device
@@ -260,6 +262,9 @@ def _check_plugins(algo: BoundAlgorithm, loc: LocalUpdate, space: ModelSpace, co
         check_aggregator(_copy(algo.aggregator), space.layout, rows, weights, info)
         check_server_step(_copy(algo.server), w.clone(), rows.mean(0))
         check_local_transforms([_copy(t) for t in loc.transforms], w.clone(), rows[0].clone())
+        check_compressor(_copy(algo.compressor), rows[0].clone(),
+                         (torch_gen(runtime.seed, 0, 0, Purpose.PROBE),
+                          torch_gen(runtime.seed, 0, 1, Purpose.PROBE)))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
