@@ -107,6 +107,7 @@ _MODULES = (
     "fedloom.client.ditto",
     "fedloom.client.feddyn",
     "fedloom.client.fedper",
+    "fedloom.client.lg_fedavg",
     "fedloom.client.fedrep",
     "fedloom.client.fedbabu",
     "fedloom.client.apfl",

@@ -15,8 +15,8 @@ head ``h_k`` (the layer groups ``personal``, by default the last one:
 
 Personal model for evaluation: the global body with the client's head
 (``personal_acc_*``); a client never sampled has no head and is reported with
-the global model (``unsampled_acc_*``). LG-FedAvg's split (a personal body, a
-shared head) is the same method with ``personal`` naming the body's groups.
+the global model (``unsampled_acc_*``). LG-FedAvg (:mod:`fedloom.client.lg_fedavg`)
+is the same method with ``personal`` naming the body's groups.
 
 Checked against FL-bench's FedPer (KarhouTam/FL-bench, src/client/fedper.py) with
 the rule written out with ``torch.optim.SGD`` in tests/test_personalised.py: the same
@@ -101,23 +101,4 @@ def _fedper(layout: Layout, personal: Sequence[str] | None = None) -> FedPer:
         departures: the server's head is the initial one for ever (the head's update is
             sent as zeros rather than left out, so every aggregator and compressor applies).
     """
-    return FedPer(layout, personal)
-
-
-@register("method", "lg_fedavg")
-def _lg_fedavg(layout: Layout, personal: Sequence[str] | None = None) -> FedPer:
-    """LG-FedAvg's split: ``personal`` names the local layers (default: every group
-    but the last, the shared head).
-
-    Reference:
-        paper: Liang et al., "Think Locally, Act Globally: Federated Learning with Local
-            and Global Representations", arXiv 2001.01523, 2020.
-        code: none checked (FedPer's rule with the other split).
-        departures: the local layers are trained with the head in one pass, as FedPer.
-    """
-    if personal is None:
-        personal = [g.name for g in layout.groups[:-1]]
-        if not personal:
-            raise ValueError("client.method.options.personal: the model has one layer group; "
-                             "LG-FedAvg needs a body and a head")
     return FedPer(layout, personal)
