@@ -313,3 +313,22 @@ def test_a_well_formed_compressor_runs():
     ref = fedloom.run(_cfg())
     assert res.summary["rejected_updates_total"] == 0
     assert res.summary["model_sha256"] == ref.summary["model_sha256"]  # lossless
+
+
+class UnitDirection:
+    """A term written for one client's [d] only: torch.dot takes 1-D tensors."""
+
+    def init(self, W):
+        return None
+
+    def update(self, D, state, ctx):
+        return D / torch.dot(D, D).sqrt(), state
+
+
+def test_a_term_for_one_client_only_is_refused_on_a_batched_backend():
+    res = fedloom.run(_cfg(), transforms=[UnitDirection()])  # sequential: [d]
+    assert res.summary["rejected_rounds_total"] == 0
+    with pytest.raises(ConfigError, match=(
+            r"^client\.transforms\[0\]: UnitDirection\.update raised RuntimeError: .* on a "
+            r"synthetic direction of shape \(2, \d+\)$")):
+        fedloom.run(_cfg(), ["backend.name=vmap"], transforms=[UnitDirection()])

@@ -328,18 +328,27 @@ class PerClient:
         return D, tuple(new)
 
 
-def check_local_transforms(transforms: Sequence[object], w: torch.Tensor, d: torch.Tensor
-                           ) -> None:
+def check_local_transforms(transforms: Sequence[object], w: torch.Tensor, d: torch.Tensor,
+                           *, batched: bool = False) -> None:
     """Each of ``client.transforms`` at the door (:func:`fedloom.transforms.probe_transform`):
     a transform of one's own runs on the synthetic direction ``d`` at the parameters
     ``w`` (both ``[d]``, one client's shape), steps 0 and 1, the second on the state
-    the first returned; a server step given here is refused, one ``ValueError`` line."""
+    the first returned, and with ``batched`` (vmap, lock-step) on two clients' rows
+    ``[2, d]`` too; a server step given here is refused, one ``ValueError`` line."""
     for i, t in enumerate(transforms):
         where = f"client.transforms[{i}]"
         if not is_transform(t) and callable(getattr(t, "step", None)):
             raise ValueError(f"{where}: {type(t).__name__} is a server step (init, step), not "
                              "a local-step transform (init, update); give it as server=..., "
                              "and local momentum as client.momentum")
-        w1 = w - 0.01 * d
-        probe_transform(t, where, d, (StepContext(0, w.clone(), w.clone()),
-                                      StepContext(1, w1, w.clone())), "local-step")
+        probe_transform(t, where, d, _contexts(w, d), "local-step")
+        if batched:
+            W, D = torch.stack([w, w + 0.01 * d]), torch.stack([d, -d])
+            probe_transform(t, where, D, _contexts(W, D, live=(True, True)), "local-step")
+
+
+def _contexts(w: torch.Tensor, d: torch.Tensor, live: Sequence[bool] | None = None
+              ) -> tuple[StepContext, StepContext]:
+    """Steps 0 and 1 of a local step from ``w`` along ``d``."""
+    return (StepContext(0, w.clone(), w.clone(), live),
+            StepContext(1, w - 0.01 * d, w.clone(), live))

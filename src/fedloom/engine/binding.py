@@ -29,7 +29,7 @@ from fedloom.aggregate.base import CohortInfo, make_aggregator
 from fedloom.aggregate.checks import check_aggregator
 from fedloom.attack import Attack, make_attack
 from fedloom.buffers import module_buffers, random_in_train
-from fedloom.capabilities import aggregator_caps
+from fedloom.capabilities import aggregator_caps, backend_caps
 from fedloom.client.sgd import LocalSGD
 from fedloom.client.transforms import check_local_transforms
 from fedloom.compress import make_compressor
@@ -118,13 +118,15 @@ def bind(algorithm: Algorithm, federation: Federation, runtime: Runtime,
         transforms=tuple(loc.transforms))
     algo = _components(algorithm, trainer, space.layout)
     n = fed.num_clients
-    _check_plugins(algo, loc, space, federation.cohort, n, runtime)
     refusals.check_full_participation(record, algo.aggregator, n)
     system = make_system(federation.system_settings, runtime.seed, n, loc.batch_size,
                          federation.cohort,
                          full_participation=aggregator_caps(algo.aggregator).full_participation)
     backend = get("backend", runtime.backend)(trainer, algo.method, runtime.backend_settings,
                                               x, y)
+    # after the backend: a batched one (vmap, lock-step) gives client.transforms [m, d]
+    _check_plugins(algo, loc, space, federation.cohort, n, runtime,
+                   batched=backend_caps(backend).loop is not None)
     try:  # Byzantine clients (attack.*), for robustness experiments; None when off
         attack = make_attack(federation.attack, runtime.seed, n)
     except (TypeError, ValueError) as e:
@@ -240,13 +242,14 @@ _PROBE_NUMBERS = 2**24
 
 
 def _check_plugins(algo: BoundAlgorithm, loc: LocalUpdate, space: ModelSpace, cohort: int,
-                   num_clients: int, runtime: Runtime) -> None:
+                   num_clients: int, runtime: Runtime, *, batched: bool) -> None:
     """The aggregator, the server step, ``client.transforms`` and the compressor run on
     a synthetic input of the run's shapes (the checks at the door: :mod:`fedloom.aggregate.checks`,
     :mod:`fedloom.server_opt.checks`, :func:`~fedloom.client.transforms.check_local_transforms`,
     :mod:`fedloom.compress.checks`),
     on copies: the rows come from their own stream ``(seed, "probe")``, no global RNG is
-    drawn and no run state is touched. A violation is a one-line ConfigError."""
+    drawn and no run state is touched; ``batched``: the local-step terms also get the
+    batched trainers' ``[m, d]``. A violation is a one-line ConfigError."""
     d, dtype, device = space.layout.size, space.dtype, space.device
     m = max(2, min(cohort, _PROBE_NUMBERS // max(d, 1)))
     gen = torch_gen(runtime.seed, purpose=Purpose.PROBE)
@@ -261,7 +264,8 @@ def _check_plugins(algo: BoundAlgorithm, loc: LocalUpdate, space: ModelSpace, co
     try:
         check_aggregator(_copy(algo.aggregator), space.layout, rows, weights, info)
         check_server_step(_copy(algo.server), w.clone(), rows.mean(0))
-        check_local_transforms([_copy(t) for t in loc.transforms], w.clone(), rows[0].clone())
+        check_local_transforms([_copy(t) for t in loc.transforms], w.clone(), rows[0].clone(),
+                               batched=batched)
         check_compressor(_copy(algo.compressor), rows[0].clone(),
                          (torch_gen(runtime.seed, 0, 0, Purpose.PROBE),
                           torch_gen(runtime.seed, 0, 1, Purpose.PROBE)))
