@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["ENTRY_POINT_GROUPS", "KINDS", "NotImported", "Range", "available", "build", "get",
-           "is_reference", "no_imports", "option_types", "origin", "register"]
+           "importing", "is_reference", "no_imports", "option_types", "origin", "register"]
 
 log = logging.getLogger("fedloom")
 
@@ -165,6 +165,11 @@ def no_imports() -> Iterator[None]:
         yield
     finally:
         _NO_IMPORTS.reset(token)
+
+
+def importing() -> bool:
+    """False inside :func:`no_imports` (in this thread): naming code must not run it."""
+    return not _NO_IMPORTS.get()
 
 
 def _ensure_loaded() -> None:

@@ -4,7 +4,8 @@ then across fields.
 :func:`config_from_dict` builds the dataclasses section by section: an unknown
 key, a wrong type or an out-of-range value is one :class:`ConfigError` line
 naming the dotted field. Then the checks that one field cannot make alone: names
-that must be registered (:func:`check_name`), the system section
+that must be registered (:func:`check_name`) or objects recorded by import path
+that must rebuild (:mod:`fedloom.recorded`), the system section
 (:func:`check_system_config`), the partitioner's keys, the cohort against the
 clients, the schedule's warm-up against the rounds.
 """
@@ -20,7 +21,7 @@ import typing
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
-from fedloom import registry
+from fedloom import recorded, registry
 from fedloom.config.sections import (
     MAX_COUNT,
     SHORTHAND_SECTIONS,
@@ -227,6 +228,31 @@ def check_name(field: str, kind: str, name: str) -> None:
         raise ConfigError(f"{field}: {msg}") from None
 
 
+@dataclasses.dataclass
+class _Named:
+    """A ``{name, options}`` entry of a list (client.transforms) as a section."""
+
+    name: str
+    options: dict[str, Any]
+
+
+def check_component(field: str, kind: str, section: Any) -> None:
+    """:func:`check_name` of ``section.name`` (config field ``field``), or, for an
+    object recorded by import path and options, its rebuild: the record made whole
+    (every option the object holds), or one ``ConfigError`` line saying why it does
+    not rebuild. Read as data (``no_imports``), a record stays as written."""
+    if not recorded.is_object(section.name):
+        check_name(f"{field}.name", kind, section.name)
+        return
+    if not registry.importing():
+        return
+    try:
+        obj = recorded.rebuild(section.name, dict(section.options), field)
+    except ValueError as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    section.options = recorded.record(obj)
+
+
 # Arguments the engine passes a factory itself, with why they are not options.
 _CONTEXT = {
     "layout": "fedloom passes the model's layout",
@@ -260,6 +286,8 @@ def check_options(path: str, kind: str, section: Any, context: frozenset[str] = 
     ``context``: the arguments fedloom passes the factory itself (``layout``)."""
     import inspect
 
+    if recorded.is_object(section.name):
+        return  # an object's recorded options are its constructor's (check_component)
     try:
         factory = registry.get(kind, section.name)
     except registry.NotImported:
@@ -396,14 +424,14 @@ def _check_partition(p: PartitionConfig) -> None:
 def _check_cross_fields(cfg: Config) -> None:
     check_name("data.name", "dataset", cfg.data.name)
     check_name("model.name", "model", cfg.model.name)
-    check_name("aggregator.name", "aggregator", cfg.aggregator.name)
+    check_component("aggregator", "aggregator", cfg.aggregator)
     check_name("backend.name", "backend", cfg.backend.name)
-    check_name("client.method.name", "method", cfg.client.method.name)
-    check_name("compression.name", "compressor", cfg.compression.name)
-    check_name("server.optimizer.name", "server_optimizer", cfg.server.optimizer.name)
-    check_name("compression.feedback.name", "feedback", cfg.compression.feedback.name)
+    check_component("client.method", "method", cfg.client.method)
+    check_component("compression", "compressor", cfg.compression)
+    check_component("server.optimizer", "server_optimizer", cfg.server.optimizer)
+    check_component("compression.feedback", "feedback", cfg.compression.feedback)
     check_name("compression.adaptive.name", "planner", cfg.compression.adaptive.name)
-    check_name("cohort.selection.name", "selector", cfg.cohort.selection.name)
+    check_component("cohort.selection", "selector", cfg.cohort.selection)
     layout = frozenset({"layout"})
     check_options("client.method", "method", cfg.client.method, layout)
     check_options("server.optimizer", "server_optimizer", cfg.server.optimizer,
@@ -432,7 +460,12 @@ def _check_cross_fields(cfg: Config) -> None:
             raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown key (name, options)")
         if not isinstance(t.get("options", {}), Mapping):
             raise ConfigError(f"{where}.options: must be a mapping, got {t['options']!r}")
-        check_name(f"{where}.name", "transform", t["name"])
+        if recorded.is_object(t["name"]):
+            section = _Named(t["name"], dict(t.get("options") or {}))
+            check_component(where, "transform", section)
+            t["options"] = section.options
+        else:
+            check_name(f"{where}.name", "transform", t["name"])
     if cfg.logging.tensorboard:
         import importlib.util
 

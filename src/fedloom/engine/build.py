@@ -42,6 +42,7 @@ from fedloom.engine.values import Algorithm, Federation, LocalUpdate, Runtime
 from fedloom.hooks import ClientMetric, metric_hooks, planner_from_config
 from fedloom.models import build_model
 from fedloom.params import Layout
+from fedloom.recorded import is_object
 from fedloom.registry import NotImported, accepted_options, get
 from fedloom.registry import build as build_named
 from fedloom.rng import Purpose, derive_seed, seeded_global_rng
@@ -75,6 +76,11 @@ def resolve_auto(cfg: Config) -> Config:
     cfg = _resolve_method_buffers(cfg)
     if cfg.server.lr != "auto":
         return cfg
+    if is_object(cfg.aggregator.name):  # no registered rule to take the default of
+        if is_object(cfg.server.optimizer.name):
+            return cfg  # nor a step to take it: a server step object holds its own
+        raise ConfigError("server.lr: auto picks a registered aggregator's default step; "
+                          "with an aggregator object, give server.lr")
     try:
         lr = default_server_lr(cfg.aggregator.name, cfg.aggregator.options)
     except NotImported:
@@ -110,7 +116,8 @@ def build(cfg: Config, *, data: Dataset | None = None, model: Model | None = Non
     model (a module is copied: the run trains its own; a factory is called with the
     global RNGs seeded from ``(seed, "init")``), ``components`` the named
     components; ``data_check`` sees the data as loaded, before anything else."""
-    given = components or Components()
+    # objects recorded in cfg (a rerun of a run directory's config.yaml) rebuilt
+    given = (components or Components()).with_recorded(cfg)
     cfg = resolve_auto(given.into(cfg))  # server.lr: auto → the rule's default step
     runtime = Runtime(cfg.backend.name, cfg.device, cfg.backend.threads, cfg.dtype, cfg.seed,
                       cfg.backend, cfg.state)

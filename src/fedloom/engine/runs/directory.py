@@ -38,7 +38,7 @@ from fedloom.config import Config, ConfigError, config_to_dict, load_config, saf
 from fedloom.data.sources import Dataset
 from fedloom.device import to_host
 from fedloom.engine.inputs import ModelSpace
-from fedloom.engine.objects import moved_objects
+from fedloom.engine.objects import comparable_records, moved_objects
 from fedloom.engine.runs.checkpoint import (
     LOCK_FILE,
     MARKER_FILE,
@@ -265,7 +265,7 @@ def check_run_dir(run_dir: Path, resolved: dict[str, Any], resume: bool) -> None
             raise RunDirError(f"{saved}: cannot be read ({e.strerror or e})") from None
         if not isinstance(old, dict):
             raise RunDirError(f"{saved}: holds no config mapping: the run's config is damaged")
-        old = _with_defaults(old)
+        old = comparable_records(_with_defaults(old), resolved)
         if {**old, "logging": None} != {**resolved, "logging": None}:
             if not _same_but_rounds(old, resolved):
                 diff = _config_diff(old, resolved)
@@ -313,7 +313,7 @@ def _restore_checked(restorer: Restorer, cfg: Config, resolved: dict[str, Any],
     # A checkpoint of an older version holds its config in the older shape: read as
     # config.yaml is (_with_defaults: translated, today's defaults filled in).
     if isinstance(ck["config"], dict):
-        ck["config"] = _with_defaults(ck["config"])
+        ck["config"] = comparable_records(_with_defaults(ck["config"]), resolved)
     if not (isinstance(ck["config"], dict) and _same_but_rounds(ck["config"], resolved)):
         raise bad("written by a run with another config")
     if ck["config"].get("rounds") != cfg.rounds:

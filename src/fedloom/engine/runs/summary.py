@@ -24,6 +24,7 @@ from fedloom.data.sources import Dataset
 from fedloom.device import describe, peak_memory_mb, peak_rss_mb
 from fedloom.engine.build import resolve_auto
 from fedloom.engine.inputs import ModelSpace
+from fedloom.engine.objects import server_step
 from fedloom.engine.runstate import RunState, model_sha256
 from fedloom.privacy import Privacy
 
@@ -96,6 +97,9 @@ class DivergenceWatch:
 
     def _culprit(self) -> str:
         s, c, name = self.cfg.server, self.cfg.client, self.cfg.aggregator.name
+        step = server_step(self.cfg)
+        if step is not None:  # server.lr is not applied: never blame it
+            return f"likely client.lr={c.lr:g} or the server step's own size ({step})"
         lr = s.lr
         assert not isinstance(lr, str), "resolve_auto in __init__ resolved server.lr=auto"
         try:
@@ -129,9 +133,11 @@ def summarize(run: RunFacts, st: RunState, history: list[dict[str, Any]],
     summary: dict[str, Any] = {"rounds": st.next_round, "model_sha256": model_sha256(st.w),
                                "num_parameters": run.space.layout.size,
                                "backend": run.backend,
-                               # the step used (server.lr: auto resolved to the rule's default)
-                               "server_lr": cfg.server.lr,
                                "versions": _versions()}
+    # The step used: server.lr (auto resolved to the rule's default), or a server step
+    # object's own, which server.lr does not scale (the summary never claims it then)
+    step = server_step(cfg)
+    summary.update({"server_lr": cfg.server.lr} if step is None else {"server_step": step})
     if st.buffers:  # module buffers (BatchNorm statistics) are not in w
         summary["buffers_sha256"] = buffers_sha256(st.buffers)
         summary["buffers"] = cfg.model.buffers
