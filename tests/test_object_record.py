@@ -266,7 +266,7 @@ def test_a_server_step_object_is_named_where_server_lr_was(tmp_path, capsys):
     assert other.summary["model_sha256"] == res.summary["model_sha256"]
     named = fedloom.run(_cfg(), ["server.lr=0.1"])
     assert named.summary["server_lr"] == 0.1 and "server_step" not in named.summary
-    from fedloom.cli import _summary_rows
+    from fedloom.runtable import summary_rows as _summary_rows
 
     rows = dict(_summary_rows(res.summary, load_config(_cfg())))
     assert "server.lr" not in rows

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import fedloom
 from conftest import TINY
-from fedloom.cli import _summary_rows
 from fedloom.config import load_config
+from fedloom.runtable import summary_rows as _summary_rows
 
 
 def _rows(overrides: list[str]) -> dict[str, str]:
