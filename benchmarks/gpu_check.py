@@ -815,7 +815,8 @@ def _aggregate_at(ck: Check, row: dict[str, Any], layout: Any, m: int, repeats: 
     weights = torch.rand(m, generator=gen, device=dev) + 0.5
 
     def call(name: str) -> dict[str, Any]:
-        agg = make_aggregator(name)
+        # CRAFT at the paper's step (the solve alone), as the record was made
+        agg = make_aggregator(name, **({"step": "fixed"} if name == "craft" else {}))
         state = agg.init(layout)
         last: dict[str, Any] = {}
 

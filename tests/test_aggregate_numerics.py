@@ -140,7 +140,7 @@ def test_craft_mixed_path_keeps_tiny_float32_rows():
     n = torch.arange(1.0, 6.0)
     outs = []
     for perm in (torch.arange(5), torch.tensor([4, 2, 0, 3, 1])):
-        agg = make_aggregator("craft", groups="global")
+        agg = make_aggregator("craft", step="fixed", groups="global")
         out, _, met = agg(R[perm].float(), n[perm], agg.init(Layout.flat(D)))
         U = R[perm] / R[perm].norm(dim=1, keepdim=True)
         real = float((U @ out.double() - n[perm].double() / 15).abs().max())
@@ -153,10 +153,11 @@ def test_craft_mixed_path_keeps_tiny_float32_rows():
 
 # -------------------------------------------------------------- range: every rule
 RULES = ["fedavg", "krum", "qfedavg", "fedfv", "fedlf", "config", "fednova", "afl", "median",
-         "trimmed_mean", "coordmean", "craft"]
-# homogeneous rules: out(c·U) = c·out(U); CRAFT's output does not depend on c at all
+         "trimmed_mean", "coordmean", "craft", "craft:fixed"]
+# "craft:fixed": CRAFT at the paper's step, whose output does not depend on c at all;
+# "craft" (its default, rprop) is at the mean update's length: homogeneous
 HOMOGENEOUS = {"fedavg", "krum", "fedfv", "fedlf", "config", "fednova", "median",
-               "trimmed_mean", "coordmean"}
+               "trimmed_mean", "coordmean", "craft"}
 RANGE = [(torch.float64, 1e160), (torch.float64, 1e200), (torch.float64, 1e-170),
          (torch.float32, 1e19), (torch.float32, 1e30), (torch.float32, 1e-25)]
 
@@ -170,11 +171,12 @@ def test_every_rule_is_finite_and_scales_over_the_range(name, dtype, c):
     FedFV returned non-finite vectors at ‖g‖ ≳ 1e154 and Krum raised ZeroDivisionError."""
     R, info = _rows(6, 3, "correlated"), _info(6, 3)
     w = torch.arange(1.0, 7.0, dtype=dtype)
-    agg = make_aggregator(name)
+    rule, _, step = name.partition(":")
+    agg = make_aggregator(rule, **({"step": step} if step else {}))
     try:
         out, _, met = agg((R * c).to(dtype), w, agg.init(LAYOUT), info=info)
     except ValueError as e:
-        assert str(e).startswith(name), e
+        assert str(e).startswith(rule), e
         return
     assert bool(torch.isfinite(out).all()), f"{name}: non-finite output at c = {c:g}"
     assert all(isinstance(v, float) for v in met.values())
@@ -182,7 +184,7 @@ def test_every_rule_is_finite_and_scales_over_the_range(name, dtype, c):
     if name in HOMOGENEOUS:
         diff = _norm(out.double() / c - ref.double())
         assert diff <= 1e-6 * _norm(ref), f"{name}: ‖out/c − out(U)‖ = {diff:.3g}"
-    elif name == "craft":
+    elif name == "craft:fixed":
         assert _norm(out.double() - ref.double()) <= 1e-5 * _norm(ref)
 
 

@@ -31,7 +31,7 @@ def test_constraints_hold_and_correction_is_minimum_norm(m, extra, seed, with_re
     n = torch.randint(1, 100, (m,), generator=torch.Generator().manual_seed(seed + 2)).double()
     U = _unit(R)
     assume(torch.linalg.matrix_rank(U) == m and torch.linalg.svdvals(U).min() > 1e-4)
-    craft = CRAFT(groups="global")
+    craft = CRAFT(step="fixed", groups="global")
     state = craft.init(Layout.flat(d))
     if with_ref:  # a previous aggregate gives the reference ĝ
         _, state, _ = craft(_rows(m, d, seed + 3), n, state)
@@ -55,14 +55,15 @@ def test_layer_mode_solves_each_group():
                      ("l2.bias", (2,))], [["l1.weight", "l1.bias"], ["l2.weight", "l2.bias"]])
     R = _rows(4, layout.size, 0)
     n = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
-    agg = make_aggregator("craft", groups="layer")
+    agg = make_aggregator("craft", step="fixed", groups="layer")
     g, _, metrics = agg(R, n, agg.init(layout))
     for grp in layout.groups:
         Ug = _unit(R[:, grp.slice]) @ g[grp.slice]
         assert torch.allclose(Ug, _rho(n), atol=1e-10)
     assert metrics["craft_max_violation"] < 1e-10
     # global mode: one problem over the whole vector, so only the global constraints hold
-    gg, _, _ = make_aggregator("craft", groups="global")(R, n, agg.init(layout.regroup("global")))
+    glob = make_aggregator("craft", step="fixed", groups="global")
+    gg, _, _ = glob(R, n, agg.init(layout.regroup("global")))
     assert torch.allclose(_unit(R) @ gg, _rho(n), atol=1e-10)
 
 
@@ -70,7 +71,7 @@ def test_zero_rows_are_dropped_and_rho_renormalised():
     R = _rows(4, 10, 1)
     R[2] = 0
     n = torch.tensor([1.0, 1.0, 5.0, 2.0], dtype=torch.float64)
-    agg = CRAFT(groups="global")
+    agg = CRAFT(step="fixed", groups="global")
     g, _, _ = agg(R, n, agg.init(Layout.flat(10)))
     keep = [0, 1, 3]
     rho = n[keep] / n[keep].sum()  # the zero row's share is redistributed
@@ -80,7 +81,7 @@ def test_zero_rows_are_dropped_and_rho_renormalised():
 def test_single_usable_client_returns_its_raw_update_and_all_zero_gives_zero():
     R = torch.zeros(3, 6, dtype=torch.float64)
     R[1] = torch.arange(6.0)
-    agg = CRAFT(groups="global")
+    agg = CRAFT(step="fixed", groups="global")
     g, _, _ = agg(R, torch.ones(3, dtype=torch.float64), agg.init(Layout.flat(6)))
     assert torch.equal(g, R[1])
     z, _, _ = agg(torch.zeros(3, 6, dtype=torch.float64), torch.ones(3, dtype=torch.float64),
@@ -92,7 +93,7 @@ def test_more_clients_than_width_is_least_squares_and_reported():
     m, d = 6, 4
     R = _rows(m, d, 2)
     n = torch.arange(1.0, m + 1, dtype=torch.float64)
-    agg = CRAFT(groups="global")
+    agg = CRAFT(step="fixed", groups="global")
     g, _, metrics = agg(R, n, agg.init(Layout.flat(d)))
     U = _unit(R)
     assert metrics["craft_infeasible_groups"] == 1
@@ -106,13 +107,13 @@ def test_near_collinear_clients_still_meet_constraints_in_float64():
     # default cut sv_floor = 1e-3, so the constraints are met exactly
     R = base.repeat(3, 1) + 1e-2 * _rows(3, 50, 4)
     n = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
-    agg = CRAFT(groups="global")
+    agg = CRAFT(step="fixed", groups="global")
     g, _, metrics = agg(R, n, agg.init(Layout.flat(50)))
     assert metrics["craft_max_violation"] < 1e-8
     # exact agreement costs a long step along the clients' small differences
     assert g.norm() > 10
     # a coarse tolerance treats the differences as noise: least squares, violation reported
-    coarse = CRAFT(groups="global", rtol=1e-2)
+    coarse = CRAFT(step="fixed", groups="global", rtol=1e-2)
     g2, _, m2 = coarse(R, n, coarse.init(Layout.flat(50)))
     assert m2["craft_infeasible_groups"] == 1 and m2["craft_max_violation"] > 1e-3
     assert g2.norm() < g.norm()
@@ -121,7 +122,7 @@ def test_near_collinear_clients_still_meet_constraints_in_float64():
     R3 = base.repeat(3, 1) + 1e-4 * _rows(3, 50, 4)
     g3, _, m3 = agg(R3, n, agg.init(Layout.flat(50)))
     assert m3["craft_infeasible_groups"] == 1 and g3.norm() < 1
-    exact = CRAFT(groups="global", sv_floor=0.0)
+    exact = CRAFT(step="fixed", groups="global", sv_floor=0.0)
     g4, _, m4 = exact(R3, n, exact.init(Layout.flat(50)))
     assert m4["craft_max_violation"] < 1e-6 and g4.norm() > 1e3
 
@@ -130,7 +131,7 @@ def test_float32_mixed_precision_gram_meets_constraints_to_float32_accuracy():
     R = _rows(10, 20000, 5, dtype=torch.float32)
     n = torch.arange(1.0, 11.0)
     for precision in ("float64", "mixed"):
-        agg = CRAFT(groups="global", precision=precision, chunk=4096)
+        agg = CRAFT(step="fixed", groups="global", precision=precision, chunk=4096)
         g, _, metrics = agg(R, n, agg.init(Layout.flat(20000)))
         assert g.dtype == torch.float32
         assert metrics["craft_max_violation"] <= 1e-6, precision
@@ -166,7 +167,7 @@ def test_match_reference_equals_public_float32_pinv_formula():
 
 def test_bad_options():
     with pytest.raises(ValueError, match="groups"):
-        make_aggregator("craft", groups="neuron")
+        make_aggregator("craft", step="fixed", groups="neuron")
     with pytest.raises(ValueError, match="rtol"):
         make_aggregator("craft", rtol=0)
     with pytest.raises(ValueError, match="sv_floor"):

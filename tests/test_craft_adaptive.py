@@ -69,7 +69,8 @@ def test_options_are_validated_naming_the_field():
 
 
 def test_auto_server_lr_follows_the_step_mode():
-    assert default_server_lr("craft") == CRAFT.server_lr_for({})
+    assert default_server_lr("craft") == CRAFT.server_lr_for({}) == 1.0  # rprop's
+    assert default_server_lr("craft", {"match_reference": True}) == 0.1  # the public code
     assert default_server_lr("craft", {"step": "fixed"}) == 0.1  # the public code's
     assert default_server_lr("craft", {"step": "norm_matched"}) == 1.0  # FedAvg's
     assert default_server_lr("craft", {"step": "rprop"}) == 1.0
@@ -178,24 +179,26 @@ def test_loss_targets_weigh_clients_by_their_start_loss():
     n = torch.tensor([10.0, 20.0, 30.0, 40.0], dtype=torch.float64)
     F = [0.5, 2.0, 1.0, 4.0]
     unit = U / U.norm(dim=1, keepdim=True)
-    data, _, _ = CRAFT()(U, n, CRAFT().init(lay))
-    q0, _, _ = CRAFT(targets="loss", targets_q=0)(U, n, CRAFT().init(lay), info=_info(F))
+    # the direction as solved (step fixed): its alignments are the targets
+    data, _, _ = CRAFT(step="fixed")(U, n, CRAFT().init(lay))
+    q0, _, _ = CRAFT(step="fixed", targets="loss", targets_q=0)(U, n, CRAFT().init(lay),
+                                                               info=_info(F))
     torch.testing.assert_close(q0, data, rtol=1e-12, atol=1e-12)
     for q in (1.0, 2.0):
-        agg = CRAFT(targets="loss", targets_q=q)
+        agg = CRAFT(step="fixed", targets="loss", targets_q=q)
         g, _, _ = agg(U, n, agg.init(lay), info=_info(F))
         rho = n * torch.tensor(F, dtype=torch.float64) ** q
         torch.testing.assert_close(unit @ g, rho / rho.sum(), rtol=1e-9, atol=1e-12)
     # a huge q or loss: no overflow; a non-finite loss counts as the largest finite one
     for losses, q in [([1e300, 1.0, 2.0, 3.0], 50.0), ([math.inf, 1.0, 4.0, math.nan], 1.0),
                       ([0.0, 0.0, 0.0, 0.0], 3.0)]:
-        agg = CRAFT(targets="loss", targets_q=q)
+        agg = CRAFT(step="fixed", targets="loss", targets_q=q)
         g, _, m = agg(U, n, agg.init(lay), info=_info(losses))
         # ρ_i down to e^-700 of the largest: met to the solver's atol (1e-6), not resolved
         assert bool(torch.isfinite(g).all()) and m["craft_min_alignment"] > -1e-6
         assert m["craft_max_violation"] <= 1e-6
-    g, _, _ = CRAFT(targets="loss")(U, n, CRAFT().init(lay), info=_info([math.inf, 1.0, 4.0,
-                                                                          math.nan]))
+    g, _, _ = CRAFT(step="fixed", targets="loss")(U, n, CRAFT().init(lay),
+                                                  info=_info([math.inf, 1.0, 4.0, math.nan]))
     rho = n * torch.tensor([4.0, 1.0, 4.0, 4.0], dtype=torch.float64)
     torch.testing.assert_close(unit @ g, rho / rho.sum(), rtol=1e-6, atol=1e-9)
     with pytest.raises(ValueError, match="losses >= 0"):
@@ -208,8 +211,9 @@ def test_loss_targets_weigh_clients_by_their_start_loss():
 def test_rprop_trust_factor_golden():
     """One group, orthonormal updates, equal weights. Round 1: no previous step, τ = 1,
     ‖out‖ = ‖ḡ‖. Round 2: the clients pull along it (⟨ḡ, s⟩ > 0): τ = 1.2. Round 3:
-    they pull back: τ = 1.2·0.5 = 0.6. Then 20 agreeing rounds: τ = min(10, 0.6·1.2^20)
-    = 10 (step_max), and 20 reversing rounds: max(0.1, 10·0.5^20) = 0.1 (step_min)."""
+    they pull back: τ = 1.2·0.5 = 0.6. Then 30 agreeing rounds: τ = min(100, 0.6·1.2^30)
+    = 100 (step_max, its default), and 20 reversing rounds: max(0.1, 100·0.5^20) = 0.1
+    (step_min); at step_max 10 (the cap before the default moved), 20 agreeing: 10."""
     lay = Layout([("w", (3,))], [["w"]])
     agg = CRAFT(step="rprop")
     e = torch.eye(3, dtype=torch.float64)
@@ -224,14 +228,19 @@ def test_rprop_trust_factor_golden():
     assert abs(float(out.norm()) - 1.2 * 2**-0.5) < 1e-12
     out, state, m = agg(-U, n, state)    # reversed: overshoot
     assert abs(m["craft_trust"] - 0.6) < 1e-12
-    for _ in range(20):
+    low = agg.init(lay)
+    for _ in range(30):
         _, state, m = agg(-U, n, state)
-    assert m["craft_trust"] == 10.0
+    assert m["craft_trust"] == 100.0
     sign = 1.0
     for _ in range(20):
         sign = -sign
         _, state, m = agg(sign * U, n, state)
     assert m["craft_trust"] == pytest.approx(0.1)
+    capped = CRAFT(step="rprop", step_max=10)
+    for _ in range(20):
+        _, low, m = capped(-U, n, low)
+    assert m["craft_trust"] == 10.0
 
 
 def test_state_survives_a_checkpoint_and_an_old_one_loads():
@@ -314,19 +323,20 @@ def _federated_least_squares(agg, opt: ServerOptimizer, rounds: int = 40
     return history, f_star
 
 
-@pytest.mark.parametrize(("step", "opt", "lr"), [
+@pytest.mark.parametrize(("step", "opt", "lr", "cap"), [
     # the docstring's composition rules: norm-matched takes FedAvgM's step (0.1 at
-    # β = 0.9); fixed (unit-length groups) and rprop (τ up to 10) a ~10× smaller one;
-    # Adam its own 0.01 whatever the mode
-    ("fixed", "momentum", 0.001), ("norm_matched", "momentum", 0.1),
-    ("rprop", "momentum", 0.01),
-    ("fixed", "adam", 0.01), ("norm_matched", "adam", 0.01), ("rprop", "adam", 0.01)])
-def test_every_mode_composes_with_momentum_and_adam(step, opt, lr):
+    # β = 0.9); fixed (unit-length groups) and rprop at τ ≤ 10 a ~10× smaller one, rprop
+    # at its default τ ≤ 100 a ~100× smaller one; Adam its own 0.01 whatever the mode
+    ("fixed", "momentum", 0.001, None), ("norm_matched", "momentum", 0.1, None),
+    ("rprop", "momentum", 0.01, 10.0), ("rprop", "momentum", 0.001, None),
+    ("fixed", "adam", 0.01, None), ("norm_matched", "adam", 0.01, None),
+    ("rprop", "adam", 0.01, None)])
+def test_every_mode_composes_with_momentum_and_adam(step, opt, lr, cap):
     """Finite every round, and the global loss's gap to its minimum at least 20 % smaller
     after 40 rounds (the clients' optima differ: the federated fixed point is not w*)."""
     for targets in ("data", "loss"):
-        h, f_star = _federated_least_squares(CRAFT(step=step, targets=targets),
-                                             ServerOptimizer(opt, lr=lr))
+        agg = CRAFT(step=step, targets=targets, **({"step_max": cap} if cap else {}))
+        h, f_star = _federated_least_squares(agg, ServerOptimizer(opt, lr=lr))
         assert all(math.isfinite(v) for v in h)
         assert h[-1] - f_star < 0.8 * (h[0] - f_star), (
             f"{step}+{opt}: loss {h[0]:.4g} → {h[-1]:.4g} (minimum {f_star:.4g})")

@@ -125,7 +125,7 @@ def _exact(U: torch.Tensor, rho: torch.Tensor, ref: torch.Tensor):
 def _solve_both_rounds(c: Cohort, **opts):
     """(g, metrics, ĝ) for round 1 (no reference) and round 2 (reference from an earlier round)."""
     d = c.R.shape[1]
-    agg = CRAFT(groups="global", **opts)
+    agg = CRAFT(step="fixed", groups="global", **opts)
     out = []
     state = agg.init(Layout.flat(d))
     g, _, met = agg(c.R, c.n.float(), state)
@@ -249,7 +249,7 @@ def test_one_client_gives_its_update_and_overflowing_float32_is_solved_in_float6
     """
     R = torch.zeros(3, 40)
     R[1] = torch.arange(40.0)
-    agg = CRAFT(groups="global")
+    agg = CRAFT(step="fixed", groups="global")
     g, _, _ = agg(R, torch.ones(3), agg.init(Layout.flat(40)))
     assert torch.equal(g, R[1])
     c = ALL[0]
@@ -274,7 +274,7 @@ def test_layer_groups_each_get_the_fallback(m):
                                                                       dtype=torch.float64)], 1)
     R = R.float()
     n = torch.arange(1.0, m + 1)
-    agg = CRAFT()
+    agg = CRAFT(step="fixed")
     g, _, met = agg(R, n, agg.init(layout))
     for grp in layout.groups:
         U = _unit(R[:, grp.slice].double())

@@ -419,7 +419,10 @@ def test_options_are_checked_by_name_with_one_line():
                        feedback_options={"tau": -1.0})
     with pytest.raises(ValueError, match="ratio"):
         CompressionMod("topk", {"ratio": 7})
-    assert CRAFT().server.lr == 0.1  # server_lr="auto": CRAFT's public step
+    # server_lr="auto" follows the engine's default: rprop's 1.0; the paper's step 0.1
+    assert CRAFT().server.lr == 1.0 and CRAFT().aggregator.step == "rprop"
+    assert CRAFT().aggregator.step_max == 100.0
+    assert CRAFT(step="fixed").server.lr == 0.1 and CRAFT(step="fixed").aggregator.step == "fixed"
 
 
 # ---------------------------------------------------------- stock simulations

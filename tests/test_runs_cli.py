@@ -31,9 +31,11 @@ ROUNDS = ["rounds=1"]
 
 # ------------------------------------------------------------------ server.lr: auto
 def test_auto_server_lr_is_each_rules_public_default():
-    # The public code's steps: CRAFT's utils/config.yaml server_lr = 0.1; FedAvg
+    # The public code's steps: CRAFT's utils/config.yaml server_lr = 0.1 (its step
+    # fixed; its default rprop step is at the mean update's length: 1.0); FedAvg
     # (McMahan et al.) w ← Σ p_k w_k is η_g = 1, and the rules at FedAvg's scale.
-    assert default_server_lr("craft") == 0.1
+    assert default_server_lr("craft") == 1.0
+    assert default_server_lr("craft", {"step": "fixed"}) == 0.1
     assert default_server_lr("fedavg") == 1.0
     for name in available("aggregator"):
         factory = get("aggregator", name)
@@ -41,6 +43,8 @@ def test_auto_server_lr_is_each_rules_public_default():
         if factory.__module__.startswith("fedloom."):  # every built-in rule states its own
             assert stated is not None, f"{name} states no default_server_lr"
         stated = 1.0 if stated is None else stated     # a plug-in that does not: FedAvg's
+        pick = getattr(factory, "server_lr_for", None)  # a rule whose options decide it
+        stated = pick({}) if callable(pick) else stated
         assert default_server_lr(name) == stated > 0
         cfg = resolve_auto(load_config({"aggregator": {"name": name}}))
         assert cfg.server.lr == stated
@@ -55,20 +59,20 @@ def test_auto_server_lr_is_each_rules_public_default():
 
 
 def test_auto_server_lr_is_recorded_and_equals_the_explicit_step(tiny, tmp_path):
-    res = fedloom.run(tiny, [*ROUNDS, "aggregator.name=craft"], out=tmp_path / "r")
+    fixed = ["aggregator.name=craft", "aggregator.options.step=fixed"]  # the public 0.1
+    res = fedloom.run(tiny, [*ROUNDS, *fixed], out=tmp_path / "r")
     saved = yaml_load((tmp_path / "r" / "config.yaml").read_text())
     assert saved["server"]["lr"] == 0.1
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["server_lr"] == 0.1
-    explicit = fedloom.run(tiny, [*ROUNDS, "aggregator.name=craft", "server.lr=0.1"])
+    explicit = fedloom.run(tiny, [*ROUNDS, *fixed, "server.lr=0.1"])
     assert explicit.summary["model_sha256"] == res.summary["model_sha256"]
     # FedAvg's default is unchanged by `auto`: the same bits as server.lr=1.0.
     a = fedloom.run(tiny, ROUNDS)
     b = fedloom.run(tiny, [*ROUNDS, "server.lr=1.0"])
     assert a.summary["model_sha256"] == b.summary["model_sha256"]
     # config.yaml holds the number: the run resumes, and reruns from it, alike.
-    again = fedloom.run(tiny, [*ROUNDS, "aggregator.name=craft"], out=tmp_path / "r",
-                        resume=True)
+    again = fedloom.run(tiny, [*ROUNDS, *fixed], out=tmp_path / "r", resume=True)
     assert again.summary["model_sha256"] == res.summary["model_sha256"]
 
 
@@ -87,7 +91,8 @@ def test_divergence_rule_trips_once():
     assert DivergenceWatch(cfg, 10).see({"round": 1, "train_loss": 23.0}) is None
     assert "uniform" in DivergenceWatch(cfg, 10).see({"round": 1, "train_loss": 23.1})
     # The step above the rule's public default is named first.
-    craft = DivergenceWatch(load_config({"aggregator": {"name": "craft"},
+    craft = DivergenceWatch(load_config({"aggregator": {"name": "craft",
+                                                        "options": {"step": "fixed"}},
                                          "server": {"lr": 1.0}}), 10)
     craft.see({"round": 1, "train_loss": 2.0})
     assert "server.lr=1, above craft's public default 0.1" in craft.see(

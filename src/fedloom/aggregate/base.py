@@ -14,7 +14,9 @@ A rule states the public default of ``η_g`` for its direction as the class
 attribute ``default_server_lr`` (``server.lr: auto`` uses it; FedAvg's 1.0 when
 a rule does not say), or as a class method ``server_lr_for(options)`` where it
 depends on the rule's options: the same ``η_g`` means very different steps for rules
-whose directions differ in scale (CRAFT's is about unit length per layer).
+whose directions differ in scale (CRAFT's is about unit length per layer). A rule whose
+default changed writes it out (``resolve_options``) and reads older records as they ran
+(``recorded_options``): :func:`resolve_options`, :func:`recorded_config`.
 
 A rule declares what the engine and privacy may assume in ``capabilities``, an
 :class:`~fedloom.capabilities.AggregatorCaps` (``requires``, ``linear``, ``dp_mean``,
@@ -35,7 +37,7 @@ from fedloom.capabilities import AggregatorCaps
 from fedloom.params import Layout
 
 __all__ = ["Aggregator", "CohortInfo", "Stateless", "check_chunk", "check_cohort",
-           "default_server_lr", "make_aggregator"]
+           "default_server_lr", "make_aggregator", "recorded_config", "resolve_options"]
 
 # FedAvg's η_g (McMahan et al. 2017: w ← Σ p_k w_k), for a rule that states none.
 FEDAVG_SERVER_LR = 1.0
@@ -106,6 +108,39 @@ def default_server_lr(name: str, options: Mapping[str, Any] | None = None) -> fl
         raise ValueError(f"aggregator {name!r}: default_server_lr must be a number > 0, "
                          f"got {value!r}")
     return float(value)
+
+
+def resolve_options(name: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``options`` of aggregator ``name`` with what this version's defaults decide written
+    out (a class method ``resolve_options(options)``: CRAFT's step), so that a run's
+    ``config.yaml`` needs no default of this version; as given for other rules and for a
+    name not registered (or a plug-in not imported)."""
+    return _hook(name, "resolve_options", options)
+
+
+def recorded_config(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A recorded config (``config.yaml`` as a mapping) with its aggregator's options as
+    its run used them (a class method ``recorded_options(options)``: a CRAFT record from
+    before its default moved names no step, and ran step fixed)."""
+    out = dict(saved)
+    agg = out.get("aggregator")
+    if isinstance(agg, Mapping) and isinstance(agg.get("name"), str):
+        opts = agg.get("options")
+        opts = opts if isinstance(opts, Mapping) else {}
+        out["aggregator"] = {**agg, "options": _hook(agg["name"], "recorded_options", opts)}
+    return out
+
+
+def _hook(name: str, method: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
+    from fedloom.registry import get
+
+    opts = dict(options or {})
+    try:
+        cls = get("aggregator", name)
+    except (KeyError, ValueError):  # unknown (reported where it is built), not imported
+        return opts
+    pick = getattr(cls, method, None)
+    return dict(pick(opts)) if callable(pick) else opts
 
 
 def normalise_weights(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -14,15 +14,15 @@ Checked against the public code: ``match_reference=True`` reproduces it bit for 
 default meets the constraints to 7.9e-9 where the public code reaches 1.5e-6 (float32 rows,
 cos 0.9999, 10 × 1e4, worst of 5 draws), and never worse on tests/test_craft_edges.py's cohorts.
 
-Departures: singular values below ``σ_cut = max(sv_floor, rtol·σ_max)`` are cut
-(the public float32 ``pinv`` cuts at ``max(m, d)·eps``); the Gram in column chunks
-accumulated in float64, with a float64 fallback and iterative refinement; layer
-groups from the model's :class:`~fedloom.params.Layout`; the ``step`` modes
-(``norm_matched``, ``rprop``) and ``targets: loss`` are fedloom's (the paper's
-future work). ``server.lr: auto`` is the public 0.1 for ``step: fixed``.
-
-The cut and its bound, numerics, measurements, step modes, the server
-optimizer, targets and metrics: docs/explanation/methods.md (CRAFT in detail).
+Departures: singular values below ``σ_cut = max(sv_floor, rtol·σ_max)`` are cut (the
+public float32 ``pinv`` cuts at ``max(m, d)·eps``); the Gram in float64 column chunks, a
+float64 fallback, iterative refinement; layer groups from the model's Layout; the ``step``
+modes (``norm_matched``, ``rprop``) and ``targets: loss`` (the paper's future work). The
+default is ``step: rprop``, ``step_max: 100`` at ``server.lr: auto`` = 1.0 (untuned, it
+beat step fixed at the public 0.1 on six of seven settings, worse on none:
+docs/results/craft-default.md); ``step: fixed`` (``server.lr: auto`` = 0.1) is the
+paper's, as is ``match_reference`` alone. The cut, numerics, measurements, step modes,
+targets and metrics: docs/explanation/methods.md (CRAFT in detail).
 """
 
 from __future__ import annotations
@@ -53,9 +53,14 @@ Step = Literal["fixed", "norm_matched", "rprop"]
 Targets = Literal["data", "loss"]
 STEPS: tuple[str, ...] = ("fixed", "norm_matched", "rprop")
 TARGETS: tuple[str, ...] = ("data", "loss")
-# The step mode a config that names none gets (what `craft` alone gives:
-# docs/explanation/methods.md, "CRAFT and the server step").
-DEFAULT_STEP: Step = "fixed"
+# What `craft` alone gives (issue 54, docs/results/craft-default.md): the rprop step with
+# its trust cap at 100; match_reference alone stays the public code (step fixed).
+DEFAULT_STEP: Step = "rprop"
+DEFAULT_STEP_MAX = 100.0
+# What a recorded config that names no step (or rprop without step_max) ran: the defaults
+# before issue 54. Every record since names them (CRAFT.resolve_options).
+_RECORDED_STEP: Step = "fixed"
+_RECORDED_STEP_MAX = 10.0
 # q-FedAvg's public code: F_k + 1e-10 keeps log F (and F^q) finite at a zero loss.
 _LOSS_OFFSET = 1e-10
 
@@ -84,12 +89,17 @@ class CRAFT(CraftSolver):
         chunk: column chunk of the Gram accumulation.
         match_reference: reproduce the public code's float32
             ``torch.linalg.pinv(U)`` path (in the input dtype) exactly.
-        step: ``"fixed"`` (the public code: CRAFT's direction as solved),
+        step: ``"fixed"`` (the paper and the public code: CRAFT's direction as solved),
             ``"norm_matched"`` (each group at its weighted mean update's length) or
             ``"rprop"`` (norm-matched times a per-group trust factor from the overshoot
-            test); docs/explanation/methods.md (CRAFT in detail).
+            test); docs/explanation/methods.md (CRAFT in detail). ``None`` (the
+            default): ``"rprop"``, or ``"fixed"`` with ``match_reference``. Why rprop:
+            untuned against untuned, it was better than step fixed at the public
+            ``server.lr`` 0.1 on six of seven settings and not worse on the seventh
+            (docs/results/craft-default.md).
         step_up, step_down, step_min, step_max: ``rprop``'s growth and shrink factors
-            and the bounds of its trust factor.
+            and the bounds of its trust factor (``step_max`` 100, chosen on a tuning
+            seed: docs/results/adaptive.md; it was 10 before the default moved).
         targets: ``"data"`` (``ρ_i = n_i/Σn``, the paper) or ``"loss"`` (``ρ_i ∝ n_i
             F_i(w)^q``, q-FFL's weights; needs the start losses).
         targets_q: ``q`` of ``targets="loss"``.
@@ -98,8 +108,9 @@ class CRAFT(CraftSolver):
         paper: "CRAFT: Conflict-Resolved Aggregation for Federated Training", arXiv 2605.21317.
         code: tum-pbs/CRAFT (``fed/craft.py``); ``match_reference=True`` reproduces it bit for
             bit.
-        departures: ``step`` and ``targets`` other than the defaults are fedloom's (the
-            paper's future work: scale-aware steps, targets from training progress);
+        departures: ``step`` other than ``"fixed"`` (the default included) and
+            ``targets="loss"`` are fedloom's (the paper's future work: scale-aware
+            steps, targets from training progress);
             the Gram matrix in column chunks and the m × m system in float64 with the
             cut ``σ_cut = max(sv_floor, rtol·σ_max)``, a float64 fallback and iterative
             refinement (the public float32 ``pinv`` drops or keeps directions by ``max(m,
@@ -115,8 +126,28 @@ class CRAFT(CraftSolver):
     @classmethod
     def server_lr_for(cls, options: Mapping[str, Any]) -> float:
         """``server.lr: auto`` for these options: the public 0.1 for ``step: fixed``,
-        FedAvg's 1.0 for the modes at the mean update's length."""
-        return cls.default_server_lr if options.get("step", DEFAULT_STEP) == "fixed" else 1.0
+        FedAvg's 1.0 for the modes at the mean update's length (the default, rprop)."""
+        return cls.default_server_lr if _step_of(options) == "fixed" else 1.0
+
+    @classmethod
+    def resolve_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        """``options`` with the step mode (and rprop's cap) written out, so that a run's
+        ``config.yaml`` says what ran whatever a later version's defaults."""
+        out = {**options, "step": _step_of(options)}
+        if out["step"] == "rprop" and out.get("step_max") is None:
+            out["step_max"] = DEFAULT_STEP_MAX
+        return out
+
+    @classmethod
+    def recorded_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        """A recorded run's ``options`` as it ran: a record without ``step`` (or rprop
+        without ``step_max``) predates issue 54's default, step fixed (rprop's cap 10)."""
+        out = dict(options)
+        if out.get("step") is None:
+            out["step"] = _RECORDED_STEP
+        if out["step"] == "rprop" and out.get("step_max") is None:
+            out["step_max"] = _RECORDED_STEP_MAX
+        return out
 
     def __init__(
         self,
@@ -127,11 +158,11 @@ class CRAFT(CraftSolver):
         precision: Precision = "mixed",
         chunk: int = 1 << 15,
         match_reference: bool = False,
-        step: Literal["fixed", "norm_matched", "rprop"] = DEFAULT_STEP,
+        step: Literal["fixed", "norm_matched", "rprop"] | None = None,
         step_up: float = 1.2,
         step_down: float = 0.5,
         step_min: float = 0.1,
-        step_max: float = 10.0,
+        step_max: float = DEFAULT_STEP_MAX,
         targets: Literal["data", "loss"] = "data",
         targets_q: float = 1.0,
     ) -> None:
@@ -149,6 +180,8 @@ class CRAFT(CraftSolver):
             raise ValueError(
                 f"aggregator.options.precision: must be 'float64' or 'mixed', got {precision!r}"
             )
+        # None: the default, or the public code's step where it is reproduced
+        step = _step_of({"step": step, "match_reference": match_reference})
         if step not in STEPS:
             raise ValueError(f"aggregator.options.step: must be one of {', '.join(STEPS)}, "
                              f"got {step!r}")
@@ -164,7 +197,7 @@ class CRAFT(CraftSolver):
         ):
             if isinstance(v, bool) or not isinstance(v, int | float) or not ok:
                 raise ValueError(f"aggregator.options.{key}: must be {what}, got {v!r}")
-        self.step = step
+        self.step: Step = step
         self.step_up, self.step_down = float(step_up), float(step_down)
         self.step_min, self.step_max = float(step_min), float(step_max)
         self.targets = targets
@@ -285,6 +318,15 @@ class CRAFT(CraftSolver):
         # relative weights ≥ e^-700 ≈ 1e-304: every client with n_i > 0 keeps ρ_i > 0
         rel = (logw - logw[torch.isfinite(logw)].max()).clamp_min(-700.0).exp()
         return torch.where(n > 0, rel, torch.zeros_like(rel)).to(weights.device)
+
+
+def _step_of(options: Mapping[str, Any]) -> Any:
+    """The step mode ``options`` ask for: theirs, else ``fixed`` under ``match_reference``
+    (the public code), else :data:`DEFAULT_STEP`."""
+    step = options.get("step")
+    if step is None:
+        return "fixed" if options.get("match_reference") else DEFAULT_STEP
+    return step
 
 
 def _length_ratio(mean: torch.Tensor, g: torch.Tensor) -> float:

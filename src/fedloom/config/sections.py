@@ -284,9 +284,10 @@ class ServerConfig:
     factory receives it besides its options)."""
 
     optimizer: ServerOptimizerConfig = field(default_factory=ServerOptimizerConfig)
-    # "auto": the aggregator's public default step (its `default_server_lr`: 0.1 for
-    # CRAFT, 1.0 for the FedAvg family); the number used is what the run directory's
-    # config.yaml and summary.json record.
+    # "auto": the aggregator's default step for its options (its `default_server_lr`:
+    # 0.1 for CRAFT at step fixed, 1.0 for its default rprop step and the FedAvg
+    # family); the number used is what the run directory's config.yaml and
+    # summary.json record.
     lr: float | Literal["auto"] = _f("auto", gt=0)
     # Screening of client updates before any aggregator
     # (fedloom.engine.stages.screen.screen_updates):

@@ -20,7 +20,7 @@ from typing import Literal, cast
 
 import torch
 
-from fedloom.aggregate.base import default_server_lr, make_aggregator
+from fedloom.aggregate.base import default_server_lr, make_aggregator, resolve_options
 from fedloom.capabilities import method_caps
 from fedloom.compress import make_compressor
 from fedloom.compress.feedback import feedback_from_config
@@ -70,10 +70,17 @@ class Built:
 
 def resolve_auto(cfg: Config) -> Config:
     """``cfg`` with ``server.lr: auto`` replaced by the aggregator's public default
-    step (:func:`~fedloom.aggregate.base.default_server_lr`); other configs as given.
+    step (:func:`~fedloom.aggregate.base.default_server_lr`) and the aggregator options
+    its defaults decide written out (:func:`~fedloom.aggregate.base.resolve_options`);
+    other configs as given.
     The run directory's ``config.yaml`` holds the number, so a rerun from it needs
     no default of this version."""
     cfg = _resolve_method_buffers(cfg)
+    # the options this version's defaults decide, written out (CRAFT's step: issue 54)
+    options = resolve_options(cfg.aggregator.name, cfg.aggregator.options)
+    if options != dict(cfg.aggregator.options):
+        cfg = dataclasses.replace(cfg, aggregator=dataclasses.replace(cfg.aggregator,
+                                                                      options=options))
     if cfg.server.lr != "auto":
         return cfg
     if is_object(cfg.aggregator.name):  # no registered rule to take the default of

@@ -66,7 +66,10 @@ def _rule(name: str, aggregator: str, doc: str) -> type[FedloomRule]:
 
 
 CRAFT = _rule("CRAFT", "craft", "CRAFT (conflict-resolved aggregation; fedloom.aggregate.craft). "
-              "Options: groups, rtol, sv_floor, atol, precision, match_reference.")
+              "Options: groups, rtol, sv_floor, atol, precision, match_reference, step, "
+              "step_up, step_down, step_min, step_max, targets, targets_q. The engine's "
+              "default: step rprop, step_max 100 at server_lr auto = 1.0; step='fixed' is "
+              "the paper's (server_lr auto = 0.1).")
 FedFV = _rule("FedFV", "fedfv", "FedFV (Wang et al. 2021); needs the 'start-loss' metric.")
 ConFIG = _rule("ConFIG", "config", "ConFIG (Liu et al. 2025; fedloom.aggregate.conflict_free).")
 FedLF = _rule("FedLF", "fedlf", "FedLF (Pan et al. 2024); needs the 'start-loss' metric.")
