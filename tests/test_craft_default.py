@@ -135,3 +135,22 @@ def test_resume_of_an_old_run_needs_step_fixed(tmp_path, tiny):
     resumed = fedloom.run(cfg, ["aggregator.options.step=fixed"], out=out, resume=True)
     whole = fedloom.run(cfg, ["aggregator.options.step=fixed"])
     assert resumed.summary["model_sha256"] == whole.summary["model_sha256"]
+
+
+def test_the_flower_benchmark_runs_the_two_defaults():
+    """benchmarks/craft_default_flower.py: Flower's FedAvg, CRAFT at the old default
+    (step fixed at server_lr 0.1) and at the new one (rprop τ ≤ 100 at 1.0)."""
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("flwr")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import craft_default_flower as bench
+    finally:
+        sys.path.pop(0)
+    made = {name: make() for name, make in bench.strategies().items()}
+    old, new = made["CRAFT old default (step fixed)"], made["CRAFT new default"]
+    assert (old.aggregator.step, old.server.lr) == ("fixed", 0.1)
+    assert (new.aggregator.step, new.aggregator.step_max, new.server.lr) == ("rprop", 100.0, 1.0)
+    assert type(made["FedAvg (Flower)"]).__module__.startswith("flwr.")
