@@ -84,6 +84,16 @@ def test_export_writes_files_that_peft_loads_into_the_same_model(lora_run, tmp_p
     assert generated.shape == (1, 7)
 
 
+def test_the_run_itself_writes_the_files_export_writes(lora_run, tmp_path, capsys):
+    """The run directory holds peft's files when the run ends, the same bytes as
+    ``fedloom export`` writes from its model.pt."""
+    rc, out = export(capsys, lora_run.run_dir, tmp_path / "adapter")
+    assert rc == 0, out.err
+    for name in ADAPTER_FILES:
+        assert (lora_run.run_dir / name).read_bytes() == (tmp_path / "adapter" / name
+                                                          ).read_bytes()
+
+
 def _refused(capsys, run, out):
     rc, res = export(capsys, run, out)
     assert rc == 2
@@ -94,6 +104,7 @@ def _refused(capsys, run, out):
 
 def test_a_run_without_adapters_is_refused_in_one_line(corpus, tmp_path, capsys):
     full = fedloom.run(config(corpus, rank=0), out=tmp_path / "full")
+    assert not any((full.run_dir / name).exists() for name in ADAPTER_FILES)
     err = _refused(capsys, full.run_dir, tmp_path / "a")
     assert "not a LoRA run (model.lora.r: 0)" in err
     mlp = {"seed": 0, "rounds": 1, "data": {"name": "synthetic", "num_clients": 8,

@@ -58,6 +58,7 @@ from fedloom.engine.runs.sinks import (
 )
 from fedloom.engine.runs.summary import DivergenceWatch, RunFacts, summarize
 from fedloom.engine.runstate import Callback, Result, RunState, model_sha256
+from fedloom.models.adapters import write_adapter
 
 __all__ = ["Experiment", "Result", "RunState", "model_sha256", "run", "run_facts"]
 
@@ -364,4 +365,6 @@ def _loop(exp: Experiment, cfg: Config, resolved: dict[str, Any], run_dir: Path 
                         stop_reason)
     if run_dir is not None:
         write_outputs(facts, exp.evaluator.last, st, run_dir, history, summary)
+        # a LoRA run: peft's adapter files beside model.pt (nothing for another model)
+        write_adapter(space.module, run_dir)
     return Result(cfg, st.w, space.layout, space.module, history, summary, run_dir)
