@@ -34,6 +34,7 @@ exercised, only Flower's runtime is not.
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -59,29 +60,10 @@ TOPK = {"ratio": 0.01}
 
 
 # ------------------------------------------------------------------------ task
-class Net(nn.Module):
-    """quickstart-pytorch's two convolutions and two linear layers, for 1×8×8 digits."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 8, 3, padding=1)
-        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
-        self.pool = nn.MaxPool2d(2)
-        self.fc1 = nn.Linear(16 * 2 * 2, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.pool(torch.relu(self.conv1(x)))
-        x = self.pool(torch.relu(self.conv2(x)))
-        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
-
-
-def _digits() -> tuple[torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    return x, torch.tensor(d.target, dtype=torch.int64)
+# quickstart-pytorch's network for 1×8×8 digits and the digits themselves: written
+# once, in the benchmark that compares CRAFT's defaults on this setup
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from craft_default_flower import Net, _digits  # noqa: E402
 
 
 def load_data(partition_id: int, num_partitions: int) -> tuple[DataLoader, DataLoader]:
