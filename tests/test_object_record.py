@@ -295,3 +295,37 @@ def test_an_aggregator_and_a_server_step_object_need_no_server_lr(tmp_path, caps
     assert again["model_sha256"] == res.summary["model_sha256"]
     with pytest.raises(ConfigError, match=r"server\.lr: auto .* give server\.lr"):
         fedloom.run(_cfg(), ["server.lr=auto"], aggregator=ScaledMean(1.0))
+
+
+class KeptElsewhere:
+    """Keeps its argument under another name, and says so in recorded_options()."""
+
+    def __init__(self, amount: float = 1.0) -> None:
+        self.scaled = amount
+
+    def recorded_options(self):
+        return {"amount": self.scaled}
+
+
+@pytest.mark.parametrize("make", [
+    lambda: get("feedback", "sapef")(alpha=0.3), lambda: get("feedback", "ef")(),
+    lambda: get("feedback", "cser")(period=3, reset_ratio=0.2),
+    lambda: get("selector", "oort")(exploration_decay=0.9, round_penalty=3.0),
+    lambda: KeptElsewhere(2.5)], ids=["sapef", "ef", "cser", "oort", "own"])
+def test_a_class_that_keeps_arguments_otherwise_says_them(make):
+    """fedloom's EF/SA-PEF (alpha kept as base_alpha), CSER (the reset's ratio), Oort
+    (three shorter names) and a class of one's own give recorded_options(): the record
+    is complete and rebuilds an object with the same record."""
+    obj = make()
+    rec = record(obj)
+    assert unrecorded(rec) is None, unrecorded(rec)
+    again = rebuild(object_name(obj), rec, "x")
+    assert type(again) is type(obj) and record(again) == rec
+
+
+def test_a_run_given_a_feedback_object_reruns_from_its_record(tmp_path, capsys):
+    run, res = _run_dir(tmp_path, "fb", ["compression.name=topk", "compression.options.ratio=0.1"],
+                        feedback=get("feedback", "sapef")(alpha=0.3))
+    rc, err, again = _rerun(tmp_path, run, capsys)
+    assert rc == 0, err
+    assert again["model_sha256"] == res.summary["model_sha256"]

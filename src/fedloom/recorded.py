@@ -3,8 +3,9 @@
 A component given as a Python object (:mod:`fedloom.engine.objects`) is written into
 the config as ``{name: "object MODULE.QUALNAME", options: {...}}``: a dataclass's
 ``init`` fields, or a plain class's constructor parameters read back from its
-attributes of the same name; a value that is itself such an object is a nested
-record of the same shape (a chain's transforms). Options hold only YAML/JSON-safe
+attributes of the same name (or its ``recorded_options()``, parameter → value, where
+it keeps them otherwise); a value that is itself such an object is a nested record of
+the same shape (a chain's transforms). Options hold only YAML/JSON-safe
 values (None, bools, numbers, strings, lists, string-keyed mappings, nested records).
 What cannot be recorded (a tensor, a function, ``*args``/``**kwargs``, a parameter
 with no attribute of its name, a class defined inside a function, options that do
@@ -102,7 +103,7 @@ def _record(obj: object, depth: int, verify: bool = True) -> dict[str, Any]:
                        "recovered from the object")
             continue
         try:
-            v = getattr(obj, p.name, inspect.Parameter.empty)
+            v = _argument(obj, p.name)
         except Exception as e:  # a property of the user's class that raises
             why.append(f"{p.name}: reading it raised {type(e).__name__}")
             continue
@@ -118,6 +119,16 @@ def _record(obj: object, depth: int, verify: bool = True) -> dict[str, Any]:
     if why:
         out[UNRECORDED] = "; ".join(why)
     return out
+
+
+def _argument(obj: object, name: str) -> Any:
+    """The constructor argument ``name`` of ``obj``: from its ``recorded_options()``
+    where its class keeps an argument under another name (or derived), else the
+    attribute of that name (``inspect.Parameter.empty``: none)."""
+    kept = getattr(type(obj), "recorded_options", None)
+    if callable(kept):
+        return obj.recorded_options().get(name, inspect.Parameter.empty)  # type: ignore[attr-defined]
+    return getattr(obj, name, inspect.Parameter.empty)
 
 
 def _round_trip(obj: object, options: dict[str, Any], depth: int) -> list[str]:

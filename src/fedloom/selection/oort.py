@@ -62,6 +62,16 @@ class Oort:
         self.blacklist_rounds = int(blacklist_rounds)
         self.blacklist_max_len = blacklist_max_len
 
+    def recorded_options(self) -> dict[str, Any]:
+        """The constructor's arguments (three are kept under shorter names)."""
+        return {"exploration_factor": self.exploration_factor,
+                "exploration_decay": self.decay, "exploration_min": self.exploration_min,
+                "round_threshold": self.round_threshold, "round_penalty": self.penalty,
+                "clip_bound": self.clip_bound, "cut_off_util": self.cut_off,
+                "pacer_step": self.pacer_step, "pacer_delta": self.pacer_delta,
+                "blacklist_rounds": self.blacklist_rounds,
+                "blacklist_max_len": self.blacklist_max_len}
+
     def init(self, num_clients: int) -> dict[str, Any]:
         return {"reward": np.full(num_clients, np.nan), "duration": np.full(num_clients, np.nan),
                 "stamp": np.zeros(num_clients, dtype=np.int64),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -95,6 +95,12 @@ class ErrorFeedback(NoFeedback):
         self.name = name
         self.kappa = float(kappa)
 
+    def recorded_options(self) -> dict[str, Any]:
+        """The constructor's arguments (``alpha`` is kept as ``base_alpha``: ``alpha()``
+        is the round's α), so a run given this object can be rerun from its record."""
+        return {"alpha": self.base_alpha, "schedule": self.schedule, "name": self.name,
+                "kappa": self.kappa}
+
     @property
     def capabilities(self) -> FeedbackCaps:
         """Row-only; the α schedule is the option (privacy refuses theory and residual)."""
@@ -162,6 +168,10 @@ class CSER(ErrorFeedback):
             raise ValueError(f"compression.feedback.options.period: must be >= 1, got {period}")
         self.period = period
         self.reset = TopK(ratio=reset_ratio)
+
+    def recorded_options(self) -> dict[str, Any]:
+        """The constructor's arguments (the reset's ratio is its top-k's)."""
+        return {"period": self.period, "reset_ratio": self.reset.ratio}
 
     def uplink(self, g: torch.Tensor, state: dict[str, torch.Tensor], comp: Compressor,
                ctx: UplinkContext, server: ServerState) -> UplinkResult:
