@@ -298,12 +298,12 @@ def test_an_aggregator_and_a_server_step_object_need_no_server_lr(tmp_path, caps
 
 
 class KeptElsewhere:
-    """Keeps its argument under another name, and says so in recorded_options()."""
+    """Keeps its argument under another name, and says so in constructor_arguments()."""
 
     def __init__(self, amount: float = 1.0) -> None:
         self.scaled = amount
 
-    def recorded_options(self):
+    def constructor_arguments(self):
         return {"amount": self.scaled}
 
 
@@ -311,10 +311,14 @@ class KeptElsewhere:
     lambda: get("feedback", "sapef")(alpha=0.3), lambda: get("feedback", "ef")(),
     lambda: get("feedback", "cser")(period=3, reset_ratio=0.2),
     lambda: get("selector", "oort")(exploration_decay=0.9, round_penalty=3.0),
-    lambda: KeptElsewhere(2.5)], ids=["sapef", "ef", "cser", "oort", "own"])
+    lambda: get("aggregator", "hetlora")(), lambda: get("aggregator", "hetlora")(ranks=[2, 4]),
+    lambda: get("aggregator", "craft")(step="fixed"),
+    lambda: KeptElsewhere(2.5)], ids=["sapef", "ef", "cser", "oort", "hetlora", "hetlora-ranks",
+                                      "craft", "own"])
 def test_a_class_that_keeps_arguments_otherwise_says_them(make):
     """fedloom's EF/SA-PEF (alpha kept as base_alpha), CSER (the reset's ratio), Oort
-    (three shorter names) and a class of one's own give recorded_options(): the record
+    (three shorter names), HetLoRA (no ranks kept as ()) and a class of one's own give
+    constructor_arguments(): the record
     is complete and rebuilds an object with the same record."""
     obj = make()
     rec = record(obj)

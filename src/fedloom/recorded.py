@@ -3,8 +3,8 @@
 A component given as a Python object (:mod:`fedloom.engine.objects`) is written into
 the config as ``{name: "object MODULE.QUALNAME", options: {...}}``: a dataclass's
 ``init`` fields, or a plain class's constructor parameters read back from its
-attributes of the same name (or its ``recorded_options()``, parameter → value, where
-it keeps them otherwise); a value that is itself such an object is a nested record of
+attributes of the same name (or its ``constructor_arguments()``, parameter → value,
+where it keeps them otherwise); a value that is itself such an object is a nested record of
 the same shape (a chain's transforms). Options hold only YAML/JSON-safe
 values (None, bools, numbers, strings, lists, string-keyed mappings, nested records).
 What cannot be recorded (a tensor, a function, ``*args``/``**kwargs``, a parameter
@@ -122,12 +122,13 @@ def _record(obj: object, depth: int, verify: bool = True) -> dict[str, Any]:
 
 
 def _argument(obj: object, name: str) -> Any:
-    """The constructor argument ``name`` of ``obj``: from its ``recorded_options()``
+    """The constructor argument ``name`` of ``obj``: from its ``constructor_arguments()``
     where its class keeps an argument under another name (or derived), else the
     attribute of that name (``inspect.Parameter.empty``: none)."""
-    kept = getattr(type(obj), "recorded_options", None)
+    kept = getattr(type(obj), "constructor_arguments", None)
     if callable(kept):
-        return obj.recorded_options().get(name, inspect.Parameter.empty)  # type: ignore[attr-defined]
+        given = obj.constructor_arguments()  # type: ignore[attr-defined]
+        return given.get(name, inspect.Parameter.empty)
     return getattr(obj, name, inspect.Parameter.empty)
 
 

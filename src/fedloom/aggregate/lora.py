@@ -30,7 +30,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -413,6 +413,10 @@ class HetLoRA:
         self.ranks: tuple[int, ...] = () if ranks is None else tuple(ranks)
         self.weighted = weighted
         self.pad: Literal["zero", "holders"] = pad
+
+    def constructor_arguments(self) -> dict[str, Any]:
+        """The constructor's arguments (no ranks given is kept as ``()``)."""
+        return {"ranks": list(self.ranks) or None, "weighted": self.weighted, "pad": self.pad}
 
     @property
     def capabilities(self) -> AggregatorCaps:

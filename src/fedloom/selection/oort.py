@@ -62,7 +62,7 @@ class Oort:
         self.blacklist_rounds = int(blacklist_rounds)
         self.blacklist_max_len = blacklist_max_len
 
-    def recorded_options(self) -> dict[str, Any]:
+    def constructor_arguments(self) -> dict[str, Any]:
         """The constructor's arguments (three are kept under shorter names)."""
         return {"exploration_factor": self.exploration_factor,
                 "exploration_decay": self.decay, "exploration_min": self.exploration_min,

@@ -95,7 +95,7 @@ class ErrorFeedback(NoFeedback):
         self.name = name
         self.kappa = float(kappa)
 
-    def recorded_options(self) -> dict[str, Any]:
+    def constructor_arguments(self) -> dict[str, Any]:
         """The constructor's arguments (``alpha`` is kept as ``base_alpha``: ``alpha()``
         is the round's α), so a run given this object can be rerun from its record."""
         return {"alpha": self.base_alpha, "schedule": self.schedule, "name": self.name,
@@ -169,7 +169,7 @@ class CSER(ErrorFeedback):
         self.period = period
         self.reset = TopK(ratio=reset_ratio)
 
-    def recorded_options(self) -> dict[str, Any]:
+    def constructor_arguments(self) -> dict[str, Any]:
         """The constructor's arguments (the reset's ratio is its top-k's)."""
         return {"period": self.period, "reset_ratio": self.reset.ratio}
 
