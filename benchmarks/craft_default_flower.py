@@ -9,8 +9,8 @@ old default (``step="fixed"``, server_lr auto = 0.1) and at the new default
 (``CRAFT()``: rprop, τ ≤ 100, server_lr auto = 1.0). Seed ``s`` draws the initial model
 (``torch.manual_seed(s)``) and the nodes' batch order (``3s + node``); seed 0 is the
 test's. The messages go through Flower's protobuf serialization on an in-process grid
-(the test's ``_LocalGrid``), not Flower's Ray simulation, which takes minutes a run on
-2 cores. Reported: accuracy on the nodes' pooled test splits (359 samples) after the
+(:class:`LocalGrid`, the test's too), not Flower's Ray simulation, which takes minutes a
+run on 2 cores. Reported: accuracy on the nodes' pooled test splits (359 samples) after the
 last round, mean ± sd over the seeds, and each seed's paired difference.
 
     python benchmarks/craft_default_flower.py --seeds 5
@@ -101,16 +101,17 @@ def client_app(seed: int, lr: float) -> Any:
 
 
 class LocalGrid:
-    """A grid in this process (tests/test_flower_quickstart.py's ``_LocalGrid``): each
-    message and reply through Flower's protobuf serialization, a Context per node."""
+    """A grid of ``n`` nodes in this process for ``strategy.start`` (also
+    tests/test_flower_quickstart.py's): each message and reply goes through Flower's
+    protobuf serialization, each node keeps its Context."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, n: int = NODES) -> None:
         from flwr.app import Context, RecordDict
 
         self.app, self.sent = app, 0
         self.contexts = {100 + k: Context(run_id=1, node_id=100 + k, node_config={
-            "partition-id": k, "num-partitions": NODES}, state=RecordDict(), run_config={})
-            for k in range(NODES)}
+            "partition-id": k, "num-partitions": n}, state=RecordDict(), run_config={})
+            for k in range(n)}
 
     def get_node_ids(self) -> list[int]:
         return list(self.contexts)

@@ -60,10 +60,10 @@ TOPK = {"ratio": 0.01}
 
 
 # ------------------------------------------------------------------------ task
-# quickstart-pytorch's network for 1×8×8 digits and the digits themselves: written
+# quickstart-pytorch's network for 1×8×8 digits, the digits and the in-process grid: written
 # once, in the benchmark that compares CRAFT's defaults on this setup
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from craft_default_flower import Net, _digits  # noqa: E402
+from craft_default_flower import LocalGrid, Net, _digits  # noqa: E402
 
 
 def load_data(partition_id: int, num_partitions: int) -> tuple[DataLoader, DataLoader]:
@@ -206,34 +206,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return got
 
 
-class _LocalGrid:
-    """A grid in this process for ``strategy.start``: each message and reply goes
-    through Flower's protobuf serialization, each node keeps its Context."""
-
-    def __init__(self, app: ClientApp, n: int) -> None:
-        self.app = app
-        self.contexts = {100 + k: Context(run_id=1, node_id=100 + k,
-                                          node_config={"partition-id": k, "num-partitions": n},
-                                          state=RecordDict(), run_config={})
-                         for k in range(n)}
-        self.sent = 0
-
-    def get_node_ids(self) -> list[int]:
-        return list(self.contexts)
-
-    def send_and_receive(self, messages, *, timeout=None):
-        from flwr.common import serde
-
-        out = []
-        for msg in messages:
-            self.sent += 1
-            msg.metadata.__dict__["_message_id"] = f"m{self.sent}"
-            msg = serde.message_from_proto(serde.message_to_proto(msg))
-            reply = self.app(msg, self.contexts[msg.metadata.dst_node_id])
-            out.append(serde.message_from_proto(serde.message_to_proto(reply)))
-        return out
-
-
 def test_the_compressed_app_trains_on_an_in_process_grid(tmp_path, monkeypatch):
     """The compressed ServerApp's main (CRAFT + Top-1 % + SA-PEF) against the
     ClientApp wrapped in CompressionMod, without Ray: it trains, writes its result
@@ -245,7 +217,7 @@ def test_the_compressed_app_trains_on_an_in_process_grid(tmp_path, monkeypatch):
     got: dict[str, Any] = {}
     server = make_server_app(COMPRESSED, tmp_path, got)
     mod = CompressionMod("topk", TOPK, feedback="sapef", alpha=0.5)
-    grid = _LocalGrid(make_client_app([mod]), NODES)
+    grid = LocalGrid(make_client_app([mod]), NODES)
     server(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
                         run_config={}))
     run = got["craft+topk1%+sapef"]
