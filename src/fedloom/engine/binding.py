@@ -10,8 +10,9 @@ schedule, the screening rules, the evaluator and the round's surroundings
 (:class:`Surroundings`). It refuses the combinations that cannot work
 (:mod:`fedloom.engine.refusals`, whose messages name the config fields of
 ``record``) and runs the plug-ins' checks at the door (the aggregator, the server
-step and ``client.transforms`` once on a synthetic input), so a bad run fails
-before any file is written.
+step, ``client.transforms``, the compressor, the feedback policy, the local method and
+the client selector on a synthetic input), so a bad run fails before any file is
+written.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ from fedloom.aggregate.checks import check_aggregator
 from fedloom.attack import Attack, make_attack
 from fedloom.buffers import module_buffers, random_in_train
 from fedloom.capabilities import aggregator_caps, backend_caps
+from fedloom.client.checks import check_method, check_method_hooks
 from fedloom.client.sgd import LocalSGD
 from fedloom.client.transforms import check_local_transforms
 from fedloom.compress import make_compressor
 from fedloom.compress.checks import check_compressor
 from fedloom.compress.feedback import feedback_from_config
+from fedloom.compress.feedback.checks import check_feedback
 from fedloom.compress.identity import Identity
 from fedloom.config import Config, ConfigError, EvalConfig
 from fedloom.config.sections import FeedbackConfig, PlannerConfig
@@ -56,7 +59,8 @@ from fedloom.hooks import ClientMetric, planner_from_config
 from fedloom.params import Layout, training_mode
 from fedloom.privacy import Privacy, make_privacy
 from fedloom.registry import accepted_options, build, get
-from fedloom.rng import Purpose, torch_gen
+from fedloom.rng import Purpose, derive_seed, forked_rng, numpy_gen, torch_gen
+from fedloom.selection.checks import check_selector
 from fedloom.server_opt.checks import check_server_step
 from fedloom.state import ClientStateStore, FieldSpec
 from fedloom.system import System, make_system
@@ -127,6 +131,9 @@ def bind(algorithm: Algorithm, federation: Federation, runtime: Runtime,
     # after the backend: a batched one (vmap, lock-step) gives client.transforms [m, d]
     _check_plugins(algo, loc, space, federation.cohort, n, runtime,
                    batched=backend_caps(backend).loop is not None)
+    # the method's job: two samples of the first client that has any
+    first = torch.from_numpy(next((t for t in fed.train if len(t)), fed.train[0])[:2])
+    _check_client_plugins(algo, loc, space, runtime, federation, n, x[first], y[first])
     try:  # Byzantine clients (attack.*), for robustness experiments; None when off
         attack = make_attack(federation.attack, runtime.seed, n)
     except (TypeError, ValueError) as e:
@@ -223,6 +230,7 @@ def _components(algorithm: Algorithm, trainer: LocalSGD, layout: Layout) -> Boun
             method = build("method", "sgd",
                            accepted_options(get("method", "sgd"), {"layout": layout}),
                            "client.method.options")
+        check_method_hooks(method)  # before its first hook is called
         method.check_trainer(trainer)
         server = (a.server if a.server is not None
                   else build("server_optimizer", "sgd", {"lr": 1.0}, "server.optimizer"))
@@ -269,6 +277,39 @@ def _check_plugins(algo: BoundAlgorithm, loc: LocalUpdate, space: ModelSpace, co
         check_compressor(_copy(algo.compressor), rows[0].clone(),
                          (torch_gen(runtime.seed, 0, 0, Purpose.PROBE),
                           torch_gen(runtime.seed, 0, 1, Purpose.PROBE)))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_client_plugins(algo: BoundAlgorithm, loc: LocalUpdate, space: ModelSpace,
+                          runtime: Runtime, federation: Federation, n: int,
+                          x: torch.Tensor, y: torch.Tensor) -> None:
+    """The feedback policy, the local method and the client selector run two rounds on
+    copies before round 1 (:mod:`fedloom.compress.feedback.checks`,
+    :mod:`fedloom.client.checks`, :mod:`fedloom.selection.checks`): one client's
+    synthetic update of size ``d``; a job of ``x, y`` (two samples of a client) with
+    one local step; cohorts of the run's size. Their generators are the ``probe``
+    stream's and any draw from torch's global generators (a user's dropout) is undone, so
+    the run trains as it would without the checks. A violation is a one-line ConfigError."""
+    seed, d = runtime.seed, space.layout.size
+    w = space.layout.flatten(space.module).detach().clone()
+    g = (1e-2 * torch.randn(d, generator=torch_gen(seed, purpose=Purpose.PROBE),
+                            dtype=space.dtype)).to(space.device)
+    probe = (0, 1)  # the two rounds of each check
+    try:
+        with forked_rng(derive_seed(seed, -1, -1, Purpose.PROBE), space.device):
+            check_feedback(_copy(algo.feedback), _copy(algo.compressor), w, g,
+                           tuple(torch_gen(seed, r, 0, Purpose.PROBE) for r in probe),
+                           lr=loc.lr, momentum=loc.momentum, num_clients=n)
+            trainer = dataclasses.replace(  # the run's client.transforms untouched
+                algo.local, transforms=tuple(_copy(t) for t in algo.local.transforms))
+            check_method(_copy(algo.method), trainer, w, x, y, lr=loc.lr,
+                         seeds=tuple(derive_seed(seed, r, 0, Purpose.PROBE) for r in probe),
+                         num_clients=n)
+            if federation.selector is not None:
+                check_selector(_copy(federation.selector), n, federation.cohort,
+                               tuple(numpy_gen(seed, r, -1, Purpose.PROBE) for r in probe),
+                               loc.batch_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
