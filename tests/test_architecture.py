@@ -106,8 +106,6 @@ def test_a_client_job_holds_only_what_the_loop_reads() -> None:
 # in-place `sub_`/`addcmul_` with `alpha=`/`value=`, or `w - lr * g` with a name
 # holding "lr"). Only the loop's module may hold one.
 STEP_LOOP_MODULE = "client/loop.py"
-# APFL's own loop (two models and an adaptive mixing weight a step): not yet the one loop.
-STEP_LOOP_PENDING = {"client/apfl.py"}
 
 
 def _takes_gradient(node: ast.AST) -> bool:
@@ -150,11 +148,9 @@ def _step_loops(src: str) -> int:
 def test_one_step_loop() -> None:
     found = {_rel(p) for p in _modules() if _step_loops(p.read_text())}
     assert STEP_LOOP_MODULE in found, f"the step loop is not in {STEP_LOOP_MODULE}"
-    others = found - {STEP_LOOP_MODULE} - STEP_LOOP_PENDING
+    others = found - {STEP_LOOP_MODULE}
     assert not others, ("a local-training step loop outside " + STEP_LOOP_MODULE
                         + " (give the loop a gradient function instead): " + ", ".join(others))
-    done = STEP_LOOP_PENDING - found
-    assert not done, "no step loop any more: take out of STEP_LOOP_PENDING: " + ", ".join(done)
 
 
 def test_the_step_loop_measure() -> None:

@@ -356,6 +356,39 @@ def test_apfl_local_round_equals_the_papers_algorithm():
     assert abs(float(res.state["mix"][0]) - a) < 1e-12
 
 
+@pytest.mark.parametrize("over", [[], F64, ["client.method.options.adaptive=false"]],
+                         ids=["float32", "float64", "fixed_alpha"])
+def test_apfl_on_the_step_loop_has_its_plain_loops_bits(over):
+    """APFL on the one step loop (``W = [w; v]``, each row's step scaled by the
+    gradient function, η = 1) gives the bits of its rule looped plainly —
+    ``w − η g_w``, ``v − (ηα) ḡ``, α clipped — on the same batches and gradients,
+    in the second round (``v``, α from the store)."""
+    from fedloom.client.apfl import _grad
+
+    exp = Experiment.from_config(_cfg("apfl", "cohort.size=3", *over))
+    st, _ = exp.round(exp.init())
+    job = exp.plan_round(st).jobs[0]
+    tr, method = exp.trainer, exp.algorithm.method
+    res = method.run(tr, job)
+    w = job.w.clone()
+    v, a = job.state["personal"].to(w.dtype).clone(), float(job.state["mix"][0])
+    bufs_w = {n: t.clone() for n, t in (job.buffers or tr._flat_module().init_buffers).items()}
+    bufs_v = {n: t.clone() for n, t in bufs_w.items()}
+    tr.module.train()
+    for step, idx in enumerate(tr.job_batches(job)):
+        xb, yb = tr.batch(job.x, idx, job.gen_seed, step), job.y[idx]
+        _, g_w = _grad(tr.module, tr.layout, w, xb, yb, bufs_w)
+        _, g_bar = _grad(tr.module, tr.layout, a * v + (1 - a) * w, xb, yb, bufs_v)
+        d_alpha = float(torch.dot(v - w, g_bar))
+        w, v = w - job.lr * g_w, v - job.lr * a * g_bar
+        if method.adaptive:
+            a = min(1.0, max(0.0, a - job.lr * d_alpha))
+    assert torch.equal(res.update, job.w - w)
+    assert torch.equal(res.state["personal"], v)
+    assert res.extra["apfl_alpha"] == a and float(res.state["mix"][0]) == float(
+        torch.tensor([a], dtype=w.dtype)[0])
+
+
 def test_fedbabu_runs_on_the_lock_step_trainer_with_sequentials_bits(caplog):
     """FedBABU in its new shape (a Mask term in its jobs, no run() of its own) is
     lock-step's, not a fallback to sequential, and gives sequential's model."""

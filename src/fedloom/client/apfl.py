@@ -10,10 +10,11 @@ on one batch ξ and at the current iterates,
     α_k ← clip_[0,1]( α_k − η_α ⟨v_k − w_k, ∇f(v̄; ξ)⟩ )   (``adaptive``)
 
 (η_α = ``alpha_lr``, default η) with every right-hand side at the step's start.
-The update sent is ``w − w_k`` of the global copy — the same local SGD as FedAvg's, so
-APFL composes with any aggregator, compressor and feedback policy — and ``v_k``,
-``α_k`` stay in the per-client store. Evaluation: each client's
-``v̄_k = α_k v_k + (1 − α_k) w`` with the current global ``w`` (``personal_acc_*``).
+It runs on the one step loop (:func:`fedloom.client.loop.step_loop`) over ``W = [w_k; v_k]``,
+the gradient function giving ``[η g_w; (ηα_k) ḡ]`` (η = 1, no terms: the rule's bits).
+The update sent is ``w − w_k`` of the global copy — FedAvg's local SGD, so APFL composes
+with any aggregator, compressor and feedback policy — and ``v_k``, ``α_k`` stay in the
+per-client store. Evaluation (``personal_acc_*``): ``α_k v_k + (1 − α_k) w`` with the current ``w``.
 
 Checked against the rule written out from the paper with a plain module
 (tests/test_personalised.py): the global copy max difference 1.4e-17, ``v_k`` and
@@ -31,11 +32,13 @@ from collections.abc import Mapping
 import torch
 from torch.nn import functional as F
 
+from fedloom.client.loop import step_loop
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.params import Layout, functional_forward
 from fedloom.registry import register
 from fedloom.state import FieldSpec
+from fedloom.transforms import chain
 
 __all__ = ["APFL"]
 
@@ -78,36 +81,59 @@ class APFL(LocalMethod):
         w = job.w.detach().clone()
         v = job.state["personal"].to(w.dtype).clone() if started else w.clone()
         a = float(job.state["mix"][0]) if started else self.alpha
-        lr = job.lr
-        a_lr = self.alpha_lr if self.alpha_lr is not None else lr
-        batches = trainer.job_batches(job)
-        module, layout = trainer.module, trainer.layout
-        template = job.buffers or trainer._flat_module().init_buffers
-        bufs_w = {n: t.clone() for n, t in template.items()}
-        bufs_v = {n: t.clone() for n, t in template.items()}
-        loss_sum = 0.0
-        was = module.training
-        module.train()
+        a_lr = self.alpha_lr if self.alpha_lr is not None else job.lr
+        # One row a model (the global copy, the personal one), each row's step already
+        # scaled: η = 1 on both rows and an empty chain make W ← W − 1·D exactly
+        # w − η g_w and v − (ηα) ḡ, the rule's two roundings.
+        W = torch.stack([w, v])
+        steps = _Steps(self, trainer, job, W, a, a_lr)
+        was = trainer.module.training
+        trainer.module.train()
         try:
-            for step, idx in enumerate(batches):
-                xb, yb = trainer.batch(job.x, idx, job.gen_seed, step), job.y[idx]
-                loss_w, g_w = _grad(module, layout, w, xb, yb, bufs_w)
-                v_bar = a * v + (1 - a) * w
-                _, g_bar = _grad(module, layout, v_bar, xb, yb, bufs_v)
-                loss_sum += loss_w
-                d_alpha = float(torch.dot((v - w).reshape(-1), g_bar.reshape(-1)))
-                w = w - lr * g_w
-                v = v - lr * a * g_bar
-                if self.adaptive:
-                    a = min(1.0, max(0.0, a - a_lr * d_alpha))
+            n = len(steps.batches)
+            step_loop(W, W.clone(), chain(), steps, [n, n], [1.0, 1.0])
         finally:
-            module.train(was)
-        res = ClientResult(job.client, (job.w - w).contiguous(), int(job.y.shape[0]),
-                           loss_sum / max(1, len(batches)), len(batches), buffers=bufs_w)
-        res.state = {"personal": v, "mix": torch.tensor([a], dtype=w.dtype),
+            trainer.module.train(was)
+        a = steps.a
+        res = ClientResult(job.client, (job.w - W[0]).contiguous(), int(job.y.shape[0]),
+                           steps.loss_sum / max(1, n), n, buffers=steps.bufs_w)
+        res.state = {"personal": W[1].clone(), "mix": torch.tensor([a], dtype=w.dtype),
                      "personal_set": torch.ones(1, dtype=w.dtype)}
         res.extra["apfl_alpha"] = a
         return res
+
+
+class _Steps:
+    """APFL's gradient function for :func:`~fedloom.client.loop.step_loop` on
+    ``W = [w; v]``: step ``t``'s ``[η g_w; (ηα) ḡ]`` at the step's start, and α's
+    update (from ``v − w`` and ``ḡ`` at the step's start, the direction taken
+    with the old α) made before the loop steps ``W``."""
+
+    def __init__(self, method: APFL, trainer: LocalSGD, job: ClientJob, W: torch.Tensor,
+                 a: float, a_lr: float) -> None:
+        self.method, self.trainer, self.job, self.W = method, trainer, job, W
+        self.a, self.a_lr, self.loss_sum = a, a_lr, 0.0
+        self.batches = trainer.job_batches(job)
+        template = job.buffers or trainer._flat_module().init_buffers
+        self.bufs_w = {n: t.clone() for n, t in template.items()}
+        self.bufs_v = {n: t.clone() for n, t in template.items()}
+
+    def __call__(self, step: int) -> torch.Tensor:
+        trainer, job, a, lr = self.trainer, self.job, self.a, self.job.lr
+        module, layout = trainer.module, trainer.layout
+        w, v = self.W[0], self.W[1]
+        idx = self.batches[step]
+        xb, yb = trainer.batch(job.x, idx, job.gen_seed, step), job.y[idx]
+        loss_w, g_w = _grad(module, layout, w, xb, yb, self.bufs_w)
+        v_bar = a * v + (1 - a) * w
+        _, g_bar = _grad(module, layout, v_bar, xb, yb, self.bufs_v)
+        self.loss_sum += loss_w
+        d_alpha = float(torch.dot((v - w).reshape(-1), g_bar.reshape(-1)))
+        # lr * a * g_bar is (lr·a)·ḡ, as the rule's v − lr * a * ḡ rounds it
+        D = torch.stack([lr * g_w, lr * a * g_bar])
+        if self.method.adaptive:
+            self.a = min(1.0, max(0.0, a - self.a_lr * d_alpha))
+        return D
 
 
 def _grad(module: torch.nn.Module, layout: Layout, w: torch.Tensor, xb: torch.Tensor,
