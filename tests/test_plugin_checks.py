@@ -3,7 +3,7 @@ local-step term of one's own runs on a synthetic input of the run's shapes, and 
 broken one is one line naming the field, the class and method, the protocol and
 what came back (fedloom.aggregate.checks, fedloom.server_opt.checks,
 fedloom.client.transforms.check_local_transforms). A run whose first rounds all skip
-the step stops with one line (fedloom.engine.runs.loop.NEVER_STEPPED_ROUNDS)."""
+the step stops with one line (fedloom.engine.runs.stepped.NEVER_STEPPED_ROUNDS)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from conftest import TINY
 from fedloom.cli import main
 from fedloom.compress.base import pack, unpack_header
 from fedloom.config import ConfigError
-from fedloom.engine.runs.loop import NEVER_STEPPED_ROUNDS
+from fedloom.engine.runs.stepped import NEVER_STEPPED_ROUNDS
 from fedloom.server_opt import chain, heavy_ball, optimizers, scale
 
 

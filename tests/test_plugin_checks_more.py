@@ -5,7 +5,7 @@ fedloom.client.checks, fedloom.selection.checks), and a broken one is one line
 naming the field, the class and method and what came back. A well-formed one
 trains exactly as it would without the check (the probe draws from its own
 streams, on copies). The Flower strategy stops as the engine does when its first
-rounds all skip the step (fedloom.engine.runs.loop.NEVER_STEPPED_ROUNDS)."""
+rounds all skip the step (fedloom.engine.runs.stepped.NEVER_STEPPED_ROUNDS)."""
 
 from __future__ import annotations
 
@@ -419,3 +419,71 @@ def test_each_kind_by_reference_is_one_line_and_exit_2_from_the_cli(tmp_path, mo
         assert rc == 2 and len(err) == 1, err
         assert line in err[0], err
         assert not (tmp_path / f"run{i}" / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------ Flower's strategy
+class FailsAfterTheDoor:
+    """A mean whose first two calls (the check at the door's) pass and every later one
+    fails; the calls counted in the class, which the door's copy shares."""
+
+    calls = 0
+
+    def init(self, layout):
+        return None
+
+    def __call__(self, updates, weights, state, *, info=None):
+        FailsAfterTheDoor.calls += 1
+        if FailsAfterTheDoor.calls > 2:
+            raise ValueError("the cohort's system is singular")
+        p = weights.to(updates.dtype) / weights.sum()
+        return p @ updates, state, {}
+
+
+def test_flowers_strategy_stops_when_its_first_rounds_all_skip(monkeypatch):
+    """FedloomStrategy drives its own rounds (configure_train, aggregate_train): the
+    engine's rule (fedloom.engine.runs.stepped) stops it at round NEVER_STEPPED_ROUNDS
+    with the run loop's line. Replies built by hand, as a ClientApp sends them."""
+    pytest.importorskip("flwr")
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedloom.config import load_config
+    from fedloom.engine.experiment import Experiment
+    from fedloom.engine.objects import Components
+    from fedloom.engine.runs.stepped import NEVER_STEPPED_ROUNDS
+    from fedloom.integrations.flower import FedloomStrategy
+
+    # outside a Flower runtime: the identity a ServerApp process would have
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    monkeypatch.setattr(FailsAfterTheDoor, "calls", 0)
+    k = NEVER_STEPPED_ROUNDS
+    exp = Experiment.from_config(load_config(_cfg(k + 2)), components=Components(
+        aggregator=FailsAfterTheDoor()))
+    strategy = FedloomStrategy(exp.cfg, experiment=exp)
+    strategy.nodes = {c: 100 + c for c in range(exp.clients.num_clients)}
+    d = exp.space.layout.size
+    for r in range(1, k + 1):
+        msgs = strategy.configure_train(r, strategy.initial_arrays(), ConfigRecord(), None)
+        replies = []
+        for msg in msgs:
+            payload = exp.algorithm.compressor.encode(0.01 * torch.ones(d))
+            content = RecordDict({
+                "fedloom": ConfigRecord({"payload": payload,
+                                         "client-id": int(msg.content["config"]["client-id"]),
+                                         "residual-norm": 0.0}),
+                "metrics": MetricRecord({"num-examples": 10, "num-steps": 1,
+                                         "train-loss": 1.0}),
+            })
+            replies.append(Message(content, reply_to=msg))
+        if r < k:
+            strategy.aggregate_train(r, replies)
+            assert strategy.history[-1]["rejected_rounds"] == 1
+            continue
+        with pytest.raises(ConfigError, match=(
+                rf"^aggregator: object test_plugin_checks_more\.FailsAfterTheDoor: the step "
+                rf"was skipped in each of the first {k} rounds \(round 1: the aggregator "
+                r"failed \(ValueError: the cohort's system is singular\)\); stopped rather "
+                r"than return the starting model$")):
+            strategy.aggregate_train(r, replies)

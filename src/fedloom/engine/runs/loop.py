@@ -7,9 +7,9 @@ the run directory is :mod:`fedloom.engine.runs.directory`, the summary
 :mod:`fedloom.engine.runs.summary`. After each round: log it (``metrics.jsonl``,
 CSV, TensorBoard), checkpoint on schedule (the metrics of the rounds a
 checkpoint covers are on disk before it, and their digest is in it), call the
-callbacks. A run whose first rounds all skip the step (``NEVER_STEPPED_ROUNDS``)
-stops with a ConfigError rather than return its starting model. A file of the run
-directory that cannot be written (a full disk) ends the run with
+callbacks. A run whose first rounds all skip the step stops with a ConfigError
+rather than return its starting model (:mod:`fedloom.engine.runs.stepped`). A file
+of the run directory that cannot be written (a full disk) ends the run with
 :class:`~fedloom.engine.runs.checkpoint.RunDirWriteError` naming it; the
 checkpoints written so far stay, and ``resume`` continues from them.
 """
@@ -56,6 +56,7 @@ from fedloom.engine.runs.sinks import (
     TensorBoardSink,
     append_text,
 )
+from fedloom.engine.runs.stepped import stop_if_never_stepped
 from fedloom.engine.runs.summary import DivergenceWatch, RunFacts, summarize
 from fedloom.engine.runstate import Callback, Result, RunState, model_sha256
 from fedloom.models.adapters import write_adapter
@@ -280,31 +281,6 @@ def run_facts(exp: Experiment) -> RunFacts:
                     backend_caps(exp.backend).worker_threads, exp.threads, exp.privacy)
 
 
-# The first rounds whose steps may all be skipped before the run stops. A skipped
-# round is the guard against one ill-posed cohort (1e30 rows, a singular system):
-# one or two in a row are what a hostile or unlucky cohort gives, each round drawing
-# a new one, while a rule that fails on each of three fresh cohorts from the start
-# is broken in a way the checks at the door (binding) cannot see, and the run would
-# return its starting model as a normal Result.
-NEVER_STEPPED_ROUNDS = 3
-
-
-def _stop_if_never_stepped(history: Sequence[dict[str, Any]], cfg: Config) -> None:
-    """A ConfigError, one line naming the aggregator and the first skip's reason,
-    once the first ``NEVER_STEPPED_ROUNDS`` rounds (all rounds, if fewer) each skipped
-    the step; a run that stepped in any of them goes on."""
-    k = min(NEVER_STEPPED_ROUNDS, cfg.rounds)
-    if not history or history[-1]["round"] != k:
-        return
-    first = [m for m in history if m["round"] <= k]
-    if len(first) < k or not all(m.get("rejected_rounds") for m in first):
-        return
-    reason = first[0].get("rejected_round_reason", "no reason recorded")
-    raise ConfigError(f"aggregator: {cfg.aggregator.name}: the step was skipped in each of "
-                      f"the first {k} round{'s' if k > 1 else ''} (round 1: {reason}); "
-                      "stopped rather than return the starting model")
-
-
 def _loop(exp: Experiment, cfg: Config, resolved: dict[str, Any], run_dir: Path | None,
           resume: bool, callbacks: Sequence[Callback], record: DataRecord | None = None
           ) -> Result:
@@ -347,7 +323,7 @@ def _loop(exp: Experiment, cfg: Config, resolved: dict[str, Any], run_dir: Path 
             if watch.see(m) is not None:
                 log.warning("%s", watch.message)
             sinks.write(m)
-            _stop_if_never_stepped(history, cfg)
+            stop_if_never_stepped(history, cfg)
             if ckpt_dir is not None and every and (st.next_round % every == 0
                                                    or st.next_round == cfg.rounds):
                 snap_files = checkpoint(st)

@@ -33,6 +33,7 @@ from fedloom.compress.base import PayloadError
 from fedloom.compress.feedback import UplinkResult
 from fedloom.config import ConfigError, load_config
 from fedloom.engine.experiment import Experiment
+from fedloom.engine.runs.stepped import stop_if_never_stepped
 from fedloom.engine.runstate import RoundOutcome, RunState, model_sha256
 from fedloom.integrations.flower.discovery import discover_clients
 from fedloom.integrations.flower.messages import (
@@ -194,6 +195,8 @@ class FedloomStrategy(Strategy):
                                                client_buffers=True)
         metrics["flower_bytes"] = moved
         self.history.append(metrics)
+        # the engine's rule: the first rounds all skipped is an error, not a result
+        stop_if_never_stepped(self.history, exp.cfg)
         scalars: dict[str, MetricValue] = {k: v for k, v in metrics.items()
                    if isinstance(v, int | float) and not isinstance(v, bool) and v == v}
         return to_arrays(space.layout, self.state.w), MetricRecord(scalars)
