@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import platform
+import re
 import stat
 import typing
 from pathlib import Path
@@ -22,6 +23,7 @@ import fedloom
 from fedloom.aggregate.base import default_server_lr
 from fedloom.cli import build_parser, main
 from fedloom.config import Config, ConfigError, load_config, yaml_load
+from fedloom.data import from_arrays
 from fedloom.engine.build import resolve_auto
 from fedloom.engine.runs.summary import DivergenceWatch
 from fedloom.registry import available, get
@@ -97,6 +99,46 @@ def test_divergence_rule_trips_once():
     craft.see({"round": 1, "train_loss": 2.0})
     assert "server.lr=1, above craft's public default 0.1" in craft.see(
         {"round": 2, "train_loss": 30.0})
+
+
+def _unscaled_arrays():
+    """Two classes from columns 0 and 1; column 2, noise in other units (std 1e4,
+    mean 5e4): SGD at lr 0.1 on the raw columns blows up in round 1."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(600, 8)).astype(np.float32)
+    y = (X[:, 0] + X[:, 1] > 0).astype(np.int64)
+    X[:, 2] = X[:, 2] * 1e4 + 5e4
+    return from_arrays(X, y)
+
+
+def test_unscaled_arrays_that_diverge_are_told_of_data_standardize():
+    """The divergence warning names the features' scale beside the step sizes (a CSV
+    says it when it loads; arrays given in Python were blamed on the learning rate
+    alone), and not once data.standardize scales them."""
+    cfg = {"seed": 0, "rounds": 2, "data": {"name": "synthetic", "num_clients": 4,
+                                            "partition": {"name": "iid"}},
+           "model": {"name": "mlp", "options": {"hidden": [8]}}, "cohort": {"size": 4},
+           "client": {"lr": 0.1, "batch_size": 16}, "checkpoint": {"every": 0}}
+    raw = fedloom.run(cfg, data=_unscaled_arrays())
+    (msg,) = raw.summary["warnings"]
+    assert "likely client.lr=0.1" in msg
+    found = re.search(r"; the features look unscaled \(column std from (\S+) to (\S+)\): "
+                      r"data\.standardize=true scales each to mean 0, std 1$", msg)
+    assert found is not None, msg
+    low, high = map(float, found.groups())
+    assert 0.5 < low < 2 and 5e3 < high < 2e4  # the unit columns' and column 2's std
+    scaled = fedloom.run(cfg, ["data.standardize=true"], data=_unscaled_arrays())
+    assert not scaled.summary.get("warnings")
+
+
+def test_images_and_scaled_columns_get_no_scale_hint():
+    cfg = load_config({"server": {"lr": 1.0}})
+    scaled = DivergenceWatch(cfg, 10, torch.randn(50, 4))
+    assert "unscaled" not in scaled.see({"round": 1, "train_loss": 30.0})
+    # pixels (digits: 1×8×8) are not columns: their spread is not a unit mistake
+    pixels = torch.randn(50, 1, 8, 8) * torch.logspace(-3, 3, 64).view(1, 1, 8, 8)
+    assert "unscaled" not in DivergenceWatch(cfg, 10, pixels).see(
+        {"round": 1, "train_loss": 30.0})
 
 
 def test_exploding_server_lr_is_warned_once_and_in_the_summary(tiny, tmp_path, caplog):

@@ -32,6 +32,7 @@ import logging
 import os
 import zipfile
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -44,7 +45,7 @@ from fedloom.data.sources import _SOURCES, Dataset, SourceInfo
 from fedloom.registry import register
 
 __all__ = ["MAX_CSV_BYTES", "MAX_CSV_CELLS", "MAX_CSV_COLUMNS", "DataError", "from_arrays",
-           "load_csv", "load_npz"]
+           "load_csv", "load_npz", "unscaled_features"]
 
 log = logging.getLogger("fedloom")
 
@@ -505,19 +506,30 @@ _SPREAD, _OFFSET = 100.0, 10.0
 
 def _hint_unscaled(p: Path, features: list[str], X: np.ndarray) -> None:
     """Log one line when the features look unscaled and data.standardize is off."""
+    why = unscaled_features(X, features)
+    if why is not None:
+        log.warning("%s: the features look unscaled (%s); data.standardize=true scales each "
+                    "to mean 0, std 1 with the clients' training statistics", p, why)
+
+
+def unscaled_features(X: np.ndarray, features: Sequence[str] | None = None) -> str | None:
+    """Why the columns of ``X`` (``[n, f]``) look unscaled, in a few words (a std
+    ``_SPREAD``× another's, or a mean ``_OFFSET``× its own std; ``features`` names
+    the columns, else their index); ``None`` when they do not."""
     sd = X.std(axis=0)
     mu = np.abs(X.mean(axis=0))
     live = sd > 0
     if not live.any():
-        return
+        return None
     spread = float(sd[live].max() / sd[live].min())
     off = np.flatnonzero(live & (mu > _OFFSET * sd))
     if spread <= _SPREAD and not off.size:
-        return
-    why = (f"column std from {sd[live].min():.3g} to {sd[live].max():.3g}" if spread > _SPREAD
-           else f"column {features[off[0]]!r} has mean {mu[off[0]]:.3g}, std {sd[off[0]]:.3g}")
-    log.warning("%s: the features look unscaled (%s); data.standardize=true scales each to "
-                "mean 0, std 1 with the clients' training statistics", p, why)
+        return None
+    if spread > _SPREAD:
+        return f"column std from {sd[live].min():.3g} to {sd[live].max():.3g}"
+    i = int(off[0])
+    name = repr(features[i]) if features is not None else str(i)
+    return f"column {name} has mean {mu[i]:.3g}, std {sd[i]:.3g}"
 
 
 def _parses(text: str, kind: type) -> bool:

@@ -296,7 +296,7 @@ def _loop(exp: Experiment, cfg: Config, resolved: dict[str, Any], run_dir: Path 
     ckpt_dir = (run_dir / CHECKPOINT_FILE).parent if run_dir is not None else None
     # Rounds restored from the run directory are checked silently (the summary
     # still carries the warning); a new round that trips the rule is logged once.
-    watch = DivergenceWatch(exp.cfg, exp.clients.fed.num_classes)
+    watch = DivergenceWatch(exp.cfg, exp.clients.fed.num_classes, exp.clients.fed.dataset.x)
     for m in history:
         watch.see(m)
     sinks = _Sinks(cfg, run_dir, history, st.next_round, resume)

@@ -21,6 +21,7 @@ from fedloom.buffers import buffers_sha256
 from fedloom.config import Config
 from fedloom.data.heterogeneity import heterogeneity
 from fedloom.data.sources import Dataset
+from fedloom.data.user import unscaled_features
 from fedloom.device import describe, peak_memory_mb, peak_rss_mb
 from fedloom.engine.build import resolve_auto
 from fedloom.engine.inputs import ModelSpace
@@ -63,16 +64,22 @@ class DivergenceWatch:
     round that already blew up is caught too). The likely setting: ``server.lr`` when it is
     above the aggregator's public default (:func:`resolve_auto`) or the server
     optimizer is adaptive and ``server.lr >= 0.1`` (such optimizers move every
-    coordinate by about ``server.lr`` a round); ``client.lr`` otherwise.
+    coordinate by about ``server.lr`` a round); ``client.lr`` otherwise; and, for
+    tabular features that look unscaled, ``data.standardize``.
     """
 
     FACTOR = 10.0
 
-    def __init__(self, cfg: Config, num_classes: int = 0) -> None:
+    def __init__(self, cfg: Config, num_classes: int = 0, x: torch.Tensor | None = None
+                 ) -> None:
         self.cfg = resolve_auto(cfg)
         self.first: float | None = None
         self.uniform = float(np.log(num_classes)) if num_classes >= 2 else 0.0
         self.message: str | None = None
+        # Tabular features ``x`` (``[n, f]``, as trained on: standardized under
+        # data.standardize), measured when the rule trips: columns that look unscaled
+        # are named beside the step sizes, as a CSV's load says
+        self.x = x if x is not None and x.ndim == 2 and x.is_floating_point() else None
 
     def see(self, m: dict[str, Any]) -> str | None:
         """The warning, the first time round metrics ``m`` trip the rule; else None."""
@@ -93,6 +100,11 @@ class DivergenceWatch:
                 self.first = float(loss)
             return None
         self.message = f"round {m.get('round')}: the training loss {what}; {self._culprit()}"
+        why = (unscaled_features(self.x.detach().cpu().double().numpy())
+               if self.x is not None else None)
+        if why is not None:
+            self.message += (f"; the features look unscaled ({why}): data.standardize=true "
+                             "scales each to mean 0, std 1")
         return self.message
 
     def _culprit(self) -> str:
