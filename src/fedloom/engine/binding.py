@@ -291,6 +291,10 @@ def _check_client_plugins(algo: BoundAlgorithm, loc: LocalUpdate, space: ModelSp
     one local step; cohorts of the run's size. Their generators are the ``probe``
     stream's and any draw from torch's global generators (a user's dropout) is undone, so
     the run trains as it would without the checks. A violation is a one-line ConfigError."""
+    sel = federation.selector
+    if from_fedloom(algo.feedback) and from_fedloom(algo.method) and (
+            sel is None or from_fedloom(sel)):
+        return  # fedloom's own (no selector given: uniform), tested by their suites
     seed, d = runtime.seed, space.layout.size
     w = space.layout.flatten(space.module).detach().clone()
     g = (1e-2 * torch.randn(d, generator=torch_gen(seed, purpose=Purpose.PROBE),
@@ -306,8 +310,8 @@ def _check_client_plugins(algo: BoundAlgorithm, loc: LocalUpdate, space: ModelSp
             check_method(_copy(algo.method), trainer, w, x, y, lr=loc.lr,
                          seeds=tuple(derive_seed(seed, r, 0, Purpose.PROBE) for r in probe),
                          num_clients=n)
-            if federation.selector is not None:
-                check_selector(_copy(federation.selector), n, federation.cohort,
+            if sel is not None:
+                check_selector(_copy(sel), n, federation.cohort,
                                tuple(numpy_gen(seed, r, -1, Purpose.PROBE) for r in probe),
                                loc.batch_size)
     except ValueError as e:
