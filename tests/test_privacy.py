@@ -4,6 +4,7 @@ accountant against dp-accounting's own computation, target ε, refusals, resume.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -15,6 +16,7 @@ from scipy import stats
 
 import fedloom
 from conftest import TINY, stop_and_resume
+from fedloom.accounting import Accountant
 from fedloom.aggregate.base import make_aggregator
 from fedloom.compress import make_compressor
 from fedloom.config import ConfigError, load_config
@@ -28,6 +30,7 @@ from fedloom.privacy import (
     epsilon_central,
     epsilon_local,
     l2_norm,
+    make_privacy,
 )
 from fedloom.registry import build
 
@@ -173,12 +176,21 @@ def test_local_noise_has_std_z_c_and_comes_from_the_clients_stream():
 # ------------------------------------------------------------------ accountant
 def test_central_epsilon_is_dp_accountings_own_computation():
     n, m, z, delta = 10, 4, 1.0, 1e-5
+    # the earlier accounting, one option away: RDP, replace-one, without replacement
     acc = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
     # replace-one: the clipped sum's sensitivity is 2C, noise zC → multiplier z/2
     acc.compose(dpa.SelfComposedDpEvent(
         dpa.SampledWithoutReplacementDpEvent(n, m, dpa.GaussianDpEvent(z / 2)), 7))
-    ours = epsilon_central(7, num_clients=n, cohort=m, noise_multiplier=z, delta=delta)
+    ours = epsilon_central(7, num_clients=n, cohort=m, noise_multiplier=z, delta=delta,
+                           accountant="rdp", neighbours="replace_one")
     assert ours == pytest.approx(acc.get_epsilon(delta), rel=1e-12)
+    # the default: PLD, add/remove; a fixed-size cohort displaces a client, so the
+    # round is the Poisson-sampled Gaussian at rate m/n with multiplier z/2
+    pld = dpa.pld.PLDAccountant(value_discretization_interval=1e-3)
+    pld.compose(dpa.SelfComposedDpEvent(
+        dpa.PoissonSampledDpEvent(m / n, dpa.GaussianDpEvent(z / 2)), 7))
+    default = epsilon_central(7, num_clients=n, cohort=m, noise_multiplier=z, delta=delta)
+    assert default == pytest.approx(pld.get_epsilon(delta), rel=1e-9)
     p = _central(z=z, m=m, n=n)
     assert p.epsilon(p.init(), 0) == 0.0
     eps = [p.epsilon(p.init(), t) for t in range(1, 6)]
@@ -191,8 +203,12 @@ def test_local_epsilon_is_dp_accountings_gaussian_composition():
     for k in (1, 5):
         acc = dpa.rdp.RdpAccountant()
         acc.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(1.5 / 2), k))
+        assert epsilon_local(k, noise_multiplier=1.5, delta=1e-6,
+                             accountant="rdp") == pytest.approx(acc.get_epsilon(1e-6), rel=1e-12)
+        pld = dpa.pld.PLDAccountant(value_discretization_interval=1e-3)
+        pld.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(1.5 / 2), k))
         assert epsilon_local(k, noise_multiplier=1.5, delta=1e-6) == pytest.approx(
-            acc.get_epsilon(1e-6), rel=1e-12)
+            pld.get_epsilon(1e-6), rel=1e-9)
     p = Privacy("local", clip=1.0, noise_multiplier=1.5, delta=1e-6, cohort_size=2,
                 num_clients=5, seed=0)
     st = p.participated(p.participated(p.init(), torch.tensor([1, 3])), torch.tensor([3, 4]))
@@ -208,22 +224,69 @@ def test_local_epsilon_is_dp_accountings_gaussian_composition():
 
 # ------------------------------------------------------------------ engine
 def test_run_reports_epsilon_each_round_and_target_epsilon_stops_it(tmp_path):
-    # TINY: 10 clients, 4 a round; z = 1: ε(3) = 18.88, ε(4) = 21.79 (the accountant above)
-    over = ["privacy.mode=central", "privacy.target_epsilon=20", "rounds=6"]
+    # TINY: 10 clients, 4 a round; z = 1: ε(3) = 15.14, ε(4) = 17.39 (the accountant
+    # above: PLD, add/remove, the Poisson-sampled Gaussian at 0.4 with multiplier 1/2)
+    over = ["privacy.mode=central", "privacy.target_epsilon=16", "rounds=6"]
     out = tmp_path / "run"
     res = fedloom.run(copy.deepcopy(TINY), over, out=out)
     assert [m["round"] for m in res.metrics] == [1, 2, 3]
     for m in res.metrics:
         assert m["dp_epsilon"] == epsilon_central(m["round"], num_clients=10, cohort=4,
                                                   noise_multiplier=1.0, delta=1e-5)
-    assert res.metrics[-1]["dp_epsilon"] <= 20 < epsilon_central(
+    assert res.metrics[-1]["dp_epsilon"] <= 16 < epsilon_central(
         4, num_clients=10, cohort=4, noise_multiplier=1.0, delta=1e-5)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["rounds"] == 3 and "privacy.target_epsilon=20" in summary["stop_reason"]
+    assert summary["rounds"] == 3 and "privacy.target_epsilon=16" in summary["stop_reason"]
+    assert summary["dp_accounting"] == {"accountant": "pld", "neighbours": "add_remove",
+                                        "sampling": "fixed-size, without replacement",
+                                        "rate": 0.4}
     assert summary["dp_epsilon"] == res.metrics[-1]["dp_epsilon"]
     # resuming the stopped run runs nothing more
     again = fedloom.run(copy.deepcopy(TINY), over, out=out, resume=True)
     assert len(again.metrics) == 3 and again.summary["model_sha256"] == summary["model_sha256"]
+
+
+def test_auto_noise_meets_the_target_and_config_yaml_holds_the_number(tmp_path):
+    over = ["privacy.mode=central", "privacy.noise_multiplier=auto",
+            "privacy.target_epsilon=18", "rounds=3"]
+    res = fedloom.run(copy.deepcopy(TINY), over, out=tmp_path / "run")
+    rec = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["privacy"]
+    z = rec["noise_multiplier"]
+    assert isinstance(z, float) and rec["max_epsilon"] == 18
+    eps = [m["dp_epsilon"] for m in res.metrics]
+    assert len(eps) == 3 and eps[-1] <= 18  # all three rounds run, within the target
+    # the smallest such z to 1e-3 (fedloom.accounting.NOISE_RTOL): 0.2 % less spends more
+    assert epsilon_central(3, num_clients=10, cohort=4, noise_multiplier=z * 0.998,
+                           delta=1e-5) > 18
+    assert eps[-1] == epsilon_central(3, num_clients=10, cohort=4, noise_multiplier=z,
+                                      delta=1e-5)
+
+
+def test_max_epsilon_refuses_to_start_and_accounting_cohort_scales_the_noise():
+    cfg = load_config(copy.deepcopy(TINY), ["privacy.mode=central", "privacy.max_epsilon=16",
+                                            "rounds=4"])
+    with pytest.raises(ConfigError, match=r"^privacy.max_epsilon: 4 rounds would spend "
+                                          r"epsilon=17.39"):
+        make_privacy(cfg, 10)
+    assert make_privacy(dataclasses.replace(cfg, rounds=3), 10).planned_epsilon(3) <= 16
+    # a deployment of 100 a round out of 10,000, simulated with 4 of 10 (pfl's noise_scale)
+    dep = load_config(copy.deepcopy(TINY), ["privacy.mode=central",
+                                            "privacy.accounting_population=10000",
+                                            "privacy.accounting_cohort=100"])
+    p = make_privacy(dep, 10)
+    assert p.rate == 0.01 and p.noise_scale == 0.04
+    assert p.record()["noise_scale"] == 0.04
+    total = torch.zeros(100_000, dtype=torch.float64)
+    std = float(p.release(total, p.init(), 0).std())
+    assert std == pytest.approx(1.0 * 1.0 / 100, rel=0.02)  # z·C/M: the deployment's mean
+    assert p.epsilon(p.init(), 2000) == pytest.approx(
+        Accountant("pld", "fixed").epsilon(0.01, 1.0, 2000, 1e-5), rel=1e-12)
+    for over, field in ((["privacy.accounting_cohort=3"], "privacy.accounting_cohort"),
+                        (["privacy.accounting_cohort=100", "privacy.accounting_population=50"],
+                         "privacy.accounting_population")):
+        bad = load_config(copy.deepcopy(TINY), ["privacy.mode=central", *over])
+        with pytest.raises(ConfigError, match=f"^{field}: "):
+            make_privacy(bad, 10)
 
 
 def test_central_mode_without_noise_or_clipping_is_the_unweighted_fedavg_run():

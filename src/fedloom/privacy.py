@@ -10,10 +10,10 @@ for ``fedavg`` only (``linear`` and ``dp_mean`` capabilities). Adaptive clipping
 Andrew, Thakkar, McMahan & Ramaswamy (NeurIPS 2021), the geometric update
 ``C_{t+1} = C_t · exp(−η_C (b̃_t − γ))`` with ``σ_Δ`` raised by their Theorem 1.
 Local (``privacy.mode: local``): each client clips to ``C`` and adds
-``N(0, z² C² I_d)`` before its feedback policy and compressor. ε comes from
-``dp-accounting``'s RDP accountant: ``SampledWithoutReplacementDpEvent(N, m̄,
-GaussianDpEvent(z/2))`` per round (replace-one relation; central), or
-``GaussianDpEvent(z/2)`` composed over a client's rounds (local).
+``N(0, z² C² I_d)`` before its feedback policy and compressor. ε: :mod:`fedloom.accounting`
+(``privacy.accountant``, ``privacy.neighbours``) at ``q = m̄/N`` (central; fixed-size
+cohorts) or ``Gaussian(z/2)`` over a client's rounds (local); ``noise_multiplier:
+auto`` solves z for ``target_epsilon`` (:func:`resolve_noise`).
 
 Public code checked: TF Privacy's ``QuantileEstimatorQuery`` (the same count,
 denominator, clamp and update); Flower 1.42's noise std ``z·C/m`` and adaptive
@@ -27,21 +27,22 @@ secure aggregation, and measurements: docs/explanation/methods.md (Privacy in de
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
+from fedloom.accounting import Accountant
 from fedloom.capabilities import aggregator_caps, compressor_caps, feedback_caps
 from fedloom.config import ConfigError
 from fedloom.rng import Purpose, torch_gen
 
-__all__ = ["AdaptiveClip", "Privacy", "check_secure_aggregation", "clip_update",
-           "epsilon_central", "epsilon_local", "l2_norm", "make_privacy"]
+__all__ = ["Accounting", "AdaptiveClip", "Privacy", "check_secure_aggregation", "clip_update",
+           "epsilon_central", "epsilon_local", "l2_norm", "make_privacy", "resolve_noise",
+           "solve_noise"]
 
 log = logging.getLogger("fedloom")
 
@@ -81,61 +82,45 @@ def clip_update(v: torch.Tensor, bound: float) -> tuple[torch.Tensor, float, boo
 
 
 # ------------------------------------------------------------------ accountant
-def _accounting() -> Any:
+def _accountant(kind: str, sampling: str, neighbours: str) -> Accountant:
     try:
-        import dp_accounting
-    except ImportError:  # pragma: no cover (the privacy extra is in dev)
+        import dp_accounting  # noqa: F401
+    except ImportError:  # pragma: no cover (a dependency of the package)
         raise ConfigError("privacy.mode: the accountant needs dp-accounting "
                           "(pip install 'fedloom[privacy]')") from None
-    return dp_accounting
-
-
-@functools.lru_cache(maxsize=16)
-def _round_rdp(num_clients: int, cohort: int, sigma: float) -> tuple[np.ndarray, np.ndarray]:
-    """RDP orders and the RDP of one round (sampled without replacement), as the
-    library computes them for one composed event (~2 s: its orders 512 and 1024)."""
-    dpa = _accounting()
-    from dp_accounting.rdp import rdp_privacy_accountant as rdp
-
-    acc = rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
-    event = (dpa.GaussianDpEvent(sigma) if cohort >= num_clients else
-             dpa.SampledWithoutReplacementDpEvent(num_clients, cohort,
-                                                  dpa.GaussianDpEvent(sigma)))
-    acc.compose(event)
-    # The library keeps the composed RDP in _rdp and adds `count * rdp(event)` for
-    # a SelfComposedDpEvent: T · this vector is what it computes for T rounds
-    # (tests/test_privacy.py checks ε against its own get_epsilon).
-    return np.asarray(acc._orders, dtype=float), np.asarray(acc._rdp, dtype=float)
+    try:
+        return Accountant(kind, sampling, neighbours)
+    except ValueError as e:
+        raise ConfigError(f"privacy.accountant: {e}") from None
 
 
 def epsilon_central(rounds: int, *, num_clients: int, cohort: int, noise_multiplier: float,
-                    delta: float) -> float:
-    """ε at ``delta`` after ``rounds`` rounds of the central mechanism: the RDP
-    accountant of dp-accounting, replace-one relation, ``rounds`` self-composed
-    ``SampledWithoutReplacementDpEvent(num_clients, cohort, GaussianDpEvent(z/2))``
-    (module docstring)."""
+                    delta: float, accountant: str = "pld",
+                    neighbours: str = "add_remove") -> float:
+    """ε at ``delta`` after ``rounds`` rounds of the central mechanism, ``cohort`` of
+    ``num_clients`` drawn without replacement each round (fedloom's sampler):
+    :class:`fedloom.accounting.Accountant` ``(accountant, "fixed", neighbours)`` at
+    ``q = cohort/num_clients``. Earlier versions reported ``accountant="rdp",
+    neighbours="replace_one"`` (dp-accounting's SampledWithoutReplacementDpEvent)."""
     if rounds <= 0:
         return 0.0
     if noise_multiplier <= 0:
         return math.inf
-    from dp_accounting.rdp import rdp_privacy_accountant as rdp
-
-    orders, per_round = _round_rdp(num_clients, cohort, noise_multiplier / 2)
-    return float(rdp.compute_epsilon(orders, rounds * per_round, delta)[0])
+    acc = _accountant(accountant, "fixed", neighbours)
+    return acc.epsilon(min(1.0, cohort / num_clients), noise_multiplier, rounds, delta)
 
 
-def epsilon_local(participations: int, *, noise_multiplier: float, delta: float) -> float:
+def epsilon_local(participations: int, *, noise_multiplier: float, delta: float,
+                  accountant: str = "pld") -> float:
     """ε at ``delta`` of one client's messages in local mode after it took part
-    ``participations`` times: ``GaussianDpEvent(z/2)`` self-composed (RDP)."""
+    ``participations`` times: ``Gaussian(z/2)`` composed (any two inputs of a client
+    are neighbours: the clipped update moves by up to 2C), by ``accountant``."""
     if participations <= 0:
         return 0.0
     if noise_multiplier <= 0:
         return math.inf
-    dpa = _accounting()
-    acc = dpa.rdp.RdpAccountant()
-    acc.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(noise_multiplier / 2),
-                                        participations))
-    return float(acc.get_epsilon(delta))
+    acc = _accountant(accountant, "poisson", "add_remove")
+    return acc.epsilon(1.0, noise_multiplier / 2, participations, delta)
 
 
 # ------------------------------------------------------------------ mechanism
@@ -148,13 +133,28 @@ class AdaptiveClip:
     count_stddev: float = 0.5
 
 
+@dataclass(frozen=True)
+class Accounting:
+    """How ε is accounted: ``kind`` (rdp | pld | prv), ``neighbours`` (add_remove |
+    replace_one), and the deployment accounted for (pfl's ``noise_scale``): ``cohort``
+    clients of ``population`` a round (None: the run's own). The noise of the sum is
+    then scaled by ``m̄/cohort``, so the mean carries the deployment's noise
+    ``z·C/cohort`` and ε is that of rate ``cohort/population``."""
+
+    kind: str = "pld"
+    neighbours: str = "add_remove"
+    population: int | None = None
+    cohort: int | None = None
+
+
 class Privacy:
     """The DP mechanism of a run (module docstring). ``mode="none"`` does nothing."""
 
     def __init__(self, mode: str, *, clip: float, noise_multiplier: float, delta: float,
                  cohort_size: int, num_clients: int, seed: int,
                  target_epsilon: float | None = None,
-                 adaptive: AdaptiveClip | None = None) -> None:
+                 adaptive: AdaptiveClip | None = None,
+                 accounting: Accounting = Accounting()) -> None:
         if mode not in ("none", "central", "local"):
             raise ConfigError(f"privacy.mode: must be none, central or local, got {mode!r}")
         if mode == "local" and adaptive is not None:
@@ -163,6 +163,10 @@ class Privacy:
         self.mode, self.clip, self.z, self.delta = mode, float(clip), float(noise_multiplier), delta
         self.cohort_size, self.num_clients, self.seed = cohort_size, num_clients, seed
         self.target_epsilon, self.adaptive = target_epsilon, adaptive
+        self.accounting = accounting
+        # fedloom's sampler draws a fixed-size cohort without replacement
+        self.accountant = _accountant(accounting.kind, "fixed", accounting.neighbours)
+        self.rate, self.noise_scale = _rate(mode, cohort_size, num_clients, accounting)
         self.sigma = self.z
         if adaptive is not None and self.z > 0:
             if not 2 * adaptive.count_stddev > self.z:
@@ -172,6 +176,20 @@ class Privacy:
                     f"{adaptive.count_stddev:g}")
             # Andrew et al., Theorem 1: the update and the count together cost z.
             self.sigma = (self.z ** -2 - (2 * adaptive.count_stddev) ** -2) ** -0.5
+
+    def record(self) -> dict[str, Any]:
+        """What the ε reported is of, for the run's summary."""
+        if self.local:
+            return {"accountant": self.accounting.kind, "unit": "a client's messages",
+                    "neighbours": "any two inputs of a client (Gaussian, sensitivity 2C)",
+                    "composition": "the most rounds one client took part in"}
+        out: dict[str, Any] = {
+            "accountant": self.accounting.kind, "neighbours": self.accounting.neighbours,
+            "sampling": "fixed-size, without replacement", "rate": self.rate}
+        if self.noise_scale != 1.0:
+            out.update(population=self.accounting.population, cohort=self.accounting.cohort,
+                       noise_scale=self.noise_scale)
+        return out
 
     @property
     def enabled(self) -> bool:
@@ -213,14 +231,27 @@ class Privacy:
     def epsilon(self, state: dict[str, Any], rounds: int) -> float:
         """ε spent after ``rounds`` rounds with ``state`` (the state after them)."""
         if self.central:
-            return epsilon_central(rounds, num_clients=self.num_clients,
-                                   cohort=self.cohort_size, noise_multiplier=self.z,
-                                   delta=self.delta)
+            return self._central_epsilon(rounds)
         if self.local:
             part = state["participation"]
             return epsilon_local(int(part.max()) if part.numel() else 0,
-                                 noise_multiplier=self.z, delta=self.delta)
+                                 noise_multiplier=self.z, delta=self.delta,
+                                 accountant=self.accounting.kind)
         return 0.0
+
+    def _central_epsilon(self, rounds: int) -> float:
+        if rounds <= 0:
+            return 0.0
+        if self.z <= 0:
+            return math.inf
+        return self.accountant.epsilon(self.rate, self.z, rounds, self.delta)
+
+    def planned_epsilon(self, rounds: int) -> float:
+        """ε after ``rounds`` rounds, before any ran (local: a client in every one)."""
+        if self.local:
+            return epsilon_local(rounds, noise_multiplier=self.z, delta=self.delta,
+                                 accountant=self.accounting.kind)
+        return self._central_epsilon(rounds) if self.central else 0.0
 
     def next_epsilon(self, state: dict[str, Any], rounds: int) -> float:
         """ε after one more round (local: a client that took part most so far
@@ -228,7 +259,8 @@ class Privacy:
         if self.local:
             part = state["participation"]
             return epsilon_local((int(part.max()) if part.numel() else 0) + 1,
-                                 noise_multiplier=self.z, delta=self.delta)
+                                 noise_multiplier=self.z, delta=self.delta,
+                                 accountant=self.accounting.kind)
         return self.epsilon(state, rounds + 1)
 
     def stop_reason(self, state: dict[str, Any], rounds: int) -> str | None:
@@ -265,7 +297,8 @@ class Privacy:
         the sum of the clipped updates (here, or a secure-aggregation sum)."""
         gen = torch_gen(self.seed, round, -1, Purpose.DP_NOISE)
         noise = torch.randn(total.numel(), generator=gen, dtype=torch.float64)
-        scale = self.sigma * float(state["clip"])
+        # noise_scale: the deployment's noise on the mean (Accounting)
+        scale = self.sigma * float(state["clip"]) * self.noise_scale
         return (total.double() + scale * noise.to(total.device)) / self.cohort_size
 
     def aggregate(self, rows: torch.Tensor, ok: torch.Tensor, state: dict[str, Any],
@@ -290,8 +323,8 @@ class Privacy:
         if self.adaptive is not None:
             a = self.adaptive
             g = torch_gen(self.seed, round, -1, Purpose.DP_COUNT)
-            noisy = (below + a.count_stddev * float(torch.randn(1, generator=g,
-                                                                dtype=torch.float64)))
+            noisy = (below + a.count_stddev * self.noise_scale
+                     * float(torch.randn(1, generator=g, dtype=torch.float64)))
             # Clamped to [0, 1] as TF Privacy's QuantileEstimatorQuery (post-processing).
             frac = min(1.0, max(0.0, noisy / self.cohort_size))
             new_state["clip"] = c * math.exp(-a.lr * (frac - a.target_quantile))
@@ -299,17 +332,99 @@ class Privacy:
         return agg, new_state, metrics
 
 
+def _rate(mode: str, cohort_size: int, num_clients: int,
+          accounting: Accounting) -> tuple[float, float]:
+    """The sampling rate accounted for and the scale of the simulated noise (1, or
+    ``m̄/accounting.cohort``: pfl's noise_scale)."""
+    if mode == "local":
+        if accounting.population is not None or accounting.cohort is not None:
+            raise ConfigError("privacy.accounting_cohort: central mode only (a client's "
+                              "local noise is its own, whatever the cohort)")
+        return 1.0, 1.0
+    population = accounting.population or num_clients
+    cohort = accounting.cohort or cohort_size
+    if cohort < cohort_size:
+        raise ConfigError(f"privacy.accounting_cohort: must be >= cohort.size ({cohort_size}), "
+                          f"the simulated cohort, got {cohort}")
+    if population < cohort:
+        raise ConfigError(f"privacy.accounting_population: must be >= the cohort accounted "
+                          f"for ({cohort}), got {population}")
+    return min(1.0, cohort / population), cohort_size / cohort
+
+
+def _accounting_of(cfg: Any) -> Accounting:
+    p = cfg.privacy
+    return Accounting(p.accountant, p.neighbours, p.accounting_population, p.accounting_cohort)
+
+
+def solve_noise(cfg: Any, num_clients: int) -> float:
+    """``privacy.noise_multiplier: auto``: the z for which ``cfg.rounds`` rounds spend
+    at most ``privacy.target_epsilon`` at ``privacy.delta`` (central: the run's rate;
+    local: a client in every round), by :meth:`fedloom.accounting.Accountant.noise`."""
+    p = cfg.privacy
+    if p.target_epsilon is None:
+        raise ConfigError("privacy.noise_multiplier: auto solves for privacy.target_epsilon; "
+                          "give it, or a number")
+    acct = _accounting_of(cfg)
+    rate, _ = _rate(p.mode, cfg.cohort.size, num_clients, acct)
+    try:
+        if p.mode == "local":  # Gaussian(z/2), composed over the rounds
+            z = 2 * _accountant(acct.kind, "poisson", "add_remove").noise(
+                1.0, cfg.rounds, p.target_epsilon, p.delta)
+        else:
+            z = _accountant(acct.kind, "fixed", acct.neighbours).noise(
+                rate, cfg.rounds, p.target_epsilon, p.delta)
+    except ValueError as e:
+        raise ConfigError(f"privacy.target_epsilon: {e}") from None
+    log.info("privacy.noise_multiplier: auto -> %.6g for epsilon <= %g at delta=%g over %d "
+             "rounds (%s, %s, rate %.4g)", z, p.target_epsilon, p.delta, cfg.rounds,
+             acct.kind, acct.neighbours if p.mode == "central" else "local", rate)
+    return z
+
+
+def resolve_noise(cfg: Any) -> Any:
+    """``cfg`` with ``privacy.noise_multiplier: auto`` solved (:func:`solve_noise`, for
+    ``data.num_clients`` clients or ``privacy.accounting_population``) and
+    ``privacy.max_epsilon`` set to the target where not given: the run directory's
+    config.yaml holds the number, and a run on data of fewer clients, whose ε would
+    be over the target, refuses to start (:func:`make_privacy`)."""
+    p = cfg.privacy
+    if p.mode == "none" or p.noise_multiplier != "auto":
+        return cfg
+    z = solve_noise(cfg, cfg.data.num_clients)
+    cap = p.max_epsilon if p.max_epsilon is not None else p.target_epsilon
+    return dataclasses.replace(cfg, privacy=dataclasses.replace(
+        p, noise_multiplier=z, max_epsilon=cap))
+
+
 def make_privacy(cfg: Any, num_clients: int) -> Privacy:
-    """The mechanism of a :class:`~fedloom.config.Config` (``cfg.privacy``)."""
+    """The mechanism of a :class:`~fedloom.config.Config` (``cfg.privacy``); with
+    ``privacy.max_epsilon``, refuses in one line a run whose ``cfg.rounds`` rounds
+    would spend more."""
     p = cfg.privacy
     a = p.adaptive_clip
+    acct = _accounting_of(cfg)
+    z = p.noise_multiplier
+    if z == "auto":  # a config not resolved by fedloom.engine.build
+        z = solve_noise(cfg, num_clients) if p.mode != "none" else 0.0
     adaptive = None
     if p.mode != "none" and a.enabled:
-        sd = a.count_stddev if a.count_stddev is not None else cfg.cohort.size / 20
+        # the deployment's count noise (σ_b = its cohort / 20), scaled as the update's
+        sd = (a.count_stddev if a.count_stddev is not None
+              else (acct.cohort or cfg.cohort.size) / 20)
         adaptive = AdaptiveClip(a.target_quantile, a.lr, sd)
-    return Privacy(p.mode, clip=p.clip, noise_multiplier=p.noise_multiplier, delta=p.delta,
+    priv = Privacy(p.mode, clip=p.clip, noise_multiplier=z, delta=p.delta,
                    cohort_size=cfg.cohort.size, num_clients=num_clients, seed=cfg.seed,
-                   target_epsilon=p.target_epsilon, adaptive=adaptive)
+                   target_epsilon=p.target_epsilon, adaptive=adaptive, accounting=acct)
+    if p.max_epsilon is not None and priv.enabled:
+        planned = priv.planned_epsilon(cfg.rounds)
+        if planned > p.max_epsilon:
+            raise ConfigError(
+                f"privacy.max_epsilon: {cfg.rounds} rounds would spend epsilon={planned:.4g} "
+                f"at delta={p.delta:g} ({acct.kind}, rate {priv.rate:.4g} of "
+                f"{acct.population or num_clients} "
+                f"clients), over {p.max_epsilon:g}: raise the noise or run fewer rounds")
+    return priv
 
 
 # ----------------------------------------------------------------- composition

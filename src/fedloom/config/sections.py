@@ -540,14 +540,25 @@ class PrivacyConfig:
     """Client-level differential privacy (fedloom.privacy): ``central`` (DP-FedAvg:
     clip each update to ``clip``, Gaussian noise ``noise_multiplier · clip`` on the
     sum at the server) or ``local`` (each client clips and adds that noise before
-    compression). ``dp_epsilon`` at ``delta`` is reported each round; with
-    ``target_epsilon`` the run stops before a round that would exceed it."""
+    compression). ``dp_epsilon`` at ``delta`` is reported each round, by
+    ``accountant`` (fedloom.accounting) under ``neighbours``; with ``target_epsilon``
+    the run stops before a round that would exceed it, and ``noise_multiplier: auto``
+    solves the noise for it over ``rounds`` (config.yaml holds the number).
+    ``max_epsilon``: a run whose rounds would spend more refuses to start.
+    ``accounting_population`` / ``accounting_cohort``: account for a deployment's
+    cohort of that population while simulating ``cohort.size`` (the noise scaled so
+    the mean's noise is the deployment's; pfl's noise_scale); null: the run's own."""
 
     mode: Literal["none", "central", "local"] = "none"
     clip: float = _f(1.0, gt=0)
-    noise_multiplier: float = _f(1.0, ge=0)
+    noise_multiplier: float | Literal["auto"] = _f(1.0, ge=0)
     delta: float = _f(1e-5, gt=0, lt=1)
     target_epsilon: float | None = _f(None, gt=0)
+    max_epsilon: float | None = _f(None, gt=0)
+    accountant: Literal["pld", "rdp", "prv"] = "pld"
+    neighbours: Literal["add_remove", "replace_one"] = "add_remove"
+    accounting_population: int | None = _f(None, ge=1)
+    accounting_cohort: int | None = _f(None, ge=1)
     adaptive_clip: AdaptiveClipConfig = field(default_factory=AdaptiveClipConfig)
 
 

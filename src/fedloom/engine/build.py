@@ -42,6 +42,7 @@ from fedloom.engine.values import Algorithm, Federation, LocalUpdate, Runtime
 from fedloom.hooks import ClientMetric, metric_hooks, planner_from_config
 from fedloom.models import build_model
 from fedloom.params import Layout
+from fedloom.privacy import resolve_noise
 from fedloom.recorded import is_object
 from fedloom.registry import NotImported, accepted_options, get
 from fedloom.registry import build as build_named
@@ -76,6 +77,7 @@ def resolve_auto(cfg: Config) -> Config:
     The run directory's ``config.yaml`` holds the number, so a rerun from it needs
     no default of this version."""
     cfg = _resolve_method_buffers(cfg)
+    cfg = resolve_noise(cfg)  # privacy.noise_multiplier: auto -> the noise solved
     # the options this version's defaults decide, written out (CRAFT's step: issue 54)
     options = resolve_options(cfg.aggregator.name, cfg.aggregator.options)
     if options != dict(cfg.aggregator.options):

@@ -186,6 +186,7 @@ def summarize(run: RunFacts, st: RunState, history: list[dict[str, Any]],
     if privacy.enabled:  # ε spent (also when no round ran) and why the run stopped
         summary["dp_epsilon"] = privacy.epsilon(st.privacy_state, st.next_round)
         summary["dp_delta"] = privacy.delta
+        summary["dp_accounting"] = privacy.record()  # what the ε is of (fedloom.accounting)
     if stop_reason is not None:
         summary["stop_reason"] = stop_reason
     return summary
