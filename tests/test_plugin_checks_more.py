@@ -131,7 +131,7 @@ def test_a_feedback_state_that_does_not_round_trip_is_one_line():
 def test_a_feedback_policy_without_uplink_is_one_line():
     _one_line(r"^compression\.feedback: NoUplink has no init_server and alpha and start_point "
               r"and grad_shift and penalty and uplink and server_row and end_round and "
-              r"round_metrics; a feedback policy subclasses "
+              r"round_metrics and probes_smoothness; a feedback policy subclasses "
               r"fedloom\.compress\.feedback\.NoFeedback", feedback=NoUplink())
 
 
@@ -239,7 +239,8 @@ def test_a_method_server_state_that_is_not_a_dict_is_one_line():
 
 def test_a_method_without_the_hooks_is_one_line():
     _one_line(r"^client\.method: BareMethod has no check_trainer and fields and init_server "
-              r"and complete and server_update and adjust_model and personal_models; a local "
+              r"and complete and server_update and adjust_model and personal_models and "
+              r"personal; a local "
               r"method subclasses fedloom\.client\.methods\.LocalMethod", method=BareMethod())
 
 

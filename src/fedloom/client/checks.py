@@ -42,6 +42,7 @@ _PROTOCOL = ("a local method subclasses fedloom.client.methods.LocalMethod and o
 def check_method_hooks(method: object) -> None:
     """One line when ``method`` lacks a hook the engine calls."""
     missing = [h for h in _HOOKS if not callable(getattr(method, h, None))]
+    missing += [a for a in ("personal",) if not hasattr(method, a)]  # read each round
     if missing:
         raise ValueError(f"{_WHERE}: {type(method).__name__} has no {' and '.join(missing)}; "
                          f"{_PROTOCOL}")

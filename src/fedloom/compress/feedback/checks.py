@@ -44,6 +44,7 @@ def check_feedback(policy: object, comp: Any, w: torch.Tensor, g: torch.Tensor,
     (``[d]``) at the parameters ``w``, one round for each of ``gens``."""
     cls = type(policy).__name__
     missing = [h for h in _HOOKS if not callable(getattr(policy, h, None))]
+    missing += [a for a in ("probes_smoothness",) if not hasattr(policy, a)]  # each job's
     if missing:
         raise ValueError(f"{_WHERE}: {cls} has no {' and '.join(missing)}; {_PROTOCOL}")
     if from_fedloom(policy):
