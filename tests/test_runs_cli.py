@@ -117,7 +117,7 @@ def test_unscaled_arrays_that_diverge_are_told_of_data_standardize():
     alone), and not once data.standardize scales them."""
     cfg = {"seed": 0, "rounds": 2, "data": {"name": "synthetic", "num_clients": 4,
                                             "partition": {"name": "iid"}},
-           "model": {"name": "mlp", "options": {"hidden": [8]}}, "cohort": {"size": 4},
+           "model": {"name": "mlp"}, "cohort": {"size": 4},
            "client": {"lr": 0.1, "batch_size": 16}, "checkpoint": {"every": 0}}
     raw = fedloom.run(cfg, data=_unscaled_arrays())
     (msg,) = raw.summary["warnings"]
