@@ -102,13 +102,13 @@ def test_scaffold_first_round_matches_sgd_and_controls_follow_option_ii(tiny):
     # c = c_k = 0 in round 1: SCAFFOLD is plain local SGD
     assert torch.equal(s1.w, p1.w)
     cohort = es.sample_cohort(0)
-    ck = es.store.gather("control", cohort)
+    ck = s1.clients.gather("control", cohort)
     # c_k⁺ = g_k/(K η) with c = c_k = 0; server c = (m/N) mean(c_k⁺)
     assert torch.allclose(s1.method_state["c"], (len(cohort) / 10) * ck.mean(0))
     others = [k for k in range(10) if k not in cohort.tolist()]
-    assert torch.equal(es.store.gather("control", others), torch.zeros(len(others),
-                                                                       es.layout.size,
-                                                                       dtype=torch.float64))
+    assert torch.equal(s1.clients.gather("control", others), torch.zeros(len(others),
+                                                                         es.layout.size,
+                                                                         dtype=torch.float64))
     s2, _ = es.round(s1)  # round 2 uses the correction
     assert torch.isfinite(s2.w).all() and not torch.equal(s2.w, s1.w)
 
@@ -130,15 +130,15 @@ def test_ditto_with_huge_lambda_keeps_personal_near_global(tiny):
     cfg = load_config(tiny, ["client.method=ditto", "client.method.options.lam=5.0",
                              "client.lr=0.1", "rounds=1", "dtype=float64"])
     exp = Experiment.from_config(cfg)
-    exp.round(exp.init())
+    st, _ = exp.round(exp.init())
     cohort = exp.sample_cohort(0)
-    v = exp.store.gather("personal", cohort)
+    v = st.clients.gather("personal", cohort)
     w0 = exp.init().w
     cfg0 = load_config(tiny, ["client.method=ditto", "client.method.options.lam=0.0",
                               "client.lr=0.1", "rounds=1", "dtype=float64"])
     exp0 = Experiment.from_config(cfg0)
-    exp0.round(exp0.init())
-    v0 = exp0.store.gather("personal", cohort)
+    st0, _ = exp0.round(exp0.init())
+    v0 = st0.clients.gather("personal", cohort)
     assert (v - w0).norm() < (v0 - w0).norm()  # the prox term pulls towards w
 
 

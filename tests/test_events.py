@@ -138,9 +138,9 @@ def test_refused_combinations_name_the_field(overrides, field):
         Experiment.from_config(load_config(_cfg("buffered"), overrides))
 
 
-def _rows(exp):
+def _rows(exp, st):
     ids = list(range(exp.fed.num_clients))
-    return {f: exp.store.gather(f, ids).clone() for f in exp.store.fields}
+    return {f: st.clients.gather(f, ids).clone() for f in st.clients.fields}
 
 
 def test_state_rows_change_only_for_accepted_arrivals():
@@ -150,12 +150,12 @@ def test_state_rows_change_only_for_accepted_arrivals():
         "compression.name=topk", "compression.options={ratio: 0.1}",
         "compression.feedback=ef"]))
     st = exp.init()
-    assert exp.store.fields  # the policy keeps a residual row a client
+    assert st.clients.fields  # the policy keeps a residual row a client
     for _ in range(5):
-        before = _rows(exp)
+        before = _rows(exp, st)
         ev = st.events
         st, m = exp.round(st)
-        after = _rows(exp)
+        after = _rows(exp, st)
         changed = {k for f in before for k in range(exp.fed.num_clients)
                    if not torch.equal(before[f][k], after[f][k])}
         # in flight through the whole step: the same dispatch (order number) before and after
@@ -172,12 +172,12 @@ def test_a_rejected_arrival_changes_nothing_but_the_clock():
         "compression.name=topk", "compression.options={ratio: 0.1}",
         "compression.feedback=ef", "server.max_update_norm=1e-12"]))
     st = exp.init()
-    w0, rows0 = st.w.clone(), _rows(exp)
+    w0, rows0 = st.w.clone(), _rows(exp, st)
     for _ in range(3):
         st, m = exp.round(st)
         assert m["rejected_updates"] == 2 and m["rejected_rounds"] == 0
     assert torch.equal(st.w, w0) and st.sim_time_s > 0
-    assert all(torch.equal(rows0[f], v) for f, v in _rows(exp).items())
+    assert all(torch.equal(rows0[f], v) for f, v in _rows(exp, st).items())
     exp.close()
 
 
@@ -200,8 +200,8 @@ def test_per_client_state_under_staleness_resumes_bit_identically(overrides, tmp
     for _ in range(3):
         st, _ = exp.round(st)
     # only the clients that arrived have rows: at most 3 steps × K = 2 of them
-    assert exp.store.fields  # each case keeps rows per client
-    rows = exp.store.gather(exp.store.fields[0], list(range(exp.fed.num_clients)))
+    assert st.clients.fields  # each case keeps rows per client
+    rows = st.clients.gather(st.clients.fields[0], list(range(exp.fed.num_clients)))
     written = int((rows != 0).any(dim=1).sum())
     assert 1 <= written <= 6
     exp.close()

@@ -23,7 +23,7 @@ from fedloom.aggregate.base import Stateless
 from fedloom.compress import PayloadError
 from fedloom.config import ConfigError, load_config
 from fedloom.engine.experiment import Experiment
-from fedloom.engine.runstate import model_sha256
+from fedloom.engine.runstate import RunState, model_sha256
 from fedloom.engine.stages.screen import clip_rows, screen_updates
 from fedloom.engine.stages.screen import row_norms as _row_norms
 
@@ -91,9 +91,9 @@ def _dropping(exp: Experiment, pos: int):
     exp.backend = Wrapped()
 
 
-def _store_arrays(exp: Experiment) -> dict[str, torch.Tensor]:
-    return {f: exp.store.gather(f, torch.arange(exp.fed.num_clients)).clone()
-            for f in exp.store.fields}
+def _store_arrays(exp: Experiment, st: RunState) -> dict[str, torch.Tensor]:
+    return {f: st.clients.gather(f, torch.arange(exp.fed.num_clients)).clone()
+            for f in st.clients.fields}
 
 
 def _assert_same(a, b):
@@ -123,7 +123,7 @@ def test_bad_aggregate_skips_the_step_and_keeps_all_state(tiny, fault_aggregator
     exp = Experiment.from_config(cfg)
     st1, m1 = exp.round(exp.init())
     assert m1["rejected_rounds"] == 0
-    before, rows_before = exp.checkpoint_state(st1), _store_arrays(exp)
+    before, rows_before = exp.checkpoint_state(st1), _store_arrays(exp, st1)
     st2, m2 = exp.round(st1)
     assert m2["rejected_rounds"] == 1 and m2["rejected_rounds_total"] == 1
     assert m2["rejected_updates"] == 0  # the clients were fine; the aggregate was not
@@ -131,7 +131,7 @@ def test_bad_aggregate_skips_the_step_and_keeps_all_state(tiny, fault_aggregator
     after = exp.checkpoint_state(st2)
     for key in ("w", "opt_state", "agg_state", "method_state", "feedback_state"):
         _assert_same(after[key], before[key])
-    _assert_same(_store_arrays(exp), rows_before)
+    _assert_same(_store_arrays(exp, st2), rows_before)
     assert after["next_round"] == 2 and after["totals"]["rejected_rounds"] == 1
     # the bytes of the round were sent all the same
     assert after["totals"]["uplink_bytes"] == before["totals"]["uplink_bytes"] + m2[

@@ -98,7 +98,7 @@ def test_step_ahead_update_is_measured_from_received_model(tiny):
     cohort = exp.sample_cohort(0)
     e = torch.randn(len(cohort), exp.layout.size, dtype=torch.float64,
                     generator=torch.Generator().manual_seed(0))
-    exp.store.scatter("fb.residual", cohort, e)
+    st.clients.scatter("fb.residual", cohort, e)
     captured = {}
     inner = exp.backend.train_cohort
 
@@ -117,12 +117,12 @@ def test_non_sampled_clients_keep_their_residual(tiny):
     exp = Experiment.from_config(cfg)
     st = exp.init()
     marker = torch.full((10, exp.layout.size), 0.5, dtype=torch.float64)
-    exp.store.scatter("fb.residual", range(10), marker)
+    st.clients.scatter("fb.residual", range(10), marker)
     cohort = exp.sample_cohort(0).tolist()
     st, m = exp.round(st)
     others = [k for k in range(10) if k not in cohort]
-    assert torch.equal(exp.store.gather("fb.residual", others), marker[: len(others)])
-    changed = exp.store.gather("fb.residual", cohort)
+    assert torch.equal(st.clients.gather("fb.residual", others), marker[: len(others)])
+    changed = st.clients.gather("fb.residual", cohort)
     assert not torch.equal(changed, marker[: len(cohort)])
     assert m["residual_norm"] > 0 and 0.04 < m["density"] < 0.06
 

@@ -220,7 +220,7 @@ def test_ef21_server_mean_tracks_all_stored_h_in_a_run(tiny):
     for _ in range(6):
         st, m = exp.round(st)
         assert m["rejected_updates"] == 0
-        h = exp.store.gather("fb.h", range(10)).to(torch.float64)
+        h = st.clients.gather("fb.h", range(10)).to(torch.float64)
         # the store keeps h_k in float32 (state.dtype), ḡ sums the float64 deltas:
         # equal to that rounding (measured ≤ 2.9e-9 of max |h| ≈ 2e-1)
         err = float((st.feedback_state["g"] - h.mean(0)).abs().max())

@@ -47,7 +47,7 @@ def three(tmp_path, **system) -> dict:
     return {
         "seed": 1, "rounds": 2,
         "data": {"name": "digits", "num_clients": 3, "partition": {"name": "iid"}},
-        "model": {"name": "mlp", "hidden": [16]},
+        "model": {"name": "mlp", "options": {"hidden": [16]}},
         "cohort": {"size": 3},
         # 2 steps of 16 samples each: 32 samples per client (479 samples each)
         "client": {"lr": 0.1, "batch_size": 16, "steps": 2},
@@ -125,8 +125,8 @@ def test_deadline_drop(tmp_path):
     assert m["sim_round_s"] == 4.0            # the server waited until the deadline
     assert m["uplink_bytes"] == 2 * P         # client 0's late payload is not counted
     exp = Experiment.from_config(load_config(cfg, ["rounds=1"]))
-    exp.round(exp.init())
-    control = exp.store.gather("control", torch.arange(3))
+    st, _ = exp.round(exp.init())
+    control = st.clients.gather("control", torch.arange(3))
     assert bool((control[0] == 0).all())      # the late client's state is untouched
     assert bool((control[1] != 0).any()) and bool((control[2] != 0).any())
 
@@ -218,10 +218,10 @@ def test_mid_round_dropout_leaves_state_and_is_counted(tiny):
           "compression.options.ratio=0.1", "compression.feedback=ef"]
     exp = Experiment.from_config(load_config(tiny, ov))
     cohort = exp.sample_cohort(0)
-    _, m = exp.round(exp.init())
+    st, m = exp.round(exp.init())
     gone = m.get("dropped_client_ids", [])
     assert m["dropout_clients"] == len(gone) and 0 < len(gone) < len(cohort)
-    res_rows = exp.store.gather("fb.residual", cohort)
+    res_rows = st.clients.gather("fb.residual", cohort)
     for i, k in enumerate(cohort.tolist()):
         assert bool((res_rows[i] == 0).all()) == (k in gone)
 

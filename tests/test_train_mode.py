@@ -217,7 +217,7 @@ def test_rejected_clients_buffers_are_never_averaged(tiny):
     assert not torch.equal(bufs[0]["bn.running_mean"], st.buffers["bn.running_mean"])
     for name, v in st.buffers.items():
         assert torch.equal(new.buffers[name], v), name
-    assert not bool(exp.store.gather("bn.buffers_set", plan.cohort.tolist()).any())
+    assert not bool(new.clients.gather("bn.buffers_set", plan.cohort.tolist()).any())
 
 
 def test_keep_global_never_updates_the_buffers(tiny):
@@ -237,7 +237,7 @@ def test_local_keeps_each_clients_buffers_and_starts_from_them(tiny):
     st = exp.init()
     plan, results, bufs, st1 = _one_round(exp, st)
     ids = plan.cohort.tolist()
-    rows = exp.store.gather("bn.buffers", ids)
+    rows = st1.clients.gather("bn.buffers", ids)
     for i in range(len(ids)):
         assert torch.equal(rows[i], flatten_buffers(bufs[i], exp.dtype))
     # the global buffers are still the weighted mean (the global test set uses them)
@@ -314,11 +314,11 @@ def test_privacy_refuses_averaged_buffers(tiny):
 
 # ---------------------------------------------------- the built-in ResNet's norm
 def test_resnet_norm_choice_keeps_weights_and_layer_groups(tiny):
-    base = ["model.name=resnet", "model.depth=8", "model.width=4", "rounds=1"]
+    base = ["model.name=resnet", "model.options={depth: 8, width: 4}", "rounds=1"]
     group = _exp(tiny, base, None)
-    batch = _exp(tiny, [*base, "model.norm=batch"], None)
-    none = _exp(tiny, [*base, "model.norm=none"], None)
-    assert group.cfg.model.norm == "group"  # the default is unchanged
+    batch = _exp(tiny, [*base, "model.options.norm=batch"], None)
+    none = _exp(tiny, [*base, "model.options.norm=none"], None)
+    assert "norm" not in group.cfg.model.options  # the default, group, is unchanged
     assert not module_buffers(group.module)
     # same names, same groups, same initial weights: only the layer kind differs
     assert batch.layout == group.layout

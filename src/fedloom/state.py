@@ -77,6 +77,7 @@ class ClientStateStore:
     ) -> None:
         self.num_clients = num_clients
         self.specs = dict(fields)
+        self.storage, self.memmap_above_mb = storage, memmap_above_mb
         self.dtype = dtype
         self.compute_dtype = compute_dtype
         self.directory = Path(directory) if directory is not None else None
@@ -110,6 +111,31 @@ class ClientStateStore:
     @property
     def fields(self) -> list[str]:
         return list(self.specs)
+
+    def blank(self) -> ClientStateStore:
+        """A new store of the same fields and settings, no row written (every row
+        zero). Memmap buffers in the same directory take over its file names: each
+        store reads and writes the file it opened (its descriptor), so one replaced
+        at its name by another's keeps its rows (see :meth:`state_dict`)."""
+        return ClientStateStore(self.num_clients, self.specs, storage=self.storage,
+                                dtype=self.dtype, directory=self.directory,
+                                memmap_above_mb=self.memmap_above_mb,
+                                compute_dtype=self.compute_dtype)
+
+    def copy(self) -> ClientStateStore:
+        """A new store holding this one's rows (:meth:`blank`, then every row copied;
+        a memmap buffer's written parts only)."""
+        new = self.blank()
+        for name, b in self._buf.items():
+            dst = new._buf[name]
+            if isinstance(dst, _RowFile):  # the same kind as b: the same sizes and settings
+                assert isinstance(b, _RowFile)
+                b.flush()
+                _sparse_copy(b.fd, dst.path)
+                dst.reopen()
+            else:
+                dst[...] = b.get(np.arange(b.shape[0])) if isinstance(b, _RowFile) else b
+        return new
 
     def _check(self, name: str, ids: torch.Tensor | Iterable[int]) -> np.ndarray:
         if name not in self._buf:
@@ -172,7 +198,8 @@ class ClientStateStore:
             if isinstance(b, _RowFile) and snapshot_dir is not None:
                 b.flush()
                 dst = Path(snapshot_dir) / f"state-{name}-{tag}.bin"
-                digest = _sparse_copy(b.path, dst)
+                # from its descriptor: its name may be another store's file by now
+                digest = _sparse_copy(b.fd, dst)
                 out[name] = {"file": dst.name, "bytes": b.nbytes, "chunks_sha256": digest}
             elif isinstance(b, _RowFile):
                 out[name] = b.get(np.arange(b.shape[0]))
@@ -303,10 +330,11 @@ def _bytes_chunks(raw: bytes, chunk: int = _CHUNK) -> Iterator[tuple[int, bytes]
         yield c, raw[c * chunk:(c + 1) * chunk]
 
 
-def _sparse_copy(src: Path, dst: Path, expect: str | None = None,
+def _sparse_copy(src: Path | int, dst: Path, expect: str | None = None,
                  expect_full: str | None = None) -> str:
-    """Copy ``src`` to ``dst`` (written to a temporary name, fsynced, renamed);
-    return :func:`_chunk_digest` of ``src``.
+    """Copy ``src`` (a path, or an open descriptor: read with positional I/O, left
+    open) to ``dst`` (written to a temporary name, fsynced, renamed); return
+    :func:`_chunk_digest` of ``src``.
 
     Only the pieces of ``src`` that hold data are read (:func:`_data_chunks`)
     and only their non-zero 64 KB parts are written: the rows no client ever wrote stay
@@ -323,7 +351,7 @@ def _sparse_copy(src: Path, dst: Path, expect: str | None = None,
     fo = os.fdopen(fd, "wb")  # closed by the with below, or on the way out
     full = hashlib.sha256() if expect_full is not None else None
     try:
-        fi = os.open(src, os.O_RDONLY)
+        fi = os.dup(src) if isinstance(src, int) else os.open(src, os.O_RDONLY)
         try:
             size = os.fstat(fi).st_size
             chunks = (range((size + _CHUNK - 1) // _CHUNK) if full is not None

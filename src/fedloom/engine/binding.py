@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -141,10 +143,10 @@ def bind(algorithm: Algorithm, federation: Federation, runtime: Runtime,
     downlink = Identity(checksum=algorithm.checksum)
     around = Surroundings(system, None, attack, tuple(hooks),
                           len(downlink.encode(torch.zeros(space.layout.size))))
-    fields, store = _state(algo, space, n, runtime, state_dir)
+    fields, new_store = _state(algo, space, n, runtime, state_dir)
     privacy = make_privacy(record, n)
     around = _refuse(record, algo, space, privacy, around, federation, runtime, n)
-    clients = ClientData(fed, x, y, store, fields)
+    clients = ClientData(fed, x, y, new_store, fields)
     selector = federation.selector
     refusals.check_selection_scope(record, selector, privacy)
     schedule = Schedule(runtime.seed, rounds, federation.cohort, n, loc, system, selector)
@@ -332,9 +334,11 @@ def _copy(obj: T) -> T:
 
 
 def _state(algo: BoundAlgorithm, space: ModelSpace, num_clients: int, runtime: Runtime,
-           state_dir: Path | None) -> tuple[ClientFields, ClientStateStore]:
+           state_dir: Path | None) -> tuple[ClientFields, Callable[[], ClientStateStore]]:
     """The clients' state rows: the method's, the feedback policy's and, under
-    ``model.buffers=local`` (FedBN), each client's buffers and whether it has any yet."""
+    ``model.buffers=local`` (FedBN), each client's buffers and whether it has any yet;
+    and how a store of them is made (one a run state: ``Experiment.init``, ``restore``).
+    One is made here, so that a bad setting or directory fails before round 1."""
     d, template = space.layout.size, space.buffer_template
     own_buffers = space.buffer_policy == "local" and bool(template)
     buffer_fields = ({"buffers": FieldSpec(sum(v.numel() for v in template.values())),
@@ -345,10 +349,11 @@ def _state(algo: BoundAlgorithm, space: ModelSpace, num_clients: int, runtime: R
     except ValueError as e:
         raise ConfigError(f"client.method: {e}") from None
     st = runtime.state
-    store = ClientStateStore(num_clients, fields.specs, storage=st.storage, dtype=st.dtype,
-                             directory=state_dir, memmap_above_mb=st.memmap_above_mb,
-                             compute_dtype=space.dtype)
-    return fields, store
+    new_store = functools.partial(ClientStateStore, num_clients, fields.specs,
+                                  storage=st.storage, dtype=st.dtype, directory=state_dir,
+                                  memmap_above_mb=st.memmap_above_mb, compute_dtype=space.dtype)
+    new_store()
+    return fields, new_store
 
 
 def _refuse(record: Config, algo: BoundAlgorithm, space: ModelSpace, privacy: Privacy,

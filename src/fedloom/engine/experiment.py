@@ -5,16 +5,19 @@
 and a :class:`~fedloom.engine.values.Runtime` to the model (:mod:`fedloom.engine.binding`);
 :meth:`Experiment.from_config` builds the values of a config first
 (:mod:`fedloom.engine.build`). ``state = exp.init()``, then ``state, metrics =
-exp.round(state)``: what changes is the state, the clients' rows excepted
-(:mod:`fedloom.engine.snapshot`). Callers drive a round whole
-(:func:`fedloom.engine.runs.loop.run`) or in parts (Flower's strategy: plan, what
-the clients sent, the server's half).
+exp.round(state)``: the experiment holds no run state, so states advance side by side
+on one experiment and a checkpoint is the state (:mod:`fedloom.engine.snapshot`); a
+round updates the state's client rows in place, returned in the new state
+(:class:`~fedloom.engine.runstate.RunState`: ``copy()`` keeps an old one). Kept between
+rounds is workspace only: the server's row buffer, and the module models are loaded
+into. Callers drive a round whole (:func:`fedloom.engine.runs.loop.run`) or in parts
+(Flower's strategy: plan, what the clients sent, the server's half).
 
 A round is plan → train → uplink → receive → server → scatter → record, one call
-into its stage each (:mod:`fedloom.engine.stages`), each handed the values it
-reads, never the experiment; the system model, when on, wraps training and the
-uplink. What never reaches the model (rejected updates, clipped updates, rejected
-rounds: counted in the metrics, the totals and the summary, and logged) is on
+into its stage each (:mod:`fedloom.engine.stages`), each handed the values it reads,
+never the experiment; the system model, when on, wraps training and the uplink.
+What never reaches the model (rejected updates, clipped updates, rejected rounds:
+counted in the metrics, the totals and the summary, and logged) is on
 docs/explanation/reliability.md; a rejected round leaves model, server states,
 client rows and buffers exactly as before it, so a resume stays bit-identical.
 Departure for Flower (``client_state=False``): the clients keep their own rows and
@@ -77,7 +80,6 @@ from fedloom.hooks import ClientMetric
 from fedloom.job import ClientJob, ClientResult
 from fedloom.metrics import evaluate
 from fedloom.params import Layout
-from fedloom.state import ClientStateStore
 from fedloom.system import System, samples_for_steps
 
 __all__ = ["Experiment"]
@@ -129,7 +131,11 @@ class Experiment:
         self.origin = Origin(b.partition_counts, model_from_config)
         # what close() puts back of the process-wide settings (_apply_process_settings)
         self._restore: list[Callable[[], None]] = []
-        self._rows = RowBuffer()  # scratch: the server's [m, d] rows, written every round
+        # Workspace, not state: the server's [m, d] rows, written over by every round
+        # before they are read (nothing a round returns refers to them), kept so that
+        # a round neither copies nor page-faults a new m × d matrix, and so that the
+        # process backend's workers can write into shared memory (receive.RowBuffer).
+        self.workspace = RowBuffer()
         self.threads = self._apply_process_settings()
 
     @classmethod
@@ -174,7 +180,8 @@ class Experiment:
     # ------------------------------------------------------------------ state
     def init(self) -> RunState:
         """The state of a new run: the model's weights, every server state, the
-        initial buffers and the selector's state, on the run's device."""
+        initial buffers, the selector's state and a new client state store (every
+        row zero; its own: two states never share rows), on the run's device."""
         sp = self.space
         w = sp.layout.flatten(sp.module).to(sp.dtype)
         s = self.algorithm.init(w, sp.layout)
@@ -188,22 +195,23 @@ class Experiment:
                                   # loads each round's buffers into the module
                                   buffers={n: v.clone()
                                            for n, v in sp.buffer_template.items()},
-                                  selection_state=self.schedule.initial_selection()),
+                                  selection_state=self.schedule.initial_selection(),
+                                  clients=self.clients.new_store()),
                          sp.device)
 
     initial_state = init  # the name the run directory, SecAgg and Flower still call
 
     def checkpoint_state(self, st: RunState, snapshot_dir: Path | None = None
                          ) -> dict[str, Any]:
-        """The checkpoint of ``st`` and the clients' rows
+        """The checkpoint of ``st``, its client rows included
         (:func:`fedloom.engine.snapshot.checkpoint_state`)."""
-        return checkpoint_state(st, self.clients.store, self.cfg, snapshot_dir)
+        return checkpoint_state(st, self.cfg, snapshot_dir)
 
     def restore(self, ckpt: dict[str, Any], snapshot_dir: Path | None = None) -> RunState:
-        """The run state of checkpoint ``ckpt``, its client rows written into the store
+        """The run state of checkpoint ``ckpt``, its client rows loaded into a new store
         (:func:`fedloom.engine.snapshot.restore_state`)."""
         sp = self.space
-        return restore_state(ckpt, self.clients.store, sp.buffer_template, self.privacy,
+        return restore_state(ckpt, self.clients.new_store(), sp.buffer_template, self.privacy,
                              sp.device, snapshot_dir)
 
     def fresh(self) -> Fresh:
@@ -264,10 +272,6 @@ class Experiment:
         return self.space.buffer_template
 
     @property
-    def store(self) -> ClientStateStore:
-        return self.clients.store
-
-    @property
     def fields(self) -> ClientFields:
         return self.clients.fields
 
@@ -314,16 +318,6 @@ class Experiment:
     @property
     def model_from_config(self) -> bool:
         return self.origin.model_from_config
-
-    @property
-    def last_client_acc(self) -> np.ndarray | None:
-        """Per-client accuracies of the last evaluation (``client_acc.json``)."""
-        return self.evaluator.last.client_acc
-
-    @property
-    def last_personal_acc(self) -> np.ndarray | None:
-        """Per-client accuracies of the personal models at the last evaluation."""
-        return self.evaluator.last.personal_acc
 
     def sample_cohort(self, r: int) -> torch.Tensor:
         """Round ``r``'s cohort from the selector's initial state
@@ -408,16 +402,12 @@ class Experiment:
                 self.space.device, plan):
             return None
         space = self.space
-        buffer = self._server_rows()
+        buffer = self.workspace
         rows = buffer.rows(len(plan.jobs), space.layout.size, space.dtype, space.device)
         if caps.writes_rows and caps.shared_rows:
             # the workers write each update into its server row: no copy of it here
             buffer.share()
         return EarlyUplink(self.algorithm, self.schedule, st, plan, rows)
-
-    def _server_rows(self) -> RowBuffer:
-        """The server's ``[m, d]`` rows: one buffer for the run, written over every round."""
-        return self._rows
 
     def finish_round(self, st: RunState, plan: RoundPlan, outcome: RoundOutcome, *,
                      t0: float, t_train: float,
@@ -436,7 +426,7 @@ class Experiment:
         r, results, ups = plan.round, outcome.results, outcome.ups
         algo, space, clients = self.algorithm, self.space, self.clients
         rx = receive(algo, space, self.rules, self.around.downlink_size, st, plan, outcome,
-                     self._server_rows())
+                     self.workspace)
         t1 = time.perf_counter()
         out = server_round(algo, server_rule(self.privacy, algo.aggregator), space,
                            clients.num_clients, st, plan, results, ups, rx)
@@ -463,13 +453,12 @@ class Experiment:
                                 clients.fields.has(FEEDBACK), plan, outcome, rx, out, totals)
         load_buffers(space.module, buffers)  # evaluations see the new global buffers
         every, rounds = self.evaluator.settings.every, self.schedule.rounds
+        evaluation = st.evaluation
         if (r + 1) % every == 0 or r + 1 == rounds:
-            ev = self.evaluator
-            metrics.update(ev.global_(w_avg if w_avg is not None else out.w))
-            if algo.method.personal:
-                metrics.update(ev.personal(out.w))
-            if ev.settings.finetune_steps:
-                metrics.update(ev.finetuned(out.w, r))
+            scores, evaluation = self.evaluator.round(
+                out.w, w_avg if w_avg is not None else out.w, r, st.clients, evaluation,
+                personal=algo.method.personal)
+            metrics.update(scores)
         metrics["train_s"] = t_train
         per_sample = clients.fed.dataset.tokens_per_sample
         if per_sample:  # token data: what local training put through (train_tokens_per_s)
@@ -486,9 +475,12 @@ class Experiment:
             deadline_s=deadline_s))
         return RunState(r + 1, out.w, out.opt_state, out.agg_state, method_state,
                         out.feedback_state, w_avg, totals, privacy_state=privacy_state,
-                        buffers=buffers, selection_state=selection_state), metrics
+                        buffers=buffers, selection_state=selection_state, clients=st.clients,
+                        evaluation=evaluation), metrics
 
-    def evaluate(self, w: torch.Tensor) -> dict[str, float]:
+    def evaluate(self, w: torch.Tensor, st: RunState | None = None) -> dict[str, float]:
         """Global test accuracy/loss and per-client accuracy statistics of ``w``
-        (:meth:`~fedloom.engine.stages.evaluation.Evaluator.global_`)."""
-        return self.evaluator.global_(w)
+        (:meth:`~fedloom.engine.stages.evaluation.Evaluator.global_`); ``st``: the
+        state whose client rows it reads (``model.buffers=local``: each client's own
+        buffers; ``None``: the global ones for every client)."""
+        return self.evaluator.global_(w, st.clients if st is not None else None)

@@ -4,7 +4,8 @@ whole experiment.
 - :class:`ModelSpace`: the model, its :class:`~fedloom.params.Layout`, its buffers'
   template and policy, the run's dtype and device.
 - :class:`ClientData`: the federated split, the samples on the run's device and the
-  per-client state store with its fields.
+  fields of the per-client state rows, with how a store of them is made (the rows
+  are the run state's: :class:`~fedloom.engine.runstate.RunState`).
 - :class:`Schedule`: who is sampled in round ``r`` and with which local step size.
 - :class:`ScreenRules`: the update screening of the ``server`` section, as the
   clients and the server apply it.
@@ -62,12 +63,13 @@ class ModelSpace:
 
 @dataclass(frozen=True)
 class ClientData:
-    """The clients: their samples (on the run's device) and their state rows."""
+    """The clients: their samples (on the run's device) and the fields of their state
+    rows; ``new_store()`` makes a store of them, every row zero (a new run state's)."""
 
     fed: FederatedData
     x: torch.Tensor
     y: torch.Tensor
-    store: ClientStateStore
+    new_store: Callable[[], ClientStateStore]
     fields: ClientFields
 
     @property

@@ -1,5 +1,14 @@
 """The run's state, a round's plan and outcome and a run's result: what the stages
-pass along."""
+pass along.
+
+:class:`RunState` is all a run is: the experiment keeps none of it, so two states
+advance side by side on one experiment and a checkpoint is the state. Its client
+rows (:class:`~fedloom.state.ClientStateStore`) are the one part a round updates
+in place rather than returns anew: ``N × d`` rows (memory-mapped for large
+populations) are not copied a round to return new ones, as a donated buffer. The
+state a round returns holds the same store, the one given is spent; a caller that
+keeps an earlier state takes :meth:`RunState.copy` before the round.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedloom.compress.feedback import UplinkResult
@@ -16,9 +26,10 @@ from fedloom.config import Config
 from fedloom.hooks import RoundAdjust
 from fedloom.job import ClientJob, ClientResult
 from fedloom.params import Layout
+from fedloom.state import ClientStateStore
 
-__all__ = ["Callback", "Result", "RoundOutcome", "RoundPlan", "RunState", "model_sha256",
-           "withdraw"]
+__all__ = ["Callback", "LastPerClient", "Result", "RoundOutcome", "RoundPlan", "RunState",
+           "model_sha256", "withdraw"]
 
 
 def model_sha256(w: torch.Tensor) -> str:
@@ -26,9 +37,27 @@ def model_sha256(w: torch.Tensor) -> str:
     return hashlib.sha256(w.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
 
 
+@dataclass(frozen=True)
+class LastPerClient:
+    """The per-client numbers of the last evaluation (written to ``client_acc.json``);
+    ``None`` until one is taken."""
+
+    client_acc: np.ndarray | None = None
+    # a causal LM's per-client test perplexities (client_acc.json's client_ppl)
+    client_ppl: np.ndarray | None = None
+    personal_acc: np.ndarray | None = None
+    # a causal LM's per-client perplexities of the personal models (personal_ppl)
+    personal_ppl: np.ndarray | None = None
+
+
+def _no_rows() -> ClientStateStore:
+    return ClientStateStore(0, {})
+
+
 @dataclass
 class RunState:
-    """Everything a round changes; a checkpoint is this plus the state store."""
+    """Everything a run is (see the module docstring); a checkpoint is this state.
+    ``clients`` is updated in place by a round (the state returned holds it)."""
 
     next_round: int
     w: torch.Tensor
@@ -51,6 +80,16 @@ class RunState:
     events: dict[str, Any] = field(default_factory=dict)
     # the client selector's state (cohort.selection; fedloom.selection; {} for uniform)
     selection_state: dict[str, Any] = field(default_factory=dict)
+    # the clients' state rows (Experiment.init makes them; default: a run whose
+    # clients keep none)
+    clients: ClientStateStore = field(default_factory=_no_rows)
+    # the per-client numbers of the last evaluation (client_acc.json)
+    evaluation: LastPerClient = field(default_factory=LastPerClient)
+
+    def copy(self) -> RunState:
+        """This state with a copy of its client rows, so that a round on either leaves
+        the other as it is (a round returns new values for everything else)."""
+        return replace(self, clients=self.clients.copy())
 
 
 @dataclass(frozen=True)

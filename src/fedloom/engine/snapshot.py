@@ -1,33 +1,35 @@
 """A run state as a checkpoint, and back.
 
-A checkpoint is the :class:`~fedloom.engine.runstate.RunState` plus the clients'
-state rows. Those rows live in the :class:`~fedloom.state.ClientStateStore`, which
-the round updates in place (for memory, like a donated buffer: a round does not
-copy ``N × d`` rows to return new ones), so the functions here take the store
-explicitly: :func:`checkpoint_state` reads it, :func:`restore_state` writes it.
-Tensors are saved on the CPU and continued on the run's device.
+A checkpoint is the :class:`~fedloom.engine.runstate.RunState`, its clients'
+state rows (``st.clients``, the :class:`~fedloom.state.ClientStateStore` a round
+updates in place) and the per-client numbers of its last evaluation included:
+:func:`checkpoint_state` reads the state, :func:`restore_state` loads a new store
+(every row zero until then) and returns the state holding it. Tensors are saved on
+the CPU and continued on the run's device.
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 from fedloom.buffers import check_buffers
 from fedloom.config import Config, config_to_dict
 from fedloom.device import to_device, to_host
-from fedloom.engine.runstate import RunState
+from fedloom.engine.runstate import LastPerClient, RunState
 from fedloom.privacy import Privacy
 from fedloom.state import ClientStateStore
 
 __all__ = ["checkpoint_state", "restore_state"]
 
 
-def checkpoint_state(st: RunState, store: ClientStateStore, record: Config,
-                     snapshot_dir: Path | None = None) -> dict[str, Any]:
-    """The checkpoint of ``st`` with the rows of ``store``; memmap state fields are
+def checkpoint_state(st: RunState, record: Config, snapshot_dir: Path | None = None
+                     ) -> dict[str, Any]:
+    """The checkpoint of ``st`` with its client rows; memmap state fields are
     copied to files in ``snapshot_dir`` (tagged with the round) instead of into the
     dict. ``record``: the run's config, saved with it (a resume checks it)."""
     return {
@@ -45,7 +47,8 @@ def checkpoint_state(st: RunState, store: ClientStateStore, record: Config,
         "buffers": to_host(st.buffers),  # the global module buffers (fedloom.buffers)
         "events": to_host(st.events),    # in flight (fedloom.engine.events)
         "selection_state": st.selection_state,  # the client selector's (host) state
-        "store": store.state_dict(snapshot_dir, tag=f"r{st.next_round}"),
+        "store": st.clients.state_dict(snapshot_dir, tag=f"r{st.next_round}"),
+        "evaluation": {k: v for k, v in vars(st.evaluation).items() if v is not None},
         "config": config_to_dict(record),
     }
 
@@ -55,7 +58,7 @@ def restore_state(ckpt: dict[str, Any], store: ClientStateStore,
                   device: torch.device, snapshot_dir: Path | None = None) -> RunState:
     """The run state of checkpoint ``ckpt`` (this version's layout: one of an earlier
     version is read through :func:`fedloom.engine.runs.legacy.current_layout` first),
-    its client rows written into ``store``."""
+    its client rows loaded into ``store`` (a new one: the state holds it)."""
     bufs = ckpt["buffers"]
     why = check_buffers(bufs, buffer_template)
     if why is not None:
@@ -64,6 +67,10 @@ def restore_state(ckpt: dict[str, Any], store: ClientStateStore,
     state = ckpt["selection_state"]
     if not isinstance(state, dict):
         raise ValueError(f"'selection_state' is a {type(state).__name__}, not a mapping")
+    evaluation = ckpt["evaluation"]
+    if not (isinstance(evaluation, dict) and set(evaluation) <= _PER_CLIENT
+            and all(isinstance(v, np.ndarray) for v in evaluation.values())):
+        raise ValueError("'evaluation' is not a mapping of per-client arrays")
     # Loaded on the CPU (map_location), continued on the run's device.
     return to_device(RunState(ckpt["next_round"], ckpt["w"], ckpt["opt_state"],
                               ckpt["agg_state"], ckpt["method_state"],
@@ -73,5 +80,9 @@ def restore_state(ckpt: dict[str, Any], store: ClientStateStore,
                               # check_buffers passed: the mapping the template needs
                               buffers=cast("dict[str, torch.Tensor]", bufs),
                               events=dict(ckpt["events"]),
-                              selection_state=dict(state)),
+                              selection_state=dict(state), clients=store,
+                              evaluation=LastPerClient(**evaluation)),
                      device)
+
+
+_PER_CLIENT = {f.name for f in fields(LastPerClient)}

@@ -213,7 +213,8 @@ class SecAggStrategy(LegacyStrategy):
         if not results:  # nothing unmasked: no step (the engine's rule for an empty round)
             self.state = RunState(st.next_round + 1, st.w, st.opt_state, st.agg_state,
                                   st.method_state, st.feedback_state, st.w_avg, st.totals,
-                                  privacy_state=st.privacy_state, buffers=st.buffers)
+                                  privacy_state=st.privacy_state, buffers=st.buffers,
+                                  clients=st.clients, evaluation=st.evaluation)
             return ndarrays_to_parameters(_arrays(self.layout, st.w)), {}
         # Every result carries the same unmasked average Σ ω_k u_k / Σ ω_k.
         agg = _vector(self.layout, self.dtype, parameters_to_ndarrays(results[0][1].parameters))
@@ -231,7 +232,8 @@ class SecAggStrategy(LegacyStrategy):
             privacy_state = self.exp.privacy.participated(privacy_state, ids)
         self.state = RunState(st.next_round + 1, w, opt, st.agg_state, st.method_state,
                               st.feedback_state, st.w_avg, st.totals,
-                              privacy_state=privacy_state, buffers=st.buffers)
+                              privacy_state=privacy_state, buffers=st.buffers,
+                              clients=st.clients, evaluation=st.evaluation)
         m: dict[str, Any] = {"round": server_round, "cohort_size": len(results),
                              "failures": len(failures)}
         if self.exp.privacy.enabled:
@@ -252,7 +254,7 @@ class SecAggStrategy(LegacyStrategy):
                  ) -> tuple[float, dict[str, Any]] | None:
         if server_round == 0:
             return None
-        out = self.exp.evaluate(self.state.w)
+        out = self.exp.evaluate(self.state.w, self.state)
         if self.history:
             self.history[-1].update(out)
         return float(out["test_loss"]), {"test_acc": float(out["test_acc"])}

@@ -55,7 +55,6 @@ from fedloom.engine.runs.checkpoint import (
 from fedloom.engine.runs.legacy import Fresh, current_layout
 from fedloom.engine.runs.summary import RunFacts
 from fedloom.engine.runstate import RunState
-from fedloom.engine.stages.evaluation import LastPerClient
 
 __all__ = ["CHECKPOINT_FILE", "CLIENT_ACC_FILE", "CONFIG_FILE", "LABELS_FILE", "METRICS_DIGEST",
            "METRICS_FILE", "MODEL_FILE", "PREVIOUS_CHECKPOINT_FILE", "SUMMARY_FILE", "Restorer",
@@ -534,7 +533,7 @@ def load_model(path: str | Path, model: torch.nn.Module | None = None) -> torch.
     The module is ``model`` when given (the run's model was the caller's own), else
     rebuilt from the saved config (on the CPU, in the run's dtype); the saved
     ``state_dict`` is loaded into it. An adapters-only file (``base_omitted``) gets
-    its base from the rebuild, checked against ``base_sha256``: a ``model.path``
+    its base from the rebuild, checked against ``base_sha256``: a ``model.options.path``
     whose files changed since the run is refused in one line."""
     from fedloom.models import build_model
 
@@ -561,19 +560,20 @@ def load_model(path: str | Path, model: torch.nn.Module | None = None) -> torch.
         state = model.state_dict()
         if _tensors_sha256([state[k] for k in omitted]) != blob["base_sha256"]:
             raise ValueError(f"{file}: the rebuilt base is not the run's (base_sha256 "
-                             "differs: model.path's files changed, or another seed)")
+                             "differs: model.options.path's files changed, or another seed)")
     model.eval()
     return model
 
 
-def write_outputs(run: RunFacts, last: LastPerClient, st: RunState, run_dir: Path,
+def write_outputs(run: RunFacts, st: RunState, run_dir: Path,
                   history: Sequence[dict[str, Any]], summary: dict[str, Any]) -> None:
     """A finished run's files: the model (with its buffers), the summary, the
-    per-client numbers of the last evaluation (``last``) and the plots."""
+    per-client numbers of the last evaluation (``st.evaluation``) and the plots."""
     buf = io.BytesIO()
     torch.save(model_blob(run.space, st, run.cfg, run.dataset, run.model_from_config), buf)
     atomic_write_bytes(run_dir / MODEL_FILE, buf.getvalue())
     atomic_write_json(run_dir / SUMMARY_FILE, summary)
+    last = st.evaluation
     per_client = {name: [None if not np.isfinite(a) else float(a) for a in arr]
                   for name, arr in (("client_acc", last.client_acc),
                                     ("personal_acc", last.personal_acc),

@@ -16,6 +16,8 @@ entry a version lacked takes the value that means the behaviour from before it:
 - ``events`` (before the event modes): none in flight;
 - ``selection_state`` (before client selectors, which ran the stateless uniform
   selection): the selector's initial state;
+- ``evaluation`` (before the state held its last evaluation's per-client numbers):
+  none (the run's last round evaluates again);
 - ``opt_state`` as one flat mapping (before the server step became a chain of
   transforms): the chain's tuple (:func:`legacy_opt_state`).
 """
@@ -55,6 +57,7 @@ def current_layout(ckpt: dict[str, Any], fresh: Fresh) -> dict[str, Any]:
         out["events"] = {}
     if out.get("selection_state") is None:
         out["selection_state"] = fresh.selection_state()
+    out.setdefault("evaluation", {})
     out["opt_state"] = legacy_opt_state(out["opt_state"], lambda: fresh.opt_state(out["w"]))
     return out
 

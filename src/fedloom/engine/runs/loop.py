@@ -340,7 +340,7 @@ def _loop(exp: Experiment, cfg: Config, resolved: dict[str, Any], run_dir: Path 
     summary = summarize(facts, st, history, [watch.message] if watch.message else [],
                         stop_reason)
     if run_dir is not None:
-        write_outputs(facts, exp.evaluator.last, st, run_dir, history, summary)
+        write_outputs(facts, st, run_dir, history, summary)
         # a LoRA run: peft's adapter files beside model.pt (nothing for another model)
         write_adapter(space.module, run_dir)
     return Result(cfg, st.w, space.layout, space.module, history, summary, run_dir)

@@ -17,15 +17,16 @@ per-client rows): the engine knows no method's fields.
 
 :class:`Evaluator` holds what evaluation reads (the model space, the clients,
 the global test set, the eval settings, the local update and method for the
-fine-tuned and personal evaluations) and the last per-client accuracies (written
-to ``client_acc.json``).
+fine-tuned and personal evaluations) and nothing of a run: the client rows it reads
+are the state's (``store``), and :meth:`Evaluator.round` returns the per-client
+numbers (``client_acc.json``) with the metrics.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ from fedloom.config import EvalConfig
 from fedloom.device import to_device
 from fedloom.engine.clientfields import BUFFERS, METHOD
 from fedloom.engine.inputs import ClientData, ModelSpace
+from fedloom.engine.runstate import LastPerClient
 from fedloom.metrics import (
     accuracy_stats,
     evaluate,
@@ -45,21 +47,9 @@ from fedloom.metrics import (
     perplexity_stats,
 )
 from fedloom.rng import derive_seed
+from fedloom.state import ClientStateStore
 
 __all__ = ["Evaluator", "LastPerClient"]
-
-
-@dataclass
-class LastPerClient:
-    """The per-client numbers of the last evaluation (written to ``client_acc.json``);
-    ``None`` until one is taken."""
-
-    client_acc: np.ndarray | None = None
-    # a causal LM's per-client test perplexities (client_acc.json's client_ppl)
-    client_ppl: np.ndarray | None = None
-    personal_acc: np.ndarray | None = None
-    # a causal LM's per-client perplexities of the personal models (personal_ppl)
-    personal_ppl: np.ndarray | None = None
 
 
 def _same_rows(x_test: torch.Tensor, y_test: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
@@ -108,14 +98,36 @@ class Evaluator:
         # set) or data given to run() make the two differ.
         self.pooled_is_clients = _same_rows(x_test, y_test, clients.x, clients.y,
                                             self.client_test_idx)
-        # the per-client numbers of the last evaluation (written to client_acc.json)
-        self.last = LastPerClient()
 
-    def global_(self, w: torch.Tensor) -> dict[str, float]:
+    def round(self, w: torch.Tensor, w_eval: torch.Tensor, r: int, store: ClientStateStore,
+              last: LastPerClient, *, personal: bool) -> tuple[dict[str, float], LastPerClient]:
+        """Round ``r``'s evaluation: :meth:`global_` of ``w_eval`` (the model, or the
+        iterates' mean), :meth:`personal` (``personal``: the method keeps personal
+        models) and :meth:`finetuned` of ``w``, where they apply; the metrics, and
+        ``last`` with the per-client numbers taken now in place of its own."""
+        out, taken = self._global(w_eval, store)
+        if personal:
+            own, mine = self._personal(w, store)
+            out.update(own)
+            taken.update(mine)
+        if self.settings.finetune_steps:
+            out.update(self.finetuned(w, r, store))
+        return out, replace(last, **taken)
+
+    def global_(self, w: torch.Tensor, store: ClientStateStore | None = None
+                ) -> dict[str, float]:
         """Global test accuracy/loss and per-client accuracy statistics of ``w`` (a
         causal LM: token accuracy, and perplexity pooled and per client). One forward
         pass when the pooled test set is the clients' splits
-        (:attr:`pooled_is_clients`), else one over each."""
+        (:attr:`pooled_is_clients`), else one over each. ``store``: the client rows
+        (``model.buffers=local``: a client's own buffers; ``None``: the global ones
+        for every client)."""
+        return self._global(w, store)[0]
+
+    def _global(self, w: torch.Tensor, store: ClientStateStore | None
+                ) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+        """:meth:`global_`, and the per-client arrays taken (``client_acc``,
+        ``client_ppl``: :class:`LastPerClient`'s names)."""
         sp, cl = self.space, self.clients
         bs = self.settings.batch_size
         lm = self.y_test.ndim > 1  # a causal LM's next tokens: token accuracy, perplexity
@@ -135,30 +147,31 @@ class Evaluator:
                     sp.module, sp.layout, w, cl.x[self.client_test_idx],
                     cl.y[self.client_test_idx], self.client_test_owner, cl.num_clients, bs)
         out = {"test_acc": acc, "test_loss": loss}
+        taken: dict[str, np.ndarray] = {}
         if lm:
             out["test_ppl"] = math.exp(min(loss, 700.0)) if math.isfinite(loss) else loss
         if not self.client_test_idx.numel():
-            return out
-        if not lm and cl.fields.has(BUFFERS):
+            return out, taken
+        if not lm and cl.fields.has(BUFFERS) and store is not None:
             # FedBN: a client's own split with its own statistics (the pass above used
             # the global buffers, as the pooled metrics should)
-            for k, bufs in self.local_buffers(range(cl.num_clients)):
+            for k, bufs in self.local_buffers(store, range(cl.num_clients)):
                 idx = torch.from_numpy(cl.fed.test[k])
                 if len(idx):
                     per_client[k], _ = evaluate(sp.module, sp.layout, w, cl.x[idx],
                                                 cl.y[idx], bs, buffers=bufs)
         out.update(accuracy_stats(per_client))
-        self.last.client_acc = per_client
+        taken["client_acc"] = per_client
         if ppl is not None:
             out.update(perplexity_stats(ppl))
-            self.last.client_ppl = ppl
-        return out
+            taken["client_ppl"] = ppl
+        return out, taken
 
-    def local_buffers(self, ids: Sequence[int], chunk: int = 256
+    def local_buffers(self, store: ClientStateStore, ids: Sequence[int], chunk: int = 256
                       ) -> list[tuple[int, dict[str, torch.Tensor]]]:
-        """``(client, its own buffers)`` for the clients of ``ids`` that have any
-        (``model.buffers=local``)."""
-        store, f = self.clients.store, self.clients.fields
+        """``(client, its own buffers)`` in ``store`` for the clients of ``ids`` that
+        have any (``model.buffers=local``)."""
+        f = self.clients.fields
         out = []
         ids = list(ids)
         for s in range(0, len(ids), chunk):
@@ -171,8 +184,16 @@ class Evaluator:
                     for j, k in enumerate(part) if bool(have[j])]
         return out
 
-    def personal(self, w: torch.Tensor, chunk: int = 64) -> dict[str, float]:
-        """Per-client accuracy of the local method's personal models, each on its
+    def personal(self, w: torch.Tensor, store: ClientStateStore, chunk: int = 64
+                 ) -> dict[str, float]:
+        """:meth:`_personal`'s metrics."""
+        return self._personal(w, store, chunk)[0]
+
+    def _personal(self, w: torch.Tensor, store: ClientStateStore, chunk: int = 64
+                  ) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+        """Per-client accuracy of the local method's personal models (from their rows
+        in ``store``; with the arrays taken, ``personal_acc`` and ``personal_ppl``,
+        as :meth:`_global`), each on its
         client's own test split (``personal_acc_*``, over the clients that have one);
         the clients that have none yet — never sampled, so no personal state — are
         reported apart, with the global model (``unsampled_acc_*``), and
@@ -195,7 +216,7 @@ class Evaluator:
         f = cl.fields
         for s in range(0, n, chunk):
             ids = list(range(s, min(s + chunk, n)))
-            rows = {name: cl.store.gather(f.key(METHOD, name), ids) for name in f.names(METHOD)}
+            rows = {name: store.gather(f.key(METHOD, name), ids) for name in f.names(METHOD)}
             found = self.method.personal_models(rows, w)
             if found is None:
                 continue
@@ -205,7 +226,7 @@ class Evaluator:
                 if len(te) == 0:
                     continue
                 idx = torch.from_numpy(te)
-                own = dict(self.local_buffers([k])) if f.has(BUFFERS) else {}
+                own = dict(self.local_buffers(store, [k])) if f.has(BUFFERS) else {}
                 mine = bool(have[j])
                 a, loss = evaluate(sp.module, sp.layout, models[j] if mine else w,
                                    cl.x[idx], cl.y[idx], bs, buffers=own.get(k))
@@ -213,23 +234,25 @@ class Evaluator:
                 if lm:  # exp in float64 as evaluate_clients_lm's client_ppl (inf past e^709)
                     (ppl if mine else unsampled_ppl)[k] = float(
                         torch.exp(torch.tensor(loss, dtype=torch.float64)))
-        self.last.personal_acc = acc
+        taken: dict[str, np.ndarray] = {"personal_acc": acc}
         out = accuracy_stats(acc, prefix="personal_acc")
         out.update(accuracy_stats(unsampled, prefix="unsampled_acc"))
         if lm:
-            self.last.personal_ppl = ppl
+            taken["personal_ppl"] = ppl
             out.update(perplexity_stats(ppl, prefix="personal_ppl"))
             out.update(perplexity_stats(unsampled_ppl, prefix="unsampled_ppl"))
         out["personal_clients"] = float(np.count_nonzero(~np.isnan(acc)))
-        return out
+        return out, taken
 
-    def finetuned(self, w: torch.Tensor, round: int) -> dict[str, float]:
+    def finetuned(self, w: torch.Tensor, round: int, store: ClientStateStore
+                  ) -> dict[str, float]:
         """``eval.finetune_steps`` local SGD steps from the global model on each
         client's own training data, then its own test split (``finetune_acc_*``): how
         FedBABU (Oh et al., ICLR 2022) and Per-FedAvg evaluate, for any method. The
         steps use the client's training settings (lr, batch, momentum, weight decay;
         no prox), every parameter free, batches from (seed, round, client,
-        ``finetune``); the global model is not changed."""
+        ``finetune``; ``store``: the client rows, for their own buffers); the global
+        model is not changed."""
         sp, cl = self.space, self.clients
         steps = self.settings.finetune_steps
         acc = np.full(cl.num_clients, np.nan)
@@ -238,7 +261,7 @@ class Evaluator:
             te, tr = cl.fed.test[k], cl.fed.train[k]
             if len(te) == 0 or len(tr) == 0:
                 continue
-            own = dict(self.local_buffers([k])) if cl.fields.has(BUFFERS) else {}
+            own = dict(self.local_buffers(store, [k])) if cl.fields.has(BUFFERS) else {}
             gen = torch.Generator()
             gen.manual_seed(derive_seed(self.seed, round, k, "finetune"))
             itr = torch.from_numpy(tr)

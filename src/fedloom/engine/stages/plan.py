@@ -65,8 +65,8 @@ def plan_round(algo: Algorithm, clients: ClientData, space: ModelSpace, schedule
                st: RunState, *, hooks: Sequence[Any] = (), view: HookView | None = None,
                ships_indices: bool = False, cohort: torch.Tensor | None = None) -> RoundPlan:
     """The round's cohort and fully specified client jobs (the client state rows
-    they need are gathered from the store). ``hooks`` are the run's client-metric
-    plug-ins and ``view`` what they and the round planner read
+    they need are gathered from the state's store, ``st.clients``). ``hooks`` are
+    the run's client-metric plug-ins and ``view`` what they and the round planner read
     (:mod:`fedloom.hooks`); ``ships_indices``: the backend gathers the samples
     where it trains (no copy of the cohort's data here); ``cohort``: these
     clients instead of the schedule's draw (the event-driven modes)."""
@@ -76,10 +76,10 @@ def plan_round(algo: Algorithm, clients: ClientData, space: ModelSpace, schedule
         cohort, selection = schedule.select(r, selection)
     lr = schedule.lr(r)
     w = st.w
-    store, fields = clients.store, clients.fields
+    store, fields = st.clients, clients.fields
     # The store stays in host memory; the cohort's rows go to the device
     # (pinned, asynchronous copies on CUDA).
-    old_rows = to_device({f: store.gather(f, cohort) for f in store.fields},
+    old_rows = to_device({f: store.gather(f, cohort) for f in fields.specs},
                          space.device, pin=True)
     fb = algo.feedback
     # The module holds the global buffers: an evaluation that names none

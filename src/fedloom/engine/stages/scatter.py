@@ -29,12 +29,13 @@ def scatter(method: Any, clients: ClientData, dtype: torch.dtype, st: RunState,
             plan: RoundPlan, results: Sequence[ClientResult], ups: Sequence[UplinkResult],
             ok: torch.Tensor, *, client_state: bool = True,
             client_buffers: bool = False) -> dict[str, Any]:
-    """Write the accepted clients' new rows to the store; return the local
+    """Write the accepted clients' new rows to the state's store (``st.clients``, in
+    place: the state the round returns holds it); return the local
     method's new server state. ``client_state=False``: the clients keep their own
     state (Flower); ``client_buffers=True`` still keeps their own buffers
     (``model.buffers=local``), which they send anyway, for the per-client evaluation."""
-    f, store = clients.fields, clients.store
-    if not ((client_state or (client_buffers and f.has(BUFFERS))) and store.fields
+    f, store = clients.fields, st.clients
+    if not ((client_state or (client_buffers and f.has(BUFFERS))) and f.specs
             and bool(ok.any())):
         return st.method_state
     pos = ok.nonzero().squeeze(1).tolist()
