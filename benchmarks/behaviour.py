@@ -41,7 +41,7 @@ BASE: dict[str, Any] = {
     "rounds": 3,
     "data": {"name": "digits", "num_clients": 10,
              "partition": {"name": "dirichlet", "alpha": 0.5, "min_samples": 20}},
-    "model": {"name": "mlp", "hidden": [16]},
+    "model": {"name": "mlp", "options": {"hidden": [16]}},
     "cohort": {"size": 4},
     "client": {"lr": 0.1, "batch_size": 16, "epochs": 1},
     "eval": {"every": 1},
@@ -80,7 +80,7 @@ CASES: dict[str, list[str]] = {
     "system_partial": ["system.profile=lognormal", "system.speed=[300,1.0]",
                        "system.up_bps=[3e4,0.5]", "system.latency_s=0.1",
                        "system.deadline_s=3.0", "system.late=partial", "system.dropout=0.2"],
-    "buffers_local": ["model.name=resnet", "model.depth=8", "model.width=4", "model.norm=batch",
+    "buffers_local": ["model.name=resnet", "model.options={depth: 8, width: 4, norm: batch}",
                       "model.buffers=local", "data.num_clients=6", "cohort.size=3",
                       "client.batch_size=32", "rounds=2"],
     "scafcom": ["compression.name=topk", "compression.options={ratio: 0.1}",
@@ -93,7 +93,7 @@ CASES: dict[str, list[str]] = {
 # The local methods and CRAFT's trust step on each client backend: a restructuring
 # of local training must keep every one of them (a method a backend cannot run
 # falls back to sequential, and the record holds that too).
-_BN = ["model.name=resnet", "model.depth=8", "model.width=4", "model.norm=batch",
+_BN = ["model.name=resnet", "model.options={depth: 8, width: 4, norm: batch}",
        "data.num_clients=6", "cohort.size=3", "client.batch_size=32", "rounds=2"]
 _LOCAL: dict[str, list[str]] = {
     "fedprox": ["client.prox_mu=0.1"],

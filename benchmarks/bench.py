@@ -271,7 +271,8 @@ def _layout_for(d: int):
         from fedloom.config import ModelConfig
         from fedloom.models import build_model
 
-        mod = build_model(ModelConfig(name="resnet", depth=20, width=104), (3, 32, 32), 10, 0,
+        mod = build_model(ModelConfig(name="resnet", options={"depth": 20, "width": 104}),
+                          (3, 32, 32), 10, 0,
                           torch.float32)
     else:
         width = max(8, d // 1000)
@@ -339,7 +340,8 @@ def _ef_config(clients: int, hidden: list[int], rounds: int, cohort: int) -> lis
     # iid takes no options: the quickstart's Dirichlet alpha is dropped with its name
     return ["data.name=mnist", f"data.num_clients={clients}", "data.partition.name=iid",
             "data.partition.options={}",
-            f"model.hidden={json.dumps(hidden)}", f"cohort.size={cohort}", f"rounds={rounds}",
+            f"model.options.hidden={json.dumps(hidden)}", f"cohort.size={cohort}",
+            f"rounds={rounds}",
             "compression.name=topk", "compression.options.ratio=0.01",
             "compression.feedback=ef", "checkpoint.every=0", "eval.every=1000"]
 

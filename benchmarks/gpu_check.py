@@ -33,7 +33,7 @@ writes the report as it stands and exits 3):
    each) as the peer. Seconds per round after one warm-up round (median).
 4. ``resnet`` — ResNet-20 on CIFAR-shaped random data (3×32×32, 10 classes),
    10 clients × 500 samples through :func:`fedloom.data.from_arrays`,
-   ``model.norm`` batch and group, one round ``sequential`` against ``vmap``
+   ``model.options.norm`` batch and group, one round ``sequential`` against ``vmap``
    (both chunk settings).
 5. ``pfl_cifar10`` — pfl-research's CIFAR-10 benchmark workload (Granqvist et
    al. 2024, arXiv 2404.06430; its ``benchmarks/image_classification``
@@ -56,13 +56,13 @@ writes the report as it stands and exits 3):
    device, TF32 off (as fedloom sets it for a run), and CRAFT's constraint
    error ``max_i |⟨u_i, g⟩ − ρ_i|`` as CRAFT reports it.
 7. ``llm`` — LoRA fine-tuning of a causal LM of SmolLM2-135M's shape
-   (:mod:`fedloom.models.llm` with ``model.config``: a random-init Llama of hidden
+   (:mod:`fedloom.models.llm` with ``model.options.config``: a random-init Llama of hidden
    576, 30 layers, 9 heads, 3 key-value heads, intermediate 1536, vocabulary
    49152, tied embeddings; 134.5M parameters), rank-8 adapters on ``q_proj`` and
    ``v_proj``, token windows of 512, batch 8: tokens per second of a forward and
    backward (median of 5 after 2 warm-up steps) and the peak device memory, with
-   the base in float32 and in bfloat16 (``model.base_dtype``), each with and
-   without ``model.gradient_checkpointing``. Without transformers and peft it is
+   the base in float32 and in bfloat16 (``model.options.base_dtype``), each with and
+   without ``model.options.gradient_checkpointing``. Without transformers and peft it is
    "not available". ``--quick``: hidden 32, 2 layers, vocabulary 256, windows of
    32, batch 2.
 8. ``peak_memory`` — the peak device memory of each step (and of each
@@ -697,7 +697,8 @@ def step_resnet(ck: Check, rec: dict[str, Any]) -> None:
     def one(norm: str, backend: str) -> dict[str, Any]:
         cfg = {"name": "resnet-check", "seed": 0, "rounds": 100,
                "data": {"num_clients": k, "test_fraction": 0.0},
-               "model": {"name": "resnet", "depth": depth, "width": width, "norm": norm},
+               "model": {"name": "resnet",
+                         "options": {"depth": depth, "width": width, "norm": norm}},
                "cohort": {"size": k},
                "client": {"lr": 0.05, "batch_size": batch, "epochs": 1},
                "eval": {"every": 1000}, "checkpoint": {"every": 0}}
@@ -879,7 +880,7 @@ def step_repro_flare_fc(ck: Check, rec: dict[str, Any]) -> None:
     over = [*device_overrides(ck.dev), f"rounds={rounds}", "seed=1", "checkpoint.every=0",
             f"eval.every={max(1, rounds // 20)}"]
     if ck.args.quick:  # the pipeline at toy size: the 36.4M-parameter model is a GPU's
-        over += ["model.name=mlp", "model.hidden=[32,32]", "model.activation=none"]
+        over += ["model.name=mlp", "model.options.hidden=[32,32]", "model.options.activation=none"]
     rec["config"] = str(cfg.relative_to(ROOT))
     rec["rounds"], rec["public_final_acc_k7"] = rounds, PUBLIC_FLARE_FC_K7
     runs: dict[str, Any] = rec.setdefault("runs", {})
@@ -957,9 +958,9 @@ def step_llm(ck: Check, rec: dict[str, Any]) -> None:
                tf32_matmul=torch.backends.cuda.matmul.allow_tf32, results={})
 
     def one(base_dtype: str, ckpt: bool) -> dict[str, Any]:
-        cfg = ModelConfig(name="hf_causal_lm", config=dict(shape), base_dtype=base_dtype,
-                          gradient_checkpointing=ckpt)
-        cfg.lora.r, cfg.lora.alpha = 8, 16
+        cfg = ModelConfig(name="hf_causal_lm", options={
+            "config": dict(shape), "base_dtype": base_dtype, "gradient_checkpointing": ckpt,
+            "lora": {"r": 8, "alpha": 16}})
         module = build_model(cfg, (seq,), vocab, seed=0).to(ck.dev)
         params = list(module.parameters())
         got = llm_step_rate(module, ck.dev, batch, seq, vocab, warmup, timed)

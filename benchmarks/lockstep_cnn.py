@@ -54,7 +54,7 @@ def run(quick: bool, repeats: int) -> dict[str, Any]:
     data = _data(clients, n, shape)
     base = {"name": "bench-cnn", "seed": 0, "rounds": 10_000,
             "data": {"num_clients": clients, "test_fraction": 0.0},
-            "model": {"name": "cnn", "channels": CHANNELS}, "cohort": {"size": m},
+            "model": {"name": "cnn", "options": {"channels": CHANNELS}}, "cohort": {"size": m},
             "client": {"lr": 0.05, "batch_size": 10, "epochs": 1},
             "eval": {"every": 10_000}, "checkpoint": {"every": 0},
             # one intra-op thread: on a shared machine two threads measure OpenMP's

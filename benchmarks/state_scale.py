@@ -77,7 +77,7 @@ def _one(clients: int, hidden: list[int], rounds: int, cohort: int, every: int) 
                f"data.num_clients={clients}", "data.partition.name=iid",
                "data.partition.options={}",  # iid takes no options (the quickstart's alpha)
                f"data.max_samples={SAMPLES_PER_CLIENT * clients}",
-               f"model.hidden={json.dumps(hidden)}", f"cohort.size={cohort}",
+               f"model.options.hidden={json.dumps(hidden)}", f"cohort.size={cohort}",
                f"rounds={rounds}", "compression.name=topk", "compression.options.ratio=0.01",
                "compression.feedback=ef", "state.storage=memmap", f"checkpoint.every={every}",
                f"eval.every={rounds}", "--quiet", "--out", str(out)]

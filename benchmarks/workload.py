@@ -56,7 +56,7 @@ def fedloom_config(per_round: int, clients: int = CLIENTS) -> dict:
     return {
         "name": "bench", "seed": 0, "rounds": 10_000,
         "data": {"num_clients": clients, "test_fraction": 0.0},
-        "model": {"name": "mlp", "hidden": [HIDDEN]},
+        "model": {"name": "mlp", "options": {"hidden": [HIDDEN]}},
         "cohort": {"size": per_round},
         "client": {"lr": LR, "batch_size": BATCH, "epochs": 1},
         "eval": {"every": 10_000}, "checkpoint": {"every": 0},

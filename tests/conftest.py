@@ -52,7 +52,7 @@ TINY: dict[str, Any] = {
         "num_clients": 10,
         "partition": {"name": "dirichlet", "options": {"alpha": 0.5, "min_samples": 20}},
     },
-    "model": {"name": "mlp", "hidden": [16]},
+    "model": {"name": "mlp", "options": {"hidden": [16]}},
     "cohort": {"size": 4},
     "client": {"lr": 0.1, "batch_size": 16, "epochs": 1},
     "eval": {"every": 1},

@@ -440,7 +440,7 @@ def experiments():
                 "name": "props", "seed": 1, "rounds": 1,
                 "data": {"name": "digits", "num_clients": 4, "max_samples": 400,
                          "partition": {"name": "iid"}},
-                "model": {"name": "mlp", "hidden": [8]}, "cohort": {"size": 4},
+                "model": {"name": "mlp", "options": {"hidden": [8]}}, "cohort": {"size": 4},
                 "client": {"lr": LR, "batch_size": 32, "epochs": 1},
                 "aggregator": {"name": name}, "eval": {"every": 1},
             })

@@ -19,11 +19,12 @@ def test_required_keys_exist_and_override():
 
 
 def test_overrides_parse_yaml_values_and_nest():
-    d = apply_overrides({"model": {"name": "mlp"}}, ["model.hidden=[8, 4]", "client.steps=null",
+    d = apply_overrides({"model": {"name": "mlp"}}, ["model.options.hidden=[8, 4]",
+                                                     "client.steps=null",
                                                      "aggregator.options.weighted=false"])
-    assert d["model"] == {"name": "mlp", "hidden": [8, 4]}
+    assert d["model"] == {"name": "mlp", "options": {"hidden": [8, 4]}}
     cfg = load_config(d)
-    assert cfg.model.hidden == [8, 4] and cfg.client.steps is None
+    assert cfg.model.options["hidden"] == [8, 4] and cfg.client.steps is None
     assert cfg.aggregator.options == {"weighted": False}
 
 
@@ -40,7 +41,7 @@ def test_overrides_parse_yaml_values_and_nest():
                                        "mixed, natural, shards, sizes)"),
         ("compression.feedback=ef3", "compression.feedback.name: unknown feedback 'ef3'"),
         ("compression.adaptive=fl", "compression.adaptive.name: unknown planner 'fl'"),
-        ("model.hidden=[8, -1]", "model.hidden: must be >= 1"),
+        ("model.options.hidden=[8, -1]", "model.options.hidden: must be >= 1"),
         ("backend=gpu", "backend.name: unknown backend 'gpu'"),
         ("data.name=imagenet", "data.name: unknown dataset 'imagenet'"),
         ("aggregator.name=nope", "aggregator.name: unknown aggregator"),

@@ -15,7 +15,14 @@ import pytest
 import yaml
 
 from fedloom import registry
-from fedloom.config import ConfigError, config_from_dict, config_to_dict, load_config, yaml_load
+from fedloom.config import (
+    ConfigError,
+    LoRAConfig,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+    yaml_load,
+)
 from fedloom.config import translate as tr
 from fedloom.params import Layout
 
@@ -80,6 +87,17 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any], str, Any]] = [
      {"client": {"method": "ditto", "method_options": {"lam": 0.5}}},
      {"client": {"method": {"name": "ditto", "options": {"lam": 0.5}}}},
      "client.method.options.lam", 0.5),
+    *[(f"model.{k}", {"model": {"name": m, k: v}}, {"model": {"name": m, "options": {k: v}}},
+       f"model.options.{k}", LoRAConfig(r=4) if k == "lora" else v)
+      for k, m, v in [("hidden", "mlp", [8]), ("activation", "mlp", "none"),
+                      ("channels", "cnn", [4, 8]), ("depth", "resnet", 8),
+                      ("width", "resnet", 8), ("embed", "char_rnn", 4),
+                      ("cell", "char_rnn", "lstm"), ("norm", "resnet9", "batch"),
+                      ("path", "hf_causal_lm", "m"), ("gguf_file", "hf_causal_lm", "m.gguf"),
+                      ("config", "hf_causal_lm", {"hidden_size": 8}),
+                      ("lora", "hf_causal_lm", {"r": 4}),
+                      ("gradient_checkpointing", "hf_causal_lm", True),
+                      ("base_dtype", "hf_causal_lm", "bfloat16")]],
 ]
 
 
@@ -111,8 +129,8 @@ def _built(cfg: Any, where: str) -> Any:
         return feedback_from_config(cfg.compression.feedback, Layout.flat(8))
     if where.startswith("compression.adaptive"):
         return planner_from_config(cfg.compression.adaptive)
-    if where.startswith("data.partition"):  # a function: its options are the config's
-        return None
+    if where.startswith(("data.partition", "model.", "backend.")):
+        return None  # a function: its options are the config's
     if where.startswith("server.optimizer"):
         s = cfg.server.optimizer
         return registry.build("server_optimizer", s.name, {**s.options, "lr": 1.0}, "x")
@@ -317,7 +335,8 @@ def old_shape(data: dict[str, Any], saved: bool = False) -> dict[str, Any]:
         out.setdefault("data", {}).setdefault("partition", {"name": "dirichlet"})
         out = old_shape(out)
         for sec, keys in ((out["compression"], tr.FEEDBACK_KEYS), (out["server"], tr.SERVER_KEYS),
-                          (out["data"]["partition"], tr.PARTITION_KEYS)):
+                          (out["data"]["partition"], tr.PARTITION_KEYS),
+                          *((out.setdefault(s, {}), keys) for s, keys in tr.FLAT_SECTIONS.items())):
             for k, v in keys.items():
                 sec.setdefault(k, copy.deepcopy(v))
         return out
@@ -338,6 +357,14 @@ def old_shape(data: dict[str, Any], saved: bool = False) -> dict[str, Any]:
     if isinstance(sec, dict):
         client["method"] = sec.get("name", "sgd")
         client["method_options"] = dict(sec.get("options") or {})
+    for name in tr.FLAT_SECTIONS:
+        sec = out.get(name)
+        if isinstance(sec, str):
+            out[name] = {"name": sec}
+        elif isinstance(sec, dict) and "options" in sec:
+            opts = sec.pop("options") or {}
+            out[name] = {**sec, **{k: dict(vars(v)) if isinstance(v, LoRAConfig) else v
+                                   for k, v in opts.items()}}
     part = out.setdefault("data", {}).get("partition")
     if isinstance(part, dict) and not str(part.get("name", "")).startswith("flwr:"):
         opts = dict(part.pop("options", None) or {})
@@ -356,6 +383,8 @@ def old_override(text: str) -> str:
         key = f"server.{parts[-1]}"
     elif key.startswith("data.partition.options.") and parts[-1] in tr.PARTITION_KEYS:
         key = f"data.partition.{parts[-1]}"
+    elif parts[0] in tr.FLAT_SECTIONS and parts[1:2] == ["options"] and len(parts) > 2:
+        key = ".".join([parts[0], *parts[2:]])
     for new, old in (("compression.feedback.options", "compression.feedback_options"),
                      ("compression.adaptive.options", "compression.adaptive_options"),
                      ("client.method.options", "client.method_options")):
@@ -485,3 +514,42 @@ def test_partition_keys_of_an_older_run_folder():
     flwr = {**old, "name": "flwr:DirichletPartitioner", "options": {"alpha": 0.3}}
     cfg = load_config({"data": {"name": "digits", "num_clients": 10, "partition": flwr}})
     assert cfg.data.partition.options == {"alpha": 0.3}
+
+
+def test_a_run_folders_config_of_an_older_version_loads():
+    """tests/fixtures/run_config_before_options.yaml is what a run directory's
+    config.yaml held before the model's, the backend's and the data's keys became
+    options (every flat key, most at their defaults): it loads as the same config
+    written the new way."""
+    from fedloom.engine.build import resolve_auto
+
+    old = load_config(ROOT / "tests/fixtures/run_config_before_options.yaml")
+    new = resolve_auto(load_config({
+        "name": "old-shape", "seed": 1, "rounds": 2,
+        "data": {"name": "digits", "num_clients": 6, "max_samples": 300,
+                 "partition": {"name": "iid"}},
+        "cohort": {"size": 3}, "model": {"name": "mlp", "options": {"hidden": [16]}},
+        "backend": {"name": "sequential", "threads": 1},
+        "client": {"lr": 0.1, "prox_mu": 0.01}, "checkpoint": {"every": 0}}))
+    assert old == new
+
+
+@registry.register("model", "translate_old_signature")
+def _old_model(cfg: Any, in_shape: tuple[int, ...], num_classes: int) -> Any:
+    raise NotImplementedError  # pragma: no cover (refused before it is called)
+
+
+def test_model_options_are_checked_and_an_old_factory_refused():
+    with pytest.raises(ConfigError) as e:
+        load_config({"model": {"name": "mlp", "options": {"hiden": [8]}}})
+    assert str(e.value).startswith("model.options.hiden: unknown option for model 'mlp' "
+                                   "(did you mean hidden?")
+    with pytest.raises(ConfigError, match=r"^model\.options\.lora\.rr: unknown key"):
+        load_config({"model": {"name": "hf_causal_lm", "options": {"lora": {"rr": 4}}}})
+    with pytest.raises(ConfigError, match=r"^model\.name: 'translate_old_signature' is a "
+                                          r"factory of the old signature \(cfg, in_shape"):
+        load_config({"model": "translate_old_signature"})
+    # the model's keys the old way, as a dotted override on a config in the new shape
+    cfg = load_config({"model": {"name": "mlp", "options": {"hidden": [8]}}},
+                      ["model.hidden=[4]", "model.activation=none"])
+    assert cfg.model.options == {"hidden": [4], "activation": "none"}

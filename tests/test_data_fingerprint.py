@@ -31,7 +31,7 @@ from fedloom.engine.runs.datarecord import DATA_FILE, DataChangedError
 CFG = {"name": "user", "seed": 1, "rounds": 2,
        "data": {"name": "csv", "path": "d.csv", "num_clients": 6,
                 "partition": {"name": "dirichlet", "options": {"alpha": 1.0, "min_samples": 5}}},
-       "model": {"name": "mlp", "hidden": [8]}, "cohort": {"size": 3},
+       "model": {"name": "mlp", "options": {"hidden": [8]}}, "cohort": {"size": 3},
        "client": {"lr": 0.1, "batch_size": 8}, "checkpoint": {"every": 1},
        "logging": {"plots": False}}
 

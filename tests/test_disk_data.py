@@ -291,7 +291,7 @@ def test_cli_runs_on_a_tiny_cifar_copy(tmp_path: Path) -> None:
     code = main(["run", "configs/quickstart.yaml", "data.name=cifar10", f"data.root={tmp_path}",
                  "data.verify=false", "data.num_clients=4", "data.partition=iid",
                  "cohort.size=2", "rounds=1",
-                 "model.name=cnn", "model.channels=[2,2]", "client.steps=1",
+                 "model.name=cnn", "model.options.channels=[2,2]", "client.steps=1",
                  "checkpoint.every=0", "--out", str(out), "--quiet"])
     assert code == 0
     assert json.loads((out / "summary.json").read_text())["rounds"] == 1
@@ -396,7 +396,7 @@ def _cifar_run(tmp_path: Path, *extra: str) -> torch.Tensor:
            "data": {"name": "cifar10", "root": str(tmp_path), "verify": False,
                     "num_clients": 3, "partition": {"name": "iid"},
                     "test_fraction": 0.0},
-           "model": {"name": "cnn", "channels": [2, 2]}, "cohort": {"size": 2},
+           "model": {"name": "cnn", "options": {"channels": [2, 2]}}, "cohort": {"size": 2},
            "client": {"lr": 0.05, "batch_size": 5, "steps": 3}, "checkpoint": {"every": 0}}
     return fedloom.run(cfg, list(extra)).w
 

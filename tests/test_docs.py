@@ -150,14 +150,13 @@ def test_the_config_page_lists_every_key(site):
     shown = set(re.findall(r'<span class="pre">([^<]+)</span>', page))
     keys = list(_config_keys(Config))
     assert {"cohort.selection", "system.mode", "system.concurrency", "system.buffer",
-            "system.staleness", "logging.plots", "model.activation", "model.channels",
+            "system.staleness", "logging.plots", "model.options", "model.buffers",
             "data.root", "data.image_size", "data.augment",
             "system.classes[].speed"} <= set(keys)
     assert [k for k in keys if k not in shown] == []
     # with the comment written at it in the source
     text = _text(site[2] / "reference/config.html")
     assert "each arrival weighted by s(τ) of its staleness τ" in text  # system.mode
-    assert "recompute each decoder layer" in text  # model.gradient_checkpointing
 
 
 def test_the_cli_pages_list_every_command(site):

@@ -47,7 +47,7 @@ def count_one_pass(monkeypatch):
 @pytest.mark.parametrize("over", [
     [],
     # FedBN: the clients with buffers of their own are evaluated again with them
-    ["model.name=resnet", "model.depth=8", "model.width=4", "model.norm=batch",
+    ["model.name=resnet", "model.options={depth: 8, width: 4, norm: batch}",
      "model.buffers=local", "data.num_clients=4", "data.max_samples=300", "cohort.size=2"],
 ], ids=["mlp", "fedbn"])
 def test_one_pass_gives_the_two_passes_numbers_bit_for_bit(over, monkeypatch):

@@ -21,7 +21,7 @@ from fedloom.engine.runs.directory import check_run_dir
 
 CFG = {"name": "faults", "seed": 1, "rounds": 1, "data": {"num_clients": 6, "partition":
        {"name": "dirichlet", "options": {"alpha": 1.0, "min_samples": 5}}},
-       "model": {"name": "mlp", "hidden": [8]}, "cohort": {"size": 3},
+       "model": {"name": "mlp", "options": {"hidden": [8]}}, "cohort": {"size": 3},
        "client": {"lr": 0.1, "batch_size": 8}, "checkpoint": {"every": 0}}
 
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.xdist_group("ray")
 CFG = {"name": "flower", "seed": 4, "rounds": 3, "dtype": "float64",
        "data": {"name": "synthetic", "num_clients": 6, "partition": {"name": "natural"},
                 "max_samples": 4000},
-       "model": {"name": "mlp", "hidden": [10]}, "cohort": {"size": 3},
+       "model": {"name": "mlp", "options": {"hidden": [10]}}, "cohort": {"size": 3},
        "client": {"lr": 0.05, "batch_size": 16, "epochs": 1},
        "aggregator": {"name": "craft"}, "server": {"lr": 0.5},
        "compression": {"name": "topk", "options": {"ratio": 0.1}, "feedback": "sapef",
@@ -142,7 +142,7 @@ def test_arrays_round_trip_and_errors():
     exp = Experiment.from_config(load_config(CFG))
     w = torch.randn(exp.layout.size, dtype=torch.float64)
     assert torch.equal(from_arrays(exp.layout, to_arrays(exp.layout, w)), w)
-    other = Experiment.from_config(load_config(CFG, ["model.hidden=[11]"]))
+    other = Experiment.from_config(load_config(CFG, ["model.options.hidden=[11]"]))
     with pytest.raises(ValueError, match=r"arrays: tensor .* has shape"):
         from_arrays(exp.layout, to_arrays(other.layout, torch.zeros(other.layout.size)))
 

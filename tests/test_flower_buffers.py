@@ -44,12 +44,12 @@ from fedloom.integrations.flower import (  # noqa: E402
 CFG = {"name": "flower-bn", "seed": 5, "rounds": 3, "dtype": "float64",
        "data": {"name": "digits", "num_clients": 4, "max_samples": 600,
                 "partition": {"name": "dirichlet", "options": {"alpha": 0.5, "min_samples": 20}}},
-       "model": {"name": "resnet", "depth": 8, "width": 4, "norm": "batch"},
+       "model": {"name": "resnet", "options": {"depth": 8, "width": 4, "norm": "batch"}},
        "cohort": {"size": 2}, "client": {"lr": 0.05, "batch_size": 32, "epochs": 1},
        "aggregator": {"name": "fedavg"},
        "compression": {"name": "identity", "feedback": "none"},
        "eval": {"every": 1}, "checkpoint": {"every": 0}}
-MLP = {**CFG, "model": {"name": "mlp", "hidden": [8]}}
+MLP = {**CFG, "model": {"name": "mlp", "options": {"hidden": [8]}}}
 NODE = 7
 
 

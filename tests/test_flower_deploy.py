@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CFG = {"name": "deploy", "seed": 5, "rounds": 2,
        "data": {"name": "digits", "num_clients": 2,
                 "partition": {"name": "dirichlet", "options": {"alpha": 1.0}}},
-       "model": {"name": "mlp", "hidden": [16]}, "cohort": {"size": 2},
+       "model": {"name": "mlp", "options": {"hidden": [16]}}, "cohort": {"size": 2},
        "client": {"lr": 0.1, "batch_size": 16, "epochs": 1},
        "aggregator": {"name": "craft"}, "server": {"lr": 0.5},
        "compression": {"name": "topk", "options": {"ratio": 0.05}, "feedback": "sapef",

@@ -20,7 +20,7 @@ from fedloom.integrations.flower import FedloomStrategy, client_app, poll_replie
 CFG = {"name": "discovery", "seed": 1, "rounds": 1, "dtype": "float64",
        "data": {"name": "digits", "num_clients": 4,
                 "partition": {"name": "dirichlet", "options": {"alpha": 0.5, "min_samples": 20}}},
-       "model": {"name": "mlp", "hidden": [4]}, "cohort": {"size": 2},
+       "model": {"name": "mlp", "options": {"hidden": [4]}}, "cohort": {"size": 2},
        "client": {"lr": 0.05, "batch_size": 16, "epochs": 1},
        "aggregator": {"name": "fedavg"}, "compression": {"name": "identity"},
        "checkpoint": {"every": 0}}

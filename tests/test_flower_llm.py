@@ -6,7 +6,7 @@ them with AdamW on its partition's tokens and replies with
 ``ArrayRecord(get_peft_model_state_dict(model))`` — the adapters only, never the
 base. It knows nothing of fedloom; the server swaps ``FedAvg`` for ``CRAFT``.
 
-The model is a tiny random-init Llama (``model.config``'s kind: hidden 16, 2
+The model is a tiny random-init Llama (``model.options.config``'s kind: hidden 16, 2
 layers), its base drawn from one seed on every node; messages go through
 :class:`test_flower_strategies.LocalGrid` (Flower's Grid in one process).
 """

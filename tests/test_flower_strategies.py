@@ -222,7 +222,7 @@ def test_state_layout_splits_parameters_from_buffers_and_groups_like_the_module(
              ("resnet", (3, 32, 32), {"depth": 8, "width": 4, "norm": "batch"}),
              ("craft_cnn", (3, 32, 32), {})]
     for name, shape, opts in cases:
-        module = build_model(ModelConfig(name=name, **opts), shape, 10, seed=0)
+        module = build_model(ModelConfig(name=name, options=opts), shape, 10, seed=0)
         rec = ArrayRecord(module.state_dict())
         sl = StateLayout.from_arrays(rec)
         assert sl.layout == Layout.from_module(module), name
@@ -572,7 +572,7 @@ def test_three_stock_rounds_of_craft_end_at_the_engines_model():
         "name": "stock", "seed": 0, "rounds": 3, "dtype": "float64",
         "data": {"name": "synthetic", "num_clients": NODES, "partition": {"name": "natural"},
                  "max_samples": 600},
-        "model": {"name": "mlp", "hidden": [8]}, "cohort": {"size": NODES},
+        "model": {"name": "mlp", "options": {"hidden": [8]}}, "cohort": {"size": NODES},
         "aggregator": {"name": "craft", "options": {"precision": "float64"}},
         "server": {"lr": 0.5}, "checkpoint": {"every": 0}, "eval": {"every": 100}})
     exp = Experiment.from_config(cfg, components=Components(compressor=_Float64Wire()))

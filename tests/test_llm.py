@@ -50,7 +50,7 @@ def config(corpus, **over):
         "rounds": 2, "seed": 0, "backend": "sequential",
         "data": {"name": "text", "path": corpus, "partition": {"name": "natural"},
                  "test_fraction": 0.25, "text": {"seq_len": 16, "min_chars": 200}},
-        "model": {"name": "hf_causal_lm", "config": dict(TINY), "lora": dict(LORA)},
+        "model": {"name": "hf_causal_lm", "options": {"config": dict(TINY), "lora": dict(LORA)}},
         "cohort": {"size": 2}, "client": {"lr": 0.5, "steps": 2, "batch_size": 4},
         "eval": {"every": 1}, "checkpoint": {"every": 0},
     }
@@ -59,8 +59,8 @@ def config(corpus, **over):
 
 
 def tiny_model(seed=0):
-    cfg = ModelConfig(name="hf_causal_lm", config=dict(TINY))
-    cfg.lora.r, cfg.lora.alpha = RANK, 4
+    cfg = ModelConfig(name="hf_causal_lm", options={"config": dict(TINY)})
+    cfg.options["lora"] = {"r": RANK, "alpha": 4}
     return build_model(cfg, (16,), NUM_CHARS, seed)
 
 
@@ -148,13 +148,14 @@ def test_resume_is_bit_identical(corpus, tmp_path):
 
 def test_a_missing_gguf_file_is_one_line(corpus, tmp_path):
     cfg = config(corpus)
-    cfg["model"] = {"name": "hf_causal_lm", "gguf_file": str(tmp_path / "absent.gguf")}
-    with pytest.raises(ConfigError, match=r"^model\.gguf_file: no such file: .*absent\.gguf$"):
+    cfg["model"] = {"name": "hf_causal_lm", "options": {"gguf_file": str(tmp_path / "absent.gguf")}}
+    with pytest.raises(ConfigError,
+                       match=r"^model\.options\.gguf_file: no such file: .*absent\.gguf$"):
         fedloom.run(cfg)
 
 
 def test_a_local_model_directory_and_its_tokenizer(corpus, tmp_path):
-    # model.path and data.text.tokenizer from a directory save_pretrained wrote (a
+    # model.options.path and data.text.tokenizer from a directory save_pretrained wrote (a
     # character-level fast tokenizer and a tiny Llama): the route of a real model, offline
     from tokenizers import Tokenizer, models
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -169,7 +170,7 @@ def test_a_local_model_directory_and_its_tokenizer(corpus, tmp_path):
     saved.save_pretrained(tmp_path)
     cfg = config(corpus, rounds=1)
     cfg["data"]["text"]["tokenizer"] = str(tmp_path)
-    cfg["model"] = {"name": "hf_causal_lm", "path": str(tmp_path), "lora": dict(LORA)}
+    cfg["model"] = {"name": "hf_causal_lm", "options": {"path": str(tmp_path), "lora": dict(LORA)}}
     res = fedloom.run(cfg, out=tmp_path / "run")
     assert res.layout.size == ADAPTERS
     # model.pt holds the adapters; load_model reads the directory again for the base
@@ -185,8 +186,8 @@ def test_a_local_model_directory_and_its_tokenizer(corpus, tmp_path):
                            if n.replace(".weight", ".base_layer.weight") in after else after[n],
                            p) for n, p in saved.named_parameters())
     missing = config(corpus)
-    missing["model"] = {"name": "hf_causal_lm", "path": str(tmp_path / "absent")}
-    with pytest.raises(ConfigError, match=r"^model\.path: no such directory: .*absent$"):
+    missing["model"] = {"name": "hf_causal_lm", "options": {"path": str(tmp_path / "absent")}}
+    with pytest.raises(ConfigError, match=r"^model\.options\.path: no such directory: .*absent$"):
         fedloom.run(missing)
 
 
@@ -266,8 +267,8 @@ def test_a_gguf_file_loads_frozen_with_adapters(corpus, tmp_path):
     pytest.importorskip("gguf", reason="GGUF files need the gguf package (the llm extra)")
     tensors = _tiny_gguf(tmp_path / "tiny.gguf")
     cfg = config(corpus, rounds=1)
-    cfg["model"] = {"name": "hf_causal_lm", "gguf_file": str(tmp_path / "tiny.gguf"),
-                    "lora": dict(LORA)}
+    cfg["model"] = {"name": "hf_causal_lm",
+                    "options": {"gguf_file": str(tmp_path / "tiny.gguf"), "lora": dict(LORA)}}
     res = fedloom.run(cfg)
     assert res.layout.size == ADAPTERS
     params = dict(res.model.named_parameters())
@@ -278,7 +279,7 @@ def test_a_gguf_file_loads_frozen_with_adapters(corpus, tmp_path):
 
 
 def test_a_gguf_files_own_tokenizer_makes_the_windows(corpus, tmp_path):
-    # data.text.tokenizer and model.gguf_file naming one file, as for a published
+    # data.text.tokenizer and model.options.gguf_file naming one file, as for a published
     # GGUF model: the windows are the file's token ids (a character vocabulary here,
     # "▁" the space, as sentencepiece spells it)
     pytest.importorskip("gguf", reason="GGUF files need the gguf package (the llm extra)")
@@ -297,8 +298,8 @@ def test_a_gguf_files_own_tokenizer_makes_the_windows(corpus, tmp_path):
     assert torch.equal(ds.x[0, 1:], ds.y[0, :-1])
     run = config(corpus, rounds=1)
     run["data"]["text"]["tokenizer"] = str(tmp_path / "tok.gguf")
-    run["model"] = {"name": "hf_causal_lm", "gguf_file": str(tmp_path / "tok.gguf"),
-                    "lora": dict(LORA)}
+    run["model"] = {"name": "hf_causal_lm",
+                    "options": {"gguf_file": str(tmp_path / "tok.gguf"), "lora": dict(LORA)}}
     assert math.isfinite(fedloom.run(run).metrics[-1]["test_loss"])
 
 
@@ -307,8 +308,8 @@ def test_image_data_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^model\.name: hf_causal_lm reads token windows"):
         fedloom.run({"rounds": 1, "data": {"name": "digits", "num_clients": 4,
                                            "partition": {"name": "iid"}},
-                     "cohort": {"size": 2}, "model": {"name": "hf_causal_lm",
-                                                      "config": dict(TINY)}})
+                     "cohort": {"size": 2},
+                     "model": {"name": "hf_causal_lm", "options": {"config": dict(TINY)}}})
 
 
 def test_partitioners_apply_to_windows(corpus):
@@ -342,7 +343,8 @@ def test_an_absent_tokenizer_is_one_line(corpus, tmp_path):
 
 
 def test_rank_zero_trains_every_parameter():
-    module = build_model(ModelConfig(name="hf_causal_lm", config=dict(TINY)), (16,), NUM_CHARS, 0)
+    module = build_model(ModelConfig(name="hf_causal_lm", options={"config": dict(TINY)}), (16,),
+                         NUM_CHARS, 0)
     layout = Layout.from_module(module)
     assert layout.size == sum(p.numel() for p in module.parameters())
     # one group per module that owns parameters (a projection, a norm, the embedding)
@@ -364,43 +366,46 @@ def _layer0_calls(module, x):
 def test_gradient_checkpointing_recomputes_layers_and_trains_the_same(corpus):
     x = torch.randint(0, NUM_CHARS, (2, 16))
     plain = tiny_model()
-    cfg = ModelConfig(name="hf_causal_lm", config=dict(TINY), gradient_checkpointing=True)
-    cfg.lora.r, cfg.lora.alpha = RANK, 4
+    cfg = ModelConfig(name="hf_causal_lm",
+                      options={"config": dict(TINY), "gradient_checkpointing": True})
+    cfg.options["lora"] = {"r": RANK, "alpha": 4}
     ckpt = build_model(cfg, (16,), NUM_CHARS, 0)
     assert _layer0_calls(plain, x) == 1
     assert _layer0_calls(ckpt, x) == 2  # the forward, then again in the backward
     for (n, p), q in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
         if p.requires_grad:
             assert torch.allclose(p.grad, q.grad, atol=1e-6), n
-    model = {"name": "hf_causal_lm", "config": dict(TINY), "lora": dict(LORA)}
+    model = {"name": "hf_causal_lm", "options": {"config": dict(TINY), "lora": dict(LORA)}}
     ref = fedloom.run(config(corpus, model=model))
-    res = fedloom.run(config(corpus, model={**model, "gradient_checkpointing": True}))
+    ckpt = {**model, "options": {**model["options"], "gradient_checkpointing": True}}
+    res = fedloom.run(config(corpus, model=ckpt))
     assert torch.allclose(ref.w, res.w, atol=1e-6)
     # torch.func refuses what checkpointed layers do: vmap trains on the sequential path
-    vm = fedloom.run(config(corpus, model={**model, "gradient_checkpointing": True},
-                            backend="vmap"))
+    vm = fedloom.run(config(corpus, model=ckpt, backend="vmap"))
     assert torch.allclose(res.w, vm.w, atol=1e-6)
 
 
 def test_a_bfloat16_base_under_float32_adapters(corpus):
-    cfg = ModelConfig(name="hf_causal_lm", config=dict(TINY), base_dtype="bfloat16")
-    cfg.lora.r, cfg.lora.alpha = RANK, 4
+    cfg = ModelConfig(name="hf_causal_lm",
+                      options={"config": dict(TINY), "base_dtype": "bfloat16"})
+    cfg.options["lora"] = {"r": RANK, "alpha": 4}
     module = build_model(cfg, (16,), NUM_CHARS, 0)
     params = dict(module.named_parameters())
     assert {p.dtype for p in params.values() if not p.requires_grad} == {torch.bfloat16}
     assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
     assert Layout.from_module(module).size == ADAPTERS
     assert module(torch.zeros(1, 16, dtype=torch.long)).dtype == torch.float32
-    model = {"name": "hf_causal_lm", "config": dict(TINY), "lora": dict(LORA),
-             "base_dtype": "bfloat16"}
+    model = {"name": "hf_causal_lm",
+             "options": {"config": dict(TINY), "lora": dict(LORA), "base_dtype": "bfloat16"}}
     res = fedloom.run(config(corpus, model=model, rounds=3))
     assert res.w.dtype == torch.float32 and float(res.w.abs().sum()) > 0
     losses = [m["train_loss"] for m in res.metrics]
     assert losses[-1] < losses[0]
     after = dict(res.model.named_parameters())
     assert all(torch.equal(after[n], p) for n, p in params.items() if not p.requires_grad)
-    with pytest.raises(ConfigError, match=r"^model\.base_dtype: bfloat16 is the frozen"):
-        fedloom.run(config(corpus, model={**model, "lora": {"r": 0}}))
+    with pytest.raises(ConfigError, match=r"^model\.options\.base_dtype: bfloat16 is the frozen"):
+        fedloom.run(config(corpus, model={**model,
+                                          "options": {**model["options"], "lora": {"r": 0}}}))
 
 
 def test_summary_counts_local_training_tokens_and_peak_rss(corpus):

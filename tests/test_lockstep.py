@@ -29,7 +29,7 @@ from fedloom.params import Layout
 SYN = {"name": "syn", "seed": 2, "rounds": 2,
        "data": {"name": "synthetic", "num_clients": 8, "partition": {"name": "natural"},
                 "max_samples": 1200},
-       "model": {"name": "mlp", "hidden": [12]}, "cohort": {"size": 4},
+       "model": {"name": "mlp", "options": {"hidden": [12]}}, "cohort": {"size": 4},
        "client": {"lr": 0.05, "batch_size": 16, "epochs": 1}, "checkpoint": {"every": 0},
        "eval": {"every": 2},
        # one intra-op thread: the tests stay quick on a machine shared with other jobs
@@ -40,7 +40,7 @@ SYN = {"name": "syn", "seed": 2, "rounds": 2,
 # clients of images; two convolutions, ReLU, max-pools, flatten, two Linear layers.
 CNNCFG = {**SYN, "data": {"name": "digits", "num_clients": 6, "max_samples": 300,
                           "partition": {"name": "dirichlet", "options": {"alpha": 0.5}}},
-          "model": {"name": "cnn", "channels": [2, 4]}, "cohort": {"size": 3}}
+          "model": {"name": "cnn", "options": {"channels": [2, 4]}}, "cohort": {"size": 3}}
 
 
 def _rounds(over: list[str], rounds: int = 2, base: dict = SYN):
@@ -97,7 +97,7 @@ def test_the_clients_are_ragged(base):
     assert len(set(exp.clients.fed.num_train().tolist())) > 1
 
 
-@pytest.mark.parametrize("base,over", [(SYN, ["model.hidden=[64]"]),
+@pytest.mark.parametrize("base,over", [(SYN, ["model.options.hidden=[64]"]),
                                        (CNNCFG, ["client.momentum=0.9"])])
 def test_lockstep_float32_tolerance(base, over):
     wa, _, _ = _rounds(over, base=base)
@@ -400,8 +400,8 @@ def test_sample_shapes_are_checked_through_the_convolutions():
 
 def test_fallbacks_log_one_line_and_equal_sequential(caplog):
     for extra, why in ((["client.method=ditto"], "local method ditto"),
-                       (["model.name=resnet", "model.depth=8", "model.width=4",
-                         "model.norm=group", "data.name=digits", "data.partition=iid",
+                       (["model.name=resnet", "model.options={depth: 8, width: 4}",
+                         "model.options.norm=group", "data.name=digits", "data.partition=iid",
                          "data.max_samples=300"],
                         "not a chain"),
                        (["client.amp=bf16", "dtype=float32"], "client.amp bf16")):

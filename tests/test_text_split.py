@@ -111,5 +111,6 @@ def test_the_lora_suite_validates_without_its_model_file():
     suite = load_suite(str(root / "configs/llm/suite.yaml"))
     assert validate_suite(suite) > 0
     cfg = load_config(str(root / "configs/llm/lora.yaml"))
-    assert cfg.data.text.clients == "play" and cfg.data.text.tokenizer == cfg.model.gguf_file
-    assert cfg.model.lora.r == 8 and cfg.model.lora.alpha == 16
+    opts = cfg.model.options
+    assert cfg.data.text.clients == "play" and cfg.data.text.tokenizer == opts["gguf_file"]
+    assert opts["lora"].r == 8 and opts["lora"].alpha == 16

@@ -314,11 +314,11 @@ def test_privacy_refuses_averaged_buffers(tiny):
 
 # ---------------------------------------------------- the built-in ResNet's norm
 def test_resnet_norm_choice_keeps_weights_and_layer_groups(tiny):
-    base = ["model.name=resnet", "model.depth=8", "model.width=4", "rounds=1"]
+    base = ["model.name=resnet", "model.options={depth: 8, width: 4}", "rounds=1"]
     group = _exp(tiny, base, None)
-    batch = _exp(tiny, [*base, "model.norm=batch"], None)
-    none = _exp(tiny, [*base, "model.norm=none"], None)
-    assert group.cfg.model.norm == "group"  # the default is unchanged
+    batch = _exp(tiny, [*base, "model.options.norm=batch"], None)
+    none = _exp(tiny, [*base, "model.options.norm=none"], None)
+    assert "norm" not in group.cfg.model.options  # the default, group, is unchanged
     assert not module_buffers(group.module)
     # same names, same groups, same initial weights: only the layer kind differs
     assert batch.layout == group.layout

@@ -10,7 +10,7 @@ from fedloom.engine.experiment import Experiment
 SYN = {"name": "syn", "seed": 2, "rounds": 3,
        "data": {"name": "synthetic", "num_clients": 8, "partition": {"name": "natural"},
                 "max_samples": 3000},
-       "model": {"name": "mlp", "hidden": [12]}, "cohort": {"size": 4},
+       "model": {"name": "mlp", "options": {"hidden": [12]}}, "cohort": {"size": 4},
        "client": {"lr": 0.05, "batch_size": 16, "epochs": 1}, "checkpoint": {"every": 0}}
 
 

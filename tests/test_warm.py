@@ -36,7 +36,7 @@ NODE = 7
 CFG = {"name": "warm", "seed": 3, "rounds": 3,
        "data": {"name": "digits", "num_clients": 3,
                 "partition": {"name": "dirichlet", "options": {"alpha": 1.0}}},
-       "model": {"name": "mlp", "hidden": [16]}, "cohort": {"size": 3},
+       "model": {"name": "mlp", "options": {"hidden": [16]}}, "cohort": {"size": 3},
        "client": {"lr": 0.1, "batch_size": 16, "epochs": 1},
        "aggregator": {"name": "fedavg"}, "server": {"lr": 1.0},
        "compression": {"name": "topk", "options": {"ratio": 0.05}, "feedback": "sapef",

@@ -10,7 +10,7 @@ each replaced whole), which ``peft.PeftModel.from_pretrained(base, DIR)`` loads.
 What is refused, in one line (the command exits with status 2) and before anything
 is written: a path without a ``model.pt``, a ``model.pt`` that cannot be read or
 does not fit its model (damaged), and a run of another model or without adapters
-(``model.lora.r: 0``).
+(``model.options.lora.r: 0``).
 """
 
 from __future__ import annotations
@@ -45,12 +45,17 @@ def _lora_blob(file: Path) -> None:
     if not isinstance(cfg, dict) or "state_dict" not in blob:
         raise ValueError(f"{file}: not a model.pt that fedloom wrote (no config or "
                          "state_dict)")
-    model: dict[str, Any] = cfg.get("model") or {}
-    name, rank = model.get("name"), (model.get("lora") or {}).get("r", 0)
+    from fedloom.config.translate import translate
+
+    # an older version's file writes the model's options flat (fedloom.config.translate)
+    model: dict[str, Any] = dict(translate(cfg).get("model") or {})
+    name = model.get("name")
+    rank = ((model.get("options") or {}).get("lora") or {}).get("r", 0)
     if name != "hf_causal_lm" or not rank:
-        what = f"model.name: {name}" if name != "hf_causal_lm" else "model.lora.r: 0"
+        what = f"model.name: {name}" if name != "hf_causal_lm" else "model.options.lora.r: 0"
         raise ValueError(f"{file}: not a LoRA run ({what}); fedloom export writes the "
-                         "adapters of a model.name: hf_causal_lm run with model.lora.r > 0")
+                         "adapters of a model.name: hf_causal_lm run with "
+                         "model.options.lora.r > 0")
 
 
 def export_adapter(run: str | Path, out: str | Path) -> list[Path]:

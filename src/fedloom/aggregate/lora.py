@@ -318,7 +318,7 @@ class LoRAExact:
     def init(self, layout: Layout) -> LoRAPairs:
         pairs = lora_pairs(layout)
         if not pairs.pairs:
-            # not an error: with model.lora.train: b (A shared and frozen) the mean of B
+            # not an error: with model.options.lora.train: b (A shared and frozen) the mean of B
             # is already the mean of the products, and any other model has no product
             log.warning("lora_exact: the model has no LoRA pair (lora_A and lora_B tensors "
                         "in one layer group): the weighted mean (fedavg) on every coordinate")

@@ -50,7 +50,8 @@ class FedSALoRA(FedPer):
         if not mine or not any(other in t.name for t in layout):
             raise ValueError(
                 "client.method: fedsa_lora needs LoRA adapters with both A and B trained "
-                "(model.name: hf_causal_lm, model.lora.r > 0, model.lora.train: both); "
+                "(model.name: hf_causal_lm, model.options.lora.r > 0, "
+                "model.options.lora.train: both); "
                 f"the model's trainable tensors: {', '.join(layout.names[:4])}"
                 + (" …" if len(layout.names) > 4 else ""))
         # not PersonalHead.__init__: the personal part is a set of tensors, not of groups

@@ -46,8 +46,8 @@ def check_ranks(layout: Layout, ranks: Sequence[int] | None, field: str) -> tupl
     pairs = layout.lora_pairs()
     if not pairs:
         raise ValueError(f"{field}: heterogeneous ranks need LoRA adapters with A and B "
-                         "trained (model.name: hf_causal_lm, model.lora.r > 0, "
-                         "model.lora.train: both)")
+                         "trained (model.name: hf_causal_lm, model.options.lora.r > 0, "
+                         "model.options.lora.train: both)")
     top = min(p[1] for p in pairs)
     if ranks is None:
         return lora_default_ranks(top)

@@ -84,7 +84,7 @@ class _FlatModule:
     def __init__(self, module: nn.Module, layout: Layout) -> None:
         self.module = copy.deepcopy(module)
         params = dict(self.module.named_parameters())
-        # the trained tensors' dtype (a frozen base may hold another: model.base_dtype)
+        # the trained tensors' dtype (a frozen base may hold another: model.options.base_dtype)
         first = params[layout.tensors[0].name] if layout.tensors else next(iter(params.values()))
         # On the module's device: the run's (fedloom.device), or a worker's GPU.
         self.w = torch.zeros(layout.size, dtype=first.dtype, device=first.device)

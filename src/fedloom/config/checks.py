@@ -261,7 +261,30 @@ _CONTEXT = {
     "num_clients": "data.num_clients",
     "rng": "fedloom passes the run's partition generator",
     "groups": "fedloom passes the source's client ids",
+    "in_shape": "fedloom passes the data's input shape",
+    "num_classes": "fedloom passes the data's number of classes",
 }
+# What a model's factory is called with besides its options (fedloom.models.build_model).
+_MODEL_CONTEXT = frozenset({"in_shape", "num_classes"})
+
+
+def check_model_factory(name: str, factory: Any) -> None:
+    """Refuse, in one line, a model factory written the old way, ``(cfg, in_shape,
+    num_classes)`` (the whole model section as its first argument): factories take
+    ``(in_shape, num_classes, **options)`` since the model's keys became its options."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        return
+    first = params[0] if params else None
+    if first is not None and (first.name in ("cfg", "config") or "ModelConfig" in str(
+            first.annotation)):
+        raise ConfigError(f"model.name: {name!r} is a factory of the old signature "
+                          f"({first.name}, in_shape, num_classes); write it as "
+                          "(in_shape, num_classes, **options): its keyword arguments are "
+                          "model.options")
 
 
 def _same(value: Any, default: Any) -> bool:
@@ -421,9 +444,22 @@ def _check_partition(p: PartitionConfig) -> None:
     p.options = {**{k: v for k, v in p.options.items() if k in own}, **rest.options}
 
 
+def _check_model(cfg: Config) -> None:
+    """``model.options`` against the model factory's signature (check_options), after
+    refusing a factory of the old signature (check_model_factory)."""
+    try:
+        factory = registry.get("model", cfg.model.name)
+    except registry.NotImported:
+        return
+    check_model_factory(cfg.model.name, factory)
+    check_options("model", "model", cfg.model, _MODEL_CONTEXT)
+
+
 def _check_cross_fields(cfg: Config) -> None:
     check_name("data.name", "dataset", cfg.data.name)
-    check_name("model.name", "model", cfg.model.name)
+    if not recorded.is_object(cfg.model.name):  # a module given in Python: engine.given
+        check_name("model.name", "model", cfg.model.name)
+        _check_model(cfg)
     check_component("aggregator", "aggregator", cfg.aggregator)
     check_name("backend.name", "backend", cfg.backend.name)
     check_component("client.method", "method", cfg.client.method)

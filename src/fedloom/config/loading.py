@@ -24,7 +24,7 @@ import yaml
 
 from fedloom.config.checks import config_from_dict, config_to_dict, did_you_mean
 from fedloom.config.sections import SHORTHAND_SECTIONS, Config, ConfigError
-from fedloom.config.translate import twins
+from fedloom.config.translate import respell, twins
 
 # What aliases may add to a document, in nodes of the tree they expand to, and how
 # deep a document may nest. A config is a few hundred nodes, eight levels deep; an
@@ -193,7 +193,10 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     ``SECTION.name=NAME`` to keep the options whatever the name. ``backend=NAME``
     keeps the backend's other keys. Keys written the old way stay as given:
     :func:`~fedloom.config.config_from_dict` translates the result as a whole
-    (:mod:`fedloom.config.translate`), once the component is known."""
+    (:mod:`fedloom.config.translate`), once the component is known; one of the model's,
+    the backend's or the data's that the mapping writes the new way is respelt
+    (``model.hidden`` → ``model.options.hidden``, with a warning line:
+    :func:`~fedloom.config.translate.respell`)."""
     import copy
 
     out = copy.deepcopy(data)
@@ -202,6 +205,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected KEY=VALUE with a dotted key")
+        key = respell(key, out)  # model.hidden on a model written with options
         for twin in twins(key):  # the same option spelt the other way: this one wins
             _delete(out, twin.split("."))
         parts = key.split(".")

@@ -156,7 +156,7 @@ class DataConfig:
 
 @dataclass
 class LoRAConfig:
-    """``model.lora``: low-rank adapters (Hu et al. 2021) on the named projections of
+    """``model.options.lora``: low-rank adapters (Hu et al. 2021) on the named projections of
     ``hf_causal_lm``; ``r: 0`` trains every parameter (no adapter)."""
 
     r: int = _f(0, ge=0)
@@ -170,35 +170,22 @@ class LoRAConfig:
 
 @dataclass
 class ModelConfig:
+    """``model``: the model (mlp, cnn, resnet, char_rnn, hf_causal_lm, the papers' models
+    of :mod:`fedloom.models.zoo`, a plug-in or module:attr) and its factory's options
+    (mlp: ``hidden``, ``activation``; cnn and the papers' CNNs: ``channels``; resnet:
+    ``depth``, ``width``, ``norm``; char_rnn: ``embed``, ``hidden``, ``cell``;
+    hf_causal_lm: ``path``, ``gguf_file``, ``config``, ``lora``,
+    ``gradient_checkpointing``, ``base_dtype``). A factory is called
+    ``factory(in_shape, num_classes, **options)``; its signature states each option's
+    type, bounds and default (``fedloom algorithms``). ``model: NAME`` is short for
+    ``{name: NAME}``."""
+
     name: str = "mlp"
-    hidden: list[int] = _f([200, 200], ge=1)   # mlp
-    # mlp: "none" reproduces FLARE's activation-less "FC" model (a linear map)
-    activation: Literal["relu", "none"] = "relu"
-    channels: list[int] = _f([32, 64], ge=1)    # cnn: the two conv widths
-    depth: int = _f(20, ge=8)                   # resnet: 6n + 2
-    width: int = _f(16, ge=4)                   # resnet: channels of the first stage
-    embed: int = _f(8, ge=1)                    # char_rnn: embedding width (LEAF: 8)
-    cell: Literal["gru", "lstm"] = "gru"        # char_rnn: hidden sizes come from `hidden`
-    # resnet: the normalisation layer (GroupNorm(1, C) as CRAFT's code; BatchNorm as
-    # FLARE's and SA-PEF's code; none)
-    norm: Literal["group", "batch", "none"] = "group"
+    options: dict[str, Any] = _f({})
     # What the server does with module buffers (BatchNorm statistics) after a round:
     # average (data-weighted), local (per client, FedBN), keep_global (never updated).
-    # See fedloom.buffers.
+    # See fedloom.buffers. A key of its own: the server's policy, not the model's.
     buffers: Literal["average", "local", "keep_global"] = "average"
-    # hf_causal_lm (fedloom.models.llm): a local model directory, or a GGUF file (in
-    # `path` or alone), or a transformers LlamaConfig's keys (random init, no file);
-    # `lora` wraps it with adapters
-    path: str = ""
-    gguf_file: str = ""
-    config: dict[str, Any] = _f({})
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    # hf_causal_lm: recompute each decoder layer's activations in the backward
-    # (transformers' gradient checkpointing): less memory, about one more forward
-    gradient_checkpointing: bool = False
-    # hf_causal_lm: the frozen base's dtype; "run" = the run's dtype. bfloat16 halves
-    # the base's memory; the adapters (the Layout) stay in the run's dtype
-    base_dtype: Literal["run", "bfloat16"] = "run"
 
 
 @dataclass
@@ -564,8 +551,9 @@ class PrivacyConfig:
 
 # The sections written ``{name, options}`` (and the backend), by dotted path: a string
 # there is short for ``{name: STRING}`` (``feedback: sapef``, ``--set server.optimizer=adam``).
-SHORTHAND_SECTIONS = ("backend", "client.method", "server.optimizer", "compression.feedback",
-                      "compression.adaptive", "cohort.selection", "data.partition")
+SHORTHAND_SECTIONS = ("backend", "model", "client.method", "server.optimizer",
+                      "compression.feedback", "compression.adaptive", "cohort.selection",
+                      "data.partition")
 
 
 @dataclass

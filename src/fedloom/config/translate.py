@@ -35,8 +35,9 @@ from typing import Any
 from fedloom import registry
 from fedloom.config.sections import ConfigError
 
-__all__ = ["FEEDBACK_KEYS", "MOVED_MODULES", "OPTION_DICTS", "PARTITION_KEYS", "SERVER_KEYS",
-           "TABLE", "old_spelling", "translate", "twins"]
+__all__ = ["BACKEND_KEYS", "FEEDBACK_KEYS", "FLAT_SECTIONS", "MODEL_KEYS", "MOVED_MODULES",
+           "OPTION_DICTS", "PARTITION_KEYS", "SERVER_KEYS", "TABLE", "old_spelling", "respell",
+           "translate", "twins"]
 
 log = logging.getLogger("fedloom")
 
@@ -58,6 +59,23 @@ PARTITION_KEYS: dict[str, Any] = {
     "distribution": "powerlaw", "exponent": 1.5, "sigma": 1.0, "counts": [], "then": "",
     "iid_fraction": 0.5,
 }
+# The model section's flat keys and their old defaults (ModelConfig's, each the default
+# of the built-in factories that take it; craft_cnn read channels [32, 64] as its own
+# 64/64, which its factory's default is).
+MODEL_KEYS: dict[str, Any] = {
+    "hidden": [200, 200], "activation": "relu", "channels": [32, 64], "depth": 20,
+    "width": 16, "embed": 8, "cell": "gru", "norm": "group", "path": "", "gguf_file": "",
+    "config": {}, "lora": {"r": 0, "alpha": 16, "dropout": 0.0,
+                           "target_modules": ["q_proj", "v_proj"], "train": "both"},
+    "gradient_checkpointing": False, "base_dtype": "run",
+}
+# The backend section's flat keys and their old defaults (BackendConfig's).
+BACKEND_KEYS: dict[str, Any] = {
+    "workers": 0, "inner": "sequential", "chunk": 0, "address": "", "on_failure": "retry",
+    "max_retries": 2, "gpus_per_worker": 0.0,
+}
+# Top-level sections whose flat keys became their component's options.
+FLAT_SECTIONS: dict[str, dict[str, Any]] = {"model": MODEL_KEYS}
 # (section, old key of an options mapping) → the section that now holds those options.
 OPTION_DICTS: dict[tuple[str, str], str] = {
     ("compression", "feedback_options"): "feedback",
@@ -70,6 +88,7 @@ TABLE: dict[str, str] = {
     **{f"server.{k}": f"server.optimizer.options.{k}" for k in SERVER_KEYS},
     **{f"data.partition.{k}": f"data.partition.options.{k}" for k in PARTITION_KEYS},
     **{f"{s}.{old}.OPTION": f"{s}.{new}.options.OPTION" for (s, old), new in OPTION_DICTS.items()},
+    **{f"{s}.{k}": f"{s}.options.{k}" for s, keys in FLAT_SECTIONS.items() for k in keys},
 }
 # Modules of fedloom's components that moved, for a ``module:attr`` name written with
 # the old one: the server optimizers (fedloom.aggregate.server_opt until the server
@@ -77,9 +96,10 @@ TABLE: dict[str, str] = {
 MOVED_MODULES: dict[str, str] = {"fedloom.aggregate.server_opt": "fedloom.server_opt.optimizers"}
 # The default name of each named section (the dataclasses' defaults).
 _DEFAULT_NAME = {"feedback": "none", "adaptive": "none", "optimizer": "sgd", "method": "sgd",
-                 "partition": "dirichlet"}
+                 "partition": "dirichlet", "model": "mlp", "backend": "sequential"}
 _KIND = {"feedback": "feedback", "adaptive": "planner", "optimizer": "server_optimizer",
-         "method": "method", "partition": "partitioner"}
+         "method": "method", "partition": "partitioner", "model": "model",
+         "backend": "backend"}
 
 # Each warning once per process: a sweep reads the saved config of every run folder.
 _WARNED: set[str] = set()
@@ -107,9 +127,10 @@ class _Notes:
         self.moved: list[str] = []                # "old → new"
         self.ignored: dict[str, list[str]] = {}   # component → old keys it does not take
         self.dropped: list[str] = []              # empty option mappings, shadowed defaults
+        self.defaults: list[str] = []             # flat keys at their old defaults
 
     def __bool__(self) -> bool:
-        return bool(self.moved or self.ignored or self.dropped)
+        return bool(self.moved or self.ignored or self.dropped or self.defaults)
 
     def line(self) -> str:
         parts = [", ".join(self.moved)] if self.moved else []
@@ -117,6 +138,8 @@ class _Notes:
                   for who, keys in self.ignored.items()]
         if self.dropped:
             parts.append(f"dropped: {', '.join(self.dropped)}")
+        if self.defaults:
+            parts.append(f"at their old defaults, dropped: {', '.join(self.defaults)}")
         return ("config: options written the old way, translated (write them the new way; "
                 "this translation will be removed): " + "; ".join(parts))
 
@@ -269,6 +292,14 @@ def twins(key: str) -> list[str]:
             return [f"data.partition.{parts[3]}"]
         if n == 3 and parts[2] == "options":
             return [f"data.partition.{k}" for k in PARTITION_KEYS]
+    table = FLAT_SECTIONS.get(parts[0])
+    if table is not None and n >= 2:
+        if parts[1] in table:
+            return [".".join([parts[0], "options", *parts[1:]])]
+        if parts[1] == "options" and n >= 3 and parts[2] in table:
+            return [".".join([parts[0], *parts[2:]])]
+        if parts[1] == "options" and n == 2:
+            return [f"{parts[0]}.{k}" for k in table]
     if parts[0] == "client":
         if parts[1:3] == ["method", "options"] and n <= 4:
             return [".".join(["client", "method_options", *parts[3:]])]
@@ -296,6 +327,8 @@ def old_spelling(key: str) -> str:
             return f"client.method_options.{opt}"
         if (sec, name) == ("data", "partition") and opt in PARTITION_KEYS:
             return f"data.partition.{opt}"
+    if len(parts) >= 3 and parts[1] == "options" and parts[2] in FLAT_SECTIONS.get(parts[0], {}):
+        return ".".join([parts[0], *parts[2:]])
     return key
 
 
@@ -327,6 +360,57 @@ def _partition(data: dict[str, Any], notes: _Notes) -> None:
     sec.store(data, "partition")
 
 
+def _flat(out: dict[str, Any], key: str, notes: _Notes) -> None:
+    """A top-level section's flat keys (:data:`FLAT_SECTIONS`) into its component's
+    options: a key at its old default is dropped (the factory's default is the same), any
+    other moves into the options of a factory that takes it (or takes any: ``**kwargs``)
+    and is ignored, as before, by one that does not."""
+    table = FLAT_SECTIONS[key]
+    section = out.get(key)
+    if not isinstance(section, Mapping):
+        return
+    section = dict(section)
+    flat = {k: section.pop(k) for k in table if k in section}
+    if not flat:
+        return
+    out[key] = section
+    sec = _Named(out, key, key)
+    for k, v in flat.items():
+        old = f"{key}.{k}"
+        if v == table[k]:
+            notes.defaults.append(old)
+        elif sec.ok and (sec.takes is None or k in sec.takes):
+            sec.put(k, v, old, notes)
+        else:
+            notes.ignored.setdefault(f"{key} {sec.name!r}", []).append(old)
+    sec.store(out, key)
+
+
+def respell(key: str, data: Mapping[str, Any]) -> str:
+    """An override's dotted ``key`` written the old way for a section that ``data``
+    writes the new way (``model.hidden`` on a ``model`` with ``options``) → the new
+    spelling (``model.options.hidden``), with the one warning line; else ``key``. A key
+    into a section still written the old way stays: :func:`translate` moves it with the
+    section's other flat keys."""
+    parts = key.split(".")
+    table = FLAT_SECTIONS.get(parts[0])
+    if table is None or len(parts) < 2 or parts[1] not in table:
+        return key
+    section = data.get(parts[0])
+    if isinstance(section, Mapping) and any(k in section for k in table):
+        return key
+    new = ".".join([parts[0], "options", *parts[1:]])
+    _warn(f"config: an override written the old way, translated (write it the new way; "
+          f"this translation will be removed): {key} → {new}")
+    return new
+
+
+def _warn(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        log.warning("%s", msg)
+
+
 def translate(data: Mapping[str, Any]) -> Mapping[str, Any]:
     """``data`` in today's shape (see the module docstring); ``data`` itself when it holds
     no old key. Logs one warning line naming each old key and where it went (once per
@@ -340,10 +424,9 @@ def translate(data: Mapping[str, Any]) -> Mapping[str, Any]:
             section = dict(section)
             fix(section, notes)
             out[name] = section
+    for name in FLAT_SECTIONS:
+        _flat(out, name, notes)
     if not notes:
         return data
-    msg = notes.line()
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        log.warning("%s", msg)
+    _warn(notes.line())
     return out

@@ -9,7 +9,7 @@ default): the sample is the first ``seq_len`` tokens, its labels the next tokens
 (the window shifted by one), so ``y`` is ``[n, seq_len]``.
 
 Tokenizers: ``char`` is LEAF's 80-letter alphabet (81 tokens, 0 = unknown; for a
-model built from ``model.config``); otherwise ``data.text.tokenizer`` names a local
+model built from ``model.options.config``); otherwise ``data.text.tokenizer`` names a local
 tokenizer directory or a ``.gguf`` file — the model's own — read with
 ``local_files_only`` (nothing is downloaded).
 

@@ -96,7 +96,7 @@ def check_buffers_privacy(cfg: Config, privacy: Any, has_buffers: bool) -> None:
             and (privacy.enabled or cfg.server.secure_aggregation)):
         raise ConfigError("model.buffers: privacy and secure aggregation cover the "
                           "parameters only; the model's buffers (BatchNorm statistics) "
-                          "need model.buffers=keep_global (or model.norm=group)")
+                          "need model.buffers=keep_global (or model.options.norm=group)")
 
 
 def check_event_mode(cfg: Config, *, aggregator: Any, feedback: Any, privacy: Any,

@@ -11,14 +11,15 @@ with code that uses the defaults.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal
 
 import torch
 from torch import nn
 
 from fedloom.config import ModelConfig
-from fedloom.registry import get, register
+from fedloom.config.checks import check_model_factory
+from fedloom.registry import Range, get, register
 from fedloom.rng import Purpose, derive_seed, seeded_global_rng, torch_gen
 
 __all__ = ["CNN", "MLP", "build_model", "init_parameters"]
@@ -74,15 +75,22 @@ class CNN(nn.Module):
 
 
 @register("model", "mlp")
-def _mlp(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    return MLP(math.prod(in_shape), list(cfg.hidden), num_classes, cfg.activation)
+def _mlp(in_shape: tuple[int, ...], num_classes: int, *,
+         hidden: Annotated[Sequence[int], Range(ge=1)] = (200, 200),
+         activation: Literal["relu", "none"] = "relu") -> nn.Module:
+    """``activation: none`` is FLARE's activation-less "FC" model (a linear map)."""
+    return MLP(math.prod(in_shape), list(hidden), num_classes, activation)
 
 
 @register("model", "resnet")
-def _resnet(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+def _resnet(in_shape: tuple[int, ...], num_classes: int, *,
+            depth: Annotated[int, Range(ge=8)] = 20, width: Annotated[int, Range(ge=4)] = 16,
+            norm: Literal["group", "batch", "none"] = "group") -> nn.Module:
+    """CIFAR ResNet-(6n+2) of ``width`` channels in its first stage; ``norm``: GroupNorm(1, C)
+    as CRAFT's code, BatchNorm as FLARE's and SA-PEF's code, or none."""
     from fedloom.models.resnet import ResNetGN
 
-    return ResNetGN(in_shape, num_classes, depth=cfg.depth, width=cfg.width, norm=cfg.norm)
+    return ResNetGN(in_shape, num_classes, depth=depth, width=width, norm=norm)
 
 
 class CharRNN(nn.Module):
@@ -93,7 +101,8 @@ class CharRNN(nn.Module):
                  num_classes: int) -> None:
         super().__init__()
         if not hidden or len(set(hidden)) != 1:
-            raise ValueError(f"model.hidden: char_rnn needs equal layer widths, got {hidden}")
+            raise ValueError(f"model.options.hidden: char_rnn needs equal layer widths, "
+                             f"got {hidden}")
         self.embed = nn.Embedding(vocab, embed)
         rnn = nn.GRU if cell == "gru" else nn.LSTM
         self.rnn = rnn(embed, hidden[0], num_layers=len(hidden), batch_first=True)
@@ -105,15 +114,28 @@ class CharRNN(nn.Module):
 
 
 @register("model", "char_rnn")
-def _char_rnn(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    return CharRNN(num_classes, cfg.embed, list(cfg.hidden), cfg.cell, num_classes)
+def _char_rnn(in_shape: tuple[int, ...], num_classes: int, *,
+              embed: Annotated[int, Range(ge=1)] = 8,
+              hidden: Annotated[Sequence[int], Range(ge=1)] = (200, 200),
+              cell: Literal["gru", "lstm"] = "gru") -> nn.Module:
+    """``embed``: the embedding width (LEAF: 8); ``hidden``: the recurrent layers' widths."""
+    return CharRNN(num_classes, embed, list(hidden), cell, num_classes)
 
 
 @register("model", "cnn")
-def _cnn(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    if len(cfg.channels) != 2:
-        raise ValueError(f"model.channels: cnn needs two conv widths, got {cfg.channels}")
-    return CNN(in_shape, num_classes, (cfg.channels[0], cfg.channels[1]))
+def _cnn(in_shape: tuple[int, ...], num_classes: int, *,
+         channels: Annotated[Sequence[int], Range(ge=1)] = (32, 64)) -> nn.Module:
+    """``channels``: the two convolutions' widths."""
+    return CNN(in_shape, num_classes, two_widths("cnn", channels))
+
+
+def two_widths(name: str, channels: Sequence[int]) -> tuple[int, int]:
+    """``channels`` as the two conv widths of model ``name``, else a ValueError naming
+    ``model.options.channels``."""
+    if len(channels) != 2:
+        raise ValueError(f"model.options.channels: {name} needs two conv widths, "
+                         f"got {list(channels)}")
+    return int(channels[0]), int(channels[1])
 
 
 def init_parameters(module: nn.Module, gen: torch.Generator) -> None:
@@ -228,17 +250,19 @@ def build_model(
     seed: int,
     dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
-    """Build a registered model (by ``cfg.name``) and initialise it from ``seed``."""
+    """Build a registered model (by ``cfg.name``, called ``factory(in_shape, num_classes,
+    **cfg.options)``) and initialise it from ``seed``."""
     if isinstance(cfg, ModelConfig):
         factory = get("model", cfg.name)
+        check_model_factory(cfg.name, factory)
         if getattr(factory, "fedloom_own_init", False):
             # A factory that initialises its own weights (a pretrained base, LoRA's
             # zero B; fedloom.models.llm) draws them from (seed, "init") globally.
             with seeded_global_rng(derive_seed(seed, -1, -1, Purpose.INIT)):
-                own: nn.Module = factory(cfg, in_shape, num_classes)
+                own: nn.Module = factory(in_shape, num_classes, **cfg.options)
             return own.to(dtype)
         with torch.device("meta"):
-            module = factory(cfg, in_shape, num_classes)
+            module = factory(in_shape, num_classes, **cfg.options)
         module = _materialise(module)
         init_parameters(module, torch_gen(seed, -1, -1, Purpose.INIT))
         # to_empty leaves buffers uninitialised: BatchNorm's running statistics

@@ -3,8 +3,8 @@
 peft's ``save_pretrained`` writes ``adapter_config.json`` (the rank, ``alpha``, the
 target modules) and ``adapter_model.safetensors`` (the ``lora_A``/``lora_B`` tensors,
 named as ``PeftModel.from_pretrained`` reads them, without the adapter's name). The
-base is not in them: it is the model the run read (``model.gguf_file``,
-``model.path``) or, for ``model.config``, the random-init Llama its seed draws.
+base is not in them: it is the model the run read (``model.options.gguf_file``,
+``model.options.path``) or, for ``model.options.config``, the random-init Llama its seed draws.
 
 peft writes into a folder it opens itself (through any link there, file by file), so
 :func:`adapter_files` has it write into a new temporary folder and reads the bytes
@@ -31,7 +31,7 @@ ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
 
 def _peft_model(module: nn.Module) -> nn.Module | None:
-    """The peft model inside ``module`` (an ``hf_causal_lm`` with ``model.lora.r`` > 0),
+    """The peft model inside ``module`` (an ``hf_causal_lm`` with ``model.options.lora.r`` > 0),
     else None."""
     from fedloom.models.llm import CausalLM
 
@@ -56,7 +56,7 @@ def adapter_files(module: nn.Module) -> dict[str, bytes]:
     lm = _peft_model(module)
     if lm is None:
         raise ValueError("the model has no LoRA adapters (model.name: hf_causal_lm with "
-                         "model.lora.r > 0)")
+                         "model.options.lora.r > 0)")
     with tempfile.TemporaryDirectory(prefix="fedloom-adapter-") as tmp:
         with warnings.catch_warnings():
             # peft asks transformers deprecated questions while saving (their two

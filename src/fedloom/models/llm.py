@@ -3,11 +3,11 @@
 As in FlowerTune's and pfl-research's LLM benchmarks: a frozen pretrained base and
 low-rank adapters (Hu et al. 2021, LoRA: ``W x + (α/r) B A x``, ``B`` zero at the
 start, so the adapted model starts as the base) on the attention projections; only
-the adapters are trained, sent and averaged (``model.lora.train: b``: FFA-LoRA, Sun et
+the adapters are trained, sent and averaged (``model.options.lora.train: b``: FFA-LoRA, Sun et
 al. 2024, every ``A`` frozen at its initialisation).
 
-The base is ``model.config`` (a tiny random-init Llama drawn from the run's seed),
-``model.path`` (a local model directory, never downloaded) or ``model.gguf_file`` (a
+The base is the option ``config`` (a tiny random-init Llama drawn from the run's
+seed), ``path`` (a local model directory, never downloaded) or ``gguf_file`` (a
 GGUF file, de-quantised to the run's dtype; ``package:DIST/PATH`` finds it inside an
 installed Python package, :mod:`fedloom.packaged`).
 
@@ -26,19 +26,23 @@ the benchmarks and FFA-LoRA's.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from fedloom.config import ModelConfig
+from fedloom.config import LoRAConfig
 from fedloom.packaged import model_file
 from fedloom.registry import register
 
 __all__ = ["CausalLM", "build_causal_lm"]
 
 INSTALL = "pip install 'fedloom[llm]'"
+_OPT = "model.options."
+# No adapters (every parameter trains): the factory's default, never mutated.
+_NO_LORA = LoRAConfig()
 
 
 class CausalLM(nn.Module):
@@ -50,11 +54,11 @@ class CausalLM(nn.Module):
     def __init__(self, lm: nn.Module, base_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.lm = lm
-        # model.base_dtype: the frozen tensors' dtype whatever ``.to(dtype)`` asks
+        # model.options.base_dtype: the frozen tensors' dtype whatever ``.to(dtype)`` asks
         # (None: they follow the module, as any parameter)
         self.base_dtype = base_dtype
         # fedloom.engine.trainers.vmap.vmap_supported: False sends backend vmap's training to
-        # the sequential path (model.gradient_checkpointing)
+        # the sequential path (model.options.gradient_checkpointing)
         self.fedloom_vmap = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,52 +129,53 @@ def _need_packages() -> None:
             raise ValueError(f"model.name: hf_causal_lm needs {mod}; install it with: {INSTALL}")
 
 
-def _base(cfg: ModelConfig, num_classes: int) -> nn.Module:
-    """The base model from ``model.config``, ``model.gguf_file`` or ``model.path``."""
+def _base(path: str, gguf_file: str, config: Mapping[str, Any] | None,
+          num_classes: int) -> nn.Module:
+    """The base model from ``model.options.config``, ``….gguf_file`` or ``….path``."""
     import transformers
 
-    if cfg.config:
-        if cfg.path or cfg.gguf_file:
-            raise ValueError("model.config: give either model.config or model.path/gguf_file")
-        keys = {"vocab_size": num_classes, **cfg.config}
+    if config:
+        if path or gguf_file:
+            raise ValueError(f"{_OPT}config: give either {_OPT}config or "
+                             f"{_OPT}path/gguf_file")
+        keys = {"vocab_size": num_classes, **config}
         try:
             lcfg = transformers.LlamaConfig(**keys)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"model.config: {str(e).splitlines()[0]}") from None
+            raise ValueError(f"{_OPT}config: {str(e).splitlines()[0]}") from None
         if lcfg.vocab_size < num_classes:
-            raise ValueError(f"model.config.vocab_size: {lcfg.vocab_size} is smaller than the "
-                             f"data's {num_classes} tokens")
+            raise ValueError(f"{_OPT}config.vocab_size: {lcfg.vocab_size} is smaller than "
+                             f"the data's {num_classes} tokens")
         return transformers.LlamaForCausalLM(lcfg)
     kwargs: dict[str, Any] = {"local_files_only": True}
-    if cfg.gguf_file:
-        g = model_file(cfg.gguf_file, "model.gguf_file")  # a package: spec, else as given
-        g = Path(cfg.path) / g if cfg.path else g
+    if gguf_file:
+        g = model_file(gguf_file, f"{_OPT}gguf_file")  # a package: spec, else as given
+        g = Path(path) / g if path else g
         if not g.is_file():
-            raise ValueError(f"model.gguf_file: no such file: {g}")
+            raise ValueError(f"{_OPT}gguf_file: no such file: {g}")
         where, kwargs["gguf_file"] = str(g.parent), g.name
-    elif cfg.path:
-        if not Path(cfg.path).is_dir():
-            raise ValueError(f"model.path: no such directory: {cfg.path}")
-        where = cfg.path
+    elif path:
+        if not Path(path).is_dir():
+            raise ValueError(f"{_OPT}path: no such directory: {path}")
+        where = path
     else:
-        raise ValueError("model.name: hf_causal_lm needs model.config, model.path or "
-                         "model.gguf_file")
+        raise ValueError(f"model.name: hf_causal_lm needs {_OPT}config, {_OPT}path or "
+                         f"{_OPT}gguf_file")
     try:
         lm = transformers.AutoModelForCausalLM.from_pretrained(where, **kwargs)
     except Exception as e:  # transformers' own reasons (format, a missing gguf package)
-        field = "model.gguf_file" if cfg.gguf_file else "model.path"
+        field = f"{_OPT}gguf_file" if gguf_file else f"{_OPT}path"
         raise ValueError(f"{field}: {type(e).__name__}: "
                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
     vocab = int(lm.get_output_embeddings().weight.shape[0])
     if vocab < num_classes:
-        raise ValueError(f"model.path: the model's vocabulary ({vocab}) is smaller than the "
+        raise ValueError(f"{_OPT}path: the model's vocabulary ({vocab}) is smaller than the "
                          f"data's {num_classes} tokens (data.text.tokenizer)")
     out: nn.Module = lm
     return out
 
 
-def _with_lora(lm: nn.Module, cfg: ModelConfig) -> nn.Module:
-    lo = cfg.lora
+def _with_lora(lm: nn.Module, lo: LoRAConfig) -> nn.Module:
     if lo.r == 0:
         return lm  # every parameter trains
     import warnings
@@ -186,7 +191,7 @@ def _with_lora(lm: nn.Module, cfg: ModelConfig) -> nn.Module:
                 r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout,
                 target_modules=list(lo.target_modules), bias="none"))
     except ValueError as e:  # e.g. a target module the model does not have
-        raise ValueError(f"model.lora: {str(e).strip().splitlines()[0]}") from None
+        raise ValueError(f"{_OPT}lora: {str(e).strip().splitlines()[0]}") from None
     if lo.train == "b":
         # FFA-LoRA: A stays at its init (drawn from the run's seed, so every client and
         # a resumed run hold the same A) and, frozen, is out of the Layout and payloads
@@ -197,16 +202,27 @@ def _with_lora(lm: nn.Module, cfg: ModelConfig) -> nn.Module:
 
 
 @register("model", "hf_causal_lm")
-def build_causal_lm(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+def build_causal_lm(in_shape: tuple[int, ...], num_classes: int, *, path: str = "",
+                    gguf_file: str = "", config: dict[str, Any] | None = None,
+                    lora: LoRAConfig = _NO_LORA, gradient_checkpointing: bool = False,
+                    base_dtype: Literal["run", "bfloat16"] = "run") -> nn.Module:
     """A causal LM over ``num_classes`` tokens (see the module docstring); its own
     initialisation (transformers' and peft's), drawn from the global generators that
-    :func:`fedloom.models.build_model` seeds."""
+    :func:`fedloom.models.build_model` seeds. ``path``: a local model directory;
+    ``gguf_file``: a GGUF file (in ``path`` or alone); ``config``: a transformers
+    LlamaConfig's keys (random init, no file); ``lora``: the adapters
+    (:class:`~fedloom.config.LoRAConfig`, or a mapping of its keys);
+    ``gradient_checkpointing``: recompute each decoder layer's activations in the
+    backward (less memory, about one more forward); ``base_dtype``: the frozen base's
+    dtype (``run``: the run's; the adapters stay in the run's dtype)."""
+    if isinstance(lora, Mapping):  # a Python caller's mapping (a config's is converted)
+        lora = LoRAConfig(**lora)
     _need_packages()
     if len(in_shape) != 1:
         raise ValueError(f"model.name: hf_causal_lm reads token windows [seq_len] "
                          f"(data.name: text), not inputs of shape {tuple(in_shape)}")
-    base = _base(cfg, num_classes)
-    if cfg.gradient_checkpointing:
+    base = _base(path, gguf_file, config, num_classes)
+    if gradient_checkpointing:
         # non-reentrant checkpointing: gradients reach the adapters inside a
         # checkpointed layer whatever its input (the reentrant variant needs inputs that
         # require grad); it acts in train mode only, as local training runs
@@ -217,18 +233,18 @@ def build_causal_lm(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: in
         else:
             old: Any = getattr(base, "gradient_checkpointing_enable", None)
             old(gradient_checkpointing_kwargs=kwargs)
-    lm = _with_lora(base, cfg)
-    base_dtype = None
-    if cfg.base_dtype == "bfloat16":
-        if cfg.lora.r == 0:
-            raise ValueError("model.base_dtype: bfloat16 is the frozen base's dtype; with "
-                             "model.lora.r: 0 every parameter trains (use client.amp: bf16)")
-        base_dtype = torch.bfloat16
-    module = CausalLM(lm, base_dtype)
+    lm = _with_lora(base, lora)
+    frozen = None
+    if base_dtype == "bfloat16":
+        if lora.r == 0:
+            raise ValueError(f"{_OPT}base_dtype: bfloat16 is the frozen base's dtype; with "
+                             f"{_OPT}lora.r: 0 every parameter trains (use client.amp: bf16)")
+        frozen = torch.bfloat16
+    module = CausalLM(lm, frozen)
     module.cast_base()
     # backend vmap trains a checkpointed model on the sequential path
     # (fedloom.engine.trainers.vmap.vmap_supported)
-    module.fedloom_vmap = not cfg.gradient_checkpointing
+    module.fedloom_vmap = not gradient_checkpointing
     module.eval()
     return module
 

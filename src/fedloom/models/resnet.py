@@ -7,7 +7,7 @@ identity, zero-padded channels), BatchNorm replaced by ``GroupNorm(1, C)``
 federated training), convolutions without bias, Kaiming-normal weights.
 ``width`` shrinks the network for tests.
 
-``norm`` (``model.norm``) chooses the normalisation after each convolution:
+``norm`` (``model.options.norm``) chooses the normalisation after each convolution:
 ``group`` (default, the above), ``batch`` — ``BatchNorm2d(C)`` with PyTorch's
 defaults (momentum 0.1, eps 1e-5), the original ResNet's and the FLARE and
 SA-PEF code's choice; its running statistics are module buffers, handled by
@@ -34,7 +34,7 @@ def _norm(kind: str, c: int) -> nn.Module:
         return nn.BatchNorm2d(c)
     if kind == "none":
         return nn.Identity()
-    raise ValueError(f"model.norm: must be group, batch or none, got {kind!r}")
+    raise ValueError(f"model.options.norm: must be group, batch or none, got {kind!r}")
 
 
 class _Shortcut(nn.Module):
@@ -70,11 +70,12 @@ class ResNetGN(nn.Module):
                  width: int = 16, norm: str = "group") -> None:
         super().__init__()
         if (depth - 2) % 6 != 0 or depth < 8:
-            raise ValueError(f"model.depth: must be 6n + 2 (20, 32, 44, 56, 110), got {depth}")
+            raise ValueError(f"model.options.depth: must be 6n + 2 (20, 32, 44, 56, 110), "
+                             f"got {depth}")
         if len(in_shape) != 3:
             raise ValueError(f"model.name: resnet needs image inputs [C, H, W], got {in_shape}")
         if width % 4:
-            raise ValueError(f"model.width: must be a multiple of 4, got {width}")
+            raise ValueError(f"model.options.width: must be a multiple of 4, got {width}")
         n = (depth - 2) // 6
         self.conv1 = nn.Conv2d(in_shape[0], width, 3, padding=1, bias=False)
         self.gn1 = _norm(norm, width)

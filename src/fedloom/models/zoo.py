@@ -1,7 +1,7 @@
 """The papers' own models: ResNet-18 (SA-PEF), VGG-11/16/19, FC and CNN (FLARE).
 
 - ``resnet18``: the SA-PEF code's CIFAR ResNet-18 (He et al. 2016), 11,173,962
-  parameters for 10 classes; ``model.norm`` BatchNorm (the code's), GroupNorm or
+  parameters for 10 classes; ``model.options.norm`` BatchNorm (the code's), GroupNorm or
   none; ``resnet9``: the SA-PEF code's CIFAR-10 model (:class:`ResNet9`).
 - ``vgg11`` / ``vgg16`` / ``vgg19``: the FLARE code's Keras VGGs for 32×32 CIFAR
   (its ReLU placement and Glorot-uniform initialisation).
@@ -20,14 +20,16 @@ docs/howto/datasets.md (The papers' models in detail).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
+from typing import Annotated, Literal
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedloom.config import ModelConfig
+from fedloom.models import two_widths
 from fedloom.models.resnet import _norm
-from fedloom.registry import register
+from fedloom.registry import Range, register
 
 __all__ = ["VGG", "CraftCNN", "FlareCNN", "FlareFC", "LeafCNN", "ResNet9", "ResNet18",
            "describe_models"]
@@ -113,8 +115,9 @@ class ResNet9(nn.Module):
 
 
 @register("model", "resnet9")
-def _resnet9(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    return ResNet9(in_shape, num_classes, norm=cfg.norm)
+def _resnet9(in_shape: tuple[int, ...], num_classes: int, *,
+             norm: Literal["group", "batch", "none"] = "group") -> nn.Module:
+    return ResNet9(in_shape, num_classes, norm=norm)
 
 
 # Per stage: the convolutions' widths. "r" marks where a ReLU follows (FLARE's code).
@@ -210,12 +213,13 @@ class FlareFC(nn.Module):
 
 
 @register("model", "resnet18")
-def _resnet18(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    return ResNet18(in_shape, num_classes, norm=cfg.norm)
+def _resnet18(in_shape: tuple[int, ...], num_classes: int, *,
+              norm: Literal["group", "batch", "none"] = "group") -> nn.Module:
+    return ResNet18(in_shape, num_classes, norm=norm)
 
 
 def _vgg(depth: int):
-    def build(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    def build(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
         return VGG(in_shape, num_classes, depth)
 
     build.__doc__ = f"VGG-{depth} as the FLARE code builds it."
@@ -227,17 +231,16 @@ for _d in (11, 16, 19):
 
 
 @register("model", "flare_fc")
-def _flare_fc(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+def _flare_fc(in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     import math
 
     return FlareFC(math.prod(in_shape), num_classes)
 
 
 @register("model", "flare_cnn")
-def _flare_cnn(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    if len(cfg.channels) != 2:
-        raise ValueError(f"model.channels: flare_cnn needs two conv widths, got {cfg.channels}")
-    return FlareCNN(in_shape, num_classes, (cfg.channels[0], cfg.channels[1]))
+def _flare_cnn(in_shape: tuple[int, ...], num_classes: int, *,
+               channels: Annotated[Sequence[int], Range(ge=1)] = (32, 64)) -> nn.Module:
+    return FlareCNN(in_shape, num_classes, two_widths("flare_cnn", channels))
 
 
 class LeafCNN(nn.Module):
@@ -262,10 +265,9 @@ class LeafCNN(nn.Module):
 
 
 @register("model", "leaf_cnn")
-def _leaf_cnn(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    if len(cfg.channels) != 2:
-        raise ValueError(f"model.channels: leaf_cnn needs two conv widths, got {cfg.channels}")
-    return LeafCNN(in_shape, num_classes, (cfg.channels[0], cfg.channels[1]))
+def _leaf_cnn(in_shape: tuple[int, ...], num_classes: int, *,
+              channels: Annotated[Sequence[int], Range(ge=1)] = (32, 64)) -> nn.Module:
+    return LeafCNN(in_shape, num_classes, two_widths("leaf_cnn", channels))
 
 
 class CraftCNN(nn.Module):
@@ -287,12 +289,11 @@ class CraftCNN(nn.Module):
 
 
 @register("model", "craft_cnn")
-def _craft_cnn(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    # model.channels defaults to the built-in cnn's [32, 64]; this model's own are 64/64
-    ch = (64, 64) if list(cfg.channels) == [32, 64] else tuple(cfg.channels)
-    if len(ch) != 2:
-        raise ValueError(f"model.channels: craft_cnn needs two conv widths, got {cfg.channels}")
-    return CraftCNN(in_shape, num_classes, (ch[0], ch[1]))
+def _craft_cnn(in_shape: tuple[int, ...], num_classes: int, *,
+               channels: Annotated[Sequence[int], Range(ge=1)] = (64, 64)) -> nn.Module:
+    # the flat model.options.channels defaulted to the built-in cnn's [32, 64], which meant this
+    # model's own 64/64 (fedloom.config.translate keeps that: [32, 64] was the default)
+    return CraftCNN(in_shape, num_classes, two_widths("craft_cnn", channels))
 
 
 class PflCNN(nn.Module):
@@ -304,7 +305,7 @@ class PflCNN(nn.Module):
     classes on 3×32×32 inputs. Departure: that code takes channels-last images and
     transposes them in the model; fedloom's images are channels-first already, so the
     transpose is left out (the flattened features are in the same order).
-    ``model.channels`` narrows the two convolutions."""
+    ``model.options.channels`` narrows the two convolutions."""
 
     fedloom_init = "xavier_uniform"
 
@@ -328,13 +329,13 @@ class PflCNN(nn.Module):
 
 
 @register("model", "pfl_cnn")
-def _pfl_cnn(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    if len(cfg.channels) != 2:
-        raise ValueError(f"model.channels: pfl_cnn needs two conv widths, got {cfg.channels}")
-    return PflCNN(in_shape, num_classes, (cfg.channels[0], cfg.channels[1]))
+def _pfl_cnn(in_shape: tuple[int, ...], num_classes: int, *,
+             channels: Annotated[Sequence[int], Range(ge=1)] = (32, 64)) -> nn.Module:
+    return PflCNN(in_shape, num_classes, two_widths("pfl_cnn", channels))
 
 
-# name: (what it is, the model.* options it reads, the input it is counted on, classes)
+# name: (what it is, the model.options it reads (and model.buffers where it matters),
+# the input it is counted on, classes)
 CATALOG: dict[str, tuple[str, tuple[str, ...], tuple[int, ...], int]] = {
     "mlp": ("MLP, ReLU or none between layers (CRAFT's 2 x 200)", ("hidden", "activation"),
             (1, 28, 28), 10),
@@ -379,7 +380,7 @@ def describe_models() -> list[dict[str, object]]:
         if shape:
             try:
                 with torch.device("meta"):
-                    m = get("model", name)(ModelConfig(name=name), shape, classes)
+                    m = get("model", name)(shape, classes)
                 count = sum(math.prod(p.shape) for p in m.parameters())
             except (ValueError, TypeError):  # a plug-in that needs other inputs
                 count = None

@@ -533,7 +533,7 @@ def load_model(path: str | Path, model: torch.nn.Module | None = None) -> torch.
     The module is ``model`` when given (the run's model was the caller's own), else
     rebuilt from the saved config (on the CPU, in the run's dtype); the saved
     ``state_dict`` is loaded into it. An adapters-only file (``base_omitted``) gets
-    its base from the rebuild, checked against ``base_sha256``: a ``model.path``
+    its base from the rebuild, checked against ``base_sha256``: a ``model.options.path``
     whose files changed since the run is refused in one line."""
     from fedloom.models import build_model
 
@@ -560,7 +560,7 @@ def load_model(path: str | Path, model: torch.nn.Module | None = None) -> torch.
         state = model.state_dict()
         if _tensors_sha256([state[k] for k in omitted]) != blob["base_sha256"]:
             raise ValueError(f"{file}: the rebuilt base is not the run's (base_sha256 "
-                             "differs: model.path's files changed, or another seed)")
+                             "differs: model.options.path's files changed, or another seed)")
     model.eval()
     return model
 

@@ -310,7 +310,7 @@ class ProcessBackend:
         self.inner = inner
         self.on_failure, self.max_retries = on_failure, max_retries
         self.d = trainer.layout.size
-        # the trained tensors' dtype (a frozen base may hold another: model.base_dtype)
+        # the trained tensors' dtype (a frozen base may hold another: model.options.base_dtype)
         self.dtype = dict(trainer.module.named_parameters())[trainer.layout.tensors[0].name].dtype
         self._shared = _SharedBuffers()
         self._seq = 0
