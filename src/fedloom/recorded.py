@@ -17,6 +17,9 @@ marked unrecorded, a class that is not importable, and a record without options 
 a class that takes some (what versions before this module wrote: the name alone)
 are refused in one ``ValueError`` line naming the field. Departure from a full
 snapshot: only constructor arguments are recorded, never attributes set afterwards.
+A file the run directory keeps for its record (a model's initial weights, data given
+in Python) is named ``run:NAME`` (:data:`RUN_FILE`), made absolute when the config
+is read from its file (:func:`run_files`), so that no path depends on the current folder.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ import inspect
 import os
 import pkgutil
 import sys
+from pathlib import Path
 from typing import Any
 
-__all__ = ["OBJECT_PREFIX", "UNRECORDED", "describe", "is_object", "object_name", "rebuild",
-           "record", "unrecorded"]
+__all__ = ["OBJECT_PREFIX", "RUN_FILE", "UNRECORDED", "WEIGHTS", "describe", "import_object",
+           "is_object", "object_name", "rebuild", "record", "run_files", "unrecorded"]
 
 # A space, so that the name can never be a registry name or a `module:attr` reference.
 OBJECT_PREFIX = "object "
@@ -41,6 +45,10 @@ UNRECORDED = "<unrecorded>"
 _DATA_LIBRARIES = frozenset({"builtins", "torch", "numpy", "pandas", "collections",
                              "functools", "types", "random", "typing", "enum"})
 _MAX_DEPTH = 16
+# A path of a run directory's config that names a file of that directory (run:NAME).
+RUN_FILE = "run:"
+# The option of a module's record naming its initial weights (no parameter is so named).
+WEIGHTS = "<weights>"
 
 
 def object_name(obj: object) -> str:
@@ -176,13 +184,33 @@ def _is_record(v: Any) -> bool:
     return isinstance(v, dict) and set(v) <= {"name", "options"} and is_object(v.get("name"))
 
 
-def _import(path: str) -> Any:
+def run_files(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """``data`` (a config mapping read from a file in ``folder``) with each ``run:NAME``
+    (``data.path``, a model's :data:`WEIGHTS` option) made ``folder/NAME``, absolute."""
+    def at(section: Any, key: str) -> Any:
+        path = section.get(key) if isinstance(section, dict) else None
+        if not (isinstance(path, str) and path.startswith(RUN_FILE)):
+            return section
+        return {**section, key: str(folder.absolute() / path[len(RUN_FILE):])}
+
+    out = dict(data)
+    if isinstance(out.get("data"), dict):
+        out["data"] = at(out["data"], "path")
+    model = out.get("model")
+    if isinstance(model, dict) and isinstance(model.get("options"), dict):
+        out["model"] = {**model, "options": at(model["options"], WEIGHTS)}
+    return out
+
+
+def import_object(path: str) -> Any:
+    """What ``path`` (``MODULE.QUALNAME`` or ``MODULE:QUALNAME``) names, imported; the
+    exception of the import or the look-up as raised."""
     try:
         return pkgutil.resolve_name(path)
     except ModuleNotFoundError as e:
         # `fedloom run` (a console script) lacks the current folder on sys.path, where
         # `python -m` has it: look there too, as a `module:attr` reference does.
-        if os.getcwd() in sys.path or not path.startswith(f"{e.name}."):
+        if os.getcwd() in sys.path or not path.startswith((f"{e.name}.", f"{e.name}:")):
             raise
         sys.path.append(os.getcwd())
         importlib.invalidate_caches()
@@ -237,7 +265,7 @@ def rebuild(name: str, options: dict[str, Any], field: str) -> Any:
         raise ValueError(f"{field}: {path} was given in Python and cannot be rebuilt from "
                          f"the record ({why}); give the object again")
     try:
-        cls = _import(path)
+        cls = import_object(path)
     except Exception as e:  # an import runs the module's code: any error is one line
         hint = (" (a class of the script that ran; move it into a module)"
                 if path.startswith("__main__.") else "")

@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from fedloom import recorded
 from fedloom.config.checks import config_from_dict, config_to_dict, did_you_mean
 from fedloom.config.sections import SHORTHAND_SECTIONS, Config, ConfigError
 from fedloom.config.translate import respell, twins
@@ -282,4 +283,6 @@ def load_config(
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: must hold a mapping at the top level")
         data.setdefault("name", path.stem)
+        # a run directory's record names its own files run:NAME (fedloom.engine.given)
+        data = recorded.run_files(data, path.parent)
     return config_from_dict(apply_overrides(data, overrides), plugins)

@@ -36,6 +36,7 @@ from fedloom.config import (
 from fedloom.data.sources import Dataset, load_dataset
 from fedloom.device import resolve
 from fedloom.engine import refusals
+from fedloom.engine.given import from_record
 from fedloom.engine.inputs import ScreenRules
 from fedloom.engine.objects import Components, object_name
 from fedloom.engine.values import Algorithm, Federation, LocalUpdate, Runtime
@@ -133,6 +134,8 @@ def build(cfg: Config, *, data: Dataset | None = None, model: Model | None = Non
     # The device first: device=cuda without CUDA fails before any data is loaded.
     device = resolve(cfg.device)
     refusals.check_amp_dtype(cfg)
+    # a model or data given in Python to the run that recorded cfg, rebuilt (a rerun)
+    model, data = from_record(cfg, model, data)
     ds = data if data is not None else load_dataset(cfg.data, cfg.seed)
     if data_check is not None:
         # the run directory's check of the data as loaded (a resume on other data is

@@ -24,7 +24,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedloom.config import Config, ConfigError
-from fedloom.recorded import OBJECT_PREFIX, describe, is_object, object_name, rebuild, record
+from fedloom.recorded import (
+    OBJECT_PREFIX,
+    RUN_FILE,
+    UNRECORDED,
+    describe,
+    is_object,
+    object_name,
+    rebuild,
+    record,
+)
 from fedloom.registry import build as build_named
 
 __all__ = ["OBJECT_PREFIX", "Components", "comparable_records", "moved_objects", "object_name",
@@ -71,6 +80,12 @@ def _named_alone(old: Any, new: Any) -> bool:
             and old.get("name") == new.get("name") and old.get("options") == {})
 
 
+def _given_data(cfg: dict[str, Any]) -> bool:
+    """Whether a config records data given in Python (kept in its run, or not)."""
+    path = _at(cfg, ("data", "path"))
+    return isinstance(path, str) and path.startswith((RUN_FILE, UNRECORDED))
+
+
 def comparable_records(saved: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     """A run directory's saved config (or its checkpoint's) as ``given`` (the config
     of the resume) compares with it: moved classes by their new names, and an object
@@ -81,6 +96,12 @@ def comparable_records(saved: dict[str, Any], given: dict[str, Any]) -> dict[str
         old, new = _at(out, path), _at(given, path)
         if _named_alone(old, new):
             old["options"] = copy.deepcopy(new["options"])
+    # A run of a version that recorded a model or data given in Python as the configured
+    # ones (fedloom.engine.given): read with the record given now, so that it resumes.
+    if is_object(_at(given, ("model", "name"))) and not is_object(_at(out, ("model", "name"))):
+        out["model"] = copy.deepcopy(given["model"])
+    if _given_data(given) and not _given_data(out):
+        out["data"] = copy.deepcopy(given["data"])
     old_t, new_t = _at(out, ("client", "transforms")), _at(given, ("client", "transforms"))
     if isinstance(old_t, list) and isinstance(new_t, list) and len(old_t) == len(new_t):
         for o, n in zip(old_t, new_t, strict=True):

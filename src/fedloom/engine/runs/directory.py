@@ -541,15 +541,15 @@ def load_model(path: str | Path, model: torch.nn.Module | None = None) -> torch.
     file = p / MODEL_FILE if p.is_dir() else p
     blob = torch.load(file, map_location="cpu", weights_only=True)
     if model is None:
-        if not blob.get("model_from_config", False):
-            raise ValueError(f"{file}: the run's model was given in Python, not by its "
-                             "config; pass it as load_model(path, model=...)")
         from fedloom.config import config_from_dict
+        from fedloom.engine.given import given_module
 
         cfg = config_from_dict(blob["config"])
         dtype = {"float32": torch.float32, "float64": torch.float64}[cfg.dtype]
-        model = build_model(cfg.model, tuple(blob["in_shape"]), int(blob["num_classes"]),
-                            cfg.seed, dtype)
+        # given in Python: rebuilt from its record (engine.given), or one line to pass it
+        model = (build_model(cfg.model, tuple(blob["in_shape"]), int(blob["num_classes"]),
+                             cfg.seed, dtype) if blob.get("model_from_config")
+                 else given_module(cfg, file, dtype))
     omitted = list(blob.get("base_omitted", []))
     missing, unexpected = model.load_state_dict(blob["state_dict"], strict=not omitted)
     if unexpected or set(missing) - set(omitted):

@@ -34,6 +34,7 @@ from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.data.sources import Dataset
 from fedloom.engine.build import resolve_auto
 from fedloom.engine.experiment import Experiment
+from fedloom.engine.given import from_run_dir, record_inputs, write_files
 from fedloom.engine.objects import Components
 from fedloom.engine.runs.checkpoint import RunDirWriteError, lock_run_dir
 from fedloom.engine.runs.datarecord import DataRecord, data_source
@@ -83,6 +84,7 @@ def run(
     transforms: Sequence[Any] = (),
     selector: Any = None,
     allow_data_change: bool = False,
+    record_data: bool | None = None,
 ) -> Result:
     """Run an experiment; return the final model, metrics and summary.
 
@@ -124,7 +126,10 @@ def run(
         data: your own dataset (:func:`fedloom.data.from_arrays`) instead of ``data.name``.
         model: your own ``torch.nn.Module`` (its current weights are ``w_0``) or a
             factory returning one, instead of ``model.name``. Layer groups are
-            derived from it, so CRAFT's per-layer mode works on it.
+            derived from it, so CRAFT's per-layer mode works on it. With ``out``, both
+            are recorded for ``fedloom run out/config.yaml`` (:mod:`fedloom.engine.given`).
+        record_data: keep ``data``'s arrays in ``out``: ``None`` up to 256 MiB, ``True``
+            at any size, ``False`` never (a rerun then needs ``data=`` again).
         aggregator, server, compressor, feedback, method, transforms, selector: component
             objects (e.g. ``CRAFT(step="rprop")``, a class of your own with the
             protocol of its kind; ``transforms``: terms of the local step,
@@ -140,7 +145,7 @@ def run(
     if out is None:
         return _run_in_memory(cfg, resume, callbacks, data, model, given)
     return _run_in_dir(cfg, Path(out), resume, callbacks, data, model, given,
-                       allow_data_change)
+                       allow_data_change, record_data)
 
 
 def _run_in_memory(cfg: Config, resume: bool, callbacks: Sequence[Callback],
@@ -161,9 +166,13 @@ def _run_in_memory(cfg: Config, resume: bool, callbacks: Sequence[Callback],
 def _run_in_dir(cfg: Config, run_dir: Path, resume: bool, callbacks: Sequence[Callback],
                 data: Dataset | None,
                 model: torch.nn.Module | Callable[[], torch.nn.Module] | None,
-                given: Components, allow_data_change: bool) -> Result:
+                given: Components, allow_data_change: bool,
+                record_data: bool | None = None) -> Result:
     """A run in ``run_dir``, locked for its life; a directory this call made that
     holds no checkpoint when the run fails is removed."""
+    # a model and data given in Python, recorded for a rerun (fedloom.engine.given)
+    cfg, files = record_inputs(cfg, run_dir, model, data, record_data)
+    model, data = from_run_dir(cfg, run_dir, model, data)
     resolved = config_to_dict(cfg)
     # The lock comes first: nothing in the directory (its memmap state files
     # included, which Experiment creates) is touched by a run that does not hold it.
@@ -178,6 +187,7 @@ def _run_in_dir(cfg: Config, run_dir: Path, resume: bool, callbacks: Sequence[Ca
                                          model=model, components=given,
                                          data_check=record.check)
             try:
+                write_files(run_dir, files, resume)  # once the data passed its check
                 return _loop(exp, cfg, resolved, run_dir, resume, callbacks, record)
             finally:
                 exp.close()
