@@ -6,6 +6,7 @@ how to pass it; never another model or other data."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -112,6 +113,13 @@ def test_a_module_and_arrays_rerun_from_the_record(nets, tmp_path):
     for a, b in zip(loaded.state_dict().values(), first.model.state_dict().values(),
                     strict=True):
         assert torch.equal(a, b)
+    # the rerun recorded them again in its own directory: it reruns without the first
+    again_saved = yaml.safe_load((tmp_path / "again" / "config.yaml").read_text())
+    assert {k: again_saved[k] for k in ("model", "data")} == {k: saved[k]
+                                                            for k in ("model", "data")}
+    shutil.rmtree(run)
+    third = fedloom.run(tmp_path / "again" / "config.yaml")
+    assert third.summary["model_sha256"] == first.summary["model_sha256"]
 
 
 def test_a_resume_from_the_record_continues_the_run(nets, tmp_path, capsys):

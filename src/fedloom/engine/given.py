@@ -19,8 +19,9 @@ the run reads (no augmentation, test flags, class names or tokens) and fit
 ``run(record_data=…)``: ``None`` (default) records up to :data:`RECORD_DATA_BYTES`,
 ``True`` any size, ``False`` none. Otherwise ``data.path`` says ``<unrecorded>`` why and
 a rerun without ``data=`` is refused in one line naming the option. A rerun checks the
-arrays against the ``data.json`` beside them (a damaged ``data.npz``: one line).
-``run:NAME`` is a file of the run directory (:func:`fedloom.recorded.run_files`).
+arrays against the ``data.json`` beside them (a damaged ``data.npz``: one line), and
+records both again in its own directory. ``run:NAME`` is a file of the run directory
+(:func:`fedloom.recorded.run_files`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from fedloom.recorded import (
 from fedloom.rng import Purpose, derive_seed, seeded_global_rng
 
 __all__ = ["DATA_NPZ_FILE", "INITIAL_MODEL_FILE", "RECORD_DATA_BYTES", "from_record",
-           "from_run_dir", "given_module", "record_inputs", "write_files"]
+           "from_run_dir", "given_module", "record_inputs", "run_inputs", "write_files"]
 
 Model = torch.nn.Module | Callable[[], torch.nn.Module]
 
@@ -99,6 +100,22 @@ def record_inputs(cfg: Config, run_dir: Path, model: Model | None, data: Dataset
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(
             cfg.data, path=RUN_FILE + DATA_NPZ_FILE))
     return cfg, files
+
+
+def run_inputs(cfg: Config, run_dir: Path, model: Model | None, data: Dataset | None,
+               record_data: bool | None
+               ) -> tuple[Config, dict[str, Any], Model | None, Dataset | None]:
+    """What a run in ``run_dir`` records and trains on: :func:`record_inputs` of what is
+    given, then what ``cfg`` records rebuilt (:func:`from_run_dir`) and, for a rerun of
+    another run's record, recorded here again, so that this directory reruns without
+    that one (its config names ``run:NAME`` as the other's did)."""
+    cfg, files = record_inputs(cfg, run_dir, model, data, record_data)
+    built, loaded = from_run_dir(cfg, run_dir, model, data)
+    again = (built if model is None else None, loaded if data is None else None)
+    if again != (None, None):
+        cfg, more = record_inputs(cfg, run_dir, *again, record_data=True)
+        files.update(more)
+    return cfg, files, built, loaded
 
 
 def _here(path: Any, file: Path) -> bool:

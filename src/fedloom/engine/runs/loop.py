@@ -34,7 +34,7 @@ from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.data.sources import Dataset
 from fedloom.engine.build import resolve_auto
 from fedloom.engine.experiment import Experiment
-from fedloom.engine.given import from_run_dir, record_inputs, write_files
+from fedloom.engine.given import run_inputs, write_files
 from fedloom.engine.objects import Components
 from fedloom.engine.runs.checkpoint import RunDirWriteError, lock_run_dir
 from fedloom.engine.runs.datarecord import DataRecord, data_source
@@ -171,8 +171,7 @@ def _run_in_dir(cfg: Config, run_dir: Path, resume: bool, callbacks: Sequence[Ca
     """A run in ``run_dir``, locked for its life; a directory this call made that
     holds no checkpoint when the run fails is removed."""
     # a model and data given in Python, recorded for a rerun (fedloom.engine.given)
-    cfg, files = record_inputs(cfg, run_dir, model, data, record_data)
-    model, data = from_run_dir(cfg, run_dir, model, data)
+    cfg, files, model, data = run_inputs(cfg, run_dir, model, data, record_data)
     resolved = config_to_dict(cfg)
     # The lock comes first: nothing in the directory (its memmap state files
     # included, which Experiment creates) is touched by a run that does not hold it.
