@@ -186,7 +186,7 @@ def test_central_epsilon_is_dp_accountings_own_computation():
     assert ours == pytest.approx(acc.get_epsilon(delta), rel=1e-12)
     # the default: PLD, add/remove; a fixed-size cohort displaces a client, so the
     # round is the Poisson-sampled Gaussian at rate m/n with multiplier z/2
-    pld = dpa.pld.PLDAccountant(value_discretization_interval=1e-3)
+    pld = dpa.pld.PLDAccountant()
     pld.compose(dpa.SelfComposedDpEvent(
         dpa.PoissonSampledDpEvent(m / n, dpa.GaussianDpEvent(z / 2)), 7))
     default = epsilon_central(7, num_clients=n, cohort=m, noise_multiplier=z, delta=delta)
@@ -205,7 +205,7 @@ def test_local_epsilon_is_dp_accountings_gaussian_composition():
         acc.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(1.5 / 2), k))
         assert epsilon_local(k, noise_multiplier=1.5, delta=1e-6,
                              accountant="rdp") == pytest.approx(acc.get_epsilon(1e-6), rel=1e-12)
-        pld = dpa.pld.PLDAccountant(value_discretization_interval=1e-3)
+        pld = dpa.pld.PLDAccountant()
         pld.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(1.5 / 2), k))
         assert epsilon_local(k, noise_multiplier=1.5, delta=1e-6) == pytest.approx(
             pld.get_epsilon(1e-6), rel=1e-9)
@@ -247,7 +247,8 @@ def test_run_reports_epsilon_each_round_and_target_epsilon_stops_it(tmp_path):
 
 
 def test_auto_noise_meets_the_target_and_config_yaml_holds_the_number(tmp_path):
-    over = ["privacy.mode=central", "privacy.noise_multiplier=auto",
+    # RDP: the search evaluates the accountant ~15 times (PLD's is tests/test_accounting.py's)
+    over = ["privacy.mode=central", "privacy.noise_multiplier=auto", "privacy.accountant=rdp",
             "privacy.target_epsilon=18", "rounds=3"]
     res = fedloom.run(copy.deepcopy(TINY), over, out=tmp_path / "run")
     rec = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["privacy"]
@@ -257,9 +258,9 @@ def test_auto_noise_meets_the_target_and_config_yaml_holds_the_number(tmp_path):
     assert len(eps) == 3 and eps[-1] <= 18  # all three rounds run, within the target
     # the smallest such z to 1e-3 (fedloom.accounting.NOISE_RTOL): 0.2 % less spends more
     assert epsilon_central(3, num_clients=10, cohort=4, noise_multiplier=z * 0.998,
-                           delta=1e-5) > 18
+                           delta=1e-5, accountant="rdp") > 18
     assert eps[-1] == epsilon_central(3, num_clients=10, cohort=4, noise_multiplier=z,
-                                      delta=1e-5)
+                                      delta=1e-5, accountant="rdp")
 
 
 def test_max_epsilon_refuses_to_start_and_accounting_cohort_scales_the_noise():

@@ -14,7 +14,7 @@ pair is bounded by one event (:func:`round_event` writes the validity argument o
 
 RDP: dp-accounting's RdpAccountant (Mironov, Talwar & Zhang 2019; Wang, Balle &
 Kasiviswanathan, AISTATS 2019 without replacement). PLD: dp-accounting's PLDAccountant
-(Doroshenko et al., PETS 2022: pessimistic, connect-the-dots, interval 1e-3).
+(Doroshenko et al., PETS 2022: pessimistic, connect-the-dots, interval 1e-4).
 PRV: prv-accountant's PRVAccountant (Gopi, Lee & Wutschitz, NeurIPS 2021), its upper
 bound at eps_error 0.01, delta_error δ/1000, as Opacus's. Calibration: bisection on
 z, the smallest z meeting the target ε to 1e-3 (relative), never above it.
@@ -46,10 +46,10 @@ KINDS: tuple[str, ...] = ("rdp", "pld", "prv")
 SAMPLINGS: tuple[str, ...] = ("poisson", "fixed")
 NEIGHBOURS: tuple[str, ...] = ("add_remove", "replace_one")
 
-# the PLD's value_discretization_interval: dp-accounting's default is 1e-4; 1e-3 is ten
-# times faster and its ε at most 0.05 % higher on the reference grid (pessimistic, so
-# never below; docs/howto/privacy.md, Accounting)
-PLD_INTERVAL = 1e-3
+# the PLD's value_discretization_interval, dp-accounting's and pfl's default: 1e-3 is
+# ten times faster but its ε (pessimistic, never below) was 7 % above at q=0.002, z=2,
+# T=10,000 (0.04 % at the issue's example; docs/howto/privacy.md, Accounting)
+PLD_INTERVAL = 1e-4
 PRV_EPS_ERROR = 0.01      # Opacus's default for its PRVAccountant
 PRV_DELTA_ERROR = 1e-10   # for Accountant.delta, where no δ is given (pfl's default)
 NOISE_RTOL = 1e-3         # Accountant.noise: relative width of the final bracket in z
@@ -103,8 +103,9 @@ def _per_round(name: str, v: float | Sequence[float], rounds: int) -> list[float
 
 def steps(q: float | Sequence[float], z: float | Sequence[float], rounds: int) -> tuple[Step, ...]:
     """The ``rounds`` rounds at ``q`` and ``z`` (each a number, or one a round) as
-    steps of equal (q, z), in first-seen order (composition does not depend on the
-    order). Bad input: a one-line ``ValueError`` naming the argument."""
+    steps of equal (q, z), sorted (composition does not depend on the order, and the
+    same rounds in any order are one cached result). Bad input: a one-line
+    ``ValueError`` naming the argument."""
     if isinstance(rounds, bool) or not isinstance(rounds, (int, np.integer)) or rounds < 0:
         raise ValueError(f"T: must be an integer >= 0, got {rounds!r}")
     qs, zs = _per_round("q", q, int(rounds)), _per_round("z", z, int(rounds))
@@ -113,7 +114,7 @@ def steps(q: float | Sequence[float], z: float | Sequence[float], rounds: int) -
     for v in zs:
         _check_positive("z", v)
     counts = Counter(zip(qs, zs, strict=True))
-    return tuple(Step(a, b, c) for (a, b), c in counts.items())
+    return tuple(Step(a, b, c) for (a, b), c in sorted(counts.items()))
 
 
 def round_event(q: float, z: float, sampling: str, neighbours: str, kind: str) -> Event:
@@ -254,8 +255,12 @@ def _epsilon(kind: str, events: tuple[tuple[Event, int], ...], delta: float,
         return float(rdp.compute_epsilon(orders, total, delta)[0])
     if kind == "pld":
         return float(_pld(events, interval).get_epsilon_for_delta(delta))
-    acc, counts = _prv(events, delta / 1000)
-    return float(acc.compute_epsilon(delta, counts)[2])  # the upper bound
+    try:
+        acc, counts = _prv(events, delta / 1000)
+        return float(acc.compute_epsilon(delta, counts)[2])  # the upper bound
+    except (RuntimeError, ValueError, FloatingPointError) as e:
+        raise ValueError(f"kind: prv-accountant failed here ({str(e).splitlines()[0]}); "
+                         "use pld") from None
 
 
 @functools.lru_cache(maxsize=256)
@@ -269,8 +274,12 @@ def _delta(kind: str, events: tuple[tuple[Event, int], ...], eps: float,
         return float(rdp.compute_delta(orders, total, eps)[0])
     if kind == "pld":
         return float(_pld(events, interval).get_delta_for_epsilon(eps))
-    acc, counts = _prv(events, PRV_DELTA_ERROR)
-    return float(min(1.0, acc.compute_delta(eps, counts)[2]))  # the upper bound
+    try:
+        acc, counts = _prv(events, PRV_DELTA_ERROR)
+        return float(min(1.0, acc.compute_delta(eps, counts)[2]))  # the upper bound
+    except (RuntimeError, ValueError, FloatingPointError) as e:
+        raise ValueError(f"kind: prv-accountant failed here ({str(e).splitlines()[0]}); "
+                         "use pld") from None
 
 
 # ------------------------------------------------------------------ the accountant
