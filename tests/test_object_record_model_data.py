@@ -234,3 +234,12 @@ def test_data_that_an_npz_would_change_is_not_recorded(change, why):
     split, arrays = given._data_record(DataConfig(), dataclasses.replace(_arrays(), **change),
                                        None)
     assert arrays is None and split.path.startswith(UNRECORDED) and why in split.path
+
+
+def test_load_model_of_an_unrecorded_module_says_to_pass_it(nets, tmp_path):
+    run = tmp_path / "run"
+    fedloom.run(CFG, out=run, model=nets.Hidden(12), data=_arrays())
+    with pytest.raises(ValueError, match=r"cannot be rebuilt from the record .*; pass it as "
+                                         r"load_model\(.*model=\.\.\.\)$"):
+        load_model(run)
+    assert isinstance(load_model(run, model=nets.Hidden(12)), nets.Hidden)

@@ -282,8 +282,9 @@ def given_module(cfg: Config, file: Path, dtype: torch.dtype) -> torch.nn.Module
         if not isinstance(got, torch.nn.Module):
             with _init_rng(cfg.seed):
                 got = _called(got)
-    except ConfigError as e:
-        raise ValueError(f"{file}: {str(e).splitlines()[0]}; or {again}") from None
+    except ConfigError as e:  # the rerun's advice (fedloom.run) is not load_model's
+        why = str(e).splitlines()[0].split("; pass it again")[0]
+        raise ValueError(f"{file}: {why}; {again}") from None
     return got.to(dtype)
 
 
