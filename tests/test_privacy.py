@@ -464,6 +464,11 @@ def test_secure_aggregation_takes_sum_rules_and_dense_payloads_only():
     (["privacy.mode=local", "privacy.adaptive_clip.enabled=true"],
      "privacy.adaptive_clip.enabled"),
     (["privacy.mode=central", "system.availability=0.5"], "system.availability"),
+    # TINY's 3 rounds spend 15.14 at z = 1 (PLD, add/remove): over the cap, nothing runs
+    (["privacy.mode=central", "privacy.max_epsilon=10"], "privacy.max_epsilon"),
+    (["privacy.mode=central", "privacy.noise_multiplier=auto"], "privacy.noise_multiplier"),
+    (["privacy.mode=local", "privacy.accounting_cohort=100"], "privacy.accounting_cohort"),
+    (["privacy.mode=central", "privacy.accountant=moments"], "privacy.accountant"),
 ])
 def test_cli_refuses_with_one_line_and_exit_2(tmp_path, capsys, over, field):
     from fedloom import cli
