@@ -243,3 +243,25 @@ def test_load_model_of_an_unrecorded_module_says_to_pass_it(nets, tmp_path):
                                          r"load_model\(.*model=\.\.\.\)$"):
         load_model(run)
     assert isinstance(load_model(run, model=nets.Hidden(12)), nets.Hidden)
+
+
+def test_a_run_directory_of_an_earlier_version_is_not_rerun_on_other_inputs(nets, tmp_path,
+                                                                          capsys):
+    """An earlier version wrote the configured model and data into config.yaml for ones
+    given in Python: a rerun of it without them is refused in one line (model.pt and
+    data.json say what the run was given), where it trained the configured ones."""
+    run, net, data = tmp_path / "run", nets.Net(8), _arrays()
+    fedloom.run(CFG, out=run, model=net, data=data)
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    saved["model"] = {"name": "mlp", "options": {}, "buffers": "average"}
+    saved["data"] = {**saved["data"], "name": "digits", "path": ""}
+    (run / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    rc, err, _ = _rerun_cli(run, tmp_path / "again", capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert "given its data and model in Python" in err[0] and "model=..." in err[0], err
+    with pytest.raises(ConfigError, match=r"given its model in Python.*model=\.\.\.\)$"):
+        fedloom.run(run / "config.yaml", data=data)
+    # given again, it reruns to the run's model
+    again = fedloom.run(run / "config.yaml", model=net, data=data)
+    assert again.summary["model_sha256"] == json.loads(
+        (run / "summary.json").read_text())["model_sha256"]

@@ -97,6 +97,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     from fedloom.device import resolve
+    from fedloom.engine.given import refuse_unrecorded
+
+    refuse_unrecorded(args.config, cfg, None, None)  # a run directory of an earlier version
 
     resolve(cfg.device)  # device=cuda without CUDA: one line, exit 2, before anything starts
     out = Path(args.out) if args.out else _default_out(args.config, cfg.name)

@@ -58,7 +58,8 @@ from fedloom.recorded import (
 from fedloom.rng import Purpose, derive_seed, seeded_global_rng
 
 __all__ = ["DATA_NPZ_FILE", "INITIAL_MODEL_FILE", "RECORD_DATA_BYTES", "from_record",
-           "from_run_dir", "given_module", "record_inputs", "run_inputs", "write_files"]
+           "from_run_dir", "given_module", "record_inputs", "refuse_unrecorded", "run_inputs",
+           "write_files"]
 
 Model = torch.nn.Module | Callable[[], torch.nn.Module]
 
@@ -266,6 +267,41 @@ def from_run_dir(cfg: Config, run_dir: Path, model: Model | None, data: Dataset 
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(
             cfg.data, path=f"{folder}/{cfg.data.path[len(RUN_FILE):]}"))
     return from_record(cfg, model, data)
+
+
+def refuse_unrecorded(config: object, cfg: Config, model: Model | None,
+                      data: Dataset | None) -> None:
+    """``config`` (as given to the run) is a run directory's config.yaml of a version that
+    wrote the configured model and data though the run was given them in Python
+    (``model.pt``'s ``model_from_config``, ``data.json``'s source): a rerun of it without
+    them is refused in one line, where it trained the configured ones."""
+    from fedloom.engine.runs.checkpoint import MARKER_FILE
+    from fedloom.engine.runs.datarecord import data_source, read_record
+
+    folder = Path(config).parent if isinstance(config, str | Path) else None
+    if folder is None or not (folder / MARKER_FILE).is_file():
+        return
+    what = []
+    kept = cfg.data.name == "npz" and (cfg.data.path.startswith((RUN_FILE, UNRECORDED))
+                                       or Path(cfg.data.path).name == DATA_NPZ_FILE)
+    if data is None and not kept:
+        rec = read_record(folder)
+        if rec is not None and rec["fingerprint"].get("source") == data_source(cfg.data, True):
+            what.append("data")
+    file = folder / "model.pt"
+    if model is None and not is_object(cfg.model.name) and file.is_file():
+        try:
+            blob = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # a damaged model.pt says nothing of the model: not this check's
+            blob = None
+        if isinstance(blob, dict) and blob.get("model_from_config") is False:
+            what.append("model")
+    if what:
+        given = " and ".join(what)
+        raise ConfigError(f"{config}: the run was given its {given} in Python, which this "
+                          "config (of an earlier fedloom) does not record; pass "
+                          f"{'them' if len(what) > 1 else 'it'} again: fedloom.run({config}, "
+                          f"{', '.join(f'{w}=...' for w in what)})")
 
 
 def given_module(cfg: Config, file: Path, dtype: torch.dtype) -> torch.nn.Module:

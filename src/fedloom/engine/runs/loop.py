@@ -34,7 +34,7 @@ from fedloom.config import Config, ConfigError, config_to_dict, load_config
 from fedloom.data.sources import Dataset
 from fedloom.engine.build import resolve_auto
 from fedloom.engine.experiment import Experiment
-from fedloom.engine.given import run_inputs, write_files
+from fedloom.engine.given import refuse_unrecorded, run_inputs, write_files
 from fedloom.engine.objects import Components
 from fedloom.engine.runs.checkpoint import RunDirWriteError, lock_run_dir
 from fedloom.engine.runs.datarecord import DataRecord, data_source
@@ -128,8 +128,7 @@ def run(
             factory returning one, instead of ``model.name``. Layer groups are
             derived from it, so CRAFT's per-layer mode works on it. With ``out``, both
             are recorded for ``fedloom run out/config.yaml`` (:mod:`fedloom.engine.given`).
-        record_data: keep ``data``'s arrays in ``out``: ``None`` up to 256 MiB, ``True``
-            at any size, ``False`` never (a rerun then needs ``data=`` again).
+        record_data: keep ``data``'s arrays in ``out``: None to 256 MiB, True always, False never.
         aggregator, server, compressor, feedback, method, transforms, selector: component
             objects (e.g. ``CRAFT(step="rprop")``, a class of your own with the
             protocol of its kind; ``transforms``: terms of the local step,
@@ -142,6 +141,7 @@ def run(
                        feedback=feedback, method=method, transforms=tuple(transforms),
                        selector=selector)
     cfg = resolve_auto(given.into(load_config(config, overrides)))
+    refuse_unrecorded(config, cfg, model, data)  # a run directory of an earlier version
     if out is None:
         return _run_in_memory(cfg, resume, callbacks, data, model, given)
     return _run_in_dir(cfg, Path(out), resume, callbacks, data, model, given,
