@@ -54,6 +54,7 @@ PRV_EPS_ERROR = 0.01      # Opacus's default for its PRVAccountant
 PRV_DELTA_ERROR = 1e-10   # for Accountant.delta, where no δ is given (pfl's default)
 NOISE_RTOL = 1e-3         # Accountant.noise: relative width of the final bracket in z
 NOISE_MAX = 1e4           # no noise multiplier above this is searched
+COARSE_INTERVAL = 1e-3    # Accountant.noise brackets a PLD's z at this interval first
 
 
 @dataclass(frozen=True)
@@ -336,13 +337,18 @@ class Accountant:
         def fits(z: float) -> bool:
             return self.epsilon(q, z, rounds, delta) <= eps
 
-        hi = 1.0
-        while not fits(hi):
-            hi *= 2
-            if hi > NOISE_MAX:
-                raise ValueError(f"eps: no noise multiplier up to {NOISE_MAX:g} gives "
-                                 f"epsilon <= {eps:g} at delta={delta:g}")
-        lo = hi / 2
+        if self.kind == "pld" and self.pld_interval < COARSE_INTERVAL:
+            # the coarser PLD is pessimistic: its z meets the target here too, and is
+            # within a few % of ours; bracket below it, then bisect at our interval
+            coarse = Accountant("pld", self.sampling, self.neighbours,
+                                pld_interval=COARSE_INTERVAL)
+            hi = coarse.noise(q, rounds, eps, delta, rtol=rtol)
+            if not fits(hi):  # pragma: no cover (a finer PLD is never above a coarser)
+                hi = _upper(fits)
+            lo = hi * 0.98
+        else:
+            hi = _upper(fits)
+            lo = hi / 2
         while fits(lo):
             if lo < 1e-6:  # ε met by (almost) no noise: the search ends at 1e-6
                 return lo
@@ -351,3 +357,13 @@ class Accountant:
             mid = (lo + hi) / 2
             hi, lo = (mid, lo) if fits(mid) else (hi, mid)
         return hi
+
+
+def _upper(fits: Any) -> float:
+    """A noise multiplier that meets the target: 1, doubled until it does."""
+    hi = 1.0
+    while not fits(hi):
+        hi *= 2
+        if hi > NOISE_MAX:
+            raise ValueError(f"eps: no noise multiplier up to {NOISE_MAX:g} meets the target")
+    return hi
