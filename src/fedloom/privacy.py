@@ -82,16 +82,22 @@ def clip_update(v: torch.Tensor, bound: float) -> tuple[torch.Tensor, float, boo
 
 
 # ------------------------------------------------------------------ accountant
-def _accountant(kind: str, sampling: str, neighbours: str) -> Accountant:
+def _accountant(kind: str, sampling: str, neighbours: str, *, used: bool = True) -> Accountant:
+    """The accountant, its names checked; ``used``: its library is checked too (a run
+    without privacy needs neither dp-accounting nor prv-accountant)."""
     try:
-        import dp_accounting  # noqa: F401
-    except ImportError:  # pragma: no cover (a dependency of the package)
-        raise ConfigError("privacy.mode: the accountant needs dp-accounting "
-                          "(pip install 'fedloom[privacy]')") from None
-    try:
-        return Accountant(kind, sampling, neighbours)
+        acc = Accountant(kind, sampling, neighbours)
     except ValueError as e:
         raise ConfigError(f"privacy.accountant: {e}") from None
+    try:
+        if used:
+            import dp_accounting  # noqa: F401
+            if kind == "prv":
+                import prv_accountant  # noqa: F401
+    except ImportError as e:  # pragma: no cover (the privacy extra)
+        raise ConfigError(f"privacy.accountant: {kind} needs {e.name} "
+                          "(pip install 'fedloom[privacy]')") from None
+    return acc
 
 
 def epsilon_central(rounds: int, *, num_clients: int, cohort: int, noise_multiplier: float,
@@ -165,7 +171,8 @@ class Privacy:
         self.target_epsilon, self.adaptive = target_epsilon, adaptive
         self.accounting = accounting
         # fedloom's sampler draws a fixed-size cohort without replacement
-        self.accountant = _accountant(accounting.kind, "fixed", accounting.neighbours)
+        self.accountant = _accountant(accounting.kind, "fixed", accounting.neighbours,
+                                      used=mode != "none")
         self.rate, self.noise_scale = _rate(mode, cohort_size, num_clients, accounting)
         self.sigma = self.z
         if adaptive is not None and self.z > 0:
