@@ -31,6 +31,7 @@ from fedloom.privacy import (
     epsilon_local,
     l2_norm,
     make_privacy,
+    resolve_noise,
 )
 from fedloom.registry import build
 
@@ -288,6 +289,21 @@ def test_max_epsilon_refuses_to_start_and_accounting_cohort_scales_the_noise():
         bad = load_config(copy.deepcopy(TINY), ["privacy.mode=central", *over])
         with pytest.raises(ConfigError, match=f"^{field}: "):
             make_privacy(bad, 10)
+
+
+def test_local_mode_solves_and_caps_for_a_client_in_every_round():
+    over = ["privacy.mode=local", "privacy.accountant=rdp", "privacy.target_epsilon=5",
+            "privacy.noise_multiplier=auto", "rounds=4"]
+    cfg = resolve_noise(load_config(copy.deepcopy(TINY), over))
+    z = cfg.privacy.noise_multiplier
+    # Gaussian(z/2) over 4 participations: the worst case a priori
+    assert epsilon_local(4, noise_multiplier=z, delta=1e-5, accountant="rdp") <= 5
+    assert epsilon_local(4, noise_multiplier=z * 0.998, delta=1e-5, accountant="rdp") > 5
+    assert make_privacy(cfg, 10).planned_epsilon(4) <= 5
+    capped = load_config(copy.deepcopy(TINY), ["privacy.mode=local", "privacy.max_epsilon=5",
+                                               "privacy.noise_multiplier=1", "rounds=4"])
+    with pytest.raises(ConfigError, match=r"^privacy.max_epsilon: 4 rounds would spend"):
+        make_privacy(capped, 10)
 
 
 def test_central_mode_without_noise_or_clipping_is_the_unweighted_fedavg_run():
