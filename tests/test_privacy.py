@@ -277,7 +277,9 @@ def test_max_epsilon_refuses_to_start_and_accounting_cohort_scales_the_noise():
                                             "privacy.accounting_cohort=100"])
     p = make_privacy(dep, 10)
     assert p.rate == 0.01 and p.noise_scale == 0.04
-    assert p.record()["noise_scale"] == 0.04
+    assert p.record() == {"accountant": "pld", "neighbours": "add_remove",
+                          "sampling": "fixed-size, without replacement", "rate": 0.01,
+                          "population": 10000, "cohort": 100, "noise_scale": 0.04}
     total = torch.zeros(100_000, dtype=torch.float64)
     std = float(p.release(total, p.init(), 0).std())
     assert std == pytest.approx(1.0 * 1.0 / 100, rel=0.02)  # z·C/M: the deployment's mean

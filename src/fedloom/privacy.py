@@ -193,8 +193,10 @@ class Privacy:
         out: dict[str, Any] = {
             "accountant": self.accounting.kind, "neighbours": self.accounting.neighbours,
             "sampling": "fixed-size, without replacement", "rate": self.rate}
-        if self.noise_scale != 1.0:
-            out.update(population=self.accounting.population, cohort=self.accounting.cohort,
+        if self.accounting.population is not None or self.accounting.cohort is not None:
+            # a deployment accounted for: its population and cohort, the noise's scale
+            out.update(population=self.accounting.population or self.num_clients,
+                       cohort=self.accounting.cohort or self.cohort_size,
                        noise_scale=self.noise_scale)
         return out
 
