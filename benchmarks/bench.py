@@ -115,18 +115,19 @@ def round_time(quick: bool, repeats: int) -> dict[str, Any]:
     backends: list[tuple[str, list[str]]] = [
         ("sequential", ["backend=sequential"]),
         ("vmap", ["backend=vmap"]),
-        ("process", ["backend=process", "backend.workers=2"]),
-        ("process+vmap", ["backend=process", "backend.workers=2", "backend.inner=vmap"]),
+        ("process", ["backend=process", "backend.options.workers=2"]),
+        ("process+vmap", ["backend=process", "backend.options.workers=2",
+                          "backend.options.inner=vmap"]),
         ("lockstep", ["backend=lockstep"]),
     ]
     if not quick:  # --quick: one process pool is enough to keep the path from rotting
-        backends.append(("process+lockstep", ["backend=process", "backend.workers=2",
-                                              "backend.inner=lockstep"]))
+        backends.append(("process+lockstep", ["backend=process", "backend.options.workers=2",
+                                              "backend.options.inner=lockstep"]))
     try:
         import ray
 
         if not quick:
-            backends.append(("ray", ["backend=ray", "backend.workers=2"]))
+            backends.append(("ray", ["backend=ray", "backend.options.workers=2"]))
     except ImportError:
         print("round_time: ray not installed, its figure is skipped", file=sys.stderr)
     out: dict[str, Any] = {"clients": clients, "samples": n, "per_round": {}}

@@ -27,7 +27,7 @@ writes the report as it stands and exits 3):
    32, FedAvg) at 10, 100 and 1000 clients per round out of 1000: fedloom's
    ``sequential`` and ``vmap`` backends on the device (``vmap`` with its default
    chunk, sized for a CPU's cache, and as ``vmap_whole`` with the whole cohort
-   in one lock-step chunk, ``backend.chunk`` = cohort size), and the same workload
+   in one lock-step chunk, ``backend.options.chunk`` = cohort size), and the same workload
    on Flower's simulation (``benchmarks/flower_baseline.py``: plain PyTorch
    clients, Flower's FedAvg, Ray actors holding ``--flower-gpus`` of the GPU
    each) as the peer. Seconds per round after one warm-up round (median).
@@ -573,7 +573,7 @@ def step_quickstart(ck: Check, rec: dict[str, Any]) -> None:
 BACKENDS: dict[str, Callable[[int], list[str]]] = {
     "sequential": lambda m: ["backend=sequential"],
     "vmap": lambda m: ["backend=vmap"],
-    "vmap_whole": lambda m: ["backend=vmap", f"backend.chunk={m}"],
+    "vmap_whole": lambda m: ["backend=vmap", f"backend.options.chunk={m}"],
 }
 
 

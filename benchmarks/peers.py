@@ -336,9 +336,10 @@ def _fedloom_backends(wl: dict[str, Any], quick: bool = False) -> list[tuple[str
         return rows
     # lockstep: Linear, Conv2d, pooling, dropout (the sequential trainer's masks), ReLU
     rows.append(("lockstep", f"lockstep,backend.threads={THREADS}"))
-    rows.append(("process", "process,backend.workers=2"))
+    rows.append(("process", "process,backend.options.workers=2"))
     # both cores, each worker lock-step on its half of the cohort
-    rows.append(("process+lockstep", "process,backend.workers=2,backend.inner=lockstep"))
+    rows.append(("process+lockstep",
+                 "process,backend.options.workers=2,backend.options.inner=lockstep"))
     return rows
 
 

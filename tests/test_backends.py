@@ -42,8 +42,8 @@ def test_process_backend_same_bits(extra, inner):
     """Workers running ``inner`` give ``backend=inner``'s bits (vmap's own agreement
     with sequential is tested in test_vmap.py)."""
     ref = fedloom.run(TINY, ["dtype=float64", f"backend={inner}", *extra])
-    res = fedloom.run(TINY, ["dtype=float64", "backend=process", "backend.workers=2",
-                             f"backend.inner={inner}", *extra])
+    res = fedloom.run(TINY, ["dtype=float64", "backend=process", "backend.options.workers=2",
+                             f"backend.options.inner={inner}", *extra])
     assert res.summary["model_sha256"] == ref.summary["model_sha256"]
     assert [m["uplink_bytes"] for m in res.metrics] == [m["uplink_bytes"] for m in ref.metrics]
 
@@ -60,7 +60,7 @@ def test_process_backend_uplinks_each_client_as_it_arrives(monkeypatch, early_ca
         seen.clear()
         ref = _at_once(monkeypatch, ["dtype=float64", *extra])
         assert not seen  # the reference hands the cohort over at once
-        res = fedloom.run(TINY, ["dtype=float64", "backend=process", "backend.workers=2",
+        res = fedloom.run(TINY, ["dtype=float64", "backend=process", "backend.options.workers=2",
                                  *extra])
         assert len(seen) == TINY["rounds"] * TINY["cohort"]["size"]
         assert res.summary["model_sha256"] == ref.summary["model_sha256"]
@@ -71,7 +71,7 @@ def test_process_backend_uplinks_each_client_as_it_arrives(monkeypatch, early_ca
 
 
 def test_process_backend_runs_lockstep_in_its_workers():
-    """``backend.inner: lockstep``: each worker trains its group lock-step (the TINY
+    """``backend.options.inner: lockstep``: each worker trains its group lock-step (the TINY
     MLP is lock-step's), and the run has the sequential backend's bits in float64."""
     from fedloom.config import load_config
     from fedloom.engine.experiment import Experiment
@@ -83,8 +83,8 @@ def test_process_backend_runs_lockstep_in_its_workers():
     exp.close()
     assert isinstance(inner, LockstepBackend) and inner.enabled and inner.x is exp.x
     ref = fedloom.run(TINY, ["dtype=float64", "backend=sequential"])
-    res = fedloom.run(TINY, ["dtype=float64", "backend=process", "backend.workers=2",
-                             "backend.inner=lockstep"])
+    res = fedloom.run(TINY, ["dtype=float64", "backend=process", "backend.options.workers=2",
+                             "backend.options.inner=lockstep"])
     assert res.summary["model_sha256"] == ref.summary["model_sha256"]
 
 
@@ -92,7 +92,7 @@ def test_process_backend_float32_is_single_thread_sequential():
     """float32: the workers run one thread each, so they give the bits of the
     sequential backend at one thread; against two threads here they differ by
     exactly what the thread count changes (measured: 3e-8 after 3 rounds)."""
-    b = fedloom.run(TINY, ["backend=process", "backend.workers=2"])
+    b = fedloom.run(TINY, ["backend=process", "backend.options.workers=2"])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -117,12 +117,12 @@ def test_balanced_groups_cover_every_job_once():
 def test_backend_section_shorthand():
     from fedloom.config import load_config
 
-    cfg = load_config(TINY, ["backend=process", "backend.workers=3"])
-    assert (cfg.backend.name, cfg.backend.workers) == ("process", 3)
-    cfg = load_config({**TINY, "backend": "vmap"}, ["backend.chunk=5"])
-    assert (cfg.backend.name, cfg.backend.chunk) == ("vmap", 5)
-    cfg = load_config(TINY, ["backend.workers=2", "backend=ray"])
-    assert (cfg.backend.name, cfg.backend.workers) == ("ray", 2)
+    cfg = load_config(TINY, ["backend=process", "backend.options.workers=3"])
+    assert (cfg.backend.name, cfg.backend.options) == ("process", {"workers": 3})
+    cfg = load_config({**TINY, "backend": "vmap"}, ["backend.options.chunk=5"])
+    assert (cfg.backend.name, cfg.backend.options) == ("vmap", {"chunk": 5})
+    cfg = load_config(TINY, ["backend.options.workers=2", "backend=ray"])
+    assert (cfg.backend.name, cfg.backend.options) == ("ray", {"workers": 2})
 
 
 @pytest.mark.parametrize("policy", ["retry", "drop"])
@@ -131,8 +131,8 @@ def test_process_worker_death(tmp_path, monkeypatch, policy):
     dropped, round 1 goes on without the unfinished clients and the run finishes."""
     marker = tmp_path / "killed"
     monkeypatch.setenv("FEDLOOM_KILL_ONCE", f"4:{marker}")  # client 4: round 1 only
-    over = ["dtype=float64", "backend=process", "backend.workers=2",
-            f"backend.on_failure={policy}", *EF]
+    over = ["dtype=float64", "backend=process", "backend.options.workers=2",
+            f"backend.options.on_failure={policy}", *EF]
     res = fedloom.run(TINY, over)
     assert marker.exists()
     ref = fedloom.run(TINY, ["dtype=float64", *EF])
@@ -198,8 +198,8 @@ def test_process_workers_write_the_server_rows_float32(monkeypatch, inner):
             torch.set_num_threads(threads)
         assert not made
         ref_passes = len(passes)
-        res = fedloom.run(TINY, ["backend=process", "backend.workers=2",
-                                 f"backend.inner={inner}", *extra])
+        res = fedloom.run(TINY, ["backend=process", "backend.options.workers=2",
+                                 f"backend.options.inner={inner}", *extra])
         assert adopted and all(adopted)
         assert ref_passes > 0 and len(passes) == ref_passes  # none in the process run
         assert len(made) == TINY["rounds"] * TINY["cohort"]["size"]
@@ -232,7 +232,7 @@ def test_process_workers_encode_their_clients_updates(monkeypatch, early_calls, 
     finally:
         torch.set_num_threads(threads)
     assert not early_calls
-    res = fedloom.run(TINY, ["backend=process", "backend.workers=2", *extra])
+    res = fedloom.run(TINY, ["backend=process", "backend.options.workers=2", *extra])
     sent = [s is not None and s.payload is not None for _, s in early_calls]
     assert len(sent) == TINY["rounds"] * TINY["cohort"]["size"]
     assert res.summary["model_sha256"] == ref.summary["model_sha256"]
@@ -254,7 +254,8 @@ def test_process_workers_follow_the_server_rows_as_the_cohort_grows():
     from fedloom.config import load_config
     from fedloom.engine.experiment import Experiment
 
-    exp = Experiment.from_config(load_config(TINY, ["backend=process", "backend.workers=2"]))
+    exp = Experiment.from_config(load_config(TINY, ["backend=process",
+                                                    "backend.options.workers=2"]))
     try:
         jobs = exp.plan_round(exp.init()).jobs
         assert len(jobs) >= 4
@@ -289,7 +290,7 @@ def test_process_workers_read_the_rounds_model_from_shared_memory():
 
     ref = Experiment.from_config(load_config(TINY, ["dtype=float64"]))
     exp = Experiment.from_config(load_config(TINY, ["dtype=float64", "backend=process",
-                                        "backend.workers=2"]))
+                                        "backend.options.workers=2"]))
     try:
         jobs = ref.plan_round(ref.init()).jobs  # with their samples, for both
         w = jobs[0].w

@@ -65,7 +65,7 @@ def test_a_users_own_aggregator_on_every_backend(backend):
     train, the parent aggregates), every round's metric from the rule."""
     ov = [*LR, f"backend.name={backend}", "dtype=float64", "rounds=2"]
     if backend == "process":
-        ov.append("backend.workers=2")
+        ov.append("backend.options.workers=2")
     res = fedloom.run(_cfg(), ov, aggregator=ClippedMean())
     seq = fedloom.run(_cfg(), [*LR, "dtype=float64", "rounds=2"], aggregator=ClippedMean())
     assert all(m["clipped_mean"] == 1.0 for m in res.metrics)

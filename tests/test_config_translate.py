@@ -98,6 +98,12 @@ ROWS: list[tuple[str, dict[str, Any], dict[str, Any], str, Any]] = [
                       ("lora", "hf_causal_lm", {"r": 4}),
                       ("gradient_checkpointing", "hf_causal_lm", True),
                       ("base_dtype", "hf_causal_lm", "bfloat16")]],
+    *[(f"backend.{k}", {"backend": {"name": b, k: v}},
+       {"backend": {"name": b, "options": {k: v}}}, f"backend.options.{k}", v)
+      for k, b, v in [("workers", "process", 2), ("inner", "process", "lockstep"),
+                      ("chunk", "vmap", 4), ("address", "ray", "auto"),
+                      ("on_failure", "ray", "drop"), ("max_retries", "process", 1),
+                      ("gpus_per_worker", "ray", 0.5)]],
 ]
 
 
@@ -532,6 +538,11 @@ def test_a_run_folders_config_of_an_older_version_loads():
         "backend": {"name": "sequential", "threads": 1},
         "client": {"lr": 0.1, "prox_mu": 0.01}, "checkpoint": {"every": 0}}))
     assert old == new
+    # and the backend's keys: into the options of the backend that takes them
+    data = yaml_load((ROOT / "tests/fixtures/run_config_before_options.yaml").read_text())
+    data["backend"].update(name="process", workers=2, chunk=3, address="x")
+    cfg = load_config(data)
+    assert (cfg.backend.name, cfg.backend.options) == ("process", {"workers": 2, "chunk": 3})
 
 
 @registry.register("model", "translate_old_signature")
@@ -553,3 +564,7 @@ def test_model_options_are_checked_and_an_old_factory_refused():
     cfg = load_config({"model": {"name": "mlp", "options": {"hidden": [8]}}},
                       ["model.hidden=[4]", "model.activation=none"])
     assert cfg.model.options == {"hidden": [4], "activation": "none"}
+    # another model by name: the old one's options go, model.buffers stays
+    cfg = load_config({"model": {"name": "mlp", "options": {"hidden": [8]}, "buffers": "local"}},
+                      ["model=cnn"])
+    assert (cfg.model.name, cfg.model.options, cfg.model.buffers) == ("cnn", {}, "local")

@@ -86,8 +86,8 @@ def test_cuda_index_beyond_the_visible_count_is_refused():
 
 
 @pytest.mark.parametrize("over, field", [("backend.threads=-1", "backend.threads"),
-                                         ("backend.gpus_per_worker=-0.5",
-                                          "backend.gpus_per_worker"),
+                                         ("backend.options.gpus_per_worker=-0.5",
+                                          "backend.options.gpus_per_worker"),
                                          ("client.amp=fp8", "client.amp")])
 def test_new_keys_are_validated(over, field):
     with pytest.raises(ConfigError, match=f"^{field}: "):

@@ -291,7 +291,7 @@ def test_cli_runs_on_a_tiny_cifar_copy(tmp_path: Path) -> None:
     code = main(["run", "configs/quickstart.yaml", "data.name=cifar10", f"data.root={tmp_path}",
                  "data.verify=false", "data.num_clients=4", "data.partition=iid",
                  "cohort.size=2", "rounds=1",
-                 "model.name=cnn", "model.options.channels=[2,2]", "client.steps=1",
+                 "model=cnn", "model.options.channels=[2,2]", "client.steps=1",
                  "checkpoint.every=0", "--out", str(out), "--quiet"])
     assert code == 0
     assert json.loads((out / "summary.json").read_text())["rounds"] == 1
@@ -411,5 +411,5 @@ def test_augmentation_in_training_is_seeded_and_backend_independent(tmp_path: Pa
     vm = _cifar_run(tmp_path, "backend=vmap")
     assert torch.allclose(auto, vm, rtol=0, atol=1e-12)
     # ... and the process backend's workers too
-    pr = _cifar_run(tmp_path, "backend=process", "backend.workers=2")
+    pr = _cifar_run(tmp_path, "backend=process", "backend.options.workers=2")
     assert torch.allclose(auto, pr, rtol=0, atol=1e-12)

@@ -20,7 +20,7 @@ from fedloom.config import load_config
 from fedloom.engine.experiment import Experiment
 from fedloom.engine.trainers.backends import balanced_groups
 
-PROC = ["dtype=float64", "backend=process", "backend.workers=2"]
+PROC = ["dtype=float64", "backend=process", "backend.options.workers=2"]
 
 
 def _kill_a_worker_after_round_1(state, metrics):
@@ -42,7 +42,7 @@ def test_worker_killed_between_rounds_is_replaced_and_nothing_is_lost(policy):
     either policy. Now the dead worker is replaced before work is sent, so no client
     is dropped or rerun, and the run is bit-identical to the uninterrupted one."""
     ref = fedloom.run(TINY, ["dtype=float64"])
-    res = fedloom.run(TINY, [*PROC, f"backend.on_failure={policy}"],
+    res = fedloom.run(TINY, [*PROC, f"backend.options.on_failure={policy}"],
                       callbacks=[_kill_a_worker_after_round_1])
     assert res.summary["model_sha256"] == ref.summary["model_sha256"]
     assert [m.get("dropped_clients", 0) for m in res.metrics] == [0, 0, 0]
@@ -62,7 +62,7 @@ def test_drop_drops_only_the_dead_workers_clients(tmp_path, monkeypatch):
 
     marker = tmp_path / "killed"
     monkeypatch.setenv("FEDLOOM_KILL_ONCE", f"4:{marker}")  # client 4: round 1 only
-    res = fedloom.run(TINY, [*over, *PROC[1:], "backend.on_failure=drop"])
+    res = fedloom.run(TINY, [*over, *PROC[1:], "backend.options.on_failure=drop"])
     assert marker.exists()
     dropped = [m.get("dropped_client_ids", []) for m in res.metrics]
     assert sorted(dropped[0]) == sorted(dead)
@@ -84,7 +84,7 @@ def test_worker_dying_mid_stream(tmp_path, monkeypatch, policy):
     dead = next(g for g in groups if len(g) > 1)  # a client before the victim is sent
     marker = tmp_path / "killed"
     monkeypatch.setenv("FEDLOOM_KILL_ONCE", f"{dead[-1]}:{marker}")  # round 1 only
-    res = fedloom.run(TINY, [*PROC, f"backend.on_failure={policy}"])
+    res = fedloom.run(TINY, [*PROC, f"backend.options.on_failure={policy}"])
     assert marker.exists()
     dropped = [m.get("dropped_client_ids", []) for m in res.metrics]
     if policy == "retry":

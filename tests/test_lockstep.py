@@ -448,7 +448,7 @@ def test_auto_keeps_the_fastest_candidate_given_the_timings(times, want, caplog)
     """auto times every candidate that applies (a CPU run, two workers, a cohort of 4:
     no vmap) and keeps the fastest, ties to the earlier in CANDIDATES; the first
     cohort's results are sequential's whichever wins, and the table is logged."""
-    over = ["backend.name=auto", "backend.workers=2", "dtype=float64"]
+    over = ["backend.name=auto", "backend.options.workers=2", "dtype=float64"]
     exp = Experiment.from_config(load_config(SYN, over))
     ran: list[str] = []
     exp.backend.measure = _fake_measure(times, ran)
@@ -476,16 +476,18 @@ def test_auto_choose_is_deterministic():
 def test_auto_candidates_where_they_apply():
     """One worker: no process candidates; a model or method lock-step does not run:
     no lockstep candidate (nor process+lockstep); vmap only on a GPU."""
-    exp = Experiment.from_config(load_config(SYN, ["backend.name=auto", "backend.workers=1"]))
+    exp = Experiment.from_config(load_config(SYN, ["backend.name=auto",
+                                                   "backend.options.workers=1"]))
     jobs = exp.plan_round(exp.init()).jobs
     assert list(exp.backend.candidates(jobs)) == ["sequential", "lockstep"]
     exp.close()
-    exp = Experiment.from_config(load_config(SYN, ["backend.name=auto", "backend.workers=2"]))
+    exp = Experiment.from_config(load_config(SYN, ["backend.name=auto",
+                                                   "backend.options.workers=2"]))
     assert list(exp.backend.candidates(jobs)) == ["sequential", "lockstep", "process",
                                                    "process+lockstep"]
     assert list(exp.backend.candidates(jobs[:3])) == ["sequential", "lockstep"]  # < 2 a worker
     exp.close()
-    exp = Experiment.from_config(load_config(SYN, ["backend.name=auto", "backend.workers=2",
+    exp = Experiment.from_config(load_config(SYN, ["backend.name=auto", "backend.options.workers=2",
                                        "client.method=ditto"]))
     assert list(exp.backend.candidates(jobs)) == ["sequential", "process"]
     exp.close()
@@ -509,7 +511,7 @@ def test_auto_rule_reasons():
 def test_auto_times_the_candidates_and_runs_on_the_chosen(caplog):
     """Real timings (one worker: sequential and lockstep): the choice is choose() of
     them, and the run gives sequential's models, bit for bit in float64."""
-    over = ["backend.name=auto", "backend.workers=1", "dtype=float64"]
+    over = ["backend.name=auto", "backend.options.workers=1", "dtype=float64"]
     with caplog.at_level(logging.INFO, logger="fedloom"):
         w, _, backend = _rounds(over)
     assert set(backend.times) == {"sequential", "lockstep"}
@@ -529,7 +531,7 @@ def test_auto_streams_through_the_chosen_process_backend(monkeypatch, early_call
     seen = early_calls
     monkeypatch.setattr(SequentialBackend, "capabilities", replace(
         SequentialBackend.capabilities, streams=False))  # the reference's rounds
-    over = ["backend.name=auto", "backend.workers=2", "dtype=float64"]
+    over = ["backend.name=auto", "backend.options.workers=2", "dtype=float64"]
     exp = Experiment.from_config(load_config(SYN, over))
     assert not backend_caps(exp.backend).streams
     exp.backend.measure = _fake_measure(

@@ -150,7 +150,8 @@ def test_interleaved_states_and_experiments_are_each_as_alone(tiny, backend):
     """Two states of one experiment, and a third experiment of another config, advanced
     round by round in turn (one row buffer written by each state's rounds in turn, the
     process backend's workers writing into it): each gives what it gives alone."""
-    over = [*STATEFUL, f"backend.name={backend}", "backend.workers=2"]
+    over = [*STATEFUL, f"backend.name={backend}",
+            *(["backend.options.workers=2"] if backend == "process" else [])]
     other = ["compression.name=topk", "compression.options.ratio=0.2",
              "compression.feedback=ef", "client.method=ditto", "cohort.size=6"]
     rounds = 3

@@ -36,7 +36,7 @@ def sequential():
 
 
 def test_ray_same_model_sha256(sequential):
-    res = fedloom.run(TINY, ["dtype=float64", "backend=ray", "backend.workers=2", *EF])
+    res = fedloom.run(TINY, ["dtype=float64", "backend=ray", "backend.options.workers=2", *EF])
     assert res.summary["model_sha256"] == sequential.summary["model_sha256"]
     assert ray.is_initialized()  # joined the fixture's instance, left it running
 
@@ -45,8 +45,8 @@ def test_dead_worker_is_retried(sequential, tmp_path, monkeypatch):
     marker = tmp_path / "killed"
     client = 4  # in round 1's cohort of TINY only
     monkeypatch.setenv("FEDLOOM_KILL_ONCE", f"{client}:{marker}")
-    res = fedloom.run(TINY, ["dtype=float64", "backend=ray", "backend.workers=2",
-                             "backend.on_failure=retry", *EF])
+    res = fedloom.run(TINY, ["dtype=float64", "backend=ray", "backend.options.workers=2",
+                             "backend.options.on_failure=retry", *EF])
     assert marker.exists()  # a worker really was killed
     assert res.summary["model_sha256"] == sequential.summary["model_sha256"]
     assert all(m["dropped_clients"] == 0 for m in res.metrics)
@@ -55,8 +55,8 @@ def test_dead_worker_is_retried(sequential, tmp_path, monkeypatch):
 def test_dead_worker_clients_are_dropped(sequential, tmp_path, monkeypatch):
     marker = tmp_path / "killed"
     monkeypatch.setenv("FEDLOOM_KILL_ONCE", f"4:{marker}")
-    res = fedloom.run(TINY, ["dtype=float64", "backend=ray", "backend.workers=2",
-                             "backend.on_failure=drop", *EF])
+    res = fedloom.run(TINY, ["dtype=float64", "backend=ray", "backend.options.workers=2",
+                             "backend.options.on_failure=drop", *EF])
     assert marker.exists()
     dropped = [m.get("dropped_client_ids", []) for m in res.metrics]
     assert 4 in dropped[0] and 0 < len(dropped[0]) < 4  # the killed task's group only
@@ -73,7 +73,7 @@ def test_ray_float32_is_single_thread_sequential():
     what the thread count changes)."""
     import torch
 
-    res = fedloom.run(TINY, ["backend=ray", "backend.workers=2", *EF])
+    res = fedloom.run(TINY, ["backend=ray", "backend.options.workers=2", *EF])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -89,7 +89,7 @@ def test_unreachable_cluster_is_a_one_line_config_error():
     for address, msg in (("127.0.0.1:1", "cannot reach the Ray cluster at 127.0.0.1:1"),
                          ("nonsense", "expected HOST:PORT")):
         with pytest.raises(ConfigError, match=msg):
-            fedloom.run(TINY, ["backend=ray", f"backend.address={address}"])
+            fedloom.run(TINY, ["backend=ray", f"backend.options.address={address}"])
 
 
 def test_gpus_or_threads_beyond_the_cluster_are_one_line_config_errors():
@@ -98,15 +98,16 @@ def test_gpus_or_threads_beyond_the_cluster_are_one_line_config_errors():
     from fedloom.config import ConfigError
 
     gpus = ray.cluster_resources().get("GPU", 0)
-    with pytest.raises(ConfigError, match=r"^backend.gpus_per_worker: .* the Ray cluster has"):
-        fedloom.run(TINY, ["backend=ray", f"backend.gpus_per_worker={gpus + 0.5}"])
+    with pytest.raises(ConfigError,
+                       match=r"^backend.options.gpus_per_worker: .* the Ray cluster has"):
+        fedloom.run(TINY, ["backend=ray", f"backend.options.gpus_per_worker={gpus + 0.5}"])
     with pytest.raises(ConfigError, match=r"^backend.threads: 3 CPUs a task, the Ray cluster"):
         fedloom.run(TINY, ["backend=ray", "backend.threads=3"])
     assert ray.is_initialized()  # the fixture's instance is left running
 
 
 def test_ray_summary_records_worker_threads():
-    res = fedloom.run(TINY, ["backend=ray", "backend.workers=2", "rounds=1"])
+    res = fedloom.run(TINY, ["backend=ray", "backend.options.workers=2", "rounds=1"])
     assert res.summary["worker_threads"] == 1
 
 
@@ -127,7 +128,7 @@ def test_ray_tasks_do_their_clients_uplink(monkeypatch, early_calls, extra):
             SequentialBackend.capabilities, streams=False))
         ref = fedloom.run(TINY, ["dtype=float64", *extra])
     assert not early_calls
-    res = fedloom.run(TINY, ["dtype=float64", "backend=ray", "backend.workers=2", *extra])
+    res = fedloom.run(TINY, ["dtype=float64", "backend=ray", "backend.options.workers=2", *extra])
     sent = [(s is not None, s is not None and s.payload is not None) for _, s in early_calls]
     assert len(sent) == TINY["rounds"] * TINY["cohort"]["size"]
     assert all(s for s, _ in sent)  # every norm taken by a task

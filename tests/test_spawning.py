@@ -72,7 +72,7 @@ cfg = {{"name": "g", "seed": 3, "rounds": 1,
        "data": {{"name": "digits", "num_clients": 4}},
        "model": {{"name": "mlp", "options": {{"hidden": [8]}}}},
        "cohort": {{"size": 2}}, "client": {{"lr": 0.1, "batch_size": 16, "epochs": 1}},
-       "backend": {{"name": "process", "workers": 1}}}}
+       "backend": {{"name": "process", "options": {{"workers": 1}}}}}}
 {body}
 """
 

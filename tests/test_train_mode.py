@@ -133,8 +133,8 @@ def test_dropout_fires_and_reruns_and_resumes_are_bit_identical(tiny, tmp_path):
 def test_vmap_refuses_a_dropout_model_and_auto_trains_it_sequentially(tiny):
     with pytest.raises(ConfigError, match=r"backend\.name: vmap"):
         _exp(tiny, ["backend.name=vmap"], lambda: Net(p=0.5))
-    with pytest.raises(ConfigError, match=r"backend\.inner: vmap"):
-        _exp(tiny, ["backend.name=process", "backend.inner=vmap"], lambda: Net(p=0.5))
+    with pytest.raises(ConfigError, match=r"backend\.options\.inner: vmap"):
+        _exp(tiny, ["backend.name=process", "backend.options.inner=vmap"], lambda: Net(p=0.5))
     # p = 0 draws nothing: vmap is fine
     assert _exp(tiny, ["backend.name=vmap"], lambda: Net(p=0.0)).backend.enabled
 
@@ -145,7 +145,8 @@ def test_process_backend_matches_sequential_with_dropout_and_batchnorm(tiny):
     # process draws the same ones (float64: same bits, see engine.trainers.parallel).
     ov = ["dtype=float64", "rounds=2"]
     seq = _run(tiny, ov, lambda: Net(p=0.5))
-    proc = _run(tiny, [*ov, "backend.name=process", "backend.workers=2"], lambda: Net(p=0.5))
+    proc = _run(tiny, [*ov, "backend.name=process", "backend.options.workers=2"],
+                lambda: Net(p=0.5))
     assert proc.summary["model_sha256"] == seq.summary["model_sha256"]
     assert proc.summary["buffers_sha256"] == seq.summary["buffers_sha256"]
 

@@ -47,7 +47,7 @@ def test_auto_backend_measures_then_keeps_the_faster(tiny):
     # a cohort of 4 on 2 workers, on a CPU: sequential, lockstep, process and
     # process+lockstep are timed (vmap only on a GPU); real timings, real pools
     exp = Experiment.from_config(
-        load_config(SYN, ["backend=auto", "backend.workers=2", "dtype=float64"]))
+        load_config(SYN, ["backend=auto", "backend.options.workers=2", "dtype=float64"]))
     assert exp.backend.name == "auto"
     st, _ = exp.round(exp.init())
     assert set(exp.backend.times) == {"sequential", "lockstep", "process", "process+lockstep"}
@@ -59,7 +59,7 @@ def test_auto_backend_measures_then_keeps_the_faster(tiny):
     st2, _ = ref.round(st2)
     assert torch.allclose(st.w, st2.w, rtol=0, atol=1e-12)
     exp.close()
-    ditto = Experiment.from_config(load_config(tiny, ["backend=auto", "backend.workers=1",
+    ditto = Experiment.from_config(load_config(tiny, ["backend=auto", "backend.options.workers=1",
                                           "client.method=ditto"]))
     ditto.round(ditto.init())
     assert ditto.backend.name == "sequential"  # no lockstep for Ditto, one worker: no process

@@ -262,8 +262,12 @@ _CONTEXT = {
     "rng": "fedloom passes the run's partition generator",
     "groups": "fedloom passes the source's client ids",
     "in_shape": "fedloom passes the data's input shape",
+    "threads": "backend.threads, a key of its own: it holds for the whole run",
+    "keep_heap": "backend.keep_heap, a key of its own: it holds for the whole run",
     "num_classes": "fedloom passes the data's number of classes",
 }
+# What a backend's factory is called with besides its options (fedloom.engine.binding).
+_BACKEND_CONTEXT = frozenset({"trainer", "method", "x", "y", "threads", "keep_heap"})
 # What a model's factory is called with besides its options (fedloom.models.build_model).
 _MODEL_CONTEXT = frozenset({"in_shape", "num_classes"})
 
@@ -462,6 +466,7 @@ def _check_cross_fields(cfg: Config) -> None:
         _check_model(cfg)
     check_component("aggregator", "aggregator", cfg.aggregator)
     check_name("backend.name", "backend", cfg.backend.name)
+    check_options("backend", "backend", cfg.backend, _BACKEND_CONTEXT)
     check_component("client.method", "method", cfg.client.method)
     check_component("compression", "compressor", cfg.compression)
     check_component("server.optimizer", "server_optimizer", cfg.server.optimizer)

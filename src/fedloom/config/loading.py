@@ -191,8 +191,9 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     ``{name, options}`` section to a string names the component: another component
     comes with no options (they were the old one's), the same one keeps its own
     (``compression.feedback=flare`` on a config whose FLARE has its ``tau``); set
-    ``SECTION.name=NAME`` to keep the options whatever the name. ``backend=NAME``
-    keeps the backend's other keys. Keys written the old way stay as given:
+    ``SECTION.name=NAME`` to keep the options whatever the name; the keys beside the
+    options stay (``model=cnn`` keeps ``model.buffers``). ``backend=NAME`` keeps the
+    backend's options too. Keys written the old way stay as given:
     :func:`~fedloom.config.config_from_dict` translates the result as a whole
     (:mod:`fedloom.config.translate`), once the component is known; one of the model's,
     the backend's or the data's that the mapping writes the new way is respelt
@@ -225,6 +226,8 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
         if key in SHORTHAND_SECTIONS and isinstance(value, str) and isinstance(old, dict):
             if key == "backend" or old.get("name") == value:  # its keys stay
                 value = {**old, "name": value}
+            else:  # another component: the old one's options go, keys beside them stay
+                value = {**{k: v for k, v in old.items() if k != "options"}, "name": value}
         node[parts[-1]] = value
     return out
 

@@ -382,7 +382,10 @@ class StateConfig:
 
 @dataclass
 class BackendConfig:
-    """Where client training runs. ``backend: NAME`` is short for ``backend: {name: NAME}``.
+    """Where client training runs: the backend and its factory's options, whose
+    signature is their schema (``fedloom algorithms``); ``backend: NAME`` is short for
+    ``backend: {name: NAME}``. ``threads`` and ``keep_heap`` stay keys of their own:
+    they hold for the whole run, whichever backend trains.
 
     - ``sequential``: one client after another in this process;
     - ``vmap``: a cohort in lock-step with ``torch.func`` (chunks of ``chunk`` clients);
@@ -429,16 +432,13 @@ class BackendConfig:
     """
 
     name: str = "sequential"
-    workers: int = _f(0, ge=0)        # process / ray: parallel workers (0 = every core)
-    inner: Literal["sequential", "vmap", "lockstep"] = "sequential"
-    chunk: int = _f(0, ge=0)          # vmap, lockstep: clients per chunk (0 = cache-sized)
-    address: str = ""                 # ray: cluster address ("" = start a local instance)
-    on_failure: Literal["retry", "drop"] = "retry"
-    max_retries: int = _f(2, ge=0)    # process / ray: reruns of work whose worker died
+    # the backend's options: process and ray: workers (0 = every core), inner,
+    # on_failure, max_retries; vmap, lockstep, process, ray: chunk (clients per chunk,
+    # 0 = cache-sized); ray: address ("" = start a local instance), gpus_per_worker
+    options: dict[str, Any] = _f({})
     # torch intra-op threads (fedloom.device.apply_threads): 0 = the process's own count
     # (every core in a fresh process); process and ray workers: 0 = 1 each.
     threads: int = _f(1, ge=0)
-    gpus_per_worker: float = _f(0.0, ge=0)  # ray: GPUs a task reserves (Ray's num_gpus)
     # glibc: the processes that train keep the heap memory a step frees for the next
     # (fedloom.device.keep_freed_heap; in this process it stays so after the run)
     keep_heap: bool = True

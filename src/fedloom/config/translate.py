@@ -75,7 +75,7 @@ BACKEND_KEYS: dict[str, Any] = {
     "max_retries": 2, "gpus_per_worker": 0.0,
 }
 # Top-level sections whose flat keys became their component's options.
-FLAT_SECTIONS: dict[str, dict[str, Any]] = {"model": MODEL_KEYS}
+FLAT_SECTIONS: dict[str, dict[str, Any]] = {"model": MODEL_KEYS, "backend": BACKEND_KEYS}
 # (section, old key of an options mapping) → the section that now holds those options.
 OPTION_DICTS: dict[tuple[str, str], str] = {
     ("compression", "feedback_options"): "feedback",

@@ -128,8 +128,11 @@ def bind(algorithm: Algorithm, federation: Federation, runtime: Runtime,
     system = make_system(federation.system_settings, runtime.seed, n, loc.batch_size,
                          federation.cohort,
                          full_participation=aggregator_caps(algo.aggregator).full_participation)
-    backend = get("backend", runtime.backend)(trainer, algo.method, runtime.backend_settings,
-                                              x, y)
+    # (trainer, method, x, y, threads, keep_heap, **backend.options): its signature is
+    # the options' schema
+    backend = get("backend", runtime.backend)(trainer, algo.method, x, y,
+                                              threads=runtime.threads,
+                                              keep_heap=runtime.keep_heap, **runtime.options)
     # after the backend: a batched one (vmap, lock-step) gives client.transforms [m, d]
     _check_plugins(algo, loc, space, federation.cohort, n, runtime,
                    batched=backend_caps(backend).loop is not None)

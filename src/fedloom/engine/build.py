@@ -130,7 +130,7 @@ def build(cfg: Config, *, data: Dataset | None = None, model: Model | None = Non
     given = (components or Components()).with_recorded(cfg)
     cfg = resolve_auto(given.into(cfg))  # server.lr: auto → the rule's default step
     runtime = Runtime(cfg.backend.name, cfg.device, cfg.backend.threads, cfg.dtype, cfg.seed,
-                      cfg.backend, cfg.state)
+                      dict(cfg.backend.options), cfg.state, cfg.backend.keep_heap)
     # The device first: device=cuda without CUDA fails before any data is loaded.
     device = resolve(cfg.device)
     refusals.check_amp_dtype(cfg)

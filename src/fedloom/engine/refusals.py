@@ -40,8 +40,9 @@ def check_cohort_size(cfg: Config, num_clients: int) -> None:
 def check_vmap_random(backend: BackendConfig, random_forward: bool) -> None:
     """The lock-step trainer cannot draw each client's dropout masks from its own stream."""
     b = backend
-    if random_forward and "vmap" in (b.name, b.inner if b.name in ("process", "ray") else ""):
-        raise ConfigError(f"backend.{'name' if b.name == 'vmap' else 'inner'}: vmap cannot "
+    inner = b.options.get("inner", "sequential") if b.name in ("process", "ray") else ""
+    if random_forward and "vmap" in (b.name, inner):
+        raise ConfigError(f"backend.{'name' if b.name == 'vmap' else 'options.inner'}: vmap cannot "
                           "draw each client's dropout masks from its own stream; use "
                           "sequential (or auto)")
 

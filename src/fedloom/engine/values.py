@@ -14,7 +14,6 @@ a typed value with the schema's defaults.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -117,18 +116,20 @@ class Federation:
 
 @dataclass(frozen=True)
 class Runtime:
-    """Where and how the rounds run: ``backend`` (a registered name; its other
-    settings in ``options``), ``device``, torch ``threads`` (1 as in a config; 0: the
-    process's count), ``dtype``, ``seed`` (every draw derives from it) and the client
-    state storage."""
+    """Where and how the rounds run: ``backend`` (a registered name) and its factory's
+    ``options`` (``backend.options``: ``workers``, ``chunk``, …), ``device``, torch
+    ``threads`` (1 as in a config; 0: the process's count), ``dtype``, ``seed`` (every
+    draw derives from it), the client state storage and ``keep_heap``
+    (``backend.keep_heap``)."""
 
     backend: str = "sequential"
     device: str = "cpu"
     threads: int = 1
     dtype: Literal["float32", "float64"] = "float32"
     seed: int = 0
-    options: BackendConfig | None = None
+    options: dict[str, Any] = field(default_factory=dict)
     state: StateConfig = field(default_factory=StateConfig)
+    keep_heap: bool = True
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -136,6 +137,6 @@ class Runtime:
 
     @property
     def backend_settings(self) -> BackendConfig:
-        """The backend section: ``options`` with this name and thread count."""
-        return dataclasses.replace(self.options or BackendConfig(), name=self.backend,
-                                   threads=self.threads)
+        """The backend section of these settings."""
+        return BackendConfig(name=self.backend, options=dict(self.options),
+                             threads=self.threads, keep_heap=self.keep_heap)

@@ -223,7 +223,7 @@ def uplink_round(algo: Algorithm, post: Sequence[Postprocessor], rules: ScreenRu
     kept out (dropped, not failed). Returns the kept clients' plan and what came
     of them."""
     r = plan.round
-    # A client whose worker died (backend.on_failure=drop) is dropped for the
+    # A client whose worker died (backend.options.on_failure=drop) is dropped for the
     # round: nothing of it is aggregated and its state rows stay as they were.
     plan, dropped = plan.keep([i for i, res in enumerate(raw) if res is not None])
     # Results of workers elsewhere (process, ray: host tensors) onto the run's device

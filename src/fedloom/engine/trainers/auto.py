@@ -3,7 +3,7 @@
 The candidates, in this order (which also breaks a tie): ``sequential``;
 ``lockstep`` where it trains the run itself (:func:`lockstep_reason`);
 ``vmap`` on a GPU, where it applies (on a CPU it was never the fastest: section 1
-of the benchmarks); ``process`` and ``process+lockstep`` (``backend.workers``
+of the benchmarks); ``process`` and ``process+lockstep`` (``backend.options.workers``
 workers, default one per core or GPU, each running ``sequential`` or
 ``lockstep`` on its share) where there are at least two workers and two clients
 per worker. Each candidate first trains the cohort's first client alone (its
@@ -27,18 +27,17 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Annotated, Protocol
 
 import torch
 
 from fedloom.capabilities import BackendCaps, backend_caps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
-from fedloom.config import BackendConfig
 from fedloom.engine.trainers.backends import Backend, ResultSink, SequentialBackend
 from fedloom.engine.trainers.lockstep import LockstepBackend, job_reason, shape_reason
 from fedloom.engine.trainers.vmap import VmapBackend
-from fedloom.registry import register
+from fedloom.registry import Range, register
 
 __all__ = ["CANDIDATES", "AutoBackend", "choose", "lockstep_reason"]
 
@@ -180,7 +179,8 @@ class AutoBackend:
 
 
 @register("backend", "auto")
-def _auto(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig | None = None,
-          x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> AutoBackend:
-    return AutoBackend(trainer, method, x, y, workers=cfg.workers if cfg is not None else 0,
-                       keep_heap=cfg.keep_heap if cfg is not None else True)
+def _auto(trainer: LocalSGD, method: LocalMethod, x: torch.Tensor | None = None,
+          y: torch.Tensor | None = None, *, threads: int = 1, keep_heap: bool = True,
+          workers: Annotated[int, Range(ge=0)] = 0) -> AutoBackend:
+    """``workers``: the process candidates' workers (0: one per core or GPU)."""
+    return AutoBackend(trainer, method, x, y, workers=workers, keep_heap=keep_heap)

@@ -3,7 +3,7 @@
 A backend receives fully specified :class:`~fedloom.client.ClientJob` objects
 (start model, learning rate, data, generator seed) and returns one
 :class:`~fedloom.client.ClientResult` per job, in job order, or ``None`` for a
-job whose client was dropped (a worker died and ``backend.on_failure`` is
+job whose client was dropped (a worker died and ``backend.options.on_failure`` is
 ``drop``). Since every random stream is derived from ``(seed, round, client,
 purpose)``, the order in which a backend runs the jobs, or where, cannot
 change the results.
@@ -27,7 +27,7 @@ import torch
 from fedloom.capabilities import BackendCaps, LoopCaps, method_caps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
-from fedloom.config import BackendConfig, ConfigError
+from fedloom.config import ConfigError
 from fedloom.job import JobData
 from fedloom.registry import register
 
@@ -183,9 +183,9 @@ def hand_over(on_result: Callable[..., None] | None, i: int, res: ClientResult |
 
 
 @register("backend", "sequential")
-def _sequential(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig | None = None,
-                x: torch.Tensor | None = None,
-                y: torch.Tensor | None = None) -> SequentialBackend:
+def _sequential(trainer: LocalSGD, method: LocalMethod, x: torch.Tensor | None = None,
+                y: torch.Tensor | None = None, *, threads: int = 1,
+                keep_heap: bool = True) -> SequentialBackend:
     return SequentialBackend(trainer, method)
 
 

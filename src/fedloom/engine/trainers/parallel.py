@@ -18,8 +18,8 @@ two threads by exactly what the thread count changes in a matrix product's
 summation order (measured on the tiny test config: 3e-8 after 3 rounds, both
 ways). Both are tested.
 
-On CUDA, ``backend.workers: 0`` starts one worker per visible GPU. A worker that
-dies is replaced; only its group is run again (``backend.on_failure: retry``) or
+On CUDA, ``backend.options.workers: 0`` starts one worker per visible GPU. A worker that
+dies is replaced; only its group is run again (``backend.options.on_failure: retry``) or
 its clients dropped for the round (``drop``). GPUs and dead workers in detail:
 docs/explanation/backends.md (process).
 """
@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.multiprocessing as tmp
@@ -44,7 +44,6 @@ import torch.multiprocessing as tmp
 from fedloom.capabilities import BackendCaps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
-from fedloom.config import BackendConfig
 from fedloom.device import (
     configure,
     keep_freed_heap,
@@ -63,7 +62,7 @@ from fedloom.engine.trainers.backends import (
     maybe_die,
     with_data,
 )
-from fedloom.registry import register
+from fedloom.registry import Range, register
 from fedloom.spawning import check_main_guard
 
 __all__ = ["ProcessBackend", "make_inner", "run_group"]
@@ -559,9 +558,17 @@ class ProcessBackend:
 
 
 @register("backend", "process")
-def _process(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig,
-             x: torch.Tensor, y: torch.Tensor) -> ProcessBackend:
-    return ProcessBackend(trainer, method, x, y, workers=cfg.workers, inner=cfg.inner,
-                          chunk=cfg.chunk, on_failure=cfg.on_failure,
-                          max_retries=cfg.max_retries, threads=cfg.threads,
-                          keep_heap=cfg.keep_heap)
+def _process(trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor, *,
+             threads: int = 1, keep_heap: bool = True,
+             workers: Annotated[int, Range(ge=0)] = 0,
+             inner: Literal["sequential", "vmap", "lockstep"] = "sequential",
+             chunk: Annotated[int, Range(ge=0)] = 0,
+             on_failure: Literal["retry", "drop"] = "retry",
+             max_retries: Annotated[int, Range(ge=0)] = 2) -> ProcessBackend:
+    """``workers`` single-thread processes (0: every core), each running ``inner`` on its
+    share of the cohort (``chunk``: its clients per chunk); work whose worker died is run
+    again up to ``max_retries`` times (``on_failure: retry``) or dropped (``drop``)."""
+    return ProcessBackend(trainer, method, x, y, workers=workers, inner=inner,
+                          chunk=chunk, on_failure=on_failure,
+                          max_retries=max_retries, threads=threads,
+                          keep_heap=keep_heap)

@@ -1,12 +1,12 @@
 """The ``ray`` backend: a cohort's training spread over Ray workers.
 
-``ray.init()`` starts a local instance unless ``backend.address`` names a cluster
+``ray.init()`` starts a local instance unless ``backend.options.address`` names a cluster
 (or Ray is already initialised). The data, trainer and local method go to the
 object store once per run; a round submits one task per group of clients
 carrying only the jobs, and the server step stays on the driver. A task whose
 worker dies is re-run with the same jobs and seeds (``on_failure: retry``) or its
 clients dropped (``drop``); a half-finished update never reaches the server. A
-task reserves ``backend.threads`` CPUs and ``backend.gpus_per_worker`` GPUs.
+task reserves ``backend.threads`` CPUs and ``backend.options.gpus_per_worker`` GPUs.
 Failures, resources and fault injection in detail: docs/deploy.md (The Ray
 backend in detail).
 """
@@ -18,7 +18,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ import torch
 from fedloom.capabilities import BackendCaps
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
-from fedloom.config import BackendConfig, ConfigError
+from fedloom.config import ConfigError
 from fedloom.device import configure, keep_freed_heap, to_device, to_host, worker_threads
 from fedloom.engine.trainers.backends import (
     ResultSink,
@@ -36,7 +36,7 @@ from fedloom.engine.trainers.backends import (
     light_job,
     maybe_die,
 )
-from fedloom.registry import register
+from fedloom.registry import Range, register
 
 __all__ = ["RayBackend"]
 
@@ -74,23 +74,38 @@ def _train_group(setup: dict[str, Any], x_np: np.ndarray, y_np: np.ndarray,
 
 
 def _check_address(address: str) -> str:
-    """The host of ``backend.address`` ("" for a local instance, "auto" as is),
+    """The host of ``backend.options.address`` ("" for a local instance, "auto" as is),
     after checking that something listens there (Ray itself retries for minutes)."""
     if address in ("", "auto"):
         return address
     hostport = address.removeprefix("ray://")
     host, sep, port = hostport.rpartition(":")
     if not sep or not port.isdigit():
-        raise ConfigError(f"backend.address: expected HOST:PORT, ray://HOST:PORT or auto, "
+        raise ConfigError(f"backend.options.address: expected HOST:PORT, ray://HOST:PORT or auto, "
                           f"got {address!r}")
     import socket
 
     try:
         socket.create_connection((host, int(port)), timeout=5).close()
     except OSError as e:
-        raise ConfigError(f"backend.address: cannot reach the Ray cluster at {hostport} "
+        raise ConfigError(f"backend.options.address: cannot reach the Ray cluster at {hostport} "
                           f"({e.strerror or e})") from None
     return host
+
+
+@dataclasses.dataclass(frozen=True)
+class RayOptions:
+    """The ray backend's options (its factory's) and the run's threads and keep_heap."""
+
+    workers: int = 0
+    inner: str = "sequential"
+    chunk: int = 0
+    address: str = ""
+    on_failure: str = "retry"
+    max_retries: int = 2
+    threads: int = 1
+    gpus_per_worker: float = 0.0
+    keep_heap: bool = True
 
 
 class RayBackend:
@@ -99,7 +114,7 @@ class RayBackend:
     name = "ray"
 
     def __init__(self, trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor,
-                 cfg: BackendConfig) -> None:
+                 cfg: RayOptions) -> None:
         host = _check_address(cfg.address)
         kill_once = kill_spec()  # checked before a cluster is started
         if host in ("", "127.0.0.1", "localhost", "::1") and "ray" not in sys.modules:
@@ -121,7 +136,7 @@ class RayBackend:
             try:
                 ray.init(**kwargs)
             except ConnectionError as e:
-                raise ConfigError(f"backend.address: cannot join the Ray cluster at "
+                raise ConfigError(f"backend.options.address: cannot join the Ray cluster at "
                                   f"{cfg.address!r}: {str(e).splitlines()[0]}") from None
             self.started = True
         resources = ray.cluster_resources()
@@ -132,8 +147,8 @@ class RayBackend:
         gpus = self.gpus = cfg.gpus_per_worker
         if gpus > resources.get("GPU", 0):
             self.close()
-            raise ConfigError(f"backend.gpus_per_worker: {gpus:g} asked for, the Ray cluster "
-                              f"has {resources.get('GPU', 0):g} GPUs")
+            raise ConfigError(f"backend.options.gpus_per_worker: {gpus:g} asked for, the Ray "
+                              f"cluster has {resources.get('GPU', 0):g} GPUs")
         if self.worker_threads > resources.get("CPU", 0):
             self.close()
             raise ConfigError(f"backend.threads: {self.worker_threads} CPUs a task, the Ray "
@@ -198,6 +213,17 @@ class RayBackend:
 
 
 @register("backend", "ray")
-def _ray(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig,
-         x: torch.Tensor, y: torch.Tensor) -> RayBackend:
-    return RayBackend(trainer, method, x, y, cfg)
+def _ray(trainer: LocalSGD, method: LocalMethod, x: torch.Tensor, y: torch.Tensor, *,
+         threads: int = 1, keep_heap: bool = True, workers: Annotated[int, Range(ge=0)] = 0,
+         inner: Literal["sequential", "vmap", "lockstep"] = "sequential",
+         chunk: Annotated[int, Range(ge=0)] = 0, address: str = "",
+         on_failure: Literal["retry", "drop"] = "retry",
+         max_retries: Annotated[int, Range(ge=0)] = 2,
+         gpus_per_worker: Annotated[float, Range(ge=0)] = 0.0) -> RayBackend:
+    """Ray tasks (``address`` joins a cluster; empty starts a local one with ``workers``
+    CPUs, 0: every core), each running ``inner`` (``chunk``: clients per chunk) and
+    reserving ``gpus_per_worker`` GPUs; ``on_failure``, ``max_retries`` as process's."""
+    return RayBackend(trainer, method, x, y, RayOptions(
+        workers=workers, inner=inner, chunk=chunk, address=address, on_failure=on_failure,
+        max_retries=max_retries, threads=threads, gpus_per_worker=gpus_per_worker,
+        keep_heap=keep_heap))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from torch import nn
@@ -43,10 +43,9 @@ from fedloom.client.loop import (
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.client.transforms import jobs_chain
-from fedloom.config import BackendConfig
 from fedloom.engine.trainers.backends import InProcess, method_reason
 from fedloom.params import Layout
-from fedloom.registry import register
+from fedloom.registry import Range, register
 
 __all__ = ["VmapBackend", "vmap_supported"]
 
@@ -217,7 +216,8 @@ def _grads(one_fn: Callable[..., Any], step_fn: Callable[..., Any], W: torch.Ten
 
 
 @register("backend", "vmap")
-def _vmap(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig | None = None,
-          x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> VmapBackend:
-    return VmapBackend(trainer, method, chunk=(cfg.chunk or None) if cfg is not None else None,
-                       x=x, y=y)
+def _vmap(trainer: LocalSGD, method: LocalMethod, x: torch.Tensor | None = None,
+          y: torch.Tensor | None = None, *, threads: int = 1, keep_heap: bool = True,
+          chunk: Annotated[int, Range(ge=0)] = 0) -> VmapBackend:
+    """``chunk``: clients per chunk (0: cache-sized)."""
+    return VmapBackend(trainer, method, chunk=chunk or None, x=x, y=y)

@@ -6,7 +6,7 @@ not lock-step's (:func:`trainer_reason`, :func:`job_reason`, :func:`shape_reason
 :func:`~fedloom.engine.trainers.lockstep.plan.lockstep_plan`'s reason) train on the
 sequential path with one line in the log naming why.
 
-The cohort runs in chunks of ``chunk`` clients (``backend.chunk``; default: as
+The cohort runs in chunks of ``chunk`` clients (``backend.options.chunk``; default: as
 many as fit in 4 MB of stacked parameters of the run's dtype, but at least 8
 while they fit in 64 MB — 8 clients of the reference MLP in float32): a whole
 cohort's stacked weights fall out of the cache at every step. The GEMMs and
@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from typing import Annotated
 
 import torch
 from torch.nn import functional as F
@@ -39,7 +40,6 @@ from fedloom.client.loop import (
 from fedloom.client.methods import LocalMethod
 from fedloom.client.sgd import ClientJob, ClientResult, LocalSGD
 from fedloom.client.transforms import jobs_chain
-from fedloom.config import BackendConfig
 from fedloom.engine.trainers.backends import InProcess, method_reason
 from fedloom.engine.trainers.lockstep.plan import (
     _AvgPool,
@@ -53,7 +53,7 @@ from fedloom.engine.trainers.lockstep.plan import (
     lockstep_plan,
 )
 from fedloom.engine.trainers.lockstep.step import _forward, _step
-from fedloom.registry import register
+from fedloom.registry import Range, register
 from fedloom.rng import Purpose, derive_seed
 
 log = logging.getLogger("fedloom")
@@ -238,7 +238,8 @@ class _LockstepGradients:
 
 
 @register("backend", "lockstep")
-def _lockstep(trainer: LocalSGD, method: LocalMethod, cfg: BackendConfig | None = None,
-              x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> LockstepBackend:
-    return LockstepBackend(trainer, method,
-                           chunk=(cfg.chunk or None) if cfg is not None else None, x=x, y=y)
+def _lockstep(trainer: LocalSGD, method: LocalMethod, x: torch.Tensor | None = None,
+              y: torch.Tensor | None = None, *, threads: int = 1, keep_heap: bool = True,
+              chunk: Annotated[int, Range(ge=0)] = 0) -> LockstepBackend:
+    """``chunk``: clients per chunk (0: cache-sized)."""
+    return LockstepBackend(trainer, method, chunk=chunk or None, x=x, y=y)
