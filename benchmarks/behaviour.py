@@ -40,7 +40,7 @@ BASE: dict[str, Any] = {
     "seed": 3,
     "rounds": 3,
     "data": {"name": "digits", "num_clients": 10,
-             "partition": {"name": "dirichlet", "alpha": 0.5, "min_samples": 20}},
+             "partition": {"name": "dirichlet", "options": {"alpha": 0.5, "min_samples": 20}}},
     "model": {"name": "mlp", "options": {"hidden": [16]}},
     "cohort": {"size": 4},
     "client": {"lr": 0.1, "batch_size": 16, "epochs": 1},
