@@ -30,14 +30,15 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["KINDS", "NEIGHBOURS", "SAMPLINGS", "Accountant", "Step", "round_event", "steps"]
+__all__ = ["KINDS", "NEIGHBOURS", "SAMPLINGS", "Accountant", "Step", "as_it_ran", "round_event",
+           "steps"]
 
 Kind = Literal["rdp", "pld", "prv"]
 Sampling = Literal["poisson", "fixed"]
@@ -367,3 +368,22 @@ def _upper(fits: Any) -> float:
         if hi > NOISE_MAX:
             raise ValueError(f"eps: no noise multiplier up to {NOISE_MAX:g} meets the target")
     return hi
+
+
+# What a run recorded before privacy.accountant and privacy.neighbours existed was
+# accounted with: RDP over fixed-size sampling under replace-one neighbours.
+RECORDED_BEFORE = {"accountant": "rdp", "neighbours": "replace_one"}
+
+
+def as_it_ran(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's recorded config (``config.yaml`` or a checkpoint's, as written) with the
+    accounting its rounds were reported by: a private run recorded before the
+    accountant could be chosen names none and ran :data:`RECORDED_BEFORE`, so it is
+    read so, and a resume under today's default (another ε for the same rounds) is
+    refused as any changed setting is, naming both keys. Other records as given."""
+    out = dict(saved)
+    priv = out.get("privacy")
+    if (isinstance(priv, Mapping) and priv.get("mode", "none") not in (None, "none")
+            and not any(k in priv for k in RECORDED_BEFORE)):
+        out["privacy"] = {**priv, **RECORDED_BEFORE}
+    return out

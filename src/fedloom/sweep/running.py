@@ -152,6 +152,7 @@ def _stale(spec: RunSpec, imports: bool = False) -> str | None:
     import contextlib
 
     from fedloom import registry
+    from fedloom.accounting import as_it_ran
     from fedloom.aggregate.base import recorded_config
     from fedloom.config import config_from_dict, config_to_dict, load_config, safe_load_bounded
     from fedloom.engine.build import resolve_auto
@@ -167,7 +168,8 @@ def _stale(spec: RunSpec, imports: bool = False) -> str | None:
                 spec.config, [*spec.overrides, f"seed={spec.seed}"])))
         # its aggregator's options as the run used them (CRAFT's step before issue 54)
         with registry.no_imports():
-            saved = recorded_config(config_to_dict(config_from_dict(saved, plugins=False)))
+            saved = recorded_config(config_to_dict(config_from_dict(as_it_ran(saved),
+                                                                    plugins=False)))
     except (OSError, yaml.YAMLError, ConfigError, ValueError, TypeError):
         return None  # unreadable: resuming or rerunning it reports the problem
     a, b = _flatten(saved), _flatten(asked)

@@ -34,6 +34,7 @@ import torch
 import yaml
 
 from fedloom import bounded
+from fedloom.accounting import as_it_ran
 from fedloom.aggregate.base import recorded_config
 from fedloom.config import Config, ConfigError, config_to_dict, load_config, safe_load_bounded
 from fedloom.data.sources import Dataset
@@ -217,13 +218,12 @@ def _same_but_rounds(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
-    """A run directory's saved config with today's defaults filled in: a run made
-    before a setting existed resumes (a new setting's default is the behaviour from
-    before it; a moved default, as it ran: recorded_config). One that no longer loads
-    (a renamed or removed key, a component given as an object) is compared as it is,
-    and so differs, but for the names of fedloom's classes that moved (moved_objects)."""
+    """A saved config with today's defaults filled in (a new setting's default is the
+    behaviour from before it; a moved default, as it ran: recorded_config, as_it_ran).
+    One that no longer loads (a renamed or removed key, an object) is compared as it
+    is, and so differs, but for the names of fedloom's classes that moved."""
     try:
-        return recorded_config(config_to_dict(load_config(saved)))  # options as they ran
+        return recorded_config(config_to_dict(load_config(as_it_ran(saved))))
     except (ConfigError, TypeError, ValueError):
         return moved_objects(saved)
 
