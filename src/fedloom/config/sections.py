@@ -231,7 +231,10 @@ class MethodConfig:
 @dataclass
 class ClientConfig:
     """Local training. ``lr`` stays a key of its own, not an option of the method: it is
-    the step size every comparison tunes, for every method."""
+    the step size every comparison tunes, for every method. So do ``prox_mu`` (FedProx's
+    μ) and ``weight_decay``: suites and tuning spaces set them by a dotted key, which an
+    entry of ``client.transforms`` has not, and their terms take fixed places in the
+    step (before the method's own terms; the config's ``transforms`` come after them)."""
 
     lr: float = _f(0.01, gt=0)
     momentum: float = _f(0.0, ge=0, lt=1)
