@@ -2,7 +2,8 @@
 
 Central (``privacy.mode: central``): McMahan, Ramage, Talwar & Zhang, "Learning
 Differentially Private Recurrent Language Models" (ICLR 2018), Algorithm 1 with
-unit client weights and the fixed denominator ``m̄ = cohort.size``::
+unit client weights and the fixed denominator ``m̄ = cohort.size``, or Algorithm 1's
+``W = qN`` under ``cohort.sampling: poisson`` (an empty round releases ``ξ_t / m̄``)::
 
     Δ_t = (Σ_{k accepted} u_k · min(1, C_t/‖u_k‖₂) + ξ_t) / m̄,  ξ_t ~ N(0, σ_Δ² C_t² I_d)
 
@@ -12,17 +13,16 @@ Andrew, Thakkar, McMahan & Ramaswamy (NeurIPS 2021), the geometric update
 Local (``privacy.mode: local``): each client clips to ``C`` and adds
 ``N(0, z² C² I_d)`` before its feedback policy and compressor. ε: :mod:`fedloom.accounting`
 (``privacy.accountant``, ``privacy.neighbours``) at ``q = m̄/N`` (central; fixed-size
-cohorts) or ``Gaussian(z/2)`` over a client's rounds (local); ``noise_multiplier:
+or Poisson sampling) or ``Gaussian(z/2)`` over a client's rounds (local); ``noise_multiplier:
 auto`` solves z for ``target_epsilon`` (:func:`resolve_noise`).
 
 Public code checked: TF Privacy's ``QuantileEstimatorQuery`` (the same count,
 denominator, clamp and update); Flower 1.42's noise std ``z·C/m`` and adaptive
 ``σ_Δ`` equal ours to 1e-15 (tests/test_privacy.py). Departures from Flower's
 adaptive strategy: the count is of unclipped updates (as the paper), and the
-noise is scaled to ``C_t``, not ``C_{t+1}``.
-
-Assumptions, what is and is not private, composition with compression and
-secure aggregation, and measurements: docs/explanation/methods.md (Privacy in detail).
+noise is scaled to ``C_t``, not ``C_{t+1}``. Assumptions, what is and is not private,
+composition with compression and secure aggregation, measurements:
+docs/explanation/methods.md (Privacy in detail), docs/howto/privacy.md.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from fedloom.config import ConfigError
 from fedloom.rng import Purpose, torch_gen
 
 __all__ = ["Accounting", "AdaptiveClip", "Privacy", "check_secure_aggregation", "clip_update",
-           "epsilon_central", "epsilon_local", "l2_norm", "make_privacy", "resolve_noise",
-           "solve_noise"]
+           "epsilon_central", "epsilon_local", "l2_norm", "make_privacy", "poisson_rate",
+           "resolve_noise", "solve_noise"]
 
 log = logging.getLogger("fedloom")
 
@@ -145,19 +145,26 @@ class Accounting:
     replace_one), and the deployment accounted for (pfl's ``noise_scale``): ``cohort``
     clients of ``population`` a round (None: the run's own). The noise of the sum is
     then scaled by ``m̄/cohort``, so the mean carries the deployment's noise
-    ``z·C/cohort`` and ε is that of rate ``cohort/population``."""
+    ``z·C/cohort`` and ε is that of rate ``cohort/population``. ``poisson_rate``: the
+    cohort is Poisson-sampled at this q (``cohort.sampling: poisson``; None: fixed-size)."""
 
     kind: str = "pld"
     neighbours: str = "add_remove"
     population: int | None = None
     cohort: int | None = None
+    poisson_rate: float | None = None
+
+    @property
+    def sampling(self) -> str:
+        """The accountant's sampling: ``poisson`` or ``fixed``."""
+        return "fixed" if self.poisson_rate is None else "poisson"
 
 
 class Privacy:
     """The DP mechanism of a run (module docstring). ``mode="none"`` does nothing."""
 
     def __init__(self, mode: str, *, clip: float, noise_multiplier: float, delta: float,
-                 cohort_size: int, num_clients: int, seed: int,
+                 cohort_size: float, num_clients: int, seed: int,
                  target_epsilon: float | None = None,
                  adaptive: AdaptiveClip | None = None,
                  accounting: Accounting = Accounting()) -> None:
@@ -170,9 +177,9 @@ class Privacy:
         self.cohort_size, self.num_clients, self.seed = cohort_size, num_clients, seed
         self.target_epsilon, self.adaptive = target_epsilon, adaptive
         self.accounting = accounting
-        # fedloom's sampler draws a fixed-size cohort without replacement
-        self.accountant = _accountant(accounting.kind, "fixed", accounting.neighbours,
-                                      used=mode != "none")
+        # fixed: a cohort of m̄ drawn without replacement; poisson: m̄ = qN, expected
+        self.accountant = _accountant(accounting.kind, accounting.sampling,
+                                      accounting.neighbours, used=mode != "none")
         self.rate, self.noise_scale = _rate(mode, cohort_size, num_clients, accounting)
         self.sigma = self.z
         if adaptive is not None and self.z > 0:
@@ -190,9 +197,13 @@ class Privacy:
             return {"accountant": self.accounting.kind, "unit": "a client's messages",
                     "neighbours": "any two inputs of a client (Gaussian, sensitivity 2C)",
                     "composition": "the most rounds one client took part in"}
+        poisson = self.accounting.poisson_rate is not None
         out: dict[str, Any] = {
             "accountant": self.accounting.kind, "neighbours": self.accounting.neighbours,
-            "sampling": "fixed-size, without replacement", "rate": self.rate}
+            "sampling": "poisson" if poisson else "fixed-size, without replacement",
+            "rate": self.rate}
+        if poisson:  # DP-FedAvg's fixed denominator: the expected cohort qN
+            out["denominator"] = self.cohort_size
         if self.accounting.population is not None or self.accounting.cohort is not None:
             # a deployment accounted for: its population and cohort, the noise's scale
             out.update(population=self.accounting.population or self.num_clients,
@@ -341,15 +352,19 @@ class Privacy:
         return agg, new_state, metrics
 
 
-def _rate(mode: str, cohort_size: int, num_clients: int,
+def _rate(mode: str, cohort_size: float, num_clients: int,
           accounting: Accounting) -> tuple[float, float]:
     """The sampling rate accounted for and the scale of the simulated noise (1, or
-    ``m̄/accounting.cohort``: pfl's noise_scale)."""
+    ``m̄/accounting.cohort``: pfl's noise_scale); Poisson's q itself where no
+    deployment is accounted for."""
     if mode == "local":
         if accounting.population is not None or accounting.cohort is not None:
             raise ConfigError("privacy.accounting_cohort: central mode only (a client's "
                               "local noise is its own, whatever the cohort)")
         return 1.0, 1.0
+    if (accounting.poisson_rate is not None and accounting.population is None
+            and accounting.cohort is None):
+        return accounting.poisson_rate, 1.0
     population = accounting.population or num_clients
     cohort = accounting.cohort or cohort_size
     if cohort < cohort_size:
@@ -361,9 +376,25 @@ def _rate(mode: str, cohort_size: int, num_clients: int,
     return min(1.0, cohort / population), cohort_size / cohort
 
 
-def _accounting_of(cfg: Any) -> Accounting:
+def poisson_rate(cohort: Any, num_clients: int) -> float | None:
+    """The ``cohort`` section's Poisson rate q over ``num_clients`` clients: ``cohort.rate``,
+    else ``cohort.size / num_clients`` (at most 1); None under ``sampling: fixed``."""
+    if cohort.sampling != "poisson":
+        return None
+    return float(cohort.rate) if cohort.rate is not None else min(1.0, cohort.size / num_clients)
+
+
+def _accounting_of(cfg: Any, num_clients: int) -> Accounting:
     p = cfg.privacy
-    return Accounting(p.accountant, p.neighbours, p.accounting_population, p.accounting_cohort)
+    return Accounting(p.accountant, p.neighbours, p.accounting_population, p.accounting_cohort,
+                      poisson_rate(cfg.cohort, num_clients))
+
+
+def _denominator(cfg: Any, num_clients: int) -> float:
+    """DP-FedAvg's fixed denominator m̄: ``cohort.size``, or the expected cohort ``qN``
+    under Poisson sampling (McMahan et al. 2018, Algorithm 1)."""
+    q = poisson_rate(cfg.cohort, num_clients)
+    return cfg.cohort.size if q is None else q * num_clients
 
 
 def solve_noise(cfg: Any, num_clients: int) -> float:
@@ -374,14 +405,14 @@ def solve_noise(cfg: Any, num_clients: int) -> float:
     if p.target_epsilon is None:
         raise ConfigError("privacy.noise_multiplier: auto solves for privacy.target_epsilon; "
                           "give it, or a number")
-    acct = _accounting_of(cfg)
-    rate, _ = _rate(p.mode, cfg.cohort.size, num_clients, acct)
+    acct = _accounting_of(cfg, num_clients)
+    rate, _ = _rate(p.mode, _denominator(cfg, num_clients), num_clients, acct)
     try:
         if p.mode == "local":  # Gaussian(z/2), composed over the rounds
             z = 2 * _accountant(acct.kind, "poisson", "add_remove").noise(
                 1.0, cfg.rounds, p.target_epsilon, p.delta)
         else:
-            z = _accountant(acct.kind, "fixed", acct.neighbours).noise(
+            z = _accountant(acct.kind, acct.sampling, acct.neighbours).noise(
                 rate, cfg.rounds, p.target_epsilon, p.delta)
     except ValueError as e:
         raise ConfigError(f"privacy.target_epsilon: {e}") from None
@@ -412,7 +443,7 @@ def make_privacy(cfg: Any, num_clients: int) -> Privacy:
     would spend more."""
     p = cfg.privacy
     a = p.adaptive_clip
-    acct = _accounting_of(cfg)
+    acct = _accounting_of(cfg, num_clients)
     z = p.noise_multiplier
     if z == "auto":  # a config not resolved by fedloom.engine.build
         z = solve_noise(cfg, num_clients) if p.mode != "none" else 0.0
@@ -420,10 +451,11 @@ def make_privacy(cfg: Any, num_clients: int) -> Privacy:
     if p.mode != "none" and a.enabled:
         # the deployment's count noise (σ_b = its cohort / 20), scaled as the update's
         sd = (a.count_stddev if a.count_stddev is not None
-              else (acct.cohort or cfg.cohort.size) / 20)
+              else (acct.cohort or _denominator(cfg, num_clients)) / 20)
         adaptive = AdaptiveClip(a.target_quantile, a.lr, sd)
     priv = Privacy(p.mode, clip=p.clip, noise_multiplier=z, delta=p.delta,
-                   cohort_size=cfg.cohort.size, num_clients=num_clients, seed=cfg.seed,
+                   cohort_size=_denominator(cfg, num_clients), num_clients=num_clients,
+                   seed=cfg.seed,
                    target_epsilon=p.target_epsilon, adaptive=adaptive, accounting=acct)
     if p.max_epsilon is not None and priv.enabled:
         planned = priv.planned_epsilon(cfg.rounds)

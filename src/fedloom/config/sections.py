@@ -200,9 +200,20 @@ class SelectionConfig:
 
 @dataclass
 class CohortConfig:
+    """Who trains in a round. ``sampling: fixed``: ``size`` clients chosen by ``selection``;
+    ``poisson``: each client independently with probability ``rate`` (default
+    ``size / data.num_clients``), so the cohort's size varies, 0 included, around the
+    expected ``rate · N`` (DP-FedAvg's denominator; uniform selection only)."""
+
     size: int = _f(10, ge=1)
     # Who of the available clients trains in a round (default: uniformly at random).
     selection: SelectionConfig = field(default_factory=SelectionConfig)
+    # fixed: `size` clients a round, chosen by `selection`; poisson: each client
+    # independently with probability `rate` (docs/howto/privacy.md, Poisson sampling)
+    sampling: Literal["fixed", "poisson"] = "fixed"
+    # q of poisson sampling, whose expected cohort q·N is DP-FedAvg's denominator;
+    # None: size / data.num_clients
+    rate: float | None = _f(None, gt=0, le=1)
 
 
 @dataclass

@@ -59,7 +59,7 @@ from fedloom.engine.trainers.backends import Backend
 from fedloom.engine.values import Algorithm, Federation, LocalUpdate, Runtime
 from fedloom.hooks import ClientMetric, planner_from_config
 from fedloom.params import Layout, training_mode
-from fedloom.privacy import Privacy, make_privacy
+from fedloom.privacy import Privacy, make_privacy, poisson_rate
 from fedloom.registry import accepted_options, build, get
 from fedloom.rng import Purpose, derive_seed, forked_rng, numpy_gen, torch_gen
 from fedloom.selection.checks import check_selector
@@ -125,6 +125,7 @@ def bind(algorithm: Algorithm, federation: Federation, runtime: Runtime,
     algo = _components(algorithm, trainer, space.layout)
     n = fed.num_clients
     refusals.check_full_participation(record, algo.aggregator, n)
+    refusals.check_poisson(record, federation.selector, algo.aggregator)
     system = make_system(federation.system_settings, runtime.seed, n, loc.batch_size,
                          federation.cohort,
                          full_participation=aggregator_caps(algo.aggregator).full_participation)
@@ -152,7 +153,8 @@ def bind(algorithm: Algorithm, federation: Federation, runtime: Runtime,
     clients = ClientData(fed, x, y, new_store, fields)
     selector = federation.selector
     refusals.check_selection_scope(record, selector, privacy)
-    schedule = Schedule(runtime.seed, rounds, federation.cohort, n, loc, system, selector)
+    schedule = Schedule(runtime.seed, rounds, federation.cohort, n, loc, system, selector,
+                        poisson_rate(record.cohort, n))
     rules = dataclasses.replace(algorithm.screening, private=privacy.enabled)
     x_test = _to_run(fed.x_test, dtype, device)
     evaluator = Evaluator(space, clients, x_test, fed.y_test.to(device), evaluation,

@@ -33,6 +33,7 @@ from fedloom.engine.clientfields import ClientFields
 from fedloom.params import Layout
 from fedloom.rng import Purpose, numpy_gen
 from fedloom.selection import Feedback, Uniform
+from fedloom.selection.uniform import poisson_cohort
 from fedloom.state import ClientStateStore
 
 __all__ = ["ClientData", "HookView", "ModelSpace", "Schedule", "ScreenRules", "StepSizes"]
@@ -79,8 +80,8 @@ class ClientData:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Round ``r``'s cohort (chosen by the run's client selector, :mod:`fedloom.selection`)
-    and local step size."""
+    """Round ``r``'s cohort (chosen by the run's client selector, :mod:`fedloom.selection`,
+    or with ``rate`` by Poisson sampling) and local step size."""
 
     seed: int
     rounds: int
@@ -89,6 +90,8 @@ class Schedule:
     client: StepSizes
     system: Any = None  # fedloom.system.SystemModel, or None when off
     selector: Any = None  # a fedloom.selection.Selector; None: uniform
+    # cohort.sampling poisson: each client with probability `rate`; None: fixed-size
+    rate: float | None = None
 
     @property
     def chooser(self) -> Any:
@@ -111,7 +114,10 @@ class Schedule:
         gen = numpy_gen(self.seed, r, -1, Purpose.COHORT)
         # {}: a state from before selectors (an older checkpoint, a caller's RunState)
         state = state or self.initial_selection()
-        ids, new = self.chooser.select(r, self.candidates(r), self.cohort_size, state, gen)
+        if self.rate is not None:  # Poisson sampling: the uniform selector's state is {}
+            ids, new = poisson_cohort(self.candidates(r), self.num_clients, self.rate, gen), state
+        else:
+            ids, new = self.chooser.select(r, self.candidates(r), self.cohort_size, state, gen)
         return torch.from_numpy(np.sort(np.asarray(ids, dtype=np.int64))).long(), new
 
     def observe(self, state: dict[str, Any], feedback: Feedback) -> dict[str, Any]:

@@ -17,9 +17,11 @@ from fedloom.buffers import has_batch_statistics, trains_on_one_sample
 from fedloom.capabilities import aggregator_caps, feedback_caps, selector_caps
 from fedloom.config import BackendConfig, Config, ConfigError
 from fedloom.privacy import check_privacy, check_secure_aggregation
+from fedloom.selection import Uniform
 
 __all__ = ["check_amp_dtype", "check_buffers_privacy", "check_cohort_size",
-           "check_full_participation", "check_one_sample_batches", "check_privacy_sampling",
+           "check_full_participation", "check_one_sample_batches", "check_poisson",
+           "check_privacy_sampling",
            "check_privacy_scope", "check_selection_scope", "check_vmap_random"]
 
 
@@ -67,6 +69,28 @@ def check_full_participation(cfg: Config, aggregator: Any, num_clients: int) -> 
             f"cohort.size: {cfg.aggregator.name} needs every client in every round; set "
             f"cohort.size={num_clients}"
         )
+
+
+def check_poisson(cfg: Config, selector: Any, aggregator: Any) -> None:
+    """``cohort.sampling: poisson`` draws each client independently (the uniform
+    selector's place): no other selector, no rule that needs every client, no
+    event-driven mode; ``cohort.rate`` is its rate only."""
+    c = cfg.cohort
+    if c.sampling != "poisson":
+        if c.rate is not None:
+            raise ConfigError("cohort.rate: the rate of cohort.sampling: poisson; with "
+                              "sampling fixed the cohort is cohort.size clients")
+        return
+    if not isinstance(selector, Uniform | None) or c.selection.name != "uniform":
+        raise ConfigError(f"cohort.selection.name: {c.selection.name} chooses a cohort of "
+                          "cohort.size; cohort.sampling: poisson takes each client "
+                          "independently (cohort.selection: uniform)")
+    if aggregator_caps(aggregator).full_participation:
+        raise ConfigError(f"cohort.sampling: poisson draws cohorts of varying size; "
+                          f"{cfg.aggregator.name} needs every client in every round")
+    if cfg.system.mode != "sync":
+        raise ConfigError(f"cohort.sampling: poisson draws a round's cohort; system.mode "
+                          f"{cfg.system.mode} dispatches clients one by one")
 
 
 def check_privacy_sampling(privacy: Any, system: Any) -> None:

@@ -239,7 +239,7 @@ def uplink_round(algo: Algorithm, post: Sequence[Postprocessor], rules: ScreenRu
             stage(res, r)
         if isinstance(stage, LocalPrivacyStage):
             dp_clipped = stage.clipped
-    if early is not None and not early.complete(results):
+    if early is not None and (not results or not early.complete(results)):
         early = None
     refused = _screen_dense(rules, results, early)
     ups = [_send(algo, schedule, st, plan, res, i, len(results), refused, early)
@@ -268,6 +268,8 @@ def _screen_dense(rules: ScreenRules, results: Sequence[ClientResult],
     client: its norm, which is finite exactly when the update is (and its float64
     norm does not overflow: an absurd update all the same)."""
     refused: dict[int, str] = {}
+    if not results:  # an empty cohort (Poisson sampling) or every client dropped
+        return refused
     # a norm taken as the result arrived is the same number: row_norms takes each
     # vector's on its own
     norms = (torch.cat([early.norms[i] for i in range(len(results))]) if early is not None
