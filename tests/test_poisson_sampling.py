@@ -15,11 +15,12 @@ import torch
 
 import fedloom
 from conftest import TINY, stop_and_resume
-from fedloom.config import ConfigError, load_config
+from fedloom.config import ClientConfig, ConfigError, SystemConfig, load_config
 from fedloom.engine.experiment import Experiment
 from fedloom.engine.inputs import Schedule
 from fedloom.privacy import make_privacy
 from fedloom.rng import Purpose, torch_gen
+from fedloom.system import System
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "privacy_reference.json").read_text())
 POISSON = ["cohort.sampling=poisson"]
@@ -64,6 +65,30 @@ def test_cohorts_are_a_function_of_seed_and_round():
         assert np.array_equal(np.flatnonzero(a[r]), sched.sample_cohort(r).numpy())
     assert not np.array_equal(a, _inclusions(0.3, 50, 20, seed=1))
     assert _inclusions(1.0, 7, 3).all()
+
+
+def test_under_availability_the_draw_is_among_the_available_clients():
+    """Round r's cohort under ``system.availability`` is the available clients of the
+    cohort drawn without it: a client's draw does not depend on who else is up."""
+    n, q = 40, 0.3
+    for seed in (0, 5):
+        sysm = System(SystemConfig(availability=0.5), seed, n, 8, 10)
+        with_avail = Schedule(seed, 12, 10, n, ClientConfig(), sysm, rate=q)
+        plain = Schedule(seed, 12, 10, n, ClientConfig(), rate=q)
+        for r in range(12):
+            got = with_avail.sample_cohort(r).numpy()
+            assert np.array_equal(got, np.intersect1d(plain.sample_cohort(r).numpy(),
+                                                      sysm.available_ids(r)))
+
+
+def test_availability_is_refused_under_central_dp_only(tiny):
+    """The accountant's q is each client's inclusion probability in every round, which
+    availability breaks: central mode refuses it in one line; local mode runs."""
+    avail = [*POISSON, "system.availability=0.6"]
+    with pytest.raises(ConfigError, match=r"^system\.availability: .*privacy\.mode=central"):
+        fedloom.run(tiny, [*avail, *DP])
+    res = fedloom.run(tiny, [*avail, *DP[1:], "privacy.mode=local"])
+    assert all(m["cohort_size"] <= 10 for m in res.metrics)
 
 
 def test_the_rate_defaults_to_size_over_n_and_is_refused_under_fixed(tiny):
