@@ -20,6 +20,7 @@ from fedloom.engine.experiment import Experiment
 from fedloom.engine.inputs import Schedule
 from fedloom.privacy import make_privacy
 from fedloom.rng import Purpose, torch_gen
+from fedloom.runtable import summary_rows
 from fedloom.system import System
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "privacy_reference.json").read_text())
@@ -98,6 +99,10 @@ def test_the_rate_defaults_to_size_over_n_and_is_refused_under_fixed(tiny):
     assert [m["cohort_size"] for m in res.metrics] != [4, 4, 4]  # q = 4/10, sizes vary
     with pytest.raises(ConfigError, match=r"^cohort\.rate: .*poisson"):
         fedloom.run(tiny, ["cohort.rate=0.5"])
+    rows = dict(summary_rows(res.summary, cfg))
+    assert rows["cohort sampling"] == "poisson, rate cohort.size / N = 4/N"
+    assert dict(summary_rows(res.summary, load_config(tiny, [*POISSON, "cohort.rate=0.25"]))
+                )["cohort sampling"] == "poisson, rate 0.25"
 
 
 @pytest.mark.parametrize(("extra", "field"), [

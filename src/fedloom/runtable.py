@@ -39,12 +39,17 @@ def _fmt_device(s: dict[str, Any]) -> str:
 
 
 def _mode_rows(s: dict[str, Any], cfg: Config) -> list[tuple[str, str]]:
-    """What the run's mode measured: a selector other than uniform sampling, the
-    simulated time and staleness of a system model or an event mode, and a language
-    model's tokens per second and peak memory (the process's peak RSS on the CPU)."""
+    """What the run's mode measured: a selector other than uniform sampling, Poisson
+    sampling and its rate, the simulated time and staleness of a system model or an
+    event mode, and a language model's tokens per second and peak memory (the
+    process's peak RSS on the CPU)."""
     rows: list[tuple[str, str]] = []
     if cfg.cohort.selection.name != "uniform":
         rows.append(("selector", cfg.cohort.selection.name))
+    if cfg.cohort.sampling == "poisson":
+        q = cfg.cohort.rate
+        rows.append(("cohort sampling", f"poisson, rate {q:g}" if q is not None else
+                     f"poisson, rate cohort.size / N = {cfg.cohort.size}/N"))
     if "sim_time_s" in s:
         rows.append(("simulated time", f"{s['sim_time_s']:.4g} s"))
     if "staleness_mean" in s:
