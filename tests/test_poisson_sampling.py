@@ -18,7 +18,7 @@ from conftest import TINY, stop_and_resume
 from fedloom.config import ClientConfig, ConfigError, SystemConfig, load_config
 from fedloom.engine.experiment import Experiment
 from fedloom.engine.inputs import Schedule
-from fedloom.privacy import make_privacy
+from fedloom.privacy import make_privacy, resolve_noise
 from fedloom.rng import Purpose, torch_gen
 from fedloom.runtable import summary_rows
 from fedloom.system import System
@@ -216,3 +216,18 @@ def test_epsilon_at_the_issues_example_is_pfls_poisson_pld(tiny):
         assert priv.record()["sampling"] == "poisson" and priv.rate == 0.01
         assert priv.cohort_size == pytest.approx(100)
         assert priv.planned_epsilon(2000) == pytest.approx(row["pfl_pld"], abs=1e-6)
+
+
+def test_noise_auto_solves_on_the_poisson_accountant(tiny):
+    """``noise_multiplier: auto`` for ε = 3 at q = 0.01 (cohort.rate), T = 2,000,
+    δ = 1e-6 by RDP: pfl's and Opacus's RDP noise for Poisson sampling to 1 %
+    (the reference JSON); fixed-size sampling would need about twice as much."""
+    row = next(e for e in REFERENCE["noise"]
+               if (e["q"], e["T"], e["epsilon"], e["delta"]) == (0.01, 2000, 3.0, 1e-6))
+    cfg = load_config(tiny, [*POISSON, "cohort.rate=0.01", "privacy.mode=central",
+                             "privacy.noise_multiplier=auto", "privacy.target_epsilon=3",
+                             "privacy.delta=1e-6", "privacy.accountant=rdp", "rounds=2000",
+                             "data.num_clients=10000"])
+    z = resolve_noise(cfg).privacy.noise_multiplier
+    assert z == pytest.approx(row["pfl_rdp"], rel=0.01)
+    assert z == pytest.approx(row["opacus_rdp"], rel=0.01)
