@@ -231,3 +231,13 @@ def test_noise_auto_solves_on_the_poisson_accountant(tiny):
     z = resolve_noise(cfg).privacy.noise_multiplier
     assert z == pytest.approx(row["pfl_rdp"], rel=0.01)
     assert z == pytest.approx(row["opacus_rdp"], rel=0.01)
+
+
+def test_secagg_on_flower_refuses_poisson_sampling(tiny):
+    """Flower's SecAgg+ path skips a round nobody reported to (no masked sum to noise):
+    Poisson sampling, whose empty rounds must release noise, is refused in one line."""
+    pytest.importorskip("flwr")
+    from fedloom.integrations.secagg import check_secagg_scope
+
+    with pytest.raises(ConfigError, match=r"^cohort\.sampling: poisson is not wired to SecAgg"):
+        check_secagg_scope(load_config(tiny, ["server.secure_aggregation=true", *POISSON]))

@@ -16,8 +16,9 @@ instead of the clients' own parameters. This module is that path for fedloom:
   (``weighted: false``), which ``secaggplus_mod`` masks.
 
 Scope: ``server.secure_aggregation: true`` with ``fedavg``, a linear compressor,
-no error feedback, method ``sgd``, ``privacy.mode`` none, local or central without
-adaptive clipping, and ``model.buffers: keep_global``; anything else is one line.
+no error feedback, method ``sgd``, fixed-size cohorts, ``privacy.mode`` none, local
+or central without adaptive clipping, and ``model.buffers: keep_global``; anything
+else is one line.
 Departure: the protocol clips each value to ``±clipping_range`` and rounds it
 stochastically, so a run is not bit-for-bit reproducible: one round differs from
 ``fedloom run``'s by 6.2e-6 and 7.1e-6 max abs, under the bound 2.1e-5 (tests/test_flower.py).
@@ -82,6 +83,9 @@ def check_secagg_scope(cfg: Config, aggregator: Any = None, compressor: Any = No
     if cfg.client.method.name != "sgd":
         raise ConfigError(f"client.method.name: {cfg.client.method.name} is not wired to "
                           "SecAgg+ (sgd is)")
+    if cfg.cohort.sampling != "fixed":
+        raise ConfigError("cohort.sampling: poisson is not wired to SecAgg+ (a round with "
+                          "nobody sampled would release no noise; fixed is)")
     if cfg.privacy.mode == "central" and cfg.privacy.adaptive_clip.enabled:
         raise ConfigError("privacy.adaptive_clip.enabled: not wired to SecAgg+ (the clipped "
                           "count would need its own masked sum)")
