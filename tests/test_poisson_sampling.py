@@ -241,3 +241,32 @@ def test_secagg_on_flower_refuses_poisson_sampling(tiny):
 
     with pytest.raises(ConfigError, match=r"^cohort\.sampling: poisson is not wired to SecAgg"):
         check_secagg_scope(load_config(tiny, ["server.secure_aggregation=true", *POISSON]))
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
+def test_flowers_strategy_runs_poisson_cohorts_to_the_engines_model():
+    """Flower's simulation runtime (6 nodes, q = 0.2, seed 4: cohorts of 2, 0, 1, 2),
+    without and with central DP: the engine's model, the empty round included (30 s
+    each here, the Ray cluster's start included)."""
+    pytest.importorskip("flwr")
+    pytest.importorskip("ray")
+    from conftest import FLOWER_NODE_TIMEOUT_S, flower_simulation
+    from fedloom.config import config_to_dict
+    from fedloom.integrations.flower import FedloomStrategy, client_app, server_app
+
+    base = {"name": "flower", "seed": 4, "rounds": 4, "dtype": "float64",
+            "data": {"name": "synthetic", "num_clients": 6, "partition": {"name": "natural"},
+                     "max_samples": 4000},
+            "model": {"name": "mlp", "options": {"hidden": [10]}},
+            "cohort": {"size": 3, "sampling": "poisson", "rate": 0.2},
+            "client": {"lr": 0.05, "batch_size": 16, "epochs": 1}, "checkpoint": {"every": 0}}
+    for over in ([], ["privacy.mode=central", "privacy.clip=0.5",
+                      "privacy.noise_multiplier=0.2"]):
+        cfg = config_to_dict(load_config(base, over))
+        ref = fedloom.run(cfg)
+        assert [m["cohort_size"] for m in ref.metrics] == [2, 0, 1, 2]
+        strategy = FedloomStrategy(cfg, node_timeout=FLOWER_NODE_TIMEOUT_S)
+        flower_simulation(server_app(strategy), client_app(cfg), 6)
+        assert [m["cohort_size"] for m in strategy.history] == [2, 0, 1, 2]
+        assert torch.allclose(strategy.state.w, ref.w, rtol=0, atol=1e-12)
