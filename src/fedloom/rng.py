@@ -50,6 +50,8 @@ class Purpose(StrEnum):
     AUGMENT = "augment"      # training augmentation (random crops and flips)
     FEATURE = "feature"      # a client's feature skew (fedloom.data.feature)
     PROBE = "probe"          # the synthetic inputs plug-ins are checked on before round 1
+    AUDIT_MEMBERSHIP = "audit-membership"  # whether an audit's canary is in the run
+    AUDIT_CANARY = "audit-canary"          # the direction an audit's canary sends
 
 
 def derive_seed(seed: int, round: int = -1, client: int = -1, purpose: str = "") -> int:
