@@ -72,10 +72,11 @@ CASES: dict[str, list[str]] = {
             "compression.feedback=ef", "compression.adaptive=ffl"],
     "mismatch": ["compression.name=topk", "compression.options={ratio: 0.1}",
                  "compression.feedback=sapef", "metrics.mismatch=true"],
+    # the accounting pinned: the record's private runs were made under RDP, replace-one
     "central_dp": ["privacy.mode=central", "privacy.clip=1.0", "privacy.noise_multiplier=0.5",
-                   "server.lr=1.0"],
+                   "server.lr=1.0", "privacy.accountant=rdp", "privacy.neighbours=replace_one"],
     "local_dp": ["privacy.mode=local", "privacy.clip=1.0", "privacy.noise_multiplier=0.1",
-                 "server.lr=1.0"],
+                 "server.lr=1.0", "privacy.accountant=rdp", "privacy.neighbours=replace_one"],
     "attack": ["attack.name=sign_flip", "attack.fraction=0.3", "aggregator.name=median"],
     "system_partial": ["system.profile=lognormal", "system.speed=[300,1.0]",
                        "system.up_bps=[3e4,0.5]", "system.latency_s=0.1",
