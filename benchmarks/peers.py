@@ -12,7 +12,7 @@ initialisation, optimiser, cohorts, batch order and rounds:
   2024, arXiv 2404.06430; its ``benchmarks/image_classification`` baseline
   config): 1,000 clients × 50 images of 3 × 32 × 32, 50 a round, 1 epoch of
   batch 10, local SGD lr 0.1, central step 1 (FedAvg), its ``simple_cnn``
-  (fedloom's ``pfl_cnn``). CIFAR-10's training images from ``data.root`` /
+  (fedloom's ``pfl_cnn``). CIFAR-10's training images from ``data.options.root`` /
   ``$FEDLOOM_DATA`` where they are on disk (normalised with CIFAR-10's channel
   means and deviations), otherwise uniform random images of that shape
   labelled by a fixed random linear teacher (the page says which). Departure:

@@ -456,7 +456,7 @@ def test_sweep_failed_run_reports_the_rest_one_line_exit_1(tmp_path, capsys, thr
 
     def failing_run(cmd, **kw):  # the one run left to do exits 2, as `fedloom run` would
         calls.append(cmd)
-        return subprocess.CompletedProcess(cmd, 2, "", "fedloom: error: data.path: gone\n")
+        return subprocess.CompletedProcess(cmd, 2, "", "fedloom: error: data.options.path: gone\n")
 
     monkeypatch.setattr("fedloom.sweep.running.RUNNER", "subprocess")  # one process per run
     monkeypatch.setattr("fedloom.sweep.running.subprocess.run", failing_run)
@@ -465,7 +465,7 @@ def test_sweep_failed_run_reports_the_rest_one_line_exit_1(tmp_path, capsys, thr
     cap = capsys.readouterr()
     assert cap.err.strip().splitlines() == [
         "fedloom: error: 1 of 1 runs failed; first: digits/Median/seed1 failed: fedloom: "
-        "error: data.path: gone"]
+        "error: data.options.path: gone"]
     doc = (tmp_path / "doc" / "t.md").read_text()
     assert "| FedAvg |" in doc and "| Median |" not in doc and "1 of 2 runs have not" in doc
 

@@ -2,14 +2,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedloom.config import DataConfig, PartitionConfig, SyntheticConfig
+from fedloom.config import DataConfig, PartitionConfig
 from fedloom.data import DatasetUnavailable, build_federated, load_dataset
 from fedloom.data.sources import _fashion_available, _mnist_available, read_idx
 
 
 def test_synthetic_recipe_shapes_and_natural_split():
     cfg = DataConfig(name="synthetic", num_clients=12, partition=PartitionConfig(name="natural"),
-                     synthetic=SyntheticConfig(alpha=1.0, beta=1.0))
+                     options={"alpha": 1.0, "beta": 1.0})
     ds = load_dataset(cfg, seed=0)
     assert ds.x.shape[1:] == (60,) and ds.num_classes == 10
     sizes = np.bincount(ds.groups)

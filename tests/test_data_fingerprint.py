@@ -29,7 +29,7 @@ from fedloom.engine.runs.checkpoint import RunDirError
 from fedloom.engine.runs.datarecord import DATA_FILE, DataChangedError
 
 CFG = {"name": "user", "seed": 1, "rounds": 2,
-       "data": {"name": "csv", "path": "d.csv", "num_clients": 6,
+       "data": {"name": "csv", "options": {"path": "d.csv"}, "num_clients": 6,
                 "partition": {"name": "dirichlet", "options": {"alpha": 1.0, "min_samples": 5}}},
        "model": {"name": "mlp", "options": {"hidden": [8]}}, "cohort": {"size": 3},
        "client": {"lr": 0.1, "batch_size": 8}, "checkpoint": {"every": 1},
@@ -112,7 +112,7 @@ def test_resume_on_a_cut_csv_is_refused_then_allowed_and_noted(tmp_path, monkeyp
 
 
 # The config of a run given its data in Python (data.name names nothing then).
-_GIVEN = {k: v for k, v in CFG["data"].items() if k not in ("name", "path")}
+_GIVEN = {k: v for k, v in CFG["data"].items() if k not in ("name", "options")}
 
 
 def _stop_at_2(st, m):
@@ -189,7 +189,7 @@ def test_a_sweep_refuses_a_finished_run_trained_on_other_data(tmp_path, monkeypa
     data = tmp_path / "d.csv"
     _write_csv(data, X, y)
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(
-        {**CFG, "rounds": 1, "data": {**CFG["data"], "path": str(data)}}))
+        {**CFG, "rounds": 1, "data": {**CFG["data"], "options": {"path": str(data)}}}))
     suite = tmp_path / "suite.yaml"
     suite.write_text(yaml.safe_dump({
         "name": "t", "out": str(tmp_path / "runs"), "seeds": [1],

@@ -7,9 +7,11 @@ tree, an image folder and a parquet file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -47,8 +49,17 @@ def _write_cifar10_py(root: Path, per_batch: int = 4) -> dict[str, np.ndarray]:
             "test_x": xs[5], "test_y": np.array(ys[5])}
 
 
+def _data(name: str, **keys: Any) -> DataConfig:
+    """A data section: DataConfig's own keys, the others the source's options."""
+    own = {f.name for f in dataclasses.fields(DataConfig)}
+    return DataConfig(name=name, options={k: v for k, v in keys.items() if k not in own},
+                      **{k: v for k, v in keys.items() if k in own})
+
+
 def _cfg(root: Path, name: str, **kw: object) -> DataConfig:
-    return DataConfig(name=name, root=str(root), verify=False, **kw)  # type: ignore[arg-type]
+    # femnist checks no class counts: it takes no verify option
+    checks = {} if name == "femnist" else {"verify": False}
+    return _data(name, root=str(root), **checks, **kw)
 
 
 def test_cifar10_python_layout_pixels_labels_and_normalisation(tmp_path: Path) -> None:
@@ -107,7 +118,7 @@ def test_cifar100_fine_and_coarse_python_and_binary(tmp_path: Path) -> None:
 def test_cifar_verify_checks_the_published_class_counts(tmp_path: Path) -> None:
     _write_cifar10_py(tmp_path)
     with pytest.raises(DatasetUnavailable, match=r"expected 10 classes x 5000.*verify=false"):
-        load_dataset(DataConfig(name="cifar10", root=str(tmp_path)), 0)
+        load_dataset(_data("cifar10", root=str(tmp_path)), 0)
 
 
 def test_cifar_partial_directory_names_what_is_missing(tmp_path: Path) -> None:
@@ -225,7 +236,7 @@ def test_tiny_imagenet_tree(tmp_path: Path) -> None:
     assert ds.x.shape == (6, 3, 64, 64) and ds.y.tolist() == [0, 0, 0, 1, 1, 1]
     assert ds.y_test is not None and ds.y_test.tolist() == [0, 1, 0, 1]
     with pytest.raises(DatasetUnavailable, match=r"expected 200 classes x 500"):
-        load_dataset(DataConfig(name="tiny-imagenet", root=str(tmp_path)), 0)
+        load_dataset(_data("tiny-imagenet", root=str(tmp_path)), 0)
     (d / "val" / "images" / "val_2.JPEG").unlink()
     with pytest.raises(DatasetUnavailable, match=r"val_2.JPEG: listed in val_annotations"):
         load_dataset(_cfg(tmp_path, "tiny-imagenet"), 0)
@@ -237,22 +248,21 @@ def test_image_folder_layouts_and_bad_images(tmp_path: Path) -> None:
             _png(tmp_path / "flat" / cls / f"{j}.png", color)
             _png(tmp_path / "split" / "train" / cls / f"{j}.png", color)
         _png(tmp_path / "split" / "test" / cls / "t.png", color)
-    flat = load_dataset(DataConfig(name="image-folder", path=str(tmp_path / "flat")), 0)
+    flat = load_dataset(_data("image-folder", path=str(tmp_path / "flat")), 0)
     assert flat.y.tolist() == [0, 0, 0, 1, 1, 1] and flat.x_test is None
-    split = load_dataset(DataConfig(name="image-folder", path=str(tmp_path / "split")), 0)
+    split = load_dataset(_data("image-folder", path=str(tmp_path / "split")), 0)
     assert split.y_test is not None and split.y_test.tolist() == [0, 1]
     # normalised with the training part's own per-channel statistics: red is high in "cat"
     assert split.x[0, 0].mean() > 0 > split.x[3, 0].mean()
     _png(tmp_path / "flat" / "dog" / "big.png", (0, 0, 255), size=16)
-    with pytest.raises(DatasetUnavailable, match=r"big.png: image is 16x16.*data.image_size"):
-        load_dataset(DataConfig(name="image-folder", path=str(tmp_path / "flat")), 0)
-    resized = load_dataset(DataConfig(name="image-folder", path=str(tmp_path / "flat"),
-                                      image_size=12), 0)
+    with pytest.raises(DatasetUnavailable,
+                       match=r"big.png: image is 16x16.*data.options.image_size"):
+        load_dataset(_data("image-folder", path=str(tmp_path / "flat")), 0)
+    resized = load_dataset(_data("image-folder", path=str(tmp_path / "flat"), image_size=12), 0)
     assert resized.x.shape == (7, 3, 12, 12)
     (tmp_path / "flat" / "dog" / "broken.png").write_bytes(b"not an image")
     with pytest.raises(DatasetUnavailable, match=r"broken\.png: cannot decode"):
-        load_dataset(DataConfig(name="image-folder", path=str(tmp_path / "flat"),
-                                image_size=12), 0)
+        load_dataset(_data("image-folder", path=str(tmp_path / "flat"), image_size=12), 0)
 
 
 def test_hf_parquet_with_string_labels(tmp_path: Path) -> None:
@@ -267,18 +277,18 @@ def test_hf_parquet_with_string_labels(tmp_path: Path) -> None:
                           "species": [["b", "a"][i % 2] for i in range(n)]})
         (tmp_path / "pq").mkdir(exist_ok=True)
         pq.write_table(table, tmp_path / "pq" / f"{part}-00000-of-00001.parquet")
-    ds = load_dataset(DataConfig(name="hf", path=str(tmp_path / "pq"), image_column="features",
-                                 label="species"), 0)
+    ds = load_dataset(_data("hf", path=str(tmp_path / "pq"), image_column="features",
+                            label="species"), 0)
     assert ds.x.shape == (8, 5) and ds.x_test is not None and ds.x_test.shape == (4, 5)
     assert ds.y.tolist() == [1, 0] * 4 and ds.num_classes == 2  # "a" → 0, "b" → 1
     with pytest.raises(DatasetUnavailable, match=r"no column 'image'"):
-        load_dataset(DataConfig(name="hf", path=str(tmp_path / "pq"), label="species"), 0)
+        load_dataset(_data("hf", path=str(tmp_path / "pq"), label="species"), 0)
 
 
 def test_cli_missing_dataset_is_one_line_exit_2(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["run", "configs/quickstart.yaml", "data.name=cifar10", f"data.root={tmp_path}",
-                 "--out", str(tmp_path / "run"), "--quiet"])
+    code = main(["run", "configs/quickstart.yaml", "data.name=cifar10",
+                 f"data.options.root={tmp_path}", "--out", str(tmp_path / "run"), "--quiet"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert "neither cifar-10-batches-py/ nor cifar-10-batches-bin/" in err[0]
@@ -288,8 +298,9 @@ def test_cli_missing_dataset_is_one_line_exit_2(tmp_path: Path,
 def test_cli_runs_on_a_tiny_cifar_copy(tmp_path: Path) -> None:
     _write_cifar10_py(tmp_path, per_batch=8)
     out = tmp_path / "run"
-    code = main(["run", "configs/quickstart.yaml", "data.name=cifar10", f"data.root={tmp_path}",
-                 "data.verify=false", "data.num_clients=4", "data.partition=iid",
+    code = main(["run", "configs/quickstart.yaml", "data.name=cifar10",
+                 f"data.options.root={tmp_path}", "data.options.verify=false",
+                 "data.num_clients=4", "data.partition=iid",
                  "cohort.size=2", "rounds=1",
                  "model=cnn", "model.options.channels=[2,2]", "client.steps=1",
                  "checkpoint.every=0", "--out", str(out), "--quiet"])
@@ -351,14 +362,14 @@ def test_hf_saved_to_disk_grayscale_images_one_client_per_writer(tmp_path: Path)
                                         "writer_id": datasets.Value("string")}))
     ds.save_to_disk(str(tmp_path / "femnist"))
     # writers with 3..8 samples are eligible (w3: 5, w2: 4); both kept (num_clients 5)
-    cfg = DataConfig(name="hf", path=str(tmp_path / "femnist"), label="character",
-                     client="writer_id", min_samples=3, max_client_samples=8, num_clients=5)
+    cfg = _data("hf", min_samples=3, num_clients=5, path=str(tmp_path / "femnist"),
+                label="character", client="writer_id", max_client_samples=8)
     got = load_dataset(cfg, 0)
     assert got.x.shape == (9, 1, 28, 28) and got.natural
     assert got.groups is not None and np.bincount(got.groups).tolist() == [4, 5]  # w2, w3
     # one of the two eligible writers drawn when num_clients = 1, the same for a seed
-    one = DataConfig(name="hf", path=str(tmp_path / "femnist"), label="character",
-                     client="writer_id", min_samples=3, max_client_samples=8, num_clients=1)
+    one = _data("hf", min_samples=3, num_clients=1, path=str(tmp_path / "femnist"),
+                label="character", client="writer_id", max_client_samples=8)
     a, b = load_dataset(one, 7), load_dataset(one, 7)
     assert len(np.unique(a.groups)) == 1 and torch.equal(a.x, b.x)
 
@@ -366,11 +377,11 @@ def test_hf_saved_to_disk_grayscale_images_one_client_per_writer(tmp_path: Path)
 def test_relative_data_path_is_looked_up_under_the_data_root(tmp_path: Path) -> None:
     for cls, color in (("a", (255, 0, 0)), ("b", (0, 255, 0))):
         _png(tmp_path / "root" / "shapes" / cls / "0.png", color)
-    cfg = DataConfig(name="image-folder", path="shapes", root=str(tmp_path / "root"))
+    cfg = _data("image-folder", path="shapes", root=str(tmp_path / "root"))
     assert load_dataset(cfg, 0).y.tolist() == [0, 1]
-    with pytest.raises(DatasetUnavailable, match=r"data\.path: nowhere: no such file .*looked"):
-        load_dataset(DataConfig(name="image-folder", path="nowhere",
-                                root=str(tmp_path / "root")), 0)
+    with pytest.raises(DatasetUnavailable,
+                       match=r"data\.options\.path: nowhere: no such file .*looked"):
+        load_dataset(_data("image-folder", path="nowhere", root=str(tmp_path / "root")), 0)
 
 
 def test_missing_source_probe_and_datasets_listing(tmp_path: Path,
@@ -393,7 +404,7 @@ def _cifar_run(tmp_path: Path, *extra: str) -> torch.Tensor:
     import fedloom
 
     cfg = {"name": "aug", "seed": 3, "rounds": 2, "dtype": "float64",
-           "data": {"name": "cifar10", "root": str(tmp_path), "verify": False,
+           "data": {"name": "cifar10", "options": {"root": str(tmp_path), "verify": False},
                     "num_clients": 3, "partition": {"name": "iid"},
                     "test_fraction": 0.0},
            "model": {"name": "cnn", "options": {"channels": [2, 2]}}, "cohort": {"size": 2},

@@ -151,7 +151,7 @@ def test_the_config_page_lists_every_key(site):
     keys = list(_config_keys(Config))
     assert {"cohort.selection", "system.mode", "system.concurrency", "system.buffer",
             "system.staleness", "logging.plots", "model.options", "model.buffers",
-            "data.root", "data.image_size", "data.augment",
+            "data.options", "data.augment",
             "system.classes[].speed"} <= set(keys)
     assert [k for k in keys if k not in shown] == []
     # with the comment written at it in the source

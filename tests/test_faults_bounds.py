@@ -157,7 +157,7 @@ def test_a_csv_above_the_size_bound_is_refused_before_parsing(tmp_path, capsys, 
         raise AssertionError("parsed a file above the bound")
 
     monkeypatch.setattr("pandas.read_csv", never)
-    line = _run(tmp_path, capsys, *ROUND, *USER, "data.name=csv", f"data.path={path}")
+    line = _run(tmp_path, capsys, *ROUND, *USER, "data.name=csv", f"data.options.path={path}")
     assert line.startswith(f"fedloom: error: {path}: {size} bytes, above the bound of "
                            f"{size - 1} bytes for a CSV table"), line
 
@@ -176,7 +176,7 @@ def test_a_csv_header_wider_than_the_bound_is_refused_from_the_header(tmp_path, 
         raise AssertionError("parsed a file above the bound")
 
     monkeypatch.setattr("pandas.read_csv", never)
-    line = _run(tmp_path, capsys, *ROUND, *USER, "data.name=csv", f"data.path={path}")
+    line = _run(tmp_path, capsys, *ROUND, *USER, "data.name=csv", f"data.options.path={path}")
     assert line.startswith(f"fedloom: error: {path}: more than {MAX_CSV_COLUMNS} columns in "
                            "the header"), line
 
@@ -218,7 +218,7 @@ def test_a_csv_of_more_cells_than_the_bound_is_refused_before_parsing(tmp_path, 
     path = tmp_path / "d.csv"
     path.write_text("label," + ",".join(f"c{i}" for i in range(99_998)) + "\n" + "\n" * 1000)
     monkeypatch.setattr("pandas.read_csv", _never)
-    line = _run(tmp_path, capsys, *ROUND, *USER, "data.name=csv", f"data.path={path}")
+    line = _run(tmp_path, capsys, *ROUND, *USER, "data.name=csv", f"data.options.path={path}")
     assert line.startswith(
         f"fedloom: error: {path}: 99,999 columns × 1,000 rows = 99,999,000 cells, above the "
         f"bound of {MAX_CSV_CELLS:,} cells for a CSV table (fedloom.data.user.MAX_CSV_CELLS: "
@@ -236,7 +236,7 @@ def test_a_csv_whose_parse_would_not_fit_in_the_memory_left_is_refused_before_pa
     size = path.stat().st_size
     monkeypatch.setattr(user, "available_memory", lambda: 10_000)
     monkeypatch.setattr("pandas.read_csv", _never)
-    line = _run(tmp_path, capsys, *ROUND, *USER, "data.name=csv", f"data.path={path}")
+    line = _run(tmp_path, capsys, *ROUND, *USER, "data.name=csv", f"data.options.path={path}")
     assert line.startswith(f"fedloom: error: {path}: not enough memory to read the table: 3 "
                            f"columns × 200 rows ({size} bytes) take about "), line
     assert "to parse and 10000 bytes is available" in line, line
@@ -249,7 +249,7 @@ def test_a_csv_parse_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch):
         raise MemoryError
 
     monkeypatch.setattr("pandas.read_csv", oom)
-    line = _run(tmp_path, capsys, *ROUND, *USER, "data.name=csv", f"data.path={path}")
+    line = _run(tmp_path, capsys, *ROUND, *USER, "data.name=csv", f"data.options.path={path}")
     assert line.startswith(f"fedloom: error: {path}: not enough memory to read the table"), line
 
 
@@ -257,7 +257,7 @@ def test_a_wide_header_is_not_listed_whole_in_a_message(tmp_path, capsys):
     path = tmp_path / "wide.csv"
     path.write_text(",".join(f"column_{i}" for i in range(5000)) + "\n"
                     + ",".join("1" for _ in range(5000)) + "\n")
-    line = _run(tmp_path, capsys, *ROUND, *USER, "data.name=csv", f"data.path={path}")
+    line = _run(tmp_path, capsys, *ROUND, *USER, "data.name=csv", f"data.options.path={path}")
     assert f"{path}: no label column 'label'" in line
     assert "column_0, column_1" in line and "(5000 in all)" in line
     assert len(line) < 1000, len(line)

@@ -190,7 +190,8 @@ def test_csv_cells_that_are_no_float32_number_are_one_line_and_no_warning(tmp_pa
     with warnings.catch_warnings(record=True) as seen, deadline(20.0):
         warnings.simplefilter("always")
         p = cli_in_process([sys.executable, "-m", "fedloom.cli", "run", str(cfg),
-                            "data.name=csv", f"data.path={path}", "data.label=label",
+                            "data.name=csv", f"data.options.path={path}",
+                            "data.options.label=label",
                             "--out", str(tmp_path / "run"), "--quiet"])
     assert [str(w.message) for w in seen] == []
     err = err_lines(p)
@@ -205,7 +206,7 @@ def test_csv_inf_as_a_process_prints_only_the_error(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(CFG))
     p = subprocess.run([sys.executable, "-m", "fedloom.cli", "run", str(cfg), "data.name=csv",
-                        f"data.path={path}", "data.label=label", "--out",
+                        f"data.options.path={path}", "data.options.label=label", "--out",
                         str(tmp_path / "run"), "--quiet"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2

@@ -69,11 +69,11 @@ def _case(name, tmp_path):
         obj[:] = [list(r) for r in X]
         np.savez(npz, X=obj, y=y)
     if name.endswith("_npz"):
-        return ["data.name=npz", f"data.path={npz}"], None, None, str(npz)
+        return ["data.name=npz", f"data.options.path={npz}"], None, None, str(npz)
     if name == "latin1_csv":
         csv = tmp_path / "d.csv"
         csv.write_bytes(_csv_text(X, y).replace("f1", "caf\xe9", 1).encode("latin-1"))
-        return ["data.name=csv", f"data.path={csv}"], None, None, str(csv)
+        return ["data.name=csv", f"data.options.path={csv}"], None, None, str(csv)
     if name == "binary_yaml":
         cfg = tmp_path / "bin.yaml"
         cfg.write_bytes(bytes(range(256)) * 4)
@@ -123,8 +123,8 @@ def test_utf8_bom_csv_reads_as_without_bom(tmp_path):
     plain, bom = tmp_path / "plain.csv", tmp_path / "bom.csv"
     plain.write_text(_csv_text(X, y), encoding="utf-8")
     bom.write_bytes(b"\xef\xbb\xbf" + _csv_text(X, y).encode())
-    a = fedloom.run(TINY, [*ROUND, *USER, "data.name=csv", f"data.path={plain}"])
-    b = fedloom.run(TINY, [*ROUND, *USER, "data.name=csv", f"data.path={bom}"])
+    a = fedloom.run(TINY, [*ROUND, *USER, "data.name=csv", f"data.options.path={plain}"])
+    b = fedloom.run(TINY, [*ROUND, *USER, "data.name=csv", f"data.options.path={bom}"])
     assert a.summary["model_sha256"] == b.summary["model_sha256"]
 
 
@@ -165,4 +165,4 @@ def test_npz_member_damage_names_the_array(tmp_path):
     from fedloom.config import DataConfig
 
     with pytest.raises(DataError, match=r"array 'X' is unreadable \(BadZipFile"):
-        load_npz(DataConfig(name="npz", path=str(p)), 0)
+        load_npz(DataConfig(name="npz"), 0, path=str(p))

@@ -13,9 +13,10 @@ pytest.importorskip("peft", reason="the llm extra (peft) is not installed")
 import fedloom
 from conftest import stop_and_resume
 from fedloom.client.sgd import LocalSGD
-from fedloom.config import ConfigError, DataConfig, ModelConfig, TextConfig
+from fedloom.config import ConfigError, DataConfig, ModelConfig
 from fedloom.data.shakespeare import NUM_CHARS, encode_text, parse_play
-from fedloom.data.text import text, windows
+from fedloom.data.sources import load_dataset
+from fedloom.data.text import windows
 from fedloom.models import build_model
 from fedloom.params import Layout
 
@@ -48,8 +49,8 @@ def corpus(tmp_path_factory):
 def config(corpus, **over):
     cfg = {
         "rounds": 2, "seed": 0, "backend": "sequential",
-        "data": {"name": "text", "path": corpus, "partition": {"name": "natural"},
-                 "test_fraction": 0.25, "text": {"seq_len": 16, "min_chars": 200}},
+        "data": {"name": "text", "partition": {"name": "natural"}, "test_fraction": 0.25,
+                 "options": {"path": corpus, "seq_len": 16, "min_chars": 200}},
         "model": {"name": "hf_causal_lm", "options": {"config": dict(TINY), "lora": dict(LORA)}},
         "cohort": {"size": 2}, "client": {"lr": 0.5, "steps": 2, "batch_size": 4},
         "eval": {"every": 1}, "checkpoint": {"every": 0},
@@ -65,7 +66,8 @@ def tiny_model(seed=0):
 
 
 def test_text_windows_are_next_tokens_one_client_per_role(corpus):
-    ds = text(DataConfig(name="text", path=corpus, text=TextConfig(seq_len=16, min_chars=200)),
+    ds = load_dataset(DataConfig(name="text", options={"path": corpus, "seq_len": 16,
+                                                        "min_chars": 200}),
               seed=0)
     assert ds.x.shape[1:] == (16,) and ds.y.shape == ds.x.shape and ds.num_classes == NUM_CHARS
     assert len(set(ds.groups.tolist())) == len(ROLES)
@@ -155,7 +157,7 @@ def test_a_missing_gguf_file_is_one_line(corpus, tmp_path):
 
 
 def test_a_local_model_directory_and_its_tokenizer(corpus, tmp_path):
-    # model.options.path and data.text.tokenizer from a directory save_pretrained wrote (a
+    # model.options.path and data.options.tokenizer from a directory save_pretrained wrote (a
     # character-level fast tokenizer and a tiny Llama): the route of a real model, offline
     from tokenizers import Tokenizer, models
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -202,7 +204,8 @@ def test_full_loss_is_per_token(corpus):
     # the start loss of q-FedAvg, AFL and loss-driven selection: per label, as evaluate's
     from fedloom.metrics import evaluate
 
-    ds = text(DataConfig(name="text", path=corpus, text=TextConfig(seq_len=16, min_chars=200)),
+    ds = load_dataset(DataConfig(name="text", options={"path": corpus, "seq_len": 16,
+                                                        "min_chars": 200}),
               seed=0)
     module = tiny_model()
     layout = Layout.from_module(module)
@@ -279,16 +282,16 @@ def test_a_gguf_file_loads_frozen_with_adapters(corpus, tmp_path):
 
 
 def test_a_gguf_files_own_tokenizer_makes_the_windows(corpus, tmp_path):
-    # data.text.tokenizer and model.options.gguf_file naming one file, as for a published
+    # data.options.tokenizer and model.options.gguf_file naming one file, as for a published
     # GGUF model: the windows are the file's token ids (a character vocabulary here,
     # "▁" the space, as sentencepiece spells it)
     pytest.importorskip("gguf", reason="GGUF files need the gguf package (the llm extra)")
     chars = sorted(set("".join(ROLES.values())) - {" "})
     tokens = ["<unk>", "<s>", "</s>", "\u2581", *chars]
     _tiny_gguf(tmp_path / "tok.gguf", tokens=tokens)
-    cfg = DataConfig(name="text", path=corpus, text=TextConfig(
-        seq_len=16, min_chars=200, tokenizer=str(tmp_path / "tok.gguf")))
-    ds = text(cfg, seed=0)
+    cfg = DataConfig(name="text", options={"path": corpus, "seq_len": 16, "min_chars": 200,
+                                           "tokenizer": str(tmp_path / "tok.gguf")})
+    ds = load_dataset(cfg, seed=0)
     assert ds.num_classes == len(tokens)
     first = sorted(ROLES)[0]
     speech = parse_play(open(f"{corpus}/a_gut.txt").read())[first]
@@ -317,8 +320,8 @@ def test_partitioners_apply_to_windows(corpus):
     from fedloom.data.federated import build_federated
     from fedloom.data.heterogeneity import class_counts
 
-    base = DataConfig(name="text", path=corpus, text=TextConfig(seq_len=16, min_chars=200))
-    ds = text(base, seed=0)
+    base = DataConfig(name="text", options={"path": corpus, "seq_len": 16, "min_chars": 200})
+    ds = load_dataset(base, seed=0)
     natural = build_federated(ds, DataConfig(**{**base.__dict__,
                                                 "partition": PartitionConfig(name="natural")}), 0)
     assert natural.num_clients == len(ROLES)
@@ -334,12 +337,12 @@ def test_partitioners_apply_to_windows(corpus):
 def test_an_absent_tokenizer_is_one_line(corpus, tmp_path):
     from fedloom.data import DatasetUnavailable
 
-    cfg = DataConfig(name="text", path=corpus, text=TextConfig(tokenizer=str(tmp_path / "no")))
-    with pytest.raises(DatasetUnavailable, match=r"^data\.text\.tokenizer: no such directory"):
-        text(cfg, seed=0)
-    cfg.text.tokenizer = str(tmp_path / "no.gguf")
-    with pytest.raises(DatasetUnavailable, match=r"^data\.text\.tokenizer: no such file"):
-        text(cfg, seed=0)
+    cfg = DataConfig(name="text", options={"path": corpus, "tokenizer": str(tmp_path / "no")})
+    with pytest.raises(DatasetUnavailable, match=r"^data\.options\.tokenizer: no such directory"):
+        load_dataset(cfg, seed=0)
+    cfg.options["tokenizer"] = str(tmp_path / "no.gguf")
+    with pytest.raises(DatasetUnavailable, match=r"^data\.options\.tokenizer: no such file"):
+        load_dataset(cfg, seed=0)
 
 
 def test_rank_zero_trains_every_parameter():

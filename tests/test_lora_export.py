@@ -36,8 +36,8 @@ TINY = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
 def config(corpus, rank=2):
     return {
         "rounds": 2, "seed": 0, "backend": {"name": "sequential", "threads": 1},
-        "data": {"name": "text", "path": corpus, "partition": {"name": "natural"},
-                 "test_fraction": 0.25, "text": {"seq_len": 16, "min_chars": 200}},
+        "data": {"name": "text", "partition": {"name": "natural"}, "test_fraction": 0.25,
+                 "options": {"path": corpus, "seq_len": 16, "min_chars": 200}},
         "model": {"name": "hf_causal_lm", "options": {
             "config": dict(TINY), "lora": {"r": rank, "alpha": 4, "dropout": 0.0,
                                            "target_modules": ["q_proj", "v_proj"]}}},
@@ -178,11 +178,11 @@ def test_a_missing_package_is_one_line_naming_it(corpus):
 
 
 def test_the_tokenizer_reads_the_package_form_and_names_a_missing_package():
-    # data.text.tokenizer takes the same package:DIST/PATH as model.options.gguf_file, so the
+    # data.options.tokenizer takes the same package:DIST/PATH as model.options.gguf_file, so the
     # SmolLM2 config runs from any folder; a missing package is one line naming it
     from fedloom.data.sources import DatasetUnavailable
     from fedloom.data.text import _tokenizer
 
-    with pytest.raises(DatasetUnavailable, match=r"data\.text\.tokenizer: .*not-a-dist-xyz.*pip "
+    with pytest.raises(DatasetUnavailable, match=r"data\.options\.tokenizer: .*not-a-dist-xyz.*pip "
                                                  r"install --no-deps"):
         _tokenizer("package:not-a-dist-xyz==0.1/pkg/model.gguf")

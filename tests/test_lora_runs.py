@@ -32,8 +32,8 @@ def config(corpus, rounds=2, method=None, train="both", **over):
         client["method"] = {"name": method}
     cfg = {
         "rounds": rounds, "seed": 0, "backend": "sequential",
-        "data": {"name": "text", "path": corpus, "partition": {"name": "natural"},
-                 "test_fraction": 0.25, "text": {"seq_len": 16, "min_chars": 200}},
+        "data": {"name": "text", "partition": {"name": "natural"}, "test_fraction": 0.25,
+                 "options": {"path": corpus, "seq_len": 16, "min_chars": 200}},
         "model": {"name": "hf_causal_lm",
                   "options": {"config": dict(TINY), "lora": {**LORA, "train": train}}},
         "cohort": {"size": 2}, "client": client,

@@ -97,7 +97,7 @@ def test_a_module_and_arrays_rerun_from_the_record(nets, tmp_path):
     assert saved["model"]["name"] == "object nets_h5.Net"
     assert saved["model"]["options"] == {"d": 8, "hidden": 16, "k": 3,
                                          WEIGHTS: "run:initial_model.pt"}
-    assert saved["data"]["name"] == "npz" and saved["data"]["path"] == "run:data.npz"
+    assert saved["data"]["name"] == "npz" and saved["data"]["options"]["path"] == "run:data.npz"
     assert (run / "initial_model.pt").is_file() and (run / "data.npz").is_file()
     again = fedloom.run(run / "config.yaml", out=tmp_path / "again")
     assert again.summary["model_sha256"] == first.summary["model_sha256"]
@@ -176,7 +176,8 @@ def test_data_over_the_bound_is_refused_naming_the_option(nets, tmp_path, capsys
     run, data, net = tmp_path / "run", _arrays(), nets.Net(8)
     first = fedloom.run(CFG, out=run, model=net, data=data)
     saved = yaml.safe_load((run / "config.yaml").read_text())
-    assert saved["data"]["path"].startswith(UNRECORDED) and not (run / "data.npz").exists()
+    assert saved["data"]["options"]["path"].startswith(UNRECORDED)
+    assert not (run / "data.npz").exists()
     rc, err, _ = _rerun_cli(run, tmp_path / "again", capsys)
     assert rc == 2 and len(err) == 1, err
     assert "record_data=True" in err[0] and "data=..." in err[0], err
@@ -206,6 +207,11 @@ def test_a_damaged_data_npz_is_one_line(nets, tmp_path, capsys, damage):
     assert not (tmp_path / "again").exists()
 
 
+def _without_options(data: dict) -> dict:
+    """A saved data section as an earlier version wrote it: the source's keys flat."""
+    return {k: v for k, v in data.items() if k != "options"}
+
+
 def test_a_run_of_an_earlier_version_given_objects_still_resumes(nets, tmp_path):
     """An earlier version wrote the configured model and data into config.yaml for a
     model and data given in Python: a resume with them given again is not refused."""
@@ -213,7 +219,7 @@ def test_a_run_of_an_earlier_version_given_objects_still_resumes(nets, tmp_path)
     fedloom.run(CFG, out=run, model=net, data=data)
     saved = yaml.safe_load((run / "config.yaml").read_text())
     saved["model"] = {"name": "mlp", "options": {}, "buffers": "average"}
-    saved["data"] = {**saved["data"], "name": "mnist", "path": ""}
+    saved["data"] = {**_without_options(saved["data"]), "name": "mnist", "path": ""}
     (run / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     res = fedloom.run(CFG, ["rounds=3"], out=run, resume=True, model=net, data=data)
     assert res.summary["rounds"] == 3
@@ -233,7 +239,8 @@ def test_data_that_an_npz_would_change_is_not_recorded(change, why):
 
     split, arrays = given._data_record(DataConfig(), dataclasses.replace(_arrays(), **change),
                                        None)
-    assert arrays is None and split.path.startswith(UNRECORDED) and why in split.path
+    assert arrays is None and split.options["path"].startswith(UNRECORDED)
+    assert why in split.options["path"]
 
 
 def test_load_model_of_an_unrecorded_module_says_to_pass_it(nets, tmp_path):
@@ -254,7 +261,7 @@ def test_a_run_directory_of_an_earlier_version_is_not_rerun_on_other_inputs(nets
     fedloom.run(CFG, out=run, model=net, data=data)
     saved = yaml.safe_load((run / "config.yaml").read_text())
     saved["model"] = {"name": "mlp", "options": {}, "buffers": "average"}
-    saved["data"] = {**saved["data"], "name": "digits", "path": ""}
+    saved["data"] = {**_without_options(saved["data"]), "name": "digits", "path": ""}
     (run / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
     rc, err, _ = _rerun_cli(run, tmp_path / "again", capsys)
     assert rc == 2 and len(err) == 1, err

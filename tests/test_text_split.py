@@ -1,4 +1,4 @@
-"""``data.text.clients``: the ``text`` source's natural clients by role (the default) or
+"""``data.options.clients``: the ``text`` source's natural clients by role (the default) or
 by play (issue #41 item 2), on fixture plays with the character tokenizer (no model, no
 transformers)."""
 
@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedloom.config import ConfigError, DataConfig, TextConfig, load_config
+from fedloom.config import ConfigError, DataConfig, load_config
 from fedloom.data.shakespeare import encode_text, parse_play
-from fedloom.data.text import text, windows
+from fedloom.data.sources import load_dataset
+from fedloom.data.text import windows
 from fedloom.report.compare import lower_is_better
 
 PLAYS = {
@@ -34,7 +35,7 @@ def plays(tmp_path_factory):
 
 def dataset(plays, **text_keys):
     keys = {"seq_len": 8, "min_chars": 300, **text_keys}
-    return text(DataConfig(name="text", path=plays, text=TextConfig(**keys)), seed=0)
+    return load_dataset(DataConfig(name="text", options={"path": plays, **keys}), seed=0)
 
 
 def role_windows(plays, name):
@@ -88,8 +89,8 @@ def test_one_client_is_refused_and_an_unknown_split_is_one_line(plays):
     from fedloom.data.sources import DatasetUnavailable
     with pytest.raises(DatasetUnavailable, match="play"):
         dataset(plays, clients="play", max_clients=1)
-    with pytest.raises(ConfigError, match=r"data\.text\.clients"):
-        load_config({"data": {"name": "text", "text": {"clients": "act"}}})
+    with pytest.raises(ConfigError, match=r"data\.options\.clients: must be one of"):
+        load_config({"data": {"name": "text", "options": {"clients": "act"}}})
 
 
 def test_perplexity_is_lower_is_better():
@@ -112,5 +113,6 @@ def test_the_lora_suite_validates_without_its_model_file():
     assert validate_suite(suite) > 0
     cfg = load_config(str(root / "configs/llm/lora.yaml"))
     opts = cfg.model.options
-    assert cfg.data.text.clients == "play" and cfg.data.text.tokenizer == opts["gguf_file"]
+    assert cfg.data.options["clients"] == "play"
+    assert cfg.data.options["tokenizer"] == opts["gguf_file"]
     assert opts["lora"].r == 8 and opts["lora"].alpha == 16

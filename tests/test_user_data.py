@@ -48,17 +48,17 @@ def test_arrays_npz_csv_give_the_same_partition_and_model(tmp_path, natural):
     X, y, c = _arrays(clients=4 if natural else None)
     ref = fedloom.run(CFG, data=from_arrays(X, y, client=c))
     np.savez(tmp_path / "d.npz", X=X, y=y, **({"client": c} if natural else {}))
-    via_npz = fedloom.run(CFG, ["data.name=npz", f"data.path={tmp_path / 'd.npz'}"])
+    via_npz = fedloom.run(CFG, ["data.name=npz", f"data.options.path={tmp_path / 'd.npz'}"])
     _write_csv(tmp_path / "d.csv", X, y, c)
-    ov = ["data.name=csv", f"data.path={tmp_path / 'd.csv'}", "data.label=label"]
+    ov = ["data.name=csv", f"data.options.path={tmp_path / 'd.csv'}", "data.options.label=label"]
     if natural:
-        ov.append("data.client=who")
+        ov.append("data.options.client=who")
     via_csv = fedloom.run(CFG, ov)
     assert ref.summary["model_sha256"] == via_npz.summary["model_sha256"] == \
         via_csv.summary["model_sha256"]
     e1 = Experiment.from_config(load_config(CFG), data=from_arrays(X, y, client=c))
     e2 = Experiment.from_config(
-        load_config(CFG, ["data.name=npz", f"data.path={tmp_path / 'd.npz'}"]))
+        load_config(CFG, ["data.name=npz", f"data.options.path={tmp_path / 'd.npz'}"]))
     assert all(np.array_equal(a, b) for a, b in zip(e1.fed.train, e2.fed.train, strict=True))
     if natural:
         assert e1.fed.num_clients == 4  # one client per id, whatever data.num_clients says
@@ -149,7 +149,7 @@ def test_bad_npz_inputs_exit_2_with_one_line(tmp_path, case, message):
     # through fedloom.cli.main in this process
     run = subprocess.run if case == "missing_y" else cli_in_process
     p = run([sys.executable, "-m", "fedloom.cli", "run", str(cfg), "data.name=npz",
-             f"data.path={tmp_path / 'bad.npz'}", "data.min_samples=3", "--out", str(out),
+             f"data.options.path={tmp_path / 'bad.npz'}", "data.min_samples=3", "--out", str(out),
              "--quiet"], capture_output=True, text=True, timeout=600)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
@@ -160,7 +160,7 @@ def test_bad_npz_inputs_exit_2_with_one_line(tmp_path, case, message):
 def test_bad_inputs_from_python_raise_value_error(tmp_path):
     X, y, _ = _arrays()
     with pytest.raises(ValueError, match="file not found"):
-        fedloom.run(CFG, ["data.name=npz", f"data.path={tmp_path / 'nope.npz'}"])
+        fedloom.run(CFG, ["data.name=npz", f"data.options.path={tmp_path / 'nope.npz'}"])
     with pytest.raises(ValueError, match="X has 240 samples but y has 10"):
         from_arrays(X, y[:10])
     with pytest.raises(ValueError, match=r"model: outputs shape \(7,\) per sample"):
@@ -168,9 +168,9 @@ def test_bad_inputs_from_python_raise_value_error(tmp_path):
     bad = tmp_path / "t.csv"
     bad.write_text("a,label\n1.0,0\nxyz,1\n")
     with pytest.raises(ValueError, match="line 3, column 'a'"):
-        fedloom.run(CFG, ["data.name=csv", f"data.path={bad}"])
+        fedloom.run(CFG, ["data.name=csv", f"data.options.path={bad}"])
     with pytest.raises(ValueError, match="no label column 'target'"):
-        fedloom.run(CFG, ["data.name=csv", f"data.path={bad}", "data.label=target"])
+        fedloom.run(CFG, ["data.name=csv", f"data.options.path={bad}", "data.options.label=target"])
 
 
 def test_one_based_labels_are_named_before_the_model_is_checked(tmp_path):
@@ -191,10 +191,10 @@ def test_one_based_labels_are_named_before_the_model_is_checked(tmp_path):
     p = tmp_path / "one.npz"
     np.savez(p, X=X, y=y + 1)
     with pytest.raises(ValueError, match=f"{p}: y: labels run from 1 to 3"):
-        fedloom.run(CFG, ["data.name=npz", f"data.path={p}"])
+        fedloom.run(CFG, ["data.name=npz", f"data.options.path={p}"])
     table = tmp_path / "one.csv"
     _write_csv(table, X, y + 1)
-    res = fedloom.run(CFG, ["rounds=1", "data.name=csv", f"data.path={table}"])
+    res = fedloom.run(CFG, ["rounds=1", "data.name=csv", f"data.options.path={table}"])
     assert res.summary["rounds"] == 1
 
 
@@ -207,7 +207,7 @@ def _write_table(path, header, rows):
 
 def test_csv_text_ids_and_labels_and_chosen_features(tmp_path):
     """Text client ids and labels are coded 0..K-1 in sorted order (labels.json keeps
-    the class names), data.features picks columns: the model is the one of the integer
+    the class names), data.options.features picks columns: the model is the one of the integer
     codes and the chosen columns as arrays."""
     X, y, c = _arrays(clients=4)
     names = np.array(["eel", "cat", "dog"])      # sorted: cat 0, dog 1, eel 2
@@ -217,8 +217,9 @@ def test_csv_text_ids_and_labels_and_chosen_features(tmp_path):
              names[y[i]], sites[c[i]]] for i in range(len(y))]
     path = tmp_path / "d.csv"
     _write_table(path, header, rows)
-    ov = ["data.name=csv", f"data.path={path}", "data.label=kind", "data.client=who",
-          "data.features=[f0, f2, f4]"]
+    ov = ["data.name=csv", f"data.options.path={path}", "data.options.label=kind",
+          "data.options.client=who",
+          "data.options.features=[f0, f2, f4]"]
     res = fedloom.run(CFG, ov, out=tmp_path / "run")
     assert json.loads((tmp_path / "run" / "labels.json").read_text()) == \
         {"cat": 0, "dog": 1, "eel": 2}
@@ -228,13 +229,14 @@ def test_csv_text_ids_and_labels_and_chosen_features(tmp_path):
     assert res.summary["model_sha256"] == ref.summary["model_sha256"]
     # Integer labels are class indices as they are: no labels.json.
     _write_csv(tmp_path / "n.csv", X, y)
-    fedloom.run(CFG, ["data.name=csv", f"data.path={tmp_path / 'n.csv'}"], out=tmp_path / "n")
+    fedloom.run(CFG, ["data.name=csv", f"data.options.path={tmp_path / 'n.csv'}"],
+                out=tmp_path / "n")
     assert not (tmp_path / "n" / "labels.json").exists()
 
 
 @pytest.mark.parametrize("case,message", [
     ("text_feature", "column 'note': 'free text 0' is not a number; leave the column out"),
-    ("unknown_feature", "no feature column 'f9' (data.features"),
+    ("unknown_feature", "no feature column 'f9' (data.options.features"),
     ("label_as_feature", "column 'label' is the label or client column"),
     ("float_label", "column 'label': '0.5' is neither a class index nor a class name"),
     ("empty_client", "line 3, column 'who': empty cell"),
@@ -265,9 +267,10 @@ def test_bad_csv_columns_are_one_line_exit_2(tmp_path, case, message, capsys):
     _write_table(path, ["f0", "note", "label", "who"], rows)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(CFG))
-    ov = ["data.name=csv", f"data.path={path}", "data.client=who", "data.min_samples=1"]
+    ov = ["data.name=csv", f"data.options.path={path}", "data.options.client=who",
+          "data.min_samples=1"]
     if features:
-        ov.append(f"data.features={features}")
+        ov.append(f"data.options.features={features}")
     capsys.readouterr()
     rc = main(["run", str(cfg), *ov, "--out", str(tmp_path / "run"), "--quiet"])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
@@ -292,7 +295,7 @@ def test_unscaled_csv_features_get_a_one_line_hint(tmp_path, caplog):
     def hints(path, *extra):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="fedloom"):
-            fedloom.run(CFG, ["rounds=1", "data.name=csv", f"data.path={path}", *extra])
+            fedloom.run(CFG, ["rounds=1", "data.name=csv", f"data.options.path={path}", *extra])
         # the load's hint (a run that diverges names the scale in its warning too)
         return [r.getMessage() for r in caplog.records
                 if "look unscaled" in r.getMessage() and "training loss" not in r.getMessage()]

@@ -186,7 +186,7 @@ def _is_record(v: Any) -> bool:
 
 def run_files(data: dict[str, Any], folder: Path) -> dict[str, Any]:
     """``data`` (a config mapping read from a file in ``folder``) with each ``run:NAME``
-    (``data.path``, a model's :data:`WEIGHTS` option) made ``folder/NAME``, absolute."""
+    (``data.options.path``, a model's :data:`WEIGHTS` option) made ``folder/NAME``, absolute."""
     def at(section: Any, key: str) -> Any:
         path = section.get(key) if isinstance(section, dict) else None
         if not (isinstance(path, str) and path.startswith(RUN_FILE)):
@@ -195,7 +195,9 @@ def run_files(data: dict[str, Any], folder: Path) -> dict[str, Any]:
 
     out = dict(data)
     if isinstance(out.get("data"), dict):
-        out["data"] = at(out["data"], "path")
+        out["data"] = at(out["data"], "path")  # a run directory of an earlier version
+        if isinstance(out["data"].get("options"), dict):
+            out["data"] = {**out["data"], "options": at(out["data"]["options"], "path")}
     model = out.get("model")
     if isinstance(model, dict) and isinstance(model.get("options"), dict):
         out["model"] = {**model, "options": at(model["options"], WEIGHTS)}

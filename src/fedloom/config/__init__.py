@@ -63,11 +63,8 @@ from fedloom.config.sections import (  # noqa: F401  (re-exported)
     PrivacyConfig,
     ScheduleConfig,
     ServerConfig,
-    ShakespeareConfig,
     StateConfig,
-    SyntheticConfig,
     SystemConfig,
-    TextConfig,
 )
 
 __all__ = [

@@ -265,11 +265,32 @@ _CONTEXT = {
     "threads": "backend.threads, a key of its own: it holds for the whole run",
     "keep_heap": "backend.keep_heap, a key of its own: it holds for the whole run",
     "num_classes": "fedloom passes the data's number of classes",
+    "data": "fedloom passes the data section itself (name, num_clients, min_samples, ...)",
+    "seed": "the run's seed, a key of its own",
 }
 # What a backend's factory is called with besides its options (fedloom.engine.binding).
 _BACKEND_CONTEXT = frozenset({"trainer", "method", "x", "y", "threads", "keep_heap"})
 # What a model's factory is called with besides its options (fedloom.models.build_model).
 _MODEL_CONTEXT = frozenset({"in_shape", "num_classes"})
+# What a dataset's loader is called with besides its options (fedloom.data.sources).
+_DATA_CONTEXT = frozenset({"data", "seed"})
+
+
+def check_data_loader(name: str, loader: Any) -> None:
+    """Refuse, in one line, a dataset loader written the old way, ``(cfg, seed)`` (its
+    keys read from the data section): loaders take ``(data, seed, **options)`` since a
+    source's own keys became ``data.options``."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(loader).parameters.values())
+    except (TypeError, ValueError):
+        return
+    first = params[0] if params else None
+    if first is not None and first.name in ("cfg", "config"):
+        raise ConfigError(f"data.name: {name!r} is a loader of the old signature "
+                          f"({first.name}, seed); write it as (data, seed, **options): data "
+                          "is the data section, its keyword arguments data.options")
 
 
 def check_model_factory(name: str, factory: Any) -> None:
@@ -459,8 +480,20 @@ def _check_model(cfg: Config) -> None:
     check_options("model", "model", cfg.model, _MODEL_CONTEXT)
 
 
+def _check_data(cfg: Config) -> None:
+    """``data.options`` against the loader's signature (check_options), after refusing a
+    loader of the old signature (check_data_loader)."""
+    try:
+        loader = registry.get("dataset", cfg.data.name)
+    except registry.NotImported:
+        return
+    check_data_loader(cfg.data.name, loader)
+    check_options("data", "dataset", cfg.data, _DATA_CONTEXT)
+
+
 def _check_cross_fields(cfg: Config) -> None:
     check_name("data.name", "dataset", cfg.data.name)
+    _check_data(cfg)
     if not recorded.is_object(cfg.model.name):  # a module given in Python: engine.given
         check_name("model.name", "model", cfg.model.name)
         _check_model(cfg)
@@ -521,7 +554,7 @@ def _check_cross_fields(cfg: Config) -> None:
     if not isinstance(checksum, bool):
         raise ConfigError(f"compression.options.checksum: must be true or false, "
                           f"got {checksum!r}")
-    natural = cfg.data.partition.name == "natural" or bool(cfg.data.client)
+    natural = cfg.data.partition.name == "natural" or bool(cfg.data.options.get("client"))
     if not natural and cfg.cohort.size > cfg.data.num_clients:
         raise ConfigError(
             f"cohort.size: must be <= data.num_clients ({cfg.data.num_clients}), "

@@ -46,44 +46,6 @@ def _f(default: Any, **bounds: float) -> Any:
 
 
 @dataclass
-class SyntheticConfig:
-    """Synthetic(α, β) of FedProx / q-FFL: α controls how much local models
-    differ, β how much local feature distributions differ."""
-
-    alpha: float = _f(1.0, ge=0)
-    beta: float = _f(1.0, ge=0)
-    dim: int = _f(60, ge=1)
-    classes: int = _f(10, ge=2)
-
-
-@dataclass
-class ShakespeareConfig:
-    window: int = _f(80, ge=1)          # characters of context (LEAF: 80)
-    stride: int = _f(1, ge=1)           # a window every `stride` characters
-    min_chars: int = _f(4000, ge=1)     # a role needs this many characters to be a client
-    max_clients: int = _f(0, ge=0)      # 0 = every role that qualifies
-    max_windows: int = _f(0, ge=0)      # per client; 0 = all
-
-
-@dataclass
-class TextConfig:
-    """``data.text``: the Shakespeare roles as token windows for a causal language model
-    (:mod:`fedloom.data.text`; the roles and their lines as ``data.shakespeare`` reads them)."""
-
-    seq_len: int = _f(64, ge=1)         # tokens of context; the labels are the next tokens
-    stride: int = _f(0, ge=0)           # a window every `stride` tokens; 0 = seq_len (disjoint)
-    # "char": LEAF's 80-letter alphabet (index 0 = unknown); else a local tokenizer
-    # directory, or a .gguf file (the model's own tokenizer)
-    tokenizer: str = "char"
-    min_chars: int = _f(4000, ge=1)     # a role needs this many characters to be a client
-    max_clients: int = _f(0, ge=0)      # 0 = every role that qualifies
-    max_windows: int = _f(0, ge=0)      # per client; 0 = all
-    # the natural clients: "role", one per (play, role) with min_chars characters;
-    # "play", one per play with all its roles' lines (min_chars of the whole play)
-    clients: Literal["role", "play"] = "role"
-
-
-@dataclass
 class PartitionConfig:
     """``data.partition``: the partitioner (iid, contiguous, dirichlet, shards, natural,
     classes, sizes, mixed, ``flwr:NAME`` (a flwr-datasets partitioner), a plug-in or
@@ -112,6 +74,20 @@ class FeatureConfig:
 
 @dataclass
 class DataConfig:
+    """``data``: the source (synthetic, digits, mnist, fashion-mnist, shakespeare, text,
+    npz, csv, cifar10, cifar100, femnist, tiny-imagenet, image-folder, hf, a plug-in or
+    module:attr; :mod:`fedloom.data.sources`) and its loader's options (synthetic:
+    ``alpha``, ``beta``, ``dim``, ``classes``; shakespeare: ``path``, ``window``,
+    ``stride``, ``min_chars``, ``max_clients``, ``max_windows``; text: ``path``,
+    ``seq_len``, ``stride``, ``tokenizer``, ``min_chars``, ``max_clients``,
+    ``max_windows``, ``clients``; npz: ``path``; csv: ``path``, ``label``, ``client``,
+    ``features``; the sources read from disk: ``root``, ``verify`` (not femnist),
+    cifar100's ``labels``, femnist's ``writer_fraction``, image-folder's and hf's
+    ``path``, image-folder's ``image_size``, hf's ``label``, ``client``,
+    ``image_column``, ``max_client_samples``), beside the keys every source shares. A
+    loader is called ``loader(data, seed, **options)`` (``data``: this section); its
+    signature states each option's type, bounds and default (docs/howto/datasets.md)."""
+
     name: str = "mnist"
     num_clients: int = _f(100, ge=1)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
@@ -122,32 +98,12 @@ class DataConfig:
     # "all" merges the source's own test set into the pool before partitioning
     # (CRAFT's code); the global test set is then the union of the client splits.
     pool: Literal["train", "all"] = "train"
-    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
-    shakespeare: ShakespeareConfig = field(default_factory=ShakespeareConfig)
-    text: TextConfig = field(default_factory=TextConfig)
-    # Your own data (name: npz or csv): the file, the label and client columns (csv).
-    path: str = ""
-    label: str = "label"
-    client: str = ""
-    # csv: the feature columns (default: every column but the label and client ones).
-    features: list[str] = _f([])
+    # The source's own keys: keyword arguments of its loader.
+    options: dict[str, Any] = _f({})
     # Standardise every feature with the mean/std of the clients' training parts.
     standardize: bool = False
     # Every client needs at least this many samples (checked for natural splits).
     min_samples: int = _f(1, ge=1)
-    # Datasets read from disk (fedloom.data.disk): where they live ("" = $FEDLOOM_DATA,
-    # else ~/.cache/fedloom/data), whether their class counts are checked against the
-    # published sizes, CIFAR-100's label set, the fraction of FEMNIST writers kept (LEAF's
-    # --sf), the image column of a Hugging Face dataset, and the side images are resized to
-    # (image-folder, hf; 0 = as stored).
-    root: str = ""
-    verify: bool = True
-    labels: Literal["fine", "coarse"] = "fine"
-    writer_fraction: float = _f(1.0, gt=0, le=1)
-    image_column: str = "image"
-    image_size: int = _f(0, ge=0)
-    # hf with data.client: writers with more samples than this are not eligible (0 = no bound)
-    max_client_samples: int = _f(0, ge=0)
     # Training augmentation (fedloom.data.augment): "auto" = the source's standard one
     # (random crop with padding 4 and horizontal flip for CIFAR and Tiny-ImageNet; none
     # for the others), "standard" = the same, refused where a source has none.

@@ -35,9 +35,9 @@ from typing import Any
 from fedloom import registry
 from fedloom.config.sections import ConfigError
 
-__all__ = ["BACKEND_KEYS", "FEEDBACK_KEYS", "FLAT_SECTIONS", "MODEL_KEYS", "MOVED_MODULES",
-           "OPTION_DICTS", "PARTITION_KEYS", "SERVER_KEYS", "TABLE", "old_spelling", "respell",
-           "translate", "twins"]
+__all__ = ["BACKEND_KEYS", "DATA_KEYS", "DATA_SOURCES", "FEEDBACK_KEYS", "FLAT_SECTIONS",
+           "MODEL_KEYS", "MOVED_MODULES", "OPTION_DICTS", "PARTITION_KEYS", "SERVER_KEYS",
+           "TABLE", "old_spelling", "respell", "translate", "twins"]
 
 log = logging.getLogger("fedloom")
 
@@ -75,7 +75,24 @@ BACKEND_KEYS: dict[str, Any] = {
     "max_retries": 2, "gpus_per_worker": 0.0,
 }
 # Top-level sections whose flat keys became their component's options.
-FLAT_SECTIONS: dict[str, dict[str, Any]] = {"model": MODEL_KEYS, "backend": BACKEND_KEYS}
+# The data section's flat keys of the sources that took them and their old defaults
+# (DataConfig's, each the default of the loaders that take it).
+DATA_KEYS: dict[str, Any] = {
+    "path": "", "label": "label", "client": "", "features": [], "root": "", "verify": True,
+    "labels": "fine", "writer_fraction": 1.0, "image_column": "image", "image_size": 0,
+    "max_client_samples": 0,
+}
+# The data section's per-source mappings (data.synthetic, data.shakespeare, data.text),
+# each read by the one source of that name, and their old defaults.
+DATA_SOURCES: dict[str, dict[str, Any]] = {
+    "synthetic": {"alpha": 1.0, "beta": 1.0, "dim": 60, "classes": 10},
+    "shakespeare": {"window": 80, "stride": 1, "min_chars": 4000, "max_clients": 0,
+                    "max_windows": 0},
+    "text": {"seq_len": 64, "stride": 0, "tokenizer": "char", "min_chars": 4000,
+             "max_clients": 0, "max_windows": 0, "clients": "role"},
+}
+FLAT_SECTIONS: dict[str, dict[str, Any]] = {"model": MODEL_KEYS, "backend": BACKEND_KEYS,
+                                            "data": DATA_KEYS}
 # (section, old key of an options mapping) → the section that now holds those options.
 OPTION_DICTS: dict[tuple[str, str], str] = {
     ("compression", "feedback_options"): "feedback",
@@ -89,6 +106,8 @@ TABLE: dict[str, str] = {
     **{f"data.partition.{k}": f"data.partition.options.{k}" for k in PARTITION_KEYS},
     **{f"{s}.{old}.OPTION": f"{s}.{new}.options.OPTION" for (s, old), new in OPTION_DICTS.items()},
     **{f"{s}.{k}": f"{s}.options.{k}" for s, keys in FLAT_SECTIONS.items() for k in keys},
+    **{f"data.{src}.{k}": f"data.options.{k}" for src, keys in DATA_SOURCES.items()
+       for k in keys},
 }
 # Modules of fedloom's components that moved, for a ``module:attr`` name written with
 # the old one: the server optimizers (fedloom.aggregate.server_opt until the server
@@ -96,10 +115,11 @@ TABLE: dict[str, str] = {
 MOVED_MODULES: dict[str, str] = {"fedloom.aggregate.server_opt": "fedloom.server_opt.optimizers"}
 # The default name of each named section (the dataclasses' defaults).
 _DEFAULT_NAME = {"feedback": "none", "adaptive": "none", "optimizer": "sgd", "method": "sgd",
-                 "partition": "dirichlet", "model": "mlp", "backend": "sequential"}
+                 "partition": "dirichlet", "model": "mlp", "backend": "sequential",
+                 "data": "mnist"}
 _KIND = {"feedback": "feedback", "adaptive": "planner", "optimizer": "server_optimizer",
          "method": "method", "partition": "partitioner", "model": "model",
-         "backend": "backend"}
+         "backend": "backend", "data": "dataset"}
 
 # Each warning once per process: a sweep reads the saved config of every run folder.
 _WARNED: set[str] = set()
@@ -292,6 +312,12 @@ def twins(key: str) -> list[str]:
             return [f"data.partition.{parts[3]}"]
         if n == 3 and parts[2] == "options":
             return [f"data.partition.{k}" for k in PARTITION_KEYS]
+    if parts[0] == "data" and n >= 3 and parts[1] in DATA_SOURCES:
+        return [".".join(["data", "options", *parts[2:]])]
+    if parts[:2] == ["data", "options"] and n == 3:  # also a per-source mapping's key
+        found = [f"data.{src}.{parts[2]}" for src, keys in DATA_SOURCES.items()
+                 if parts[2] in keys]
+        return found + ([f"data.{parts[2]}"] if parts[2] in DATA_KEYS else [])
     table = FLAT_SECTIONS.get(parts[0])
     if table is not None and n >= 2:
         if parts[1] in table:
@@ -299,7 +325,8 @@ def twins(key: str) -> list[str]:
         if parts[1] == "options" and n >= 3 and parts[2] in table:
             return [".".join([parts[0], *parts[2:]])]
         if parts[1] == "options" and n == 2:
-            return [f"{parts[0]}.{k}" for k in table]
+            return [f"{parts[0]}.{k}" for k in table] + (
+                [f"data.{src}" for src in DATA_SOURCES] if parts[0] == "data" else [])
     if parts[0] == "client":
         if parts[1:3] == ["method", "options"] and n <= 4:
             return [".".join(["client", "method_options", *parts[3:]])]
@@ -329,6 +356,12 @@ def old_spelling(key: str) -> str:
             return f"data.partition.{opt}"
     if len(parts) >= 3 and parts[1] == "options" and parts[2] in FLAT_SECTIONS.get(parts[0], {}):
         return ".".join([parts[0], *parts[2:]])
+    if len(parts) >= 3 and parts[:2] == ["data", "options"]:
+        # a key of one source's mapping (data.synthetic.alpha); one that two sources
+        # share (stride: shakespeare's and text's) stays as it is, its source unknown here
+        srcs = [src for src, keys in DATA_SOURCES.items() if parts[2] in keys]
+        if len(srcs) == 1:
+            return ".".join(["data", srcs[0], *parts[2:]])
     return key
 
 
@@ -371,7 +404,9 @@ def _flat(out: dict[str, Any], key: str, notes: _Notes) -> None:
         return
     section = dict(section)
     flat = {k: section.pop(k) for k in table if k in section}
-    if not flat:
+    nested = ({src: section.pop(src) for src in DATA_SOURCES if src in section}
+              if key == "data" else {})
+    if not flat and not nested:
         return
     out[key] = section
     sec = _Named(out, key, key)
@@ -383,7 +418,27 @@ def _flat(out: dict[str, Any], key: str, notes: _Notes) -> None:
             sec.put(k, v, old, notes)
         else:
             notes.ignored.setdefault(f"{key} {sec.name!r}", []).append(old)
+    for src, given in nested.items():
+        _source_keys(src, given, sec, notes)
     sec.store(out, key)
+
+
+def _source_keys(src: str, given: Any, sec: _Named, notes: _Notes) -> None:
+    """``data.SRC`` (:data:`DATA_SOURCES`: synthetic, shakespeare, text), read before by
+    the source ``SRC`` alone: its keys into that source's options when it is the one
+    named, else ignored as before; a key at its old default is dropped."""
+    if not isinstance(given, Mapping):
+        raise ConfigError(f"data.{src}: must be a mapping, got {given!r} (write its keys "
+                          "as data.options)")
+    defaults = DATA_SOURCES[src]
+    for k, v in given.items():
+        old = f"data.{src}.{k}"
+        if k in defaults and v == defaults[k]:
+            notes.defaults.append(old)
+        elif sec.ok and sec.name == src:
+            sec.put(str(k), v, old, notes)
+        else:
+            notes.ignored.setdefault(f"data {sec.name!r}", []).append(old)
 
 
 def respell(key: str, data: Mapping[str, Any]) -> str:
@@ -394,12 +449,15 @@ def respell(key: str, data: Mapping[str, Any]) -> str:
     section's other flat keys."""
     parts = key.split(".")
     table = FLAT_SECTIONS.get(parts[0])
-    if table is None or len(parts) < 2 or parts[1] not in table:
+    nested = DATA_SOURCES if parts[0] == "data" else {}
+    if table is None or len(parts) < 2 or not (
+            parts[1] in table or (parts[1] in nested and len(parts) >= 3)):
         return key
     section = data.get(parts[0])
-    if isinstance(section, Mapping) and any(k in section for k in table):
+    if isinstance(section, Mapping) and any(k in section for k in (*table, *nested)):
         return key
-    new = ".".join([parts[0], "options", *parts[1:]])
+    rest = parts[2:] if parts[1] in nested else parts[1:]
+    new = ".".join([parts[0], "options", *rest])
     _warn(f"config: an override written the old way, translated (write it the new way; "
           f"this translation will be removed): {key} → {new}")
     return new

@@ -10,7 +10,7 @@ and of the class names and count. So a change that reaches the model is always
 seen, and one that does not (a CSV's numbers written with more digits, a column
 that is not a feature) is not a change; what the config derives from the data
 (the partition, a feature skew, augmentation) is the config's to check. For a
-source read from one file (``data.path``) the file's size is recorded too, to
+source read from one file (``data.options.path``) the file's size is recorded too, to
 say what changed.
 
 Each array is cut into chunks of whole rows, about 16 MiB each by its shape and
@@ -93,7 +93,7 @@ def _update(h: Any, tag: str, a: torch.Tensor | np.ndarray | None, pool: Executo
 
 def fingerprint(ds: Dataset, source: str, path: str = "") -> dict[str, Any]:
     """The fingerprint of ``ds`` (see the module docstring): a JSON-able mapping of
-    ``source`` (how the data is named in messages: ``data.path``, ``data.name=…``, or
+    ``source`` (how the data is named in messages: ``data.options.path``, ``data.name=…``, or
     the data given in Python), the sizes, ``sha256`` and, when ``path`` names a
     regular file, its ``file_bytes``."""
     h = hashlib.sha256()
@@ -112,7 +112,7 @@ def fingerprint(ds: Dataset, source: str, path: str = "") -> dict[str, Any]:
         "sha256": h.hexdigest()}
     try:
         st = os.stat(path) if path else None
-    except OSError:  # a path the loader looked up elsewhere (under data.root)
+    except OSError:  # a path the loader looked up elsewhere (under data.options.root)
         st = None
     if st is not None and os.path.isfile(path):
         out["file_bytes"] = st.st_size

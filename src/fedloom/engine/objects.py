@@ -82,7 +82,7 @@ def _named_alone(old: Any, new: Any) -> bool:
 
 def _given_data(cfg: dict[str, Any]) -> bool:
     """Whether a config records data given in Python (kept in its run, or not)."""
-    path = _at(cfg, ("data", "path"))
+    path = _at(cfg, ("data", "options", "path"))
     return isinstance(path, str) and path.startswith((RUN_FILE, UNRECORDED))
 
 

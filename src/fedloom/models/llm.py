@@ -170,7 +170,7 @@ def _base(path: str, gguf_file: str, config: Mapping[str, Any] | None,
     vocab = int(lm.get_output_embeddings().weight.shape[0])
     if vocab < num_classes:
         raise ValueError(f"{_OPT}path: the model's vocabulary ({vocab}) is smaller than the "
-                         f"data's {num_classes} tokens (data.text.tokenizer)")
+                         f"data's {num_classes} tokens (data.options.tokenizer)")
     out: nn.Module = lm
     return out
 

@@ -28,7 +28,7 @@ def _now(spec: RunSpec, seen: dict[str, dict[str, Any] | None]) -> dict[str, Any
     from fedloom.config import config_to_dict, load_config
     from fedloom.data.fingerprint import fingerprint
     from fedloom.data.sources import DatasetUnavailable, load_dataset
-    from fedloom.engine.runs.datarecord import data_source
+    from fedloom.engine.runs.datarecord import data_path, data_source
 
     try:
         cfg = load_config(spec.config, [*spec.overrides, f"seed={spec.seed}"])
@@ -38,7 +38,7 @@ def _now(spec: RunSpec, seen: dict[str, dict[str, Any] | None]) -> dict[str, Any
     if key not in seen:
         try:
             seen[key] = fingerprint(load_dataset(cfg.data, cfg.seed),
-                                    data_source(cfg.data, False), cfg.data.path)
+                                    data_source(cfg.data, False), data_path(cfg.data))
         except (DatasetUnavailable, OSError, ValueError):
             seen[key] = None
     return seen[key]

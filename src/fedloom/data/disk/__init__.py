@@ -1,17 +1,17 @@
 """Datasets read from disk, in the layouts their publishers ship.
 
-Each loader reads the standard layout under the data root (``data.root``, else
+Each loader reads the standard layout under the data root (``data.options.root``, else
 ``$FEDLOOM_DATA``, else ``~/.cache/fedloom/data``) and never downloads anything:
 ``cifar10`` and ``cifar100`` (Krizhevsky 2009; pickled or binary), ``femnist``
 (LEAF, Caldas et al. 2018: one client per writer, LEAF's split kept),
 ``tiny-imagenet``, ``image-folder`` (torchvision's ImageFolder layout) and ``hf``
 (a Hugging Face dataset saved to disk or parquet). Class counts are checked
-against the published sizes (``data.verify: false`` skips them); a missing or
+against the published sizes (``data.options.verify: false`` skips them); a missing or
 partial directory raises :class:`DatasetUnavailable`. Inputs are normalised with
 the published training-set statistics (FEMNIST keeps LEAF's [0, 1]).
 
 The package: :mod:`fedloom.data.disk.common` (the data root, the cache of decoded
-arrays, normalisation, ``data.path``), :mod:`fedloom.data.disk.cifar` (CIFAR-10/100,
+arrays, normalisation, ``data.options.path``), :mod:`fedloom.data.disk.cifar` (CIFAR-10/100,
 pickled or binary), :mod:`fedloom.data.disk.leaf` (FEMNIST's LEAF json),
 :mod:`fedloom.data.disk.images` (Tiny-ImageNet and image folders, decoded with PIL)
 and :mod:`fedloom.data.disk.huggingface` (``hf``). Importing the package registers

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -133,7 +133,7 @@ def read_cifar(name: str, root: Path, labels: str = "fine",
     found = _cifar_layout(name, root)
     if found is None:
         raise DatasetUnavailable(f"data.name={name}: {_cifar_missing(name, root)} "
-                                 "(set data.root or $FEDLOOM_DATA)")
+                                 "(set data.options.root or $FEDLOOM_DATA)")
     kind, tr, te = found
     read = _read_cifar_python if kind == "python" else _read_cifar_binary
 
@@ -160,22 +160,22 @@ def read_cifar(name: str, root: Path, labels: str = "fine",
     return arrs
 
 
-def _cifar_dataset(name: str, cfg: DataConfig) -> Dataset:
-    root = data_root(cfg)
-    arrs = read_cifar(name, root, cfg.labels, cfg.verify)
+def _cifar_dataset(name: str, root_dir: str, verify: bool, labels: str = "fine") -> Dataset:
+    root = data_root(root_dir)
+    arrs = read_cifar(name, root, labels, verify)
     mean, std = _CIFAR_STATS[name]
-    classes = 10 if name == "cifar10" else (20 if cfg.labels == "coarse" else 100)
+    classes = 10 if name == "cifar10" else (20 if labels == "coarse" else 100)
     return Dataset(name, _normalise(arrs["train_x"], mean, std),
                    torch.from_numpy(arrs["train_y"]), classes,
                    x_test=_normalise(arrs["test_x"], mean, std),
                    y_test=torch.from_numpy(arrs["test_y"]), augment=name)
 
 
-def _probe_cifar(name: str) -> Callable[[DataConfig], str | None]:
-    def probe(cfg: DataConfig) -> str | None:
-        root = data_root(cfg)
-        if _cifar_layout(name, root) is None:
-            return f"data.name={name}: {_cifar_missing(name, root)}"
+def _probe_cifar(name: str) -> Callable[..., str | None]:
+    def probe(data: DataConfig, *, root: str = "", **_: Any) -> str | None:
+        root_dir = data_root(root)
+        if _cifar_layout(name, root_dir) is None:
+            return f"data.name={name}: {_cifar_missing(name, root_dir)}"
         return None
 
     return probe
@@ -183,17 +183,22 @@ def _probe_cifar(name: str) -> Callable[[DataConfig], str | None]:
 
 @_source("cifar10", "CIFAR-10 (50k/10k, 32x32 RGB) from disk: cifar-10-batches-py/ or -bin/",
          _here(lambda r: _cifar_layout("cifar10", r) is not None),
-         "put cifar-10-python.tar.gz's cifar-10-batches-py/ under data.root ($FEDLOOM_DATA)",
+         "put cifar-10-python.tar.gz's cifar-10-batches-py/ under data.options.root "
+         "($FEDLOOM_DATA)",
          checks_itself=True, where=_looked("cifar-10-batches-py/", "cifar-10-batches-bin/"),
          probe=_probe_cifar("cifar10"))
-def cifar10(cfg: DataConfig, seed: int) -> Dataset:
-    return _cifar_dataset("cifar10", cfg)
+def cifar10(data: DataConfig, seed: int, *, root: str = "", verify: bool = True) -> Dataset:
+    """``root``: the data root; ``verify``: check the class counts."""
+    return _cifar_dataset("cifar10", root, verify)
 
 
 @_source("cifar100", "CIFAR-100 (50k/10k, fine or coarse labels) from disk: cifar-100-python/",
          _here(lambda r: _cifar_layout("cifar100", r) is not None),
-         "put cifar-100-python.tar.gz's cifar-100-python/ under data.root ($FEDLOOM_DATA)",
+         "put cifar-100-python.tar.gz's cifar-100-python/ under data.options.root ($FEDLOOM_DATA)",
          checks_itself=True, where=_looked("cifar-100-python/", "cifar-100-binary/"),
          probe=_probe_cifar("cifar100"))
-def cifar100(cfg: DataConfig, seed: int) -> Dataset:
-    return _cifar_dataset("cifar100", cfg)
+def cifar100(data: DataConfig, seed: int, *, root: str = "", verify: bool = True,
+             labels: Literal["fine", "coarse"] = "fine") -> Dataset:
+    """``root``: the data root; ``verify``: check the class counts; ``labels``: the 100
+    fine classes or the 20 coarse ones."""
+    return _cifar_dataset("cifar100", root, verify, labels)

@@ -1,7 +1,7 @@
-"""What every on-disk dataset shares: the data root, the cache, normalisation, ``data.path``.
+"""What every on-disk dataset shares: the data root, the cache, normalisation, the user's path.
 
 :func:`data_root` is where the named datasets are looked for; ``_user_path`` finds a
-user's ``data.path`` (also under the data root); the probes' helpers (``_here``,
+user's ``data.options.path`` (also under the data root); the probes' helpers (``_here``,
 ``_looked``, ``_probe_path``) say whether and where a source is on this machine.
 
 Decoded arrays are cached like MNIST's: uncompressed ``.npy`` files in the cache
@@ -22,14 +22,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedloom.config import DataConfig
 from fedloom.data.sources import DatasetUnavailable, _cache_dir
 
 
-def data_root(cfg: DataConfig | None = None) -> Path:
-    """``data.root``, else ``$FEDLOOM_DATA``, else ``~/.cache/fedloom/data``."""
-    if cfg is not None and cfg.root:
-        return Path(cfg.root).expanduser()
+def data_root(root: str = "") -> Path:
+    """``root`` (``data.options.root``), else ``$FEDLOOM_DATA``, else
+    ``~/.cache/fedloom/data``."""
+    if root:
+        return Path(root).expanduser()
     if os.environ.get("FEDLOOM_DATA"):
         return Path(os.environ["FEDLOOM_DATA"]).expanduser()
     return Path.home() / ".cache" / "fedloom" / "data"
@@ -91,7 +91,7 @@ def _check_class_counts(what: str, y: np.ndarray, classes: int, per_class: int,
         raise DatasetUnavailable(
             f"{where}: {what} has {int(counts.sum())} samples, expected {classes} classes x "
             f"{per_class} (class {bad}: {int(counts[bad]) if bad < len(counts) else 'extra'}); "
-            "partial or wrong copy (data.verify=false skips this check)")
+            "partial or wrong copy (data.options.verify=false skips this check)")
 
 
 def _here(check: Callable[[Path], bool]) -> Callable[[], bool]:
@@ -102,21 +102,21 @@ def _looked(*parts: str) -> Callable[[], str]:
     return lambda: " or ".join(str(data_root() / p) for p in parts)
 
 
-def _probe_path(cfg: DataConfig) -> str | None:
+def _probe_path(path: str, root: str) -> str | None:
     try:
-        _user_path(cfg)
+        _user_path(path, root)
     except DatasetUnavailable as e:
         return str(e)
     return None
 
 
-def _user_path(cfg: DataConfig) -> Path:
-    """``data.path``; a relative path that does not exist from the working directory is
-    looked up under the data root (so configs can name ``flwrlabs-femnist``)."""
-    path = Path(cfg.path).expanduser()
-    if not path.is_absolute() and not path.exists() and (data_root(cfg) / path).exists():
-        path = data_root(cfg) / path
+def _user_path(given: str, root: str) -> Path:
+    """``data.options.path``; a relative path that does not exist from the working
+    directory is looked up under the data root (so configs can name ``flwrlabs-femnist``)."""
+    path = Path(given).expanduser()
+    if not path.is_absolute() and not path.exists() and (data_root(root) / path).exists():
+        path = data_root(root) / path
     if not path.exists():
-        raise DatasetUnavailable(f"data.path: {cfg.path}: no such file or directory (looked "
-                                 f"in {Path.cwd()} and {data_root(cfg)})")
+        raise DatasetUnavailable(f"data.options.path: {given}: no such file or directory "
+                                 f"(looked in {Path.cwd()} and {data_root(root)})")
     return path

@@ -1,15 +1,15 @@
 """Hugging Face datasets from disk, offline: ``save_to_disk`` folders or parquet files.
 
-The source ``hf`` reads ``data.path`` with the ``datasets`` library (never the Hub),
-takes the image or feature column ``data.image_column`` and the label column
-``data.label``, and with ``data.client`` makes one client per value of that column,
+The source ``hf`` reads ``data.options.path`` with the ``datasets`` library (never the Hub),
+takes the image or feature column ``data.options.image_column`` and the label column
+``data.options.label``, and with ``data.options.client`` makes one client per value of that column,
 the writers picked by ``_pick_writers`` as the CRAFT code selects FEMNIST's.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from fedloom.config import DataConfig
 from fedloom.data.disk.common import _probe_path, _user_path
 from fedloom.data.disk.images import _images_dataset
 from fedloom.data.sources import Dataset, DatasetUnavailable, _has_module, _source
+from fedloom.registry import Range
 from fedloom.rng import Purpose, numpy_gen
 
 
@@ -32,8 +33,8 @@ def _hf_splits(path: Path) -> dict[str, Any]:
             files = ([str(p) for p in sorted(path.rglob("*.parquet"))] if path.is_dir()
                      else [str(path)])
             if not files:
-                raise DatasetUnavailable(f"data.path: {path}: no save_to_disk dataset and no "
-                                         "*.parquet file")
+                raise DatasetUnavailable(f"data.options.path: {path}: no save_to_disk "
+                                         "dataset and no *.parquet file")
             by_split: dict[str, list[str]] = {}
             for f in files:  # split from the file name, as the Hub's parquet layout names them
                 stem = Path(f).stem.lower()
@@ -45,7 +46,7 @@ def _hf_splits(path: Path) -> dict[str, Any]:
     except DatasetUnavailable:
         raise
     except Exception as e:  # the datasets library's own errors, one line
-        raise DatasetUnavailable(f"data.path: {path}: cannot read it with the datasets "
+        raise DatasetUnavailable(f"data.options.path: {path}: cannot read it with the datasets "
                                  f"library ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
                                  ) from None
     if isinstance(ds, datasets.Dataset):
@@ -57,8 +58,8 @@ def _hf_arrays(split: Any, col: str, label: str, where: str) -> tuple[np.ndarray
     for c in (col, label):
         if c not in split.column_names:
             raise DatasetUnavailable(f"{where}: no column {c!r} (columns: "
-                                     f"{', '.join(split.column_names)}; set data.image_column "
-                                     "/ data.label)")
+                                     f"{', '.join(split.column_names)}; set "
+                                     "data.options.image_column / data.options.label)")
     raw_y = split[label]
     values = split[col]
     first = values[0] if len(values) else None
@@ -82,47 +83,55 @@ def _hf_arrays(split: Any, col: str, label: str, where: str) -> tuple[np.ndarray
     return x, np.asarray(raw_y)
 
 
-def _pick_writers(groups: np.ndarray, cfg: DataConfig, seed: int) -> np.ndarray:
-    """A keep-mask over samples: writers with ``data.min_samples`` … ``data.max_client_samples``
-    samples (0 = no upper bound) are eligible, and ``data.num_clients`` of them are drawn
-    from ``(seed, "data")`` when more are eligible (the CRAFT code's FEMNIST selection)."""
+def _pick_writers(groups: np.ndarray, cfg: DataConfig, most: int, seed: int) -> np.ndarray:
+    """A keep-mask over samples: writers with ``data.min_samples`` … ``most``
+    (``data.options.max_client_samples``; 0 = no upper bound) samples are eligible, and
+    ``data.num_clients`` of them are drawn from ``(seed, "data")`` when more are eligible
+    (the CRAFT code's FEMNIST selection)."""
     ids, counts = np.unique(groups, return_counts=True)
     ok = counts >= cfg.min_samples
-    if cfg.max_client_samples:
-        ok &= counts <= cfg.max_client_samples
+    if most:
+        ok &= counts <= most
     eligible = ids[ok]
     if len(eligible) == 0:
-        raise DatasetUnavailable(f"data.min_samples / data.max_client_samples: no client has "
-                                 f"{cfg.min_samples}..{cfg.max_client_samples or 'any'} samples")
+        raise DatasetUnavailable(f"data.min_samples / data.options.max_client_samples: no "
+                                 f"client has {cfg.min_samples}..{most or 'any'} samples")
     if len(eligible) > cfg.num_clients:
         gen = numpy_gen(seed, -1, -1, Purpose.DATA)
         eligible = np.sort(gen.choice(eligible, cfg.num_clients, replace=False))
     return np.isin(groups, eligible)
 
 
-@_source("hf", "a Hugging Face dataset saved to disk or as parquet (data.path), offline",
-         lambda: _has_module("datasets"),
+@_source("hf", "a Hugging Face dataset saved to disk or as parquet (data.options.path), "
+         "offline", lambda: _has_module("datasets"),
          "pip install datasets  (or: pip install 'fedloom[hf]')",
-         probe=lambda cfg: (_probe_path(cfg) if _has_module("datasets") else
-                            "data.name=hf: needs the datasets library: pip install "
-                            "'fedloom[hf]'"))
-def hf(cfg: DataConfig, seed: int) -> Dataset:
-    if not cfg.path:
-        raise DatasetUnavailable("data.path: hf needs a save_to_disk folder or parquet files")
-    path = _user_path(cfg)
-    splits = _hf_splits(path)
+         probe=lambda data, *, path="", root="", **_: (
+             _probe_path(path, root) if _has_module("datasets") else
+             "data.name=hf: needs the datasets library: pip install 'fedloom[hf]'"))
+def hf(data: DataConfig, seed: int, *, path: str = "", root: str = "", label: str = "label",
+       client: str = "", image_column: str = "image",
+       max_client_samples: Annotated[int, Range(ge=0)] = 0) -> Dataset:
+    """``path``: a save_to_disk folder or parquet files (also looked for under ``root``);
+    ``label``, ``image_column``: its columns; ``client``: the column of the writers, one
+    client each (the natural split), those with more than ``max_client_samples`` samples
+    not eligible (0: no bound)."""
+    if not path:
+        raise DatasetUnavailable("data.options.path: hf needs a save_to_disk folder or "
+                                 "parquet files")
+    folder = _user_path(path, root)
+    splits = _hf_splits(folder)
     train_key = "train" if "train" in splits else next(iter(splits))
     test_key = next((k for k in ("test", "validation", "val") if k in splits and k != train_key),
                     None)
-    xtr, ytr = _hf_arrays(splits[train_key], cfg.image_column, cfg.label, f"{path}[{train_key}]")
-    xte, yte = (_hf_arrays(splits[test_key], cfg.image_column, cfg.label, f"{path}[{test_key}]")
+    xtr, ytr = _hf_arrays(splits[train_key], image_column, label, f"{folder}[{train_key}]")
+    xte, yte = (_hf_arrays(splits[test_key], image_column, label, f"{folder}[{test_key}]")
                 if test_key else (None, None))
     # labels: integers kept; anything else mapped in sorted order
     all_y = ytr if yte is None else np.concatenate([ytr, yte])
     if all_y.dtype.kind in "iu":
         ytr_i, yte_i = ytr.astype(np.int64), None if yte is None else yte.astype(np.int64)
         if all_y.min() < 0:
-            raise DatasetUnavailable(f"{path}: column {cfg.label!r} has negative labels")
+            raise DatasetUnavailable(f"{folder}: column {label!r} has negative labels")
         classes = int(all_y.max()) + 1
     else:
         names = sorted({str(v) for v in all_y})
@@ -131,16 +140,16 @@ def hf(cfg: DataConfig, seed: int) -> Dataset:
         yte_i = None if yte is None else np.array([idx[str(v)] for v in yte], dtype=np.int64)
         classes = len(names)
     if classes < 2:
-        raise DatasetUnavailable(f"{path}: column {cfg.label!r} has fewer than 2 classes")
+        raise DatasetUnavailable(f"{folder}: column {label!r} has fewer than 2 classes")
     groups = None
-    if cfg.client:  # one client per value of this column (writers): the natural split
+    if client:  # one client per value of this column (writers): the natural split
         col = splits[train_key]
-        if cfg.client not in col.column_names:
-            raise DatasetUnavailable(f"{path}[{train_key}]: no column {cfg.client!r} "
-                                     "(data.client)")
-        _, groups = np.unique(np.asarray([str(v) for v in col[cfg.client]]),
+        if client not in col.column_names:
+            raise DatasetUnavailable(f"{folder}[{train_key}]: no column {client!r} "
+                                     "(data.options.client)")
+        _, groups = np.unique(np.asarray([str(v) for v in col[client]]),
                               return_inverse=True)
-        keep = _pick_writers(groups, cfg, seed)
+        keep = _pick_writers(groups, data, max_client_samples, seed)
         xtr, ytr_i = xtr[keep], ytr_i[keep]
         _, groups = np.unique(groups[keep], return_inverse=True)
     if xtr.dtype == np.uint8 and xtr.ndim == 4:  # decoded images, NHWC
@@ -152,7 +161,7 @@ def hf(cfg: DataConfig, seed: int) -> Dataset:
             ds.groups, ds.natural = groups.astype(np.int64), True
         return ds
     if xtr.dtype.kind not in "iuf" or not np.isfinite(xtr.astype(np.float64)).all():
-        raise DatasetUnavailable(f"{path}: column {cfg.image_column!r} must hold images or "
+        raise DatasetUnavailable(f"{folder}: column {image_column!r} must hold images or "
                                  "finite numbers")
     to_t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
     return Dataset("hf", to_t(xtr), torch.from_numpy(ytr_i), classes,

@@ -1,6 +1,6 @@
 """Image files from disk, decoded with PIL: Tiny-ImageNet-200 and image folders.
 
-``_decode_images`` decodes (and with ``data.image_size`` resizes) a list of image
+``_decode_images`` decodes (and with ``data.options.image_size`` resizes) a list of image
 files into uint8 RGB; :func:`read_tiny_imagenet` reads ``tiny-imagenet-200/`` (the
 labelled validation set is the test set) and :func:`read_image_folder` a folder of
 class folders, or its ``train/`` and ``test/`` (``val/``) parts. An image folder is
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
@@ -30,13 +30,14 @@ from fedloom.data.disk.common import (
     data_root,
 )
 from fedloom.data.sources import Dataset, DatasetUnavailable, _has_module, _source
+from fedloom.registry import Range
 
 _IMAGE_EXT = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".tif", ".tiff", ".webp")
 
 
-def _probe_tiny(cfg: DataConfig) -> str | None:
-    return (None if _tiny_complete(data_root(cfg)) else
-            f"data.name=tiny-imagenet: {_tiny_dir(data_root(cfg))}: missing or incomplete")
+def _probe_tiny(data: DataConfig, *, root: str = "", **_: Any) -> str | None:
+    return (None if _tiny_complete(data_root(root)) else
+            f"data.name=tiny-imagenet: {_tiny_dir(data_root(root))}: missing or incomplete")
 
 
 def _tiny_dir(root: Path) -> Path:
@@ -68,7 +69,8 @@ def _decode_images(paths: Sequence[Path], size: int) -> np.ndarray:
             shape = a.shape
         elif a.shape != shape:
             raise DatasetUnavailable(f"{p}: image is {a.shape[1]}x{a.shape[0]}, the others "
-                                     f"{shape[1]}x{shape[0]} (set data.image_size to resize)")
+                                     f"{shape[1]}x{shape[0]} (set data.options.image_size to "
+                                     "resize)")
         out.append(a)
     return np.stack(out) if out else np.zeros((0, size or 1, size or 1, 3), np.uint8)
 
@@ -80,7 +82,7 @@ def read_tiny_imagenet(root: Path, verify: bool = True) -> dict[str, np.ndarray]
         need = [p for p in ("wnids.txt", "train", "val/images", "val/val_annotations.txt")
                 if not (d / p).exists()]
         raise DatasetUnavailable(f"data.name=tiny-imagenet: {d}: missing {', '.join(need)} "
-                                 "(set data.root or $FEDLOOM_DATA)")
+                                 "(set data.options.root or $FEDLOOM_DATA)")
     wnids = [w.strip() for w in (d / "wnids.txt").read_text().split() if w.strip()]
     index = {w: i for i, w in enumerate(wnids)}
     train: list[tuple[Path, int]] = []
@@ -120,10 +122,12 @@ def read_tiny_imagenet(root: Path, verify: bool = True) -> dict[str, np.ndarray]
 
 @_source("tiny-imagenet", "Tiny-ImageNet-200 (100k/10k, 64x64 RGB) from disk",
          _here(_tiny_complete),
-         "unzip tiny-imagenet-200.zip under data.root ($FEDLOOM_DATA)",
+         "unzip tiny-imagenet-200.zip under data.options.root ($FEDLOOM_DATA)",
          checks_itself=True, where=_looked("tiny-imagenet-200/"), probe=_probe_tiny)
-def tiny_imagenet(cfg: DataConfig, seed: int) -> Dataset:
-    arrs = read_tiny_imagenet(data_root(cfg), cfg.verify)
+def tiny_imagenet(data: DataConfig, seed: int, *, root: str = "",
+                  verify: bool = True) -> Dataset:
+    """``root``: the data root; ``verify``: check the class counts."""
+    arrs = read_tiny_imagenet(data_root(root), verify)
     mean, std = (0.4802, 0.4481, 0.3975), (0.2770, 0.2691, 0.2821)
     classes = 200
     return Dataset("tiny-imagenet", _normalise(arrs["train_x"], mean, std),
@@ -153,7 +157,7 @@ def read_image_folder(path: Path, size: int = 0) -> dict[str, Any]:
     """One sub-folder per class (sorted names → labels 0…C−1), or ``train/`` and
     ``test/`` (or ``val/``) folders of that layout."""
     if not path.is_dir():
-        raise DatasetUnavailable(f"data.path: {path}: no such directory")
+        raise DatasetUnavailable(f"data.options.path: {path}: no such directory")
     split = path / "train"
     test = next((path / t for t in ("test", "val") if (path / t).is_dir()), None)
     if split.is_dir() and test is not None:
@@ -163,10 +167,10 @@ def read_image_folder(path: Path, size: int = 0) -> dict[str, Any]:
         tr, names = _list_folder(path, None)
         te = []
     if len(names) < 2:
-        raise DatasetUnavailable(f"data.path: {path}: needs one sub-folder per class, "
+        raise DatasetUnavailable(f"data.options.path: {path}: needs one sub-folder per class, "
                                  f"found {len(names)}")
     if not tr:
-        raise DatasetUnavailable(f"data.path: {path}: no image files "
+        raise DatasetUnavailable(f"data.options.path: {path}: no image files "
                                  f"({', '.join(_IMAGE_EXT)})")
 
     def decode() -> dict[str, np.ndarray]:
@@ -180,8 +184,8 @@ def read_image_folder(path: Path, size: int = 0) -> dict[str, Any]:
     arrs: dict[str, Any] = dict(_cached("imagefolder", [p for p, _ in tr + te], str(size),
                                         decode))
     if te and arrs["test_x"].shape[1:] != arrs["train_x"].shape[1:]:
-        raise DatasetUnavailable(f"data.path: {path}: test images differ in size from the "
-                                 "training images (set data.image_size)")
+        raise DatasetUnavailable(f"data.options.path: {path}: test images differ in size from the "
+                                 "training images (set data.options.image_size)")
     arrs["classes"] = names
     return arrs
 
@@ -195,11 +199,16 @@ def _images_dataset(name: str, arrs: dict[str, Any], classes: int) -> Dataset:
                    y_test=torch.from_numpy(arrs["test_y"]) if has_test else None)
 
 
-@_source("image-folder", "your images, one sub-folder per class (data.path)",
+@_source("image-folder", "your images, one sub-folder per class (data.options.path)",
          lambda: _has_module("PIL"), "pip install pillow  (or: pip install 'fedloom[images]')",
-         checks_itself=True, probe=_probe_path)
-def image_folder(cfg: DataConfig, seed: int) -> Dataset:
-    if not cfg.path:
-        raise DatasetUnavailable("data.path: image-folder needs the folder of class folders")
-    arrs = read_image_folder(_user_path(cfg), cfg.image_size)
+         checks_itself=True,
+         probe=lambda data, *, path="", root="", **_: _probe_path(path, root))
+def image_folder(data: DataConfig, seed: int, *, path: str = "", root: str = "",
+                 image_size: Annotated[int, Range(ge=0)] = 0) -> Dataset:
+    """``path``: the folder of class folders (also looked for under ``root``, the data
+    root); ``image_size``: the side images are resized to (0: as stored)."""
+    if not path:
+        raise DatasetUnavailable("data.options.path: image-folder needs the folder of class "
+                                 "folders")
+    arrs = read_image_folder(_user_path(path, root), image_size)
     return _images_dataset("image-folder", arrs, len(arrs["classes"]))

@@ -4,13 +4,14 @@
 ``femnist/{train,test}``), checks every writer's records (784 pixels in [0, 1],
 labels 0…61, ``num_samples``) and caches the decoded arrays; the source
 ``femnist`` keeps LEAF's per-writer train/test split and samples
-``data.writer_fraction`` of the writers.
+``data.options.writer_fraction`` of the writers.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated, Any
 
 import numpy as np
 import torch
@@ -18,13 +19,14 @@ import torch
 from fedloom.config import DataConfig
 from fedloom.data.disk.common import _cached, _here, _looked, data_root
 from fedloom.data.sources import Dataset, DatasetUnavailable, _source
+from fedloom.registry import Range
 from fedloom.rng import Purpose, numpy_gen
 
 
-def _probe_femnist(cfg: DataConfig) -> str | None:
-    root = data_root(cfg)
-    if _femnist_dirs(root) is None:
-        return (f"data.name=femnist: {root / 'femnist' / 'data'}: needs train/*.json and "
+def _probe_femnist(data: DataConfig, *, root: str = "", **_: Any) -> str | None:
+    where = data_root(root)
+    if _femnist_dirs(where) is None:
+        return (f"data.name=femnist: {where / 'femnist' / 'data'}: needs train/*.json and "
                 "test/*.json")
     return None
 
@@ -82,7 +84,7 @@ def read_femnist(root: Path) -> dict[str, np.ndarray]:
     if dirs is None:
         raise DatasetUnavailable(
             f"data.name=femnist: {root / 'femnist' / 'data'}: needs train/*.json and "
-            "test/*.json (LEAF's layout; set data.root or $FEDLOOM_DATA)")
+            "test/*.json (LEAF's layout; set data.options.root or $FEDLOOM_DATA)")
     trf, tef = sorted(dirs[0].glob("*.json")), sorted(dirs[1].glob("*.json"))
 
     def decode() -> dict[str, np.ndarray]:
@@ -105,16 +107,19 @@ def read_femnist(root: Path) -> dict[str, np.ndarray]:
 
 @_source("femnist", "FEMNIST (LEAF, 62 classes, one client per writer) from disk",
          _here(lambda r: _femnist_dirs(r) is not None),
-         "run LEAF's femnist preprocess and put femnist/data/{train,test}/ under data.root",
+         "run LEAF's femnist preprocess and put femnist/data/{train,test}/ under data.options.root",
          checks_itself=True, where=_looked("femnist/data/{train,test}/", "femnist/{train,test}/"),
          probe=_probe_femnist)
-def femnist(cfg: DataConfig, seed: int) -> Dataset:
-    arrs = read_femnist(data_root(cfg))
+def femnist(data: DataConfig, seed: int, *, root: str = "",
+            writer_fraction: Annotated[float, Range(gt=0, le=1)] = 1.0) -> Dataset:
+    """``root``: the data root; ``writer_fraction``: the fraction of writers kept, drawn
+    from the seed (LEAF's ``--sf``)."""
+    arrs = read_femnist(data_root(root))
     writer, is_test = arrs["writer"], arrs["test"].astype(bool)
     keep = np.ones(len(writer), dtype=bool)
-    if cfg.writer_fraction < 1.0:
+    if writer_fraction < 1.0:
         n_w = int(writer.max()) + 1
-        n_keep = max(1, round(cfg.writer_fraction * n_w))
+        n_keep = max(1, round(writer_fraction * n_w))
         chosen = numpy_gen(seed, -1, -1, Purpose.DATA).choice(n_w, n_keep, replace=False)
         keep = np.isin(writer, chosen)
     # renumber the kept writers 0..K-1 in their original order

@@ -27,8 +27,8 @@ from fedloom.data.sources import Dataset
 from fedloom.engine.runs.checkpoint import RunDirError, atomic_write_json, check_regular
 from fedloom.engine.runs.directory import CHECKPOINT_FILE, PREVIOUS_CHECKPOINT_FILE
 
-__all__ = ["DATA_FILE", "DataChangedError", "DataRecord", "data_source", "has_checkpoint",
-           "read_record"]
+__all__ = ["DATA_FILE", "DataChangedError", "DataRecord", "data_path", "data_source",
+           "has_checkpoint", "read_record"]
 
 log = logging.getLogger("fedloom")
 
@@ -44,11 +44,16 @@ class DataChangedError(RunDirError):
 
 
 def data_source(cfg: DataConfig, given: bool) -> str:
-    """How a message names the data: ``data.path``, else ``data.name=…``; data given
-    in Python as such (``data.name`` then names nothing)."""
+    """How a message names the data: ``data.options.path``, else ``data.name=…``; data
+    given in Python as such (``data.name`` then names nothing)."""
     if given:
         return "the data given in Python (run(data=...))"
-    return cfg.path or f"data.name={cfg.name}"
+    return data_path(cfg) or f"data.name={cfg.name}"
+
+
+def data_path(cfg: DataConfig) -> str:
+    """``data.options.path``, the file or folder a source is read from ("" when none)."""
+    return str(cfg.options.get("path", ""))
 
 
 def has_checkpoint(run_dir: Path) -> bool:

@@ -37,7 +37,7 @@ from fedloom.engine.experiment import Experiment
 from fedloom.engine.given import refuse_unrecorded, run_inputs, write_files
 from fedloom.engine.objects import Components
 from fedloom.engine.runs.checkpoint import RunDirWriteError, lock_run_dir
-from fedloom.engine.runs.datarecord import DataRecord, data_source
+from fedloom.engine.runs.datarecord import DataRecord, data_path, data_source
 from fedloom.engine.runs.directory import (
     CHECKPOINT_FILE,
     METRICS_DIGEST,
@@ -180,7 +180,7 @@ def _run_in_dir(cfg: Config, run_dir: Path, resume: bool, callbacks: Sequence[Ca
         check_run_dir(run_dir, resolved, resume)
         record = DataRecord(run_dir, resume, allow_data_change,
                             data_source(cfg.data, data is not None),
-                            cfg.data.path if data is None else "")
+                            data_path(cfg.data) if data is None else "")
         with _write_errors(run_dir):  # the memmap state files are made here
             exp = Experiment.from_config(cfg, state_dir=run_dir / "state", data=data,
                                          model=model, components=given,
