@@ -171,7 +171,7 @@ def test_a_local_model_directory_and_its_tokenizer(corpus, tmp_path):
     saved = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab) + 3, **TINY))
     saved.save_pretrained(tmp_path)
     cfg = config(corpus, rounds=1)
-    cfg["data"]["text"]["tokenizer"] = str(tmp_path)
+    cfg["data"]["options"]["tokenizer"] = str(tmp_path)
     cfg["model"] = {"name": "hf_causal_lm", "options": {"path": str(tmp_path), "lora": dict(LORA)}}
     res = fedloom.run(cfg, out=tmp_path / "run")
     assert res.layout.size == ADAPTERS
@@ -300,7 +300,7 @@ def test_a_gguf_files_own_tokenizer_makes_the_windows(corpus, tmp_path):
     assert [tokens[i] for i in ds.x[0].tolist()] == want
     assert torch.equal(ds.x[0, 1:], ds.y[0, :-1])
     run = config(corpus, rounds=1)
-    run["data"]["text"]["tokenizer"] = str(tmp_path / "tok.gguf")
+    run["data"]["options"]["tokenizer"] = str(tmp_path / "tok.gguf")
     run["model"] = {"name": "hf_causal_lm",
                     "options": {"gguf_file": str(tmp_path / "tok.gguf"), "lora": dict(LORA)}}
     assert math.isfinite(fedloom.run(run).metrics[-1]["test_loss"])
