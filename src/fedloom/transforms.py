@@ -26,14 +26,15 @@ synthetic direction before round 1 (the checks at the door, with :func:`returned
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, is_dataclass
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
 
-__all__ = ["Chain", "Scale", "Transform", "called", "chain", "check_vector", "from_fedloom",
-           "is_transform", "probe_transform", "returned", "scale", "shown", "what"]
+__all__ = ["Chain", "Scale", "Transform", "called", "chain", "check_mapping", "check_rows",
+           "check_vector", "from_fedloom", "is_transform", "probe_transform", "returned", "scale",
+           "shown", "what"]
 
 Ctx = TypeVar("Ctx", contravariant=True)
 C = TypeVar("C")
@@ -161,6 +162,24 @@ def check_vector(who: str, x: object, shape: tuple[int, ...], name: str = "direc
     if not bool(torch.isfinite(x).all()):
         raise ValueError(f"{who} returned a {name} that is not finite for a finite input")
     return x
+
+
+def check_mapping(who: str, x: object, name: str) -> Mapping[str, Any]:
+    """``x`` when it is a mapping (a returned state or metrics), else one line."""
+    if not isinstance(x, Mapping):
+        raise ValueError(f"{who} returned {what(x)} as {name}, expected a dict")
+    return x
+
+
+def check_rows(who: str, state: object, sizes: Mapping[str, int]) -> dict[str, torch.Tensor]:
+    """A plug-in's new state rows: one for each field it declared (name → size; the
+    engine stacks the accepted clients'), each a finite vector of its size."""
+    got = check_mapping(who, state, "its state rows")
+    lost = [n for n in sizes if n not in got]
+    if lost:
+        raise ValueError(f"{who} returned state rows without "
+                         f"{', '.join(map(repr, lost))}, a field its fields() declared")
+    return {n: check_vector(who, got[n], (k,), f"state[{n!r}]") for n, k in sizes.items()}
 
 
 def probe_transform(t: object, where: str, d: torch.Tensor, ctxs: tuple[Any, Any],

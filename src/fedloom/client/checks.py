@@ -27,7 +27,15 @@ import torch
 from fedloom.client.sgd import LocalSGD
 from fedloom.job import ClientJob, ClientResult, local_job
 from fedloom.state import FieldSpec
-from fedloom.transforms import called, check_vector, from_fedloom, returned, what
+from fedloom.transforms import (
+    called,
+    check_mapping,
+    check_rows,
+    check_vector,
+    from_fedloom,
+    returned,
+    what,
+)
 
 __all__ = ["check_method", "check_method_hooks"]
 
@@ -64,7 +72,7 @@ def check_method(method: object, trainer: LocalSGD, w: torch.Tensor, x: torch.Te
         raise ValueError(f"{_WHERE}: {cls}.fields returned {what(specs)}, expected a "
                          "mapping of names to fedloom.state.FieldSpec")
     rows = {n: torch.zeros(s.size, dtype=w.dtype, device=w.device) for n, s in specs.items()}
-    server = _mapping(f"{cls}.init_server", called(
+    server = check_mapping(f"{_WHERE}: {cls}.init_server", called(
         f"{_WHERE}: {cls}.init_server", f"parameters of shape ({d},)", lm.init_server,
         w.clone()), "its server state")
     trainer = copy.copy(trainer)  # its own flat module: the run's trainer keeps its own
@@ -81,9 +89,10 @@ def check_method(method: object, trainer: LocalSGD, w: torch.Tensor, x: torch.Te
             raise ValueError(f"{_WHERE}: {cls}.run returned {what(res)}, expected a "
                              "fedloom.job.ClientResult")
         check_vector(f"{_WHERE}: {cls}.run", res.update, (d,), "update")
-        new = _rows(f"{cls}.run", res.state, specs)
+        new = check_rows(f"{_WHERE}: {cls}.run", res.state,
+                         {n: s.size for n, s in specs.items()})
         old1, new1 = ({n: v.unsqueeze(0) for n, v in rs.items()} for rs in (rows, new))
-        server = _mapping(f"{cls}.server_update", called(
+        server = check_mapping(f"{_WHERE}: {cls}.server_update", called(
             f"{_WHERE}: {cls}.server_update", "one accepted client's rows", lm.server_update,
             dict(server), old1, new1, num_clients), "its server state")
         model = called(f"{_WHERE}: {cls}.adjust_model", "the new server state",
@@ -108,19 +117,3 @@ def _check_personal(lm: Any, cls: str, rows: Mapping[str, torch.Tensor],
                          "shape (1,)")
 
 
-def _rows(who: str, state: object, specs: Mapping[str, FieldSpec]) -> dict[str, torch.Tensor]:
-    """The new rows of a result: one for each field ``fields`` declared (the engine
-    stacks the accepted clients'), each finite and of its size."""
-    got = _mapping(who, state, "its state rows")
-    lost = [n for n in specs if n not in got]
-    if lost:
-        raise ValueError(f"{_WHERE}: {who} returned state rows without "
-                         f"{', '.join(map(repr, lost))}, a field its fields() declared")
-    return {n: check_vector(f"{_WHERE}: {who}", got[n], (s.size,), f"state[{n!r}]")
-            for n, s in specs.items()}
-
-
-def _mapping(who: str, x: object, name: str) -> Mapping[str, Any]:
-    if not isinstance(x, Mapping):
-        raise ValueError(f"{_WHERE}: {who} returned {what(x)} as {name}, expected a dict")
-    return x

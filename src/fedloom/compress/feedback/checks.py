@@ -26,7 +26,14 @@ from fedloom.compress.feedback.base import RoundEnd, UplinkContext, UplinkResult
 from fedloom.compress.identity import InPlacePayload
 from fedloom.job import Penalty
 from fedloom.state import FieldSpec
-from fedloom.transforms import called, check_vector, from_fedloom, what
+from fedloom.transforms import (
+    called,
+    check_mapping,
+    check_rows,
+    check_vector,
+    from_fedloom,
+    what,
+)
 
 __all__ = ["check_feedback"]
 
@@ -57,7 +64,7 @@ def check_feedback(policy: object, comp: Any, w: torch.Tensor, g: torch.Tensor,
         raise ValueError(f"{_WHERE}: {cls}.fields returned {what(specs)}, expected a "
                          "mapping of names to fedloom.state.FieldSpec")
     rows = {n: torch.zeros(s.size, dtype=g.dtype, device=g.device) for n, s in specs.items()}
-    server = _mapping(f"{cls}.init_server", called(
+    server = check_mapping(f"{_WHERE}: {cls}.init_server", called(
         f"{_WHERE}: {cls}.init_server", f"parameters of shape ({d},)", fb.init_server,
         w.clone()), "its server state")
     for r, gen in enumerate(gens):
@@ -94,7 +101,8 @@ def _round(fb: Any, cls: str, comp: Any, w: torch.Tensor, g: torch.Tensor,
     if not isinstance(up.payload, bytes | bytearray | memoryview | InPlacePayload):
         raise ValueError(f"{_WHERE}: {cls}.uplink returned {what(up.payload)} as its payload, "
                          "expected the compressor's bytes (comp.encode(u, gen=ctx.gen))")
-    new = _rows(cls, up.state, specs)
+    new = check_rows(f"{_WHERE}: {cls}.uplink", up.state,
+                     {n: s.size for n, s in specs.items()})
     # the server decodes the bytes it received, as the round's receive stage does
     up.sent = called(f"{_WHERE}: the compressor's decode", f"{cls}.uplink's payload",
                      comp.decode, up.payload, d).to(g.device, g.dtype)
@@ -108,29 +116,13 @@ def _round(fb: Any, cls: str, comp: Any, w: torch.Tensor, g: torch.Tensor,
                          "fedloom.compress.feedback.RoundEnd(w_shift, server)")
     if end.w_shift is not None:
         check_vector(f"{_WHERE}: {cls}.end_round", end.w_shift, (d,), "w_shift")
-    server = _mapping(f"{cls}.end_round", end.server, "its server state")
+    server = check_mapping(f"{_WHERE}: {cls}.end_round", end.server, "its server state")
     metrics = called(f"{_WHERE}: {cls}.round_metrics", "the new server state",
                      fb.round_metrics, server)
-    for k, v in _mapping(f"{cls}.round_metrics", metrics, "its metrics").items():
+    for k, v in check_mapping(f"{_WHERE}: {cls}.round_metrics", metrics, "its metrics").items():
         if not isinstance(v, int | float):
             raise ValueError(f"{_WHERE}: {cls}.round_metrics returned metrics[{k!r}] = "
                              f"{what(v)}, expected a number")
     return {**rows, **new}, server
 
 
-def _rows(cls: str, state: object, specs: Mapping[str, FieldSpec]) -> dict[str, torch.Tensor]:
-    """The new rows of an :class:`UplinkResult`: one for each field ``fields`` declared
-    (the engine stacks the accepted clients'), each finite and of its size."""
-    got = _mapping(f"{cls}.uplink", state, "its state rows")
-    lost = [n for n in specs if n not in got]
-    if lost:
-        raise ValueError(f"{_WHERE}: {cls}.uplink returned state rows without "
-                         f"{', '.join(map(repr, lost))}, a field its fields() declared")
-    return {n: check_vector(f"{_WHERE}: {cls}.uplink", got[n], (s.size,), f"state[{n!r}]")
-            for n, s in specs.items()}
-
-
-def _mapping(who: str, x: object, name: str) -> Mapping[str, Any]:
-    if not isinstance(x, Mapping):
-        raise ValueError(f"{_WHERE}: {who} returned {what(x)} as {name}, expected a dict")
-    return x
