@@ -3,7 +3,7 @@ client sampling, add/remove or replace-one neighbours, rounds of changing rate a
 
 A round releases the clipped sum (each update clipped to C) plus N(0, z²C²I) from a
 cohort sampled at rate q (fixed-size: m of N, q = m/N). Each (sampling, neighbours)
-pair is bounded by one event (:func:`round_event` writes the validity argument out):
+pair is bounded by one event (:func:`round_event` writes the validity argument out)::
 
     poisson  add_remove   PoissonSampled(q, Gaussian(z))               RDP, PLD, PRV
     poisson  replace_one  PLD: the same under REPLACE_ONE (both sides mixtures);
