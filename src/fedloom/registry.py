@@ -88,6 +88,7 @@ _MODULES = (
     "fedloom.models.zoo",
     "fedloom.models.llm",
     "fedloom.data.text",
+    "fedloom.data.population",
     "fedloom.aggregate.mean",
     "fedloom.aggregate.craft",
     "fedloom.aggregate.fednova",

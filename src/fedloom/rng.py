@@ -52,6 +52,10 @@ class Purpose(StrEnum):
     PROBE = "probe"          # the synthetic inputs plug-ins are checked on before round 1
     AUDIT_MEMBERSHIP = "audit-membership"  # whether an audit's canary is in the run
     AUDIT_CANARY = "audit-canary"          # the direction an audit's canary sends
+    POPULATION = "population"              # a population user's samples (data.population)
+    POPULATION_SIZE = "population-size"    # a block of population users' sample counts
+    POPULATION_TEST = "population-test"    # a held-out user's samples (the global test set)
+    POPULATION_TEST_SIZE = "population-test-size"  # a block of held-out users' counts
 
 
 def derive_seed(seed: int, round: int = -1, client: int = -1, purpose: str = "") -> int:

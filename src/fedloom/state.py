@@ -5,6 +5,8 @@ Ditto's personal models are rows of such buffers, so that state scales to
 many clients: no per-client Python objects. A buffer is
 
 - ``dense``: a tensor in RAM;
+- ``lazy``: rows in RAM made when first written (a dict from client to row):
+  a population of millions costs, and checkpoints, the rows written so far;
 - ``memmap``: a file on disk, for ``N·d`` too large for RAM. Rows are read
   and written with positional I/O (``pread``/``pwrite``), not through a
   mapping: the operating system's page cache holds what it can, but none of
@@ -16,11 +18,10 @@ many clients: no per-client Python objects. A buffer is
   (:meth:`ClientStateStore.state_dict`), so 10,000 clients × 1M parameters
   (40 GB of float32) cost the disk, time and memory of the rows written.
 
-``auto`` picks memmap when the buffer exceeds ``memmap_above_mb``. Storage may
-be float16 to halve the footprint; rows are always gathered as the compute
-dtype. Rows never written read as zeros. Only the rows of the cohort are
-gathered and scattered each round; a client that is not sampled keeps its row
-untouched.
+``auto`` picks memmap above ``memmap_above_mb``, else lazy above :data:`LAZY_ABOVE`
+clients, else dense (the same numbers; where rows live differs). Storage may be
+float16; rows are gathered as the compute dtype and read as zeros until written.
+Only the cohort's rows are gathered and scattered each round.
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ import torch
 
 from fedloom.files import new_tmp
 
-__all__ = ["ClientStateStore", "FieldSpec"]
+__all__ = ["LAZY_ABOVE", "ClientStateStore", "FieldSpec"]
+
+# auto: more clients than this keep lazy rows in RAM (dense below: every run before
+# populations, up to 10,000 clients, keeps its store and checkpoint layout)
+LAZY_ABOVE = 65_536
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,7 @@ class ClientStateStore:
     Args:
         num_clients: N.
         fields: name → :class:`FieldSpec`.
-        storage: ``dense``, ``memmap`` or ``auto``.
+        storage: ``dense``, ``lazy``, ``memmap`` or ``auto``.
         dtype: storage dtype, ``float32`` or ``float16``.
         directory: where memmap files go (required for memmap).
         memmap_above_mb: threshold of ``auto``.
@@ -69,7 +74,7 @@ class ClientStateStore:
         num_clients: int,
         fields: Mapping[str, FieldSpec],
         *,
-        storage: Literal["auto", "dense", "memmap"] = "auto",
+        storage: Literal["auto", "dense", "lazy", "memmap"] = "auto",
         dtype: Literal["float32", "float16"] = "float32",
         directory: str | Path | None = None,
         memmap_above_mb: float = 1024.0,
@@ -81,14 +86,15 @@ class ClientStateStore:
         self.dtype = dtype
         self.compute_dtype = compute_dtype
         self.directory = Path(directory) if directory is not None else None
-        self._buf: dict[str, np.ndarray | _RowFile] = {}
+        self._buf: dict[str, np.ndarray | _RowFile | _LazyRows] = {}
         self.kinds: dict[str, str] = {}
         itemsize = np.dtype(_NP[dtype]).itemsize
         for name, spec in self.specs.items():
             nbytes = num_clients * spec.size * itemsize
             kind = storage
             if kind == "auto":
-                kind = "memmap" if nbytes > memmap_above_mb * 2**20 else "dense"
+                kind = ("memmap" if nbytes > memmap_above_mb * 2**20
+                        else "lazy" if num_clients > LAZY_ABOVE else "dense")
             if kind == "memmap" and self.directory is None:
                 # No run directory (an in-memory run): fall back to a temporary file.
                 import tempfile
@@ -98,6 +104,8 @@ class ClientStateStore:
             shape = (num_clients, spec.size)
             if kind == "dense":
                 self._buf[name] = np.zeros(shape, dtype=_NP[dtype])
+            elif kind == "lazy":
+                self._buf[name] = _LazyRows(shape, np.dtype(_NP[dtype]))
             else:
                 assert self.directory is not None
                 if self.directory.exists() and not self.directory.is_dir():
@@ -133,7 +141,10 @@ class ClientStateStore:
                 b.flush()
                 _sparse_copy(b.fd, dst.path)
                 dst.reopen()
+            elif isinstance(b, _LazyRows):
+                new._buf[name] = b.copy()
             else:
+                assert isinstance(dst, np.ndarray)  # the same kind as b: dense
                 dst[...] = b.get(np.arange(b.shape[0])) if isinstance(b, _RowFile) else b
         return new
 
@@ -150,7 +161,7 @@ class ClientStateStore:
         """Rows of ``ids`` as a fresh ``[m, size]`` tensor of the compute dtype."""
         idx = self._check(name, ids)
         buf = self._buf[name]
-        rows = buf.get(idx) if isinstance(buf, _RowFile) else np.asarray(buf[idx])
+        rows = buf.get(idx) if isinstance(buf, _RowFile | _LazyRows) else np.asarray(buf[idx])
         return torch.from_numpy(rows).to(self.compute_dtype)
 
     def scatter(self, name: str, ids: torch.Tensor | Iterable[int], rows: torch.Tensor) -> None:
@@ -163,7 +174,7 @@ class ClientStateStore:
             )
         arr = rows.detach().cpu().numpy().astype(_NP[self.dtype])
         buf = self._buf[name]
-        if isinstance(buf, _RowFile):
+        if isinstance(buf, _RowFile | _LazyRows):
             buf.set(idx, arr)
         else:
             buf[idx] = arr
@@ -203,6 +214,9 @@ class ClientStateStore:
                 out[name] = {"file": dst.name, "bytes": b.nbytes, "chunks_sha256": digest}
             elif isinstance(b, _RowFile):
                 out[name] = b.get(np.arange(b.shape[0]))
+            elif isinstance(b, _LazyRows):
+                ids = b.ids()
+                out[name] = {"lazy_ids": ids, "lazy_rows": b.get(ids)}
             else:
                 out[name] = np.array(b, copy=True)
         return out
@@ -226,6 +240,9 @@ class ClientStateStore:
             )
         for name, arr in state.items():
             buf = self._buf[name]
+            if isinstance(buf, _LazyRows):
+                buf.load(name, arr)
+                continue
             if isinstance(arr, dict):
                 if snapshot_dir is None:
                     raise ValueError(f"state store: field {name!r} is in a snapshot file; "
@@ -448,3 +465,68 @@ class _RowFile:
                 self._close(fd)
             except OSError:  # pragma: no cover
                 pass
+
+
+class _LazyRows:
+    """An ``[N, size]`` array of which only the rows written exist: a dict from
+    client to slot, slots in chunks of ``chunk`` rows made as they fill. Rows never
+    written read as zeros; memory is that of the rows written (whatever ``N``)."""
+
+    def __init__(self, shape: tuple[int, int], dtype: np.dtype, chunk: int = 1024) -> None:
+        self.shape, self.dtype, self.chunk = shape, dtype, chunk
+        self._slot: dict[int, int] = {}
+        self._chunks: list[np.ndarray] = []
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._chunks) * self.chunk * self.shape[1] * self.dtype.itemsize
+
+    def ids(self) -> np.ndarray:
+        """The clients whose rows were written, sorted."""
+        return np.array(sorted(self._slot), dtype=np.int64)
+
+    def get(self, idx: np.ndarray) -> np.ndarray:
+        out = np.zeros((len(idx), self.shape[1]), dtype=self.dtype)
+        for j, i in enumerate(idx.tolist()):
+            s = self._slot.get(i)
+            if s is not None:
+                out[j] = self._chunks[s // self.chunk][s % self.chunk]
+        return out
+
+    def set(self, idx: np.ndarray, rows: np.ndarray) -> None:
+        for j, i in enumerate(idx.tolist()):  # in order: of a repeated id the last wins
+            s = self._slot.get(i)
+            if s is None:
+                s = self._slot[i] = len(self._slot)
+                if s // self.chunk == len(self._chunks):
+                    self._chunks.append(np.zeros((self.chunk, self.shape[1]), self.dtype))
+            self._chunks[s // self.chunk][s % self.chunk] = rows[j]
+
+    def copy(self) -> _LazyRows:
+        new = _LazyRows(self.shape, self.dtype, self.chunk)
+        new._slot = dict(self._slot)
+        new._chunks = [c.copy() for c in self._chunks]
+        return new
+
+    def load(self, name: str, state: object) -> None:
+        """The rows of :meth:`ClientStateStore.state_dict` (``lazy_ids``, ``lazy_rows``),
+        or of a dense ``[N, size]`` array (its non-zero rows); else one line."""
+        if isinstance(state, np.ndarray) and state.shape == self.shape:
+            ids = np.flatnonzero(np.any(state != 0, axis=1)).astype(np.int64)
+            rows = state[ids]
+        elif isinstance(state, Mapping) and set(state) == {"lazy_ids", "lazy_rows"}:
+            ids, rows = state["lazy_ids"], state["lazy_rows"]
+            ok = (isinstance(ids, np.ndarray) and isinstance(rows, np.ndarray)
+                  and ids.ndim == 1 and rows.shape == (len(ids), self.shape[1])
+                  and np.issubdtype(ids.dtype, np.integer)
+                  and len(np.unique(ids)) == len(ids)
+                  and (ids.size == 0 or (ids.min() >= 0 and ids.max() < self.shape[0])))
+            if not ok:
+                raise ValueError(f"state store: field {name!r} holds rows that are not "
+                                 f"distinct clients of [0, {self.shape[0]}) with "
+                                 f"{self.shape[1]} entries each")
+        else:
+            raise ValueError(f"state store: field {name!r} is not a lazy store's rows nor "
+                             f"an array of shape {self.shape} in the checkpoint")
+        self._slot, self._chunks = {}, []
+        self.set(np.asarray(ids, dtype=np.int64), np.asarray(rows, dtype=self.dtype))

@@ -344,9 +344,10 @@ class LoggingConfig:
 
 @dataclass
 class StateConfig:
-    """Per-client state storage: ``auto`` picks dense below ``memmap_above_mb``."""
+    """Per-client state storage: ``auto`` picks memmap above ``memmap_above_mb``, else
+    lazy (rows made when first written) above 65,536 clients, else dense."""
 
-    storage: Literal["auto", "dense", "memmap"] = "auto"
+    storage: Literal["auto", "dense", "lazy", "memmap"] = "auto"
     dtype: Literal["float32", "float16"] = "float32"
     memmap_above_mb: float = _f(1024.0, gt=0)
 

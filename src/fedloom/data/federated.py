@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,13 +30,22 @@ class FederatedData:
         test: ``test[k]`` its own test split (possibly empty).
         x_test, y_test: the global test set (the source's, or the union of the
             clients' test splits when the source has none).
+
+    For a population (``dataset.population``, :mod:`fedloom.data.population`),
+    ``train[k]`` and ``test[k]`` are made when asked for: the positions of user
+    ``k``'s generated samples (all of them) and none.
     """
 
     dataset: Dataset
-    train: list[np.ndarray]
-    test: list[np.ndarray]
+    train: Sequence[np.ndarray]
+    test: Sequence[np.ndarray]
     x_test: torch.Tensor
     y_test: torch.Tensor
+
+    @property
+    def population(self) -> Any:
+        """The population whose users are generated on demand, or ``None``."""
+        return self.dataset.population
 
     @property
     def num_clients(self) -> int:
@@ -51,6 +61,8 @@ class FederatedData:
 
     def num_train(self) -> np.ndarray:
         """``n_k``, the training-set size of every client."""
+        if self.population is not None:
+            return self.population.sizes()  # type: ignore[no-any-return]
         return np.array([len(t) for t in self.train], dtype=np.int64)
 
 
@@ -151,6 +163,8 @@ def standardize(ds: Dataset, train_idx: np.ndarray) -> Dataset:
 
 def build_federated(ds: Dataset, cfg: DataConfig, seed: int) -> FederatedData:
     """Partition ``ds`` and split each client's part into train/test."""
+    if ds.population is not None:
+        return _population(ds, cfg)
     # The dataset's own name, not data.name: arrays given to ``run(data=...)``
     # replace the configured source, whatever data.name still says.
     if cfg.partition.name != "natural" and ds.groups is not None and ds.name == "synthetic":
@@ -177,3 +191,20 @@ def build_federated(ds: Dataset, cfg: DataConfig, seed: int) -> FederatedData:
         all_test = np.concatenate(test) if any(len(t) for t in test) else np.concatenate(train)
         x_test, y_test = ds.x[all_test], ds.y[all_test]
     return FederatedData(ds, train, test, x_test, y_test)
+
+
+def _population(ds: Dataset, cfg: DataConfig) -> FederatedData:
+    """A population's clients: one per user, made on demand; its global test set
+    is its held-out users' (:mod:`fedloom.data.population`)."""
+    from fedloom.data.population import ClientParts
+
+    if cfg.partition.name != "natural":
+        raise PartitionError(f"data.partition.name: a population ({ds.name}) is split by "
+                             "user; use 'natural'")
+    if cfg.standardize:
+        raise PartitionError(f"data.standardize: a population ({ds.name}) is generated on "
+                             "demand; there is no pool to standardize over")
+    pop = ds.population
+    assert ds.x_test is not None and ds.y_test is not None
+    return FederatedData(ds, ClientParts(pop.num_clients, pop.size),
+                         ClientParts(pop.num_clients, lambda k: 0), ds.x_test, ds.y_test)

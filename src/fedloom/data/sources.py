@@ -24,7 +24,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, cast
+from typing import Annotated, Any, cast
 
 import numpy as np
 import torch
@@ -75,6 +75,9 @@ class Dataset:
     # Token data (a causal LM's windows): the tokens one sample puts through local
     # training (its seq_len); 0 = not token data. summary.json's train_tokens_per_s.
     tokens_per_sample: int = 0
+    # A population (fedloom.data.population): its users' samples are generated on
+    # demand; x, y are then its held-out users' samples (the global test set).
+    population: Any = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -181,6 +184,8 @@ def load_dataset(cfg: DataConfig, seed: int) -> Dataset:
             raise DatasetUnavailable(f"dataset {cfg.name!r} is not installed; install it "
                                      f"with: {info.install}")
         ds = info.loader(cfg, seed, **cfg.options)
+    if ds.population is not None:  # generated on demand: nothing to pool or cut
+        return ds
     if cfg.pool == "all" and ds.x_test is not None and ds.y_test is not None:
         ds.x = torch.cat([ds.x, ds.x_test])
         ds.y = torch.cat([ds.y, ds.y_test])

@@ -33,7 +33,7 @@ from fedloom.engine.clientfields import ClientFields
 from fedloom.params import Layout
 from fedloom.rng import Purpose, numpy_gen
 from fedloom.selection import Feedback, Uniform
-from fedloom.selection.uniform import poisson_cohort
+from fedloom.selection.uniform import poisson_cohort, uniform_cohort
 from fedloom.state import ClientStateStore
 
 __all__ = ["ClientData", "HookView", "ModelSpace", "Schedule", "ScreenRules", "StepSizes"]
@@ -114,8 +114,14 @@ class Schedule:
         gen = numpy_gen(self.seed, r, -1, Purpose.COHORT)
         # {}: a state from before selectors (an older checkpoint, a caller's RunState)
         state = state or self.initial_selection()
+        everyone = self.system is None or not self.system.has_availability
         if self.rate is not None:  # Poisson sampling: the uniform selector's state is {}
-            ids, new = poisson_cohort(self.candidates(r), self.num_clients, self.rate, gen), state
+            ids = poisson_cohort(None if everyone else self.candidates(r), self.num_clients,
+                                 self.rate, gen)
+            new = state
+        elif everyone and type(self.chooser) is Uniform:
+            # the uniform selector's draw over every client, without an array of N ids
+            ids, new = uniform_cohort(self.num_clients, self.cohort_size, gen), state
         else:
             ids, new = self.chooser.select(r, self.candidates(r), self.cohort_size, state, gen)
         return torch.from_numpy(np.sort(np.asarray(ids, dtype=np.int64))).long(), new

@@ -176,3 +176,15 @@ def check_selection_scope(cfg: Config, selector: Any, privacy: Any) -> None:
         raise ConfigError(f"cohort.selection.name: {name} reads each client's reported loss, "
                           "which secure aggregation keeps from the server "
                           "(cohort.selection: uniform)")
+
+
+def check_population(cfg: Config, population: Any) -> None:
+    """What a population generated on demand (:mod:`fedloom.data.population`) cannot
+    do: a transform of every client's rows, or an evaluation of every client."""
+    n = population.num_clients
+    if cfg.data.feature.name != "none":
+        raise ConfigError(f"data.feature.name: a population of {n} users is generated on "
+                          "demand; no feature skew of every client's rows")
+    if cfg.eval.finetune_steps:
+        raise ConfigError(f"eval.finetune_steps: a population of {n} users is evaluated on "
+                          "its held-out users; no per-client fine-tuning")

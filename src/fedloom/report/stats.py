@@ -36,8 +36,7 @@ from fedloom.rng import derive_seed
 
 __all__ = ["VERDICTS", "Paired", "paired", "verdict_of"]
 
-# "inconsistent": a confidence sequence that has missed (fedloom.report.sequential)
-VERDICTS = ("better", "worse", "equivalent", "no evidence", "inconsistent")
+VERDICTS = ("better", "worse", "equivalent", "no evidence")
 MIN_BOOTSTRAP = 10
 
 

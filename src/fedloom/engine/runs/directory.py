@@ -350,7 +350,7 @@ def _restore_checked(restorer: Restorer, cfg: Config, resolved: dict[str, Any],
         # A snapshot file's error names that file; say which checkpoint named it.
         raise (CheckpointError(f"{msg} (named by {path})") if msg.startswith(str(path.parent))
                else bad(f"cannot be restored ({msg})")) from None
-    files = {v["file"] for v in ck["store"].values() if isinstance(v, dict)}
+    files = {v["file"] for v in ck["store"].values() if isinstance(v, dict) and "file" in v}
     return st, files, digest
 
 
@@ -409,7 +409,7 @@ def save(ckpt_dir: Path, state: dict[str, Any], keep: set[str]) -> set[str]:
     checkpoint before this one (the new snapshot files were complete before the
     checkpoint named them). Returns the snapshot files the new checkpoint names."""
     save_checkpoint(ckpt_dir / "last.pt", state, keep_previous=ckpt_dir / "prev.pt")
-    new = {v["file"] for v in state["store"].values() if isinstance(v, dict)}
+    new = {v["file"] for v in state["store"].values() if isinstance(v, dict) and "file" in v}
     _drop_snapshots(ckpt_dir, new | keep)
     return new
 

@@ -51,6 +51,8 @@ from fedloom.state import ClientStateStore
 
 __all__ = ["Evaluator", "LastPerClient"]
 
+_NONE = np.zeros(0, dtype=np.int64)
+
 
 def _same_rows(x_test: torch.Tensor, y_test: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                idx: torch.Tensor, chunk: int = 4096) -> bool:
@@ -77,22 +79,20 @@ class Evaluator:
 
     def __init__(self, space: ModelSpace, clients: ClientData, x_test: torch.Tensor,
                  y_test: torch.Tensor, settings: EvalConfig, *, seed: int, local: Any,
-                 method: Any, client_lr: float,
-                 extra: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+                 method: Any, client_lr: float) -> None:
         self.space, self.clients = space, clients
-        # named test sets whose accuracy is a metric of its own (a backdoor's triggered
-        # samples: the attack success rate)
-        self.extra = dict(extra or {})
         self.x_test, self.y_test = x_test, y_test
         self.settings, self.seed = settings, seed
         self.local, self.method, self.client_lr = local, method, client_lr
         # All clients' test samples in one tensor, with the owner of each, so the
         # per-client evaluation is one pass of the model.
-        test_idx = list(clients.fed.test)
-        self.client_test_idx = torch.from_numpy(np.concatenate(test_idx)).long().to(
+        # a population (generated on demand) keeps no client test split: its global
+        # test set is its held-out users'
+        test_idx = list(clients.fed.test) if clients.fed.population is None else []
+        self.client_test_idx = torch.from_numpy(np.concatenate(test_idx or [_NONE])).long().to(
             space.device)
         self.client_test_owner = torch.from_numpy(
-            np.concatenate([np.full(len(t), k) for k, t in enumerate(test_idx)])
+            np.concatenate([np.full(len(t), k) for k, t in enumerate(test_idx)] or [_NONE])
         ).long().to(space.device)
         # The pooled test set is the union of the clients' splits, in this order, when
         # the source has no test set of its own (FederatedData; the text source, for
@@ -151,8 +151,6 @@ class Evaluator:
                     sp.module, sp.layout, w, cl.x[self.client_test_idx],
                     cl.y[self.client_test_idx], self.client_test_owner, cl.num_clients, bs)
         out = {"test_acc": acc, "test_loss": loss}
-        for name, (xs, ys) in self.extra.items():
-            out[name] = evaluate(sp.module, sp.layout, w, xs, ys, bs)[0]
         taken: dict[str, np.ndarray] = {}
         if lm:
             out["test_ppl"] = math.exp(min(loss, 700.0)) if math.isfinite(loss) else loss
@@ -210,8 +208,10 @@ class Evaluator:
         the same way (``personal_ppl_*`` and ``unsampled_ppl_*``:
         :func:`~fedloom.metrics.perplexity_stats`, lower is better, ``worst10`` the
         highest); a client's loss is the log of its perplexity. One forward pass a
-        client: its model is its own."""
+        client: its model is its own. A population keeps no client test split: none."""
         sp, cl = self.space, self.clients
+        if cl.fed.population is not None:
+            return {}, {}
         n = cl.num_clients
         lm = cl.y.ndim > 1
         acc = np.full(n, np.nan)

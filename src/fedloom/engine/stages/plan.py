@@ -98,19 +98,34 @@ def plan_round(algo: Algorithm, clients: ClientData, space: ModelSpace, schedule
             value = hook.measure(view, w, k, fb_state, len(idx))
             if value is not None:
                 got.append(value)
-        # a client's block of rows is handed over as a view, not copied (take_rows)
-        xk, yk = ((_NO_DATA, _NO_DATA) if ships_indices
-                  else (take_rows(clients.x, idx), take_rows(clients.y, idx)))
+        xk, yk, index = _samples(clients, k, idx, ships_indices)
         job = client_job(fb, seed=schedule.seed, client=k, round=r, w=w, lr=lr, x=xk, y=yk,
                          fb_state=fb_state, fb_server=st.feedback_state, alpha=alpha,
                          epochs=adjust.epochs, state=fields.own(METHOD, old_rows, i),
                          buffers=_start_buffers(fields, space, st, old_rows, i),
-                         start_loss=start_loss, data_index=idx)
+                         start_loss=start_loss, data_index=index)
         jobs.append(algo.method.prepare(job, st.method_state))
         alphas.append(alpha)
         fb_rows.append(fb_state)
     return RoundPlan(r, cohort, lr, jobs, alphas, fb_rows, old_rows, comp, adjust, measured,
                      selection_state=selection)
+
+
+def _samples(clients: ClientData, k: int, idx: torch.Tensor, ships_indices: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Client ``k``'s training samples for its job, and their positions in the
+    clients' ``x`` (``None``: the job carries samples of its own)."""
+    pop = clients.fed.population
+    if pop is not None:
+        # a population's user is generated for the round, from (seed, user), and
+        # shipped with its job whatever the backend (fedloom.data.population)
+        xk, yk = pop.client(k)
+        return (torch.from_numpy(xk).to(device=clients.x.device, dtype=clients.x.dtype),
+                torch.from_numpy(yk).to(clients.y.device), None)
+    if ships_indices:
+        return _NO_DATA, _NO_DATA, idx
+    # a client's block of rows is handed over as a view, not copied (take_rows)
+    return take_rows(clients.x, idx), take_rows(clients.y, idx), idx
 
 
 def _start_buffers(fields: ClientFields, space: ModelSpace, st: RunState,
