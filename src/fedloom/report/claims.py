@@ -32,7 +32,7 @@ import numpy as np
 
 from fedloom.files import save_figure
 from fedloom.report.compare import first_reach, log_ticks, markdown_table
-from fedloom.report.sequential import sequential_paired
+from fedloom.report.sequential import UNDECIDED, sequential_paired
 from fedloom.report.stats import Paired, paired
 
 __all__ = ["claim_direction", "claim_table", "claims_lines", "metric_digits", "metric_scale",
@@ -115,7 +115,7 @@ def _sequential_cell(res: Paired, metric: str, censored: int, max_seeds: int | N
     u = f" {unit}" if unit else ""
     dg = metric_digits(metric)
     at_max = ", max" if max_seeds is not None and res.n >= max_seeds and \
-        res.verdict == "no evidence" else ""
+        res.verdict in UNDECIDED else ""
     text = f"**{res.verdict}** (n={res.n}{at_max}) {res.mean * scale:+.{dg}f}{u}"
     if res.n < 2:
         text += " (no interval)"
@@ -123,12 +123,12 @@ def _sequential_cell(res: Paired, metric: str, censored: int, max_seeds: int | N
         text += " (no finite interval yet)"
     else:
         text += f" [{res.low * scale:+.{dg}f}, {res.high * scale:+.{dg}f}]"
-        if not res.low <= res.mean <= res.high:
-            # The running intersection keeps an early, narrow interval that the later
-            # seeds' mean has left: the differences are heavier-tailed than the
-            # Gaussian mixture assumes (a method that collapses on some seeds). The
-            # interval is still the one the protocol gives; the reader is told.
-            text += " (mean outside the interval: the later seeds disagree with the first)"
+        if res.verdict == "inconsistent":
+            # The running intersection emptied, or keeps an early, narrow interval that
+            # the later seeds' mean has left: the differences are heavier-tailed than
+            # the Gaussian mixture assumes (a method that collapses on some seeds).
+            # No verdict is read from it; the reader is told why.
+            text += " (the sequence missed: the later seeds disagree with the first)"
     if censored:
         text += f"; {censored} run{'s' if censored > 1 else ''} never reached it"
     return text
@@ -192,9 +192,12 @@ def claims_lines(suite: Any, table: dict[str, dict[str, Any]],
                 "(n), the mean difference (method − baseline) and its 95 % confidence "
                 "sequence: **equivalent** when it lies within the claim's margin, "
                 "else **better** or **worse** when it excludes 0, else **no "
-                f"evidence**. Seeds were given sequentially: every method ran the first "
-                f"{seq.min}; after each batch every cell was computed again, and a pair of "
-                f"methods with a cell still open got {seq.batch} more seeds, up to "
+                "evidence**; **inconsistent** (no verdict) when the sequence has missed: "
+                "its running intersection emptied, or the mean left it, as when a method "
+                "collapses on some seeds. Seeds were given sequentially: every method ran "
+                f"the first {seq.min}; after each batch every cell was computed again, and "
+                "a pair of methods with a cell still open (no evidence or inconsistent) got "
+                f"{seq.batch} more seeds, up to "
                 f"{seq.max} (\"max\": still open there). The intervals are anytime-valid "
                 "(a scale-invariant Gaussian-mixture confidence sequence, "
                 "`fedloom.report.sequential`): they hold their 95 % however the looks "

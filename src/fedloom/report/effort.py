@@ -26,6 +26,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedloom.report.sequential import UNDECIDED
+
 __all__ = ["compute", "decided", "head_lines"]
 
 _RUNG = re.compile(r"@r\d+$")
@@ -34,7 +36,7 @@ _RUNG = re.compile(r"@r\d+$")
 def decided(records: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
     """(decided, cells) over claim records (:func:`fedloom.report.claims.claim_table`)."""
     cells = [r for r in records if r.get("verdict")]
-    return sum(r["verdict"] != "no evidence" for r in cells), len(cells)
+    return sum(r["verdict"] not in UNDECIDED for r in cells), len(cells)
 
 
 def _wall(out: Path) -> float | None:

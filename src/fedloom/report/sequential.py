@@ -19,10 +19,10 @@ Gaussian means with unknown variance"), so by Ville's inequality
     C_n = d̄_n ± c_n · s_n / √n,    c_n² = (n − 1) ρ / (1 − ρ),
     ρ = (1 − ((1 + nτ²)^(1/2) / α)^(−2/n)) · (1 + nτ²) / (nτ²),
 
-reported as the running intersection ``C_1 ∩ … ∩ C_n``; ``τ² = 20``. Departures:
-none from the papers' e-process; the two-sided CS inverts the symmetric mixture.
-The derivation, why not a CS for bounded differences, its cost and the choice of
-``τ²``: docs/howto/sweeps.md (Seeds where they decide).
+reported as the running intersection ``C_1 ∩ … ∩ C_n``; ``τ² = 20``; a sequence that
+has :func:`missed` reads ``inconsistent``, no verdict. Departures: none from the
+papers' e-process; the two-sided CS inverts the symmetric mixture. Derivation, cost,
+``τ²``, and the betting CS (:mod:`fedloom.report.betting`): docs/howto/sweeps.md.
 """
 
 from __future__ import annotations
@@ -37,13 +37,16 @@ import numpy as np
 
 from fedloom.report.stats import Paired, _finite, check_paired_args, verdict_of
 
-__all__ = ["TAU2", "boundary", "confidence_sequence", "sequential_paired", "simulate",
-           "widths_table"]
+__all__ = ["TAU2", "UNDECIDED", "boundary", "confidence_sequence", "missed",
+           "sequential_paired", "simulate", "widths_table"]
 
 TAU2 = 20.0  # prior variance of the standardised effect μ/σ (module docstring)
 # The looks of the tests' and the docs' stopping rule: seeds 3, 5, 7, 9, 11, then 12.
 LOOKS = (3, 5, 7, 9, 11, 12)
 NULLS = ("normal", "uniform", "skewed", "strongly-skewed")
+# The verdicts that decide nothing: the sequential protocol gives such a cell's pair
+# more seeds, and a page does not count it as decided.
+UNDECIDED = ("no evidence", "inconsistent")
 
 
 def boundary(n: Any, level: float = 0.95, tau2: float = TAU2) -> np.ndarray:
@@ -62,9 +65,36 @@ def confidence_sequence(d: Any, level: float = 0.95, tau2: float = TAU2
     """(mean, low, high) after each of the differences ``d[..., :n]``, n = 1 … N, along
     the last axis (leading axes: independent sequences); low/high are the running
     intersection of the CS (``±inf`` while it is ℝ)."""
+    mean, low, high, _ = _running(d, level, tau2)
+    return mean, low, high
+
+
+def latest_intervals(d: Any, level: float = 0.95, tau2: float = TAU2
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(mean, low, high): the CS ``C_n`` of each prefix alone, not intersected with the
+    earlier ones. Still anytime-valid (Ville's inequality bounds the chance that *any*
+    ``C_n`` misses), wider than the intersection, and never empty."""
+    mean, half = _halfwidths(d, level, tau2)
+    return mean, mean - half, mean + half
+
+
+def missed(d: Any, level: float = 0.95, tau2: float = TAU2) -> np.ndarray:
+    """Whether the sequence of ``d`` (last axis) has missed by its end: its running
+    intersection emptied at some look, or the last mean lies outside it. Under the
+    model that has chance ≤ 1 − ``level``; on a page it means the seeds disagree
+    (a method that collapses on some of them), and no verdict is read."""
+    return _misses(d, level, tau2)[..., -1]
+
+
+def _misses(d: Any, level: float, tau2: float) -> np.ndarray:
+    """:func:`missed` after each prefix."""
+    mean, low, high, emptied = _running(d, level, tau2)
+    return emptied | ~((low <= mean) & (mean <= high))
+
+
+def _halfwidths(d: Any, level: float, tau2: float) -> tuple[np.ndarray, np.ndarray]:
     d = np.asarray(d, dtype=np.float64)
-    n_max = d.shape[-1]
-    n = np.arange(1, n_max + 1, dtype=np.float64)
+    n = np.arange(1, d.shape[-1] + 1, dtype=np.float64)
     mean = np.cumsum(d, axis=-1) / n
     # The variance about the first value (translation-invariant, no cancellation when
     # the values are large and their spread small).
@@ -74,16 +104,27 @@ def confidence_sequence(d: Any, level: float = 0.95, tau2: float = TAU2
     c = boundary(n, level, tau2)
     with np.errstate(invalid="ignore"):
         half = np.where(np.isfinite(c), c * sd / np.sqrt(n), np.inf)
+    return mean, half
+
+
+def _running(d: Any, level: float, tau2: float
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(mean, low, high, emptied): the running intersection, and whether it has emptied
+    by each look (it then keeps the last non-empty one)."""
+    mean, half = _halfwidths(d, level, tau2)
     lo_n, hi_n = mean - half, mean + half
-    low, high = np.empty_like(d), np.empty_like(d)
-    lo = np.full(d.shape[:-1], -np.inf)
-    hi = np.full(d.shape[:-1], np.inf)
-    for k in range(n_max):
+    low, high = np.empty_like(mean), np.empty_like(mean)
+    lo = np.full(mean.shape[:-1], -np.inf)
+    hi = np.full(mean.shape[:-1], np.inf)
+    emptied = np.zeros(mean.shape, dtype=bool)
+    gone = np.zeros(mean.shape[:-1], dtype=bool)
+    for k in range(mean.shape[-1]):
         nlo, nhi = np.maximum(lo, lo_n[..., k]), np.minimum(hi, hi_n[..., k])
         keep = nlo <= nhi  # an empty intersection keeps the last non-empty one
+        gone = gone | ~keep
         lo, hi = np.where(keep, nlo, lo), np.where(keep, nhi, hi)
-        low[..., k], high[..., k] = lo, hi
-    return mean, low, high
+        low[..., k], high[..., k], emptied[..., k] = lo, hi, gone
+    return mean, low, high, emptied
 
 
 def _seed_order(s: Any) -> tuple[int, Any]:
@@ -94,7 +135,8 @@ def sequential_paired(a: Mapping[Any, float], b: Mapping[Any, float], better: st
                       level: float = 0.95, margin: float | None = None) -> Paired:
     """:func:`fedloom.report.stats.paired` with the confidence sequence in place of the
     t-interval: the differences in seed order (integers ascending), the verdict read
-    from the CS after the last shared seed (``method="cs"``)."""
+    from the CS after the last shared seed (``method="cs"``); ``inconsistent`` when
+    the sequence has :func:`missed` (no verdict from a collapsed interval)."""
     check_paired_args(better, level, margin)
     pairs = sorted((s for s in a if s in b and _finite(a[s]) and _finite(b[s])
                     and math.isfinite(float(a[s]) - float(b[s]))), key=_seed_order)
@@ -106,8 +148,9 @@ def sequential_paired(a: Mapping[Any, float], b: Mapping[Any, float], better: st
     if d.size < 2:
         return Paired(mean, math.nan, math.nan, 1, tuple(pairs), "no evidence", "cs", level,
                       dropped)
-    return Paired(mean, low, high, int(d.size), tuple(pairs),
-                  verdict_of(low, high, better, margin), "cs", level, dropped)
+    verdict = "inconsistent" if bool(missed(d, level)) else \
+        verdict_of(low, high, better, margin)
+    return Paired(mean, low, high, int(d.size), tuple(pairs), verdict, "cs", level, dropped)
 
 
 def _decided(low: np.ndarray, high: np.ndarray, margin: float | None) -> np.ndarray:
@@ -137,27 +180,47 @@ def simulate(d: Any, looks: Sequence[int] = LOOKS, level: float = 0.95,
              ) -> dict[str, Any]:
     """Apply the sweep's stopping rule to experiments ``d`` (rows: paired differences
     in seed order, true mean ``mu``): look after each of ``looks`` seeds, stop at the
-    first decided verdict (or the last look). ``method``: ``"cs"`` (this module) or
-    ``"t"`` (the fixed-n t-interval re-tested at every look, the naive protocol).
-    Returns the coverage of ``mu`` by the interval at the stop, the share of
-    experiments stopped with a decision, and the mean number of seeds used."""
+    first decided verdict (or the last look). ``method``: ``"cs"`` (this module),
+    ``"latest"`` (its latest interval alone, :func:`latest_intervals`), ``"betting"``
+    (:func:`fedloom.report.betting.betting_cs`, differences in [−1, 1], its grid in
+    steps of 0.5 pp) or ``"t"``
+    (the fixed-n t-interval re-tested at every look, the naive protocol). Returns the
+    coverage of ``mu`` by the interval at the stop, the share of experiments stopped
+    with a decision, the share stopped with a decision whose interval misses ``mu``
+    (``wrong``), the mean number of seeds used and the median half-widths after 3, 6
+    and 12 seeds (``half_widths``, where ``d`` has them). Under ``"cs"`` a look whose
+    sequence has :func:`missed` decides nothing (``inconsistent``), as on a page."""
     d = np.asarray(d, dtype=np.float64)
     if method == "cs":
         _, low, high = confidence_sequence(d, level)
+    elif method == "latest":
+        _, low, high = latest_intervals(d, level)
+    elif method == "betting":
+        from fedloom.report.betting import betting_cs
+
+        _, low, high = betting_cs(d, level, grid=401)  # ends widened by 0.5 pp
     elif method == "t":
         low, high = _t_intervals(d, level)
     else:
-        raise ValueError(f"method: {method!r} (expected cs or t)")
+        raise ValueError(f"method: {method!r} (expected cs, latest, betting or t)")
     idx = np.asarray(looks) - 1
     lo, hi = low[:, idx], high[:, idx]
-    dec = _decided(lo, hi, margin)
+    with np.errstate(invalid="ignore"):
+        dec = _decided(lo, hi, margin)
+    if method == "cs":
+        dec &= ~_misses(d, level, TAU2)[:, idx]
     first = np.where(dec.any(axis=1), dec.argmax(axis=1), len(idx) - 1)
     rows = np.arange(d.shape[0])
     lo_s, hi_s = lo[rows, first], hi[rows, first]
-    return {"coverage": float(np.mean((lo_s <= mu) & (mu <= hi_s))),
+    with np.errstate(invalid="ignore"):
+        half = [float(np.median((high[:, n - 1] - low[:, n - 1]) / 2))
+                for n in (3, 6, 12) if n <= d.shape[1]]
+    covered = (lo_s <= mu) & (mu <= hi_s)
+    return {"coverage": float(np.mean(covered)),
             "decided": float(np.mean(dec[rows, first])),
+            "wrong": float(np.mean(dec[rows, first] & ~covered)),
             "seeds_mean": float(np.mean(np.asarray(looks)[first])),
-            "experiments": int(d.shape[0])}
+            "experiments": int(d.shape[0]), "half_widths": half}
 
 
 def null_experiments(kind: str, experiments: int = 4000, n: int = 12, seed: int = 0
@@ -228,14 +291,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--coverage", action="store_true",
                    help=f"coverage of 4,000 null experiments stopped at the first decision "
                         f"(looks after {', '.join(map(str, LOOKS))} seeds)")
+    p.add_argument("--robust", action="store_true",
+                   help="coverage and widths on a bimodal collapse and t(2) tails, against "
+                        "the betting CS (fedloom.report.betting)")
     args = p.parse_args(argv)
-    if not (args.widths or args.coverage):
-        p.error("give --widths and/or --coverage")
+    if not (args.widths or args.coverage or args.robust):
+        p.error("give --widths, --coverage and/or --robust")
     out = []
     if args.widths:
         out.append(widths_table())
     if args.coverage:
         out.append(coverage_table())
+    if args.robust:
+        from fedloom.report.betting import robust_table
+
+        out.append(robust_table())
     sys.stdout.write("\n\n".join(out) + "\n")
     return 0
 

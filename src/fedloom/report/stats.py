@@ -36,7 +36,8 @@ from fedloom.rng import derive_seed
 
 __all__ = ["VERDICTS", "Paired", "paired", "verdict_of"]
 
-VERDICTS = ("better", "worse", "equivalent", "no evidence")
+# "inconsistent": a confidence sequence that has missed (fedloom.report.sequential)
+VERDICTS = ("better", "worse", "equivalent", "no evidence", "inconsistent")
 MIN_BOOTSTRAP = 10
 
 

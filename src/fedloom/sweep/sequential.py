@@ -7,7 +7,8 @@ and a (setting, method) runs a prefix of them. :func:`sequential_runs`:
 2. every claim cell is computed again, on the anytime-valid confidence sequence
    (:mod:`fedloom.report.sequential`: the interval stays valid however many looks
    are taken and wherever the sweep stops);
-3. a (setting, method pair) of which some cell is still **no evidence** and whose
+3. a (setting, method pair) of which some cell is still **no evidence**, or
+   **inconsistent** (its sequence has missed: no verdict from it), and whose
    shared seeds are fewer than ``max`` is *open*: both methods get seeds up to the
    pair's count + ``batch`` (at most ``max``); decided pairs get nothing more;
 4. until no pair is open.
@@ -44,8 +45,9 @@ def allocated(suite: Suite, specs: list[RunSpec], counts: dict[tuple[str, str], 
 
 def open_pairs(suite: Suite, specs: list[RunSpec]) -> dict[tuple[str, str, str], int]:
     """{(setting, method, against): seeds used} of the pairs with a claim cell still
-    open (no evidence) on the finished runs of ``specs``."""
+    open (no evidence, or inconsistent) on the finished runs of ``specs``."""
     from fedloom.report.claims import claim_table
+    from fedloom.report.sequential import UNDECIDED
     from fedloom.report.sweep import _targets, aggregate_runs
 
     table = aggregate_runs(specs)
@@ -53,7 +55,7 @@ def open_pairs(suite: Suite, specs: list[RunSpec]) -> dict[tuple[str, str, str],
                                 _targets(suite, table), sequential=True)
     out: dict[tuple[str, str, str], int] = {}
     for r in records:
-        if r["verdict"] == "no evidence":
+        if r["verdict"] in UNDECIDED:
             key = (r["setting"], r["method"], r["against"])
             out[key] = max(out.get(key, 0), int(r["n"]))
     return out

@@ -79,8 +79,12 @@ class Evaluator:
 
     def __init__(self, space: ModelSpace, clients: ClientData, x_test: torch.Tensor,
                  y_test: torch.Tensor, settings: EvalConfig, *, seed: int, local: Any,
-                 method: Any, client_lr: float) -> None:
+                 method: Any, client_lr: float,
+                 extra: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         self.space, self.clients = space, clients
+        # named test sets whose accuracy is a metric of its own (a backdoor's triggered
+        # samples: the attack success rate)
+        self.extra = dict(extra or {})
         self.x_test, self.y_test = x_test, y_test
         self.settings, self.seed = settings, seed
         self.local, self.method, self.client_lr = local, method, client_lr
@@ -151,6 +155,8 @@ class Evaluator:
                     sp.module, sp.layout, w, cl.x[self.client_test_idx],
                     cl.y[self.client_test_idx], self.client_test_owner, cl.num_clients, bs)
         out = {"test_acc": acc, "test_loss": loss}
+        for name, (xs, ys) in self.extra.items():
+            out[name] = evaluate(sp.module, sp.layout, w, xs, ys, bs)[0]
         taken: dict[str, np.ndarray] = {}
         if lm:
             out["test_ppl"] = math.exp(min(loss, 700.0)) if math.isfinite(loss) else loss

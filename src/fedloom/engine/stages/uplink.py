@@ -1,7 +1,7 @@
 """Uplink: what each client sends, from its trained update.
 
 In order, for the clients whose training came back: the client-side
-postprocessors (:func:`client_postprocessors`: an attacker's transform, then
+postprocessors (:func:`client_postprocessors`: the attack stage, then
 local DP's clip and noise; a chain in the way pfl-research chains
 postprocessors), the screening of the dense update (non-finite, out of bound:
 :func:`fedloom.engine.stages.screen.screen_updates`, so a client never sends what
@@ -39,19 +39,22 @@ log = logging.getLogger("fedloom")
 
 
 class Postprocessor(Protocol):
-    """A client-side transform of the trained update, before it is screened and sent."""
+    """A client-side transform of the round's trained updates (the kept clients', in
+    cohort order), before they are screened and sent."""
 
-    def __call__(self, res: ClientResult, round: int) -> None: ...
+    def __call__(self, results: Sequence[ClientResult], round: int) -> None: ...
 
 
 class AttackStage:
-    """A Byzantine client sends its transform of the update (``attack.*``)."""
+    """The Byzantine clients of the round send the attack's rows (``attack.*``): it sees
+    the round's updates as trained, before anyone's feedback policy and codec
+    (:meth:`fedloom.attack.Attack.round`)."""
 
     def __init__(self, attack: Any) -> None:
         self.attack = attack
 
-    def __call__(self, res: ClientResult, round: int) -> None:
-        res.update = self.attack(res.update, res.client, round)
+    def __call__(self, results: Sequence[ClientResult], round: int) -> None:
+        self.attack.round(results, round)
 
 
 class LocalPrivacyStage:
@@ -64,12 +67,13 @@ class LocalPrivacyStage:
         self.privacy = privacy
         self.clipped = 0
 
-    def __call__(self, res: ClientResult, round: int) -> None:
-        u = res.update
-        if not bool(torch.isfinite(u).all()):
-            u = torch.zeros_like(u)
-        res.update, was = self.privacy.privatize(u, round, res.client)
-        self.clipped += int(was)
+    def __call__(self, results: Sequence[ClientResult], round: int) -> None:
+        for res in results:
+            u = res.update
+            if not bool(torch.isfinite(u).all()):
+                u = torch.zeros_like(u)
+            res.update, was = self.privacy.privatize(u, round, res.client)
+            self.clipped += int(was)
 
 
 def client_postprocessors(attack: Any, privacy: Any) -> list[Postprocessor]:
@@ -235,8 +239,7 @@ def uplink_round(algo: Algorithm, post: Sequence[Postprocessor], rules: ScreenRu
     results = [res for res in raw if res is not None]
     dp_clipped = None
     for stage in post:
-        for res in results:
-            stage(res, r)
+        stage(results, r)
         if isinstance(stage, LocalPrivacyStage):
             dp_clipped = stage.clipped
     if early is not None and (not results or not early.complete(results)):
