@@ -10,7 +10,8 @@ D = 30
 LAYOUT = Layout([("a.weight", (4, 5)), ("a.bias", (4,)), ("b.weight", (6,))],
                 [["a.weight", "a.bias"], ["b.weight"]])
 # Rules whose output for m identical updates is that update.
-MEAN_LIKE = {"fedavg", "fednova", "fedfv", "config", "fedlf", "coordmean"}
+MEAN_LIKE = {"fedavg", "fednova", "fedfv", "config", "fedlf", "coordmean", "bulyan",
+             "geometric_median"}
 
 
 def _cohort(m=6, seed=0):

@@ -82,7 +82,8 @@ _RANGE = {"huge": (1e160, 1e30), "tiny": (1e-170, 1e-25)}
 @dataclass(frozen=True)
 class Rule:
     """What a rule guarantees. ``bound``: ``convex`` (‖out‖ ≤ S), ``box``
-    (coordinate-wise within the rows' range), ``nova``, ``afl``, ``craft``;
+    (coordinate-wise within the rows' range), ``nova``, ``afl``, ``craft``, ``centred``
+    (‖out‖ ≤ max(S, ‖previous output‖): centered clipping);
     ``mean_type``: equal rows give that row; ``solver``: the output comes
     from an m × m solve (permutation tolerance relative to the output)."""
 
@@ -108,6 +109,11 @@ RULES = {
     "trimmed_mean": Rule("box", True),
     "coordmean": Rule("box", True),
     "craft": Rule("craft", False, solver=True),
+    "bulyan": Rule("box", True),
+    # a convex combination of the rows (Weiszfeld's weights are positive)
+    "geometric_median": Rule("convex", True),
+    # a convex combination of the rows and the centre (its previous output)
+    "centered_clipping": Rule("centred", False),
 }
 # Options a rule is checked at: CRAFT's paper step (its direction as solved, which the
 # bounds below are of); the default rprop step rescales it per group, whose properties
@@ -284,6 +290,8 @@ def test_finite_bounded_and_permutation_invariant(name, kind):
         assert all(isinstance(v, float) for v in metrics.values())
         o = out.double()
         B = _norm_bound(rule, c) if rule.bound != "craft" else 1.0
+        if rule.bound == "centred" and prev is not None:
+            B = max(B, float(_norm(prev)))
         if rule.bound == "box":
             U = c.U.double()
             slack = 4 * c.m * _eps(dtype) * U.abs().max(0).values

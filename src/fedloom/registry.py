@@ -46,7 +46,7 @@ log = logging.getLogger("fedloom")
 
 KINDS = ("dataset", "model", "aggregator", "backend", "partitioner", "server_optimizer",
          "compressor", "method", "attack", "feedback", "planner", "metric", "transform",
-         "selector")
+         "selector", "preaggregator")
 _KINDS = KINDS
 
 # Entry-point group → component kind.
@@ -65,6 +65,7 @@ ENTRY_POINT_GROUPS: dict[str, str] = {
     "fedloom.server_optimizers": "server_optimizer",
     "fedloom.transforms": "transform",
     "fedloom.selectors": "selector",
+    "fedloom.preaggregators": "preaggregator",
 }
 
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {k: {} for k in _KINDS}
@@ -101,6 +102,11 @@ _MODULES = (
     "fedloom.aggregate.median",
     "fedloom.aggregate.trimmed_mean",
     "fedloom.aggregate.krum",
+    "fedloom.aggregate.bulyan",
+    "fedloom.aggregate.geomedian",
+    "fedloom.aggregate.centered_clip",
+    "fedloom.aggregate.nnm",
+    "fedloom.aggregate.bucketing",
     "fedloom.aggregate.lora",
     "fedloom.client.methods",
     "fedloom.client.adamw",

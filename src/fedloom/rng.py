@@ -52,6 +52,7 @@ class Purpose(StrEnum):
     PROBE = "probe"          # the synthetic inputs plug-ins are checked on before round 1
     AUDIT_MEMBERSHIP = "audit-membership"  # whether an audit's canary is in the run
     AUDIT_CANARY = "audit-canary"          # the direction an audit's canary sends
+    BUCKETING = "bucketing"  # the server's shuffle of a round's rows into buckets
     POPULATION = "population"              # a population user's samples (data.population)
     POPULATION_SIZE = "population-size"    # a block of population users' sample counts
     POPULATION_TEST = "population-test"    # a held-out user's samples (the global test set)

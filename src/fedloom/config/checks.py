@@ -269,6 +269,23 @@ _CONTEXT = {
     "seed": "the run's seed, a key of its own",
 }
 # What a backend's factory is called with besides its options (fedloom.engine.binding).
+def _check_pre_aggregation(entries: list[Any]) -> None:
+    """Each ``server.pre_aggregation`` entry: a mapping with a registered name (or a
+    plug-in) and the options its factory takes (``seed`` is the run's)."""
+    for i, e in enumerate(entries):
+        where = f"server.pre_aggregation[{i}]"
+        if not isinstance(e, Mapping) or not isinstance(e.get("name"), str):
+            raise ConfigError(f"{where}: must be a mapping with a name, got {e!r}")
+        extra = set(e) - {"name", "options"}
+        if extra:
+            raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown key (name, options)")
+        if not isinstance(e.get("options", {}), Mapping):
+            raise ConfigError(f"{where}.options: must be a mapping, got {e['options']!r}")
+        check_name(f"{where}.name", "preaggregator", e["name"])
+        check_options(where, "preaggregator", _Named(e["name"], dict(e.get("options") or {})),
+                      frozenset({"seed"}))
+
+
 _BACKEND_CONTEXT = frozenset({"trainer", "method", "x", "y", "threads", "keep_heap"})
 # What a model's factory is called with besides its options (fedloom.models.build_model).
 _MODEL_CONTEXT = frozenset({"in_shape", "num_classes"})
@@ -525,6 +542,7 @@ def _check_cross_fields(cfg: Config) -> None:
         if not isinstance(opts, Mapping):
             raise ConfigError(f"metrics.options.{hook}: must be a mapping, got {opts!r}")
     check_name("attack.name", "attack", cfg.attack.name)
+    _check_pre_aggregation(cfg.server.pre_aggregation)
     for i, t in enumerate(cfg.client.transforms):
         where = f"client.transforms[{i}]"
         if not isinstance(t, Mapping) or not isinstance(t.get("name"), str):

@@ -255,6 +255,9 @@ class ServerConfig:
     max_update_norm: float | None = _f(None, gt=0)
     max_norm_ratio: float | None = _f(1e4, gt=1)
     clip_norm: float | None = _f(None, gt=0)
+    # Steps on the accepted rows before the aggregator, in order ({name, options} each:
+    # nnm, bucketing, a plug-in or module:attr; fedloom.aggregate.pre): NNM then Krum.
+    pre_aggregation: list[dict[str, Any]] = _f([])
     # The server sees only the sum of the masked updates (SecAgg+): refuses aggregators
     # and compressors a sum-only server cannot compute (fedloom.privacy).
     secure_aggregation: bool = False

@@ -21,6 +21,7 @@ from typing import Literal, cast
 import torch
 
 from fedloom.aggregate.base import default_server_lr, make_aggregator, resolve_options
+from fedloom.aggregate.pre import build_chain
 from fedloom.capabilities import method_caps
 from fedloom.compress import make_compressor
 from fedloom.compress.feedback import feedback_from_config
@@ -176,6 +177,8 @@ def _algorithm(cfg: Config, given: Components, layout: Layout) -> Algorithm:
                         f"client.transforms[{i}].options") for i, t in enumerate(c.transforms))
         aggregator = (given.aggregator if given.aggregator is not None
                       else make_aggregator(cfg.aggregator.name, **cfg.aggregator.options))
+        # server.pre_aggregation: steps on the rows before the rule (NNM, bucketing)
+        aggregator = build_chain(aggregator, s.pre_aggregation, cfg.seed)
         # A method that names layers (FedPer's personal head, MOON's representation)
         # takes the model's Layout.
         if given.method is not None:

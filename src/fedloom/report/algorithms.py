@@ -49,10 +49,13 @@ KINDS: tuple[tuple[str, str, str, str], ...] = (
     ("attack", "Attacks", "attack.name", "attack.options.OPTION"),
     ("selector", "Client selectors", "cohort.selection.name",
      "cohort.selection.options.OPTION"),
+    ("preaggregator", "Pre-aggregation steps", "server.pre_aggregation[i].name",
+     "server.pre_aggregation[i].options.OPTION"),
 )
 # Arguments the engine passes itself: not options.
 CONTEXT = frozenset({"self", "layout"})
-CONTEXT_OF = {"partitioner": frozenset({"labels", "num_clients", "rng", "groups"})}
+CONTEXT_OF = {"partitioner": frozenset({"labels", "num_clients", "rng", "groups"}),
+              "preaggregator": frozenset({"seed"})}
 FIELDS = ("paper", "code", "departures", "measured")
 
 
