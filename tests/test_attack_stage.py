@@ -117,8 +117,10 @@ def test_batched_backends_give_the_sequential_model(backend):
     _same_as_sequential(["attack.name=alie"], backend)
 
 
+@pytest.mark.slow
 def test_process_workers_train_the_poisoned_samples_they_were_sent():
-    """A backdoor on two process workers: they are sent the poisoned data once."""
+    """A backdoor on two process workers: they are sent the poisoned data once (the
+    workers' start is most of its 10-20 s: marked slow)."""
     _same_as_sequential(["attack.name=backdoor", "attack.options.target=1"],
                         ["backend=process", "backend.options.workers=2"])
 
@@ -171,7 +173,8 @@ def test_backdoor_raises_the_attack_success_rate():
     """Digits, 30 % backdoor attackers (half their samples triggered, label 1, model
     replacement) against the same run without them, 6 rounds: the attack success rate
     (triggered test samples not of class 1 classified as 1) is the accuracy on the
-    backdoor's test set, and far above the clean model's on that set."""
+    backdoor's test set, and far above the clean model's on that set (measured: 1.0
+    against 0.11, test accuracy 0.75 against 0.76)."""
     over = [*F64, "rounds=6"]
     res = fedloom.run(TINY, [*over, "attack.name=backdoor", "attack.fraction=0.3",
                              "attack.options.target=1"])
@@ -222,3 +225,29 @@ def test_bad_options_name_the_field(override, field):
 def test_bad_backdoor_options_name_the_field(options, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         fedloom.run(TINY, ["rounds=1", "attack.fraction=0.3", "attack.name=backdoor", *options])
+
+
+def test_buffered_async_arrivals_are_attacked_and_resume_bit_identical(tmp_path):
+    """FedBuff (buffer 2 of 4 in flight): each server step's arrivals are one round of
+    the stage (an attacker sees the honest arrivals of its step); resumed after step 2."""
+    cfg = {**copy.deepcopy(TINY), "rounds": 4, "server": {"lr": 1.0},
+           "system": {"profile": "uniform", "speed": [50, 500], "up_bps": [1e5, 1e6],
+                      "down_bps": 1e7, "mode": "buffered", "concurrency": 4, "buffer": 2}}
+    over = ["attack.name=ipm", "attack.fraction=0.3", "attack.options.epsilon=2"]
+    ref, res = stop_and_resume(cfg, over, tmp_path / "run")
+    assert res.summary["model_sha256"] == ref.summary["model_sha256"]
+    assert fedloom.run(cfg).summary["model_sha256"] != ref.summary["model_sha256"]
+
+
+def test_flower_and_secagg_apps_refuse_attackers_in_one_line():
+    """A Flower or SecAgg+ client trains and sends its own update: no attack stage runs
+    there, so a config with attackers is refused rather than run honestly."""
+    pytest.importorskip("flwr")
+    from fedloom.integrations.flower.messages import _check_scope
+    from fedloom.integrations.secagg import check_secagg_scope
+
+    cfg = load_config(TINY, ["attack.fraction=0.3", "server.secure_aggregation=true"])
+    for check in (_check_scope, check_secagg_scope):
+        with pytest.raises(ConfigError, match=r"^attack\.fraction: ") as e:
+            check(cfg)
+        assert "\n" not in str(e.value)

@@ -13,10 +13,11 @@ client's own residual and compressor, as a real client's would. Randomness comes
 Attacks (``attack.name``; options in ``attack.options``), what each sees:
 ``sign_flip``, ``scaling``, ``label_flip``, ``backdoor`` (own update; sign_flip with
 ``reference: honest_mean`` every honest one), ``alie``, ``ipm`` (alias ``foe``),
-``minmax``, ``minsum`` (every honest update, or ``knowledge: colluders``), ``mimic``
-(every honest update), ``gaussian``, ``inf``, ``canary`` (nothing). Their papers, the
-public code each was compared with and the differences measured are in their
-docstrings (:mod:`.simple`, :mod:`.omniscient`, :mod:`.data`).
+``minmax``, ``minsum``, ``optimal_ipm``, ``optimal_alie`` (every honest update, or
+``knowledge: colluders``), ``mimic`` (every honest update), ``gaussian``, ``inf``,
+``canary`` (nothing). Their papers, the public code each was compared with and the
+differences measured are in their docstrings (:mod:`.simple`, :mod:`.omniscient`,
+:mod:`.optimal`, :mod:`.data`); docs/howto/attacks.md has the table.
 
 Adding an attack: one file with a class following
 :class:`~fedloom.attack.base.ByzantineAttack` (``sees``; ``__call__(view) → [b, d]``),
@@ -36,6 +37,7 @@ from fedloom.attack.base import (
 )
 from fedloom.attack.data import Backdoor, LabelFlip
 from fedloom.attack.omniscient import ALIE, IPM, Mimic, MinMax, MinSum, alie_z
+from fedloom.attack.optimal import OptimalALIE, OptimalIPM
 from fedloom.attack.simple import Canary, Gaussian, Inf, Scaling, SignFlip
 
 __all__ = [
@@ -53,6 +55,8 @@ __all__ = [
     "Mimic",
     "MinMax",
     "MinSum",
+    "OptimalALIE",
+    "OptimalIPM",
     "RoundView",
     "Scaling",
     "SignFlip",

@@ -80,6 +80,9 @@ def check_secagg_scope(cfg: Config, aggregator: Any = None, compressor: Any = No
                           "(fedavg is)")
     if cfg.compression.feedback.name != "none":
         raise ConfigError("compression.feedback.name: only none with SecAgg+")
+    if cfg.attack.fraction > 0:
+        raise ConfigError("attack.fraction: Byzantine clients are simulated in-process "
+                          "(fedloom run, any backend), not on the SecAgg+ apps")
     if cfg.client.method.name != "sgd":
         raise ConfigError(f"client.method.name: {cfg.client.method.name} is not wired to "
                           "SecAgg+ (sgd is)")

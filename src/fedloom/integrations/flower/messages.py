@@ -116,6 +116,9 @@ def _check_scope(cfg: Config) -> None:
                           "Flower")
     if cfg.compression.adaptive.name != "none":
         raise ConfigError("compression.adaptive.name: not supported on Flower")
+    if cfg.attack.fraction > 0:  # a Flower client trains and sends its own update
+        raise ConfigError("attack.fraction: Byzantine clients are simulated in-process "
+                          "(fedloom run, any backend), not on Flower")
     if cfg.client.method.name != "sgd":
         raise ConfigError(f"client.method.name: {cfg.client.method.name!r} is not supported "
                           "on Flower (use sgd)")
