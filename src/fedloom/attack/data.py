@@ -38,9 +38,12 @@ class LabelFlip:
     Reference:
         paper: Tolpegin et al., "Data Poisoning Attacks Against Federated Learning
             Systems", ESORICS 2020; ByzFL's ``LabelFlipping`` (the same map, C − 1 − y).
-        code: ByzFL 0.0.11 flips the labels in its trainer (``byzfl.fed_framework``);
-            its attack object only averages: compared by the map on every label.
-        departures: none.
+        code: ByzFL 0.0.11 flips the labels in its client (``byzfl.fed_framework``,
+            ``-(y − (C − 1))``): the same map (tests/test_attack_stage.py checks it on
+            every attacker's label of digits).
+        departures: ByzFL's Byzantine vector is the mean of the honest clients' flipped
+            gradients (an omniscient attacker); here each attacker trains on its own
+            flipped samples, as in Tolpegin et al.
     """
 
     sees = "own"
