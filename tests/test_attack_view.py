@@ -1,6 +1,7 @@
 """The attack stage on hand-made rounds: what reaches the attack, NaN and duplicate
 rows, one honest row, a plug-in that returns the wrong shape, the dtype kept."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,3 +85,29 @@ def test_a_wrong_shape_or_not_an_attack_is_one_line():
         Attack(frozenset({0, 1}), Short()).round(_round([[1.0], [2.0]]), 0)
     with pytest.raises(ValueError, match=r"^attack: int is not an attack"):
         Attack(frozenset({0}), 3)  # type: ignore[arg-type]
+
+
+def test_the_backdoor_trigger_and_labels():
+    """A 2 × 2 checkerboard of (high, low) in the top-left corner of every channel; a
+    flat sample takes it in its first 4 features; the chosen fraction of each attacker's
+    samples carries it with the target label, the rest and the others are untouched."""
+    from fedloom.attack.data import Backdoor, stamp
+
+    img = torch.zeros(1, 2, 3, 3)
+    out = stamp(img, 2, 9.0, -1.0)
+    assert out[0, :, :2, :2].tolist() == [[[9.0, -1.0], [-1.0, 9.0]]] * 2
+    assert not out[0, :, 2:, :].any() and not out[0, :, :, 2:].any() and not img.any()
+    assert stamp(torch.zeros(1, 5), 2, 9.0, -1.0).tolist() == [[9.0, -1.0, -1.0, 9.0, 0.0]]
+    x, y = torch.rand(20, 1, 4, 4), torch.arange(20) % 3
+    parts = {0: np.arange(10)}
+    bd = Backdoor(target=2, fraction=0.5, size=2)
+    px, py = bd.poison(x, y, parts, 3, seed=1)
+    pattern = stamp(x[:1], 2, float(x.max()), float(x.min()))[0, :, :2, :2]
+    marked = [i for i in range(20) if torch.equal(px[i, :, :2, :2], pattern)]
+    assert len(marked) == 5 and all(i < 10 for i in marked)  # half of client 0's ten
+    assert all(int(py[i]) == 2 for i in marked)
+    rest = [i for i in range(20) if i not in marked]
+    assert torch.equal(px[rest], x[rest]) and torch.equal(py[rest], y[rest])
+    (xs, ys), = bd.test_sets(x, y).values()
+    assert xs.shape[0] == int((y != 2).sum()) and bool((ys == 2).all())
+    assert float(xs[0, 0, 0, 0]) == float(x.max()) and float(xs[0, 0, 0, 1]) == float(x.min())
