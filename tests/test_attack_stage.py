@@ -251,3 +251,18 @@ def test_flower_and_secagg_apps_refuse_attackers_in_one_line():
         with pytest.raises(ConfigError, match=r"^attack\.fraction: ") as e:
             check(cfg)
         assert "\n" not in str(e.value)
+
+
+def test_under_local_dp_the_attackers_row_is_clipped_like_any_clients():
+    """privacy.mode local runs after the attack stage: an attacker (IPM, ε = 50: rows far
+    above the clip) sends clip(a) + noise, as the client's own DP code does; with the
+    noise at 1e-9 · C every row sent has norm ≤ C (+ 1e-6) and the attackers' are at C."""
+    attackers, trained, _, plan, out = _round_seen(
+        ["attack.name=ipm", "attack.fraction=0.3", "attack.options.epsilon=50",
+         "privacy.mode=local", "privacy.clip=0.5", "privacy.noise_multiplier=1e-9"])
+    d = next(iter(trained.values())).numel()
+    for res, up in zip(out.results, out.ups, strict=True):
+        norm = float(torch.linalg.vector_norm(_sent(plan, up, d)))
+        assert norm <= 0.5 + 1e-6
+        if res.client in attackers:
+            assert norm == pytest.approx(0.5, abs=1e-6)

@@ -197,6 +197,12 @@ def test_pre_aggregation_config_errors_name_the_entry(tiny):
         tiny["server"] = {"pre_aggregation": [entry]}
         with pytest.raises(ConfigError, match=msg):
             load_config(tiny)
+    tiny["server"] = {"pre_aggregation": [{"name": "nnm"}]}
+    for over, why in ((["server.secure_aggregation=true"], "masked sum"),
+                      (["privacy.mode=central", "privacy.noise_multiplier=1.0"], "central")):
+        with pytest.raises(ConfigError, match=rf"^server\.pre_aggregation: .*{why}"):
+            load_config(tiny, over)
+    load_config(tiny, ["privacy.mode=local", "privacy.noise_multiplier=1.0"])  # composes
     with pytest.raises(ValueError, match=r"server\.pre_aggregation\[0\]\.options\.s: must be"):
         build_chain(make_aggregator("median"), [{"name": "bucketing", "options": {"s": 0}}], 0)
 

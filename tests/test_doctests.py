@@ -16,6 +16,7 @@ import pytest
 MODULES = [
     "fedloom.aggregate.gram",
     "fedloom.compress.coding",
+    "fedloom.data.disk.stackoverflow",
     "fedloom.rng",
     "fedloom.names",
     "fedloom.params",

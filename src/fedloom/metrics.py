@@ -11,8 +11,11 @@ from torch.nn import functional as F
 
 from fedloom.params import Layout, functional_forward, training_mode
 
-__all__ = ["accuracy_stats", "conflict_rate", "evaluate", "evaluate_clients",
-           "evaluate_clients_lm", "evaluate_pooled_and_clients", "perplexity_stats"]
+IGNORE = -100  # a padded next-token target: F.cross_entropy's default ignore_index
+
+__all__ = ["IGNORE", "accuracy_stats", "averaged_precision", "conflict_rate", "evaluate",
+           "evaluate_clients", "evaluate_clients_lm", "evaluate_multilabel",
+           "evaluate_pooled_and_clients", "perplexity_stats"]
 
 
 def accuracy_stats(acc: np.ndarray, prefix: str = "client_acc") -> dict[str, float]:
@@ -85,7 +88,9 @@ def _per_sequence(
     batch_size: int, buffers: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels ``[N, T]`` (a causal LM's next tokens, logits ``[B, V, T]``): each sample's
-    token accuracy and mean token cross-entropy (float64), ``[N]`` each. Batch by batch:
+    token accuracy and mean token cross-entropy (float64), ``[N]`` each, over its tokens
+    whose label is not ``IGNORE`` (-100, a padded target; cross-entropy's default
+    ``ignore_index``; a window of padding only gives NaN). Batch by batch:
     a vocabulary's logits over the whole test set are never held at once."""
     hits, losses = [], []
     with training_mode(module, False):
@@ -93,9 +98,16 @@ def _per_sequence(
             logits = functional_forward(module, layout, w, x[s : s + batch_size],
                                         buffers=buffers)
             yb = y[s : s + batch_size]
-            hits.append((logits.argmax(1) == yb).double().flatten(1).mean(1))
-            ce = F.cross_entropy(logits.to(torch.float64), yb, reduction="none")
-            losses.append(ce.flatten(1).mean(1))
+            hit = (logits.argmax(1) == yb).double().flatten(1)
+            ce = F.cross_entropy(logits.to(torch.float64), yb, reduction="none").flatten(1)
+            real = (yb != IGNORE).flatten(1)
+            if bool(real.all()):
+                hits.append(hit.mean(1))
+                losses.append(ce.mean(1))
+            else:  # padded targets (stackoverflow, reddit): a window's mean over its real tokens
+                n = real.sum(1).double()
+                hits.append(hit.sum(1) / n)
+                losses.append(ce.sum(1) / n)
     return torch.cat(hits), torch.cat(losses)
 
 
@@ -199,3 +211,74 @@ def evaluate_pooled_and_clients(
     pred, logits = _predict(module, layout, w, x, batch_size, buffers)
     return (_pooled_classes(pred, logits, y),
             _per_client_classes(pred, y, owner, num_clients), None)
+
+
+def averaged_precision(scores: np.ndarray, targets: np.ndarray, thresholds: int = 200
+                       ) -> tuple[np.ndarray, float, float]:
+    """Averaged precision of multi-label ``scores`` (probabilities, ``[N, C]``) against
+    multi-hot ``targets``: ``(per-class AP [C], macro AP, micro AP)``, as pfl-research
+    reports FLAIR's (``benchmarks/model/numpy/metrics.py``, ``AveragedPrecision``).
+
+    ``AP = Σ_i (R_i − R_{i+1}) P_i`` over the thresholds ``t_i = i / (thresholds − 1)``
+    (Keras' buckets: a score ``s`` counts as positive at ``t_i`` when
+    ``⌈s (thresholds − 1)⌉ − 1 ≥ i``), precision and recall 0 where undefined (a class
+    with no positive scores 0, and counts in the macro mean, as pfl's
+    ``nan_to_num``). Macro: the mean over classes; micro: every (sample, class) pair
+    as one binary problem. ``thresholds: 0`` ranks every distinct score instead
+    (scikit-learn's ``average_precision_score``; tests/test_published_models.py
+    compares both with it: equal where each distinct score has a bucket of its own).
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    t = np.asarray(targets, dtype=np.float64)
+    if s.shape != t.shape or s.ndim != 2:
+        raise ValueError(f"averaged_precision: scores {s.shape} and targets {t.shape} must be "
+                         "the same [N, C]")
+    per = np.array([_ap(s[:, c], t[:, c], thresholds) for c in range(s.shape[1])])
+    return per, float(per.mean()) if per.size else float("nan"), \
+        _ap(s.ravel(), t.ravel(), thresholds)
+
+
+def _ap(s: np.ndarray, t: np.ndarray, thresholds: int) -> float:
+    if thresholds:
+        bucket = np.maximum(np.ceil(s * (thresholds - 1)) - 1, 0).astype(np.int64)
+        bucket = np.minimum(bucket, thresholds - 1)
+        tp_b = np.bincount(bucket, weights=t, minlength=thresholds)
+        fp_b = np.bincount(bucket, weights=1 - t, minlength=thresholds)
+        tp = np.cumsum(tp_b[::-1])[::-1]  # positives at threshold i: buckets >= i
+        fp = np.cumsum(fp_b[::-1])[::-1]
+    else:  # every distinct score a threshold, highest first
+        order = np.argsort(-s, kind="stable")
+        ss, tt = s[order], t[order]
+        last = np.r_[np.flatnonzero(np.diff(ss)), len(ss) - 1] if len(ss) else np.array([], int)
+        tp, fp = np.cumsum(tt)[last][::-1], np.cumsum(1 - tt)[last][::-1]
+    pos = t.sum()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        recall = np.nan_to_num(tp / pos) if pos else np.zeros_like(tp)
+        precision = np.nan_to_num(tp / (tp + fp))
+    recall = np.r_[recall, 0.0]  # the last threshold's step down to recall 0
+    return float(-np.sum(np.diff(recall) * precision))
+
+
+@torch.no_grad()
+def evaluate_multilabel(module: nn.Module, layout: Layout, w: torch.Tensor, x: torch.Tensor,
+                        y: torch.Tensor, batch_size: int = 512,
+                        buffers: dict[str, torch.Tensor] | None = None,
+                        thresholds: int = 200) -> dict[str, float]:
+    """pfl's FLAIR metrics of a multi-label model (logits ``[B, 2, C]``, the first row
+    zero, :mod:`fedloom.models.published`) on multi-hot ``y`` ``[N, C]``: ``micro_loss``
+    (mean binary cross-entropy), ``micro_accuracy`` (labels right at 0.5), ``macro_ap``
+    and ``micro_ap`` (:func:`averaged_precision`); eval mode."""
+    scores, losses, hits = [], [], []
+    with training_mode(module, False):
+        for s in range(0, x.shape[0], batch_size):
+            logits = functional_forward(module, layout, w, x[s : s + batch_size],
+                                        buffers=buffers).to(torch.float64)
+            z = logits[:, 1] - logits[:, 0]
+            yb = y[s : s + batch_size].to(torch.float64)
+            scores.append(torch.sigmoid(z))
+            losses.append(F.binary_cross_entropy_with_logits(z, yb, reduction="none"))
+            hits.append(((z > 0).double() == yb).double())
+    p = torch.cat(scores).cpu().numpy()
+    _, macro, micro = averaged_precision(p, y.cpu().numpy(), thresholds)
+    return {"micro_loss": float(torch.cat(losses).mean()),
+            "micro_accuracy": float(torch.cat(hits).mean()), "macro_ap": macro, "micro_ap": micro}

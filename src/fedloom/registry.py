@@ -87,6 +87,7 @@ _MODULES = (
     "fedloom.data.flwr_partition",
     "fedloom.models",
     "fedloom.models.zoo",
+    "fedloom.models.published",
     "fedloom.models.llm",
     "fedloom.data.text",
     "fedloom.data.population",

@@ -38,9 +38,12 @@ class LabelFlip:
     Reference:
         paper: Tolpegin et al., "Data Poisoning Attacks Against Federated Learning
             Systems", ESORICS 2020; ByzFL's ``LabelFlipping`` (the same map, C − 1 − y).
-        code: ByzFL 0.0.11 flips the labels in its trainer (``byzfl.fed_framework``);
-            its attack object only averages: compared by the map on every label.
-        departures: none.
+        code: ByzFL 0.0.11 flips the labels in its client (``byzfl.fed_framework``,
+            ``-(y − (C − 1))``): the same map (tests/test_attack_stage.py checks it on
+            every attacker's label of digits).
+        departures: ByzFL's Byzantine vector is the mean of the honest clients' flipped
+            gradients (an omniscient attacker); here each attacker trains on its own
+            flipped samples, as in Tolpegin et al.
     """
 
     sees = "own"
@@ -93,9 +96,14 @@ class Backdoor:
     Reference:
         paper: Bagdasaryan et al., "How To Backdoor Federated Learning", AISTATS 2020
             (pixel-pattern backdoor, §4; model replacement γ = n/η, §3.2).
-        code: ebagdasa/backdoor_federated_learning (read): triggers stamped per batch.
+        code: ebagdasa/backdoor_federated_learning (utils/params.yaml read: its default
+            backdoor is semantic, ``poisoning_per_batch`` samples of each batch relabelled,
+            updates scaled by ``scale_weights``); the pixel-pattern triggers of public
+            follow-ups set listed pixels to the maximum in every channel. Checked by hand:
+            the trigger's pixels and the labels (tests/test_attack_view.py).
         departures: a fixed poisoned subset per attacker, not per batch; the trigger is
-            a checkerboard corner, not their pixel list; no anomaly-evasion loss.
+            a checkerboard corner of the maximum and minimum, not a pixel list; no
+            anomaly-evasion loss.
     """
 
     sees = "own"

@@ -543,6 +543,12 @@ def _check_cross_fields(cfg: Config) -> None:
             raise ConfigError(f"metrics.options.{hook}: must be a mapping, got {opts!r}")
     check_name("attack.name", "attack", cfg.attack.name)
     _check_pre_aggregation(cfg.server.pre_aggregation)
+    if cfg.server.pre_aggregation and (cfg.server.secure_aggregation
+                                       or cfg.privacy.mode == "central"):
+        why = ("server.secure_aggregation gives the server only the masked sum"
+               if cfg.server.secure_aggregation else
+               "privacy.mode=central noises the sum of the clipped rows, not the steps' output")
+        raise ConfigError(f"server.pre_aggregation: the steps read each client's row; {why}")
     for i, t in enumerate(cfg.client.transforms):
         where = f"client.transforms[{i}]"
         if not isinstance(t, Mapping) or not isinstance(t.get("name"), str):

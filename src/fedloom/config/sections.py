@@ -422,8 +422,9 @@ class BackendConfig:
 @dataclass
 class AttackConfig:
     """Byzantine clients (fedloom.attack; none by default): ``fraction`` of the
-    population, drawn once from ``(seed, "attack")``, send attack ``name``'s
-    transform of their update (``options`` go to its factory)."""
+    population, drawn once from ``(seed, "attack")``, send what attack ``name``
+    computes from what it sees of the round (``options`` go to its factory;
+    docs/howto/attacks.md)."""
 
     name: str = "sign_flip"
     fraction: float = _f(0.0, ge=0, le=1)

@@ -36,14 +36,15 @@ MEASURES = {"hellinger": "Hellinger", "tv": "TV", "eff_classes": "eff. classes",
 def class_counts(labels: np.ndarray, parts: Sequence[np.ndarray],
                  num_classes: int | None = None) -> np.ndarray:
     """``[N, C]`` integer counts of each class on each client (labels ``0…C−1``; a
-    sample with a sequence of labels counts each)."""
+    sample with a sequence of labels counts each; a negative label, a padded target
+    of cross-entropy's ``ignore_index``, counts for none)."""
     labels = np.asarray(labels).astype(np.int64)
     c = int(num_classes if num_classes is not None else labels.max(initial=-1) + 1)
     out = np.zeros((len(parts), max(c, 1)), dtype=np.int64)
     for k, p in enumerate(parts):
         # ravel: a sample with a sequence of labels (text) counts each of its tokens
-        out[k] = np.bincount(labels[np.asarray(p, dtype=np.int64)].ravel(),
-                             minlength=out.shape[1])
+        tokens = labels[np.asarray(p, dtype=np.int64)].ravel()
+        out[k] = np.bincount(tokens[tokens >= 0], minlength=out.shape[1])
     return out
 
 

@@ -214,8 +214,11 @@ class FlareFC(nn.Module):
 
 @register("model", "resnet18")
 def _resnet18(in_shape: tuple[int, ...], num_classes: int, *,
-              norm: Literal["group", "batch", "none"] = "group") -> nn.Module:
-    return ResNet18(in_shape, num_classes, norm=norm)
+              norm: Literal["group", "batch", "none"] = "group",
+              width: Annotated[int, Range(ge=1)] = 64) -> nn.Module:
+    """``norm``: the normalisation layers; ``width``: the first stage's channels (64; the
+    stages double it; smaller for tests)."""
+    return ResNet18(in_shape, num_classes, norm=norm, width=width)
 
 
 def _vgg(depth: int):
