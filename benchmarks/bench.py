@@ -31,6 +31,9 @@ Sections:
    three), with lockstep's speed-up over the other two (``--only lockstep``); one
    intra-op thread. ``lockstep_cnn`` (7b, :mod:`lockstep_cnn`): the same on a small CNN
    at 50 clients per round.
+8. ``population`` (:mod:`population`): SCAFFOLD at 10³, 10⁴, 10⁵ and 10⁶ users of a
+   population generated on demand, cohort 100: seconds per round against the 10³
+   round and each run's peak RSS.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ MODULE_SECTIONS: dict[str, str] = {
     "state_scale": "state_scale",  # 10,000 clients × 1M parameters of EF state
     "peers": "peers",  # pfl-research and FLGo beside fedloom, same workloads
     "lockstep_cnn": "lockstep_cnn",  # 7b: lock-step on a small CNN, pfl's shape
+    "population": "population",  # 10³ … 10⁶ clients: round time and peak RSS
 }
 SECTIONS = ("round_time", "first_round", "aggregation", "topk", "memory", "fp16_state",
             "lockstep", *MODULE_SECTIONS)

@@ -16,7 +16,6 @@ from fedloom.config import ConfigError, DataConfig, PartitionConfig
 from fedloom.data.federated import build_federated
 from fedloom.data.partition import PartitionError
 from fedloom.data.population import (
-    BLOCK,
     ClientParts,
     ImagePopulation,
     LeafSynthetic,
@@ -37,13 +36,13 @@ def _leaf(n: int, seed: int = 3, max_size: int = 0) -> LeafSynthetic:
 def test_user_is_the_same_whatever_the_population_and_order():
     """User k's samples depend on (seed, k) only: not on N, on who was drawn before
     or on a fresh object; users and seeds differ."""
-    big, small = _leaf(MILLION), _leaf(BLOCK + 10)
-    for k in (BLOCK + 9, 0, 5, BLOCK):
+    big, small = _leaf(MILLION), _leaf(5000)
+    for k in (4999, 0, 5, 4096):
         xb, yb = big.client(k)
         xs, ys = small.client(k)
         assert np.array_equal(xb, xs) and np.array_equal(yb, ys)
         assert len(xb) == big.size(k) == _leaf(MILLION).size(k)
-    assert not np.array_equal(big.client(1)[0][:1], big.client(2)[0][:1])
+    assert not np.array_equal(big.client(1)[0][0], big.client(2)[0][0])
     assert not np.array_equal(big.client(1)[0][0], _leaf(MILLION, seed=4).client(1)[0][0])
     x, y = big.client(MILLION - 1)  # the last user exists, the one after does not
     assert x.dtype == np.float32 and y.dtype == np.int64 and x.shape == (len(y), 6)
@@ -52,15 +51,19 @@ def test_user_is_the_same_whatever_the_population_and_order():
 
 
 def test_sizes_follow_leaf_and_the_cap():
-    """n_k = ⌊lognormal(4, 2)⌋ + 50 (≥ 50, median e⁴ + 50 ≈ 104.6), capped by max_size;
-    ``sizes()`` agrees with ``size(k)``."""
-    pop = _leaf(3 * BLOCK + 7)
-    s = pop.sizes()
-    assert len(s) == 3 * BLOCK + 7 and s.min() >= 50
-    assert [pop.size(k) for k in (0, BLOCK - 1, BLOCK, 3 * BLOCK + 6)] == \
-        s[[0, BLOCK - 1, BLOCK, 3 * BLOCK + 6]].tolist()
-    assert 95 < np.median(s) < 115  # 12,295 draws: the median within ±10
-    assert _leaf(3 * BLOCK + 7, max_size=60).sizes().max() == 60
+    """n_k = ⌊lognormal(4, 2)⌋ + 50 by the inverse CDF of one uniform a user: ≥ 50, and
+    its quartiles those of NumPy's lognormal(4, 2) draws (e^(4 ± 2·0.674) + 50 ≈ 64.1,
+    104.6, 260.3; 20,000 users each, within 8 %); capped by max_size; ``sizes()``
+    agrees with ``size(k)``."""
+    pop = _leaf(20_000)
+    s = np.array(pop.sizes())
+    assert len(s) == 20_000 and s.min() >= 50
+    assert [pop.size(k) for k in (0, 77, 19_999)] == s[[0, 77, 19_999]].tolist()
+    ref = np.random.default_rng(0).lognormal(4, 2, 20_000).astype(np.int64) + 50
+    for q, want in ((25, 64.1), (50, 104.6), (75, 260.3)):
+        assert abs(np.percentile(s, q) / want - 1) < 0.08
+        assert abs(np.percentile(ref, q) / want - 1) < 0.08
+    assert max(_leaf(2000, max_size=60).sizes()) == 60
 
 
 def test_labels_follow_the_user_model():
@@ -90,8 +93,10 @@ def test_image_population_sizes_and_shapes():
               test_users=2)
     for kind in ("lognormal", "powerlaw"):
         pop = ImagePopulation(50_000, 1, sizes=kind, **kw)
-        s = pop.sizes()
+        s = np.array(pop.sizes())
         assert s.min() >= 5 and s.max() <= 500 and s.max() > 10 * np.median(s)
+        if kind == "powerlaw":  # P(n ≥ 5·t) = t^(−1.2) for 5·t ≤ 500: t = 4 → 0.189
+            assert abs(np.mean(s >= 20) - 4 ** -1.2) < 0.01
         x, y = pop.client(49_999)
         assert x.shape == (pop.size(49_999), 1, 8, 8) and set(y.tolist()) <= set(range(5))
         assert np.array_equal(pop.client(3)[0], ImagePopulation(7, 1, sizes=kind,

@@ -59,8 +59,9 @@ class FederatedData:
     def input_shape(self) -> tuple[int, ...]:
         return self.dataset.input_shape
 
-    def num_train(self) -> np.ndarray:
-        """``n_k``, the training-set size of every client."""
+    def num_train(self) -> np.ndarray | Sequence[int]:
+        """``n_k``, the training-set size of every client (a population's: each made
+        when read, :meth:`fedloom.data.population.Population.sizes`)."""
         if self.population is not None:
             return self.population.sizes()  # type: ignore[no-any-return]
         return np.array([len(t) for t in self.train], dtype=np.int64)

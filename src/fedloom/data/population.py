@@ -2,12 +2,12 @@
 
 A population of ``N`` users costs what its cohort costs: nothing of a user exists
 until the user is sampled, and then only for the round. User ``k``'s samples come
-from its own generator ``(seed, -1, k, "population")`` and its sample count from the
-block of 4,096 users it belongs to (``(seed, -1, k // 4096, "population-size")``), so
-a user's data is the same whatever ``N``, whichever users were drawn before it and
-in any process. The global test set is the data of ``test_users`` held-out users of
-the same distribution (their own stream ``"population-test"``); per-client test
-splits are not kept (each user's samples are all training samples).
+from its own generator ``(seed, -1, k, "population")`` and its sample count from one
+uniform ``u = derive_seed(seed, -1, k, "population-size")/2⁶³`` through the inverse
+of the size law's CDF (no generator: a few µs), so a user's data is the same
+whatever ``N``, whichever users were drawn before it and in any process. The global
+test set is the data of ``test_users`` held-out users of the same distribution (their
+own streams ``"population-test"``); users keep no test split of their own.
 
 - ``synthetic-population``: LEAF's Synthetic(α, β) (Caldas et al., "LEAF", 2018;
   Li et al., FedProx, MLSys 2020, §5.1), per user as :func:`fedloom.data.sources.synthetic`
@@ -20,14 +20,15 @@ splits are not kept (each user's samples are all training samples).
 - ``image-population``: images of ``classes`` smooth class prototypes, each user with
   its own label mix (Dirichlet(``label_alpha``)), contrast and brightness, and a
   heterogeneous size: ``lognormal`` (``⌊exp(N(size_mu, size_sigma))⌋``) or
-  ``powerlaw`` (Pareto: ``⌊min_size·(1 + Pareto(size_exponent))⌋``), clipped to
+  ``powerlaw`` (Pareto: ``⌊min_size·(1 + Lomax(size_exponent))⌋``), clipped to
   ``[min_size, max_size]``.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import math
 from collections.abc import Iterator, Sequence
+from statistics import NormalDist
 from typing import Annotated, Any, Literal, overload
 
 import numpy as np
@@ -36,19 +37,19 @@ import torch
 from fedloom.config import ConfigError, DataConfig
 from fedloom.data.sources import Dataset, _source
 from fedloom.registry import Range
-from fedloom.rng import Purpose, numpy_gen
+from fedloom.rng import Purpose, derive_seed, numpy_gen
 
-__all__ = ["BLOCK", "ClientParts", "ImagePopulation", "LeafSynthetic", "Population"]
+__all__ = ["ClientParts", "ImagePopulation", "LeafSynthetic", "Population"]
 
-BLOCK = 4096  # users per block of sample counts
-_CACHE_BLOCKS = 64  # size blocks kept (2 MB)
+_NORMAL = NormalDist()
 
 
 class Population:
     """``num_clients`` users, each generated on demand (see the module docstring).
 
-    Subclasses define :meth:`_draw_sizes` (a block's sample counts from its
-    generator) and :meth:`_draw_user` (a user's samples from its generator)."""
+    Subclasses define :meth:`_size_at` (a sample count from a uniform ``u`` in
+    (0, 1): the size law's inverse CDF) and :meth:`_draw_user` (a user's samples
+    from its generator)."""
 
     name = ""
 
@@ -57,10 +58,9 @@ class Population:
         self.num_clients, self.seed = num_clients, seed
         self.num_classes, self.input_shape = num_classes, input_shape
         self.test_users = test_users
-        self._blocks: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
 
     # ----------------------------------------------------------------- subclass
-    def _draw_sizes(self, gen: np.random.Generator, n: int) -> np.ndarray:
+    def _size_at(self, u: float) -> int:
         raise NotImplementedError
 
     def _draw_user(self, gen: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -72,30 +72,19 @@ class Population:
                 "test_users": self.test_users}
 
     # --------------------------------------------------------------------- sizes
-    def _block(self, purpose: str, b: int) -> np.ndarray:
-        key = (purpose, b)
-        got = self._blocks.get(key)
-        if got is None:
-            got = self._draw_sizes(numpy_gen(self.seed, -1, b, purpose), BLOCK)
-            got = np.asarray(got, dtype=np.int64)
-            self._blocks[key] = got
-            if len(self._blocks) > _CACHE_BLOCKS:
-                self._blocks.popitem(last=False)
-        else:
-            self._blocks.move_to_end(key)
-        return got
+    def _size(self, k: int, purpose: str) -> int:
+        # the 63-bit derived seed as a uniform strictly inside (0, 1)
+        return self._size_at((derive_seed(self.seed, -1, k, purpose) + 0.5) / float(1 << 63))
 
     def size(self, k: int) -> int:
         """User ``k``'s sample count."""
         self._check(k)
-        return int(self._block(Purpose.POPULATION_SIZE, k // BLOCK)[k % BLOCK])
+        return self._size(k, Purpose.POPULATION_SIZE)
 
-    def sizes(self) -> np.ndarray:
-        """Every user's sample count, in id order (``8·N`` bytes: for checks made once)."""
-        nb = (self.num_clients + BLOCK - 1) // BLOCK
-        out = np.concatenate([self._draw_sizes(
-            numpy_gen(self.seed, -1, b, Purpose.POPULATION_SIZE), BLOCK) for b in range(nb)])
-        return np.asarray(out[: self.num_clients], dtype=np.int64)
+    def sizes(self) -> Sequence[int]:
+        """Every user's sample count, in id order, each made when read (iterating over
+        them all is O(N): for a check that needs them, a BatchNorm model's)."""
+        return _Sizes(self)
 
     def _check(self, k: int) -> None:
         if not 0 <= k < self.num_clients:
@@ -112,7 +101,7 @@ class Population:
         class counts ``[test_users, C]``."""
         xs, ys, counts = [], [], []
         for j in range(self.test_users):
-            n = int(self._block(Purpose.POPULATION_TEST_SIZE, j // BLOCK)[j % BLOCK])
+            n = self._size(j, Purpose.POPULATION_TEST_SIZE)
             x, y = self._draw_user(numpy_gen(self.seed, -1, j, Purpose.POPULATION_TEST), n)
             xs.append(x)
             ys.append(y)
@@ -160,6 +149,26 @@ class ClientParts(Sequence[np.ndarray]):
             yield self[k]
 
 
+class _Sizes(Sequence[int]):
+    """``sizes[k]``: user ``k``'s sample count, made when read."""
+
+    def __init__(self, pop: Population) -> None:
+        self._pop = pop
+
+    def __len__(self) -> int:
+        return self._pop.num_clients
+
+    @overload
+    def __getitem__(self, k: int) -> int: ...
+    @overload
+    def __getitem__(self, k: slice) -> Sequence[int]: ...
+
+    def __getitem__(self, k: int | slice) -> int | Sequence[int]:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        return self._pop.size(int(k) + (len(self) if k < 0 else 0))
+
+
 # ----------------------------------------------------------------- Synthetic(α, β)
 class LeafSynthetic(Population):
     """Synthetic(α, β) per user (the module docstring)."""
@@ -176,9 +185,10 @@ class LeafSynthetic(Population):
         return {**super().describe(), "alpha": self.alpha, "beta": self.beta, "dim": self.dim,
                 "classes": self.num_classes, "max_size": self.max_size}
 
-    def _draw_sizes(self, gen: np.random.Generator, n: int) -> np.ndarray:
-        sizes = gen.lognormal(4, 2, n).astype(np.int64) + 50
-        return np.minimum(sizes, self.max_size) if self.max_size else sizes
+    def _size_at(self, u: float) -> int:
+        # ⌊lognormal(4, 2)⌋ + 50 by its inverse CDF (exp of N(4, 2²)'s quantile)
+        n = int(math.exp(min(4.0 + 2.0 * _NORMAL.inv_cdf(u), 700.0))) + 50
+        return min(n, self.max_size) if self.max_size else n
 
     def _draw_user(self, gen: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
         c, d = self.num_classes, self.dim
@@ -223,12 +233,12 @@ class ImagePopulation(Population):
                 "min_size": self.min_size, "max_size": self.max_size,
                 "label_alpha": self.label_alpha, "noise": self.noise}
 
-    def _draw_sizes(self, gen: np.random.Generator, n: int) -> np.ndarray:
+    def _size_at(self, u: float) -> int:
         if self.kind == "lognormal":
-            raw = np.floor(gen.lognormal(self.mu, self.sigma, n))
-        else:
-            raw = np.floor(self.min_size * (1.0 + gen.pareto(self.exponent, n)))
-        return np.clip(raw, self.min_size, self.max_size).astype(np.int64)
+            z = self.mu + self.sigma * _NORMAL.inv_cdf(u)
+        else:  # Pareto (Lomax) of shape a: 1 + X has the quantile (1 − u)^(−1/a)
+            z = math.log(self.min_size) - math.log1p(-u) / self.exponent
+        return int(min(max(math.floor(math.exp(min(z, 700.0))), self.min_size), self.max_size))
 
     def _draw_user(self, gen: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
         mix = gen.dirichlet(np.full(self.num_classes, self.label_alpha))
