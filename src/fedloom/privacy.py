@@ -38,6 +38,7 @@ import torch
 from fedloom.accounting import Accountant
 from fedloom.capabilities import aggregator_caps, compressor_caps, feedback_caps
 from fedloom.config import ConfigError
+from fedloom.ftrl import Correlated, make_correlated
 from fedloom.rng import Purpose, torch_gen
 
 __all__ = ["Accounting", "AdaptiveClip", "Privacy", "check_secure_aggregation", "clip_update",
@@ -167,7 +168,8 @@ class Privacy:
                  cohort_size: float, num_clients: int, seed: int,
                  target_epsilon: float | None = None,
                  adaptive: AdaptiveClip | None = None,
-                 accounting: Accounting = Accounting()) -> None:
+                 accounting: Accounting = Accounting(),
+                 correlated: Correlated | None = None) -> None:
         if mode not in ("none", "central", "local"):
             raise ConfigError(f"privacy.mode: must be none, central or local, got {mode!r}")
         if mode == "local" and adaptive is not None:
@@ -177,6 +179,8 @@ class Privacy:
         self.cohort_size, self.num_clients, self.seed = cohort_size, num_clients, seed
         self.target_epsilon, self.adaptive = target_epsilon, adaptive
         self.accounting = accounting
+        # privacy.mechanism tree | bandmf: noise correlated across rounds (fedloom.ftrl)
+        self.correlated = correlated
         # fixed: a cohort of m̄ drawn without replacement; poisson: m̄ = qN, expected
         self.accountant = _accountant(accounting.kind, accounting.sampling,
                                       accounting.neighbours, used=mode != "none")
@@ -204,6 +208,8 @@ class Privacy:
             "rate": self.rate}
         if poisson:  # DP-FedAvg's fixed denominator: the expected cohort qN
             out["denominator"] = self.cohort_size
+        if self.correlated is not None:
+            out.update(self.correlated.record(self.correlated.rounds))
         if self.accounting.population is not None or self.accounting.cohort is not None:
             # a deployment accounted for: its population and cohort, the noise's scale
             out.update(population=self.accounting.population or self.num_clients,
@@ -223,10 +229,15 @@ class Privacy:
     def local(self) -> bool:
         return self.mode == "local"
 
+    @property
+    def groups(self) -> int:
+        """The participation groups the sampler draws from (``privacy.ftrl.groups``)."""
+        return self.correlated.groups if self.correlated is not None else 1
+
     def init(self) -> dict[str, Any]:
         """The mechanism's state before round 1."""
         if self.central:
-            return {"clip": self.clip}
+            return {"clip": self.clip, **(self.correlated.init() if self.correlated else {})}
         if self.local:
             return {"participation": torch.zeros(self.num_clients, dtype=torch.int64)}
         return {}
@@ -240,6 +251,8 @@ class Privacy:
             c = state.get("clip")
             if not (isinstance(c, float) and math.isfinite(c) and c > 0):
                 raise ValueError(f"privacy_state: clip {c!r} is not a positive number")
+            if self.correlated is not None:
+                self.correlated.check(state)
         if self.local:
             p = state.get("participation")
             if not (isinstance(p, torch.Tensor) and p.dtype == torch.int64
@@ -264,6 +277,8 @@ class Privacy:
             return 0.0
         if self.z <= 0:
             return math.inf
+        if self.correlated is not None:
+            return self.correlated.epsilon(rounds, self.z, self.delta, self.accounting.kind)
         return self.accountant.epsilon(self.rate, self.z, rounds, self.delta)
 
     def planned_epsilon(self, rounds: int) -> float:
@@ -312,11 +327,21 @@ class Privacy:
         return {**state, "participation": part}
 
     # ------------------------------------------------------------ central mode
-    def release(self, total: torch.Tensor, state: dict[str, Any], round: int) -> torch.Tensor:
+    def release(self, total: torch.Tensor, state: dict[str, Any], round: int,
+                new_state: dict[str, Any] | None = None) -> torch.Tensor:
         """Central mode: ``(total + N(0, σ_Δ² C_t² I)) / m̄`` in float64, for ``total``
-        the sum of the clipped updates (here, or a secure-aggregation sum)."""
-        gen = torch_gen(self.seed, round, -1, Purpose.DP_NOISE)
-        noise = torch.randn(total.numel(), generator=gen, dtype=torch.float64)
+        the sum of the clipped updates (here, or a secure-aggregation sum); under
+        ``privacy.mechanism`` tree | bandmf the noise is DP-FTRL's, its state put in
+        ``new_state``."""
+        d = total.numel()
+        if self.correlated is None:
+            noise = _unit_noise_of(self.seed, d, round)
+        else:
+            if new_state is None:
+                raise ValueError("privacy.mechanism: the correlated noise needs its state")
+            noise, step = self.correlated.noise(
+                state, round, d, lambda t: _unit_noise_of(self.seed, d, t))
+            new_state.update(step)
         # noise_scale: the deployment's noise on the mean (Accounting)
         scale = self.sigma * float(state["clip"]) * self.noise_scale
         return (total.double() + scale * noise.to(total.device)) / self.cohort_size
@@ -337,9 +362,9 @@ class Privacy:
                 clipped += 1
             below += int(n <= c)
             total += rows[i].double()
-        agg = self.release(total, state, round).to(rows.dtype)
-        metrics = {"dp_clip": c, "dp_clipped": float(clipped)}
         new_state = dict(state)
+        agg = self.release(total, state, round, new_state).to(rows.dtype)
+        metrics = {"dp_clip": c, "dp_clipped": float(clipped)}
         if self.adaptive is not None:
             a = self.adaptive
             g = torch_gen(self.seed, round, -1, Purpose.DP_COUNT)
@@ -350,6 +375,12 @@ class Privacy:
             new_state["clip"] = c * math.exp(-a.lr * (frac - a.target_quantile))
             metrics["dp_unclipped_fraction"] = frac
         return agg, new_state, metrics
+
+
+def _unit_noise_of(seed: int, d: int, round: int) -> torch.Tensor:
+    """Round ``round``'s ``N(0, I_d)`` from ``(seed, round, -1, "dp-noise")``."""
+    gen = torch_gen(seed, round, -1, Purpose.DP_NOISE)
+    return torch.randn(d, generator=gen, dtype=torch.float64)
 
 
 def _rate(mode: str, cohort_size: float, num_clients: int,
@@ -394,7 +425,8 @@ def _denominator(cfg: Any, num_clients: int) -> float:
     """DP-FedAvg's fixed denominator m̄: ``cohort.size``, or the expected cohort ``qN``
     under Poisson sampling (McMahan et al. 2018, Algorithm 1)."""
     q = poisson_rate(cfg.cohort, num_clients)
-    return cfg.cohort.size if q is None else q * num_clients
+    groups = cfg.privacy.ftrl.groups if cfg.privacy.mechanism != "dp_fedavg" else 1
+    return cfg.cohort.size if q is None else q * num_clients / groups
 
 
 def solve_noise(cfg: Any, num_clients: int) -> float:
@@ -412,8 +444,10 @@ def solve_noise(cfg: Any, num_clients: int) -> float:
             z = 2 * _accountant(acct.kind, "poisson", "add_remove").noise(
                 1.0, cfg.rounds, p.target_epsilon, p.delta)
         else:
-            z = _accountant(acct.kind, acct.sampling, acct.neighbours).noise(
-                rate, cfg.rounds, p.target_epsilon, p.delta)
+            ftrl = make_correlated(cfg, num_clients)
+            z = (ftrl.solve(cfg.rounds, p.target_epsilon, p.delta, acct.kind) if ftrl else
+                 _accountant(acct.kind, acct.sampling, acct.neighbours).noise(
+                     rate, cfg.rounds, p.target_epsilon, p.delta))
     except ValueError as e:
         raise ConfigError(f"privacy.target_epsilon: {e}") from None
     log.info("privacy.noise_multiplier: auto -> %.6g for epsilon <= %g at delta=%g over %d "
@@ -456,7 +490,8 @@ def make_privacy(cfg: Any, num_clients: int) -> Privacy:
     priv = Privacy(p.mode, clip=p.clip, noise_multiplier=z, delta=p.delta,
                    cohort_size=_denominator(cfg, num_clients), num_clients=num_clients,
                    seed=cfg.seed,
-                   target_epsilon=p.target_epsilon, adaptive=adaptive, accounting=acct)
+                   target_epsilon=p.target_epsilon, adaptive=adaptive, accounting=acct,
+                   correlated=make_correlated(cfg, num_clients))
     if p.max_epsilon is not None and priv.enabled:
         planned = priv.planned_epsilon(cfg.rounds)
         if planned > p.max_epsilon:

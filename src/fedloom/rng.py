@@ -43,6 +43,7 @@ class Purpose(StrEnum):
     EVAL = "eval"
     DP_NOISE = "dp-noise"    # Gaussian noise of differential privacy (fedloom.privacy)
     DP_COUNT = "dp-count"    # noise of the clipped-count estimate (adaptive clipping)
+    DP_TREE = "dp-tree"      # the noise of a tree node of DP-FTRL (fedloom.ftrl)
     SYSTEM = "system"              # a client's simulated device and links (fedloom.system)
     AVAILABILITY = "availability"  # whether a client can be sampled in a round, its phase
     CLIENT_DROPOUT = "client-dropout"  # whether a sampled client drops out mid-round

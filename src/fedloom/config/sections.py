@@ -499,6 +499,18 @@ class AdaptiveClipConfig:
 
 
 @dataclass
+class FtrlConfig:
+    """DP-FTRL's participation and noise (fedloom.ftrl; ``privacy.mechanism`` tree or
+    bandmf): clients split into ``groups`` by id, round r drawing from group r mod
+    groups (each client's rounds ``groups`` apart); bandmf's ``bands`` (null: groups,
+    at most groups); the tree restarted every ``restart_every`` rounds (null: one tree)."""
+
+    groups: int = _f(1, ge=1)
+    bands: int | None = _f(None, ge=1)
+    restart_every: int | None = _f(None, ge=1)
+
+
+@dataclass
 class PrivacyConfig:
     """Client-level differential privacy (fedloom.privacy): ``central`` (DP-FedAvg:
     clip each update to ``clip``, Gaussian noise ``noise_multiplier · clip`` on the
@@ -523,6 +535,10 @@ class PrivacyConfig:
     accounting_population: int | None = _f(None, ge=1)
     accounting_cohort: int | None = _f(None, ge=1)
     adaptive_clip: AdaptiveClipConfig = field(default_factory=AdaptiveClipConfig)
+    # dp_fedavg: fresh noise each round; tree | bandmf: noise correlated across rounds
+    # (DP-FTRL, fedloom.ftrl; central mode), its participation and matrix in `ftrl`
+    mechanism: Literal["dp_fedavg", "tree", "bandmf"] = "dp_fedavg"
+    ftrl: FtrlConfig = field(default_factory=FtrlConfig)
 
 
 # The sections written ``{name, options}`` (and the backend), by dotted path: a string

@@ -156,7 +156,7 @@ def bind(algorithm: Algorithm, federation: Federation, runtime: Runtime,
     selector = federation.selector
     refusals.check_selection_scope(record, selector, privacy)
     schedule = Schedule(runtime.seed, rounds, federation.cohort, n, loc, system, selector,
-                        poisson_rate(record.cohort, n))
+                        poisson_rate(record.cohort, n), privacy.groups)
     rules = dataclasses.replace(algorithm.screening, private=privacy.enabled)
     x_test = _to_run(fed.x_test, dtype, device)
     evaluator = Evaluator(space, clients, x_test, fed.y_test.to(device), evaluation,

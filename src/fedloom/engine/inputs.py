@@ -92,6 +92,8 @@ class Schedule:
     selector: Any = None  # a fedloom.selection.Selector; None: uniform
     # cohort.sampling poisson: each client with probability `rate`; None: fixed-size
     rate: float | None = None
+    # privacy.ftrl.groups: round r draws from the clients k with k = r (mod groups)
+    groups: int = 1
 
     @property
     def chooser(self) -> Any:
@@ -103,10 +105,13 @@ class Schedule:
         return self.chooser.init(self.num_clients)  # type: ignore[no-any-return]
 
     def candidates(self, r: int) -> np.ndarray:
-        """The clients available in round ``r`` (all of them without availability)."""
+        """The clients available in round ``r`` (all of them without availability), of
+        round r's participation group (``groups``)."""
         if self.system is not None and self.system.has_availability:
-            return self.system.available_ids(r)  # type: ignore[no-any-return]
-        return np.arange(self.num_clients, dtype=np.int64)
+            ids: np.ndarray = self.system.available_ids(r)
+        else:
+            ids = np.arange(self.num_clients, dtype=np.int64)
+        return ids if self.groups == 1 else ids[ids % self.groups == r % self.groups]
 
     def select(self, r: int, state: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
         """Round ``r``'s cohort (sorted ids) and the selector's new state, from its
@@ -114,7 +119,8 @@ class Schedule:
         gen = numpy_gen(self.seed, r, -1, Purpose.COHORT)
         # {}: a state from before selectors (an older checkpoint, a caller's RunState)
         state = state or self.initial_selection()
-        everyone = self.system is None or not self.system.has_availability
+        # privacy.ftrl.groups: a round draws from its group only (candidates)
+        everyone = (self.system is None or not self.system.has_availability) and self.groups == 1
         if self.rate is not None:  # Poisson sampling: the uniform selector's state is {}
             ids = poisson_cohort(None if everyone else self.candidates(r), self.num_clients,
                                  self.rate, gen)
