@@ -9,9 +9,11 @@ from fedloom.registry import available
 D = 30
 LAYOUT = Layout([("a.weight", (4, 5)), ("a.bias", (4,)), ("b.weight", (6,))],
                 [["a.weight", "a.bias"], ["b.weight"]])
+# Options a rule is checked at: FLAME without its noise (tests/test_defences.py checks it).
+OPTIONS = {"flame": {"lam": 0.0}}
 # Rules whose output for m identical updates is that update.
 MEAN_LIKE = {"fedavg", "fednova", "fedfv", "config", "fedlf", "coordmean", "bulyan",
-             "geometric_median"}
+             "geometric_median", "flame"}
 
 
 def _cohort(m=6, seed=0):
@@ -42,7 +44,7 @@ def name(request):
 
 
 def test_shape_finite_and_state_threads_through(name):
-    agg = make_aggregator(name)
+    agg = make_aggregator(name, **OPTIONS.get(name, {}))
     state = agg.init(LAYOUT)
     for r in range(3):
         U, n, info = _cohort(seed=r)
@@ -55,7 +57,7 @@ def test_shape_finite_and_state_threads_through(name):
 def test_permutation_invariant(name):
     U, n, info = _cohort(m=7, seed=3)
     perm = torch.tensor([3, 0, 6, 1, 5, 2, 4])
-    agg = make_aggregator(name)
+    agg = make_aggregator(name, **OPTIONS.get(name, {}))
     # second round, so that stateful rules (CRAFT's reference, FedFV's history) are exercised
     s0 = agg.init(LAYOUT)
     _, s1, _ = agg(U * 0.5 + 0.1, n, s0, info=info)
@@ -71,7 +73,7 @@ def test_identical_updates(name):
                          "steps": torch.full((5,), 3)})
     g = U[0]
     rows = g.repeat(5, 1)
-    agg = make_aggregator(name)
+    agg = make_aggregator(name, **OPTIONS.get(name, {}))
     out, _, _ = agg(rows, n, agg.init(LAYOUT), info=info)
     # CRAFT's per-layer mode rescales each group on its own: parallel group by group.
     for grp in LAYOUT.groups:

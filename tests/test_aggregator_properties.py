@@ -114,11 +114,13 @@ RULES = {
     "geometric_median": Rule("convex", True),
     # a convex combination of the rows and the centre (its previous output)
     "centered_clipping": Rule("centred", False),
+    # without noise: the mean of admitted rows clipped to the median norm
+    "flame": Rule("convex", True),
 }
 # Options a rule is checked at: CRAFT's paper step (its direction as solved, which the
 # bounds below are of); the default rprop step rescales it per group, whose properties
 # tests/test_craft_adaptive.py checks.
-OPTIONS: dict[str, dict[str, str]] = {"craft": {"step": "fixed"}}
+OPTIONS: dict[str, dict[str, str | float]] = {"craft": {"step": "fixed"}, "flame": {"lam": 0.0}}
 # The built-in rules: an installed plug-in (examples/plugin's geomed) states its own
 # guarantees and carries its own tests.
 NAMES = [n for n in available("aggregator") if origin("aggregator", n) == "fedloom"]

@@ -6,6 +6,7 @@ properties in test_aggregator_conformance.py and test_aggregator_properties.py."
 
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -223,7 +224,7 @@ def test_chain_runs_resumes_bit_identical_and_records(tiny, tmp_path):
 
 @pytest.mark.parametrize("setting", [
     ["aggregator.name=bulyan"], ["aggregator.name=geometric_median"],
-    ["aggregator.name=centered_clipping"],
+    ["aggregator.name=centered_clipping"], ["aggregator.name=flame"],
     ["aggregator.name=krum", "aggregator.options.f=1"]])
 def test_nan_client_rejected_and_counted_before_the_rule(tiny, setting):
     tiny["server"] = {"pre_aggregation": [{"name": "nnm", "options": {"f": 1}}]}
@@ -250,3 +251,57 @@ def test_library_entry_point_takes_the_chain():
     # trimmed mean b = 1: sorted 1, 1, 1, 34.33 → mean(1, 1) = 1
     assert out.item() == pytest.approx(1.0, abs=1e-15) and state is None
     assert fedloom.registry.available("preaggregator") == ["bucketing", "nnm"]
+
+
+# ------------------------------------------------------------------------------- FLAME
+def _flame_cohort(seed, honest=7, bad=3, d=50):
+    """Honest rows around one direction, attackers around its opposite (a sign flip)."""
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(d, generator=gen, dtype=torch.float64)
+    h = base + 0.3 * torch.randn(honest, d, generator=gen, dtype=torch.float64)
+    a = -3 * base + 0.3 * torch.randn(bad, d, generator=gen, dtype=torch.float64)
+    return torch.cat([h, a])
+
+
+def test_flame_admits_the_majority_and_clips_to_the_median_norm():
+    rows = _flame_cohort(0)
+    out, _, m = make_aggregator("flame", lam=0.0)(rows, ONE(10, dtype=torch.float64), None)
+    assert m["flame_admitted"] == 7.0
+    # golden: S = the median of the 10 norms (mean of the 5th and 6th), each admitted
+    # row scaled by min(1, S/‖g‖), their plain mean
+    norms = rows.norm(dim=1)
+    S = float(norms.sort().values[4:6].mean())
+    want = (rows[:7] * (S / norms[:7]).clamp(max=1.0)[:, None]).mean(0)
+    assert m["flame_clip_norm"] == pytest.approx(S, rel=1e-15)
+    assert torch.allclose(out, want, rtol=0, atol=1e-14)
+
+
+def test_flame_clusters_as_hdbscan_on_the_raw_rows():
+    # Blades' call (hdbscan's HDBSCAN, metric="cosine", min_cluster_size n//2 + 1,
+    # min_samples 1, one cluster allowed) through scikit-learn's port of it
+    from sklearn.cluster import HDBSCAN
+
+    from fedloom.aggregate.flame import flame_admitted
+
+    for seed in range(30):
+        n_bad = seed % 4
+        rows = _flame_cohort(seed, honest=9 - n_bad, bad=n_bad)
+        n = rows.shape[0]
+        labels = HDBSCAN(min_cluster_size=n // 2 + 1, min_samples=1, allow_single_cluster=True,
+                         metric="cosine", copy=True).fit_predict(rows.numpy())
+        want = labels == np.bincount(labels[labels >= 0]).argmax()
+        assert flame_admitted(rows, n // 2 + 1).numpy().tolist() == want.tolist()
+
+
+def test_flame_noise_has_its_stated_law_and_draws_from_seed_and_round():
+    d, lam = 200_000, 0.01
+    rows = torch.ones(5, d, dtype=torch.float64)  # one cluster, S = √d, mean 1
+    agg = make_aggregator("flame", lam=lam, seed=3)
+    out, _, _ = agg(rows, ONE(5, dtype=torch.float64), None, info=_info(5, round=4))
+    noise = out - 1.0
+    # std λ S = λ √d; over 2e5 draws the sample std is within 1 % (≈ 0.16 % s.e.)
+    assert float(noise.std()) == pytest.approx(lam * d ** 0.5, rel=0.01)
+    assert abs(float(noise.mean())) < 5 * lam * d ** 0.5 / d ** 0.5
+    again, _, _ = agg(rows, ONE(5, dtype=torch.float64), None, info=_info(5, round=4))
+    other, _, _ = agg(rows, ONE(5, dtype=torch.float64), None, info=_info(5, round=5))
+    assert torch.equal(out, again) and not torch.equal(out, other)

@@ -31,7 +31,7 @@ AGGREGATORS = {
     # a trimmed mean, Krum's choice or a solver's weights by more than C / m̄);
     # FedNova's coefficients depend on the others' step counts: local DP only
     **{n: (False, True) for n in (
-        "bulyan", "centered_clipping", "config", "coordmean", "craft", "fednova",
+        "bulyan", "centered_clipping", "config", "coordmean", "craft", "fednova", "flame",
         "geomed", "geometric_median", "hetlora", "krum", "lora_exact", "median",
         "trimmed_mean")},
     # they read each client's unnoised loss: neither mode covers it

@@ -108,6 +108,7 @@ _MODULES = (
     "fedloom.aggregate.centered_clip",
     "fedloom.aggregate.nnm",
     "fedloom.aggregate.bucketing",
+    "fedloom.aggregate.flame",
     "fedloom.aggregate.lora",
     "fedloom.client.methods",
     "fedloom.client.adamw",

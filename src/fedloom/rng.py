@@ -54,6 +54,7 @@ class Purpose(StrEnum):
     AUDIT_MEMBERSHIP = "audit-membership"  # whether an audit's canary is in the run
     AUDIT_CANARY = "audit-canary"          # the direction an audit's canary sends
     BUCKETING = "bucketing"  # the server's shuffle of a round's rows into buckets
+    FLAME_NOISE = "flame-noise"  # the Gaussian noise FLAME adds to its aggregate
     POPULATION = "population"              # a population user's samples (data.population)
     POPULATION_SIZE = "population-size"    # a block of population users' sample counts
     POPULATION_TEST = "population-test"    # a held-out user's samples (the global test set)

@@ -175,8 +175,12 @@ def _algorithm(cfg: Config, given: Components, layout: Layout) -> Algorithm:
         transforms = given.transforms or tuple(
             build_named("transform", t["name"], dict(t.get("options") or {}),
                         f"client.transforms[{i}].options") for i, t in enumerate(c.transforms))
+        # a rule that draws (FLAME's noise) takes the run's seed, as a step does
+        seeded = ({} if given.aggregator is not None or is_object(cfg.aggregator.name) else
+                  accepted_options(get("aggregator", cfg.aggregator.name), {"seed": cfg.seed}))
         aggregator = (given.aggregator if given.aggregator is not None
-                      else make_aggregator(cfg.aggregator.name, **cfg.aggregator.options))
+                      else make_aggregator(cfg.aggregator.name,
+                                           **{**cfg.aggregator.options, **seeded}))
         # server.pre_aggregation: steps on the rows before the rule (NNM, bucketing)
         aggregator = build_chain(aggregator, s.pre_aggregation, cfg.seed)
         # A method that names layers (FedPer's personal head, MOON's representation)
