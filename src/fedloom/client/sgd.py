@@ -476,7 +476,8 @@ class LocalSGD:
                                             buffers=buffers)
                 total += float(F.cross_entropy(logits, y[s : s + batch], reduction="sum"))
         # per label: one a sample, or one a token of a causal LM's next tokens [N, T]
-        return total / max(1, y.numel())
+        # (a padded target, -100, cross-entropy's ignore_index, is none)
+        return total / max(1, int((y != -100).sum()))
 
 
 class _Gradients:

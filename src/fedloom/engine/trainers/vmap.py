@@ -172,7 +172,8 @@ class _VmapGradients:
 
 
 def _masked_loss(module: nn.Module, layout: Layout) -> Callable[..., torch.Tensor]:
-    """One client's masked mean cross-entropy of flat parameters ``w`` and buffers ``b``."""
+    """One client's masked mean cross-entropy of flat parameters ``w`` and buffers ``b``
+    (next tokens: over the batch's unpadded tokens, the sequential step's loss)."""
     names = [t.name for t in layout.tensors]
     shapes = [t.shape for t in layout.tensors]
     sizes = [t.numel for t in layout.tensors]
@@ -183,8 +184,11 @@ def _masked_loss(module: nn.Module, layout: Layout) -> Callable[..., torch.Tenso
                                                   strict=True)}
         logits = functional_call(module, {**params, **b}, (x,))
         ce = F.cross_entropy(logits, y, reduction="none")
-        if ce.ndim > 1:  # next tokens [B, T] (a causal LM): a sample's mean over its tokens
-            ce = ce.flatten(1).mean(1)
+        if ce.ndim > 1:  # next tokens [B, T] (a causal LM): the mean over the batch's tokens
+            # whose target is not padding (-100, ignore_index: 0 in ce), as the sequential
+            # step's F.cross_entropy; T a sample where nothing is padded
+            real = (y != -100).flatten(1).sum(1).to(ce.dtype)
+            return (ce.flatten(1).sum(1) * mask).sum() / (real * mask).sum().clamp_min(1)
         return (ce * mask).sum() / mask.sum().clamp_min(1)
 
     return loss_fn
