@@ -111,3 +111,19 @@ def test_the_backdoor_trigger_and_labels():
     (xs, ys), = bd.test_sets(x, y).values()
     assert xs.shape[0] == int((y != 2).sum()) and bool((ys == 2).all())
     assert float(xs[0, 0, 0, 0]) == float(x.max()) and float(xs[0, 0, 0, 1]) == float(x.min())
+
+
+@pytest.mark.parametrize("name", ["sign_flip", "gaussian", "alie", "minmax", "optimal_ipm",
+                                  "mimic", "canary", "scaling", "inf"])
+def test_every_attack_returns_rows_on_the_updates_device_and_dtype(name, device):
+    """The stage puts each row back on its update's device and dtype (CUDA where there
+    is one: the noise and the canaries' directions are drawn on the CPU)."""
+    from fedloom.registry import build
+
+    attack = build("attack", name, {}, "attack.options")
+    rows = torch.randn(6, 40, generator=torch.Generator().manual_seed(0)) + 0.1
+    res = [ClientResult(k, rows[k].to(device), 10, 0.0, 1) for k in range(6)]
+    Attack(frozenset({1, 4}), attack, seed=2).round(res, 3)
+    for r in res:
+        assert r.update.device.type == device and r.update.dtype == torch.float32
+    assert torch.equal(res[0].update.cpu(), rows[0])  # honest rows untouched

@@ -172,9 +172,9 @@ class Canary:
         return u / torch.linalg.vector_norm(u)
 
     def __call__(self, view: RoundView) -> torch.Tensor:
-        d = view.own.shape[1]
+        d = view.own.shape[1]  # on the CPU, as the directions are (the stage moves them)
         return torch.stack([self.norm * self.direction(k, d) if self.included(k)
-                            else view.own.new_zeros(d) for k in view.clients])
+                            else torch.zeros(d, dtype=torch.float64) for k in view.clients])
 
 
 register("attack", "canary")(Canary)
