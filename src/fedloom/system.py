@@ -203,6 +203,7 @@ class RoundSim:
     times: dict[int, float] = field(default_factory=dict)   # t_k of the reporting clients
     round_s: float = 0.0
     steps: list[int] = field(default_factory=list)          # of the clients used
+    cohort: int = 0                                         # clients drawn for the round
 
     def train(self, backend: Any, jobs: Sequence[Any]) -> list[ClientResult | None]:
         """Train the jobs that are not withheld; ``None`` (a dropped client) for the others."""
@@ -219,12 +220,14 @@ class System:
     decisions live in its :class:`RoundSim`, the clock in ``RunState.sim_time_s``)."""
 
     def __init__(self, cfg: SystemConfig, seed: int, num_clients: int, batch_size: int,
-                 cohort_size: int) -> None:
+                 cohort_size: int, *, poisson: bool = False) -> None:
         self.cfg = cfg
         self.seed = seed
         self.num_clients = num_clients
         self.batch = batch_size
         self.cohort_size = cohort_size
+        # cohort.sampling: poisson (each available client at rate q; no size to fill)
+        self.poisson = poisson
         self.timed = cfg.profile != "off"
         self.has_availability = cfg.availability < 1 or cfg.pattern != "none"
         self._devices: dict[int, Device] = (read_devices(cfg.path, num_clients)
@@ -316,7 +319,7 @@ class System:
         sizes, the local update's step count (``local.num_steps``), the model's size
         ``d``, the broadcast's size and the round's compressor."""
         cfg, r = self.cfg, plan.round
-        sim, jobs = RoundSim(r), list(plan.jobs)
+        sim, jobs = RoundSim(r, cohort=len(plan.jobs)), list(plan.jobs)
         partial = self.timed and cfg.deadline_s is not None and cfg.late == "partial"
         up = self.expected_uplink(plan.comp, d) if partial else 0
         for i, job in enumerate(plan.jobs):
@@ -376,7 +379,11 @@ class System:
         if self.has_availability:
             avail = self._available.pop(r, self.num_clients)
             metrics["available_clients"] = avail
-            metrics["cohort_short"] = int(avail < self.cohort_size)
+            # short: fewer available than cohort.size, so all were taken; under Poisson
+            # sampling there is no size to fill (the cohort is random, q of the available
+            # on average): short when nobody was drawn, a round with no one to train
+            metrics["cohort_short"] = (int(sim.cohort == 0) if self.poisson
+                                       else int(avail < self.cohort_size))
         if self.cfg.dropout > 0:
             metrics["dropout_clients"] = sum("dropout" in w for w in sim.withheld.values())
         if self.timed:
@@ -395,11 +402,13 @@ class System:
 
 
 def make_system(cfg: SystemConfig, seed: int, num_clients: int, batch_size: int,
-                cohort_size: int, *, full_participation: bool = False) -> System | None:
+                cohort_size: int, *, full_participation: bool = False,
+                poisson: bool = False) -> System | None:
     """The run's :class:`System`, or ``None`` when the section is off (nothing is
-    simulated and the engine takes its plain path)."""
+    simulated and the engine takes its plain path); ``poisson``: cohort.sampling
+    poisson."""
     check_system_config(cfg)
-    sysm = System(cfg, seed, num_clients, batch_size, cohort_size)
+    sysm = System(cfg, seed, num_clients, batch_size, cohort_size, poisson=poisson)
     if not (sysm.timed or sysm.has_availability or cfg.dropout > 0):
         return None
     if sysm.has_availability and full_participation:

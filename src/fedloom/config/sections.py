@@ -515,7 +515,7 @@ class PrivacyConfig:
     """Client-level differential privacy (fedloom.privacy): ``central`` (DP-FedAvg:
     clip each update to ``clip``, Gaussian noise ``noise_multiplier · clip`` on the
     sum at the server) or ``local`` (each client clips and adds that noise before
-    compression). ``dp_epsilon`` at ``delta`` is reported each round, by
+    compression). ``dp_epsilon`` at ``delta`` is reported each evaluated round, by
     ``accountant`` (fedloom.accounting) under ``neighbours``; with ``target_epsilon``
     the run stops before a round that would exceed it, and ``noise_multiplier: auto``
     solves the noise for it over ``rounds`` (config.yaml holds the number).

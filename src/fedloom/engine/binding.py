@@ -134,7 +134,8 @@ def bind(algorithm: Algorithm, federation: Federation, runtime: Runtime,
     refusals.check_poisson(record, federation.selector, algo.aggregator)
     system = make_system(federation.system_settings, runtime.seed, n, loc.batch_size,
                          federation.cohort,
-                         full_participation=aggregator_caps(algo.aggregator).full_participation)
+                         full_participation=aggregator_caps(algo.aggregator).full_participation,
+                         poisson=record.cohort.sampling == "poisson")
     # (trainer, method, x, y, threads, keep_heap, **backend.options): its signature is
     # the options' schema
     backend = get("backend", runtime.backend)(trainer, algo.method, x, y,

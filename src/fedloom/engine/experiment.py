@@ -454,7 +454,8 @@ class Experiment:
         load_buffers(space.module, buffers)  # evaluations see the new global buffers
         every, rounds = self.evaluator.settings.every, self.schedule.rounds
         evaluation = st.evaluation
-        if (r + 1) % every == 0 or r + 1 == rounds:
+        due = (r + 1) % every == 0 or r + 1 == rounds
+        if due:
             scores, evaluation = self.evaluator.round(
                 out.w, w_avg if w_avg is not None else out.w, r, st.clients, evaluation,
                 personal=algo.method.personal)
@@ -469,7 +470,7 @@ class Experiment:
         metrics["agg_s"] = t_agg
         metrics["wall_s"] = time.perf_counter() - t0
         privacy_state = account_privacy(self.privacy, plan, outcome, out.privacy_state,
-                                        metrics)
+                                        metrics, evaluated=due)
         selection_state = self.schedule.observe(plan.selection_state, selection_feedback(
             plan, outcome, rx, algo.local.batch_size, times=times, late=late,
             deadline_s=deadline_s))

@@ -321,7 +321,8 @@ def _loop(exp: Experiment, cfg: Config, resolved: dict[str, Any], run_dir: Path 
     try:
         while st.next_round < cfg.rounds:
             # privacy.target_epsilon: no round that would spend more than the budget.
-            stop_reason = exp.privacy.stop_reason(st.privacy_state, st.next_round)
+            stop_reason = exp.privacy.stop_reason(st.privacy_state, st.next_round,
+                                                   planned=cfg.rounds)
             if stop_reason is not None:
                 log.warning("stopped before round %d: %s", st.next_round + 1, stop_reason)
                 if ckpt_dir is not None and every and st.next_round % every:
