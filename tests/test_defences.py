@@ -206,6 +206,9 @@ def test_pre_aggregation_config_errors_name_the_entry(tiny):
     load_config(tiny, ["privacy.mode=local", "privacy.noise_multiplier=1.0"])  # composes
     with pytest.raises(ValueError, match=r"server\.pre_aggregation\[0\]\.options\.s: must be"):
         build_chain(make_aggregator("median"), [{"name": "bucketing", "options": {"s": 0}}], 0)
+    with pytest.raises(ValueError, match=r"^server\.pre_aggregation\[1\]\.options\.chunk: must"):
+        build_chain(make_aggregator("median"),
+                    [{"name": "nnm"}, {"name": "nnm", "options": {"chunk": 0}}], 0)
 
 
 def test_chain_runs_resumes_bit_identical_and_records(tiny, tmp_path):
@@ -305,3 +308,13 @@ def test_flame_noise_has_its_stated_law_and_draws_from_seed_and_round():
     again, _, _ = agg(rows, ONE(5, dtype=torch.float64), None, info=_info(5, round=4))
     other, _, _ = agg(rows, ONE(5, dtype=torch.float64), None, info=_info(5, round=5))
     assert torch.equal(out, again) and not torch.equal(out, other)
+
+
+def test_a_chain_given_as_an_object_records_and_rebuilds():
+    from fedloom.recorded import object_name, rebuild, record
+
+    chain = PreAggregated(make_aggregator("krum", f=1), [NNM(f=1), Bucketing(s=2, seed=4)])
+    again = rebuild(object_name(chain), record(chain), "aggregator")
+    assert type(again.rule).__name__ == "Krum" and again.rule.f == 1
+    assert [type(s).__name__ for s in again.steps] == ["NNM", "Bucketing"]
+    assert again.steps[1].seed == 4 and record(again) == record(chain)

@@ -104,7 +104,7 @@ _MODULES = (
     "fedloom.aggregate.trimmed_mean",
     "fedloom.aggregate.krum",
     "fedloom.aggregate.bulyan",
-    "fedloom.aggregate.geomedian",
+    "fedloom.aggregate.geometric_median",
     "fedloom.aggregate.centered_clip",
     "fedloom.aggregate.nnm",
     "fedloom.aggregate.bucketing",

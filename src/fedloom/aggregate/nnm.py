@@ -31,7 +31,7 @@ from collections.abc import Mapping
 
 import torch
 
-from fedloom.aggregate.base import CohortInfo, check_chunk, check_cohort
+from fedloom.aggregate.base import CohortInfo, check_cohort
 from fedloom.aggregate.distances import check_rows, pairwise_sq_distances
 from fedloom.registry import register
 
@@ -74,7 +74,9 @@ class NNM:
     def __init__(self, f: int = 0, chunk: int = 1 << 15) -> None:
         if not isinstance(f, int) or isinstance(f, bool) or f < 0:
             raise ValueError(f"pre_aggregation.options.f: must be an integer >= 0, got {f!r}")
-        check_chunk(chunk)
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+            raise ValueError(f"pre_aggregation.options.chunk: must be an integer >= 1, "
+                             f"got {chunk!r}")
         self.f, self.chunk = f, chunk
 
     def __call__(self, rows: torch.Tensor, weights: torch.Tensor, info: CohortInfo

@@ -132,7 +132,7 @@ class GeometricMedian(Stateless):
             alpha = torch.ones(n, dtype=torch.float64, device=updates.device)
         z, close = smoothed_weiszfeld(updates, alpha, self.nu, self.iterations, self.start,
                                       self.chunk)
-        return z.to(updates.dtype), state, {"geomed_within_nu": float(close)}
+        return z.to(updates.dtype), state, {"median_within_nu": float(close)}
 
 
 # The class is its own factory: its constructor arguments are the config options.
