@@ -56,6 +56,12 @@ def test_transformer_is_causal() -> None:
     assert tuple(a.shape) == (2, 50, 6)
     torch.testing.assert_close(a[..., :4], b[..., :4])  # earlier positions see no later token
     assert not torch.allclose(a[..., 4:], b[..., 4:])
+    # pfl's positional_encoding (benchmarks/model/numpy/layer.py), Vaswani et al. 3.5
+    pos = np.arange(6)[:, None]
+    div = np.exp(np.arange(0, 8, 2) * (-np.log(10000.0) / 8))
+    pe = np.zeros((6, 8))
+    pe[:, 0::2], pe[:, 1::2] = np.sin(pos * div), np.cos(pos * div)
+    np.testing.assert_allclose(m.positions.numpy(), pe, rtol=0, atol=1e-6)  # type: ignore[operator]
     with pytest.raises(ValueError, match=r"model\.options\.embed: 9 must be even"):
         _model("nwp_transformer", (6,), 50, embed=9, heads=3)
     with pytest.raises(ValueError, match=r"reads token ids \[seq_len\]"):

@@ -19,8 +19,8 @@
 
 The next-word models read token ids ``[B, T]`` and return ``[B, V, T]`` (fedloom's
 causal-LM convention). Each builds its own weights from the run's seed
-(``fedloom_own_init``). Departures: the transformer's positions are added without
-dropout (pfl's ``PositionalEncoding`` applies none either at evaluation).
+(``fedloom_own_init``). Departure: the transformer's width is its embedding's (pfl
+adds projections when ``hidden_size`` differs; its benchmark uses 96 for both).
 """
 
 from __future__ import annotations
