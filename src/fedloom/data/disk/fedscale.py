@@ -10,8 +10,9 @@ which must then be equal) and normalised with that transform's statistics.
 ``verify`` checks the header, that each label id has one name and the 596 classes.
 
 ``reddit``: ``<root>/reddit/{train,test}/``, one text file per client (sorted file
-names, as FedScale's ``TextDataset``). FedScale tokenizes with ALBERT's tokenizer
-(blocks of 64, a masked-LM loss); here the text is cut into words
+names, as FedScale's ``TextDataset`` numbers its clients; its ``client_data_mapping``
+csv maps ALBERT blocks to those clients, so it is not read). FedScale tokenizes with
+ALBERT's tokenizer (blocks of 64, a masked-LM loss); here the text is cut into words
 (lowercased, split at whitespace), the ``vocab_size`` most frequent training words
 are ids 1…V (pad 0, out of vocabulary V+1, bos V+2, eos V+3: StackOverflow's
 scheme) and each client's word stream is cut into windows of ``seq_len + 1`` ids
