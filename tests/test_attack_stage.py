@@ -266,3 +266,20 @@ def test_under_local_dp_the_attackers_row_is_clipped_like_any_clients():
         assert norm <= 0.5 + 1e-6
         if res.client in attackers:
             assert norm == pytest.approx(0.5, abs=1e-6)
+
+
+def test_a_population_generated_on_demand_takes_update_attacks_not_data_poisoning():
+    """10⁶ users generated on demand: ALIE attacks the sampled users' updates (the run
+    differs from the honest one); label flipping, which poisons stored samples, is
+    refused in one line."""
+    cfg = {"seed": 1, "rounds": 2, "dtype": "float64",
+           "data": {"name": "synthetic-population", "num_clients": 10**6,
+                    "partition": {"name": "natural"},
+                    "options": {"dim": 3, "classes": 3, "max_size": 70, "test_users": 4}},
+           "model": {"name": "mlp", "options": {"hidden": []}},
+           "cohort": {"size": 8}, "client": {"lr": 0.05, "batch_size": 16, "steps": 2}}
+    with pytest.raises(ConfigError, match=r"^attack\.name: label_flip poisons") as e:
+        fedloom.run(cfg, ["attack.name=label_flip", "attack.fraction=0.5"])
+    assert "\n" not in str(e.value)
+    hostile = fedloom.run(cfg, ["attack.name=alie", "attack.fraction=0.5"])
+    assert hostile.summary["model_sha256"] != fedloom.run(cfg).summary["model_sha256"]

@@ -158,6 +158,11 @@ class Attack:
             u = results[i].update
             results[i].update = sent[j].to(u.device, u.dtype).reshape(u.shape)
 
+    @property
+    def poisons(self) -> bool:
+        """Whether the attack changes its clients' training samples (:class:`DataPoison`)."""
+        return isinstance(self.attack, DataPoison)
+
     def poison(self, x: torch.Tensor, y: torch.Tensor, parts: Sequence[np.ndarray],
                num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The run's samples with the attackers' training data poisoned (an attack

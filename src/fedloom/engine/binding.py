@@ -114,6 +114,10 @@ def bind(algorithm: Algorithm, federation: Federation, runtime: Runtime,
     try:  # Byzantine clients (attack.*), for robustness experiments; None when off
         attack = make_attack(federation.attack, runtime.seed, fed.num_clients)
         if attack is not None:  # the attackers' own samples, before any backend has them
+            if attack.poisons and fed.population is not None:
+                raise ValueError(f"attack.name: {federation.attack.name} poisons the "
+                                 "attackers' stored samples; a population generated on "
+                                 "demand stores none")
             x, y = attack.poison(x, y, fed.train, fed.dataset.num_classes)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
