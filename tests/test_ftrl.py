@@ -31,7 +31,9 @@ from fedloom.ftrl import (
 )
 from fedloom.privacy import make_privacy, resolve_noise
 
-DP = ["privacy.mode=central", "privacy.noise_multiplier=1.0", "privacy.clip=1.0"]
+# RDP: the checks here are of the mechanism's formula, not the library (the PLD's speed)
+DP = ["privacy.mode=central", "privacy.noise_multiplier=1.0", "privacy.clip=1.0",
+      "privacy.accountant=rdp"]
 
 
 def _cfg(*overrides: str):
@@ -110,9 +112,9 @@ def test_tree_nodes_decompose_the_prefix():
 def test_tree_prefix_noise_variance_grows_as_log2():
     """The noise on the prefix sum after p rounds, the sum of the released increments
     (n_p: telescoping), has variance popcount(p) per coordinate (≤ ⌊log₂ p⌋ + 1),
-    where DP-FedAvg's independent noise sums to variance p: within 4 % on 40,000
-    coordinates (the sample variance's sd there is 0.7 %)."""
-    d, tree = 40_000, Tree(seed=0, restart=None)
+    where DP-FedAvg's independent noise sums to variance p: within 6 % on 20,000
+    coordinates (the sample variance's sd there is 1 %)."""
+    d, tree = 20_000, Tree(seed=0, restart=None)
     total = torch.zeros(d, dtype=torch.float64)
     prev = torch.zeros(d, dtype=torch.float64)
     for p in range(1, 65):
@@ -121,9 +123,9 @@ def test_tree_prefix_noise_variance_grows_as_log2():
         prev = cur
         if p in (1, 3, 7, 15, 31, 63, 64):
             var = float(total.var())
-            assert var == pytest.approx(bin(p).count("1"), rel=0.04), p
-            assert var <= math.log2(p) + 1 + 0.04 * p
-    assert float(total.var()) == pytest.approx(1.0, rel=0.04)  # p = 64: one node
+            assert var == pytest.approx(bin(p).count("1"), rel=0.06), p
+            assert var <= (math.log2(p) + 1) * 1.06
+    assert float(total.var()) == pytest.approx(1.0, rel=0.06)  # p = 64: one node
 
 
 def _node_matrix(rounds: int, restart: int | None) -> np.ndarray:
@@ -189,7 +191,7 @@ def test_bandmf_with_one_band_is_dp_fedavgs_noise():
     b = fedloom.run(copy.deepcopy(TINY), [*DP, "rounds=3", "privacy.mechanism=bandmf"])
     assert a.summary["model_sha256"] == b.summary["model_sha256"]
     assert b.summary["dp_epsilon"] == pytest.approx(
-        Accountant("pld").epsilon(1.0, 1.0, 3, 1e-5))
+        Accountant("rdp").epsilon(1.0, 1.0, 3, 1e-5))
 
 
 @pytest.mark.parametrize("extra", [
@@ -250,23 +252,23 @@ def test_the_accounting():
                              "privacy.ftrl.groups=3", "cohort.sampling=poisson",
                              "cohort.rate=0.2"), 12)
     assert pois.planned_epsilon(10) == pytest.approx(
-        Accountant("pld").epsilon(0.2, 1.0, 4, 1e-5))
+        Accountant("rdp").epsilon(0.2, 1.0, 4, 1e-5))
     fixed = make_privacy(_cfg(*DP, "rounds=10", "privacy.mechanism=bandmf",
                               "privacy.ftrl.groups=3"), 12)
     assert fixed.planned_epsilon(10) == pytest.approx(
-        Accountant("pld").epsilon(1.0, 1.0 / 2, 1, 1e-5))
+        Accountant("rdp").epsilon(1.0, 1.0 / 2, 1, 1e-5))
     tree = make_privacy(_cfg(*DP, "rounds=10", "privacy.mechanism=tree",
                              "privacy.ftrl.groups=3"), 12)
     s = tree_sensitivity2(10, 3, None)
     assert tree.planned_epsilon(10) == pytest.approx(
-        Accountant("pld").epsilon(1.0, 1.0 / math.sqrt(s), 1, 1e-5))
+        Accountant("rdp").epsilon(1.0, 1.0 / math.sqrt(s), 1, 1e-5))
     assert tree.record()["mechanism"] == "tree"
 
 
 @pytest.mark.parametrize("mech", ["tree", "bandmf"])
 def test_noise_auto_meets_the_target(mech):
     cfg = resolve_noise(_cfg("privacy.mode=central", "privacy.noise_multiplier=auto",
-                             "privacy.target_epsilon=2.0", "rounds=12",
+                             "privacy.target_epsilon=2.0", "rounds=12", "privacy.accountant=rdp",
                              f"privacy.mechanism={mech}", "privacy.ftrl.groups=4"))
     priv = make_privacy(cfg, 10)
     eps = priv.planned_epsilon(12)
