@@ -112,6 +112,12 @@ def check_privacy_scope(cfg: Config, privacy: Any, *, aggregator: Any, feedback:
     if cfg.server.secure_aggregation:
         check_secure_aggregation(aggregator=aggregator, aggregator_name=cfg.aggregator.name,
                                  compressor=compressor, compressor_name=cfg.compression.name)
+        # an honest client can clip before masking; a Byzantine one would not, and the
+        # in-process server's clipping of its row is a defence a SecAgg server cannot run
+        if cfg.server.clip_norm is not None and cfg.attack.fraction > 0:
+            raise ConfigError("server.clip_norm: clips each client's row, which "
+                              "server.secure_aggregation keeps from the server (an attacker "
+                              "would not clip its own); not with attack.fraction > 0")
 
 
 def check_buffers_privacy(cfg: Config, privacy: Any, has_buffers: bool) -> None:
@@ -136,6 +142,11 @@ def check_event_mode(cfg: Config, *, aggregator: Any, feedback: Any, privacy: An
     if s.mode == "sync":
         return
     m = f"system.mode {s.mode}"
+    if s.mode == "async" and cfg.attack.fraction > 0 and not aggregator_caps(aggregator).linear:
+        # one arrival a step: a median, Krum or clipping around it returns that arrival
+        raise ConfigError(f"aggregator.name: {cfg.aggregator.name} on FedAsync's one arrival "
+                          "a step returns that arrival, no defence against attack.fraction > 0 "
+                          "(system.mode buffered aggregates system.buffer arrivals)")
     if aggregator_caps(aggregator).full_participation:
         raise ConfigError(f"aggregator.name: {cfg.aggregator.name} needs every client in "
                           f"every step; not with {m}")
