@@ -269,23 +269,6 @@ _CONTEXT = {
     "seed": "the run's seed, a key of its own",
 }
 # What a backend's factory is called with besides its options (fedloom.engine.binding).
-def _check_pre_aggregation(entries: list[Any]) -> None:
-    """Each ``server.pre_aggregation`` entry: a mapping with a registered name (or a
-    plug-in) and the options its factory takes (``seed`` is the run's)."""
-    for i, e in enumerate(entries):
-        where = f"server.pre_aggregation[{i}]"
-        if not isinstance(e, Mapping) or not isinstance(e.get("name"), str):
-            raise ConfigError(f"{where}: must be a mapping with a name, got {e!r}")
-        extra = set(e) - {"name", "options"}
-        if extra:
-            raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown key (name, options)")
-        if not isinstance(e.get("options", {}), Mapping):
-            raise ConfigError(f"{where}.options: must be a mapping, got {e['options']!r}")
-        check_name(f"{where}.name", "preaggregator", e["name"])
-        check_options(where, "preaggregator", _Named(e["name"], dict(e.get("options") or {})),
-                      frozenset({"seed"}))
-
-
 _BACKEND_CONTEXT = frozenset({"trainer", "method", "x", "y", "threads", "keep_heap"})
 # What a model's factory is called with besides its options (fedloom.models.build_model).
 _MODEL_CONTEXT = frozenset({"in_shape", "num_classes"})
@@ -508,6 +491,31 @@ def _check_data(cfg: Config) -> None:
     check_options("data", "dataset", cfg.data, _DATA_CONTEXT)
 
 
+def _check_pre_aggregation(cfg: Config) -> None:
+    """Each ``server.pre_aggregation`` entry: a mapping with a registered name (or a
+    plug-in) and the options its factory takes (``seed`` is the run's); a chain is
+    refused where the server sees no rows (secure aggregation) or noises only their sum
+    (central DP)."""
+    for i, e in enumerate(cfg.server.pre_aggregation):
+        where = f"server.pre_aggregation[{i}]"
+        if not isinstance(e, Mapping) or not isinstance(e.get("name"), str):
+            raise ConfigError(f"{where}: must be a mapping with a name, got {e!r}")
+        extra = set(e) - {"name", "options"}
+        if extra:
+            raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown key (name, options)")
+        if not isinstance(e.get("options", {}), Mapping):
+            raise ConfigError(f"{where}.options: must be a mapping, got {e['options']!r}")
+        check_name(f"{where}.name", "preaggregator", e["name"])
+        check_options(where, "preaggregator", _Named(e["name"], dict(e.get("options") or {})),
+                      frozenset({"seed"}))
+    if cfg.server.pre_aggregation and (cfg.server.secure_aggregation
+                                       or cfg.privacy.mode == "central"):
+        why = ("server.secure_aggregation gives the server only the masked sum"
+               if cfg.server.secure_aggregation else
+               "privacy.mode=central noises the sum of the clipped rows, not the steps' output")
+        raise ConfigError(f"server.pre_aggregation: the steps read each client's row; {why}")
+
+
 def _check_cross_fields(cfg: Config) -> None:
     check_name("data.name", "dataset", cfg.data.name)
     _check_data(cfg)
@@ -542,13 +550,7 @@ def _check_cross_fields(cfg: Config) -> None:
         if not isinstance(opts, Mapping):
             raise ConfigError(f"metrics.options.{hook}: must be a mapping, got {opts!r}")
     check_name("attack.name", "attack", cfg.attack.name)
-    _check_pre_aggregation(cfg.server.pre_aggregation)
-    if cfg.server.pre_aggregation and (cfg.server.secure_aggregation
-                                       or cfg.privacy.mode == "central"):
-        why = ("server.secure_aggregation gives the server only the masked sum"
-               if cfg.server.secure_aggregation else
-               "privacy.mode=central noises the sum of the clipped rows, not the steps' output")
-        raise ConfigError(f"server.pre_aggregation: the steps read each client's row; {why}")
+    _check_pre_aggregation(cfg)
     for i, t in enumerate(cfg.client.transforms):
         where = f"client.transforms[{i}]"
         if not isinstance(t, Mapping) or not isinstance(t.get("name"), str):
