@@ -12,8 +12,9 @@ LAYOUT = Layout([("a.weight", (4, 5)), ("a.bias", (4,)), ("b.weight", (6,))],
 # Options a rule is checked at: FLAME without its noise (tests/test_defences.py checks it).
 OPTIONS = {"flame": {"lam": 0.0}}
 # Rules whose output for m identical updates is that update.
+# (FLTrust: with the server's reference update equal to that update.)
 MEAN_LIKE = {"fedavg", "fednova", "fedfv", "config", "fedlf", "coordmean", "bulyan",
-             "geometric_median", "flame"}
+             "geometric_median", "flame", "fltrust"}
 
 
 def _cohort(m=6, seed=0):
@@ -26,6 +27,9 @@ def _cohort(m=6, seed=0):
         steps=torch.randint(1, 10, (m,), generator=gen),
         lr=0.1, momentum=0.0,
         start_losses=torch.rand(m, generator=gen, dtype=torch.float64) + 0.5,
+        # the server's reference update (FLTrust): the rows' mean, to which some row
+        # has a positive cosine (Σ_i g_i · mean = m ‖mean‖²)
+        reference=U.mean(0),
     )
     return U, n, info
 
@@ -34,7 +38,7 @@ def _permute(info: CohortInfo, perm):
     return CohortInfo(
         clients=info.clients[perm], round=info.round, num_clients=info.num_clients,
         losses=info.losses[perm], steps=info.steps[perm], lr=info.lr, momentum=info.momentum,
-        start_losses=info.start_losses[perm],
+        start_losses=info.start_losses[perm], reference=info.reference,
     )
 
 
@@ -70,7 +74,7 @@ def test_identical_updates(name):
     U, n, info = _cohort(m=5, seed=4)
     info = CohortInfo(**{**info.__dict__, "start_losses": torch.full((5,), 0.7,
                                                                       dtype=torch.float64),
-                         "steps": torch.full((5,), 3)})
+                         "steps": torch.full((5,), 3), "reference": U[0]})
     g = U[0]
     rows = g.repeat(5, 1)
     agg = make_aggregator(name, **OPTIONS.get(name, {}))

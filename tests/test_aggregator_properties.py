@@ -116,6 +116,8 @@ RULES = {
     "centered_clipping": Rule("centred", False),
     # without noise: the mean of admitted rows clipped to the median norm
     "flame": Rule("convex", True),
+    # unit rows times ‖g_0‖, g_0 the rows' mean here (make_cohort): ‖out‖ ≤ ‖mean‖ ≤ S
+    "fltrust": Rule("convex", True),
 }
 # Options a rule is checked at: CRAFT's paper step (its direction as solved, which the
 # bounds below are of); the default rprop step rescales it per group, whose properties
@@ -154,7 +156,8 @@ class Cohort:
         i = self.info
         info = CohortInfo(clients=i.clients[perm], round=i.round, num_clients=i.num_clients,
                           losses=i.losses[perm], steps=i.steps[perm], lr=i.lr,
-                          momentum=i.momentum, start_losses=i.start_losses[perm])
+                          momentum=i.momentum, start_losses=i.start_losses[perm],
+                          reference=i.reference)
         return Cohort(self.kind, self.U[perm], self.n[perm], info, f"{self.made}[{perm}]")
 
 
@@ -209,6 +212,9 @@ def make_cohort(kind: str, m: int, seed: int, dtype: torch.dtype, round: int = 1
         losses=torch.rand(m, generator=gen, dtype=torch.float64) + 0.5,
         steps=torch.randint(1, 10, (m,), generator=gen), lr=LR, momentum=0.0,
         start_losses=torch.rand(m, generator=gen, dtype=torch.float64) + 0.5,
+        # the server's reference update (FLTrust): the rows' mean, to which some row has
+        # a positive cosine (Σ_i g_i · mean = m ‖mean‖²)
+        reference=(R * scale).to(dtype).double().mean(0).to(dtype),
     )
     made = f"make_cohort({kind!r}, {m}, {seed}, {dtype}, round={round})"
     return Cohort(kind, (R * scale).to(dtype), n, info, made)
@@ -335,7 +341,7 @@ def _equal_rows(name, m, seed, dtype):
     # identical clients: same data size, steps and losses
     same = torch.full((m,), 0.7, dtype=torch.float64)
     info = CohortInfo(**{**base.info.__dict__, "steps": torch.full((m,), 3), "losses": same,
-                         "start_losses": same})
+                         "start_losses": same, "reference": g})
     agg = make_aggregator(name, **OPTIONS.get(name, {}))
     out, _, _ = agg(g.repeat(m, 1), base.n, agg.init(LAYOUT), info=info)
     for grp in LAYOUT.groups:

@@ -152,12 +152,14 @@ LAYOUT = Layout([("a.weight", (4, 5)), ("a.bias", (4,)), ("b.weight", (6,))],
 def _cohort(seed: int):
     gen = torch.Generator().manual_seed(seed)
     m = 6
-    return (torch.randn(m, D, generator=gen, dtype=torch.float64),
+    U = torch.randn(m, D, generator=gen, dtype=torch.float64)
+    return (U,
             torch.randint(5, 50, (m,), generator=gen).double(),
             CohortInfo(clients=torch.arange(m), round=seed, num_clients=20,
                        losses=torch.rand(m, generator=gen, dtype=torch.float64) + 0.5,
                        steps=torch.randint(1, 10, (m,), generator=gen), lr=0.1, momentum=0.0,
-                       start_losses=torch.rand(m, generator=gen, dtype=torch.float64) + 0.5))
+                       start_losses=torch.rand(m, generator=gen, dtype=torch.float64) + 0.5,
+                       reference=U.mean(0)))  # FLTrust's: some row has a positive cosine
 
 
 @pytest.mark.parametrize("name", available("aggregator"))

@@ -32,7 +32,7 @@ AGGREGATORS = {
     # FedNova's coefficients depend on the others' step counts: local DP only
     **{n: (False, True) for n in (
         "bulyan", "centered_clipping", "config", "coordmean", "craft", "fednova", "flame",
-        "geomed", "geometric_median", "hetlora", "krum", "lora_exact", "median",
+        "fltrust", "geomed", "geometric_median", "hetlora", "krum", "lora_exact", "median",
         "trimmed_mean")},
     # they read each client's unnoised loss: neither mode covers it
     **{n: (False, False) for n in ("afl", "fedfv", "fedlf", "qfedavg")},

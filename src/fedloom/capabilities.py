@@ -57,6 +57,9 @@ class AggregatorCaps:
     dp_mean: bool = False
     # Weights the clients by their sample counts (central DP drops the weights).
     weighted: bool = False
+    # The server trains a reference update of its own each round on this many root
+    # samples (CohortInfo.reference, fedloom.engine.stages.reference); 0: none.
+    reference_samples: int = 0
 
     def __post_init__(self) -> None:
         # A set or tuple given by a caller is kept hashable and unchangeable.

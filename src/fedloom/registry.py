@@ -109,6 +109,7 @@ _MODULES = (
     "fedloom.aggregate.nnm",
     "fedloom.aggregate.bucketing",
     "fedloom.aggregate.flame",
+    "fedloom.aggregate.fltrust",
     "fedloom.aggregate.lora",
     "fedloom.client.methods",
     "fedloom.client.adamw",

@@ -55,6 +55,8 @@ class Purpose(StrEnum):
     AUDIT_CANARY = "audit-canary"          # the direction an audit's canary sends
     BUCKETING = "bucketing"  # the server's shuffle of a round's rows into buckets
     FLAME_NOISE = "flame-noise"  # the Gaussian noise FLAME adds to its aggregate
+    ROOT = "root"            # the server's root samples (a reference update's data)
+    REFERENCE = "reference"  # the batch order of the server's reference update
     POPULATION = "population"              # a population user's samples (data.population)
     POPULATION_SIZE = "population-size"    # a block of population users' sample counts
     POPULATION_TEST = "population-test"    # a held-out user's samples (the global test set)

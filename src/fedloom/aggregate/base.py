@@ -58,6 +58,9 @@ class CohortInfo:
     # The global model the rows are relative to (w_k = w − g_k): for rules on the
     # clients' models rather than their differences (LoRA's products B_k A_k)
     w: torch.Tensor | None = None
+    # The server's own update g_0 on its root data, where the rule declares
+    # AggregatorCaps.reference_samples (FLTrust's trust reference)
+    reference: torch.Tensor | None = None
 
 
 class Aggregator(Protocol):

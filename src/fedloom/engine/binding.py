@@ -54,6 +54,7 @@ from fedloom.engine.clientfields import BUFFERS, FEEDBACK, METHOD, ClientFields
 from fedloom.engine.events import EventDriver
 from fedloom.engine.inputs import ClientData, ModelSpace, Schedule, ScreenRules
 from fedloom.engine.stages.evaluation import Evaluator
+from fedloom.engine.stages.reference import RootData, draw_root
 from fedloom.engine.stages.screen import first_line
 from fedloom.engine.trainers.backends import Backend
 from fedloom.engine.values import Algorithm, Federation, LocalUpdate, Runtime
@@ -84,6 +85,8 @@ class Surroundings:
     attack: Attack | None
     hooks: tuple[ClientMetric, ...]
     downlink_size: int
+    # the server's root samples, where the aggregator asks for a reference update
+    root: RootData | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ def bind(algorithm: Algorithm, federation: Federation, runtime: Runtime,
     already). ``state_dir``: where a memmap client state store keeps its files."""
     device, dtype = resolve(runtime.device), runtime.torch_dtype
     fed, x, y, counts = _split(federation, runtime, device, record)
+    clean = (x, y)  # the root data is drawn from samples no attacker has poisoned
     try:  # Byzantine clients (attack.*), for robustness experiments; None when off
         attack = make_attack(federation.attack, runtime.seed, fed.num_clients)
         if attack is not None:  # the attackers' own samples, before any backend has them
@@ -152,8 +156,10 @@ def bind(algorithm: Algorithm, federation: Federation, runtime: Runtime,
     first = torch.from_numpy(next((t for t in fed.train if len(t)), fed.train[0])[:2])
     _check_client_plugins(algo, loc, space, runtime, federation, n, x[first], y[first])
     downlink = Identity(checksum=algorithm.checksum)
+    root = draw_root(aggregator_caps(algo.aggregator).reference_samples, fed.train, *clean,
+                     runtime.seed, population=fed.population is not None)
     around = Surroundings(system, None, attack, tuple(hooks),
-                          len(downlink.encode(torch.zeros(space.layout.size))))
+                          len(downlink.encode(torch.zeros(space.layout.size))), root)
     fields, new_store = _state(algo, space, n, runtime, state_dir)
     privacy = make_privacy(record, n)
     around = _refuse(record, algo, space, privacy, around, federation, runtime, n)
@@ -288,7 +294,8 @@ def _check_plugins(algo: BoundAlgorithm, loc: LocalUpdate, space: ModelSpace, co
                       losses=torch.ones(m, dtype=torch.float64, device=device),
                       steps=torch.ones(m, dtype=torch.int64, device=device),
                       lr=loc.lr, momentum=loc.momentum,
-                      start_losses=torch.ones(m, dtype=torch.float64, device=device), w=w)
+                      start_losses=torch.ones(m, dtype=torch.float64, device=device), w=w,
+                      reference=rows.mean(0))
     weights = 10.0 * torch.arange(1, m + 1, dtype=dtype, device=device)
     try:
         check_aggregator(_copy(algo.aggregator), space.layout, rows, weights, info)

@@ -65,6 +65,7 @@ from fedloom.engine.runstate import RoundOutcome, RoundPlan, RunState, withdraw
 from fedloom.engine.snapshot import checkpoint_state, restore_state
 from fedloom.engine.stages.plan import plan_round
 from fedloom.engine.stages.receive import RowBuffer, receive
+from fedloom.engine.stages.reference import reference_update
 from fedloom.engine.stages.scatter import next_buffers, scatter
 from fedloom.engine.stages.screen import all_finite
 from fedloom.engine.stages.server import server_round, server_rule
@@ -428,8 +429,10 @@ class Experiment:
         rx = receive(algo, space, self.rules, self.around.downlink_size, st, plan, outcome,
                      self.workspace)
         t1 = time.perf_counter()
+        # the server's own update on its root data, where the rule asks for one
+        ref = reference_update(self.around.root, algo.local, st, plan)
         out = server_round(algo, server_rule(self.privacy, algo.aggregator), space,
-                           clients.num_clients, st, plan, results, ups, rx)
+                           clients.num_clients, st, plan, results, ups, rx, ref)
         method_state, buffers = st.method_state, st.buffers
         if out.bad_round is None:
             method_state = scatter(algo.method, clients, space.dtype, st, plan, results, ups,

@@ -106,13 +106,16 @@ class ServerOutcome:
 
 def server_round(algo: Algorithm, rule: ServerRule, space: ModelSpace, num_clients: int,
                  st: RunState, plan: RoundPlan, results: Sequence[ClientResult],
-                 ups: Sequence[UplinkResult], rx: Received) -> ServerOutcome:
+                 ups: Sequence[UplinkResult], rx: Received,
+                 reference: torch.Tensor | None = None) -> ServerOutcome:
     """Aggregate with ``rule`` (:func:`server_rule`), step and check; the feedback
-    policy's end of round."""
+    policy's end of round. ``reference``: the server's own update where the rule
+    asks for one (:mod:`fedloom.engine.stages.reference`)."""
     out = ServerOutcome(st.w, st.opt_state, st.agg_state, st.feedback_state,
                         st.privacy_state, {}, 0.0, None, 0)
     if bool(rx.ok.any()) or rule.releases_empty:
-        _aggregate_and_step(algo, space, num_clients, st, plan, results, ups, rx, rule, out)
+        info = _cohort_info(algo, space.device, num_clients, plan, results, rx, st, reference)
+        _aggregate_and_step(algo, space, info, st, results, ups, rx, rule, out)
     else:
         # No update accepted: no step; the policy's end of round sees nobody
         # (its server state stays, e.g. SCAFCOM's c).
@@ -129,7 +132,8 @@ def server_round(algo: Algorithm, rule: ServerRule, space: ModelSpace, num_clien
 
 
 def _cohort_info(algo: Algorithm, device: torch.device, num_clients: int, plan: RoundPlan,
-                 results: Sequence[ClientResult], rx: Received, st: RunState) -> CohortInfo:
+                 results: Sequence[ClientResult], rx: Received, st: RunState,
+                 reference: torch.Tensor | None = None) -> CohortInfo:
     """What some rules need of the accepted clients (losses, steps, start losses)."""
     ok = rx.ok if not bool(rx.ok.all()) else slice(None)
     # The screened numbers of receive (a rejected client's may not fit a tensor).
@@ -148,14 +152,13 @@ def _cohort_info(algo: Algorithm, device: torch.device, num_clients: int, plan: 
         momentum=algo.momentum,
         start_losses=start.to(dev) if start is not None else None,
         w=st.w if "w" in algo.requires else None,
+        reference=reference.to(dev) if reference is not None else None,
     )
 
 
-def _aggregate_and_step(algo: Algorithm, space: ModelSpace, num_clients: int, st: RunState,
-                        plan: RoundPlan, results: Sequence[ClientResult],
-                        ups: Sequence[UplinkResult], rx: Received, rule: ServerRule,
-                        out: ServerOutcome) -> None:
-    info = _cohort_info(algo, space.device, num_clients, plan, results, rx, st)
+def _aggregate_and_step(algo: Algorithm, space: ModelSpace, info: CohortInfo, st: RunState,
+                        results: Sequence[ClientResult], ups: Sequence[UplinkResult],
+                        rx: Received, rule: ServerRule, out: ServerOutcome) -> None:
     agg: torch.Tensor | None = None
     try:
         agg, cand_agg, cand_privacy, out.metrics = rule(rx.rows, rx.ok, rx.weights, info, st)
@@ -182,7 +185,7 @@ def _aggregate_and_step(algo: Algorithm, space: ModelSpace, num_clients: int, st
     accepted = [u for u, ok in zip(ups, ok_list, strict=True) if ok]
     probes = [res.extra["smoothness"] for res, ok_k in zip(results, ok_list, strict=True)
               if ok_k and "smoothness" in res.extra]
-    end = algo.feedback.end_round(accepted, st.feedback_state, num_clients, probes)
+    end = algo.feedback.end_round(accepted, st.feedback_state, info.num_clients, probes)
     if end.w_shift is not None:
         cand_w = cand_w - end.w_shift.to(cand_w.dtype)
     if not (all_finite(cand_w) and all_finite(cand_opt)):
