@@ -147,7 +147,7 @@ def test_compare_errors(tmp_path, capsys, three_runs):
                    "summary.json or metrics.jsonl)",
                    f"fedloom: error: {bad / 'metrics.jsonl'}: line 1 is not a metrics record",
                    "fedloom: error: --metric test_accc: no run has it (did you mean "
-                   "test_acc, test_acc_peak?)"]
+                   "test_acc, test_acc_peak, test_acc_window?)"]
 
 
 def test_plot_axes_integer_rounds_bands_and_log_labels_apart():

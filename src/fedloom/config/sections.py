@@ -14,6 +14,7 @@ hashed into every random stream (:mod:`fedloom.rng`), and has no bound.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -318,6 +319,9 @@ class MetricsConfig:
 @dataclass
 class EvalConfig:
     every: int = _f(1, ge=1)
+    # The last ⌈window · rounds⌉ rounds are evaluated every round, whatever `every`:
+    # the report's KEY_window metrics are their mean (fedloom.report.compare.run_stats).
+    window: float = _f(0.0, ge=0, le=1)
     batch_size: int = _f(2048, ge=1)
     # Evaluate the running average of the global iterates (AFL reports it).
     average_iterates: bool = False
@@ -325,6 +329,15 @@ class EvalConfig:
     # steps from the global model on each client's training data, then its test split
     # (finetune_acc_*; fedloom.engine.stages.evaluation.evaluate_finetuned). 0: off.
     finetune_steps: int = _f(0, ge=0)
+
+    def window_rounds(self, rounds: int) -> int:
+        """``⌈window · rounds⌉`` (a product such as 0.1 · 30 = 3.0000000000000004 is 3)."""
+        return min(rounds, math.ceil(round(self.window * rounds, 9)))
+
+    def due(self, rnd: int, rounds: int) -> bool:
+        """Whether round ``rnd`` (1 … ``rounds``) is evaluated: every ``every``-th, the
+        last, and each of the last :meth:`window_rounds`."""
+        return rnd % self.every == 0 or rnd == rounds or rnd > rounds - self.window_rounds(rounds)
 
 
 @dataclass

@@ -455,9 +455,9 @@ class Experiment:
         metrics = round_metrics(algo.feedback, self.around.hooks,
                                 clients.fields.has(FEEDBACK), plan, outcome, rx, out, totals)
         load_buffers(space.module, buffers)  # evaluations see the new global buffers
-        every, rounds = self.evaluator.settings.every, self.schedule.rounds
+        rounds = self.schedule.rounds
         evaluation = st.evaluation
-        due = (r + 1) % every == 0 or r + 1 == rounds
+        due = self.evaluator.settings.due(r + 1, rounds)  # eval.every and eval.window
         if due:
             scores, evaluation = self.evaluator.round(
                 out.w, w_avg if w_avg is not None else out.w, r, st.clients, evaluation,

@@ -49,9 +49,12 @@ def claim_direction(metric: str) -> str | None:
     ('lower', 'higher')
     >>> claim_direction("rounds_to_target"), claim_direction("updates_applied") is None
     ('lower', True)
+    >>> claim_direction("client_acc_std_window")
+    'lower'
     """
     from fedloom.report.compare import lower_is_better
 
+    metric = metric.removesuffix("_window")  # its mean over the evaluation window
     if metric == "rounds_to_target" or metric.endswith("_std") or lower_is_better(metric):
         return "lower"
     if "acc" in metric.split("_"):
@@ -176,6 +179,27 @@ def claim_table(claims: Sequence[dict[str, Any]], table: dict[str, dict[str, Any
     return header, rows, records
 
 
+def window_note(claims: Sequence[dict[str, Any]], table: dict[str, dict[str, Any]]) -> str:
+    """The sentence that states the evaluation window of ``*_window`` claims (its rounds
+    and cadence per setting, read from the runs); "" when no claim uses one."""
+    if not any(c["metric"].endswith("_window") for c in claims):
+        return ""
+    spans: dict[str, set[tuple[int, int]]] = {}
+    for setting, rows in table.items():
+        for row in rows.values():
+            for r in row.get("runs", []):
+                if "_window" in r:
+                    spans.setdefault(setting, set()).add(tuple(r["_window"]))
+    text = "; ".join(
+        f"{s}: " + ", ".join(f"the last {k} of {n} rounds" if k else f"round {n} only"
+                             for k, n in sorted(ws)) for s, ws in spans.items())
+    return ("Each claim is read on its metric's mean over the evaluations of the runs' "
+            "last rounds (`report.claims_on: window`; `eval.window` makes every round "
+            f"there an evaluation round; {text}), which averages out the round-to-round "
+            "swing of a single evaluation; the results tables give the last round's "
+            "values. ")
+
+
 def claims_lines(suite: Any, table: dict[str, dict[str, Any]],
                  targets: dict[str, float | None], seq: Any
                  ) -> tuple[list[str], list[dict[str, Any]]]:
@@ -202,7 +226,8 @@ def claims_lines(suite: Any, table: dict[str, dict[str, Any]],
                 "(a scale-invariant Gaussian-mixture confidence sequence, "
                 "`fedloom.report.sequential`): they hold their 95 % however the looks "
                 "stopped, at the price of about twice the width of a fixed-n t-interval. "
-                "Intervals are per cell, not adjusted for the number of cells.", "",
+                + window_note(claims, table)
+                + "Intervals are per cell, not adjusted for the number of cells.", "",
                 markdown_table(header, claim_rows), ""], claim_recs
     if claims:
         header, claim_rows, claim_recs = claim_table(claims, table, list(suite.settings), targets)
@@ -217,6 +242,7 @@ def claims_lines(suite: Any, table: dict[str, dict[str, Any]],
                    f"{_t_crit(len(suite.seeds)):.2f}): a real difference smaller than "
                    "the seed-to-seed spread shows as no evidence. " if len(suite.seeds) < 6
                    else "")
+                + window_note(claims, table)
                 + "Intervals are per cell, not adjusted for the number of cells.", "",
                 markdown_table(header, claim_rows), ""], claim_recs
     return [], []

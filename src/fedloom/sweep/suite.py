@@ -175,7 +175,8 @@ def load_suite(path: str | Path) -> Suite:
         raise ConfigError(f"{p}: seeds: {{min, max, batch}} needs claims: (their cells decide "
                           "which methods get more seeds)")
     report = SuiteReport(doc=Path(raw["doc"]) if raw.get("doc") else None,
-                         options=raw.get("report", {}) or {}, claims=claims)
+                         options=raw.get("report", {}) or {},
+                         claims=_claims_on(p, raw.get("report"), claims))
     tuning = SuiteTuning(
         protocol=protocol, grids=raw.get("tune", {}) or {},
         shared=raw.get("share_tuning", {}) or {}, grid_seed=int(raw.get("tune_seed", 0)),
@@ -430,6 +431,19 @@ def _load_claims(p: Path, raw: Any, methods: dict[str, list[str]],
                 raise ConfigError(f"{at}.settings: unknown setting {s!r}")
         out.append({**c, "against": against})
     return out
+
+
+def _claims_on(p: Path, report: Any, claims: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``report.claims_on``: ``final`` (the default: each claim on its metric's last
+    value) or ``window`` (on ``METRIC_window``, its mean over the runs' evaluation
+    window, ``eval.window``; fedloom.report.compare.window_stats)."""
+    on = report.get("claims_on", "final") if isinstance(report, dict) else "final"
+    if on not in ("final", "window"):
+        raise ConfigError(f"{p}: report.claims_on: {on!r} (expected final or window)")
+    if on == "final":
+        return claims
+    return [{**c, "metric": c["metric"] if c["metric"].endswith("_window")
+             else f"{c['metric']}_window"} for c in claims]
 
 
 def _resolve_config(suite: Path, setting: str, given: Any) -> str:

@@ -311,7 +311,39 @@ def run_stats(run: Run) -> dict[str, Any]:
                        for m in ms if "test_acc" in m]
     stats["_client_acc"] = run.client_acc
     stats["_metrics"] = ms
+    stats.update(window_stats(run))
     return stats
+
+
+# The evaluation metrics (fedloom.engine.stages.evaluation): logged on evaluation rounds.
+EVAL_PREFIXES = ("test_", "client_", "personal_", "finetune_")
+
+
+def window_stats(run: Run) -> dict[str, Any]:
+    """``KEY_window`` for each evaluation metric: its mean over the evaluations of the
+    run's window, the last ``⌈eval.window · rounds⌉`` rounds (evaluated every round);
+    with no window (``eval.window: 0``), or none of its rounds logged yet, its last
+    evaluation. ``_window``: (rounds in the window, rounds). A NaN in the window (a
+    diverged round) makes the mean NaN."""
+    ms = run.metrics
+    if not ms:
+        return {}
+    ev = run.config.get("eval")
+    if not isinstance(ev, dict):
+        ev = {}
+    window = _as_float(ev.get("window", 0.0)) or 0.0
+    rounds = run.config.get("rounds")
+    if not (isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1):
+        rounds = int(ms[-1]["round"])
+    k = min(rounds, math.ceil(round(window * rounds, 9)))
+    out: dict[str, Any] = {"_window": (k, rounds)}
+    keys = [key for key in ms[-1] if key.startswith(EVAL_PREFIXES)]
+    keys += [key for m in ms for key in m if key.startswith(EVAL_PREFIXES) and key not in keys]
+    for key in dict.fromkeys(keys):
+        logged = [(int(m["round"]), _number(m[key])) for m in ms if key in m]
+        inside = [v for r, v in logged if r > rounds - k]
+        out[f"{key}_window"] = float(np.mean(inside)) if inside else logged[-1][1]
+    return out
 
 
 def _number(v: Any) -> float:
