@@ -132,7 +132,10 @@ lora-smol: $(VENV)/.report
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache docs/_build
 
-# Speed and memory (benchmarks/results.json + results.md); about 15 min on 2 cores.
+# Speed and memory (benchmarks/results.json + results.md); about 15 min on 2 cores, plus
+# the population section's five runs of 1,000 rounds (a run of 200 rounds took 4–6 min
+# at a load of 11–17; FEDLOOM_BENCH_POPULATION_ROUNDS=N shortens them, `--only
+# population` runs the section alone).
 bench: $(VENV)/.dev
 	$(PY) benchmarks/bench.py
 

@@ -97,7 +97,10 @@ def markdown(section: dict[str, Any]) -> list[str]:
              "own). s/round: median of rounds 2…R; ratio: against the 10³ round, the mean "
              "of its run before the others and its control run after them. Command: "
              "`python benchmarks/bench.py --only population` (config "
-             "`configs/population/synthetic-1m.yaml`).", "",
+             "`configs/population/synthetic-1m.yaml`)."
+             + ("" if section["rounds"] == 1000 else
+                f" Run with `FEDLOOM_BENCH_POPULATION_ROUNDS={section['rounds']}`: "
+                f"{section['rounds']} rounds where the protocol is 1,000."), "",
              "| clients | state store | peak RSS (MB) | s/round | ratio to 10³ | mean s/round "
              "| clients sampled (expected) | wall (s) | load before / after |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -112,11 +115,17 @@ def markdown(section: dict[str, Any]) -> list[str]:
 
 
 def goals(section: dict[str, Any]) -> list[tuple[str, str, bool, str]]:
+    """Met only over the protocol's 1,000 rounds (fewer: the row says how many)."""
     big = max(section["runs"], key=lambda r: r["clients"])
     ratio = big["s_per_round"] / _base(section)
     rss = big["peak_rss_mb"]
-    at = f" ({big['clients']:,} clients, {section['rounds']} rounds)"
+    rounds = section["rounds"]
+    at = f" ({big['clients']:,} clients, {rounds} rounds)"
+    short = (f"measured over {rounds} rounds (FEDLOOM_BENCH_POPULATION_ROUNDS), not "
+             "1,000" if rounds < 1000 else "")
     return [("10⁶ clients: round time within 1.1× of the 10³ round", f"{ratio:.2f}×" + at,
-             ratio <= 1.1, "see the section's load columns: the runs are one after another"),
-            ("10⁶ clients, SCAFFOLD state: peak RSS < 2 GB", f"{rss:.0f} MB" + at, rss < 2048,
-             "the process holds more than the cohort's rows: see the section's figures")]
+             ratio <= 1.1 and not short,
+             short or "see the section's load columns: the runs are one after another"),
+            ("10⁶ clients, SCAFFOLD state: peak RSS < 2 GB", f"{rss:.0f} MB" + at,
+             rss < 2048 and not short,
+             short or "the process holds more than the cohort's rows: see the section")]
