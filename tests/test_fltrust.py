@@ -203,3 +203,17 @@ def test_refusals_in_one_line(tiny, over, msg):
     with pytest.raises(ConfigError, match=msg) as e:
         Experiment.from_config(load_config(_fltrust(tiny), over))
     assert "\n" not in str(e.value)
+
+
+def test_a_population_generated_on_demand_has_no_root_data():
+    cfg = {"seed": 1, "rounds": 1, "dtype": "float64",
+           "data": {"name": "synthetic-population", "num_clients": 10**6,
+                    "partition": {"name": "natural"},
+                    "options": {"dim": 3, "classes": 3, "max_size": 70, "test_users": 4}},
+           "model": {"name": "mlp", "options": {"hidden": []}},
+           "cohort": {"size": 8}, "client": {"lr": 0.05, "batch_size": 16, "steps": 2},
+           "aggregator": {"name": "fltrust", "options": {"root_samples": 10}}}
+    with pytest.raises(ConfigError, match=r"^aggregator\.options\.root_samples: a population "
+                                          r"generated on demand stores no samples") as e:
+        Experiment.from_config(load_config(cfg))
+    assert "\n" not in str(e.value)
