@@ -269,7 +269,8 @@ def test_the_accounting():
 def test_noise_auto_meets_the_target(mech):
     cfg = resolve_noise(_cfg("privacy.mode=central", "privacy.noise_multiplier=auto",
                              "privacy.target_epsilon=2.0", "rounds=12", "privacy.accountant=rdp",
-                             f"privacy.mechanism={mech}", "privacy.ftrl.groups=4"))
+                             f"privacy.mechanism={mech}", "privacy.ftrl.groups=4",
+                             "cohort.size=2"))
     priv = make_privacy(cfg, 10)
     eps = priv.planned_epsilon(12)
     assert eps <= 2.0 and eps == pytest.approx(2.0, rel=5e-3)
@@ -293,6 +294,7 @@ def test_noise_auto_meets_the_target(mech):
      "privacy.ftrl.restart_every"),
     (["privacy.mechanism=tree", "privacy.accounting_cohort=100"],
      "privacy.accounting_cohort"),
+    (["privacy.mechanism=tree", "privacy.ftrl.groups=3"], "cohort.size"),
 ])
 def test_refusals_are_one_line(extra, field):
     mode = [] if any(e.startswith("privacy.mode") for e in extra) else ["privacy.mode=central"]

@@ -411,6 +411,10 @@ def _refusal(cfg: Any, num_clients: int) -> str | None:
                 f"{cfg.cohort.selection.name} is not")
     if f.groups > num_clients:
         return (f"privacy.ftrl.groups: at most the {num_clients} clients, got {f.groups}")
+    if cfg.cohort.sampling == "fixed" and cfg.cohort.size > num_clients // f.groups:
+        return (f"cohort.size: at most a participation group's {num_clients // f.groups} "
+                f"clients (privacy.ftrl.groups={f.groups} of {num_clients}), got "
+                f"{cfg.cohort.size}")
     if m == "tree" and f.bands is not None:
         return "privacy.ftrl.bands: bandmf's; the tree has none"
     if m == "bandmf" and f.restart_every is not None:
