@@ -12,10 +12,10 @@ Samplers: ``grid`` visits the product of the lists in an order drawn once per
 a fresh study holding trials ``0 … i−1``; ``halving`` is successive halving
 (Jamieson & Talwalkar, AISTATS 2016; one bracket of Hyperband, Li et al., JMLR
 2018) over the grid sampler's trials, rung ``k`` running ``r_k = min_rounds · eta^k``
-rounds (:func:`halving_rungs`, :func:`promote`, :func:`halving_choice`). Departures
-from the papers: one bracket, not Hyperband's several (``min_rounds`` states the
-earliest stop instead); ties go to the earlier trial; non-finite scores are
-dropped, not ranked.
+rounds (:func:`halving_rungs`, :func:`promote`, :func:`halving_choice`); with
+``brackets: true``, Hyperband's brackets over the grid's trials
+(:func:`hyperband_brackets`). Departures from the papers: ties go to the earlier
+trial; non-finite scores are dropped, not ranked.
 
 A trial runs on every tuning seed; its score is the mean of the selection metric
 over them. A run that diverged (a NaN or missing metric) scores worst. The
@@ -42,8 +42,8 @@ from fedloom.names import encode_component
 from fedloom.rng import derive_seed
 
 __all__ = ["Protocol", "Range", "Trial", "best_trial", "grid_points", "halving_choice",
-           "halving_rungs", "load_protocol", "merge_space", "overrides", "parse_space",
-           "plan_rounds", "point_slug", "promote", "tpe_point"]
+           "halving_rungs", "hyperband_brackets", "load_protocol", "merge_space", "overrides",
+           "parse_space", "plan_rounds", "point_slug", "promote", "tpe_point"]
 
 SAMPLERS = ("grid", "tpe", "halving")
 
@@ -75,6 +75,7 @@ class Protocol:
     sensitivity: dict[str, Any] | None = None
     eta: int = 3                   # halving: the best 1/eta of a rung go on
     min_rounds: int | None = None  # halving: the first rung's rounds
+    brackets: bool = False         # halving: Hyperband's brackets (hyperband_brackets)
     # Filled by the sweep (halving): each (setting, method)'s plan — its rungs, the
     # client rounds planned, used, and what the grid sampler's runs would cost.
     plans: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
@@ -148,7 +149,7 @@ def load_protocol(raw: Any, where: str, reported: Sequence[int]) -> Protocol:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must be a mapping")
     known = {"budget", "seeds", "metric", "rounds", "sampler", "seed", "startup", "space",
-             "sensitivity", "eta", "min_rounds"}
+             "sensitivity", "eta", "min_rounds", "brackets"}
     for key in raw:
         if key not in known:
             raise ConfigError(f"{where}.{key}: unknown key (expected one of: "
@@ -175,7 +176,7 @@ def load_protocol(raw: Any, where: str, reported: Sequence[int]) -> Protocol:
         raise ConfigError(f"{where}.startup: needs a whole number ≥ 1")
     eta, min_rounds = raw.get("eta", 3), raw.get("min_rounds")
     if sampler != "halving":
-        given = [k for k in ("eta", "min_rounds") if k in raw]
+        given = [k for k in ("eta", "min_rounds", "brackets") if k in raw]
         if given:
             raise ConfigError(f"{where}.{given[0]}: only with sampler: halving")
     else:
@@ -187,6 +188,8 @@ def load_protocol(raw: Any, where: str, reported: Sequence[int]) -> Protocol:
                               "rounds, a whole number ≥ 1")
         if rounds is not None and min_rounds > rounds:
             raise ConfigError(f"{where}.min_rounds: {min_rounds} is above rounds {rounds}")
+        if not isinstance(raw.get("brackets", False), bool):
+            raise ConfigError(f"{where}.brackets: needs true or false")
     space = parse_space(raw.get("space"), f"{where}.space")
     sens = raw.get("sensitivity")
     if sens is not None:
@@ -207,7 +210,8 @@ def load_protocol(raw: Any, where: str, reported: Sequence[int]) -> Protocol:
         raise ConfigError(f"{where}.metric: needs a metric name")
     return Protocol(budget=budget, seeds=list(seeds), metric=metric, rounds=rounds,
                     sampler=sampler, seed=int(raw.get("seed", 0)), startup=startup,
-                    space=space, sensitivity=sens, eta=eta, min_rounds=min_rounds)
+                    space=space, sensitivity=sens, eta=eta, min_rounds=min_rounds,
+                    brackets=bool(raw.get("brackets", False)))
 
 
 def merge_space(*layers: Space) -> Space:
@@ -317,6 +321,33 @@ def halving_rungs(budget: int, rounds: int, min_rounds: int, eta: int
     return out
 
 
+def hyperband_brackets(budget: int, rounds: int, min_rounds: int, eta: int
+                       ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """Hyperband's brackets (Li et al., JMLR 2018, Algorithm 1) over ``budget`` grid
+    trials, as ``(trial indices, rungs)``: ``s_max`` the largest ``s`` with
+    ``min_rounds · eta^s ≤ rounds``; bracket ``s = s_max … 0`` takes the next
+    ``n_s = ⌈(s_max + 1)/(s + 1) · eta^s⌉`` trials in the grid's order and runs
+    successive halving from ``r_s = ⌈rounds / eta^s⌉`` rounds (:func:`halving_rungs`);
+    bracket 0 runs its trials to ``rounds`` with no stop, which is what keeps a slow
+    starter. Departure: Hyperband draws fresh points for each bracket and repeats the
+    loop over brackets; here the loop repeats over the grid's points until ``budget``
+    are placed (the last bracket may hold fewer)."""
+    s_max = 0
+    while min_rounds * eta ** (s_max + 1) <= rounds:
+        s_max += 1
+    out: list[tuple[list[int], list[tuple[int, int]]]] = []
+    nxt = 0
+    while nxt < budget:
+        for s in range(s_max, -1, -1):
+            if nxt >= budget:
+                break
+            n = min(math.ceil((s_max + 1) / (s + 1) * eta ** s), budget - nxt)
+            r0 = min(rounds, math.ceil(rounds / eta ** s))
+            out.append((list(range(nxt, nxt + n)), halving_rungs(n, rounds, r0, eta)))
+            nxt += n
+    return out
+
+
 def plan_rounds(rungs: Sequence[tuple[int, int]], extend: bool = True) -> int:
     """The rounds a halving plan runs per tuning seed: each rung's trials run on from
     the rung before (``extend``), else from the start."""
@@ -335,13 +366,17 @@ def promote(scores: Mapping[int, float], size: int, lower: bool) -> list[int]:
 
 
 def halving_choice(trials: Sequence[Trial], lower: bool) -> Trial:
-    """The best trial of the highest rung a finite score reached (the earliest on a
-    tie); with no finite score at all, :func:`best_trial`'s (the earliest)."""
+    """The best trial of the most rounds a finite score reached (the highest rung; with
+    brackets, the trials of every bracket that ran that long), the earliest on a tie;
+    with no finite score at all, :func:`best_trial`'s (the earliest)."""
     finite = [t for t in trials if math.isfinite(t.score)]
     if not finite:
         return best_trial(trials, lower)
-    top = max(t.rung or 0 for t in finite)
-    return best_trial([t for t in finite if (t.rung or 0) == top], lower)
+    def reach(t: Trial) -> tuple[int, int]:
+        return (t.rounds or 0, t.rung or 0)
+
+    top = max(reach(t) for t in finite)
+    return best_trial([t for t in finite if reach(t) == top], lower)
 
 
 def _text(v: Any) -> str:

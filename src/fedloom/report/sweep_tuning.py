@@ -195,9 +195,16 @@ def _halving_lines(suite: Any) -> str:
             "next (the earlier trial on a tie), continuing their runs from the rung's "
             "checkpoint; a trial whose score is not finite or whose run diverged stops at "
             "its rung; the choice is the best of the highest rung.")
+    if getattr(proto, "brackets", False):
+        text += (" In Hyperband's brackets (Li et al., JMLR 2018; fedloom.tuning"
+                 ".hyperband_brackets): the grid's trials, in its order, fill brackets that "
+                 "start at fewer rounds and halve, and brackets that run to the tuning rounds "
+                 "with no stop; the choice is the best of every trial that ran the tuning "
+                 "rounds.")
     by_rungs: dict[str, list[str]] = {}
     for (setting, m), plan in plans.items():
-        rungs = ", ".join(f"{r['trials']} × {r['rounds']}" for r in plan["rungs"])
+        rungs = " | ".join(", ".join(f"{r['trials']} × {r['rounds']}" for r in b)
+                           for b in plan.get("brackets") or [plan["rungs"]])
         by_rungs.setdefault(rungs, []).append(f"{m} on {setting}" if len(suite.settings) > 1
                                               else m)
     for rungs, who in by_rungs.items():

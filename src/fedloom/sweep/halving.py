@@ -28,6 +28,7 @@ from fedloom.tuning import (
     Trial,
     grid_points,
     halving_rungs,
+    hyperband_brackets,
     overrides,
     plan_rounds,
     point_slug,
@@ -60,6 +61,7 @@ class _Plan:
                  ) -> None:
         proto = suite.tuning.protocol
         assert proto is not None and proto.min_rounds is not None
+        self.proto = proto
         cfg = _plan_config(suite, setting, method, point)
         self.rounds: int = suite.settings[setting].get("tuning_rounds", proto.rounds) \
             or cfg.rounds
@@ -76,10 +78,20 @@ class _Plan:
         # client rounds of one round of one trial: cohort size × tuning seeds
         self.unit = int(cfg.cohort.size) * len(proto.seeds)
 
-    def rounds_to(self, rung: int) -> int:
-        """Rounds a trial has run when it ends rung ``rung``."""
-        rs = [r for r, _ in self.rungs[:rung + 1]]
+    def rounds_to(self, rung: int, rungs: list[tuple[int, int]] | None = None) -> int:
+        """Rounds a trial has run when it ends rung ``rung`` (of ``rungs``: its
+        bracket's; by default the plan's one bracket)."""
+        rs = [r for r, _ in (rungs or self.rungs)[:rung + 1]]
         return rs[-1] if self.extend else sum(rs)
+
+    def groups(self, budget: int) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """(trial indices, rungs) of each bracket: one of every trial, or Hyperband's
+        (``brackets: true``, :func:`fedloom.tuning.hyperband_brackets`)."""
+        proto = self.proto
+        assert proto.min_rounds is not None
+        if not proto.brackets:
+            return [(list(range(budget)), self.rungs)]
+        return hyperband_brackets(budget, self.rounds, proto.min_rounds, proto.eta)
 
 
 def _specs(suite: Suite, setting: str, method: str, point: dict[str, Any], rounds: int,
@@ -141,50 +153,55 @@ def tune_halving(suite: Suite, pairs: list[Pair], lower: Callable[[str], bool],
     assert proto is not None
     trials: dict[Pair, list[Trial]] = {}
     plans: dict[Pair, _Plan] = {}
+    # a unit is one bracket of one pair: its trials go through its rungs together
+    units: list[tuple[Pair, list[tuple[int, int]]]] = []
+    alive: list[list[int]] = []
     for pair in pairs:
         points = grid_points(suite.space(*pair), proto.budget, proto.seed, *pair)
         trials[pair] = [Trial(i, p) for i, p in enumerate(points)]
         plans[pair] = _Plan(suite, *pair, points[0])
-    alive = {pair: list(range(proto.budget)) for pair in pairs}
+        for idx, rungs in plans[pair].groups(len(points)):
+            units.append((pair, rungs))
+            alive.append(idx)
     done_specs: dict[tuple[Pair, int], list[RunSpec]] = {}  # each trial's last rung's runs
-    for k in range(max(len(p.rungs) for p in plans.values())):
-        step: dict[tuple[Pair, int], list[RunSpec]] = {}
-        for pair in pairs:
-            plan = plans[pair]
-            if k >= len(plan.rungs):
+    for k in range(max(len(r) for _, r in units)):
+        step: dict[tuple[Pair, int], tuple[list[RunSpec], list[tuple[int, int]]]] = {}
+        for u, (pair, rungs) in enumerate(units):
+            if k >= len(rungs):
                 continue
-            for i in alive[pair]:
-                specs = _specs(suite, *pair, trials[pair][i].params, plan.rungs[k][0], plan)
-                step[(pair, i)] = specs
+            for i in alive[u]:
+                step[(pair, i)] = (_specs(suite, *pair, trials[pair][i].params, rungs[k][0],
+                                          plans[pair]), rungs)
         if not step:
             break
         if k > 0 and continue_runs:
-            for (pair, i), specs in step.items():
+            for (pair, i), (specs, _) in step.items():
                 if plans[pair].extend:
                     for prev, spec in zip(done_specs[(pair, i)], specs, strict=True):
                         _continue_from(prev, spec)
-        run_trials([sp for specs in step.values() for sp in specs])
-        for (pair, i), specs in step.items():
+        run_trials([sp for specs, _ in step.values() for sp in specs])
+        for (pair, i), (specs, rungs) in step.items():
             t, plan = trials[pair][i], plans[pair]
             t.scores = {sp.seed: _rung_score(sp, metric_of(pair[1])) for sp in specs}
-            t.rung, t.rounds = k, plan.rungs[k][0]
+            t.rung, t.rounds = k, rungs[k][0]
             t.rung_scores[t.rounds] = t.score
-            t.cost = plan.rounds_to(k) * plan.unit
+            t.cost = plan.rounds_to(k, rungs) * plan.unit
             done_specs[(pair, i)] = specs
-            if k == len(plan.rungs) - 1 and plan.ckpt and continue_runs:
+            if k == len(rungs) - 1 and plan.ckpt and continue_runs:
                 _drop_checkpoints(specs)
-        for pair in pairs:
-            plan = plans[pair]
-            if k + 1 < len(plan.rungs):
-                alive[pair] = promote({i: trials[pair][i].score for i in alive[pair]},
-                                      plan.rungs[k + 1][1], lower(metric_of(pair[1])))
+        for u, (pair, rungs) in enumerate(units):
+            if k + 1 < len(rungs):
+                alive[u] = promote({i: trials[pair][i].score for i in alive[u]},
+                                   rungs[k + 1][1], lower(metric_of(pair[1])))
             else:
-                alive[pair] = []
+                alive[u] = []
     for pair, plan in plans.items():
+        groups = [rungs for p, rungs in units if p == pair]
         proto.plans[pair] = {
-            "rungs": [{"rounds": r, "trials": n} for r, n in plan.rungs],
+            "rungs": [{"rounds": r, "trials": n} for rungs in groups for r, n in rungs],
+            "brackets": [[{"rounds": r, "trials": n} for r, n in rungs] for rungs in groups],
             "continued": plan.extend,
-            "client_rounds": plan_rounds(plan.rungs, plan.extend) * plan.unit,
+            "client_rounds": sum(plan_rounds(r, plan.extend) for r in groups) * plan.unit,
             "used": sum(t.cost or 0 for t in trials[pair]),
             "grid": proto.budget * plan.rounds * plan.unit}
     return trials

@@ -187,7 +187,7 @@ def _write_tuning_record(suite: Suite, chosen: dict[tuple[str, str], dict[str, A
         "metric": proto.metric, "method_metric": dict(suite.tuning.method_metric),
         "rounds": proto.rounds, "settings": {}}
     if proto.sampler == "halving":
-        rec.update(eta=proto.eta, min_rounds=proto.min_rounds)
+        rec.update(eta=proto.eta, min_rounds=proto.min_rounds, brackets=proto.brackets)
     for (setting, method), ts in suite.trials.items():
         rec["settings"].setdefault(setting, {})[method] = {
             "chosen": chosen[(setting, method)],
