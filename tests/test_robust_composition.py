@@ -49,6 +49,8 @@ DEFENCES = {
     "bucketing+median": ["aggregator.name=median",
                          "server.pre_aggregation=[{name: bucketing, options: {s: 2}}]"],
     "flame": ["aggregator.name=flame"],
+    # the server's 100 root samples, drawn from the clients' clean samples
+    "fltrust": ["aggregator.name=fltrust"],
 }
 
 
