@@ -7,6 +7,8 @@ model: :meth:`fedloom.client.sgd.LocalSGD.run` (the one step loop,
 :mod:`fedloom.client.loop`) at the round's step size and epochs, the global buffers,
 the batch order from ``(seed, round, -1, "reference")``. No local method, feedback
 policy or attack touches it (it is the server's, not a client's: plain local SGD).
+The paper runs R local iterations on the server as on each client: ``client.steps``
+gives that; under ``client.epochs`` the server makes its epochs over its root samples.
 
 The root samples are drawn once, before any round and before the attackers poison
 their samples, uniformly without replacement from every client's training samples,
