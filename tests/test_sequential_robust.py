@@ -117,3 +117,33 @@ def test_the_betting_cs_is_an_interval_that_never_widens_and_holds_a_constant():
 def test_bad_input_to_the_betting_cs_names_the_field(d, kw, match):
     with pytest.raises(ValueError, match=match):
         betting_cs(d, **kw)
+
+
+def test_the_sweep_gives_an_inconsistent_pair_seeds_up_to_max(tmp_path, monkeypatch):
+    # C − A: +3, +5, +4 pp on seeds 1–3 (open), then about +20 pp (C jumps): after 9
+    # seeds the running intersection has narrowed to [+2.6, +10.0] pp, which excludes 0
+    # (a "better" without the rule), while the mean, +14.7 pp, has left it. The rule
+    # reads inconsistent there and gives the pair its seeds up to max (11).
+    import test_sequential
+    from fedloom.sweep import run_suite
+
+    def diff(seed):
+        return {1: 0.03, 2: 0.05, 3: 0.04}.get(seed, 0.2 + 0.01 * (-1) ** (seed - 4))
+
+    nine = np.array([diff(s) for s in range(1, 10)])
+    _, low, high = confidence_sequence(nine)
+    assert low[-1] > 0 and not low[-1] <= nine.mean() <= high[-1] and bool(missed(nine))
+
+    def acc(method, seed):
+        return {"A": 0.1, "B": 0.15 + 0.002 * math.cos(seed), "C": 0.1 + diff(seed)}[method]
+
+    monkeypatch.setattr(test_sequential, "_acc", acc)
+    calls = []
+    monkeypatch.setattr("fedloom.sweep.running.RUNNER", "subprocess")
+    monkeypatch.setattr("fedloom.sweep.running.subprocess.run", test_sequential._fake_run(calls))
+    path = test_sequential._suite(tmp_path, {"min": 3, "max": 11, "batch": 2})
+    run_suite(path, workers=1, log=lambda s: None)
+    seeds = {m: sorted(s for mm, s in calls if mm == m) for m in "ABC"}
+    assert seeds["C"] == list(range(1, 12)) and seeds["B"] == [1, 2, 3]
+    doc = (tmp_path / "doc" / "seq.md").read_text()
+    assert "**inconsistent** (n=11, max)" in doc and "the sequence missed" in doc
