@@ -35,10 +35,10 @@ def test_a_run_whose_noise_is_switched_off_is_caught(monkeypatch):
     # the accountant still claims z = 5; the released sum carries no noise
     release = Privacy.release
 
-    def silent(self, total, state, round):
+    def silent(self, total, state, round, *rest):
         sigma, self.sigma = self.sigma, 0.0
         try:
-            return release(self, total, state, round)
+            return release(self, total, state, round, *rest)
         finally:
             self.sigma = sigma
 
