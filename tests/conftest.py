@@ -115,6 +115,26 @@ def stop_and_resume(config, overrides, out, stop_after=2):
     return ref, fedloom.run(config, overrides, out=out, resume=True)
 
 
+def round_with_a_nan_client(exp, position=1, index=3):
+    """One round of ``exp`` where the client at cohort position ``position`` sends a NaN
+    at coordinate ``index``; return (new state, metrics) after checking the round
+    rejected and counted that one client and applied a finite model."""
+    inner = exp.backend
+
+    class Poisoned:
+        def train_cohort(self, jobs):
+            res = inner.train_cohort(jobs)
+            res[position].update[index] = float("nan")
+            return res
+
+    exp.backend = Poisoned()
+    new, m = exp.round(exp.init())
+    assert m["rejected_updates"] == 1
+    assert m["rejected_clients"] == [int(exp.sample_cohort(0)[position])]
+    assert m["rejected_rounds"] == 0 and torch.isfinite(new.w).all()
+    return new, m
+
+
 _CLI_LOCK = threading.Lock()
 _SUBPROCESS_RUN = subprocess.run
 
