@@ -15,7 +15,7 @@ task's distribution (its root data is drawn uniformly from the training set).
 
 Public code: zhmzm/FLAME's PyTorch ``fltrust`` (utils/defense.py, fd4cef2), run on 45
 seeded cohorts (d = 500, sign-flipped and 1e4-scaled attackers, 5 with no trust): max
-|difference| 1.3e-15 (benchmarks/fltrust_reference.py; outside make test, the code being
+difference 1.3e-15 (benchmarks/fltrust_reference.py; outside make test, the code being
 another repository's). ByzFL 0.0.11 has no FLTrust. Golden values by hand in
 tests/test_fltrust.py (to 1e-15).
 Departures: a zero update ``g_i`` (cosine undefined) gets trust 0, not NaN; when every
