@@ -16,18 +16,16 @@ names another peer venv; ``--compute OUT`` is the step that runs inside it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from privacy_reference import VENV, _peer_venv
+from privacy_reference import peer_main
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "data" / "ftrl_reference.json"
@@ -103,18 +101,7 @@ def compute(out: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--venv", type=Path, default=VENV)
-    ap.add_argument("--compute", type=Path, help="(inside the peer venv) write here")
-    args = ap.parse_args()
-    if args.compute is not None:
-        compute(args.compute)
-        return
-    py = _peer_venv(args.venv)
-    t = time.perf_counter()
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([str(py), __file__, "--compute", str(OUT)], check=True)
-    print(f"wrote {OUT.relative_to(ROOT)} in {time.perf_counter() - t:.0f} s")
+    peer_main(__doc__, __file__, compute, OUT)
 
 
 if __name__ == "__main__":

@@ -133,6 +133,29 @@ class Pacer:
         return True
 
 
+def pfl_methods(net: nn.Module, weighted: Any) -> nn.Module:
+    """``net`` with the ``loss`` and ``metrics`` methods pfl's ``PyTorchModel`` asks a
+    module for (cross-entropy; ``weighted`` is pfl's ``Weighted``, imported by the caller
+    in pfl's venv)."""
+    import types
+
+    def loss(self: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+             eval: bool = False) -> torch.Tensor:  # pfl's keyword
+        self.eval() if eval else self.train()
+        return torch.nn.functional.cross_entropy(self(inputs), targets)
+
+    @torch.no_grad()
+    def metrics(self: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                eval: bool = True) -> dict[str, Any]:
+        self.eval() if eval else self.train()
+        summed = torch.nn.functional.cross_entropy(self(inputs), targets, reduction="sum")
+        return {"loss": weighted(summed.item(), len(targets))}
+
+    net.loss = types.MethodType(loss, net)  # type: ignore[assignment]
+    net.metrics = types.MethodType(metrics, net)  # type: ignore[assignment]
+    return net
+
+
 def save_final(path: str | None, model_or_flat: nn.Module | torch.Tensor) -> None:
     if not path:
         return

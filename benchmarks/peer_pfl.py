@@ -67,20 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("pfl").setLevel(logging.WARNING)
     net = peer_common.build_model(spec, dropout=not args.no_dropout)
 
-    # pfl asks the module for its loss and metrics
-    def loss(self, inputs, targets, eval=False):  # pfl's keyword
-        self.eval() if eval else self.train()
-        return torch.nn.functional.cross_entropy(self(inputs), targets)
-
-    @torch.no_grad()
-    def metrics(self, inputs, targets, eval=True):
-        self.eval() if eval else self.train()
-        summed = torch.nn.functional.cross_entropy(self(inputs), targets, reduction="sum")
-        return {"loss": Weighted(summed.item(), len(targets))}
-
-    import types
-    net.loss = types.MethodType(loss, net)
-    net.metrics = types.MethodType(metrics, net)
+    net = peer_common.pfl_methods(net, Weighted)  # pfl asks the module for its loss and metrics
 
     # user j of the run is client cohorts[j // m][j % m] with that round's order
     counter = itertools.count()

@@ -110,6 +110,7 @@ def pfl_step(spec_path: Path, z: float, out: Path) -> None:
     import logging
 
     import numpy as np
+    import peer_common  # beside this script, sys.path[0] when it runs
     import torch
     from pfl.aggregate.simulate import SimulatedBackend
     from pfl.aggregate.weighting import WeightByUser
@@ -137,19 +138,7 @@ def pfl_step(spec_path: Path, z: float, out: Path) -> None:
         for p, q in zip(net.parameters(), spec["init"], strict=True):
             p.copy_(q.reshape(p.shape))
 
-    def loss(self, inputs, targets, eval=False):  # pfl's keyword
-        self.eval() if eval else self.train()
-        return torch.nn.functional.cross_entropy(self(inputs), targets)
-
-    @torch.no_grad()
-    def metrics(self, inputs, targets, eval=True):
-        self.eval() if eval else self.train()
-        summed = torch.nn.functional.cross_entropy(self(inputs), targets, reduction="sum")
-        return {"loss": Weighted(summed.item(), len(targets))}
-
-    import types
-    net.loss = types.MethodType(loss, net)
-    net.metrics = types.MethodType(metrics, net)
+    net = peer_common.pfl_methods(net, Weighted)  # pfl asks the module for its loss and metrics
     users = spec["clients"]
     # each round: m distinct clients, uniformly, from a generator seeded by the seed
     rng = np.random.default_rng(seed)

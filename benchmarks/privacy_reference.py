@@ -23,6 +23,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,19 +124,26 @@ def _peer_venv(venv: Path) -> Path:
     return py
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def peer_main(doc: str, script: str, compute_step: Callable[[Path], None], out: Path) -> None:
+    """The command line of a reference script: ``--compute OUT`` runs ``compute_step``
+    (inside the peer venv); without it, ``script`` runs itself that way in the peer venv
+    (built when missing) and writes ``out``."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--venv", type=Path, default=VENV)
     ap.add_argument("--compute", type=Path, help="(inside the peer venv) write here")
     args = ap.parse_args()
     if args.compute is not None:
-        compute(args.compute)
+        compute_step(args.compute)
         return
     py = _peer_venv(args.venv)
     t = time.perf_counter()
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([str(py), __file__, "--compute", str(OUT)], check=True)
-    print(f"wrote {OUT.relative_to(ROOT)} in {time.perf_counter() - t:.0f} s")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([str(py), script, "--compute", str(out)], check=True)
+    print(f"wrote {out.relative_to(ROOT)} in {time.perf_counter() - t:.0f} s")
+
+
+def main() -> None:
+    peer_main(__doc__, __file__, compute, OUT)
 
 
 if __name__ == "__main__":
