@@ -6,7 +6,14 @@ stops keeps the slow starter that one bracket of successive halving drops."""
 import pytest
 
 from fedloom.config import ConfigError
-from fedloom.tuning import halving_rungs, hyperband_brackets, load_protocol, plan_rounds
+from fedloom.tuning import (
+    Trial,
+    halving_choice,
+    halving_rungs,
+    hyperband_brackets,
+    load_protocol,
+    plan_rounds,
+)
 from test_tuning_halving import LATE, _acc, _suite, _tune
 
 
@@ -67,3 +74,19 @@ def test_brackets_keep_the_slow_starter_that_one_bracket_drops(tmp_path, monkeyp
 def test_brackets_errors_name_the_field(raw, match):
     with pytest.raises(ConfigError, match=match):
         load_protocol({"budget": 4, "seeds": [100], **raw}, "tuning", [1])
+
+
+def test_the_choice_compares_every_bracket_that_ran_the_tuning_rounds():
+    # q-FedAvg's brackets on docs/results/craft-hyperband.md: trial 1 was promoted to 30
+    # rounds (rung 1, 75.00 %), trial 8 ran 30 rounds in a bracket with no stop (rung 0,
+    # 85.35 %); the choice is the better of the two, not the one with the higher rung
+    ts = [Trial(0, {}, {1: 0.5315}, rung=0, rounds=10),
+          Trial(1, {}, {1: 0.7500}, rung=1, rounds=30),
+          Trial(8, {}, {1: 0.8535}, rung=0, rounds=30)]
+    assert halving_choice(ts, lower=False).index == 8
+    # a tie at the tuning rounds goes to the earlier trial, whatever its bracket
+    ts[1].scores = {1: 0.8535}
+    assert halving_choice(ts, lower=False).index == 1
+    # a trial stopped at its first rung never beats one that ran longer
+    ts.append(Trial(11, {}, {1: 0.99}, rung=0, rounds=10))
+    assert halving_choice(ts, lower=False).index == 1

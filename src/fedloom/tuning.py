@@ -373,7 +373,10 @@ def halving_choice(trials: Sequence[Trial], lower: bool) -> Trial:
     if not finite:
         return best_trial(trials, lower)
     def reach(t: Trial) -> tuple[int, int]:
-        return (t.rounds or 0, t.rung or 0)
+        # by rounds alone where they are known: under brackets a trial of a bracket with
+        # no stop ends its rung 0 at the rounds another bracket's promoted trials reach at
+        # rung 1, and competes with them; the rung only where no rounds were recorded
+        return (t.rounds, 0) if t.rounds is not None else (0, t.rung or 0)
 
     top = max(reach(t) for t in finite)
     return best_trial([t for t in finite if reach(t) == top], lower)
